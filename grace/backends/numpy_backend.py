@@ -1,0 +1,75 @@
+"""NumPy backend: the reference every other backend must agree with."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class NumpyBackend:
+    name = "numpy"
+
+    # --- introspection -------------------------------------------------------------------
+    def dtype(self, x) -> str:
+        return np.asarray(x).dtype.name
+
+    def shape(self, x) -> tuple:
+        return tuple(np.shape(x))
+
+    def numel(self, x) -> int:
+        return int(np.size(x))
+
+    def nbytes(self, x) -> int:
+        return int(np.asarray(x).nbytes)
+
+    # --- conversion and shaping ----------------------------------------------------------
+    def asarray(self, data, like=None):
+        return np.asarray(data)
+
+    def zeros(self, numel: int, dtype: str, like=None):
+        return self.cast(np.zeros(numel), dtype)
+
+    def to_numpy(self, x):
+        return np.asarray(x)
+
+    def cast(self, x, dtype: str):
+        if dtype == "bfloat16":  # NumPy has no bfloat16; ml_dtypes (a TensorFlow/JAX dependency) does
+            import ml_dtypes
+
+            dtype = ml_dtypes.bfloat16
+        return np.asarray(x).astype(dtype, copy=False)
+
+    def flatten(self, x):
+        return np.reshape(x, -1)
+
+    def reshape(self, x, shape):
+        return np.reshape(x, shape)
+
+    def concat(self, xs):
+        return np.concatenate(xs)
+
+    def split(self, x, sizes):
+        return np.split(x, np.cumsum(sizes)[:-1])
+
+    # --- arithmetic and selection --------------------------------------------------------
+    def abs(self, x):
+        return np.abs(x)
+
+    def sort(self, x):
+        return np.sort(x)
+
+    def topk_indices(self, x, k: int):
+        """Indices (int64, any order) of the k largest elements of the 1-d ``x``."""
+        if k >= x.size:
+            return np.arange(x.size, dtype=np.int64)
+        return np.argpartition(x, x.size - k)[x.size - k:].astype(np.int64)
+
+    def nonzero(self, mask):
+        return np.flatnonzero(mask).astype(np.int64)
+
+    def gather(self, x, idx):
+        return x[idx.astype(np.int64, copy=False)]
+
+    def scatter_add(self, idx, values, numel: int):
+        """A dense 1-d tensor of ``numel`` zeros with ``values`` added at ``idx``."""
+        out = np.zeros(numel, dtype=values.dtype)
+        np.add.at(out, idx.astype(np.int64, copy=False), values)
+        return out

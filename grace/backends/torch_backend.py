@@ -1,0 +1,79 @@
+"""PyTorch backend: the same operations as the NumPy reference, on the tensor's own device."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"no torch dtype named {name!r}")
+    return dtype
+
+
+class TorchBackend:
+    name = "torch"
+
+    # --- introspection -------------------------------------------------------------------
+    def dtype(self, x) -> str:
+        return str(x.dtype).removeprefix("torch.")
+
+    def shape(self, x) -> tuple:
+        return tuple(x.shape)
+
+    def numel(self, x) -> int:
+        return x.numel()
+
+    def nbytes(self, x) -> int:
+        return x.numel() * x.element_size()
+
+    # --- conversion and shaping ----------------------------------------------------------
+    def asarray(self, data, like=None):
+        device = like.device if like is not None else None
+        return torch.as_tensor(np.asarray(data), device=device)
+
+    def zeros(self, numel: int, dtype: str, like=None):
+        return torch.zeros(numel, dtype=_dtype(dtype), device=like.device if like is not None else None)
+
+    def to_numpy(self, x):
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        return x.detach().cpu().numpy()
+
+    def cast(self, x, dtype: str):
+        return x.to(_dtype(dtype))
+
+    def flatten(self, x):
+        return x.reshape(-1)
+
+    def reshape(self, x, shape):
+        return x.reshape(shape)
+
+    def concat(self, xs):
+        return torch.cat(list(xs))
+
+    def split(self, x, sizes):
+        return list(torch.split(x, list(sizes)))
+
+    # --- arithmetic and selection --------------------------------------------------------
+    def abs(self, x):
+        return x.abs()
+
+    def sort(self, x):
+        return torch.sort(x).values
+
+    def topk_indices(self, x, k: int):
+        if k >= x.numel():
+            return torch.arange(x.numel(), device=x.device)
+        return torch.topk(x, k, sorted=False).indices
+
+    def nonzero(self, mask):
+        return torch.nonzero(mask, as_tuple=True)[0]
+
+    def gather(self, x, idx):
+        return x[idx.long()]
+
+    def scatter_add(self, idx, values, numel: int):
+        out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+        return out.index_add_(0, idx.long(), values)

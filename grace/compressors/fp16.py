@@ -1,0 +1,33 @@
+"""Half precision: cast to float16 (or bfloat16), 16 bits per element.
+
+Each rank pre-divides by n before the cast so that the sum of n half-precision payloads
+cannot overflow where each one alone did not; decompress multiplies back, so Q^-1(Q(x)) ~ x.
+"""
+from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compression import GradientCompression
+from grace.core.registry import register
+from grace.memories import make_memory
+
+
+class FP16(Compressor):
+    collective = Collective.ALLREDUCE
+    supports_allreduce = True
+
+    def __init__(self, dtype: str = "float16"):
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+        self.dtype = dtype
+
+    def compress(self, xp, x, info):
+        n = info.world_size
+        return (xp.cast(xp.flatten(x) / n, self.dtype),), (Shape(xp.shape(x), xp.dtype(x)), n)
+
+    def decompress(self, xp, payload, ctx):
+        shape, n = ctx
+        return xp.reshape(xp.cast(payload[0], shape.dtype) * n, shape.shape)
+
+
+@register("fp16", dtype="dtype")
+def fp16(dtype: str = "float16", *, memory="none", communicator=None) -> GradientCompression:
+    """Half precision (16 bits per element): ``dtype`` is 'float16' or 'bfloat16'."""
+    return GradientCompression(FP16(dtype), make_memory(memory), communicator)

@@ -1,0 +1,22 @@
+"""No compression: the gradient travels as it is, summed by allreduce."""
+from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compression import GradientCompression
+from grace.core.registry import register
+from grace.memories import make_memory
+
+
+class NoneCompressor(Compressor):
+    collective = Collective.ALLREDUCE
+    supports_allreduce = True
+
+    def compress(self, xp, x, info):
+        return (xp.flatten(x),), Shape(xp.shape(x), xp.dtype(x))
+
+    def decompress(self, xp, payload, ctx):
+        return xp.reshape(payload[0], ctx.shape)
+
+
+@register("none")
+def none(*, memory="none", communicator=None) -> GradientCompression:
+    """No compression (32 bits per element), exchanged by allreduce."""
+    return GradientCompression(NoneCompressor(), make_memory(memory), communicator)

@@ -1,0 +1,49 @@
+"""Random-k sparsification: k = max(1, ceil(ratio * d)) elements chosen at random.
+
+All ranks draw the same indices from a seed shared for this (tensor, step), so only the k
+values travel and they are summed by allreduce. The draw is made with NumPy on the host (O(k),
+k integers moved to the device), which makes it identical on every rank and every backend.
+With ``scale=True`` the values are multiplied by d/k, which makes the estimate unbiased.
+"""
+import math
+
+import numpy as np
+
+from grace.core.compressor import Collective, Compressor, Shape, check_ratio
+from grace.core.compression import GradientCompression
+from grace.core.registry import register
+from grace.memories import make_memory
+
+
+class RandomK(Compressor):
+    collective = Collective.ALLREDUCE
+    supports_allreduce = True
+
+    def __init__(self, ratio: float, scale: bool = False, seed: int = 0):
+        self.ratio = check_ratio(ratio)
+        self.scale = bool(scale)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.seed = seed
+
+    def compress(self, xp, x, info):
+        flat = xp.flatten(x)
+        d = xp.numel(flat)
+        k = min(d, max(1, math.ceil(self.ratio * d)))
+        rng = np.random.default_rng(info.seed(self.seed))
+        indices = xp.asarray(np.sort(rng.choice(d, size=k, replace=False)), like=flat)
+        values = xp.gather(flat, indices)
+        if self.scale and k:
+            values = values * (d / k)
+        return (values,), (Shape(xp.shape(x), xp.dtype(x)), indices)
+
+    def decompress(self, xp, payload, ctx):
+        shape, indices = ctx
+        return xp.reshape(xp.scatter_add(indices, payload[0], shape.numel), shape.shape)
+
+
+@register("randomk", compress_ratio="ratio", scale="scale", seed="seed")
+def randomk(ratio: float, *, scale: bool = False, seed: int = 0, memory="residual",
+            communicator=None) -> GradientCompression:
+    """Random-k: ceil(ratio * d) elements at indices drawn from a seed all ranks share."""
+    return GradientCompression(RandomK(ratio, scale, seed), make_memory(memory), communicator)

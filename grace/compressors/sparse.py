@@ -1,0 +1,29 @@
+"""What every index-and-value sparsifier shares: its payload layout and how it decodes.
+
+Payload: (values in the gradient's dtype, indices in the smallest integer type that holds d).
+"""
+from grace.core.compressor import Collective, Compressor, Shape, index_dtype
+
+
+class Sparsifier(Compressor):
+    collective = Collective.ALLGATHER
+
+    def select(self, xp, flat):
+        """Indices of the elements of the 1-d ``flat`` to send."""
+        raise NotImplementedError
+
+    def compress(self, xp, x, info):
+        flat = xp.flatten(x)
+        indices = self.select(xp, flat)
+        values = xp.gather(flat, indices)
+        return (values, xp.cast(indices, index_dtype(xp.numel(flat)))), Shape(xp.shape(x), xp.dtype(x))
+
+    def decompress(self, xp, payload, ctx):
+        values, indices = payload
+        return xp.reshape(xp.scatter_add(indices, values, ctx.numel), ctx.shape)
+
+    def aggregate(self, xp, payloads, ctx):
+        # One scatter of everybody's values instead of n dense decompressions.
+        values = xp.concat([p[0] for p in payloads])
+        indices = xp.concat([xp.cast(p[1], "int64") for p in payloads])
+        return xp.reshape(xp.scatter_add(indices, values, ctx.numel), ctx.shape) / len(payloads)

@@ -1,0 +1,29 @@
+"""Hard-threshold sparsification (seed 002): keep every element with |x| >= threshold.
+
+The number kept, k_t, varies per step and per rank and may be zero; the exchange sends each
+rank's length with its payload. grace compresses gradients, so the memory is in gradient units
+and the threshold applies to p = g + e: this is seed 002's lr * C(p / lr) with its memory
+expressed in gradient units, which needs no rescaling when the learning rate changes.
+"""
+from grace.compressors.sparse import Sparsifier
+from grace.core.compression import GradientCompression
+from grace.core.registry import register
+from grace.memories import make_memory
+
+
+class Threshold(Sparsifier):
+    variable_length = True
+
+    def __init__(self, threshold: float):
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
+            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
+        self.threshold = float(threshold)
+
+    def select(self, xp, flat):
+        return xp.nonzero(xp.abs(flat) >= self.threshold)
+
+
+@register("threshold", threshold="threshold")
+def threshold(threshold: float, *, memory="residual", communicator=None) -> GradientCompression:
+    """Hard threshold: every element with |x| >= threshold, with its index, by allgather."""
+    return GradientCompression(Threshold(threshold), make_memory(memory), communicator)

@@ -1,0 +1,27 @@
+"""Top-k sparsification: keep the k = max(1, ceil(ratio * d)) largest magnitudes.
+
+Indices are sent sorted. Every rank sends the same k, so allgather needs no lengths.
+"""
+import math
+
+from grace.compressors.sparse import Sparsifier
+from grace.core.compressor import check_ratio
+from grace.core.compression import GradientCompression
+from grace.core.registry import register
+from grace.memories import make_memory
+
+
+class TopK(Sparsifier):
+    def __init__(self, ratio: float):
+        self.ratio = check_ratio(ratio)
+
+    def select(self, xp, flat):
+        d = xp.numel(flat)
+        k = min(d, max(1, math.ceil(self.ratio * d)))
+        return xp.sort(xp.topk_indices(xp.abs(flat), k))
+
+
+@register("topk", compress_ratio="ratio")
+def topk(ratio: float, *, memory="residual", communicator=None) -> GradientCompression:
+    """Top-k: the ceil(ratio * d) largest magnitudes, with their indices, by allgather."""
+    return GradientCompression(TopK(ratio), make_memory(memory), communicator)

@@ -1,0 +1,105 @@
+"""The collectives each method needs, built once on three primitives a toolkit provides.
+
+A toolkit adapter (Horovod for PyTorch or TensorFlow, mpi4py for NumPy) implements only the
+primitives, each asynchronous (it returns a zero-argument ``wait`` callable):
+
+    allreduce_async(tensor, name)        elementwise sum over ranks
+    allgather_async(tensor, name)        1-d tensors, lengths may differ; concatenated in rank order
+    broadcast_async(tensor, root, name)  the root's tensor, on every rank
+
+On top of them this class exchanges whole payloads (tuples of tensors) and reports the bytes
+this rank handed to the collectives, headers included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Sequence
+
+import numpy as np
+
+from grace.core.compressor import Collective, Payload
+
+
+@dataclass
+class Handle:
+    wait: Callable[[], Any]  # allreduce: the summed payload; allgather/broadcast: [payload per rank]
+    nbytes: int  # bytes this rank handed to the collectives
+
+
+class Communicator:
+    rank: int
+    size: int
+
+    # --- primitives, implemented by each toolkit adapter ---------------------------------
+    def allreduce_async(self, tensor, name: str) -> Callable[[], Any]:
+        raise NotImplementedError
+
+    def allgather_async(self, tensor, name: str) -> Callable[[], Any]:
+        raise NotImplementedError
+
+    def broadcast_async(self, tensor, root: int, name: str) -> Callable[[], Any]:
+        raise NotImplementedError
+
+    # --- payload-level collectives -------------------------------------------------------
+    def exchange(self, collective: Collective, xp, payload: Payload, name: str,
+                 equal_lengths: bool) -> Handle:
+        if collective is Collective.ALLREDUCE:
+            return self.allreduce(xp, payload, name)
+        if collective is Collective.ALLGATHER:
+            return self.allgather(xp, payload, name, equal_lengths)
+        return self.broadcast(xp, payload, name, equal_lengths)
+
+    def allreduce(self, xp, payload: Payload, name: str) -> Handle:
+        waits = [self.allreduce_async(t, f"{name}.{i}") for i, t in enumerate(payload)]
+        return Handle(lambda: tuple(w() for w in waits), _nbytes(xp, payload))
+
+    def allgather(self, xp, payload: Payload, name: str, equal_lengths: bool) -> Handle:
+        flat = [xp.flatten(t) for t in payload]
+        nbytes = _nbytes(xp, flat)
+        lengths_wait = None
+        if not equal_lengths:
+            lengths = xp.asarray(np.array([xp.numel(t) for t in flat], dtype=np.int64))
+            lengths_wait = self.allgather_async(lengths, f"{name}.lengths")
+            nbytes += xp.nbytes(lengths)
+        waits = [self.allgather_async(t, f"{name}.{i}") for i, t in enumerate(flat)]
+
+        def wait() -> List[Payload]:
+            gathered = [w() for w in waits]
+            if lengths_wait is None:
+                table = [[xp.numel(t) // self.size] * self.size for t in gathered]
+                for t in gathered:
+                    if xp.numel(t) % self.size:
+                        raise RuntimeError(f"grace: ranks sent payloads of different lengths for {name!r}")
+            else:
+                table = xp.to_numpy(lengths_wait()).reshape(self.size, len(flat)).T.tolist()
+            per_tensor = [xp.split(t, sizes) for t, sizes in zip(gathered, table)]
+            return [tuple(parts) for parts in zip(*per_tensor)]
+
+        return Handle(wait, nbytes)
+
+    def broadcast(self, xp, payload: Payload, name: str, equal_lengths: bool) -> Handle:
+        """Each rank broadcasts its payload in turn; every rank ends up with all payloads."""
+        flat = [xp.flatten(t) for t in payload]
+        nbytes = _nbytes(xp, flat)
+        if equal_lengths:
+            table = [[xp.numel(t) for t in flat]] * self.size
+        else:  # receivers must know the sizes before the broadcasts
+            lengths = xp.asarray(np.array([xp.numel(t) for t in flat], dtype=np.int64))
+            nbytes += xp.nbytes(lengths)
+            table = xp.to_numpy(self.allgather_async(lengths, f"{name}.lengths")()).reshape(self.size, -1)
+        waits = []
+        for root in range(self.size):
+            for i, t in enumerate(flat):
+                buffer = t if root == self.rank else xp.zeros(int(table[root][i]), xp.dtype(t), like=t)
+                waits.append(self.broadcast_async(buffer, root, f"{name}.{i}.from{root}"))
+
+        def wait() -> List[Payload]:
+            results = [w() for w in waits]
+            m = len(flat)
+            return [tuple(results[r * m:(r + 1) * m]) for r in range(self.size)]
+
+        return Handle(wait, nbytes)
+
+
+def _nbytes(xp, tensors: Sequence) -> int:
+    return sum(xp.nbytes(t) for t in tensors)

@@ -1,0 +1,118 @@
+"""The Compressor role of the GRACE pipeline (seed 001 §IV, METHODS.md).
+
+A compressor is a pure function pair written against a backend ``xp`` (see
+``grace.backends``), so one implementation serves NumPy, PyTorch and TensorFlow:
+
+    payload, ctx = compress(xp, x, info)     # payload: tuple of tensors that travel
+    x_hat        = decompress(xp, payload, ctx)
+    g_hat        = aggregate(xp, [payload_1..payload_n], ctx)   # allgather / broadcast methods
+
+``ctx`` never travels. It may hold only what every rank knows identically (shape, dtype,
+indices drawn from a shared seed), because a rank decodes its peers' payloads with its own ctx.
+Everything data-dependent (values, norms, lengths) is part of the payload.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Sequence, Tuple
+
+Payload = Tuple[Any, ...]
+
+
+class Collective(str, enum.Enum):
+    """How the payloads of all ranks are combined on the wire."""
+
+    ALLREDUCE = "allreduce"  # payloads are summed elementwise: needs a linear decompress
+    ALLGATHER = "allgather"  # every rank receives every payload, then aggregates locally
+    BROADCAST = "broadcast"  # each rank broadcasts its payload in turn, then aggregates locally
+
+    @classmethod
+    def parse(cls, value: "str | Collective") -> "Collective":
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(repr(c.value) for c in cls)
+            raise ValueError(f"communicator must be one of {names}, got {value!r}") from None
+
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a compressor may know about the tensor it compresses, identical on every rank."""
+
+    name: str
+    step: int
+    world_size: int
+
+    def seed(self, base_seed: int = 0) -> int:
+        """A seed shared by all ranks for this (tensor, step); stable across processes."""
+        return (zlib.crc32(self.name.encode()) << 32 | (self.step & 0xFFFFFFFF)) ^ base_seed
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The part of ctx that every method needs: how to rebuild the dense tensor."""
+
+    shape: Tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class Compressor:
+    """Base class. Subclasses set ``collective`` and implement compress/decompress."""
+
+    collective: Collective = Collective.ALLGATHER
+    #: allreduce is possible: decompress is linear and all payloads share shape and dtype
+    supports_allreduce: bool = False
+    #: payload lengths differ between ranks (the exchange then sends the lengths too)
+    variable_length: bool = False
+
+    def compress(self, xp, x, info: TensorInfo) -> Tuple[Payload, Any]:
+        raise NotImplementedError
+
+    def decompress(self, xp, payload: Payload, ctx) -> Any:
+        raise NotImplementedError
+
+    def aggregate(self, xp, payloads: Sequence[Payload], ctx) -> Any:
+        """Combine all ranks' payloads into the averaged gradient (default: mean)."""
+        total = self.decompress(xp, payloads[0], ctx)
+        for payload in payloads[1:]:
+            total = total + self.decompress(xp, payload, ctx)
+        return total / len(payloads)
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+def check_ratio(ratio: float, name: str = "ratio") -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+def check_float_dtype(dtype: str, method: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{method} compresses floating-point gradients ({', '.join(FLOAT_DTYPES)}); "
+            f"got a tensor of dtype {dtype}"
+        )
+
+
+def index_dtype(numel: int) -> str:
+    """The smallest integer type that holds every index of a tensor of ``numel`` elements."""
+    if numel <= 2**8:
+        return "uint8"
+    if numel <= 2**15:
+        return "int16"
+    if numel <= 2**31:
+        return "int32"
+    return "int64"

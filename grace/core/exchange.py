@@ -1,0 +1,112 @@
+"""One rank's side of the GRACE pipeline, for any backend and any communicator.
+
+    p            = memory.compensate(g, e)
+    payload, ctx = compressor.compress(p)
+    e            = memory.update(p, compressor.decompress(payload, ctx))
+    allreduce:           g_hat = decompress(sum of payloads) / n
+    allgather/broadcast: g_hat = aggregate([payload_1..payload_n])
+
+``start`` runs up to launching the collective and ``finish`` waits for it, so a toolkit can
+overlap the exchange of one gradient with the backward pass of the next.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict
+
+from grace.backends import backend_for
+from grace.core.communicator import Communicator, Handle
+from grace.core.compression import GradientCompression
+from grace.core.compressor import FLOAT_DTYPES, Collective, TensorInfo
+
+
+@dataclass
+class WireStats:
+    """Bytes this rank handed to the collectives, and what dense float32 would have been."""
+
+    steps: int = 0
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    last_step_bytes: int = 0
+    last_step_dense_bytes: int = 0
+    _step_bytes: int = field(default=0, repr=False)
+    _step_dense_bytes: int = field(default=0, repr=False)
+
+    def add(self, nbytes: int, dense_bytes: int) -> None:
+        self._step_bytes += nbytes
+        self._step_dense_bytes += dense_bytes
+
+    def end_step(self) -> None:
+        self.steps += 1
+        self.last_step_bytes, self.last_step_dense_bytes = self._step_bytes, self._step_dense_bytes
+        self.bytes_sent += self._step_bytes
+        self.dense_bytes += self._step_dense_bytes
+        self._step_bytes = self._step_dense_bytes = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense float32 bytes over bytes sent, over all steps so far."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
+
+
+@dataclass
+class Pending:
+    xp: Any
+    ctx: Any
+    handle: Handle
+
+
+class Exchange:
+    def __init__(self, compression: GradientCompression, communicator: Communicator,
+                 average: bool = True):
+        if not isinstance(compression, GradientCompression):
+            raise TypeError(f"expected a grace compression such as grace.topk(0.01), got {compression!r}")
+        self.compression = compression
+        self.communicator = communicator
+        self.average = average
+        self.memory: Dict[str, Any] = {}  # error-feedback state per tensor name
+        self.steps: Dict[str, int] = {}  # exchanges so far per tensor name (seeds random methods)
+        self.stats = WireStats()
+
+    def start(self, name: str, g) -> Pending:
+        xp = backend_for(g)
+        if xp.dtype(g) not in FLOAT_DTYPES:
+            raise TypeError(f"grace compresses floating-point gradients; {name!r} has dtype {xp.dtype(g)}")
+        compressor, memory = self.compression.compressor, self.compression.memory
+        step = self.steps.get(name, 0)
+        info = TensorInfo(name=name, step=step, world_size=self.communicator.size)
+
+        p = memory.compensate(xp, g, self.memory.get(name))
+        payload, ctx = compressor.compress(xp, p, info)
+        if memory.needs_feedback:
+            p_hat = compressor.decompress(xp, payload, ctx)
+            self.memory[name] = memory.update(xp, p, p_hat, self.memory.get(name))
+        self.steps[name] = step + 1
+
+        handle = self.communicator.exchange(self.compression.collective, xp, payload, f"grace.{name}",
+                                            equal_lengths=not compressor.variable_length)
+        self.stats.add(handle.nbytes, 4 * xp.numel(g))
+        return Pending(xp, ctx, handle)
+
+    def finish(self, pending: Pending):
+        xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
+        if self.compression.collective is Collective.ALLREDUCE:
+            g_hat = compressor.decompress(xp, pending.handle.wait(), pending.ctx) / n
+        else:
+            g_hat = compressor.aggregate(xp, pending.handle.wait(), pending.ctx)
+        return g_hat if self.average else g_hat * n
+
+    def exchange(self, grads: Dict[str, Any]) -> Dict[str, Any]:
+        """Exchange a whole step's gradients (all launched before any is awaited)."""
+        pending = {name: self.start(name, g) for name, g in grads.items()}
+        out = {name: self.finish(p) for name, p in pending.items()}
+        self.stats.end_step()
+        return out
+
+    # --- checkpointing -------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"memory": dict(self.memory), "steps": dict(self.steps)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.memory = dict(state["memory"])
+        self.steps = dict(state["steps"])

@@ -1,0 +1,28 @@
+"""The Memory role of the GRACE pipeline: error feedback (seed 001 §IV).
+
+    p     = compensate(g, state)      # phi
+    state = update(p, p_hat, state)   # psi, with p_hat = decompress(compress(p))
+
+A Memory object holds only configuration. Its state (one entry per tensor and rank) is passed
+in and returned, so the caller can keep it, save it in a checkpoint and restore it exactly.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class Memory:
+    """Base class: no error feedback."""
+
+    #: update() needs p_hat, so the pipeline must decompress the rank's own payload
+    needs_feedback: bool = False
+
+    def compensate(self, xp, g, state: Optional[Any]):
+        return g
+
+    def update(self, xp, p, p_hat, state: Optional[Any]) -> Optional[Any]:
+        return None
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({params})"

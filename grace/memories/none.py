@@ -1,0 +1,6 @@
+"""No error feedback: what the compressor drops is lost."""
+from grace.core.memory import Memory
+
+
+class NoMemory(Memory):
+    """phi(g) = g; psi keeps nothing."""

@@ -1,0 +1,28 @@
+"""Residual error feedback (GRACE's default memory, seed 001 eq. 3-4).
+
+    p = beta * e + gamma * g      (compensate)
+    e = p - Q^-1(Q(p))            (update)
+
+The state ``e`` is one tensor per gradient, in gradient units, on the gradient's device.
+"""
+from grace.core.memory import Memory
+
+
+class ResidualMemory(Memory):
+    needs_feedback = True
+
+    def __init__(self, beta: float = 1.0, gamma: float = 1.0):
+        for name, value in (("beta", beta), ("gamma", gamma)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        self.beta = float(beta)
+        self.gamma = float(gamma)
+
+    def compensate(self, xp, g, residual):
+        p = g if self.gamma == 1.0 else g * self.gamma
+        if residual is None:
+            return p
+        return p + (residual if self.beta == 1.0 else residual * self.beta)
+
+    def update(self, xp, p, p_hat, residual):
+        return p - p_hat

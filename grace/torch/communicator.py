@@ -1,0 +1,32 @@
+"""The three collective primitives on Horovod's PyTorch ops (asynchronous, named)."""
+import torch
+from horovod.torch import mpi_ops
+
+from grace.core.communicator import Communicator
+
+
+class HorovodCommunicator(Communicator):
+    def __init__(self, process_set=mpi_ops.global_process_set):
+        self.process_set = process_set
+        self.rank = process_set.rank()
+        self.size = process_set.size()
+
+    def allreduce_async(self, tensor, name):
+        if tensor.dtype == torch.bfloat16:
+            # Horovod's PyTorch ops carry no bfloat16: gather the raw 16 bits, sum in float32.
+            gathered = self.allgather_async(tensor.reshape(1, *tensor.shape), name)
+            return lambda: gathered().float().sum(0).to(torch.bfloat16)
+        handle = mpi_ops.allreduce_async(tensor, name=name, op=mpi_ops.Sum, process_set=self.process_set)
+        return lambda: mpi_ops.synchronize(handle)
+
+    def allgather_async(self, tensor, name):
+        if tensor.dtype == torch.bfloat16:
+            handle = mpi_ops.allgather_async(tensor.view(torch.int16), name=name, process_set=self.process_set)
+            return lambda: mpi_ops.synchronize(handle).view(torch.bfloat16)
+        handle = mpi_ops.allgather_async(tensor, name=name, process_set=self.process_set)
+        return lambda: mpi_ops.synchronize(handle)
+
+    def broadcast_async(self, tensor, root, name):
+        wire = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+        handle = mpi_ops.broadcast_async(wire, root_rank=root, name=name, process_set=self.process_set)
+        return lambda: mpi_ops.synchronize(handle).view(tensor.dtype)
