@@ -49,6 +49,9 @@ class WireStats:
         return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
 
 
+_EMPTY = object()  # ctx of an empty tensor, which is not exchanged
+
+
 @dataclass
 class Pending:
     xp: Any
@@ -72,6 +75,8 @@ class Exchange:
         xp = backend_for(g)
         if xp.dtype(g) not in FLOAT_DTYPES:
             raise TypeError(f"grace compresses floating-point gradients; {name!r} has dtype {xp.dtype(g)}")
+        if xp.numel(g) == 0:  # nothing to send, nothing to remember
+            return Pending(xp, _EMPTY, Handle(lambda: g, 0))
         compressor, memory = self.compression.compressor, self.compression.memory
         step = self.steps.get(name, 0)
         info = TensorInfo(name=name, step=step, world_size=self.communicator.size)
@@ -90,6 +95,8 @@ class Exchange:
 
     def finish(self, pending: Pending):
         xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
+        if pending.ctx is _EMPTY:
+            return pending.handle.wait()
         if self.compression.collective is Collective.ALLREDUCE:
             g_hat = compressor.decompress(xp, pending.handle.wait(), pending.ctx) / n
         else:

@@ -1,0 +1,37 @@
+"""Launching real multi-process runs (horovodrun with Gloo, mpirun) from tests."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+VENV_BIN = Path(sys.executable).parent
+TIMEOUT = 600  # a hung collective fails the test instead of the CI run
+
+
+def launch(launcher: str, np_: int, script: Path, *args, timeout: int = TIMEOUT) -> str:
+    """Run ``script`` on ``np_`` real processes; return their output, fail with it on error."""
+    python = [sys.executable, str(script), *map(str, args)]
+    if launcher == "horovodrun":
+        cmd = [str(VENV_BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", *python]
+    elif launcher == "mpirun":
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            pytest.fail("mpirun not found: run scripts/setup_env.sh")
+        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(np_), *python]
+    else:
+        raise ValueError(launcher)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s\n{exc.stdout}\n{exc.stderr}")
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{output[-6000:]}")
+    return output

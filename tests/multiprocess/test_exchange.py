@@ -1,0 +1,80 @@
+"""Real multi-process exchanges: Horovod (Gloo and MPI controllers) and the mpi4py reference
+must each deliver, on every rank, what the reference computes from all ranks' inputs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import launch
+from tests.multiprocess.reference import expected
+from tests.multiprocess.workers.common import PARAMS, STEPS, VARIANTS
+
+WORKERS = Path(__file__).parent / "workers"
+RUNS = {  # name: (launcher, ranks, worker)
+    "numpy-mpi4py-np2": ("mpirun", 2, "numpy_mpi.py"),
+    "numpy-mpi4py-np3": ("mpirun", 3, "numpy_mpi.py"),
+    "torch-horovod-gloo-np2": ("horovodrun", 2, "torch_horovod.py"),
+    "torch-horovod-gloo-np3": ("horovodrun", 3, "torch_horovod.py"),
+    "torch-horovod-mpi-np2": ("mpirun", 2, "torch_horovod.py"),
+}
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory):
+    """Launch each run once, lazily; return its output folder."""
+    done = {}
+
+    def get(run: str) -> Path:
+        if run not in done:
+            launcher, ranks, worker = RUNS[run]
+            out = tmp_path_factory.mktemp(run)
+            launch(launcher, ranks, WORKERS / worker, "--out", out)
+            done[run] = out
+        return done[run]
+
+    return get
+
+
+def tolerance(label):
+    return dict(rtol=2e-2, atol=2e-2) if label in ("fp16", "bf16") else dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("label", list(VARIANTS))
+@pytest.mark.parametrize("run", list(RUNS))
+def test_every_rank_gets_the_reference_result(run, label, run_dir):
+    ranks = RUNS[run][1]
+    want = expected(VARIANTS[label], ranks)
+    for rank in range(ranks):
+        got = np.load(run_dir(run) / f"{label}.rank{rank}.npz")
+        assert sorted(got.files) == sorted(want[rank]), f"rank {rank}: different tensors"
+        for key, value in want[rank].items():
+            if key.startswith("bytes/"):
+                assert int(got[key]) == value, f"rank {rank} {key}: sent {int(got[key])} bytes, promised {value}"
+            else:
+                np.testing.assert_allclose(got[key].astype(np.float64), value, **tolerance(label),
+                                           err_msg=f"{run} {label} rank {rank} {key}")
+
+
+@pytest.mark.parametrize("label", [l for l in VARIANTS if l.startswith(("topk", "threshold", "randomk"))])
+def test_error_feedback_is_per_rank_and_per_parameter(label, run_dir):
+    got = [np.load(run_dir("torch-horovod-gloo-np3") / f"{label}.rank{r}.npz") for r in range(3)]
+    memories = [k for k in got[0].files if k.startswith("memory/")]
+    if VARIANTS[label].make().memory.needs_feedback:
+        assert len(memories) == len([p for p in PARAMS if np.prod(p[1]) > 0])
+        for key in memories:
+            if got[0][key].size > 1:
+                assert not np.allclose(got[0][key], got[1][key]), f"{key}: ranks share one memory"
+    else:
+        assert memories == []
+
+
+def test_sparsifiers_send_far_fewer_bytes_than_dense(run_dir):
+    got = {label: np.load(run_dir("torch-horovod-gloo-np2") / f"{label}.rank0.npz")
+           for label in ("none", "fp16", "topk", "randomk")}
+    dense = sum(4 * int(np.prod(shape)) for _, shape, _ in PARAMS)
+    assert int(got["none"][f"bytes/{STEPS - 1}"]) == dense
+    assert int(got["fp16"][f"bytes/{STEPS - 1}"]) == dense // 2
+    assert int(got["topk"][f"bytes/{STEPS - 1}"]) < dense / 4  # ratio 0.1: values + 2-byte indices
+    assert int(got["randomk"][f"bytes/{STEPS - 1}"]) < dense / 3  # ratio 0.25: values only

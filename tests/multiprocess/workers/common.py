@@ -1,0 +1,83 @@
+"""What the multi-process workers exchange: the same inputs on every toolkit and launcher.
+
+Every rank builds its own gradients from (rank, step, parameter, backward pass), so the test
+process can recompute all ranks' inputs and the expected result without any communication.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+import grace
+
+# name, shape, scale ("tiny" is below every threshold: that rank sends nothing for it)
+PARAMS = [
+    ("layer.weight", (6, 10), 1.0),
+    ("layer.bias", (10,), 1.0),
+    ("scalar", (), 1.0),
+    ("one", (1,), 1.0),
+    ("big", (3000,), 1.0),
+    ("tiny", (20,), 1e-4),
+    ("empty", (0,), 1.0),
+]
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Variant:
+    make: Callable[[], grace.GradientCompression]
+    op: str = "average"  # or "sum"
+    passes: int = 1  # backward_passes_per_step
+    named: bool = True  # False: no named_parameters, Horovod generates the names
+    checkpoint_after: int = -1  # save, rebuild and restore the optimizer after this step
+
+
+VARIANTS = {
+    "none": Variant(grace.none),
+    "fp16": Variant(grace.fp16),
+    "bf16": Variant(lambda: grace.fp16("bfloat16")),
+    "topk": Variant(lambda: grace.topk(0.1)),
+    "topk_nomemory": Variant(lambda: grace.topk(0.1, memory="none")),
+    "topk_broadcast": Variant(lambda: grace.topk(0.1, communicator="broadcast")),
+    "topk_sum": Variant(lambda: grace.topk(0.1), op="sum"),
+    "topk_checkpoint": Variant(lambda: grace.topk(0.1), checkpoint_after=1),
+    "threshold": Variant(lambda: grace.threshold(1.5)),
+    "threshold_broadcast": Variant(lambda: grace.threshold(1.5, communicator="broadcast")),
+    "randomk": Variant(lambda: grace.randomk(0.25)),
+    "randomk_scaled": Variant(lambda: grace.randomk(0.25, scale=True, memory="none")),
+    "randomk_passes2": Variant(lambda: grace.randomk(0.25), passes=2),
+    "randomk_unnamed": Variant(lambda: grace.randomk(0.25), named=False),
+}
+
+
+def names(variant: Variant):
+    if variant.named:
+        return [name for name, _, _ in PARAMS]
+    return [f"allreduce.noname.0.{j}" for j in range(len(PARAMS))]  # Horovod's generated names
+
+
+def gradient(rank: int, step: int, index: int, backward_pass: int = 0) -> np.ndarray:
+    _, shape, scale = PARAMS[index]
+    rng = np.random.default_rng([rank, step, index, backward_pass])
+    return np.asarray(scale * rng.standard_normal(shape), dtype=np.float32)
+
+
+def local_input(variant: Variant, rank: int, step: int, index: int) -> np.ndarray:
+    """What one rank hands to the exchange: its gradients summed over the backward passes."""
+    return sum(gradient(rank, step, index, b) for b in range(variant.passes))
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    return parser.parse_args()
+
+
+def save(out: Path, label: str, rank: int, results: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / f"{label}.rank{rank}.npz", **results)
