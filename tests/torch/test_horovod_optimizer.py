@@ -1,0 +1,123 @@
+"""hvd.DistributedOptimizer with grace, in fresh single-rank processes (real Horovod, size 1).
+
+Each check runs in its own interpreter: import order matters, and hvd.init() must not run in
+the pytest process that later launches mpirun.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("horovod.torch")
+
+PRELUDE = """
+import torch
+def model_and_optimizer(hvd, **kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    return model, opt
+def step(model, opt):
+    opt.zero_grad()
+    model(torch.randn(8, 20)).pow(2).mean().backward()
+    opt.step()
+"""
+
+
+def run(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("first", ["grace", "horovod"])
+def test_the_user_lines_work_in_either_import_order(first):
+    imports = "import grace\nimport horovod.torch as hvd" if first == "grace" else \
+        "import horovod.torch as hvd\nimport grace"
+    out = run(imports + textwrap.dedent("""
+    hvd.init()
+    model, opt = model_and_optimizer(hvd, compression=grace.topk(0.01))
+    step(model, opt)
+    s = opt.grace_stats
+    print(s.last_step_bytes, s.last_step_dense_bytes)
+    """))
+    sent, dense = map(int, out.split())
+    # one rank still compresses: per tensor max(1, ceil(0.01 d)) values + 1-byte/2-byte indices
+    assert dense == 4 * (20 * 30 + 30 + 30 * 4 + 4) and sent == (6 * 6 + 1 * 5 + 2 * 5 + 1 * 5)
+
+
+def test_what_cannot_work_is_refused_at_construction():
+    out = run("""
+    import horovod.torch as hvd, grace
+    hvd.init()
+    for kwargs in [dict(op=hvd.Adasum), dict(groups=2), dict(num_groups=2), dict(op=hvd.Min),
+                   dict(backward_passes_per_step=0)]:
+        try:
+            model_and_optimizer(hvd, compression=grace.topk(0.1), **kwargs)
+            print("accepted", kwargs)
+        except ValueError as e:
+            print("refused:", e)
+    """)
+    lines = out.strip().splitlines()
+    assert len(lines) == 5 and all(line.startswith("refused:") for line in lines), out
+    assert "Adasum" in lines[0] and "groups" in lines[1] and "groups" in lines[2] and "op must be" in lines[3]
+
+
+def test_horovods_own_compression_is_untouched():
+    out = run("""
+    import horovod.torch as hvd, grace
+    hvd.init()
+    for c in (hvd.Compression.none, hvd.Compression.fp16):
+        model, opt = model_and_optimizer(hvd, compression=c)
+        step(model, opt)
+        print(type(opt).__mro__[1].__name__, hasattr(opt, "grace_stats"), type(opt)._allreduce_grad_async.__module__)
+    """)
+    assert out.split("\n")[:2] == ["SGD False horovod.torch.optimizer"] * 2
+
+
+def test_unnamed_parameters_get_horovods_stable_names_and_their_own_memory():
+    out = run("""
+    import horovod.torch as hvd, grace
+    hvd.init()
+    model, opt = model_and_optimizer(hvd, compression=grace.topk(0.05))
+    for _ in range(2):
+        step(model, opt)
+    print(" ".join(sorted(opt.state_dict()["grace"]["memory"])))
+    """)
+    assert out.split() == [f"allreduce.noname.0.{j}" for j in range(4)]
+
+
+def test_sparse_gradients_need_sparse_as_dense():
+    out = run("""
+    import horovod.torch as hvd, grace
+    hvd.init()
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), compression=grace.topk(0.5))
+    try:
+        emb(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+    except ValueError as e:
+        print(e)
+    """)
+    assert "pass sparse_as_dense=True" in out
+
+
+def test_a_grace_object_given_to_horovods_own_optimizer_fails_loudly():
+    out = run("""
+    import horovod.torch as hvd, grace
+    hvd.init()
+    original = hvd.DistributedOptimizer.__grace_original__
+    import os; os.environ["HOROVOD_ELASTIC"] = "1"  # Horovod hooks gradients on one rank only then
+    model = torch.nn.Linear(3, 2)
+    opt = original(torch.optim.SGD(model.parameters(), lr=0.1), compression=grace.topk(0.5))
+    try:
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    except RuntimeError as e:
+        print(e)
+    """)
+    assert "reached Horovod's dense allreduce hook" in out

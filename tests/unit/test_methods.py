@@ -1,0 +1,132 @@
+"""Every method on every backend: shapes, dtypes, edge sizes and each method's promise."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import grace
+from grace.backends import get_backend
+from grace.core.compressor import TensorInfo, index_dtype
+from tests.unit.conftest import METHODS, to_backend
+
+SHAPES = [(), (1,), (0,), (7,), (3, 5), (2, 3, 4), (300,), (40000,)]
+INFO = TensorInfo(name="layer.weight", step=3, world_size=4)
+
+
+def roundtrip(xp, method, x):
+    compressor = METHODS[method]().compressor
+    payload, ctx = compressor.compress(xp, x, INFO)
+    return payload, compressor.decompress(xp, payload, ctx)
+
+
+def sample(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("method", METHODS)
+def test_decompress_restores_shape_and_dtype(xp, method, shape):
+    for dtype in ["float32", "float64", "float16"] + (["bfloat16"] if xp.name == "torch" else []):
+        x = to_backend(xp, sample(shape), dtype)
+        _, y = roundtrip(xp, method, x)
+        assert xp.shape(y) == shape and xp.dtype(y) == dtype, (method, dtype)
+
+
+@pytest.mark.parametrize("ratio", [1e-9, 0.01, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("d", [1, 2, 99, 1000])
+def test_topk_keeps_exactly_the_k_largest_magnitudes(xp, d, ratio):
+    x = sample(d, seed=d)
+    k = max(1, math.ceil(ratio * d))
+    compressor = grace.topk(ratio).compressor
+    (values, indices), ctx = compressor.compress(xp, to_backend(xp, x), INFO)
+    y = compressor.decompress(xp, (values, indices), ctx)
+    kept = np.sort(xp.to_numpy(indices).astype(np.int64))
+    assert len(kept) == k
+    np.testing.assert_array_equal(kept, np.sort(np.argsort(-np.abs(x))[:k]))
+    np.testing.assert_array_equal(xp.to_numpy(values), x.astype(np.float32)[kept])
+    assert xp.dtype(indices) == index_dtype(d)
+    dense = np.zeros(d, np.float32)
+    dense[kept] = x[kept]
+    np.testing.assert_array_equal(xp.to_numpy(y), dense)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 1.5, 100.0])
+def test_threshold_keeps_exactly_the_elements_at_or_above_it(xp, threshold):
+    x = sample(500)
+    x[7] = threshold  # |x| >= lambda: kept
+    compressor = grace.threshold(threshold).compressor
+    (values, indices), ctx = compressor.compress(xp, to_backend(xp, x, "float64"), INFO)
+    want = np.flatnonzero(np.abs(x) >= threshold)
+    np.testing.assert_array_equal(xp.to_numpy(indices).astype(np.int64), want)
+    np.testing.assert_array_equal(xp.to_numpy(values), x[want])
+    y = xp.to_numpy(compressor.decompress(xp, (values, indices), ctx))
+    np.testing.assert_array_equal(y, np.where(np.abs(x) >= threshold, x, 0))
+
+
+def test_threshold_may_keep_nothing(xp):
+    compressor = grace.threshold(10.0).compressor
+    payload, ctx = compressor.compress(xp, to_backend(xp, sample((4, 4))), INFO)
+    assert [xp.numel(t) for t in payload] == [0, 0]
+    assert not xp.to_numpy(compressor.decompress(xp, payload, ctx)).any()
+    agg = compressor.aggregate(xp, [payload, payload], ctx)
+    assert xp.shape(agg) == (4, 4) and not xp.to_numpy(agg).any()
+
+
+def test_randomk_indices_depend_only_on_tensor_name_and_step(xp):
+    compressor = grace.randomk(0.05).compressor
+    rank_a, rank_b = to_backend(xp, sample(1000, 1)), to_backend(xp, sample(1000, 2))
+    (_, a), (_, b) = (compressor.compress(xp, x, INFO)[1] for x in (rank_a, rank_b))
+    np.testing.assert_array_equal(xp.to_numpy(a), xp.to_numpy(b))  # ranks agree, whatever the data
+    assert len(np.unique(xp.to_numpy(a))) == 50  # without replacement
+    next_step = TensorInfo(INFO.name, INFO.step + 1, INFO.world_size)
+    other_name = TensorInfo("layer.bias", INFO.step, INFO.world_size)
+    for info in (next_step, other_name):
+        (_, c) = compressor.compress(xp, rank_a, info)[1]
+        assert not np.array_equal(xp.to_numpy(a), xp.to_numpy(c))
+
+
+def test_randomk_scaled_is_unbiased():
+    """Mean over many steps (fresh indices each) converges to the input; unscaled does not."""
+    xp = get_backend("numpy")
+    x = sample(200).astype(np.float32)
+    for scale, should_match in ((True, True), (False, False)):
+        compressor = grace.randomk(0.1, scale=scale).compressor
+        total = np.zeros_like(x, dtype=np.float64)
+        steps = 4000
+        for step in range(steps):
+            payload, ctx = compressor.compress(xp, x, TensorInfo("w", step, 1))
+            total += compressor.decompress(xp, payload, ctx)
+        error = np.abs(total / steps - x).max()
+        # std of one coordinate's mean ~ |x| * sqrt((d/k - 1) / steps) ~ 0.05 * |x|
+        assert (error < 0.25 * np.abs(x).max()) == should_match, (scale, error)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_numpy_and_torch_backends_agree(method):
+    pytest.importorskip("torch")
+    numpy_xp, torch_xp = get_backend("numpy"), get_backend("torch")
+    for shape in [(3, 5), (1000,), (1,)]:
+        x = sample(shape, seed=7)
+        p_np, y_np = roundtrip(numpy_xp, method, to_backend(numpy_xp, x))
+        p_t, y_t = roundtrip(torch_xp, method, to_backend(torch_xp, x))
+        assert len(p_np) == len(p_t)
+        for a, b in zip(p_np, p_t):
+            assert numpy_xp.dtype(a) == torch_xp.dtype(b)
+            # same wire bytes (bfloat16 compared through float32, which holds it exactly)
+            np.testing.assert_array_equal(np.asarray(numpy_xp.to_numpy(a), dtype=np.float32)
+                                          if method == "bf16" else numpy_xp.to_numpy(a),
+                                          torch_xp.to_numpy(b))
+        np.testing.assert_array_equal(np.asarray(y_np, dtype=np.float32), torch_xp.to_numpy(y_t))
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "threshold"])
+def test_sparse_payload_bytes(xp, method):
+    d = 100_000
+    payload, _ = roundtrip(xp, method, to_backend(xp, sample(d)))
+    k = xp.numel(payload[0])
+    per_element = {"topk": 4 + 4, "randomk": 4, "threshold": 4 + 4}[method]  # int32 indices
+    assert sum(xp.nbytes(t) for t in payload) == k * per_element
+    if method != "threshold":
+        assert k == math.ceil(0.1 * d)
