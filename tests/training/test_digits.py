@@ -1,0 +1,35 @@
+"""4 real ranks train on scikit-learn's digits: top-k(0.01) with residual memory must match
+uncompressed training within 2 points of test accuracy while sending >= 20x fewer bytes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import launch
+
+TRAIN = Path(__file__).parents[2] / "scripts" / "train.py"
+EPOCHS = 30
+
+
+def train(tmp_path, compressor, *args):
+    out = tmp_path / f"{compressor}.json"
+    launch("horovodrun", 4, TRAIN, "--compressor", compressor, *args, "--epochs", EPOCHS,
+           "--no-progress", "--json", out)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("none"), "none")
+
+
+def test_topk_matches_uncompressed_accuracy_with_20x_fewer_bytes(baseline, tmp_path):
+    topk = train(tmp_path, "topk", "--ratio", 0.01)
+    report = f"\nuncompressed: {json.dumps(baseline, indent=1)}\ntopk(0.01): {json.dumps(topk, indent=1)}"
+    assert baseline["ranks_agree"] and topk["ranks_agree"], report
+    assert baseline["test_accuracy"] > 0.9, report  # the baseline itself learned
+    assert topk["test_accuracy"] >= baseline["test_accuracy"] - 0.02, report
+    assert baseline["bytes_per_step"] >= 20 * topk["bytes_per_step"], report
+    assert topk["bytes_per_step"] == topk["dense_bytes_per_step"] / topk["compression_ratio"], report
