@@ -9,14 +9,14 @@ Importing grace imports no toolkit and no Horovod module; the adapter for a tool
 loaded when that toolkit's Horovod module is.
 """
 from grace._import_hooks import install_import_hooks
-from grace.compressors import fp16, none, randomk, threshold, topk
+from grace.compressors import fp16, none, onebit, qsgd, randomk, signsgd, terngrad, threshold, topk
 from grace.core import Collective, Compressor, Exchange, GradientCompression, Memory, WireStats
 from grace.core.registry import create, from_params, methods
 from grace.memories import NoMemory, ResidualMemory
 
 __version__ = "0.1.0"
 __all__ = ["Collective", "Compressor", "Exchange", "GradientCompression", "Memory", "NoMemory",
-           "ResidualMemory", "WireStats", "create", "fp16", "from_params", "methods", "none",
-           "randomk", "threshold", "topk"]
+           "ResidualMemory", "WireStats", "create", "fp16", "from_params", "methods", "none", "onebit",
+           "qsgd", "randomk", "signsgd", "terngrad", "threshold", "topk"]
 
 install_import_hooks()

@@ -53,6 +53,32 @@ class NumpyBackend:
     def abs(self, x):
         return np.abs(x)
 
+    def sign(self, x):
+        return np.sign(x)
+
+    def floor(self, x):
+        return np.floor(x)
+
+    def where(self, mask, a, b):
+        return np.where(mask, a, b).astype(np.result_type(a, b), copy=False)
+
+    def clip_min(self, x, low):
+        return np.maximum(x, low)
+
+    def sum(self, x, axis=None):
+        return np.sum(x, axis=axis, dtype=x.dtype if x.dtype.kind == "f" else np.int64)
+
+    def max(self, x, axis=None):
+        return np.max(x, axis=axis, initial=0)
+
+    def norm(self, x, axis=None):
+        """Euclidean norm, accumulated in float32 at least."""
+        return np.sqrt(np.sum(np.square(x, dtype=np.promote_types(x.dtype, np.float32)), axis=axis))
+
+    def uniform(self, numel: int, seed: int, like=None):
+        """float32 draws in [0, 1), from NumPy's generator on the host."""
+        return np.random.default_rng(seed).random(numel, dtype=np.float32)
+
     def sort(self, x):
         return np.sort(x)
 

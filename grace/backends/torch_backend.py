@@ -60,6 +60,41 @@ class TorchBackend:
     def abs(self, x):
         return x.abs()
 
+    def sign(self, x):
+        return torch.sign(x)
+
+    def floor(self, x):
+        return torch.floor(x)
+
+    def where(self, mask, a, b):
+        return torch.where(mask, a, b)
+
+    def clip_min(self, x, low):
+        return x.clamp(min=low)
+
+    def sum(self, x, axis=None):
+        if x.dtype.is_floating_point:
+            return x.sum() if axis is None else x.sum(dim=axis)
+        return x.sum(dtype=torch.int64) if axis is None else x.sum(dim=axis, dtype=torch.int64)
+
+    def max(self, x, axis=None):
+        if x.numel() == 0:
+            return torch.zeros((), dtype=x.dtype, device=x.device)
+        return x.max() if axis is None else x.max(dim=axis).values
+
+    def norm(self, x, axis=None):
+        x = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        return torch.linalg.vector_norm(x) if axis is None else torch.linalg.vector_norm(x, dim=axis)
+
+    def uniform(self, numel: int, seed: int, like=None):
+        """float32 draws in [0, 1). On the CPU they come from NumPy's generator, so they equal
+        the NumPy backend's; on a GPU from torch's, without leaving the device."""
+        device = like.device if like is not None else torch.device("cpu")
+        if device.type == "cpu":
+            return torch.from_numpy(np.random.default_rng(seed).random(numel, dtype=np.float32))
+        generator = torch.Generator(device=device).manual_seed(seed % 2**63)
+        return torch.rand(numel, generator=generator, device=device)
+
     def sort(self, x):
         return torch.sort(x).values
 

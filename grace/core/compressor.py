@@ -48,10 +48,15 @@ class TensorInfo:
     name: str
     step: int
     world_size: int
+    rank: int = 0
 
     def seed(self, base_seed: int = 0) -> int:
         """A seed shared by all ranks for this (tensor, step); stable across processes."""
         return (zlib.crc32(self.name.encode()) << 32 | (self.step & 0xFFFFFFFF)) ^ base_seed
+
+    def rank_seed(self, base_seed: int = 0) -> int:
+        """A seed of this rank's own for this (tensor, step): independent draws on every rank."""
+        return self.seed(base_seed) ^ (self.rank + 1) << 48
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,8 @@ class Exchange:
             return Pending(xp, _EMPTY, Handle(lambda: g, 0))
         compressor, memory = self.compression.compressor, self.compression.memory
         step = self.steps.get(name, 0)
-        info = TensorInfo(name=name, step=step, world_size=self.communicator.size)
+        info = TensorInfo(name=name, step=step, world_size=self.communicator.size,
+                          rank=self.communicator.rank)
 
         p = memory.compensate(xp, g, self.memory.get(name))
         payload, ctx = compressor.compress(xp, p, info)

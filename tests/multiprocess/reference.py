@@ -2,7 +2,7 @@
 
 Independent of grace's exchange, communicators and aggregation: per rank and tensor it runs
 the method's compress/decompress on NumPy with explicit residual memory, then averages
-the ranks' decompressed payloads with plain NumPy.
+the ranks' decompressed payloads with plain NumPy (signSGD: their majority vote).
 """
 from __future__ import annotations
 
@@ -34,14 +34,17 @@ def expected(variant, world_size: int):
                     decompressed.append(g)
                     continue
                 p = g + residual[rank, name] if (rank, name) in residual else g
-                payload, ctx = compressor.compress(xp, p, TensorInfo(name, step, world_size))
+                payload, ctx = compressor.compress(xp, p, TensorInfo(name, step, world_size, rank))
                 p_hat = compressor.decompress(xp, payload, ctx)
                 if has_memory:
                     residual[rank, name] = p - p_hat
                 decompressed.append(p_hat.astype(np.float64))
                 header = 8 * len(payload) if compressor.variable_length else 0
                 sent[rank] += sum(t.nbytes for t in payload) + header
-            mean = np.mean(decompressed, axis=0)
+            if getattr(compressor, "aggregate_by", "mean") == "majority":  # signSGD's vote
+                mean = np.sign(np.sum(decompressed, axis=0))
+            else:
+                mean = np.mean(decompressed, axis=0)
             if variant.op == "sum":
                 mean = mean * world_size
             for rank in range(world_size):

@@ -19,6 +19,12 @@ METHODS = {
     "randomk": lambda: grace.randomk(0.1),
     "randomk_scaled": lambda: grace.randomk(0.1, scale=True),
     "threshold": lambda: grace.threshold(0.5),
+    "signsgd": lambda: grace.signsgd(),
+    "signsgd_mean": lambda: grace.signsgd("mean"),
+    "onebit": lambda: grace.onebit(),
+    "qsgd": lambda: grace.qsgd(4),
+    "qsgd_bucketed": lambda: grace.qsgd(127, bucket_size=64),
+    "terngrad": lambda: grace.terngrad(),
 }
 
 

@@ -74,3 +74,17 @@ def test_import_grace_imports_no_toolkit_and_no_horovod():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow', 'horovod', 'mpi4py')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_every_registered_method_is_under_test():
+    from tests.multiprocess.workers.common import VARIANTS
+    from tests.unit.conftest import METHODS
+
+    for labels in (METHODS, VARIANTS):
+        tested = {type(make().compressor) for make in (labels[k] if labels is METHODS else labels[k].make
+                                                        for k in labels)}
+        registered = {type(grace.create(name, **_ARGS.get(name, {})).compressor) for name in grace.methods()}
+        assert registered <= tested, registered - tested
+
+
+_ARGS = {"topk": {"ratio": 0.1}, "randomk": {"ratio": 0.1}, "threshold": {"threshold": 0.1}}

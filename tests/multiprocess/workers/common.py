@@ -51,6 +51,12 @@ VARIANTS = {
     "randomk_scaled": Variant(lambda: grace.randomk(0.25, scale=True, memory="none")),
     "randomk_passes2": Variant(lambda: grace.randomk(0.25), passes=2),
     "randomk_unnamed": Variant(lambda: grace.randomk(0.25), named=False),
+    "signsgd": Variant(grace.signsgd),
+    "signsgd_mean": Variant(lambda: grace.signsgd("mean")),
+    "onebit": Variant(grace.onebit),
+    "qsgd": Variant(lambda: grace.qsgd(4)),
+    "qsgd_bucketed_broadcast": Variant(lambda: grace.qsgd(16, bucket_size=50, communicator="broadcast")),
+    "terngrad": Variant(grace.terngrad),
 }
 
 

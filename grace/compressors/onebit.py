@@ -1,0 +1,36 @@
+"""1-bit SGD (Seide et al. 2014): one bit per element and the two means it decodes to.
+
+    compress: bit = (x >= 0); mu1 = mean(x[bit]), mu0 = mean(x[not bit])
+    decode:   mu1 where bit else mu0
+"""
+from grace.core import bits
+from grace.core.compression import GradientCompression
+from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.registry import register
+from grace.memories import make_memory
+
+
+class OneBit(Compressor):
+    collective = Collective.ALLGATHER
+
+    def compress(self, xp, x, info):
+        flat = xp.cast(xp.flatten(x), "float32")
+        positive = flat >= 0
+        n_pos = xp.sum(xp.cast(positive, "float32"))
+        sum_pos = xp.sum(xp.where(positive, flat, flat * 0))
+        mu1 = sum_pos / xp.clip_min(n_pos, 1)
+        mu0 = (xp.sum(flat) - sum_pos) / xp.clip_min(xp.numel(flat) - n_pos, 1)
+        means = xp.concat([xp.reshape(mu0, (1,)), xp.reshape(mu1, (1,))])
+        return (bits.pack(xp, positive, 1), means), Shape(xp.shape(x), xp.dtype(x))
+
+    def decompress(self, xp, payload, ctx):
+        packed, means = payload
+        bit = xp.cast(bits.unpack(xp, packed, 1, ctx.numel), "float32")
+        mu0, mu1 = means[0], means[1]
+        return xp.reshape(xp.cast(mu0 + bit * (mu1 - mu0), ctx.dtype), ctx.shape)
+
+
+@register("onebit")
+def onebit(*, memory="residual", communicator=None) -> GradientCompression:
+    """1-bit SGD: 1 bit per element plus two float32 means, with residual memory."""
+    return GradientCompression(OneBit(), make_memory(memory), communicator)

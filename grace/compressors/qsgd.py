@@ -1,0 +1,66 @@
+"""QSGD (Alistarh et al. 2017): stochastic rounding to s levels of the norm, unbiased.
+
+    r = s * |x| / ||x||_2,  l = floor(r)
+    level = l + 1 with probability r - l, else l          (METHODS.md: fixed, not swapped)
+    out = ||x||_2 * sign(x) * level / s
+
+Each code is level * 2 + (x < 0), packed at the narrowest width holding 2 * (s + 1) codes;
+the norm (one float32 per bucket of ``bucket_size`` elements, or per tensor) travels with it.
+"""
+from grace.core import bits
+from grace.core.compression import GradientCompression
+from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.registry import register
+from grace.memories import make_memory
+
+
+class QSGD(Compressor):
+    collective = Collective.ALLGATHER
+
+    def __init__(self, levels: int = 127, bucket_size: int = 0, seed: int = 0):
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
+            raise ValueError(f"levels must be an integer in [1, 127], got {levels!r}")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 0:
+            raise ValueError(f"bucket_size must be an integer >= 0 (0: one bucket), got {bucket_size!r}")
+        self.levels = levels
+        self.bucket_size = bucket_size
+        self.seed = seed
+        self.bits = bits.code_width(2 * (levels + 1))
+
+    def _buckets(self, xp, flat, d):
+        """(rows, b) view of the flat tensor, zero-padded to whole buckets."""
+        b = self.bucket_size or max(d, 1)
+        pad = -d % b
+        if pad:
+            flat = xp.concat([flat, xp.zeros(pad, xp.dtype(flat), like=flat)])
+        return xp.reshape(flat, (-1, b))
+
+    def compress(self, xp, x, info):
+        flat = xp.cast(xp.flatten(x), "float32")
+        d = xp.numel(flat)
+        rows = self._buckets(xp, flat, d)
+        norms = xp.norm(rows, axis=1)
+        safe = xp.where(norms > 0, norms, norms + 1)
+        r = xp.abs(rows) * self.levels / xp.reshape(safe, (-1, 1))
+        low = xp.floor(r)
+        u = xp.reshape(xp.uniform(xp.numel(rows), info.rank_seed(self.seed), like=flat), xp.shape(rows))
+        level = low + xp.cast(u < r - low, "float32")
+        level = level - xp.cast(level > self.levels, "float32")  # r can pass s by a rounding error
+        codes = xp.cast(level * 2 + xp.cast(rows < 0, "float32"), "uint8")
+        return (bits.pack(xp, xp.flatten(codes)[:d], self.bits), norms), Shape(xp.shape(x), xp.dtype(x))
+
+    def decompress(self, xp, payload, ctx):
+        packed, norms = payload
+        codes = xp.cast(bits.unpack(xp, packed, self.bits, ctx.numel), "float32")
+        level = xp.floor(codes / 2)
+        sign = 1 - 2 * (codes - 2 * level)
+        rows = self._buckets(xp, sign * level / self.levels, ctx.numel)
+        values = xp.flatten(rows * xp.reshape(norms, (-1, 1)))[:ctx.numel]
+        return xp.reshape(xp.cast(values, ctx.dtype), ctx.shape)
+
+
+@register("qsgd", quantum_num="levels", bucket_size="bucket_size", seed="seed")
+def qsgd(levels: int = 127, *, bucket_size: int = 0, seed: int = 0, memory="none",
+         communicator=None) -> GradientCompression:
+    """QSGD with ``levels`` quantization levels (GRACE's quantum_num), unbiased."""
+    return GradientCompression(QSGD(levels, bucket_size, seed), make_memory(memory), communicator)

@@ -1,0 +1,42 @@
+"""signSGD (Bernstein et al. 2018): one sign bit per element.
+
+    compress:  bit = (x >= 0), packed 8 to a byte
+    decode:    2 * bit - 1  in {-1, +1}
+    aggregate: majority vote sign(sum_i decode_i)  (or, with aggregate='mean', their mean)
+"""
+from grace.core import bits
+from grace.core.compression import GradientCompression
+from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.registry import register
+from grace.memories import make_memory
+
+
+class SignSGD(Compressor):
+    collective = Collective.ALLGATHER
+
+    def __init__(self, aggregate: str = "majority"):
+        if aggregate not in ("majority", "mean"):
+            raise ValueError(f"aggregate must be 'majority' or 'mean', got {aggregate!r}")
+        self.aggregate_by = aggregate
+
+    def compress(self, xp, x, info):
+        flat = xp.flatten(x)
+        return (bits.pack(xp, flat >= 0, 1),), Shape(xp.shape(x), xp.dtype(x))
+
+    def decompress(self, xp, payload, ctx):
+        signs = xp.cast(bits.unpack(xp, payload[0], 1, ctx.numel), ctx.dtype) * 2 - 1
+        return xp.reshape(signs, ctx.shape)
+
+    def aggregate(self, xp, payloads, ctx):
+        if self.aggregate_by == "mean":
+            return super().aggregate(xp, payloads, ctx)
+        total = self.decompress(xp, payloads[0], ctx)
+        for payload in payloads[1:]:
+            total = total + self.decompress(xp, payload, ctx)
+        return xp.sign(total)
+
+
+@register("signsgd", aggregate="aggregate")
+def signsgd(aggregate: str = "majority", *, memory="none", communicator=None) -> GradientCompression:
+    """signSGD: 1 bit per element; majority vote (or mean) of the ranks' signs."""
+    return GradientCompression(SignSGD(aggregate), make_memory(memory), communicator)

@@ -1,0 +1,39 @@
+"""TernGrad (Wen et al. 2017): three levels {-s, 0, s}, unbiased.
+
+    s = max|x|;  b ~ Bernoulli(|x| / s)        (METHODS.md: fixed, |x| not x)
+    out = s * sign(x) * b
+
+Codes 0 (zero), 1 (+s), 2 (-s) at 2 bits; s travels as one float32.
+"""
+from grace.core import bits
+from grace.core.compression import GradientCompression
+from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.registry import register
+from grace.memories import make_memory
+
+
+class TernGrad(Compressor):
+    collective = Collective.ALLGATHER
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def compress(self, xp, x, info):
+        flat = xp.cast(xp.flatten(x), "float32")
+        scale = xp.max(xp.abs(flat))
+        safe = xp.where(scale > 0, scale, scale + 1)
+        keep = xp.uniform(xp.numel(flat), info.rank_seed(self.seed), like=flat) < xp.abs(flat) / safe
+        codes = xp.cast(keep, "uint8") * (1 + xp.cast(flat < 0, "uint8"))
+        return (bits.pack(xp, codes, 2), xp.reshape(scale, (1,))), Shape(xp.shape(x), xp.dtype(x))
+
+    def decompress(self, xp, payload, ctx):
+        packed, scale = payload
+        codes = bits.unpack(xp, packed, 2, ctx.numel)
+        signed = xp.cast(codes > 0, "float32") - 2 * xp.cast(codes > 1, "float32")  # 0, +1, -1
+        return xp.reshape(xp.cast(signed * scale[0], ctx.dtype), ctx.shape)
+
+
+@register("terngrad", seed="seed")
+def terngrad(*, seed: int = 0, memory="none", communicator=None) -> GradientCompression:
+    """TernGrad: 2 bits per element plus max|x|, unbiased."""
+    return GradientCompression(TernGrad(seed), make_memory(memory), communicator)
