@@ -27,6 +27,7 @@ def parse_args(argv=None):
     parser.add_argument("--compressor", default="topk", choices=grace.methods())
     parser.add_argument("--ratio", type=float, default=0.01, help="topk, randomk: fraction of elements sent")
     parser.add_argument("--threshold", type=float, default=0.01, help="threshold: |x| >= threshold is sent")
+    parser.add_argument("--levels", type=int, default=127, help="qsgd: quantization levels")
     parser.add_argument("--memory", default=None, help="'residual' or 'none' (default: the method's own)")
     parser.add_argument("--communicator", default=None, choices=["allreduce", "allgather", "broadcast"])
     parser.add_argument("--epochs", type=int, default=30)
@@ -46,6 +47,8 @@ def make_compression(args) -> grace.GradientCompression:
         params["compress_ratio"] = args.ratio
     if args.compressor == "threshold":
         params["threshold"] = args.threshold
+    if args.compressor == "qsgd":
+        params["quantum_num"] = args.levels
     if args.memory is not None:
         params["memory"] = args.memory
     if args.communicator is not None:
