@@ -68,8 +68,6 @@ if ! "$PY" -c "import importlib.metadata as m; assert m.version('horovod') == '$
     fi
     log "installing Horovod from $wheel_dir"
     "$PY" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
-    # Horovod's runtime dependencies, which --no-deps skipped.
-    "$PY" -m pip install -q --disable-pip-version-check cloudpickle psutil pyyaml packaging
     echo "$key" >"$VENV/.horovod-key"
 fi
 

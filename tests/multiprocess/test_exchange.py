@@ -78,3 +78,15 @@ def test_sparsifiers_send_far_fewer_bytes_than_dense(run_dir):
     assert int(got["fp16"][f"bytes/{STEPS - 1}"]) == dense // 2
     assert int(got["topk"][f"bytes/{STEPS - 1}"]) < dense / 4  # ratio 0.1: values + 2-byte indices
     assert int(got["randomk"][f"bytes/{STEPS - 1}"]) < dense / 3  # ratio 0.25: values only
+
+
+def test_averaging_is_over_the_optimizers_process_set(tmp_path):
+    """3 ranks, process set {0, 1}: ranks 0 and 1 get the 2-rank reference result."""
+    launch("horovodrun", 3, WORKERS / "torch_process_set.py", "--out", tmp_path)
+    want = expected(VARIANTS["topk"], 2)
+    for rank in range(2):
+        got = np.load(tmp_path / f"topk_process_set.rank{rank}.npz")
+        assert sorted(got.files) == sorted(want[rank])
+        for key, value in want[rank].items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {key}")
+    assert not (tmp_path / "topk_process_set.rank2.npz").exists()

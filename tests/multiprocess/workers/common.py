@@ -74,7 +74,7 @@ def gradient(rank: int, step: int, index: int, backward_pass: int = 0) -> np.nda
 
 def local_input(variant: Variant, rank: int, step: int, index: int) -> np.ndarray:
     """What one rank hands to the exchange: its gradients summed over the backward passes."""
-    return sum(gradient(rank, step, index, b) for b in range(variant.passes))
+    return np.asarray(sum(gradient(rank, step, index, b) for b in range(variant.passes)), dtype=np.float32)
 
 
 def parse_args():
