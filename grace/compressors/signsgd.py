@@ -28,12 +28,8 @@ class SignSGD(Compressor):
         return xp.reshape(signs, ctx.shape)
 
     def aggregate(self, xp, payloads, ctx):
-        if self.aggregate_by == "mean":
-            return super().aggregate(xp, payloads, ctx)
-        total = self.decompress(xp, payloads[0], ctx)
-        for payload in payloads[1:]:
-            total = total + self.decompress(xp, payload, ctx)
-        return xp.sign(total)
+        mean = super().aggregate(xp, payloads, ctx)
+        return mean if self.aggregate_by == "mean" else xp.sign(mean)  # sign of mean = sign of sum
 
 
 @register("signsgd", aggregate="aggregate")

@@ -24,6 +24,11 @@ def packed_size(numel: int, bits: int) -> int:
     return math.ceil(numel * bits / 8)
 
 
+def _place_values(xp, bits: int, like):
+    """uint8 [1, 2**bits, 2**(2*bits), ...]: the value of a code's slot in its byte."""
+    return xp.cast(xp.asarray([1 << (bits * j) for j in range(8 // bits)], like=like), "uint8")
+
+
 def pack(xp, codes, bits: int):
     """uint8 codes (each < 2**bits) -> uint8 bytes."""
     per = 8 // bits
@@ -33,9 +38,7 @@ def pack(xp, codes, bits: int):
     pad = -xp.numel(codes) % per
     if pad:
         codes = xp.concat([codes, xp.zeros(pad, "uint8", like=codes)])
-    weights = xp.asarray([1 << (bits * j) for j in range(per)], like=codes)
-    weights = xp.cast(weights, "uint8")
-    return xp.cast(xp.sum(xp.reshape(codes, (-1, per)) * weights, axis=1), "uint8")
+    return xp.cast(xp.sum(xp.reshape(codes, (-1, per)) * _place_values(xp, bits, codes), axis=1), "uint8")
 
 
 def unpack(xp, packed, bits: int, numel: int):
@@ -43,6 +46,5 @@ def unpack(xp, packed, bits: int, numel: int):
     per = 8 // bits
     if per == 1:
         return packed
-    weights = xp.cast(xp.asarray([1 << (bits * j) for j in range(per)], like=packed), "uint8")
-    codes = (xp.reshape(packed, (-1, 1)) // weights) % (1 << bits)
+    codes = (xp.reshape(packed, (-1, 1)) // _place_values(xp, bits, packed)) % (1 << bits)
     return xp.flatten(codes)[:numel]
