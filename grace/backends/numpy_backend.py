@@ -69,7 +69,8 @@ class NumpyBackend:
         return np.sum(x, axis=axis, dtype=x.dtype if x.dtype.kind == "f" else np.int64)
 
     def max(self, x, axis=None):
-        return np.max(x, axis=axis, initial=0)
+        """Maximum; 0 for an empty tensor, like the other backends."""
+        return np.max(x, axis=axis) if np.size(x) else np.zeros((), x.dtype)
 
     def norm(self, x, axis=None):
         """Euclidean norm, accumulated in float32 at least."""

@@ -132,3 +132,8 @@ def test_sparse_payload_bytes(xp, method):
     assert sum(xp.nbytes(t) for t in payload) == k * per_element
     if method != "threshold":
         assert k == math.ceil(0.1 * d)
+
+
+def test_backend_max_is_the_maximum_and_zero_when_empty(xp):
+    assert float(xp.max(to_backend(xp, np.array([-3.0, -2.0])))) == -2.0
+    assert float(xp.max(to_backend(xp, np.zeros(0)))) == 0.0
