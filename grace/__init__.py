@@ -9,14 +9,16 @@ Importing grace imports no toolkit and no Horovod module; the adapter for a tool
 loaded when that toolkit's Horovod module is.
 """
 from grace._import_hooks import install_import_hooks
-from grace.compressors import fp16, none, onebit, qsgd, randomk, signsgd, terngrad, threshold, topk
+from grace.compressors import (adaq, dgc, efsignsgd, fp16, inceptionn, natural, none, onebit, powersgd, qsgd,
+                               randomk, signsgd, signum, sketchml, terngrad, threshold, topk, u8bit)
 from grace.core import Collective, Compressor, Exchange, GradientCompression, Memory, WireStats
 from grace.core.registry import create, from_params, methods
 from grace.memories import NoMemory, ResidualMemory
 
 __version__ = "0.1.0"
 __all__ = ["Collective", "Compressor", "Exchange", "GradientCompression", "Memory", "NoMemory",
-           "ResidualMemory", "WireStats", "create", "fp16", "from_params", "methods", "none", "onebit",
-           "qsgd", "randomk", "signsgd", "terngrad", "threshold", "topk"]
+           "ResidualMemory", "WireStats", "adaq", "create", "dgc", "efsignsgd", "fp16", "from_params",
+           "inceptionn", "methods", "natural", "none", "onebit", "powersgd", "qsgd", "randomk", "signsgd",
+           "signum", "sketchml", "terngrad", "threshold", "topk", "u8bit"]
 
 install_import_hooks()

@@ -25,15 +25,17 @@ import grace
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compressor", default="topk", choices=grace.methods())
-    parser.add_argument("--ratio", type=float, default=0.01, help="topk, randomk: fraction of elements sent")
+    parser.add_argument("--ratio", type=float, default=0.01, help="topk, randomk, dgc, adaq: fraction sent")
     parser.add_argument("--threshold", type=float, default=0.01, help="threshold: |x| >= threshold is sent")
     parser.add_argument("--levels", type=int, default=127, help="qsgd: quantization levels")
+    parser.add_argument("--rank", type=int, default=1, help="powersgd: rank of the approximation")
     parser.add_argument("--memory", default=None, help="'residual' or 'none' (default: the method's own)")
     parser.add_argument("--communicator", default=None, choices=["allreduce", "allgather", "broadcast"])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--momentum", type=float, default=0.9,
+                        help="the optimizer's, or, for dgc and signum, the method's own")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the summary here (rank 0)")
@@ -41,14 +43,20 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+# method: {GRACE parameter: the command-line argument that sets it}
+METHOD_ARGS = {
+    "topk": {"compress_ratio": "ratio"}, "randomk": {"compress_ratio": "ratio"},
+    "adaq": {"compress_ratio": "ratio"}, "dgc": {"compress_ratio": "ratio", "momentum": "momentum"},
+    "threshold": {"threshold": "threshold"}, "qsgd": {"quantum_num": "levels"},
+    "powersgd": {"matrix_approximation_rank": "rank"}, "efsignsgd": {"lr": "lr"}, "signum": {"momentum": "momentum"},
+}
+OWN_MOMENTUM = {"dgc", "signum"}  # the method applies the momentum; the optimizer runs without
+
+
 def make_compression(args) -> grace.GradientCompression:
     params = {"compressor": args.compressor}
-    if args.compressor in ("topk", "randomk"):
-        params["compress_ratio"] = args.ratio
-    if args.compressor == "threshold":
-        params["threshold"] = args.threshold
-    if args.compressor == "qsgd":
-        params["quantum_num"] = args.levels
+    for key, arg in METHOD_ARGS.get(args.compressor, {}).items():
+        params[key] = getattr(args, arg)
     if args.memory is not None:
         params["memory"] = args.memory
     if args.communicator is not None:
@@ -78,7 +86,8 @@ def main(argv=None):
 
     model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    momentum = 0.0 if args.compressor in OWN_MOMENTUM else args.momentum
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -109,6 +118,7 @@ def main(argv=None):
     summary = {
         "compression": repr(compression),
         "ranks": hvd.size(),
+        "rank": hvd.rank(),
         "epochs": args.epochs,
         "steps": stats.steps,
         "test_accuracy": accuracy,

@@ -27,6 +27,9 @@ class NumpyBackend:
     def zeros(self, numel: int, dtype: str, like=None):
         return self.cast(np.zeros(numel), dtype)
 
+    def zeros_like(self, x):
+        return np.zeros_like(x)
+
     def to_numpy(self, x):
         return np.asarray(x)
 
@@ -59,6 +62,16 @@ class NumpyBackend:
     def floor(self, x):
         return np.floor(x)
 
+    def round(self, x):
+        """To the nearest integer, halves to even."""
+        return np.round(x)
+
+    def log2(self, x):
+        return np.log2(x)
+
+    def exp2(self, x):
+        return np.exp2(x)
+
     def where(self, mask, a, b):
         return np.where(mask, a, b).astype(np.result_type(a, b), copy=False)
 
@@ -80,8 +93,15 @@ class NumpyBackend:
         """float32 draws in [0, 1), from NumPy's generator on the host."""
         return np.random.default_rng(seed).random(numel, dtype=np.float32)
 
+    def arange(self, n: int, like=None):
+        return np.arange(n, dtype=np.int64)
+
     def sort(self, x):
         return np.sort(x)
+
+    def argsort(self, x):
+        """int64 indices that sort the 1-d ``x`` ascending; ties keep their order."""
+        return np.argsort(x, kind="stable").astype(np.int64, copy=False)
 
     def topk_indices(self, x, k: int):
         """Indices (int64, any order) of the k largest elements of the 1-d ``x``."""
@@ -100,3 +120,16 @@ class NumpyBackend:
         out = np.zeros(numel, dtype=values.dtype)
         np.add.at(out, idx.astype(np.int64, copy=False), values)
         return out
+
+    # --- linear algebra (2-d) ------------------------------------------------------------
+    def matmul(self, a, b):
+        return np.matmul(a, b)
+
+    def transpose(self, x):
+        return np.transpose(x)
+
+    def orthonormalize(self, x):
+        """Orthonormal columns spanning those of the (rows, r) ``x``: reduced QR's Q, with the
+        signs that make R's diagonal non-negative, so that every backend returns the same Q."""
+        q, r = np.linalg.qr(x, mode="reduced")
+        return (q * np.where(np.diagonal(r) < 0, -1, 1)).astype(x.dtype, copy=False)

@@ -36,6 +36,9 @@ class TorchBackend:
     def zeros(self, numel: int, dtype: str, like=None):
         return torch.zeros(numel, dtype=_dtype(dtype), device=like.device if like is not None else None)
 
+    def zeros_like(self, x):
+        return torch.zeros_like(x)
+
     def to_numpy(self, x):
         if x.dtype == torch.bfloat16:
             x = x.float()
@@ -66,6 +69,15 @@ class TorchBackend:
     def floor(self, x):
         return torch.floor(x)
 
+    def round(self, x):
+        return torch.round(x)
+
+    def log2(self, x):
+        return torch.log2(x)
+
+    def exp2(self, x):
+        return torch.exp2(x)
+
     def where(self, mask, a, b):
         return torch.where(mask, a, b)
 
@@ -95,8 +107,14 @@ class TorchBackend:
         generator = torch.Generator(device=device).manual_seed(seed % 2**63)
         return torch.rand(numel, generator=generator, device=device)
 
+    def arange(self, n: int, like=None):
+        return torch.arange(n, device=like.device if like is not None else None)
+
     def sort(self, x):
         return torch.sort(x).values
+
+    def argsort(self, x):
+        return torch.sort(x, stable=True).indices
 
     def topk_indices(self, x, k: int):
         if k >= x.numel():
@@ -112,3 +130,14 @@ class TorchBackend:
     def scatter_add(self, idx, values, numel: int):
         out = torch.zeros(numel, dtype=values.dtype, device=values.device)
         return out.index_add_(0, idx.long(), values)
+
+    # --- linear algebra (2-d) ------------------------------------------------------------
+    def matmul(self, a, b):
+        return a @ b
+
+    def transpose(self, x):
+        return x.T
+
+    def orthonormalize(self, x):
+        q, r = torch.linalg.qr(x, mode="reduced")
+        return q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(q.dtype)

@@ -22,6 +22,9 @@ class FP16(Compressor):
         n = info.world_size
         return (xp.cast(xp.flatten(x) / n, self.dtype),), (Shape(xp.shape(x), xp.dtype(x)), n)
 
+    def ideal_bits(self, xp, payload, ctx):
+        return 16 * ctx[0].numel
+
     def decompress(self, xp, payload, ctx):
         shape, n = ctx
         return xp.reshape(xp.cast(payload[0], shape.dtype) * n, shape.shape)

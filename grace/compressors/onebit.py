@@ -23,6 +23,9 @@ class OneBit(Compressor):
         means = xp.concat([xp.reshape(mu0, (1,)), xp.reshape(mu1, (1,))])
         return (bits.pack(xp, positive, 1), means), Shape(xp.shape(x), xp.dtype(x))
 
+    def ideal_bits(self, xp, payload, ctx):
+        return ctx.numel + 64  # bits + two means
+
     def decompress(self, xp, payload, ctx):
         packed, means = payload
         bit = xp.cast(bits.unpack(xp, packed, 1, ctx.numel), "float32")

@@ -7,6 +7,8 @@
 Each code is level * 2 + (x < 0), packed at the narrowest width holding 2 * (s + 1) codes;
 the norm (one float32 per bucket of ``bucket_size`` elements, or per tensor) travels with it.
 """
+import math
+
 from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape
@@ -48,6 +50,10 @@ class QSGD(Compressor):
         level = level - xp.cast(level > self.levels, "float32")  # r can pass s by a rounding error
         codes = xp.cast(level * 2 + xp.cast(rows < 0, "float32"), "uint8")
         return (bits.pack(xp, xp.flatten(codes)[:d], self.bits), norms), Shape(xp.shape(x), xp.dtype(x))
+
+    def ideal_bits(self, xp, payload, ctx):
+        buckets = -(-ctx.numel // self.bucket_size) if self.bucket_size else 1
+        return (1 + math.ceil(math.log2(self.levels + 1))) * ctx.numel + 32 * buckets
 
     def decompress(self, xp, payload, ctx):
         packed, norms = payload

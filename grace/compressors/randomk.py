@@ -37,6 +37,9 @@ class RandomK(Compressor):
             values = values * (d / k)
         return (values,), (Shape(xp.shape(x), xp.dtype(x)), indices)
 
+    def ideal_bits(self, xp, payload, ctx):
+        return 32 * xp.numel(payload[0])  # values only: the indices come from the shared seed
+
     def decompress(self, xp, payload, ctx):
         shape, indices = ctx
         return xp.reshape(xp.scatter_add(indices, payload[0], shape.numel), shape.shape)

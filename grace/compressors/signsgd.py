@@ -23,6 +23,9 @@ class SignSGD(Compressor):
         flat = xp.flatten(x)
         return (bits.pack(xp, flat >= 0, 1),), Shape(xp.shape(x), xp.dtype(x))
 
+    def ideal_bits(self, xp, payload, ctx):
+        return ctx.numel
+
     def decompress(self, xp, payload, ctx):
         signs = xp.cast(bits.unpack(xp, payload[0], 1, ctx.numel), ctx.dtype) * 2 - 1
         return xp.reshape(signs, ctx.shape)

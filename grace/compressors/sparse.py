@@ -2,21 +2,24 @@
 
 Payload: (values in the gradient's dtype, indices in the smallest integer type that holds d).
 """
-from grace.core.compressor import Collective, Compressor, Shape, index_dtype
+from grace.core.compressor import Collective, Compressor, Shape, index_bits, index_dtype
 
 
 class Sparsifier(Compressor):
     collective = Collective.ALLGATHER
 
-    def select(self, xp, flat):
+    def select(self, xp, flat, info):
         """Indices of the elements of the 1-d ``flat`` to send."""
         raise NotImplementedError
 
     def compress(self, xp, x, info):
         flat = xp.flatten(x)
-        indices = self.select(xp, flat)
+        indices = self.select(xp, flat, info)
         values = xp.gather(flat, indices)
         return (values, xp.cast(indices, index_dtype(xp.numel(flat)))), Shape(xp.shape(x), xp.dtype(x))
+
+    def ideal_bits(self, xp, payload, ctx):
+        return xp.numel(payload[0]) * (32 + index_bits(ctx.numel))
 
     def decompress(self, xp, payload, ctx):
         values, indices = payload

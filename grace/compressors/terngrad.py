@@ -26,6 +26,9 @@ class TernGrad(Compressor):
         codes = xp.cast(keep, "uint8") * (1 + xp.cast(flat < 0, "uint8"))
         return (bits.pack(xp, codes, 2), xp.reshape(scale, (1,))), Shape(xp.shape(x), xp.dtype(x))
 
+    def ideal_bits(self, xp, payload, ctx):
+        return 2 * ctx.numel + 32  # codes + scale
+
     def decompress(self, xp, payload, ctx):
         packed, scale = payload
         codes = bits.unpack(xp, packed, 2, ctx.numel)

@@ -19,7 +19,7 @@ class Threshold(Sparsifier):
             raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
         self.threshold = float(threshold)
 
-    def select(self, xp, flat):
+    def select(self, xp, flat, info):
         return xp.nonzero(xp.abs(flat) >= self.threshold)
 
 

@@ -15,7 +15,7 @@ class TopK(Sparsifier):
     def __init__(self, ratio: float):
         self.ratio = check_ratio(ratio)
 
-    def select(self, xp, flat):
+    def select(self, xp, flat, info):
         d = xp.numel(flat)
         k = min(d, max(1, math.ceil(self.ratio * d)))
         return xp.sort(xp.topk_indices(xp.abs(flat), k))

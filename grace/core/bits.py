@@ -1,27 +1,36 @@
 """Bit packing: small unsigned codes, several to a byte, written once on backend operations.
 
-A code of ``bits`` bits (1, 2, 4 or 8) sits at bit offset ``bits * j`` of byte ``i`` for
-element ``per * i + j`` (per = 8 // bits), little-endian within the byte. The last byte is
-padded with zero codes; the element count comes from ctx, so it never travels.
+The packed stream is little-endian at every level: bit b of element i's ``bits``-bit code is
+bit number ``bits * i + b`` of the stream, and stream bit n is bit ``n % 8`` of byte ``n // 8``.
+The last byte is padded with zeros; the element count comes from ctx, so it never travels.
+
+Widths 1, 2, 4 and 8 divide a byte and pack with one multiply-add per byte. Other widths
+(3, 5, 6, 7 bits) are spread into their bit planes and packed as 1-bit codes: the same stream
+at several times the temporary memory (native kernels in csrc/ do it in one pass).
 """
 from __future__ import annotations
 
 import math
 
-WIDTHS = (1, 2, 4, 8)
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def code_width(levels: int) -> int:
-    """The narrowest packing width that holds ``levels`` distinct codes."""
-    need = max(1, math.ceil(math.log2(levels)))
-    for bits in WIDTHS:
-        if bits >= need:
-            return bits
-    raise ValueError(f"{levels} levels do not fit in one byte")
+    """The number of bits that holds ``levels`` distinct codes."""
+    bits = max(1, math.ceil(math.log2(levels)))
+    if bits > 8:
+        raise ValueError(f"{levels} levels do not fit in one byte")
+    return bits
 
 
 def packed_size(numel: int, bits: int) -> int:
     return math.ceil(numel * bits / 8)
+
+
+def _bit_planes(xp, codes, bits: int):
+    """(numel * bits,) uint8 0/1: bit b of code i at position bits * i + b."""
+    planes = xp.reshape(codes, (-1, 1)) // _place_values(xp, 1, codes)[:bits] % 2
+    return xp.flatten(planes)
 
 
 def _place_values(xp, bits: int, like):
@@ -31,8 +40,10 @@ def _place_values(xp, bits: int, like):
 
 def pack(xp, codes, bits: int):
     """uint8 codes (each < 2**bits) -> uint8 bytes."""
-    per = 8 // bits
     codes = xp.cast(xp.flatten(codes), "uint8")
+    if 8 % bits:
+        return pack(xp, _bit_planes(xp, codes, bits), 1)
+    per = 8 // bits
     if per == 1:
         return codes
     pad = -xp.numel(codes) % per
@@ -43,6 +54,9 @@ def pack(xp, codes, bits: int):
 
 def unpack(xp, packed, bits: int, numel: int):
     """uint8 bytes -> the first ``numel`` uint8 codes."""
+    if 8 % bits:
+        planes = xp.reshape(xp.cast(unpack(xp, packed, 1, numel * bits), "int64"), (-1, bits))
+        return xp.cast(xp.sum(planes * _place_values(xp, 1, packed)[:bits], axis=1), "uint8")
     per = 8 // bits
     if per == 1:
         return packed

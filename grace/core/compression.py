@@ -24,6 +24,9 @@ class GradientCompression:
                 "(their decompress is not linear or their shapes differ between ranks); "
                 "use 'allgather' or 'broadcast'"
             )
+        if compressor.multi_round and self.collective is not Collective.ALLREDUCE:
+            raise ValueError(f"{type(compressor).__name__} sums its factors between rounds: "
+                             "it runs only with communicator='allreduce'")
 
     def __repr__(self) -> str:
         return f"grace({self.compressor!r}, memory={self.memory!r}, communicator='{self.collective.value}')"

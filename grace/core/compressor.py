@@ -10,6 +10,16 @@ A compressor is a pure function pair written against a backend ``xp`` (see
 ``ctx`` never travels. It may hold only what every rank knows identically (shape, dtype,
 indices drawn from a shared seed), because a rank decodes its peers' payloads with its own ctx.
 Everything data-dependent (values, norms, lengths) is part of the payload.
+
+Two extensions, each used by the methods that need it:
+
+* Per-tensor state (signum's momentum, PowerSGD's Q) is explicit, as in optax: ``step(xp, x,
+  info, state) -> (payload, ctx, state)``. The caller keeps the state and checkpoints it.
+* A method whose compression itself needs a collective (PowerSGD: P must be summed before Q
+  is computed) sets ``multi_round`` and writes ``rounds(xp, x, info, state)``, a generator that
+  yields each payload to be summed by allreduce, receives the sum, and finally returns
+  ``(g_hat, p_hat, state)``: the mean over ranks, what this rank's input became (for the
+  memory: e = p - p_hat), and the new state.
 """
 from __future__ import annotations
 
@@ -79,8 +89,29 @@ class Compressor:
     supports_allreduce: bool = False
     #: payload lengths differ between ranks (the exchange then sends the lengths too)
     variable_length: bool = False
+    #: compression needs several allreduce rounds (see ``rounds``)
+    multi_round: bool = False
 
     def compress(self, xp, x, info: TensorInfo) -> Tuple[Payload, Any]:
+        raise NotImplementedError
+
+    def ideal_bits(self, xp, payload: Payload, ctx) -> float:
+        """The ideal wire cost of ``payload`` in bits: METHODS.md's 'payload (ideal)' column,
+        with indices at the width of ``index_dtype``. Multi-round methods: all rounds' payloads."""
+        raise NotImplementedError
+
+    def init_state(self, xp, x, info: TensorInfo):
+        """Per-tensor state before the first step (None: the method keeps none)."""
+        return None
+
+    def step(self, xp, x, info: TensorInfo, state) -> Tuple[Payload, Any, Any]:
+        """compress with per-tensor state (from ``init_state`` at the first step); stateless
+        methods need not override it."""
+        payload, ctx = self.compress(xp, x, info)
+        return payload, ctx, state
+
+    def rounds(self, xp, x, info: TensorInfo, state):
+        """Multi-round methods only: a generator, see the module docstring."""
         raise NotImplementedError
 
     def decompress(self, xp, payload: Payload, ctx) -> Any:
@@ -121,3 +152,7 @@ def index_dtype(numel: int) -> str:
     if numel <= 2**31:
         return "int32"
     return "int64"
+
+
+def index_bits(numel: int) -> int:
+    return {"uint8": 8, "int16": 16, "int32": 32, "int64": 64}[index_dtype(numel)]

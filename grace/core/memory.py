@@ -1,10 +1,12 @@
 """The Memory role of the GRACE pipeline: error feedback (seed 001 §IV).
 
+    state = init(g)                   # before a tensor's first step
     p     = compensate(g, state)      # phi
     state = update(p, p_hat, state)   # psi, with p_hat = decompress(compress(p))
 
 A Memory object holds only configuration. Its state (one entry per tensor and rank) is passed
-in and returned, so the caller can keep it, save it in a checkpoint and restore it exactly.
+in and returned, so the caller can keep it (in a dict, or in tf.Variables created from
+``init``), save it in a checkpoint and restore it exactly.
 """
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ class Memory:
 
     #: update() needs p_hat, so the pipeline must decompress the rank's own payload
     needs_feedback: bool = False
+
+    def init(self, xp, g) -> Optional[Any]:
+        """The state before the first step (None: this memory keeps none for ``g``)."""
+        return None
 
     def compensate(self, xp, g, state: Optional[Any]):
         return g

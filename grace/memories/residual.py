@@ -18,10 +18,11 @@ class ResidualMemory(Memory):
         self.beta = float(beta)
         self.gamma = float(gamma)
 
+    def init(self, xp, g):
+        return xp.zeros_like(g)
+
     def compensate(self, xp, g, residual):
         p = g if self.gamma == 1.0 else g * self.gamma
-        if residual is None:
-            return p
         return p + (residual if self.beta == 1.0 else residual * self.beta)
 
     def update(self, xp, p, p_hat, residual):

@@ -9,7 +9,7 @@ import pytest
 
 import grace
 from grace import Exchange
-from tests.unit.conftest import SingleRank
+from grace.core.communicator import LocalCommunicator
 
 
 @pytest.mark.parametrize("ratio", [0, -0.1, 1.5, float("nan"), "0.1", None, True])
@@ -61,7 +61,7 @@ def test_default_memories_follow_the_catalogue():
 
 def test_integer_gradients_are_refused_with_their_dtype():
     with pytest.raises(TypeError, match="'w' has dtype int64"):
-        Exchange(grace.topk(0.1), SingleRank()).exchange({"w": np.arange(10)})
+        Exchange(grace.topk(0.1), LocalCommunicator()).exchange({"w": np.arange(10)})
 
 
 def test_horovod_hook_on_a_grace_object_fails_loudly():
@@ -87,4 +87,5 @@ def test_every_registered_method_is_under_test():
         assert registered <= tested, registered - tested
 
 
-_ARGS = {"topk": {"ratio": 0.1}, "randomk": {"ratio": 0.1}, "threshold": {"threshold": 0.1}}
+_ARGS = {"topk": {"ratio": 0.1}, "randomk": {"ratio": 0.1}, "threshold": {"threshold": 0.1}, "dgc": {"ratio": 0.1},
+         "efsignsgd": {"lr": 0.1}}

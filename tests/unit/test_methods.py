@@ -9,16 +9,14 @@ import pytest
 import grace
 from grace.backends import get_backend
 from grace.core.compressor import TensorInfo, index_dtype
-from tests.unit.conftest import METHODS, to_backend
+from tests.unit.conftest import METHODS, roundtrip as run_method, to_backend
 
 SHAPES = [(), (1,), (0,), (7,), (3, 5), (2, 3, 4), (300,), (40000,)]
 INFO = TensorInfo(name="layer.weight", step=3, world_size=4)
 
 
 def roundtrip(xp, method, x):
-    compressor = METHODS[method]().compressor
-    payload, ctx = compressor.compress(xp, x, INFO)
-    return payload, compressor.decompress(xp, payload, ctx)
+    return run_method(xp, METHODS[method]().compressor, x, INFO)
 
 
 def sample(shape, seed=0):

@@ -26,6 +26,7 @@ def draws(compressor, x, steps, rank=0):
     lambda: grace.qsgd(4).compressor,
     lambda: grace.qsgd(2, bucket_size=16).compressor,
     lambda: grace.terngrad().compressor,
+    lambda: grace.natural().compressor,
 ])
 @pytest.mark.parametrize("rounding", ["stochastic", "always down"])
 def test_unbiased_methods_average_to_the_input(make, rounding, monkeypatch):
@@ -34,7 +35,8 @@ def test_unbiased_methods_average_to_the_input(make, rounding, monkeypatch):
     x = np.random.default_rng(0).standard_normal(64).astype(np.float32)
     steps = 3000
     mean = sum(draws(make(), x, steps)) / steps
-    # one draw errs by at most ||x|| / s (qsgd) or max|x| (terngrad) per element: a 6-sigma bound
+    # one draw errs by at most ||x|| / s (qsgd), max|x| (terngrad) or |x| (natural) per element:
+    # a 6-sigma bound
     bound = 6 * np.linalg.norm(x) / 2 / math.sqrt(steps)
     error = np.abs(mean - x).max()
     assert (error < bound) == (rounding == "stochastic"), (error, bound)

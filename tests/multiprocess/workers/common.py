@@ -57,6 +57,18 @@ VARIANTS = {
     "qsgd": Variant(lambda: grace.qsgd(4)),
     "qsgd_bucketed_broadcast": Variant(lambda: grace.qsgd(16, bucket_size=50, communicator="broadcast")),
     "terngrad": Variant(grace.terngrad),
+    "natural": Variant(grace.natural),
+    "u8bit": Variant(grace.u8bit),
+    "inceptionn": Variant(lambda: grace.inceptionn(1e-4)),  # all four tags occur
+    "signum": Variant(lambda: grace.signum(0.5)),
+    "efsignsgd": Variant(lambda: grace.efsignsgd(0.1)),
+    "dgc": Variant(lambda: grace.dgc(0.05, sample_ratio=0.1, clip_norm=5.0)),
+    "dgc_warmup_broadcast": Variant(lambda: grace.dgc(0.01, warmup_steps=2, communicator="broadcast")),
+    "adaq": Variant(lambda: grace.adaq(0.1)),
+    "sketchml": Variant(lambda: grace.sketchml(16)),
+    "powersgd": Variant(lambda: grace.powersgd(2)),
+    "powersgd_checkpoint": Variant(lambda: grace.powersgd(1), checkpoint_after=1),
+    "signum_checkpoint": Variant(lambda: grace.signum(0.5), checkpoint_after=0),
 }
 
 
@@ -82,6 +94,19 @@ def parse_args():
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     return parser.parse_args()
+
+
+def state_arrays(grace_state: dict, to_numpy) -> dict:
+    """'memory/<name>' and 'state/<name>' arrays of an exchange's state_dict; a state made of
+    several tensors (DGC's u and v) as '<kind>/<name>/<i>'."""
+    out = {}
+    for kind in ("memory", "state"):
+        for name, value in grace_state[kind].items():
+            if isinstance(value, tuple):
+                out.update({f"{kind}/{name}/{i}": to_numpy(v) for i, v in enumerate(value)})
+            else:
+                out[f"{kind}/{name}"] = to_numpy(value)
+    return out
 
 
 def save(out: Path, label: str, rank: int, results: dict) -> None:

@@ -2,7 +2,7 @@
 
     mpirun -np 3 python numpy_mpi.py --out DIR
 """
-from common import PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save
+from common import PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save, state_arrays
 
 from grace import Exchange
 from grace.mpi import MPICommunicator
@@ -21,8 +21,7 @@ def run(label, variant, comm):
             state = exchange.state_dict()
             exchange = Exchange(variant.make(), comm, average=variant.op == "average")
             exchange.load_state_dict(state)
-    for name, residual in exchange.memory.items():
-        results[f"memory/{name}"] = residual
+    results.update(state_arrays(exchange.state_dict(), lambda a: a))
     return results
 
 

@@ -8,7 +8,7 @@ import io
 import horovod.torch as hvd  # the user's two lines, in this order here ...
 import grace  # noqa: F401   (... and in the other order in the training test)
 import torch
-from common import PARAMS, STEPS, VARIANTS, gradient, names, parse_args, save
+from common import PARAMS, STEPS, VARIANTS, gradient, names, parse_args, save, state_arrays
 
 
 def build(variant, values, state=None):
@@ -44,8 +44,7 @@ def run(label, variant):
             buffer = io.BytesIO()
             torch.save(optimizer.state_dict(), buffer)
             params, optimizer = build(variant, [p.detach().numpy() for p in params], buffer.getvalue())
-    for name, residual in optimizer.state_dict()["grace"]["memory"].items():
-        results[f"memory/{name}"] = residual.numpy()
+    results.update(state_arrays(optimizer.state_dict()["grace"], lambda t: t.numpy()))
     return results
 
 

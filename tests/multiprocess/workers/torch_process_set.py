@@ -7,7 +7,7 @@ Ranks 0 and 1 form a process set and exchange top-k payloads in it; rank 2 stays
 import horovod.torch as hvd
 import grace
 import torch
-from common import PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save
+from common import PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save, state_arrays
 
 MEMBERS = [0, 1]
 
@@ -37,8 +37,7 @@ def run(args, pair):
         for name, p in zip(names(variant), params):
             results[f"grad/{name}/{step}"] = p.grad.numpy().copy()
         results[f"bytes/{step}"] = optimizer.grace_stats.last_step_bytes
-    for name, residual in optimizer.state_dict()["grace"]["memory"].items():
-        results[f"memory/{name}"] = residual.numpy()
+    results.update(state_arrays(optimizer.state_dict()["grace"], lambda t: t.numpy()))
     save(args.out, "topk_process_set", pair.rank(), results)
 
 

@@ -1,0 +1,52 @@
+"""Adaptive quantization (Dryden et al. 2016): the largest fraction of each sign, at its mean.
+
+    P = the ceil(ratio * #positive) largest positive elements, N likewise for the negative
+    send the indices of P and of N, and mean(P), mean(N)
+    decode: mean(P) at P, mean(N) at N, 0 elsewhere
+"""
+import math
+
+from grace.core.compression import GradientCompression
+from grace.core.compressor import Collective, Compressor, Shape, check_ratio, index_bits, index_dtype
+from grace.core.registry import register
+from grace.memories import make_memory
+
+
+class AdaQ(Compressor):
+    collective = Collective.ALLGATHER
+    variable_length = True
+
+    def __init__(self, ratio: float):
+        self.ratio = check_ratio(ratio)
+
+    def _side(self, xp, flat, members):
+        """Sorted indices of the largest ``ratio`` of ``flat[members]`` and their sum."""
+        values = xp.gather(flat, members)
+        k = math.ceil(self.ratio * xp.numel(values))
+        chosen = xp.sort(xp.gather(members, xp.topk_indices(values, k)))
+        return chosen, xp.sum(xp.gather(flat, chosen))
+
+    def compress(self, xp, x, info):
+        flat = xp.cast(xp.flatten(x), "float32")
+        positive, pos_sum = self._side(xp, flat, xp.nonzero(flat > 0))
+        negative, neg_sum = self._side(xp, -flat, xp.nonzero(flat < 0))
+        means = xp.concat([xp.reshape(pos_sum / max(1, xp.numel(positive)), (1,)),
+                           xp.reshape(-neg_sum / max(1, xp.numel(negative)), (1,))])
+        dtype = index_dtype(xp.numel(flat))
+        return (xp.cast(positive, dtype), xp.cast(negative, dtype), means), Shape(xp.shape(x), xp.dtype(x))
+
+    def ideal_bits(self, xp, payload, ctx):
+        return (xp.numel(payload[0]) + xp.numel(payload[1])) * index_bits(ctx.numel) + 64
+
+    def decompress(self, xp, payload, ctx):
+        positive, negative, means = payload
+        values = xp.concat([xp.zeros(xp.numel(positive), "float32", like=means) + means[0],
+                            xp.zeros(xp.numel(negative), "float32", like=means) + means[1]])
+        indices = xp.concat([xp.cast(positive, "int64"), xp.cast(negative, "int64")])
+        return xp.reshape(xp.cast(xp.scatter_add(indices, values, ctx.numel), ctx.dtype), ctx.shape)
+
+
+@register("adaq", compress_ratio="ratio")
+def adaq(ratio: float = 0.01, *, memory="residual", communicator=None) -> GradientCompression:
+    """AdaQ: the top ``ratio`` of the positive and of the negative elements, each at its mean."""
+    return GradientCompression(AdaQ(ratio), make_memory(memory), communicator)

@@ -1,0 +1,63 @@
+"""Deep Gradient Compression (Lin et al. 2018): a threshold estimated from a sample.
+
+    k   = max(1, ceil(ratio_t * d));   ratio_t = ratio, or during warm-up
+          ratio^((t + 1) / (warmup_steps + 1)): the sparsity rises exponentially
+    thr = the ceil(ratio_t * s)-th largest |v| of s = ceil(sample_ratio * d) random elements
+    send v where |v| >= thr; if that is more than k elements, the k largest of them
+
+Momentum correction and factor masking are the 'dgc' memory (grace/memories/dgc.py); the
+selection here sees v. The sample is each rank's own, so lengths differ between ranks.
+"""
+import math
+
+from grace.compressors.sparse import Sparsifier
+from grace.core.compression import GradientCompression
+from grace.core.compressor import check_ratio
+from grace.core.registry import register
+from grace.memories import DGCMemory, make_memory
+
+
+class DGC(Sparsifier):
+    variable_length = True
+
+    def __init__(self, ratio: float, sample_ratio: float = 0.01, warmup_steps: int = 0, seed: int = 0):
+        self.ratio = check_ratio(ratio)
+        self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
+        self.seed = seed
+
+    def ratio_at(self, step: int) -> float:
+        if step >= self.warmup_steps:
+            return self.ratio
+        return self.ratio ** ((step + 1) / (self.warmup_steps + 1))
+
+    def select(self, xp, flat, info):
+        d = xp.numel(flat)
+        ratio = self.ratio_at(info.step)
+        k = min(d, max(1, math.ceil(ratio * d)))
+        magnitude = xp.abs(flat)
+        if d == 0:
+            return xp.nonzero(magnitude > 0)
+        s = min(d, max(1, math.ceil(self.sample_ratio * d)))
+        if s == d:
+            sample = magnitude
+        else:
+            u = xp.uniform(s, info.rank_seed(self.seed), like=flat)
+            sample = xp.gather(magnitude, xp.cast(xp.floor(u * d), "int64"))
+        threshold = xp.sort(sample)[s - max(1, math.ceil(ratio * s))]
+        selected = xp.nonzero(magnitude >= threshold)
+        if xp.numel(selected) > k:  # the sample underestimated the threshold
+            selected = xp.sort(xp.gather(selected, xp.topk_indices(xp.gather(magnitude, selected), k)))
+        return selected
+
+
+@register("dgc", compress_ratio="ratio", sample_ratio="sample_ratio", warmup_steps="warmup_steps",
+          momentum="momentum", clip_norm="clip_norm", seed="seed")
+def dgc(ratio: float, *, sample_ratio: float = 0.01, warmup_steps: int = 0, momentum: float = 0.9,
+        clip_norm: float = 0.0, seed: int = 0, memory="dgc", communicator=None) -> GradientCompression:
+    """DGC: sampled-threshold sparsification with momentum correction (use an optimizer
+    without momentum), factor masking, optional clipping and sparsity warm-up."""
+    memory = DGCMemory(momentum, clip_norm) if memory == "dgc" else make_memory(memory)
+    return GradientCompression(DGC(ratio, sample_ratio, warmup_steps, seed), memory, communicator)

@@ -1,0 +1,50 @@
+"""EF-signSGD (Karimireddy et al. 2019): scaled sign with error feedback in model units.
+
+    p    = lr * g + e                    (memory 'efsignsgd': residual with gamma = lr)
+    C(p) = (||p||_1 / d) * sign(p)       1 bit per element + one float32
+    e    = p - C(p)
+    g_hat = mean_i C(p_i) / lr           back to gradient units for the optimizer
+
+``lr`` must be the optimizer's learning rate.
+"""
+from grace.core import bits
+from grace.core.compression import GradientCompression
+from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.registry import register
+from grace.memories import EFSignSGDMemory, make_memory
+
+
+class EFSignSGD(Compressor):
+    collective = Collective.ALLGATHER
+
+    def __init__(self, lr: float):
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"lr must be the optimizer's learning rate, a number > 0; got {lr!r}")
+        self.lr = float(lr)
+
+    def compress(self, xp, x, info):
+        flat = xp.cast(xp.flatten(x), "float32")
+        scale = xp.sum(xp.abs(flat)) / max(1, xp.numel(flat))
+        return (bits.pack(xp, flat >= 0, 1), xp.reshape(scale, (1,))), Shape(xp.shape(x), xp.dtype(x))
+
+    def ideal_bits(self, xp, payload, ctx):
+        return ctx.numel + 32  # bits + scale
+
+    def decompress(self, xp, payload, ctx):
+        packed, scale = payload
+        signs = xp.cast(bits.unpack(xp, packed, 1, ctx.numel), "float32") * 2 - 1
+        return xp.reshape(xp.cast(signs * scale[0], ctx.dtype), ctx.shape)
+
+    def aggregate(self, xp, payloads, ctx):
+        return super().aggregate(xp, payloads, ctx) / self.lr
+
+
+@register("efsignsgd", lr="lr")
+def efsignsgd(lr: float, *, memory="efsignsgd", communicator=None) -> GradientCompression:
+    """EF-signSGD: scaled sign (1 bit + 1 float) with error feedback; ``lr`` as the optimizer's."""
+    compressor = EFSignSGD(lr)
+    memory = make_memory(memory, lr=compressor.lr)
+    if not (isinstance(memory, EFSignSGDMemory) and memory.gamma == compressor.lr):
+        raise ValueError("efsignsgd works in model units: its memory must be 'efsignsgd' "
+                         f"(error feedback with gamma = lr = {compressor.lr}); got {memory!r}")
+    return GradientCompression(compressor, memory, communicator)
