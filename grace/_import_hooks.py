@@ -12,8 +12,10 @@ import importlib
 import importlib.abc
 import sys
 
-_ADAPTERS = {
-    "horovod.torch": "grace.torch.horovod_hook",
+_ADAPTERS = {  # Horovod module: (adapter module, its install function)
+    "horovod.torch": ("grace.torch.horovod_hook", "install"),
+    "horovod.tensorflow": ("grace.tensorflow.horovod_hook", "install"),
+    "horovod.tensorflow.keras": ("grace.tensorflow.horovod_hook", "install_keras"),
 }
 _installed = set()
 
@@ -21,7 +23,8 @@ _installed = set()
 def _install(module_name: str) -> None:
     if module_name not in _installed:
         _installed.add(module_name)
-        importlib.import_module(_ADAPTERS[module_name]).install(sys.modules[module_name])
+        adapter, function = _ADAPTERS[module_name]
+        getattr(importlib.import_module(adapter), function)(sys.modules[module_name])
 
 
 class _LoaderWithHook(importlib.abc.Loader):

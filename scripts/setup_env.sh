@@ -71,11 +71,13 @@ if ! "$PY" -c "import importlib.metadata as m; assert m.version('horovod') == '$
     echo "$key" >"$VENV/.horovod-key"
 fi
 
-# 4. grace itself, editable.
+# 4. grace itself, editable, and its native kernels (csrc/: the CPU library always, the CUDA one
+#    where nvcc is found), rebuilt when their sources change; a no-op when they are up to date.
 if ! (cd / && "$PY" -c "import grace" 2>/dev/null); then  # not from the repo root: that would find ./grace
     log "installing grace (editable)"
     "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$REPO"
 fi
+"$PY" "$REPO/csrc/build.py"
 
 # 5. Proof that Horovod sees every framework and controller we rely on.
 check="$("$VENV/bin/horovodrun" --check-build)"

@@ -1,16 +1,19 @@
 """Data-parallel training on scikit-learn's digits with a grace compression method.
 
     horovodrun -np 4 -H localhost:4 --gloo python scripts/train.py --compressor topk --ratio 0.01
+    horovodrun -np 4 -H localhost:4 --gloo python scripts/train.py --framework tensorflow
     mpirun -np 2 python scripts/train.py --compressor threshold --threshold 0.01 --epochs 10
 
 Each rank trains on its shard of the training set; gradients travel compressed through
-``hvd.DistributedOptimizer``. Rank 0 shows a progress bar and prints a summary (test accuracy,
-bytes sent per step against uncompressed float32, steps per second); ``--json`` saves it.
+``hvd.DistributedOptimizer`` (PyTorch) or Keras's ``hvd.DistributedOptimizer`` and ``model.fit``
+(TensorFlow, Keras 2). Rank 0 shows progress and prints a summary (test accuracy, bytes sent
+per step against uncompressed float32, steps per second); ``--json`` saves it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +27,7 @@ import grace
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--framework", default="torch", choices=["torch", "tensorflow"])
     parser.add_argument("--compressor", default="topk", choices=grace.methods())
     parser.add_argument("--ratio", type=float, default=0.01, help="topk, randomk, dgc, adaq: fraction sent")
     parser.add_argument("--threshold", type=float, default=0.01, help="threshold: |x| >= threshold is sent")
@@ -74,7 +78,37 @@ def digits(seed: int):
 def main(argv=None):
     args = parse_args(argv)
     compression = make_compression(args)  # bad arguments fail before Horovod starts
+    train = train_keras if args.framework == "tensorflow" else train_torch
+    result = train(args, compression)
+    stats = result["stats"]
+    summary = {
+        "framework": args.framework,
+        "compression": repr(compression),
+        "ranks": result["size"],
+        "rank": result["rank"],
+        "epochs": args.epochs,
+        "steps": stats.steps,
+        "test_accuracy": result["accuracy"],
+        "bytes_per_step": stats.bytes_sent / stats.steps,
+        "dense_bytes_per_step": stats.dense_bytes / stats.steps,
+        "compression_ratio": stats.compression_ratio,
+        "steps_per_second": result["steps"] / result["elapsed"],
+        "ranks_agree": result["ranks_agree"],  # every rank ended with the same model
+    }
+    if summary["rank"] == 0:
+        print(f"\n{summary['compression']} on {summary['ranks']} ranks ({args.framework}), {args.epochs} epochs:\n"
+              f"  test accuracy     {summary['test_accuracy']:.4f}\n"
+              f"  bytes per step    {summary['bytes_per_step']:.0f} "
+              f"(uncompressed float32: {summary['dense_bytes_per_step']:.0f}, "
+              f"{summary['compression_ratio']:.1f}x fewer)\n"
+              f"  steps per second  {summary['steps_per_second']:.1f}\n"
+              f"  ranks agree       {summary['ranks_agree']}")
+        if args.json:
+            args.json.write_text(json.dumps(summary, indent=2))
+    return summary
 
+
+def train_torch(args, compression):
     import torch
     import horovod.torch as hvd
 
@@ -114,33 +148,46 @@ def main(argv=None):
 
     with torch.no_grad():
         accuracy = float((model(torch.from_numpy(x_test)).argmax(1).numpy() == y_test).mean())
-    stats = optimizer.grace_stats
-    summary = {
-        "compression": repr(compression),
-        "ranks": hvd.size(),
-        "rank": hvd.rank(),
-        "epochs": args.epochs,
-        "steps": stats.steps,
-        "test_accuracy": accuracy,
-        "bytes_per_step": stats.bytes_sent / stats.steps,
-        "dense_bytes_per_step": stats.dense_bytes / stats.steps,
-        "compression_ratio": stats.compression_ratio,
-        "steps_per_second": total / elapsed,
-    }
-    # Every rank must end with the same model: the exchange delivered the same gradient everywhere.
     checksum = hvd.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()])[None])
-    summary["ranks_agree"] = bool(torch.allclose(checksum, checksum[0:1].expand_as(checksum)))
-    if hvd.rank() == 0:
-        print(f"\n{summary['compression']} on {hvd.size()} ranks, {args.epochs} epochs:\n"
-              f"  test accuracy     {accuracy:.4f}\n"
-              f"  bytes per step    {summary['bytes_per_step']:.0f} "
-              f"(uncompressed float32: {summary['dense_bytes_per_step']:.0f}, "
-              f"{summary['compression_ratio']:.1f}x fewer)\n"
-              f"  steps per second  {summary['steps_per_second']:.1f}\n"
-              f"  ranks agree       {summary['ranks_agree']}")
-        if args.json:
-            args.json.write_text(json.dumps(summary, indent=2))
-    return summary
+    return dict(accuracy=accuracy, stats=optimizer.grace_stats, rank=hvd.rank(), size=hvd.size(), steps=total,
+                elapsed=elapsed, ranks_agree=bool(torch.allclose(checksum, checksum[0:1].expand_as(checksum))))
+
+
+def train_keras(args, compression):
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # Horovod's Keras support needs Keras 2
+    import tensorflow as tf
+    import horovod.tensorflow as hvd_tf
+    import horovod.tensorflow.keras as hvd
+
+    hvd.init()
+    tf.keras.utils.set_random_seed(args.seed)
+    x_train, x_test, y_train, y_test = digits(args.seed)
+    x_train, y_train = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
+
+    model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(args.hidden, activation="relu"),
+                                 tf.keras.layers.Dense(10)])
+    momentum = 0.0 if args.compressor in OWN_MOMENTUM else args.momentum
+    optimizer = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(args.lr, momentum=momentum),
+                                         compression=compression)
+    model.compile(optimizer, tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+
+    # Every rank takes the same number of steps per epoch, or the collectives would not pair up.
+    steps_per_epoch = int(hvd_tf.allreduce(tf.constant(len(x_train) // args.batch_size), op=hvd_tf.Min))
+    data = (tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(len(x_train), seed=args.seed + hvd.rank())
+            .batch(args.batch_size, drop_remainder=True).repeat())
+    start = time.perf_counter()
+    model.fit(data, epochs=args.epochs, steps_per_epoch=steps_per_epoch,
+              verbose=2 if hvd.rank() == 0 and not args.no_progress else 0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    elapsed = time.perf_counter() - start
+
+    accuracy = float((model.predict(x_test, verbose=0).argmax(1) == y_test).mean())
+    weights = tf.concat([tf.reshape(w, (-1,)) for w in model.trainable_weights], 0)
+    checksum = hvd_tf.allgather(weights[None]).numpy()
+    return dict(accuracy=accuracy, stats=optimizer.grace.stats, rank=hvd.rank(), size=hvd.size(),
+                steps=args.epochs * steps_per_epoch, elapsed=elapsed,
+                ranks_agree=bool(np.allclose(checksum, checksum[:1])))
 
 
 if __name__ == "__main__":

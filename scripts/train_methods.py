@@ -18,7 +18,8 @@ import train
 
 # command-line settings per method (the rest are train.py's defaults)
 SETTINGS = {
-    "none": [], "fp16": [], "u8bit": [], "onebit": [], "signsgd": [], "signum": [], "efsignsgd": [],
+    "none": [], "fp16": [], "u8bit": [], "onebit": [], "efsignsgd": [],
+    "signsgd": ["--lr", "0.005"], "signum": ["--lr", "0.005"],  # each step moves every weight by lr
     "qsgd": ["--levels", "127"], "natural": [], "terngrad": [], "inceptionn": [],
     "randomk": ["--ratio", "0.1"], "topk": ["--ratio", "0.01"], "threshold": ["--threshold", "0.01"],
     "dgc": ["--ratio", "0.01"], "adaq": ["--ratio", "0.01"], "sketchml": [], "powersgd": ["--rank", "1"],

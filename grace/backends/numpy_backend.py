@@ -25,7 +25,7 @@ class NumpyBackend:
         return np.asarray(data)
 
     def zeros(self, numel: int, dtype: str, like=None):
-        return self.cast(np.zeros(numel), dtype)
+        return self.cast(np.zeros(int(numel)), dtype)
 
     def zeros_like(self, x):
         return np.zeros_like(x)
@@ -62,6 +62,12 @@ class NumpyBackend:
     def floor(self, x):
         return np.floor(x)
 
+    def ceil(self, x):
+        return np.ceil(x)
+
+    def minimum(self, a, b):
+        return np.minimum(a, b)
+
     def round(self, x):
         """To the nearest integer, halves to even."""
         return np.round(x)
@@ -79,7 +85,8 @@ class NumpyBackend:
         return np.maximum(x, low)
 
     def sum(self, x, axis=None):
-        return np.sum(x, axis=axis, dtype=x.dtype if x.dtype.kind == "f" else np.int64)
+        floating = x.dtype.kind == "f" or x.dtype.name == "bfloat16"  # ml_dtypes' bfloat16 has kind 'V'
+        return np.sum(x, axis=axis, dtype=x.dtype if floating else np.int64)
 
     def max(self, x, axis=None):
         """Maximum; 0 for an empty tensor, like the other backends."""
@@ -89,12 +96,16 @@ class NumpyBackend:
         """Euclidean norm, accumulated in float32 at least."""
         return np.sqrt(np.sum(np.square(x, dtype=np.promote_types(x.dtype, np.float32)), axis=axis))
 
-    def uniform(self, numel: int, seed: int, like=None):
-        """float32 draws in [0, 1), from NumPy's generator on the host."""
-        return np.random.default_rng(seed).random(numel, dtype=np.float32)
+    def uniform(self, numel: int, seed, like=None):
+        """float32 draws in [0, 1) from the (key, step) ``seed``, by NumPy's generator."""
+        return np.random.default_rng(list(seed)).random(numel, dtype=np.float32)
+
+    def random_indices(self, numel: int, k: int, seed, like=None):
+        """k distinct indices below ``numel``, drawn from ``seed``, sorted (int64)."""
+        return np.sort(np.random.default_rng(list(seed)).choice(numel, size=k, replace=False))
 
     def arange(self, n: int, like=None):
-        return np.arange(n, dtype=np.int64)
+        return np.arange(int(n), dtype=np.int64)
 
     def sort(self, x):
         return np.sort(x)
@@ -105,6 +116,7 @@ class NumpyBackend:
 
     def topk_indices(self, x, k: int):
         """Indices (int64, any order) of the k largest elements of the 1-d ``x``."""
+        k = int(k)
         if k >= x.size:
             return np.arange(x.size, dtype=np.int64)
         return np.argpartition(x, x.size - k)[x.size - k:].astype(np.int64)
@@ -117,7 +129,7 @@ class NumpyBackend:
 
     def scatter_add(self, idx, values, numel: int):
         """A dense 1-d tensor of ``numel`` zeros with ``values`` added at ``idx``."""
-        out = np.zeros(numel, dtype=values.dtype)
+        out = np.zeros(int(numel), dtype=values.dtype)
         np.add.at(out, idx.astype(np.int64, copy=False), values)
         return out
 

@@ -1,8 +1,21 @@
 """PyTorch backend: the same operations as the NumPy reference, on the tensor's own device."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
+
+from grace import native as _native
+from grace.backends.numpy_backend import NumpyBackend
+
+
+_numpy_backend = NumpyBackend()
+
+
+def _generator(seed, device) -> torch.Generator:
+    key, step = seed
+    return torch.Generator(device=device).manual_seed((key * 1_000_003 + int(step)) % 2**63)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -34,7 +47,7 @@ class TorchBackend:
         return torch.as_tensor(np.asarray(data), device=device)
 
     def zeros(self, numel: int, dtype: str, like=None):
-        return torch.zeros(numel, dtype=_dtype(dtype), device=like.device if like is not None else None)
+        return torch.zeros(int(numel), dtype=_dtype(dtype), device=like.device if like is not None else None)
 
     def zeros_like(self, x):
         return torch.zeros_like(x)
@@ -45,6 +58,8 @@ class TorchBackend:
         return x.detach().cpu().numpy()
 
     def cast(self, x, dtype: str):
+        if not torch.is_tensor(x):  # a Python number, e.g. a count
+            return torch.as_tensor(x, dtype=_dtype(dtype))
         return x.to(_dtype(dtype))
 
     def flatten(self, x):
@@ -57,7 +72,7 @@ class TorchBackend:
         return torch.cat(list(xs))
 
     def split(self, x, sizes):
-        return list(torch.split(x, list(sizes)))
+        return list(torch.split(x, [int(s) for s in sizes]))
 
     # --- arithmetic and selection --------------------------------------------------------
     def abs(self, x):
@@ -68,6 +83,14 @@ class TorchBackend:
 
     def floor(self, x):
         return torch.floor(x)
+
+    def ceil(self, x):
+        return torch.ceil(x) if torch.is_tensor(x) else float(math.ceil(x))
+
+    def minimum(self, a, b):
+        if torch.is_tensor(a) or torch.is_tensor(b):
+            return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
+        return min(a, b)
 
     def round(self, x):
         return torch.round(x)
@@ -82,7 +105,7 @@ class TorchBackend:
         return torch.where(mask, a, b)
 
     def clip_min(self, x, low):
-        return x.clamp(min=low)
+        return x.clamp(min=low) if torch.is_tensor(x) else max(x, low)
 
     def sum(self, x, axis=None):
         if x.dtype.is_floating_point:
@@ -98,17 +121,22 @@ class TorchBackend:
         x = x if x.dtype in (torch.float32, torch.float64) else x.float()
         return torch.linalg.vector_norm(x) if axis is None else torch.linalg.vector_norm(x, dim=axis)
 
-    def uniform(self, numel: int, seed: int, like=None):
+    def uniform(self, numel: int, seed, like=None):
         """float32 draws in [0, 1). On the CPU they come from NumPy's generator, so they equal
         the NumPy backend's; on a GPU from torch's, without leaving the device."""
         device = like.device if like is not None else torch.device("cpu")
         if device.type == "cpu":
-            return torch.from_numpy(np.random.default_rng(seed).random(numel, dtype=np.float32))
-        generator = torch.Generator(device=device).manual_seed(seed % 2**63)
-        return torch.rand(numel, generator=generator, device=device)
+            return torch.from_numpy(_numpy_backend.uniform(numel, seed))
+        return torch.rand(numel, generator=_generator(seed, device), device=device)
+
+    def random_indices(self, numel: int, k: int, seed, like=None):
+        device = like.device if like is not None else torch.device("cpu")
+        if device.type == "cpu":
+            return torch.from_numpy(_numpy_backend.random_indices(numel, k, seed))
+        return torch.sort(torch.randperm(numel, generator=_generator(seed, device), device=device)[:k]).values
 
     def arange(self, n: int, like=None):
-        return torch.arange(n, device=like.device if like is not None else None)
+        return torch.arange(int(n), device=like.device if like is not None else None)
 
     def sort(self, x):
         return torch.sort(x).values
@@ -117,18 +145,31 @@ class TorchBackend:
         return torch.sort(x, stable=True).indices
 
     def topk_indices(self, x, k: int):
+        k = int(k)
         if k >= x.numel():
             return torch.arange(x.numel(), device=x.device)
+        if x.dim() == 1:  # native radix select (csrc/) when built: linear time, indices ascending
+            idx = _native.try_topk_indices(x, k)
+            if idx is not None:
+                return idx
         return torch.topk(x, k, sorted=False).indices
 
     def nonzero(self, mask):
+        if mask.dim() == 1:
+            idx = _native.try_nonzero(mask)
+            if idx is not None:
+                return idx
         return torch.nonzero(mask, as_tuple=True)[0]
 
     def gather(self, x, idx):
         return x[idx.long()]
 
     def scatter_add(self, idx, values, numel: int):
-        out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+        if idx.dim() == 1 and values.dim() == 1:
+            out = _native.try_scatter_add(idx, values, numel)
+            if out is not None:
+                return out
+        out = torch.zeros(int(numel), dtype=values.dtype, device=values.device)
         return out.index_add_(0, idx.long(), values)
 
     # --- linear algebra (2-d) ------------------------------------------------------------

@@ -4,8 +4,6 @@
     send the indices of P and of N, and mean(P), mean(N)
     decode: mean(P) at P, mean(N) at N, 0 elsewhere
 """
-import math
-
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape, check_ratio, index_bits, index_dtype
 from grace.core.registry import register
@@ -20,18 +18,17 @@ class AdaQ(Compressor):
         self.ratio = check_ratio(ratio)
 
     def _side(self, xp, flat, members):
-        """Sorted indices of the largest ``ratio`` of ``flat[members]`` and their sum."""
+        """Sorted indices of the largest ``ratio`` of ``flat[members]`` and their mean."""
         values = xp.gather(flat, members)
-        k = math.ceil(self.ratio * xp.numel(values))
+        k = xp.ceil(self.ratio * xp.sum(xp.cast(members >= 0, "float32")))  # a count, maybe dynamic
         chosen = xp.sort(xp.gather(members, xp.topk_indices(values, k)))
-        return chosen, xp.sum(xp.gather(flat, chosen))
+        return chosen, xp.sum(xp.gather(flat, chosen)) / xp.clip_min(k, 1)
 
     def compress(self, xp, x, info):
         flat = xp.cast(xp.flatten(x), "float32")
-        positive, pos_sum = self._side(xp, flat, xp.nonzero(flat > 0))
-        negative, neg_sum = self._side(xp, -flat, xp.nonzero(flat < 0))
-        means = xp.concat([xp.reshape(pos_sum / max(1, xp.numel(positive)), (1,)),
-                           xp.reshape(-neg_sum / max(1, xp.numel(negative)), (1,))])
+        positive, pos_mean = self._side(xp, flat, xp.nonzero(flat > 0))
+        negative, neg_mean = self._side(xp, -flat, xp.nonzero(flat < 0))
+        means = xp.cast(xp.concat([xp.reshape(pos_mean, (1,)), xp.reshape(-neg_mean, (1,))]), "float32")
         dtype = index_dtype(xp.numel(flat))
         return (xp.cast(positive, dtype), xp.cast(negative, dtype), means), Shape(xp.shape(x), xp.dtype(x))
 

@@ -28,29 +28,30 @@ class DGC(Sparsifier):
         self.warmup_steps = warmup_steps
         self.seed = seed
 
-    def ratio_at(self, step: int) -> float:
-        if step >= self.warmup_steps:
+    def ratio_at(self, xp, step):
+        """The target ratio at ``step`` (an int, or a tensor inside a traced step)."""
+        if not self.warmup_steps:
             return self.ratio
-        return self.ratio ** ((step + 1) / (self.warmup_steps + 1))
+        return self.ratio ** xp.minimum((step + 1) / (self.warmup_steps + 1), 1.0)
 
     def select(self, xp, flat, info):
         d = xp.numel(flat)
-        ratio = self.ratio_at(info.step)
-        k = min(d, max(1, math.ceil(ratio * d)))
         magnitude = xp.abs(flat)
         if d == 0:
             return xp.nonzero(magnitude > 0)
+        ratio = self.ratio_at(xp, info.step)
+        k = xp.clip_min(xp.ceil(ratio * d), 1)  # <= d, as ratio <= 1
         s = min(d, max(1, math.ceil(self.sample_ratio * d)))
         if s == d:
             sample = magnitude
         else:
             u = xp.uniform(s, info.rank_seed(self.seed), like=flat)
             sample = xp.gather(magnitude, xp.cast(xp.floor(u * d), "int64"))
-        threshold = xp.sort(sample)[s - max(1, math.ceil(ratio * s))]
+        threshold = xp.sort(sample)[xp.cast(s - xp.clip_min(xp.ceil(ratio * s), 1), "int64")]
         selected = xp.nonzero(magnitude >= threshold)
-        if xp.numel(selected) > k:  # the sample underestimated the threshold
-            selected = xp.sort(xp.gather(selected, xp.topk_indices(xp.gather(magnitude, selected), k)))
-        return selected
+        # if the sample underestimated the threshold, the k largest of those selected
+        candidates = xp.gather(magnitude, selected)
+        return xp.sort(xp.gather(selected, xp.topk_indices(candidates, k)))
 
 
 @register("dgc", compress_ratio="ratio", sample_ratio="sample_ratio", warmup_steps="warmup_steps",

@@ -1,13 +1,10 @@
 """Random-k sparsification: k = max(1, ceil(ratio * d)) elements chosen at random.
 
 All ranks draw the same indices from a seed shared for this (tensor, step), so only the k
-values travel and they are summed by allreduce. The draw is made with NumPy on the host (O(k),
-k integers moved to the device), which makes it identical on every rank and every backend.
+values travel and they are summed by allreduce.
 With ``scale=True`` the values are multiplied by d/k, which makes the estimate unbiased.
 """
 import math
-
-import numpy as np
 
 from grace.core.compressor import Collective, Compressor, Shape, check_ratio
 from grace.core.compression import GradientCompression
@@ -30,8 +27,7 @@ class RandomK(Compressor):
         flat = xp.flatten(x)
         d = xp.numel(flat)
         k = min(d, max(1, math.ceil(self.ratio * d)))
-        rng = np.random.default_rng(info.seed(self.seed))
-        indices = xp.asarray(np.sort(rng.choice(d, size=k, replace=False)), like=flat)
+        indices = xp.random_indices(d, k, info.seed(self.seed), like=flat)
         values = xp.gather(flat, indices)
         if self.scale and k:
             values = values * (d / k)

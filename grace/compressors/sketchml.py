@@ -29,13 +29,14 @@ class SketchML(Compressor):
         flat = xp.cast(xp.flatten(x), "float32")
         nonzero = flat != 0
         values = xp.gather(flat, xp.nonzero(nonzero))
-        n = xp.numel(values)
-        q = min(self.buckets, n)
+        n = xp.sum(xp.cast(nonzero, "float32"))  # a count, maybe known only when the step runs
+        q = xp.minimum(n, float(self.buckets))
         order = xp.argsort(values)
-        sorted_codes = xp.floor(xp.cast(xp.arange(n, like=values), "float32") * (q / max(n, 1)))
-        codes = xp.scatter_add(order, sorted_codes, n)  # the code of values[order[i]] is sorted_codes[i]
-        counts = xp.scatter_add(codes, codes * 0 + 1, q)
-        means = xp.scatter_add(codes, values, q) / xp.clip_min(counts, 1)
+        ranks = xp.cast(xp.arange(xp.numel(values), like=values), "float32")
+        sorted_codes = xp.floor(ranks * q / xp.clip_min(n, 1))
+        codes = xp.scatter_add(order, sorted_codes, xp.numel(values))  # values[order[i]] gets sorted_codes[i]
+        counts = xp.scatter_add(codes, codes * 0 + 1, self.buckets)
+        means = (xp.scatter_add(codes, values, self.buckets) / xp.clip_min(counts, 1))[:xp.cast(q, "int64")]
         return (bits.pack(xp, nonzero, 1), xp.cast(codes, "uint8"), means), Shape(xp.shape(x), xp.dtype(x))
 
     def ideal_bits(self, xp, payload, ctx):

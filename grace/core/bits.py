@@ -6,11 +6,14 @@ The last byte is padded with zeros; the element count comes from ctx, so it neve
 
 Widths 1, 2, 4 and 8 divide a byte and pack with one multiply-add per byte. Other widths
 (3, 5, 6, 7 bits) are spread into their bit planes and packed as 1-bit codes: the same stream
-at several times the temporary memory (native kernels in csrc/ do it in one pass).
+at several times the temporary memory. For torch tensors pack and unpack run the native
+kernels (csrc/, grace.native) when they are built: one pass, the same bytes.
 """
 from __future__ import annotations
 
 import math
+
+from grace import native as _native
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -40,6 +43,10 @@ def _place_values(xp, bits: int, like):
 
 def pack(xp, codes, bits: int):
     """uint8 codes (each < 2**bits) -> uint8 bytes."""
+    if xp.name == "torch":  # torch tensors: the native kernel (csrc/) when built
+        packed = _native.try_pack(codes, bits)
+        if packed is not None:
+            return packed
     codes = xp.cast(xp.flatten(codes), "uint8")
     if 8 % bits:
         return pack(xp, _bit_planes(xp, codes, bits), 1)
@@ -54,8 +61,12 @@ def pack(xp, codes, bits: int):
 
 def unpack(xp, packed, bits: int, numel: int):
     """uint8 bytes -> the first ``numel`` uint8 codes."""
+    if xp.name == "torch" and bits != 8:
+        codes = _native.try_unpack(packed, bits, numel)
+        if codes is not None:
+            return codes
     if 8 % bits:
-        planes = xp.reshape(xp.cast(unpack(xp, packed, 1, numel * bits), "int64"), (-1, bits))
+        planes = xp.reshape(unpack(xp, packed, 1, numel * bits), (-1, bits))  # 0/1 times 2**b fits uint8
         return xp.cast(xp.sum(planes * _place_values(xp, 1, packed)[:bits], axis=1), "uint8")
     per = 8 // bits
     if per == 1:

@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Sequence
 
-import numpy as np
-
 from grace.core.compressor import Collective, Payload
 
 
@@ -58,20 +56,23 @@ class Communicator:
         nbytes = _nbytes(xp, flat)
         lengths_wait = None
         if not equal_lengths:
-            lengths = xp.asarray(np.array([xp.numel(t) for t in flat], dtype=np.int64))
+            lengths = _lengths(xp, flat)
             lengths_wait = self.allgather_async(lengths, f"{name}.lengths")
             nbytes += xp.nbytes(lengths)
         waits = [self.allgather_async(t, f"{name}.{i}") for i, t in enumerate(flat)]
 
         def wait() -> List[Payload]:
             gathered = [w() for w in waits]
-            if lengths_wait is None:
-                table = [[xp.numel(t) // self.size] * self.size for t in gathered]
-                for t in gathered:
-                    if xp.numel(t) % self.size:
-                        raise RuntimeError(f"grace: ranks sent payloads of different lengths for {name!r}")
+            if lengths_wait is None:  # every rank sent as many elements as this one
+                table = [[xp.numel(t)] * self.size for t in flat]
+                for t, mine in zip(gathered, flat):
+                    total = xp.numel(t)
+                    if isinstance(total, int) and total != self.size * xp.numel(mine):
+                        raise RuntimeError(f"grace: ranks sent payloads of different lengths for {name!r} "
+                                           "(are they configured differently?)")
             else:
-                table = xp.to_numpy(lengths_wait()).reshape(self.size, len(flat)).T.tolist()
+                rows = xp.reshape(lengths_wait(), (self.size, len(flat)))
+                table = [rows[:, i] for i in range(len(flat))]
             per_tensor = [xp.split(t, sizes) for t, sizes in zip(gathered, table)]
             return [tuple(parts) for parts in zip(*per_tensor)]
 
@@ -84,13 +85,16 @@ class Communicator:
         if equal_lengths:
             table = [[xp.numel(t) for t in flat]] * self.size
         else:  # receivers must know the sizes before the broadcasts
-            lengths = xp.asarray(np.array([xp.numel(t) for t in flat], dtype=np.int64))
+            lengths = _lengths(xp, flat)
             nbytes += xp.nbytes(lengths)
-            table = xp.to_numpy(self.allgather_async(lengths, f"{name}.lengths")()).reshape(self.size, -1)
+            table = xp.reshape(self.allgather_async(lengths, f"{name}.lengths")(), (self.size, len(flat)))
         waits = []
         for root in range(self.size):
             for i, t in enumerate(flat):
-                buffer = t if root == self.rank else xp.zeros(int(table[root][i]), xp.dtype(t), like=t)
+                # Receivers pass a buffer of the root's size whose content is ignored. With equal
+                # lengths that is this rank's own payload: a fresh constant (zeros) would let
+                # TensorFlow's graph optimizer run the broadcast early, on this rank alone, and hang.
+                buffer = t if root == self.rank or equal_lengths else xp.zeros(table[root][i], xp.dtype(t), like=t)
                 waits.append(self.broadcast_async(buffer, root, f"{name}.{i}.from{root}"))
 
         def wait() -> List[Payload]:
@@ -114,6 +118,11 @@ class LocalCommunicator(Communicator):
 
     def broadcast_async(self, tensor, root, name):
         return lambda: tensor
+
+
+def _lengths(xp, flat: Sequence):
+    """int64 element counts of a payload's tensors, as one tensor (they may be dynamic)."""
+    return xp.concat([xp.reshape(xp.cast(xp.asarray(xp.numel(t), like=t), "int64"), (1,)) for t in flat])
 
 
 def _nbytes(xp, tensors: Sequence) -> int:

@@ -56,17 +56,20 @@ class TensorInfo:
     """What a compressor may know about the tensor it compresses, identical on every rank."""
 
     name: str
-    step: int
+    step: Any  # int; a scalar tensor under tf.function
     world_size: int
     rank: int = 0
 
-    def seed(self, base_seed: int = 0) -> int:
-        """A seed shared by all ranks for this (tensor, step); stable across processes."""
-        return (zlib.crc32(self.name.encode()) << 32 | (self.step & 0xFFFFFFFF)) ^ base_seed
+    def seed(self, base_seed: int = 0) -> Tuple[int, Any]:
+        """A seed shared by all ranks for this (tensor, step), stable across processes:
+        (key, step). The key is a Python int below 2**63; the step may be a tensor (a
+        TensorFlow step counter inside tf.function), so backends take the pair as it is."""
+        return zlib.crc32(self.name.encode()) | (base_seed % 2**24) << 32, self.step
 
-    def rank_seed(self, base_seed: int = 0) -> int:
+    def rank_seed(self, base_seed: int = 0) -> Tuple[int, Any]:
         """A seed of this rank's own for this (tensor, step): independent draws on every rank."""
-        return self.seed(base_seed) ^ (self.rank + 1) << 48
+        key, step = self.seed(base_seed)
+        return key | ((self.rank + 1) % 2**7) << 56, step
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,13 @@ overlap the exchange of one gradient with the backward pass of the next.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from grace.backends import backend_for
 from grace.core.communicator import Communicator, Handle
 from grace.core.compression import GradientCompression
 from grace.core.compressor import FLOAT_DTYPES, Collective, TensorInfo
+from grace.core.state import StateStore
 
 
 @dataclass
@@ -64,20 +65,19 @@ class Pending:
     handle: Handle
     p: Any = None  # multi-round methods: the compensated gradient, for the memory update
     rounds: Any = None  # multi-round methods: the protocol, suspended between rounds
+    memory_state: Any = None  # multi-round methods: the memory before this step
 
 
 class Exchange:
     def __init__(self, compression: GradientCompression, communicator: Communicator,
-                 average: bool = True):
+                 average: bool = True, store: Optional[StateStore] = None, stats=None):
         if not isinstance(compression, GradientCompression):
             raise TypeError(f"expected a grace compression such as grace.topk(0.01), got {compression!r}")
         self.compression = compression
         self.communicator = communicator
         self.average = average
-        self.memory: Dict[str, Any] = {}  # error-feedback state per tensor name
-        self.state: Dict[str, Any] = {}  # compressor state per tensor name (momentum, Q)
-        self.steps: Dict[str, int] = {}  # exchanges so far per tensor name (seeds random methods)
-        self.stats = WireStats()
+        self.store = store if store is not None else StateStore()
+        self.stats = stats if stats is not None else WireStats()
 
     def start(self, name: str, g) -> Pending:
         xp = backend_for(g)
@@ -85,27 +85,26 @@ class Exchange:
             raise TypeError(f"grace compresses floating-point gradients; {name!r} has dtype {xp.dtype(g)}")
         if xp.numel(g) == 0:  # nothing to send, nothing to remember
             return Pending(name, xp, _EMPTY, Handle(lambda: g, 0))
-        compressor, memory = self.compression.compressor, self.compression.memory
-        step = self.steps.get(name, 0)
+        compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
+        step = store.get("steps", name, lambda _: 0, g)
         info = TensorInfo(name=name, step=step, world_size=self.communicator.size,
                           rank=self.communicator.rank)
-        self.steps[name] = step + 1
+        store.set("steps", name, step + 1)
         self.stats.add(0, 4 * xp.numel(g))
 
-        if name not in self.memory:
-            self._keep(self.memory, name, memory.init(xp, g))
-        if name not in self.state:
-            self._keep(self.state, name, compressor.init_state(xp, g, info))
-        p = memory.compensate(xp, g, self.memory.get(name))
+        memory_state = store.get("memory", name, lambda t: memory.init(xp, t), g)
+        first = TensorInfo(name=name, step=0, world_size=info.world_size, rank=info.rank)  # init needs no tensor
+        state = store.get("state", name, lambda t: compressor.init_state(xp, t, first), g)
+        p = memory.compensate(xp, g, memory_state)
         if compressor.multi_round:
-            rounds = compressor.rounds(xp, p, info, self.state.get(name))
-            return Pending(name, xp, None, self._send(name, xp, next(rounds), 0), p, rounds)
+            rounds = compressor.rounds(xp, p, info, state)
+            return Pending(name, xp, None, self._send(name, xp, next(rounds), 0), p, rounds, memory_state)
 
-        payload, ctx, state = compressor.step(xp, p, info, self.state.get(name))
-        self._keep(self.state, name, state)
+        payload, ctx, state = compressor.step(xp, p, info, state)
+        store.set("state", name, state)
         if memory.needs_feedback:
             p_hat = compressor.decompress(xp, payload, ctx)
-            self._keep(self.memory, name, memory.update(xp, p, p_hat, self.memory.get(name)))
+            store.set("memory", name, memory.update(xp, p, p_hat, memory_state))
         return Pending(name, xp, ctx, self._send(name, xp, payload, 0))
 
     def finish(self, pending: Pending):
@@ -128,12 +127,12 @@ class Exchange:
                 payload = pending.rounds.send(summed)
             except StopIteration as done:
                 g_hat, p_hat, state = done.value
-                self._keep(self.state, name, state)
+                self.store.set("state", name, state)
                 break
             r += 1
             summed = self._send(name, xp, payload, r).wait()
         if memory.needs_feedback:
-            self._keep(self.memory, name, memory.update(xp, pending.p, p_hat, self.memory.get(name)))
+            self.store.set("memory", name, memory.update(xp, pending.p, p_hat, pending.memory_state))
         return g_hat
 
     def _send(self, name: str, xp, payload, round_: int) -> Handle:
@@ -143,13 +142,6 @@ class Exchange:
         self.stats.add(handle.nbytes, 0)
         return handle
 
-    @staticmethod
-    def _keep(states: Dict[str, Any], name: str, state) -> None:
-        if state is None:
-            states.pop(name, None)
-        else:
-            states[name] = state
-
     def exchange(self, grads: Dict[str, Any]) -> Dict[str, Any]:
         """Exchange a whole step's gradients (all launched before any is awaited)."""
         pending = {name: self.start(name, g) for name, g in grads.items()}
@@ -157,11 +149,24 @@ class Exchange:
         self.stats.end_step()
         return out
 
-    # --- checkpointing -------------------------------------------------------------------
+    # --- state and checkpointing ---------------------------------------------------------
+    @property
+    def memory(self) -> Dict[str, Any]:
+        """Error-feedback state per tensor name."""
+        return self.store.tables["memory"]
+
+    @property
+    def state(self) -> Dict[str, Any]:
+        """Compressor state per tensor name (signum's momentum, PowerSGD's Q)."""
+        return self.store.tables["state"]
+
+    @property
+    def steps(self) -> Dict[str, Any]:
+        """Exchanges so far per tensor name (they seed the random methods)."""
+        return self.store.tables["steps"]
+
     def state_dict(self) -> Dict[str, Any]:
-        return {"memory": dict(self.memory), "state": dict(self.state), "steps": dict(self.steps)}
+        return self.store.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.memory = dict(state["memory"])
-        self.state = dict(state.get("state", {}))
-        self.steps = dict(state["steps"])
+        self.store.load_state_dict(state)

@@ -13,7 +13,7 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
-from grace.core.compression import GradientCompression
+from grace.core.compression import check_horovod_arguments
 from grace.core.exchange import Exchange
 from grace.torch.communicator import HorovodCommunicator
 
@@ -77,16 +77,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     ``hvd.Average`` or ``hvd.Sum``. ``gradient_predivide_factor`` has no effect on the result
     (the sum is formed in full precision, or, for fp16, pre-divided by the number of ranks).
     """
-    if not isinstance(compression, GradientCompression):
-        raise TypeError(f"compression must be a grace method such as grace.topk(0.01), got {compression!r}")
-    if op == Adasum:
-        raise ValueError("op=hvd.Adasum cannot be used with a grace compression: Adasum combines "
-                         "dense gradients pairwise; use op=hvd.Average or op=hvd.Sum")
-    if op not in (Average, Sum):
-        raise ValueError(f"op must be hvd.Average or hvd.Sum with a grace compression, got {op!r}")
-    if groups is not None or num_groups:
-        raise ValueError("groups/num_groups (grouped allreduce) cannot be used with a grace "
-                         "compression: each gradient is exchanged with its method's collective")
+    check_horovod_arguments(compression, op, Average, Sum, Adasum, groups, num_groups)
     if backward_passes_per_step <= 0:
         raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
     if gradient_predivide_factor <= 0:

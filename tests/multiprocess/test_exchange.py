@@ -18,6 +18,8 @@ RUNS = {  # name: (launcher, ranks, worker)
     "torch-horovod-gloo-np2": ("horovodrun", 2, "torch_horovod.py"),
     "torch-horovod-gloo-np3": ("horovodrun", 3, "torch_horovod.py"),
     "torch-horovod-mpi-np2": ("mpirun", 2, "torch_horovod.py"),
+    "tensorflow-horovod-gloo-np2": ("horovodrun", 2, "tensorflow_horovod.py"),
+    "tensorflow-horovod-gloo-np3": ("horovodrun", 3, "tensorflow_horovod.py"),
 }
 
 
@@ -90,3 +92,14 @@ def test_averaging_is_over_the_optimizers_process_set(tmp_path):
         for key, value in want[rank].items():
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {key}")
     assert not (tmp_path / "topk_process_set.rank2.npz").exists()
+
+
+@pytest.mark.parametrize("run", ["tensorflow-horovod-gloo-np2", "tensorflow-horovod-gloo-np3"])
+def test_tensorflow_with_grace_imported_still_averages(run, run_dir):
+    """grace must not import horovod.torch into a TensorFlow process: that silently stops
+    Horovod's own TensorFlow tape from averaging (../shared/HOROVOD.md). The worker also fails
+    if torch or horovod.torch was imported."""
+    ranks = RUNS[run][1]
+    for rank in range(ranks):
+        got = np.load(run_dir(run) / f"horovod_own.rank{rank}.npz")["grad"]
+        np.testing.assert_allclose(got, np.full(4, (ranks + 1) / 2))

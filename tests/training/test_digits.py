@@ -1,5 +1,6 @@
-"""4 real ranks train on scikit-learn's digits: top-k(0.01) with residual memory must match
-uncompressed training within 2 points of test accuracy while sending >= 20x fewer bytes."""
+"""4 real ranks train on scikit-learn's digits, with PyTorch and with Keras's model.fit:
+top-k(0.01) with residual memory must match uncompressed training within 2 points of test
+accuracy while sending >= 20x fewer bytes."""
 from __future__ import annotations
 
 import json
@@ -13,20 +14,17 @@ TRAIN = Path(__file__).parents[2] / "scripts" / "train.py"
 EPOCHS = 30
 
 
-def train(tmp_path, compressor, *args):
-    out = tmp_path / f"{compressor}.json"
-    launch("horovodrun", 4, TRAIN, "--compressor", compressor, *args, "--epochs", EPOCHS,
-           "--no-progress", "--json", out)
+def train(tmp_path, framework, compressor, *args):
+    out = tmp_path / f"{framework}-{compressor}.json"
+    launch("horovodrun", 4, TRAIN, "--framework", framework, "--compressor", compressor, *args,
+           "--epochs", EPOCHS, "--no-progress", "--json", out)
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("none"), "none")
-
-
-def test_topk_matches_uncompressed_accuracy_with_20x_fewer_bytes(baseline, tmp_path):
-    topk = train(tmp_path, "topk", "--ratio", 0.01)
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_topk_matches_uncompressed_accuracy_with_20x_fewer_bytes(framework, tmp_path):
+    baseline = train(tmp_path, framework, "none")
+    topk = train(tmp_path, framework, "topk", "--ratio", 0.01)
     report = f"\nuncompressed: {json.dumps(baseline, indent=1)}\ntopk(0.01): {json.dumps(topk, indent=1)}"
     assert baseline["ranks_agree"] and topk["ranks_agree"], report
     assert baseline["test_accuracy"] > 0.9, report  # the baseline itself learned

@@ -34,6 +34,7 @@ class Variant:
     passes: int = 1  # backward_passes_per_step
     named: bool = True  # False: no named_parameters, Horovod generates the names
     checkpoint_after: int = -1  # save, rebuild and restore the optimizer after this step
+    eager: bool = False  # TensorFlow: run the step eagerly instead of inside tf.function
 
 
 VARIANTS = {
@@ -45,6 +46,7 @@ VARIANTS = {
     "topk_broadcast": Variant(lambda: grace.topk(0.1, communicator="broadcast")),
     "topk_sum": Variant(lambda: grace.topk(0.1), op="sum"),
     "topk_checkpoint": Variant(lambda: grace.topk(0.1), checkpoint_after=1),
+    "topk_eager": Variant(lambda: grace.topk(0.1), eager=True),
     "threshold": Variant(lambda: grace.threshold(1.5)),
     "threshold_broadcast": Variant(lambda: grace.threshold(1.5, communicator="broadcast")),
     "randomk": Variant(lambda: grace.randomk(0.25)),

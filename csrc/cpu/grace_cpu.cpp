@@ -1,0 +1,1423 @@
+// grace CPU kernels: bit packing, fused quantize+pack, selection, error feedback, scatter-add.
+//
+// Compiled with -O3 -ffp-contract=off (no fused multiply-adds: every float operation rounds
+// exactly as in the NumPy reference) and OpenMP. Each kernel is a pass or two over memory;
+// float32 sums reproduce NumPy's pairwise summation, so payload bytes equal the reference.
+#include "grace_native.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+#include <pthread.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#if defined(__SSE4_1__)
+#include <smmintrin.h>
+#define GRACE_SIMD 1
+#endif
+
+#define API extern "C" __attribute__((visibility("default")))
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the packed format is little-endian");
+
+namespace {
+
+// ---- threads -------------------------------------------------------------------------------
+// libgomp is not fork-safe: a child of a process that ran a parallel region would hang in its
+// first one. After fork every kernel runs on the calling thread only.
+std::atomic<bool> g_forked{false};
+std::atomic<int> g_threads{0};
+void on_fork_child() { g_forked.store(true); }
+struct AtFork {
+  AtFork() { pthread_atfork(nullptr, nullptr, on_fork_child); }
+} at_fork_;
+
+// elements per thread below which waking another thread costs more than it saves (thread
+// wake-ups take tens of microseconds on shared virtual machines)
+constexpr int64_t kGrain = 1 << 17;
+
+int max_threads() {
+  if (g_forked.load()) return 1;
+  int t = g_threads.load();
+  return t > 0 ? t : omp_get_max_threads();
+}
+
+int threads_for(int64_t work, int64_t grain = kGrain) {
+  int t = max_threads();
+  int64_t by_work = work / grain;
+  return (int)std::max<int64_t>(1, std::min<int64_t>(t, by_work));
+}
+
+// [lo, hi) of chunk c of nc over n items, boundaries multiples of align.
+inline void chunk_bounds(int64_t n, int64_t align, int nc, int c, int64_t& lo, int64_t& hi) {
+  int64_t units = (n + align - 1) / align;
+  int64_t per = (units + nc - 1) / nc;
+  lo = std::min(n, c * per * align);
+  hi = std::min(n, (c + 1) * per * align);
+}
+
+// f(chunk, lo, hi) for nc contiguous chunks, in parallel; chunk c always covers the same range.
+template <class F>
+void for_chunks(int64_t n, int64_t align, int nc, F&& f) {
+  if (nc <= 1) {
+    f(0, (int64_t)0, n);
+    return;
+  }
+#pragma omp parallel num_threads(nc)
+  {
+    int T = omp_get_num_threads();
+    for (int c = omp_get_thread_num(); c < nc; c += T) {
+      int64_t lo, hi;
+      chunk_bounds(n, align, nc, c, lo, hi);
+      f(c, lo, hi);
+    }
+  }
+}
+
+// ---- NumPy's pairwise summation ------------------------------------------------------------
+// numpy/_core/src/umath/loops_utils.h.src: n < 8: a plain loop; n <= 128: 8 accumulators
+// combined as ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)) then the rest; else split at
+// n2 = n/2 - (n/2)%8. The reduction starts from 0, so the result is 0.0f + pairwise(a).
+// A Leaf computes one block (n <= 128) of S sums at once and may do more work on the way
+// (packing the block's codes): one pass over memory. Block starts are multiples of 8.
+constexpr int64_t kBlock = 128;
+
+template <int S>
+struct Sums {
+  float v[S];
+};
+
+template <int S, class Leaf>
+Sums<S> pairwise_seq(const Leaf& leaf, int64_t lo, int64_t n) {
+  if (n <= kBlock) return leaf(lo, n);
+  int64_t n2 = n / 2;
+  n2 -= n2 % 8;
+  Sums<S> a = pairwise_seq<S>(leaf, lo, n2);
+  Sums<S> b = pairwise_seq<S>(leaf, lo + n2, n - n2);
+  for (int s = 0; s < S; ++s) a.v[s] = a.v[s] + b.v[s];
+  return a;
+}
+
+struct Node {
+  int64_t lo, n;
+};
+
+void pw_collect(int64_t lo, int64_t n, int64_t cutoff, std::vector<Node>& out) {
+  if (n <= kBlock || n <= cutoff) {
+    out.push_back({lo, n});
+    return;
+  }
+  int64_t n2 = n / 2;
+  n2 -= n2 % 8;
+  pw_collect(lo, n2, cutoff, out);
+  pw_collect(lo + n2, n - n2, cutoff, out);
+}
+
+template <int S>
+Sums<S> pw_combine(int64_t n, int64_t cutoff, const std::vector<Sums<S>>& vals, size_t& pos) {
+  if (n <= kBlock || n <= cutoff) return vals[pos++];
+  int64_t n2 = n / 2;
+  n2 -= n2 % 8;
+  Sums<S> a = pw_combine<S>(n2, cutoff, vals, pos);
+  Sums<S> b = pw_combine<S>(n - n2, cutoff, vals, pos);
+  for (int s = 0; s < S; ++s) a.v[s] = a.v[s] + b.v[s];
+  return a;
+}
+
+// The same tree, its top levels cut into subtrees evaluated in parallel: the result does not
+// depend on the number of threads.
+template <int S, class Leaf>
+Sums<S> pairwise(const Leaf& leaf, int64_t n, int nt) {
+  Sums<S> root;
+  if (nt <= 1) {
+    root = pairwise_seq<S>(leaf, 0, n);
+  } else {
+    std::vector<Node> nodes;
+    pw_collect(0, n, std::max<int64_t>(kBlock, n / (8 * nt)), nodes);
+    std::vector<Sums<S>> vals(nodes.size());
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t i = 0; i < (int64_t)nodes.size(); ++i) vals[i] = pairwise_seq<S>(leaf, nodes[i].lo, nodes[i].n);
+    size_t pos = 0;
+    root = pw_combine<S>(n, std::max<int64_t>(kBlock, n / (8 * nt)), vals, pos);
+  }
+  for (int s = 0; s < S; ++s) root.v[s] = 0.0f + root.v[s];
+  return root;
+}
+
+// A leaf over terms t(i, sums[S]) for i in [lo, lo+n): NumPy's block and small-n loops.
+template <int S, class Term>
+inline Sums<S> leaf_sums(const Term& term, int64_t lo, int64_t n) {
+  Sums<S> res;
+  if (n < 8) {
+    for (int s = 0; s < S; ++s) res.v[s] = -0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      float t[S];
+      term(lo + i, t);
+      for (int s = 0; s < S; ++s) res.v[s] += t[s];
+    }
+    return res;
+  }
+  float r[S][8];
+  for (int j = 0; j < 8; ++j) {
+    float t[S];
+    term(lo + j, t);
+    for (int s = 0; s < S; ++s) r[s][j] = t[s];
+  }
+  int64_t i = 8;
+  for (; i < n - (n % 8); i += 8)
+    for (int j = 0; j < 8; ++j) {
+      float t[S];
+      term(lo + i + j, t);
+      for (int s = 0; s < S; ++s) r[s][j] += t[s];
+    }
+  for (int s = 0; s < S; ++s)
+    res.v[s] = ((r[s][0] + r[s][1]) + (r[s][2] + r[s][3])) + ((r[s][4] + r[s][5]) + (r[s][6] + r[s][7]));
+  for (; i < n; ++i) {
+    float t[S];
+    term(lo + i, t);
+    for (int s = 0; s < S; ++s) res.v[s] += t[s];
+  }
+  return res;
+}
+
+// ---- bit packing ---------------------------------------------------------------------------
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// 8 codes -> `bits` bytes (as the low bytes of a little-endian word)
+inline uint64_t pack8(const uint8_t* c, int bits) {
+  const uint64_t m = (1u << bits) - 1;
+  uint64_t w = 0;
+  for (int t = 0; t < 8; ++t) w |= (uint64_t)(c[t] & m) << (bits * t);
+  return w;
+}
+
+inline uint8_t pack8_1bit(const uint8_t* c) {
+  return (uint8_t)(((load_u64(c) & 0x0101010101010101ULL) * 0x0102040810204080ULL) >> 56);
+}
+
+inline void unpack8(uint64_t w, int bits, uint8_t* c) {
+  const uint64_t m = (1u << bits) - 1;
+  uint64_t out = 0;
+  for (int t = 0; t < 8; ++t) out |= ((w >> (bits * t)) & m) << (8 * t);
+  std::memcpy(c, &out, 8);
+}
+
+struct Lut1 {
+  uint64_t v[256];
+  Lut1() {
+    for (int b = 0; b < 256; ++b) {
+      uint64_t w = 0;
+      for (int t = 0; t < 8; ++t) w |= (uint64_t)((b >> t) & 1) << (8 * t);
+      v[b] = w;
+    }
+  }
+};
+const Lut1 kLut1;
+
+// 8 codes of B bits (one per byte of v) -> the low B bytes of a word; constant shifts
+template <int B>
+inline uint64_t pack_word(uint64_t v) {
+  constexpr uint64_t m = (1u << B) - 1;
+  if constexpr (B == 4) {
+    v &= 0x0F0F0F0F0F0F0F0FULL;
+    v |= v >> 4;  // byte 2t: c_2t | c_2t+1 << 4
+    return (v & 0xFF) | ((v >> 8) & 0xFF00) | ((v >> 16) & 0xFF0000) | ((v >> 24) & 0xFF000000);
+  } else if constexpr (B == 2) {
+    v &= 0x0303030303030303ULL;
+    v = (v | v >> 6) & 0x000F000F000F000FULL;  // byte 2t: c_2t | c_2t+1 << 2
+    v |= v >> 12;                             // byte 4t: four codes
+    return (v & 0xFF) | ((v >> 24) & 0xFF00);
+  } else {
+    uint64_t w = 0;
+    for (int t = 0; t < 8; ++t) w |= ((v >> (8 * t)) & m) << (B * t);
+    return w;
+  }
+}
+
+template <int B>
+inline uint64_t unpack_word(uint64_t w) {
+  constexpr uint64_t m = (1u << B) - 1;
+  if constexpr (B == 4) {
+    uint64_t x = w & 0xFFFFFFFFULL;
+    x = (x | (x << 16)) & 0x0000FFFF0000FFFFULL;
+    x = (x | (x << 8)) & 0x00FF00FF00FF00FFULL;
+    return (x | (x << 4)) & 0x0F0F0F0F0F0F0F0FULL;
+  } else {
+    uint64_t out = 0;
+    for (int t = 0; t < 8; ++t) out |= ((w >> (B * t)) & m) << (8 * t);
+    return out;
+  }
+}
+
+template <int B>
+void pack_groups_t(const uint8_t* codes, uint8_t* out, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    uint64_t w = pack_word<B>(load_u64(codes + 8 * g));
+    std::memcpy(out + g * B, &w, B);
+  }
+}
+
+template <int B>
+void unpack_groups_t(const uint8_t* packed, uint8_t* codes, int64_t g0, int64_t g1, int64_t groups) {
+  // a whole 8-byte load where the packed stream goes on for 8 more bytes (no byte-wise copy
+  // through the stack, which stalls store forwarding), a copy of the B bytes near the end
+  const int64_t safe_end = std::min(g1, groups - (8 + B - 1) / B);
+  int64_t g = g0;
+  for (; g < safe_end; ++g) {
+    uint64_t w = unpack_word<B>(load_u64(packed + g * B) & ((1ULL << (8 * B)) - 1));
+    std::memcpy(codes + 8 * g, &w, 8);
+  }
+  for (; g < g1; ++g) {
+    uint64_t w = 0;
+    std::memcpy(&w, packed + g * B, B);
+    w = unpack_word<B>(w);
+    std::memcpy(codes + 8 * g, &w, 8);
+  }
+}
+
+void pack_groups(const uint8_t* codes, int bits, uint8_t* out, int64_t g0, int64_t g1) {
+  if (bits == 1) {
+    int64_t g = g0;
+#if defined(__SSE2__)
+    for (; g + 2 <= g1; g += 2) {
+      __m128i v = _mm_loadu_si128((const __m128i*)(codes + 8 * g));
+      uint16_t m = (uint16_t)_mm_movemask_epi8(_mm_slli_epi16(v, 7));
+      std::memcpy(out + g, &m, 2);
+    }
+#endif
+    for (; g < g1; ++g) out[g] = pack8_1bit(codes + 8 * g);
+  } else if (bits == 8) {
+    std::memcpy(out + 8 * g0, codes + 8 * g0, 8 * (g1 - g0));
+  } else {
+#ifdef GRACE_SIMD
+    if (bits == 2 || bits == 4) {  // 16 codes at a time: multiply-add of neighbours
+      int64_t g = g0;
+      const __m128i m2 = _mm_set1_epi8(3), m4 = _mm_set1_epi8(15);
+      for (; g + 2 <= g1; g += 2) {
+        __m128i v = _mm_loadu_si128((const __m128i*)(codes + 8 * g));
+        if (bits == 4) {
+          __m128i p = _mm_maddubs_epi16(_mm_and_si128(v, m4), _mm_set1_epi16(0x1001));  // c0 + 16 c1
+          _mm_storel_epi64((__m128i*)(out + 4 * g), _mm_packus_epi16(p, p));
+        } else {
+          __m128i p = _mm_maddubs_epi16(_mm_and_si128(v, m2), _mm_set1_epi16(0x0401));  // c0 + 4 c1
+          __m128i q = _mm_madd_epi16(p, _mm_set1_epi32(0x00100001));                   // + 16 (c2 + 4 c3)
+          q = _mm_packs_epi32(q, q);
+          int w = _mm_cvtsi128_si32(_mm_packus_epi16(q, q));
+          std::memcpy(out + 2 * g, &w, 4);
+        }
+      }
+      if (g < g1) (bits == 4 ? pack_groups_t<4> : pack_groups_t<2>)(codes, out, g, g1);
+      return;
+    }
+#endif
+    switch (bits) {
+      case 2: pack_groups_t<2>(codes, out, g0, g1); break;
+      case 3: pack_groups_t<3>(codes, out, g0, g1); break;
+      case 4: pack_groups_t<4>(codes, out, g0, g1); break;
+      case 5: pack_groups_t<5>(codes, out, g0, g1); break;
+      case 6: pack_groups_t<6>(codes, out, g0, g1); break;
+      default: pack_groups_t<7>(codes, out, g0, g1); break;
+    }
+  }
+}
+
+void unpack_groups(const uint8_t* packed, int bits, uint8_t* codes, int64_t g0, int64_t g1, int64_t groups) {
+  if (bits == 1) {
+    for (int64_t g = g0; g < g1; ++g) std::memcpy(codes + 8 * g, &kLut1.v[packed[g]], 8);
+  } else if (bits == 8) {
+    std::memcpy(codes + 8 * g0, packed + 8 * g0, 8 * (g1 - g0));
+  } else {
+#ifdef GRACE_SIMD
+    if (bits == 2 || bits == 4) {  // 16 codes at a time: shift, mask, interleave
+      int64_t g = g0;
+      const __m128i m2 = _mm_set1_epi8(3), m4 = _mm_set1_epi8(15);
+      for (; g + 2 <= g1; g += 2) {
+        __m128i c;
+        if (bits == 4) {
+          __m128i b = _mm_loadl_epi64((const __m128i*)(packed + 4 * g));
+          c = _mm_unpacklo_epi8(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4));
+        } else {
+          int w;
+          std::memcpy(&w, packed + 2 * g, 4);
+          __m128i b = _mm_cvtsi32_si128(w);
+          __m128i c0 = _mm_and_si128(b, m2), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m2);
+          __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m2), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m2);
+          c = _mm_unpacklo_epi16(_mm_unpacklo_epi8(c0, c1), _mm_unpacklo_epi8(c2, c3));
+        }
+        _mm_storeu_si128((__m128i*)(codes + 8 * g), c);
+      }
+      if (g < g1) {
+        if (bits == 4) unpack_groups_t<4>(packed, codes, g, g1, groups);
+        else unpack_groups_t<2>(packed, codes, g, g1, groups);
+      }
+      return;
+    }
+#endif
+    switch (bits) {
+      case 2: unpack_groups_t<2>(packed, codes, g0, g1, groups); break;
+      case 3: unpack_groups_t<3>(packed, codes, g0, g1, groups); break;
+      case 4: unpack_groups_t<4>(packed, codes, g0, g1, groups); break;
+      case 5: unpack_groups_t<5>(packed, codes, g0, g1, groups); break;
+      case 6: unpack_groups_t<6>(packed, codes, g0, g1, groups); break;
+      default: unpack_groups_t<7>(packed, codes, g0, g1, groups); break;
+    }
+  }
+}
+
+// sign bits of 8 floats: bit j = (x[j] >= 0), or (x[j] < 0) when negative
+inline uint8_t sign_byte(const float* x, bool negative) {
+#if defined(__SSE2__)
+  __m128 z = _mm_setzero_ps();
+  __m128 a = _mm_loadu_ps(x), b = _mm_loadu_ps(x + 4);
+  int m = negative ? (_mm_movemask_ps(_mm_cmplt_ps(a, z)) | _mm_movemask_ps(_mm_cmplt_ps(b, z)) << 4)
+                   : (_mm_movemask_ps(_mm_cmpge_ps(a, z)) | _mm_movemask_ps(_mm_cmpge_ps(b, z)) << 4);
+  return (uint8_t)m;
+#else
+  uint8_t m = 0;
+  for (int j = 0; j < 8; ++j) m |= (uint8_t)((negative ? x[j] < 0.0f : x[j] >= 0.0f) << j);
+  return m;
+#endif
+}
+
+
+// ---- 8 float lanes (two SSE registers): each lane does exactly the scalar code's operations ----
+#ifdef GRACE_SIMD
+struct F8 {
+  __m128 a, b;
+};
+inline F8 ld8(const float* p) { return {_mm_loadu_ps(p), _mm_loadu_ps(p + 4)}; }
+inline F8 set8(float v) { return {_mm_set1_ps(v), _mm_set1_ps(v)}; }
+inline void st8(float* p, F8 x) {
+  _mm_storeu_ps(p, x.a);
+  _mm_storeu_ps(p + 4, x.b);
+}
+inline F8 operator+(F8 x, F8 y) { return {_mm_add_ps(x.a, y.a), _mm_add_ps(x.b, y.b)}; }
+inline F8 operator-(F8 x, F8 y) { return {_mm_sub_ps(x.a, y.a), _mm_sub_ps(x.b, y.b)}; }
+inline F8 operator*(F8 x, F8 y) { return {_mm_mul_ps(x.a, y.a), _mm_mul_ps(x.b, y.b)}; }
+inline F8 operator/(F8 x, F8 y) { return {_mm_div_ps(x.a, y.a), _mm_div_ps(x.b, y.b)}; }
+inline F8 abs8(F8 x) {
+  const __m128 m = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+  return {_mm_and_ps(x.a, m), _mm_and_ps(x.b, m)};
+}
+inline F8 floor8(F8 x) { return {_mm_floor_ps(x.a), _mm_floor_ps(x.b)}; }
+inline F8 ge8(F8 x, F8 y) { return {_mm_cmpge_ps(x.a, y.a), _mm_cmpge_ps(x.b, y.b)}; }
+inline F8 lt8(F8 x, F8 y) { return {_mm_cmplt_ps(x.a, y.a), _mm_cmplt_ps(x.b, y.b)}; }
+inline F8 gt8(F8 x, F8 y) { return {_mm_cmpgt_ps(x.a, y.a), _mm_cmpgt_ps(x.b, y.b)}; }
+inline F8 and8(F8 m, F8 x) { return {_mm_and_ps(m.a, x.a), _mm_and_ps(m.b, x.b)}; }
+inline F8 sel8(F8 m, F8 x, F8 y) { return {_mm_blendv_ps(y.a, x.a, m.a), _mm_blendv_ps(y.b, x.b, m.b)}; }  // m ? x : y
+inline int mask8(F8 m) { return _mm_movemask_ps(m.a) | _mm_movemask_ps(m.b) << 4; }
+inline float combine8(F8 r) {  // ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), NumPy's order
+  float v[8];
+  st8(v, r);
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+// 8 float codes in [0, 255] (or NaN: 0) -> 8 bytes in a word, as (uint8_t)(int)c
+inline uint64_t bytes8(F8 c) {
+  __m128i i = _mm_packus_epi32(_mm_cvttps_epi32(c.a), _mm_cvttps_epi32(c.b));
+  return (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(i, i));
+}
+#endif
+
+// bit j of a byte -> bit 2j of a 16-bit word
+struct Spread {
+  uint16_t v[256];
+  Spread() {
+    for (int b = 0; b < 256; ++b) {
+      uint16_t w = 0;
+      for (int j = 0; j < 8; ++j) w |= (uint16_t)(((b >> j) & 1) << (2 * j));
+      v[b] = w;
+    }
+  }
+  uint16_t operator[](int b) const { return v[b]; }
+};
+const Spread kSpread;
+
+// ---- float keys for selection --------------------------------------------------------------
+template <class T>
+struct KeyOf;
+template <>
+struct KeyOf<float> {
+  using K = uint32_t;
+  static constexpr int kBits = 32;
+  static K key(float x, bool by_abs) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if (by_abs) return u & 0x7fffffffu;
+    return (u >> 31) ? ~u : (u | 0x80000000u);
+  }
+};
+template <>
+struct KeyOf<double> {
+  using K = uint64_t;
+  static constexpr int kBits = 64;
+  static K key(double x, bool by_abs) {
+    uint64_t u;
+    std::memcpy(&u, &x, 8);
+    if (by_abs) return u & 0x7fffffffffffffffULL;
+    return (u >> 63) ? ~u : (u | 0x8000000000000000ULL);
+  }
+};
+
+template <class I>
+inline void put_idx(void* idx, int64_t pos, int64_t i) {
+  static_cast<I*>(idx)[pos] = (I)i;
+}
+
+inline void write_index(void* idx, int idx_type, int64_t pos, int64_t i) {
+  switch (idx_type) {
+    case GRACE_U8: put_idx<uint8_t>(idx, pos, i); break;
+    case GRACE_I16: put_idx<int16_t>(idx, pos, i); break;
+    case GRACE_I32: put_idx<int32_t>(idx, pos, i); break;
+    default: put_idx<int64_t>(idx, pos, i); break;
+  }
+}
+
+bool idx_type_ok(int t) { return t >= GRACE_U8 && t <= GRACE_I64; }
+
+}  // namespace
+
+// =============================================================================================
+API int grace_cpu_abi(void) { return GRACE_NATIVE_ABI; }
+API void grace_cpu_set_num_threads(int n) { g_threads.store(n > 0 ? n : 0); }
+API int grace_cpu_get_num_threads(void) { return max_threads(); }
+
+// ---- packing ---------------------------------------------------------------------------------
+API int grace_cpu_pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {
+  if (bits < 1 || bits > 8 || n < 0) return -1;
+  int64_t full = n / 8, rem = n % 8;
+  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) { pack_groups(codes, bits, out, g0, g1); });
+  if (rem) {
+    uint8_t tail[8] = {0};
+    std::memcpy(tail, codes + 8 * full, rem);
+    uint64_t w = pack8(tail, bits);
+    std::memcpy(out + full * bits, &w, (rem * bits + 7) / 8);
+  }
+  return 0;
+}
+
+API int grace_cpu_unpack(const uint8_t* packed, int64_t n, int bits, uint8_t* codes) {
+  if (bits < 1 || bits > 8 || n < 0) return -1;
+  int64_t full = n / 8, rem = n % 8;
+  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) { unpack_groups(packed, bits, codes, g0, g1, full); });
+  if (rem) {
+    uint64_t w = 0;
+    std::memcpy(&w, packed + full * bits, (rem * bits + 7) / 8);
+    uint8_t tail[8];
+    unpack8(w, bits, tail);
+    std::memcpy(codes + 8 * full, tail, rem);
+  }
+  return 0;
+}
+
+// ---- sign family -----------------------------------------------------------------------------
+API void grace_cpu_sign_pack(const float* x, int64_t n, int negative, uint8_t* out) {
+  int64_t full = n / 8, rem = n % 8;
+  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) out[g] = sign_byte(x + 8 * g, negative != 0);
+  });
+  if (rem) {
+    uint8_t m = 0;
+    for (int64_t j = 0; j < rem; ++j) {
+      float v = x[8 * full + j];
+      m |= (uint8_t)((negative ? v < 0.0f : v >= 0.0f) << j);
+    }
+    out[full] = m;
+  }
+}
+
+namespace {
+// sign bits of [lo, lo+n) into out (lo a multiple of 8)
+inline void sign_bits_block(const float* x, int64_t lo, int64_t n, uint8_t* out) {
+  int64_t g = 0;
+  for (; 8 * g + 8 <= n; ++g) out[lo / 8 + g] = sign_byte(x + lo + 8 * g, false);
+  if (8 * g < n) {
+    uint8_t m = 0;
+    for (int64_t j = 0; 8 * g + j < n; ++j) m |= (uint8_t)((x[lo + 8 * g + j] >= 0.0f) << j);
+    out[lo / 8 + g] = m;
+  }
+}
+}  // namespace
+
+// EF-signSGD: bits (x >= 0) and scale = sum|x| / max(1, n)
+API void grace_cpu_efsign_compress(const float* x, int64_t n, uint8_t* out, float* scale) {
+  auto leaf = [&](int64_t lo, int64_t len) {
+    sign_bits_block(x, lo, len, out);
+#ifdef GRACE_SIMD
+    if (len >= 8) {
+      F8 r = abs8(ld8(x + lo));
+      int64_t i = 8;
+      for (; i < len - (len % 8); i += 8) r = r + abs8(ld8(x + lo + i));
+      Sums<1> res{{combine8(r)}};
+      for (; i < len; ++i) res.v[0] += std::fabs(x[lo + i]);
+      return res;
+    }
+#endif
+    return leaf_sums<1>([&](int64_t i, float* t) { t[0] = std::fabs(x[i]); }, lo, len);
+  };
+  Sums<1> s = pairwise<1>(leaf, n, threads_for(n));
+  scale[0] = s.v[0] / (float)std::max<int64_t>(1, n);
+}
+
+// 1-bit SGD: bits (x >= 0), means [mu0, mu1] as grace/compressors/onebit.py computes them
+API void grace_cpu_onebit_compress(const float* x, int64_t n, uint8_t* out, float* means) {
+  auto term = [&](int64_t i, float* t) {
+    float v = x[i];
+    bool pos = v >= 0.0f;
+    t[0] = pos ? 1.0f : 0.0f;
+    t[1] = pos ? v : v * 0.0f;
+    t[2] = v;
+  };
+  auto leaf = [&](int64_t lo, int64_t len) {
+    sign_bits_block(x, lo, len, out);
+#ifdef GRACE_SIMD
+    if (len >= 8) {
+      const F8 zero = set8(0.0f), one = set8(1.0f);
+      F8 v = ld8(x + lo), m = ge8(v, zero);
+      F8 rc = and8(m, one), rp = sel8(m, v, v * zero), rt = v;
+      int64_t i = 8;
+      for (; i < len - (len % 8); i += 8) {
+        v = ld8(x + lo + i);
+        m = ge8(v, zero);
+        rc = rc + and8(m, one);
+        rp = rp + sel8(m, v, v * zero);
+        rt = rt + v;
+      }
+      Sums<3> res{{combine8(rc), combine8(rp), combine8(rt)}};
+      for (; i < len; ++i) {
+        float t[3];
+        term(lo + i, t);
+        for (int s = 0; s < 3; ++s) res.v[s] += t[s];
+      }
+      return res;
+    }
+#endif
+    return leaf_sums<3>(term, lo, len);
+  };
+  Sums<3> s = pairwise<3>(leaf, n, threads_for(n));
+  float n_pos = s.v[0], sum_pos = s.v[1], total = s.v[2];
+  float d1 = n_pos < 1.0f ? 1.0f : n_pos;
+  float rest = (float)n - n_pos;
+  float d0 = rest < 1.0f ? 1.0f : rest;
+  means[1] = sum_pos / d1;
+  means[0] = (total - sum_pos) / d0;
+}
+
+// ---- terngrad --------------------------------------------------------------------------------
+// max |x| as np.max: NaN if any element is NaN, 0 for an empty tensor. The magnitude bits,
+// compared as unsigned integers, order the floats with NaN above inf.
+API void grace_cpu_maxabs(const float* x, int64_t n, float* out) {
+  int nt = threads_for(n);
+  std::vector<uint32_t> part(nt, 0);
+  for_chunks(n, 64, nt, [&](int c, int64_t lo, int64_t hi) {
+    uint32_t m = 0;
+    int64_t i = lo;
+#ifdef GRACE_SIMD
+    __m128i vm = _mm_setzero_si128();
+    const __m128i mag = _mm_set1_epi32(0x7fffffff);
+    for (; i + 8 <= hi; i += 8) {
+      vm = _mm_max_epu32(vm, _mm_and_si128(_mm_loadu_si128((const __m128i*)(x + i)), mag));
+      vm = _mm_max_epu32(vm, _mm_and_si128(_mm_loadu_si128((const __m128i*)(x + i + 4)), mag));
+    }
+    uint32_t lanes[4];
+    _mm_storeu_si128((__m128i*)lanes, vm);
+    for (int j = 0; j < 4; ++j) m = std::max(m, lanes[j]);
+#endif
+    for (; i < hi; ++i) {
+      uint32_t u;
+      std::memcpy(&u, x + i, 4);
+      m = std::max(m, u & 0x7fffffffu);
+    }
+    part[c] = m;
+  });
+  uint32_t m = 0;
+  for (int c = 0; c < nt; ++c) m = std::max(m, part[c]);
+  if (m > 0x7f800000u) m = 0x7fc00000u;  // NaN
+  std::memcpy(out, &m, 4);
+}
+
+API void grace_cpu_terngrad_compress(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out) {
+  const float s = scale[0];
+  const float safe = s > 0.0f ? s : s + 1.0f;
+  auto code = [&](int64_t i) -> uint32_t {
+    float v = x[i];
+    bool keep = u[i] < std::fabs(v) / safe;
+    return keep ? (v < 0.0f ? 2u : 1u) : 0u;
+  };
+  int64_t full = n / 8, rem = n % 8;
+  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+#ifdef GRACE_SIMD
+    const F8 vsafe = set8(safe), zero = set8(0.0f);
+    for (int64_t g = g0; g < g1; ++g) {
+      F8 v = ld8(x + 8 * g);
+      F8 keep = lt8(ld8(u + 8 * g), abs8(v) / vsafe);
+      int k = mask8(keep), neg = mask8(lt8(v, zero));
+      // code 1 (bit 2j) for kept non-negatives, 2 (bit 2j+1) for kept negatives
+      uint16_t w16 = (uint16_t)(kSpread[k & ~neg] | kSpread[k & neg] << 1);
+      std::memcpy(out + 2 * g, &w16, 2);
+    }
+    return;
+#endif
+    for (int64_t g = g0; g < g1; ++g) {
+      uint32_t c[8];
+      for (int j = 0; j < 8; ++j) c[j] = code(8 * g + j);
+      uint32_t w = 0;
+      for (int j = 0; j < 8; ++j) w |= c[j] << (2 * j);
+      uint16_t w16 = (uint16_t)w;
+      std::memcpy(out + 2 * g, &w16, 2);
+    }
+  });
+  if (rem) {
+    uint32_t w = 0;
+    for (int j = 0; j < rem; ++j) w |= code(8 * full + j) << (2 * j);
+    uint16_t w16 = (uint16_t)w;
+    std::memcpy(out + 2 * full, &w16, (rem * 2 + 7) / 8);
+  }
+}
+
+// ---- QSGD ------------------------------------------------------------------------------------
+namespace {
+// norm of one bucket: sqrt of NumPy's pairwise sum of squares over b elements, the ones past
+// the tensor's end being the zero padding of grace/compressors/qsgd.py
+// a leaf of the sum of squares of bucket elements [lo, lo+len) (x from start, zeros past valid)
+inline Sums<1> square_leaf(const float* x, int64_t start, int64_t valid, int64_t lo, int64_t len) {
+#ifdef GRACE_SIMD
+  if (len >= 8 && lo + len <= valid) {
+    const float* p = x + start + lo;
+    F8 v = ld8(p);
+    F8 r = v * v;
+    int64_t i = 8;
+    for (; i < len - (len % 8); i += 8) {
+      v = ld8(p + i);
+      r = r + v * v;
+    }
+    Sums<1> res{{combine8(r)}};
+    for (; i < len; ++i) res.v[0] += p[i] * p[i];
+    return res;
+  }
+#endif
+  return leaf_sums<1>(
+      [&](int64_t i, float* t) {
+        float v = i < valid ? x[start + i] : 0.0f;
+        t[0] = v * v;
+      },
+      lo, len);
+}
+
+inline float bucket_norm_seq(const float* x, int64_t start, int64_t valid, int64_t b) {
+  auto leaf = [&](int64_t lo, int64_t len) { return square_leaf(x, start, valid, lo, len); };
+  return std::sqrt(0.0f + pairwise_seq<1>(leaf, 0, b).v[0]);
+}
+
+struct QsgdParams {
+  int levels, bits;
+  int64_t b;  // bucket length
+  float flevels;
+};
+
+inline uint8_t qsgd_code(float v, float u, float safe, float flevels) {
+  float r = std::fabs(v) * flevels / safe;
+  float low = std::floor(r);
+  float level = low + (u < r - low ? 1.0f : 0.0f);
+  level = level - (level > flevels ? 1.0f : 0.0f);
+  float c = level * 2.0f + (v < 0.0f ? 1.0f : 0.0f);
+  return c == c ? (uint8_t)(int)c : (uint8_t)0;
+}
+
+// codes of elements [g0*8, g1*8) ∩ [0, n) packed at B bits (group-aligned)
+template <int B>
+void qsgd_pack_groups(const float* x, const float* u, int64_t n, const QsgdParams& p, const float* norms,
+                      uint8_t* out, int64_t g0, int64_t g1) {
+  if (g0 >= g1) return;
+  uint8_t c[8];
+  int64_t row = (8 * g0) / p.b, next = (row + 1) * p.b;  // the bucket of the current element
+  auto safe_of = [&](int64_t r) {
+    float norm = norms[r];
+    return norm > 0.0f ? norm : norm + 1.0f;
+  };
+  float safe = safe_of(row);
+#ifdef GRACE_SIMD
+  const F8 zero = set8(0.0f), one = set8(1.0f), two = set8(2.0f), vlev = set8(p.flevels);
+#endif
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t i0 = 8 * g;
+    const int m = (int)std::min<int64_t>(8, n - i0);
+    uint64_t codes;
+    if (m == 8 && i0 + 8 <= next) {  // one bucket
+#ifdef GRACE_SIMD
+      F8 v = ld8(x + i0);
+      F8 r = abs8(v) * vlev / set8(safe);
+      F8 low = floor8(r);
+      F8 level = low + and8(lt8(ld8(u + i0), r - low), one);
+      level = level - and8(gt8(level, vlev), one);
+      codes = bytes8(level * two + and8(lt8(v, zero), one));
+#else
+      for (int j = 0; j < 8; ++j) c[j] = qsgd_code(x[i0 + j], u[i0 + j], safe, p.flevels);
+      codes = load_u64(c);
+#endif
+      if (i0 + 8 == next && i0 + 8 < n) row++, next += p.b, safe = safe_of(row);
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        if (j < m) {
+          if (i0 + j >= next) row++, next += p.b, safe = safe_of(row);
+          c[j] = qsgd_code(x[i0 + j], u[i0 + j], safe, p.flevels);
+        } else {
+          c[j] = 0;
+        }
+      }
+      codes = load_u64(c);
+    }
+    uint64_t w = B == 8 ? codes : pack_word<(B < 8 ? B : 7)>(codes);
+    std::memcpy(out + g * B, &w, m == 8 ? B : (m * B + 7) / 8);
+  }
+}
+}  // namespace
+
+API void grace_cpu_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* norms) {
+  int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+  int64_t rows = (n + b - 1) / b;
+  if (n == 0) rows = 1;
+  int nt = threads_for(rows * b);
+  if (rows >= 4 * nt || nt == 1) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t r = 0; r < rows; ++r) norms[r] = bucket_norm_seq(x, r * b, std::min(b, n - r * b), b);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t start = r * b, valid = std::min(b, n - r * b);
+      auto leaf = [&](int64_t lo, int64_t len) { return square_leaf(x, start, valid, lo, len); };
+      norms[r] = std::sqrt(pairwise<1>(leaf, b, nt).v[0]);
+    }
+  }
+}
+
+// norms: per bucket (as grace_cpu_qsgd_norms writes them); u: one draw per element
+API int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int levels, int64_t bucket, int bits,
+                                const float* norms, uint8_t* out) {
+  if (bits < 1 || bits > 8 || levels < 1 || 2 * (levels + 1) > (1 << bits) + 1) return -1;
+  QsgdParams p{levels, bits, bucket > 0 ? bucket : std::max<int64_t>(n, 1), (float)levels};
+  int64_t groups = (n + 7) / 8;
+  for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    switch (bits) {
+      case 1: qsgd_pack_groups<1>(x, u, n, p, norms, out, g0, g1); break;
+      case 2: qsgd_pack_groups<2>(x, u, n, p, norms, out, g0, g1); break;
+      case 3: qsgd_pack_groups<3>(x, u, n, p, norms, out, g0, g1); break;
+      case 4: qsgd_pack_groups<4>(x, u, n, p, norms, out, g0, g1); break;
+      case 5: qsgd_pack_groups<5>(x, u, n, p, norms, out, g0, g1); break;
+      case 6: qsgd_pack_groups<6>(x, u, n, p, norms, out, g0, g1); break;
+      case 7: qsgd_pack_groups<7>(x, u, n, p, norms, out, g0, g1); break;
+      default: qsgd_pack_groups<8>(x, u, n, p, norms, out, g0, g1); break;
+    }
+  });
+  return 0;
+}
+
+// ---- natural compression ---------------------------------------------------------------------
+// code = biased exponent of |x| (0 below 2**-126), plus one with probability equal to the
+// mantissa fraction (never past 254); exactly grace/compressors/natural.py for finite x.
+namespace {
+inline uint8_t natural_code(float v, float u) {
+  uint32_t bits_;
+  std::memcpy(&bits_, &v, 4);
+  uint32_t e = (bits_ >> 23) & 0xff;
+  uint32_t mant = bits_ & 0x7fffff;
+  if (e >= 254) return 254;  // 2**127 and up (the numerator's 2**128 is not a float32); inf
+  float frac = (float)mant * 0x1p-23f;
+  return (uint8_t)(e + (u < frac ? 1 : 0));
+}
+}  // namespace
+
+API void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes) {
+  int64_t groups = (n + 7) / 8;
+  for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t i0 = 8 * g;
+      if (i0 + 8 <= n) {
+#ifdef GRACE_SIMD
+        // e = biased exponent; + (u < mantissa fraction), except e >= 254: 254
+        const __m128i ff = _mm_set1_epi32(0xff), mm = _mm_set1_epi32(0x7fffff), top = _mm_set1_epi32(254);
+        const __m128 scale = _mm_set1_ps(0x1p-23f);
+        __m128i c2[2];
+        int neg = 0;
+        for (int h = 0; h < 2; ++h) {
+          __m128 v = _mm_loadu_ps(x + i0 + 4 * h);
+          __m128i b = _mm_castps_si128(v);
+          __m128i e = _mm_and_si128(_mm_srli_epi32(b, 23), ff);
+          __m128 frac = _mm_mul_ps(_mm_cvtepi32_ps(_mm_and_si128(b, mm)), scale);
+          __m128i up = _mm_castps_si128(_mm_cmplt_ps(_mm_loadu_ps(u + i0 + 4 * h), frac));
+          __m128i c = _mm_sub_epi32(e, up);  // up is -1 where true
+          c2[h] = _mm_min_epi32(c, top);     // e >= 254: 254 (e = 254 never rounds up)
+          c2[h] = _mm_blendv_epi8(c2[h], top, _mm_cmpgt_epi32(e, _mm_set1_epi32(253)));
+          neg |= _mm_movemask_ps(_mm_cmplt_ps(v, _mm_setzero_ps())) << (4 * h);
+        }
+        __m128i p16 = _mm_packus_epi32(c2[0], c2[1]);
+        uint64_t w = (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(p16, p16));
+        std::memcpy(codes + i0, &w, 8);
+        signs[g] = (uint8_t)neg;
+#else
+        signs[g] = sign_byte(x + i0, true);
+        for (int j = 0; j < 8; ++j) codes[i0 + j] = natural_code(x[i0 + j], u[i0 + j]);
+#endif
+      } else {
+        uint8_t m = 0;
+        for (int64_t j = 0; i0 + j < n; ++j) {
+          m |= (uint8_t)((x[i0 + j] < 0.0f) << j);
+          codes[i0 + j] = natural_code(x[i0 + j], u[i0 + j]);
+        }
+        signs[g] = m;
+      }
+    }
+  });
+}
+
+// ---- decoders ------------------------------------------------------------------------------
+namespace {
+// out[0..8) = bit j of b ? hi : lo
+inline void select8(uint8_t b, float lo, float hi, float* out) {
+#if defined(__SSE2__)
+  const __m128i sel0 = _mm_setr_epi32(1, 2, 4, 8), sel1 = _mm_setr_epi32(16, 32, 64, 128);
+  const __m128i bb = _mm_set1_epi32(b);
+  const __m128 vlo = _mm_set1_ps(lo), vhi = _mm_set1_ps(hi);
+  __m128 m0 = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(bb, sel0), sel0));
+  __m128 m1 = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(bb, sel1), sel1));
+  _mm_storeu_ps(out, _mm_or_ps(_mm_and_ps(m0, vhi), _mm_andnot_ps(m0, vlo)));
+  _mm_storeu_ps(out + 4, _mm_or_ps(_mm_and_ps(m1, vhi), _mm_andnot_ps(m1, vlo)));
+#else
+  for (int j = 0; j < 8; ++j) out[j] = ((b >> j) & 1) ? hi : lo;
+#endif
+}
+
+void decode_bits(const uint8_t* packed, int64_t n, float lo, float hi, float* out) {
+  const int64_t full = n / 8;
+  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) select8(packed[g], lo, hi, out + 8 * g);
+  });
+  for (int64_t i = 8 * full; i < n; ++i) out[i] = ((packed[full] >> (i - 8 * full)) & 1) ? hi : lo;
+}
+}  // namespace
+
+API void grace_cpu_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
+  const float s = scale ? scale[0] : 1.0f;
+  decode_bits(packed, n, -1.0f * s, 1.0f * s, out);
+}
+
+API void grace_cpu_onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out) {
+  const float mu0 = means[0], mu1 = means[1];
+  const float d = mu1 - mu0;
+  decode_bits(packed, n, mu0 + 0.0f * d, mu0 + 1.0f * d, out);
+}
+
+API void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
+  const float s = scale[0];
+  const float val[4] = {0.0f * s, 1.0f * s, -1.0f * s, -1.0f * s};
+  float lut[256][4];  // a byte's four values
+  for (int b = 0; b < 256; ++b)
+    for (int j = 0; j < 4; ++j) lut[b][j] = val[(b >> (2 * j)) & 3];
+  const int64_t full = n / 4;
+  for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) std::memcpy(out + 4 * g, lut[packed[g]], 16);
+  });
+  for (int64_t i = 4 * full; i < n; ++i) out[i] = val[(packed[full] >> (2 * (i - 4 * full))) & 3];
+}
+
+namespace {
+template <int B>
+void qsgd_decode_groups(const uint8_t* packed, int64_t n, int64_t b, const float* lut, const float* norms, float* out,
+                        int64_t g0, int64_t g1) {
+  if (g0 >= g1) return;
+  uint8_t c[8];
+  int64_t row = (8 * g0) / b, next = (row + 1) * b;  // the bucket of the current element
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t i0 = 8 * g;
+    const int m = (int)std::min<int64_t>(8, n - i0);
+    uint64_t w = 0;
+    if (m == 8) {
+      std::memcpy(&w, packed + g * B, B);
+    } else {
+      std::memcpy(&w, packed + g * B, (m * B + 7) / 8);
+    }
+    w = B == 8 ? w : unpack_word<(B < 8 ? B : 7)>(w);
+    std::memcpy(c, &w, 8);
+    if (m == 8 && i0 + 8 <= next) {
+      const float norm = norms[row];
+      for (int j = 0; j < 8; ++j) out[i0 + j] = lut[c[j]] * norm;
+      if (i0 + 8 == next) row++, next += b;
+    } else {
+      for (int j = 0; j < m; ++j) {
+        if (i0 + j >= next) row++, next += b;
+        out[i0 + j] = lut[c[j]] * norms[row];
+      }
+    }
+  }
+}
+}  // namespace
+
+API int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,
+                              const float* norms, float* out) {
+  if (bits < 1 || bits > 8 || levels < 1) return -1;
+  // value of code c before the norm: (sign * level) / levels, as qsgd.py's decompress
+  float lut[256];
+  for (int c = 0; c < 256; ++c) {
+    float fc = (float)c;
+    float level = std::floor(fc / 2.0f);
+    float sign = 1.0f - 2.0f * (fc - 2.0f * level);
+    lut[c] = sign * level / (float)levels;
+  }
+  const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+  const int64_t groups = (n + 7) / 8;
+  for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    switch (bits) {
+      case 1: qsgd_decode_groups<1>(packed, n, b, lut, norms, out, g0, g1); break;
+      case 2: qsgd_decode_groups<2>(packed, n, b, lut, norms, out, g0, g1); break;
+      case 3: qsgd_decode_groups<3>(packed, n, b, lut, norms, out, g0, g1); break;
+      case 4: qsgd_decode_groups<4>(packed, n, b, lut, norms, out, g0, g1); break;
+      case 5: qsgd_decode_groups<5>(packed, n, b, lut, norms, out, g0, g1); break;
+      case 6: qsgd_decode_groups<6>(packed, n, b, lut, norms, out, g0, g1); break;
+      case 7: qsgd_decode_groups<7>(packed, n, b, lut, norms, out, g0, g1); break;
+      default: qsgd_decode_groups<8>(packed, n, b, lut, norms, out, g0, g1); break;
+    }
+  });
+  return 0;
+}
+
+API void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out) {
+  const int64_t full = n / 8;
+  auto one = [](uint32_t c, bool neg) {
+    float mag;
+    uint32_t b = c << 23;  // 2**(c - 127) for c >= 1 (255: inf, as exp2(128) in float32)
+    std::memcpy(&mag, &b, 4);
+    return (neg ? -1.0f : 1.0f) * mag;
+  };
+  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t s = signs[g];
+      const int64_t i0 = 8 * g;
+#ifdef GRACE_SIMD
+      // sign * magnitude, exactly: the code as exponent bits, the sign bit on top
+      __m128i c = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(uint32_t)load_u64(codes + i0)));
+      __m128i c1 = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(uint32_t)(load_u64(codes + i0) >> 32)));
+      const __m128i sel0 = _mm_setr_epi32(1, 2, 4, 8), sel1 = _mm_setr_epi32(16, 32, 64, 128);
+      const __m128i bb = _mm_set1_epi32(s), sign = _mm_set1_epi32((int)0x80000000u);
+      __m128i s0 = _mm_and_si128(_mm_cmpeq_epi32(_mm_and_si128(bb, sel0), sel0), sign);
+      __m128i s1 = _mm_and_si128(_mm_cmpeq_epi32(_mm_and_si128(bb, sel1), sel1), sign);
+      _mm_storeu_si128((__m128i*)(out + i0), _mm_or_si128(_mm_slli_epi32(c, 23), s0));
+      _mm_storeu_si128((__m128i*)(out + i0 + 4), _mm_or_si128(_mm_slli_epi32(c1, 23), s1));
+#else
+      for (int j = 0; j < 8; ++j) {
+        uint32_t b = (uint32_t)codes[i0 + j] << 23 | (uint32_t)((s >> j) & 1) << 31;
+        float v;
+        std::memcpy(&v, &b, 4);  // sign * magnitude: exact, the sign bit set on +-2**e and 0
+        out[i0 + j] = v;
+      }
+#endif
+    }
+  });
+  for (int64_t i = 8 * full; i < n; ++i) out[i] = one(codes[i], (signs[full] >> (i - 8 * full)) & 1);
+}
+
+// ---- selection -------------------------------------------------------------------------------
+namespace {
+constexpr int kRadixBits = 11;
+constexpr int kBins = 1 << kRadixBits;
+
+size_t idx_size(int t) { return t == GRACE_U8 ? 1 : t == GRACE_I16 ? 2 : t == GRACE_I32 ? 4 : 8; }
+
+// The k largest keys (1 <= k < n), ties to the lowest index; indices ascending into `out`.
+// hist1(c, lo, hi, hist): chunk c's histogram of key >> shift (the first pass, which may do
+// more: topk_ef computes and stores p there). key(i): element i's order-preserving key.
+// Pass 2 sends each chunk's elements above the boundary bin to their final place and the
+// bin's own elements to a candidate list, resolved with nth_element and merged in order.
+template <class K, class Hist1, class KeyAt>
+void topk_select(int64_t n, int64_t k, int key_bits, const Hist1& hist1, const KeyAt& key, std::vector<int64_t>& out) {
+  const int shift = key_bits - kRadixBits;
+  const int nc = threads_for(n);
+  std::vector<int64_t> hist((size_t)nc * kBins, 0);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) { hist1(c, lo, hi, hist.data() + (size_t)c * kBins, shift); });
+  std::vector<int64_t> total(kBins, 0);
+  for (int c = 0; c < nc; ++c)
+    for (int b = 0; b < kBins; ++b) total[b] += hist[(size_t)c * kBins + b];
+  int B = kBins - 1;
+  int64_t above = 0;
+  for (; B > 0; --B) {
+    if (above + total[B] >= k) break;
+    above += total[B];
+  }
+  // per-chunk offsets of the sure ones and of the candidates
+  std::vector<int64_t> sure_off(nc + 1, 0), cand_off(nc + 1, 0);
+  for (int c = 0; c < nc; ++c) {
+    int64_t a = 0;
+    for (int b = B + 1; b < kBins; ++b) a += hist[(size_t)c * kBins + b];
+    sure_off[c + 1] = sure_off[c] + a;
+    cand_off[c + 1] = cand_off[c] + hist[(size_t)c * kBins + B];
+  }
+  const int64_t n_cand = cand_off[nc];
+  std::vector<int64_t> sure(above), cand(n_cand);
+  std::vector<K> cand_key(n_cand);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    int64_t s = sure_off[c], q = cand_off[c];
+    const K lim = (K)B;
+    for (int64_t i = lo; i < hi; ++i) {
+      K kk = key(i);
+      K bin = kk >> shift;
+      if (bin > lim) {
+        sure[s++] = i;
+      } else if (bin == lim) {
+        cand[q] = i;
+        cand_key[q++] = kk;
+      }
+    }
+  });
+  int64_t need = k - above;
+  std::vector<int64_t> chosen;
+  chosen.reserve(need);
+  if (need == n_cand) {
+    chosen = cand;
+  } else {
+    std::vector<K> tmp(cand_key);
+    std::nth_element(tmp.begin(), tmp.begin() + (need - 1), tmp.end(), std::greater<K>());
+    const K T = tmp[need - 1];
+    int64_t greater = 0;
+    for (int64_t j = 0; j < n_cand; ++j) greater += cand_key[j] > T;
+    int64_t ties = need - greater;
+    for (int64_t j = 0; j < n_cand; ++j) {
+      if (cand_key[j] > T || (cand_key[j] == T && ties-- > 0)) chosen.push_back(cand[j]);
+    }
+  }
+  out.resize(k);
+  std::merge(sure.begin(), sure.end(), chosen.begin(), chosen.end(), out.begin());
+}
+
+template <class T, bool by_abs>
+int64_t topk_typed(const T* x, int64_t n, int64_t k, void* idx, int idx_type, T* values) {
+  using KO = KeyOf<T>;
+  using K = typename KO::K;
+  if (k <= 0) return 0;
+  std::vector<int64_t> sel;
+  if (k >= n) {
+    sel.resize(n);
+    for (int64_t i = 0; i < n; ++i) sel[i] = i;
+  } else {
+    auto key = [&](int64_t i) { return KO::key(x[i], by_abs); };
+    auto hist1 = [&](int, int64_t lo, int64_t hi, int64_t* h, int shift) {
+      std::vector<uint32_t> sub(2 * kBins, 0);  // two copies: no chain of increments to one bin
+      int64_t i = lo;
+      for (; i + 2 <= hi; i += 2) {
+        sub[key(i) >> shift]++;
+        sub[kBins + (key(i + 1) >> shift)]++;
+      }
+      for (; i < hi; ++i) sub[key(i) >> shift]++;
+      for (int b = 0; b < kBins; ++b) h[b] += (int64_t)sub[b] + sub[kBins + b];
+    };
+    topk_select<K>(n, k, KO::kBits, hist1, key, sel);
+  }
+  int64_t m = (int64_t)sel.size();
+  for (int64_t j = 0; j < m; ++j) {
+    write_index(idx, idx_type, j, sel[j]);
+    if (values) values[j] = x[sel[j]];
+  }
+  return m;
+}
+
+template <class T>
+int64_t topk_any(const T* x, int64_t n, int64_t k, bool by_abs, void* idx, int idx_type, T* values) {
+  return by_abs ? topk_typed<T, true>(x, n, k, idx, idx_type, values) : topk_typed<T, false>(x, n, k, idx, idx_type, values);
+}
+
+// Write the kept elements of each chunk at the start of the chunk's own range of idx/values
+// (room for n), then close the gaps: one pass over the input.
+template <class Keep, class Visit>
+int64_t compact_select(int64_t n, void* idx, int idx_type, void* values, size_t vsize, const Keep& keep,
+                       const Visit& visit) {
+  const int nc = threads_for(n);
+  std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    int64_t q = lo;
+    for (int64_t i = lo; i < hi; ++i) {
+      if (keep(i)) {
+        write_index(idx, idx_type, q, i);
+        if (values) visit(q, i);
+        ++q;
+      } else if (!values) {
+        visit(-1, i);
+      }
+    }
+    count[c] = q - lo;
+    lo_of[c] = lo;
+  });
+  const size_t isz = idx_size(idx_type);
+  int64_t pos = 0;
+  for (int c = 0; c < nc; ++c) {
+    if (count[c] && pos != lo_of[c]) {
+      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
+      if (values) std::memmove((char*)values + pos * vsize, (char*)values + lo_of[c] * vsize, count[c] * vsize);
+    }
+    pos += count[c];
+  }
+  return pos;
+}
+
+// float32: 8 elements at a time, only the ones with a kept element looked at one by one
+int64_t threshold_f32(const float* x, int64_t n, float thr, bool by_abs, void* idx, int idx_type, float* values) {
+  const int nc = threads_for(n);
+  std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    int64_t q = lo, i = lo;
+#ifdef GRACE_SIMD
+    const F8 t = set8(thr);
+    for (; i + 8 <= hi; i += 8) {
+      F8 v = ld8(x + i);
+      int m = mask8(ge8(by_abs ? abs8(v) : v, t));
+      while (m) {
+        int j = __builtin_ctz(m);
+        m &= m - 1;
+        write_index(idx, idx_type, q, i + j);
+        if (values) values[q] = x[i + j];
+        ++q;
+      }
+    }
+#endif
+    for (; i < hi; ++i) {
+      if ((by_abs ? std::fabs(x[i]) : x[i]) >= thr) {
+        write_index(idx, idx_type, q, i);
+        if (values) values[q] = x[i];
+        ++q;
+      }
+    }
+    count[c] = q - lo;
+    lo_of[c] = lo;
+  });
+  const size_t isz = idx_size(idx_type);
+  int64_t pos = 0;
+  for (int c = 0; c < nc; ++c) {
+    if (count[c] && pos != lo_of[c]) {
+      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
+      if (values) std::memmove(values + pos, values + lo_of[c], count[c] * sizeof(float));
+    }
+    pos += count[c];
+  }
+  return pos;
+}
+
+template <class T>
+int64_t threshold_typed(const T* x, int64_t n, T thr, bool by_abs, void* idx, int idx_type, T* values) {
+  auto keep = [&](int64_t i) { return (by_abs ? std::fabs(x[i]) : x[i]) >= thr; };
+  auto visit = [&](int64_t q, int64_t i) {
+    if (q >= 0) values[q] = x[i];
+  };
+  return compact_select(n, idx, idx_type, values, sizeof(T), keep, visit);
+}
+
+inline float compensate(float g, float r, float beta, float gamma, int flags) {
+  float p = (flags & 1) ? g * gamma : g;
+  return p + ((flags & 2) ? r * beta : r);
+}
+}  // namespace
+
+API int64_t grace_cpu_topk(const void* x, int val_type, int64_t n, int64_t k, int by_abs, void* idx, int idx_type,
+                           void* values) {
+  if (!idx_type_ok(idx_type) || n < 0) return -1;
+  if (val_type == GRACE_F32)
+    return topk_any((const float*)x, n, k, by_abs != 0, idx, idx_type, (float*)values);
+  if (val_type == GRACE_F64)
+    return topk_any((const double*)x, n, k, by_abs != 0, idx, idx_type, (double*)values);
+  return -1;
+}
+
+API int64_t grace_cpu_threshold(const void* x, int val_type, int64_t n, double thr, int by_abs, void* idx,
+                                int idx_type, void* values) {
+  if (!idx_type_ok(idx_type) || n < 0) return -1;
+  if (val_type == GRACE_F32)
+    return threshold_f32((const float*)x, n, (float)thr, by_abs != 0, idx, idx_type, (float*)values);
+  if (val_type == GRACE_F64)
+    return threshold_typed((const double*)x, n, thr, by_abs != 0, idx, idx_type, (double*)values);
+  return -1;
+}
+
+API int64_t grace_cpu_nonzero(const uint8_t* mask, int64_t n, void* idx, int idx_type) {
+  if (!idx_type_ok(idx_type) || n < 0) return -1;
+  const int nc = threads_for(n);
+  std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    int64_t q = lo, i = lo;
+    for (; i + 8 <= hi; i += 8) {
+      uint64_t w = load_u64(mask + i);
+      if (!w) continue;
+      for (int j = 0; j < 8; ++j)
+        if ((w >> (8 * j)) & 0xff) write_index(idx, idx_type, q++, i + j);
+    }
+    for (; i < hi; ++i)
+      if (mask[i]) write_index(idx, idx_type, q++, i);
+    count[c] = q - lo;
+    lo_of[c] = lo;
+  });
+  const size_t isz = idx_size(idx_type);
+  int64_t pos = 0;
+  for (int c = 0; c < nc; ++c) {
+    if (count[c] && pos != lo_of[c])
+      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
+    pos += count[c];
+  }
+  return pos;
+}
+
+// p = g*gamma + r*beta into new_r (first pass, with the histogram of |p|), select from it,
+// then values = p[idx] and new_r[idx] = p - (0 + p): exactly p - decompress(compress(p)).
+API int64_t grace_cpu_topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma,
+                              int flags, float* values, void* idx, int idx_type, float* new_r) {
+  if (!idx_type_ok(idx_type) || n < 0) return -1;
+  std::vector<int64_t> sel;
+  auto key = [&](int64_t i) { return KeyOf<float>::key(new_r[i], true); };
+  if (k >= n || k <= 0) {
+    for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) new_r[i] = compensate(g[i], r[i], beta, gamma, flags);
+    });
+    if (k > 0) {
+      sel.resize(n);
+      for (int64_t i = 0; i < n; ++i) sel[i] = i;
+    }
+  } else {
+    auto hist1 = [&](int, int64_t lo, int64_t hi, int64_t* h, int shift) {
+      for (int64_t i = lo; i < hi; ++i) {
+        float p = compensate(g[i], r[i], beta, gamma, flags);
+        new_r[i] = p;
+        uint32_t u;
+        std::memcpy(&u, &p, 4);
+        h[(u & 0x7fffffffu) >> shift]++;
+      }
+    };
+    topk_select<uint32_t>(n, k, 32, hist1, key, sel);
+  }
+  int64_t m = (int64_t)sel.size();
+  for (int64_t j = 0; j < m; ++j) {
+    int64_t i = sel[j];
+    float p = new_r[i];
+    write_index(idx, idx_type, j, i);
+    values[j] = p;
+    new_r[i] = p - (0.0f + p);
+  }
+  return m;
+}
+
+API int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma,
+                                   int flags, float* values, void* idx, int idx_type, float* new_r) {
+  if (!idx_type_ok(idx_type) || n < 0) return -1;
+  const int nc = threads_for(n);
+  std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    int64_t q = lo, i = lo;
+#ifdef GRACE_SIMD
+    const F8 t = set8(thr), vb = set8(beta), vg = set8(gamma), zero = set8(0.0f);
+    for (; i + 8 <= hi; i += 8) {
+      F8 a = ld8(g + i), b = ld8(r + i);
+      F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
+      int m = mask8(ge8(abs8(p), t));
+      st8(new_r + i, p);
+      while (m) {
+        int j = __builtin_ctz(m);
+        m &= m - 1;
+        float pj = new_r[i + j];
+        write_index(idx, idx_type, q, i + j);
+        values[q++] = pj;
+        new_r[i + j] = pj - (0.0f + pj);
+      }
+    }
+    (void)zero;
+#endif
+    for (; i < hi; ++i) {
+      float p = compensate(g[i], r[i], beta, gamma, flags);
+      if (std::fabs(p) >= thr) {
+        write_index(idx, idx_type, q, i);
+        values[q++] = p;
+        new_r[i] = p - (0.0f + p);
+      } else {
+        new_r[i] = p;
+      }
+    }
+    count[c] = q - lo;
+    lo_of[c] = lo;
+  });
+  const size_t isz = idx_size(idx_type);
+  int64_t pos = 0;
+  for (int c = 0; c < nc; ++c) {
+    if (count[c] && pos != lo_of[c]) {
+      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
+      std::memmove(values + pos, values + lo_of[c], count[c] * sizeof(float));
+    }
+    pos += count[c];
+  }
+  return pos;
+}
+
+// ---- scatter-add -----------------------------------------------------------------------------
+namespace {
+inline int64_t read_index(const void* idx, int t, int64_t j) {
+  switch (t) {
+    case GRACE_U8: return ((const uint8_t*)idx)[j];
+    case GRACE_I16: return ((const int16_t*)idx)[j];
+    case GRACE_I32: return ((const int32_t*)idx)[j];
+    default: return ((const int64_t*)idx)[j];
+  }
+}
+
+template <class T>
+int scatter_add_typed(int count, const void* const* idx, const int* types, const void* const* values,
+                      const int64_t* lengths, int64_t numel, T* dense) {
+  int64_t m = 0;
+  for (int p = 0; p < count; ++p) {
+    if (!idx_type_ok(types[p]) || lengths[p] < 0) return -1;
+    m += lengths[p];
+  }
+  // bounds first, so that a bad index leaves no partial sums behind a successful return
+  std::atomic<int> bad{0};
+  for (int p = 0; p < count; ++p) {
+    const int64_t len = lengths[p];
+    const void* ip = idx[p];
+    const int t = types[p];
+#pragma omp parallel for num_threads(threads_for(len)) if (len > 2 * kGrain)
+    for (int64_t j = 0; j < len; ++j) {
+      int64_t i = read_index(ip, t, j);
+      if (i < 0 || i >= numel) bad.store(1, std::memory_order_relaxed);
+    }
+  }
+  if (bad.load()) return -1;
+  const int nc = threads_for(numel + m);
+  if (nc > 1 && m >= kGrain) {
+    // each thread owns a range of the output and applies, in order, the updates that fall in it
+    for_chunks(numel, 16, nc, [&](int, int64_t lo, int64_t hi) {
+      std::fill(dense + lo, dense + hi, T(0));
+      for (int p = 0; p < count; ++p) {
+        const T* v = (const T*)values[p];
+        for (int64_t j = 0; j < lengths[p]; ++j) {
+          int64_t i = read_index(idx[p], types[p], j);
+          if (i >= lo && i < hi) dense[i] += v[j];
+        }
+      }
+    });
+  } else {
+    for_chunks(numel, 16, threads_for(numel), [&](int, int64_t lo, int64_t hi) { std::fill(dense + lo, dense + hi, T(0)); });
+    for (int p = 0; p < count; ++p) {
+      const T* v = (const T*)values[p];
+      const int t = types[p];
+      for (int64_t j = 0; j < lengths[p]; ++j) dense[read_index(idx[p], t, j)] += v[j];
+    }
+  }
+  return 0;
+}
+}  // namespace
+
+API int grace_cpu_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,
+                              const int64_t* lengths, int val_type, int64_t numel, void* dense) {
+  if (count < 0 || numel < 0) return -1;
+  if (val_type == GRACE_F32) return scatter_add_typed(count, idx, idx_types, values, lengths, numel, (float*)dense);
+  if (val_type == GRACE_F64) return scatter_add_typed(count, idx, idx_types, values, lengths, numel, (double*)dense);
+  return -1;
+}

@@ -1,0 +1,918 @@
+// grace CUDA kernels: the same operations as csrc/cpu/grace_cpu.cpp on device pointers.
+//
+// Every function takes the caller's stream (torch.cuda.current_stream().cuda_stream, or 0) and
+// launches asynchronously on it; temporaries come from the stream-ordered allocator
+// (cudaMallocAsync). Only the variable-length selections (threshold, nonzero) wait, for the
+// count they return. Nothing goes through host memory. Packed formats, codes and decodings
+// are those of the CPU kernels; reductions (norms, means, L1 scale) are deterministic but
+// sum in a GPU order, so they may differ from the CPU's in the last bit.
+#include "grace_native.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#define API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr unsigned kFull = 0xffffffffu;
+
+inline cudaStream_t as_stream(void* s) { return reinterpret_cast<cudaStream_t>(s); }
+
+inline int grid_for(int64_t work, int per_block = kThreads, int cap = 1 << 16) {
+  int64_t b = (work + per_block - 1) / per_block;
+  return (int)std::max<int64_t>(1, std::min<int64_t>(b, cap));
+}
+
+inline int status() { return cudaGetLastError() == cudaSuccess ? 0 : -2; }
+
+#define GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+
+// A stream-ordered scratch allocation, freed on the same stream.
+struct Scratch {
+  void* p = nullptr;
+  cudaStream_t s;
+  Scratch(size_t bytes, cudaStream_t stream) : s(stream) {
+    if (cudaMallocAsync(&p, std::max<size_t>(bytes, 16), s) != cudaSuccess) p = nullptr;
+  }
+  ~Scratch() {
+    if (p) cudaFreeAsync(p, s);
+  }
+  template <class T>
+  T* at(size_t byte_offset) const {
+    return reinterpret_cast<T*>(static_cast<char*>(p) + byte_offset);
+  }
+};
+
+inline size_t align256(size_t b) { return (b + 255) & ~size_t(255); }
+
+__device__ __forceinline__ void put_index(void* idx, int t, int64_t pos, int64_t i) {
+  switch (t) {
+    case GRACE_U8: static_cast<uint8_t*>(idx)[pos] = (uint8_t)i; break;
+    case GRACE_I16: static_cast<int16_t*>(idx)[pos] = (int16_t)i; break;
+    case GRACE_I32: static_cast<int32_t*>(idx)[pos] = (int32_t)i; break;
+    default: static_cast<int64_t*>(idx)[pos] = (int64_t)i; break;
+  }
+}
+
+__device__ __forceinline__ int64_t get_index(const void* idx, int t, int64_t j) {
+  switch (t) {
+    case GRACE_U8: return static_cast<const uint8_t*>(idx)[j];
+    case GRACE_I16: return static_cast<const int16_t*>(idx)[j];
+    case GRACE_I32: return static_cast<const int32_t*>(idx)[j];
+    default: return static_cast<const int64_t*>(idx)[j];
+  }
+}
+
+// Sum over the block, in a fixed order (valid in thread 0). blockDim.x is a multiple of 32.
+template <class T>
+__device__ T block_sum(T v, T* smem) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(kFull, v, o);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  if (lane == 0) smem[w] = v;
+  __syncthreads();
+  const int nw = blockDim.x >> 5;
+  v = threadIdx.x < nw ? smem[threadIdx.x] : T(0);
+  if (w == 0)
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(kFull, v, o);
+  __syncthreads();
+  return v;
+}
+
+// ---- packing --------------------------------------------------------------------------------
+__global__ void k_pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {
+  const int64_t groups = (n + 7) / 8;
+  const uint32_t m = (1u << bits) - 1;
+  GRID_STRIDE(g, groups) {
+    int64_t i0 = 8 * g;
+    int cnt = (int)(n - i0 < 8 ? n - i0 : 8);
+    uint64_t w = 0;
+    for (int t = 0; t < cnt; ++t) w |= (uint64_t)(codes[i0 + t] & m) << (bits * t);
+    int nb = cnt == 8 ? bits : (cnt * bits + 7) / 8;
+    for (int b = 0; b < nb; ++b) out[g * bits + b] = (uint8_t)(w >> (8 * b));
+  }
+}
+
+__global__ void k_unpack(const uint8_t* packed, int64_t n, int bits, uint8_t* codes) {
+  const int64_t groups = (n + 7) / 8;
+  const uint32_t m = (1u << bits) - 1;
+  GRID_STRIDE(g, groups) {
+    int64_t i0 = 8 * g;
+    int cnt = (int)(n - i0 < 8 ? n - i0 : 8);
+    int nb = cnt == 8 ? bits : (cnt * bits + 7) / 8;
+    uint64_t w = 0;
+    for (int b = 0; b < nb; ++b) w |= (uint64_t)packed[g * bits + b] << (8 * b);
+    for (int t = 0; t < cnt; ++t) codes[i0 + t] = (uint8_t)((w >> (bits * t)) & m);
+  }
+}
+
+// ---- sign family: one warp covers 32 consecutive elements per step (4 packed bytes) ----------
+__device__ __forceinline__ void write_ballot(unsigned bal, int64_t base, int64_t n, uint8_t* out) {
+  const int lane = threadIdx.x & 31;
+  if (lane < 4) {
+    int64_t byte = base / 8 + lane;
+    if (byte * 8 < n) out[byte] = (uint8_t)(bal >> (8 * lane));
+  }
+}
+
+#define WARP_STRIDE(base, n)                                                            \
+  const int64_t warp_ = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;           \
+  const int64_t nwarps_ = ((int64_t)gridDim.x * blockDim.x) >> 5;                        \
+  for (int64_t base = warp_ * 32; base < (n); base += nwarps_ * 32)
+
+__global__ void k_sign_pack(const float* x, int64_t n, int negative, uint8_t* out) {
+  const int lane = threadIdx.x & 31;
+  WARP_STRIDE(base, n) {
+    int64_t i = base + lane;
+    bool p = false;
+    if (i < n) {
+      float v = x[i];
+      p = negative ? v < 0.0f : v >= 0.0f;
+    }
+    write_ballot(__ballot_sync(kFull, p), base, n, out);
+  }
+}
+
+constexpr int kRedBlocks = 1024;  // fixed grid of the reductions: the order of the sums is fixed
+
+inline int red_grid(int64_t n) { return grid_for(n, kThreads * 8, kRedBlocks); }
+
+// bits (x >= 0) and per-block partial sums: S = 1: |x|; S = 3: count(x >= 0), sum(x >= 0), sum
+template <int S>
+__global__ void k_sign_sums(const float* x, int64_t n, uint8_t* out, float* partial) {
+  __shared__ float smem[32];
+  const int lane = threadIdx.x & 31;
+  float acc[S];
+  for (int s = 0; s < S; ++s) acc[s] = 0.0f;
+  WARP_STRIDE(base, n) {
+    int64_t i = base + lane;
+    bool p = false;
+    if (i < n) {
+      float v = x[i];
+      p = v >= 0.0f;
+      if constexpr (S == 1) {
+        acc[0] += fabsf(v);
+      } else {
+        acc[0] += p ? 1.0f : 0.0f;
+        acc[1] += p ? v : 0.0f;
+        acc[2] += v;
+      }
+    }
+    write_ballot(__ballot_sync(kFull, p), base, n, out);
+  }
+  for (int s = 0; s < S; ++s) {
+    float t = block_sum(acc[s], smem);
+    if (threadIdx.x == 0) partial[s * gridDim.x + blockIdx.x] = t;
+  }
+}
+
+// one block: the partials' sums, then the scalars
+template <int S>
+__global__ void k_sign_final(const float* partial, int nblocks, int64_t n, float* result) {
+  __shared__ float smem[32];
+  float tot[S];
+  for (int s = 0; s < S; ++s) {
+    float v = 0.0f;
+    for (int j = threadIdx.x; j < nblocks; j += blockDim.x) v += partial[s * nblocks + j];
+    tot[s] = block_sum(v, smem);
+  }
+  if (threadIdx.x == 0) {
+    if constexpr (S == 1) {
+      result[0] = tot[0] / (float)(n > 1 ? n : 1);
+    } else {
+      float n_pos = tot[0], sum_pos = tot[1], total = tot[2];
+      float rest = (float)n - n_pos;
+      result[1] = sum_pos / (n_pos < 1.0f ? 1.0f : n_pos);
+      result[0] = (total - sum_pos) / (rest < 1.0f ? 1.0f : rest);
+    }
+  }
+}
+
+// ---- max |x| (NaN wins, as np.max) ------------------------------------------------------------
+__global__ void k_maxabs(const float* x, int64_t n, unsigned* out) {
+  __shared__ unsigned smem[32];
+  unsigned m = 0;
+  GRID_STRIDE(i, n) {
+    unsigned u = __float_as_uint(x[i]) & 0x7fffffffu;  // NaN > inf > finite as unsigned
+    m = max(m, u);
+  }
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_down_sync(kFull, m, o));
+  if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned b = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) b = max(b, smem[w]);
+    atomicMax(out, b);
+  }
+}
+
+// ---- terngrad, QSGD, natural: one thread per group of 8 elements ------------------------------
+__global__ void k_terngrad(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out) {
+  const float s = scale[0];
+  const float safe = s > 0.0f ? s : s + 1.0f;
+  const int64_t groups = (n + 7) / 8;
+  GRID_STRIDE(g, groups) {
+    int64_t i0 = 8 * g;
+    int cnt = (int)(n - i0 < 8 ? n - i0 : 8);
+    uint32_t w = 0;
+    for (int j = 0; j < cnt; ++j) {
+      float v = x[i0 + j];
+      bool keep = u[i0 + j] < __fdiv_rn(fabsf(v), safe);
+      w |= (uint32_t)(keep ? (v < 0.0f ? 2 : 1) : 0) << (2 * j);
+    }
+    out[2 * g] = (uint8_t)w;
+    if (cnt > 4) out[2 * g + 1] = (uint8_t)(w >> 8);
+  }
+}
+
+__device__ __forceinline__ uint8_t qsgd_code(float v, float u, float safe, float flevels) {
+  float r = __fdiv_rn(__fmul_rn(fabsf(v), flevels), safe);
+  float low = floorf(r);
+  float level = __fadd_rn(low, u < __fsub_rn(r, low) ? 1.0f : 0.0f);
+  level = __fsub_rn(level, level > flevels ? 1.0f : 0.0f);
+  float c = __fadd_rn(__fmul_rn(level, 2.0f), v < 0.0f ? 1.0f : 0.0f);
+  return c == c ? (uint8_t)(int)c : (uint8_t)0;
+}
+
+__global__ void k_qsgd(const float* x, const float* u, int64_t n, float flevels, int64_t b, int bits,
+                       const float* norms, uint8_t* out) {
+  const int64_t groups = (n + 7) / 8;
+  GRID_STRIDE(g, groups) {
+    int64_t i0 = 8 * g;
+    int cnt = (int)(n - i0 < 8 ? n - i0 : 8);
+    uint64_t w = 0;
+    for (int j = 0; j < cnt; ++j) {
+      int64_t i = i0 + j;
+      float norm = norms[i / b];
+      float safe = norm > 0.0f ? norm : norm + 1.0f;
+      w |= (uint64_t)qsgd_code(x[i], u[i], safe, flevels) << (bits * j);
+    }
+    int nb = cnt == 8 ? bits : (cnt * bits + 7) / 8;
+    for (int k = 0; k < nb; ++k) out[g * bits + k] = (uint8_t)(w >> (8 * k));
+  }
+}
+
+// norms of short buckets (b <= 4096): one warp each
+__global__ void k_norms_warp(const float* x, int64_t n, int64_t b, int64_t rows, float* norms) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  for (int64_t r = warp; r < rows; r += nwarps) {
+    int64_t start = r * b, end = start + b < n ? start + b : n;
+    float acc = 0.0f;
+    for (int64_t i = start + lane; i < end; i += 32) acc = __fadd_rn(acc, __fmul_rn(x[i], x[i]));
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(kFull, acc, o);
+    if (lane == 0) norms[r] = sqrtf(acc);
+  }
+}
+
+constexpr int64_t kSegChunk = kThreads * 16;
+
+// long buckets: block (r, c) sums chunk c of bucket r; then one block per bucket
+__global__ void k_norms_partial(const float* x, int64_t n, int64_t b, int64_t cpr, float* partial) {
+  __shared__ float smem[32];
+  const int64_t r = blockIdx.x / cpr, c = blockIdx.x % cpr;
+  const int64_t start = r * b + c * kSegChunk;
+  int64_t end = start + kSegChunk;
+  if (end > r * b + b) end = r * b + b;
+  if (end > n) end = n;
+  float acc = 0.0f;
+  for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x) acc = __fadd_rn(acc, __fmul_rn(x[i], x[i]));
+  acc = block_sum(acc, smem);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+__global__ void k_norms_final(const float* partial, int64_t cpr, float* norms) {
+  __shared__ float smem[32];
+  float acc = 0.0f;
+  for (int64_t j = threadIdx.x; j < cpr; j += blockDim.x) acc += partial[blockIdx.x * cpr + j];
+  acc = block_sum(acc, smem);
+  if (threadIdx.x == 0) norms[blockIdx.x] = sqrtf(acc);
+}
+
+__device__ __forceinline__ uint8_t natural_code(float v, float u) {
+  uint32_t bits = __float_as_uint(v);
+  uint32_t e = (bits >> 23) & 0xff;
+  if (e >= 254) return 254;
+  float frac = (float)(bits & 0x7fffff) * 0x1p-23f;
+  return (uint8_t)(e + (u < frac ? 1 : 0));
+}
+
+__global__ void k_natural(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes) {
+  const int64_t groups = (n + 7) / 8;
+  GRID_STRIDE(g, groups) {
+    int64_t i0 = 8 * g;
+    int cnt = (int)(n - i0 < 8 ? n - i0 : 8);
+    uint32_t m = 0;
+    for (int j = 0; j < cnt; ++j) {
+      float v = x[i0 + j];
+      m |= (uint32_t)(v < 0.0f) << j;
+      codes[i0 + j] = natural_code(v, u[i0 + j]);
+    }
+    signs[g] = (uint8_t)m;
+  }
+}
+
+// ---- decoders ---------------------------------------------------------------------------------
+__global__ void k_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
+  const float s = scale ? scale[0] : 1.0f;
+  const float lo = __fmul_rn(-1.0f, s), hi = __fmul_rn(1.0f, s);
+  GRID_STRIDE(i, n) out[i] = (packed[i >> 3] >> (i & 7)) & 1 ? hi : lo;
+}
+
+__global__ void k_onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out) {
+  const float mu0 = means[0], mu1 = means[1];
+  const float d = __fsub_rn(mu1, mu0);
+  const float v0 = __fadd_rn(mu0, __fmul_rn(0.0f, d)), v1 = __fadd_rn(mu0, __fmul_rn(1.0f, d));
+  GRID_STRIDE(i, n) out[i] = (packed[i >> 3] >> (i & 7)) & 1 ? v1 : v0;
+}
+
+__global__ void k_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
+  const float s = scale[0];
+  const float z = __fmul_rn(0.0f, s), p = __fmul_rn(1.0f, s), m = __fmul_rn(-1.0f, s);
+  GRID_STRIDE(i, n) {
+    int c = (packed[i >> 2] >> (2 * (i & 3))) & 3;
+    out[i] = c == 0 ? z : (c == 1 ? p : m);
+  }
+}
+
+__global__ void k_qsgd_decode(const uint8_t* packed, int64_t n, float flevels, int64_t b, int bits,
+                              const float* norms, float* out) {
+  const uint32_t mask = (1u << bits) - 1;
+  GRID_STRIDE(i, n) {
+    int64_t bit = i * bits;
+    uint32_t w = packed[bit >> 3];
+    if ((bit & 7) + bits > 8) w |= (uint32_t)packed[(bit >> 3) + 1] << 8;
+    float c = (float)((w >> (bit & 7)) & mask);
+    float level = floorf(__fdiv_rn(c, 2.0f));
+    float sign = __fsub_rn(1.0f, __fmul_rn(2.0f, __fsub_rn(c, __fmul_rn(2.0f, level))));
+    float v = __fdiv_rn(__fmul_rn(sign, level), flevels);
+    out[i] = __fmul_rn(v, norms[i / b]);
+  }
+}
+
+__global__ void k_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out) {
+  GRID_STRIDE(i, n) {
+    float mag = __uint_as_float((uint32_t)codes[i] << 23);
+    float sign = (signs[i >> 3] >> (i & 7)) & 1 ? -1.0f : 1.0f;
+    out[i] = __fmul_rn(sign, mag);
+  }
+}
+
+// ---- selection ----------------------------------------------------------------------------------
+// Keys: unsigned, order-preserving. Elements are selected by key > T, plus the first `need`
+// (in index order) with key == T; an ordered compaction writes them at
+// pos = (# selected-by-gt before) + min(# eq before, need).
+struct SelState {
+  uint32_t prefix;      // key bits fixed so far (topk), or the threshold key
+  uint32_t mask;        // which bits of prefix are fixed
+  long long need;       // how many elements with key == prefix to take
+};
+
+struct KeyAbs {
+  const float* x;
+  __device__ uint32_t operator()(int64_t i) const { return __float_as_uint(x[i]) & 0x7fffffffu; }
+};
+struct KeySigned {
+  const float* x;
+  __device__ uint32_t operator()(int64_t i) const {
+    uint32_t u = __float_as_uint(x[i]);
+    return (u >> 31) ? ~u : (u | 0x80000000u);
+  }
+};
+
+__global__ void k_init_state(SelState* st, long long need) {
+  st->prefix = 0;
+  st->mask = 0;
+  st->need = need;
+}
+
+template <class Key>
+__global__ void k_hist(Key key, int64_t n, const SelState* st, int shift, int nbins, unsigned long long* hist) {
+  __shared__ unsigned sh[2048];
+  for (int j = threadIdx.x; j < nbins; j += blockDim.x) sh[j] = 0;
+  __syncthreads();
+  const uint32_t prefix = st->prefix, mask = st->mask;
+  const int lane = threadIdx.x & 31;
+  // warp-aggregated: the lanes that fall in one bin add their count once (gradients crowd a
+  // few exponents, so plain shared-memory atomics would serialize)
+  WARP_STRIDE(base, n) {
+    int64_t i = base + lane;
+    int bin = nbins;  // none
+    if (i < n) {
+      uint32_t k = key(i);
+      if ((k & mask) == prefix) bin = (int)((k >> shift) & (nbins - 1));
+    }
+    unsigned peers = __match_any_sync(kFull, bin);
+    if (bin < nbins && lane == __ffs(peers) - 1) atomicAdd(&sh[bin], (unsigned)__popc(peers));
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < nbins; j += blockDim.x)
+    if (sh[j]) atomicAdd(&hist[j], (unsigned long long)sh[j]);
+}
+
+// one warp: the bin (from the top) where the count reaches `need`; narrow the state to it
+__global__ void k_find(const unsigned long long* hist, int nbins, int shift, SelState* st) {
+  const int lane = threadIdx.x;
+  const int per = nbins / 32;
+  long long s = 0;
+  for (int j = 0; j < per; ++j) s += (long long)hist[nbins - lane * per - 1 - j];
+  long long incl = s;
+  for (int o = 1; o < 32; o <<= 1) {
+    long long t = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += t;
+  }
+  const long long excl = incl - s;
+  const long long need = st->need;
+  unsigned ball = __ballot_sync(kFull, excl < need && need <= incl);
+  int L = __ffs(ball) - 1;
+  if (L < 0) L = 31;  // cannot happen with 1 <= need <= count; keep the state sane
+  if (lane == L) {
+    long long acc = excl;
+    int b = nbins - L * per - 1;
+    for (; b > nbins - (L + 1) * per; --b) {
+      long long h = (long long)hist[b];
+      if (acc + h >= need) break;
+      acc += h;
+    }
+    st->need = need - acc;
+    st->prefix |= (uint32_t)b << shift;
+    st->mask |= (uint32_t)(nbins - 1) << shift;
+  }
+}
+
+constexpr int kItems = 16;
+constexpr int64_t kTile = (int64_t)kThreads * kItems;
+
+// The predicate of the compaction: gt(i) (always taken) and eq(i) (taken while rank < need).
+template <class Key>
+struct TopkPred {
+  Key key;
+  __device__ void operator()(int64_t i, const SelState& st, bool& gt, bool& eq) const {
+    uint32_t k = key(i);
+    gt = k > st.prefix;
+    eq = k == st.prefix;
+  }
+};
+
+struct ThresholdPredF {
+  const float* x;
+  float thr;
+  int by_abs;
+  __device__ void operator()(int64_t i, const SelState&, bool& gt, bool& eq) const {
+    float v = x[i];
+    gt = (by_abs ? fabsf(v) : v) >= thr;
+    eq = false;
+  }
+};
+
+struct MaskPred {
+  const uint8_t* mask;
+  __device__ void operator()(int64_t i, const SelState&, bool& gt, bool& eq) const {
+    gt = mask[i] != 0;
+    eq = false;
+  }
+};
+
+template <class Pred>
+__global__ void k_count(Pred pred, int64_t n, const SelState* st_, long long* cnt_gt, long long* cnt_eq) {
+  __shared__ long long smem[32];
+  const SelState st = *st_;
+  const int64_t base = blockIdx.x * kTile;
+  long long gt_n = 0, eq_n = 0;
+  for (int j = 0; j < kItems; ++j) {
+    int64_t i = base + j * kThreads + threadIdx.x;
+    if (i < n) {
+      bool gt, eq;
+      pred(i, st, gt, eq);
+      gt_n += gt;
+      eq_n += eq;
+    }
+  }
+  gt_n = block_sum(gt_n, smem);
+  eq_n = block_sum(eq_n, smem);
+  if (threadIdx.x == 0) {
+    cnt_gt[blockIdx.x] = gt_n;
+    cnt_eq[blockIdx.x] = eq_n;
+  }
+}
+
+// one block of 1024: exclusive scans of both count arrays; totals[0..1] their sums
+__global__ void k_scan2(long long* a, long long* b, int64_t m, long long* totals) {
+  __shared__ long long sa[1024], sb[1024];
+  const int t = threadIdx.x;
+  long long ca = 0, cb = 0;
+  for (int64_t base = 0; base < m; base += 1024) {
+    int64_t i = base + t;
+    long long va = i < m ? a[i] : 0, vb = i < m ? b[i] : 0;
+    sa[t] = va;
+    sb[t] = vb;
+    __syncthreads();
+    for (int o = 1; o < 1024; o <<= 1) {
+      long long ta = t >= o ? sa[t - o] : 0, tb = t >= o ? sb[t - o] : 0;
+      __syncthreads();
+      sa[t] += ta;
+      sb[t] += tb;
+      __syncthreads();
+    }
+    if (i < m) {
+      a[i] = ca + sa[t] - va;
+      b[i] = cb + sb[t] - vb;
+    }
+    ca += sa[1023];
+    cb += sb[1023];
+    __syncthreads();
+  }
+  if (t == 0) {
+    totals[0] = ca;
+    totals[1] = cb;
+  }
+}
+
+// Emit: what to write for a selected element i at output position pos.
+struct EmitIdx {
+  void* idx;
+  int idx_type;
+  const float* values_src;  // NULL: no values
+  float* values;
+  float* new_r;             // error feedback: new_r[i] = p - (0 + p) where sent
+  __device__ void operator()(int64_t pos, int64_t i) const {
+    put_index(idx, idx_type, pos, i);
+    if (values) {
+      float p = values_src[i];
+      values[pos] = p;
+      if (new_r) new_r[i] = __fsub_rn(p, __fadd_rn(0.0f, p));
+    }
+  }
+};
+
+template <class Pred>
+__global__ void k_write(Pred pred, int64_t n, const SelState* st_, const long long* off_gt, const long long* off_eq,
+                        EmitIdx emit) {
+  __shared__ int wg[kThreads / 32], we[kThreads / 32];
+  const SelState st = *st_;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const unsigned lt = (1u << lane) - 1;
+  const int64_t base = blockIdx.x * kTile;
+  long long run_gt = off_gt[blockIdx.x], run_eq = off_eq[blockIdx.x];
+  for (int j = 0; j < kItems; ++j) {
+    int64_t i = base + j * kThreads + threadIdx.x;
+    bool gt = false, eq = false;
+    if (i < n) pred(i, st, gt, eq);
+    unsigned bg = __ballot_sync(kFull, gt), be = __ballot_sync(kFull, eq);
+    if (lane == 0) {
+      wg[w] = __popc(bg);
+      we[w] = __popc(be);
+    }
+    __syncthreads();
+    long long before_g = 0, before_e = 0, tot_g = 0, tot_e = 0;
+    for (int v = 0; v < kThreads / 32; ++v) {
+      if (v < w) {
+        before_g += wg[v];
+        before_e += we[v];
+      }
+      tot_g += wg[v];
+      tot_e += we[v];
+    }
+    long long rg = run_gt + before_g + __popc(bg & lt);
+    long long re = run_eq + before_e + __popc(be & lt);
+    if (gt || (eq && re < st.need)) emit(rg + (re < st.need ? re : st.need), i);
+    run_gt += tot_g;
+    run_eq += tot_e;
+    __syncthreads();
+  }
+}
+
+__global__ void k_compensate(const float* g, const float* r, int64_t n, float beta, float gamma, int flags,
+                             float* p) {
+  GRID_STRIDE(i, n) {
+    float a = (flags & 1) ? __fmul_rn(g[i], gamma) : g[i];
+    p[i] = __fadd_rn(a, (flags & 2) ? __fmul_rn(r[i], beta) : r[i]);
+  }
+}
+
+__global__ void k_take_all(int64_t n, EmitIdx emit) {
+  GRID_STRIDE(i, n) emit(i, i);
+}
+
+// Ordered compaction by `pred`; st_dev must be valid. Returns 0, or < 0 on a CUDA error.
+// If total_host is not NULL, the number written is copied there (synchronizing the stream).
+template <class Pred>
+int compact(Pred pred, int64_t n, const SelState* st_dev, const EmitIdx& emit, long long* total_host,
+            cudaStream_t s) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  Scratch sc(align256(4 * tiles * sizeof(long long)) + 256, s);
+  if (!sc.p) return -3;
+  long long* cg = sc.at<long long>(0);
+  long long* ce = cg + tiles;
+  long long* totals = sc.at<long long>(align256(4 * tiles * sizeof(long long)));
+  k_count<<<(unsigned)tiles, kThreads, 0, s>>>(pred, n, st_dev, cg, ce);
+  k_scan2<<<1, 1024, 0, s>>>(cg, ce, tiles, totals);
+  k_write<<<(unsigned)tiles, kThreads, 0, s>>>(pred, n, st_dev, cg, ce, emit);
+  if (total_host) {
+    long long t[2];
+    cudaMemcpyAsync(t, totals, sizeof(t), cudaMemcpyDeviceToHost, s);
+    if (cudaStreamSynchronize(s) != cudaSuccess) return -2;
+    *total_host = t[0];
+  }
+  return status();
+}
+
+// Radix select (11 + 11 + 10 bits) of the k largest keys, then the ordered compaction.
+template <class Key>
+int topk_run(Key key, int64_t n, int64_t k, const EmitIdx& emit, cudaStream_t s) {
+  Scratch sc(align256(2048 * sizeof(unsigned long long)) + 256, s);
+  if (!sc.p) return -3;
+  unsigned long long* hist = sc.at<unsigned long long>(0);
+  SelState* st = sc.at<SelState>(align256(2048 * sizeof(unsigned long long)));
+  k_init_state<<<1, 1, 0, s>>>(st, k);
+  const int shifts[3] = {21, 10, 0}, bins[3] = {2048, 2048, 1024};
+  const int grid = grid_for(n, kThreads * 16, 2048);
+  for (int d = 0; d < 3; ++d) {
+    cudaMemsetAsync(hist, 0, bins[d] * sizeof(unsigned long long), s);
+    k_hist<<<grid, kThreads, 0, s>>>(key, n, st, shifts[d], bins[d], hist);
+    k_find<<<1, 32, 0, s>>>(hist, bins[d], shifts[d], st);
+  }
+  return compact(TopkPred<Key>{key}, n, st, emit, nullptr, s);
+}
+
+// state for a threshold (no ties): need = 0
+int threshold_state(SelState** st, Scratch& sc, cudaStream_t s) {
+  *st = sc.at<SelState>(0);
+  k_init_state<<<1, 1, 0, s>>>(*st, 0);
+  return status();
+}
+
+}  // namespace
+
+// ===============================================================================================
+API int grace_cuda_abi(void) { return GRACE_NATIVE_ABI; }
+
+API int grace_cuda_device_count(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+API int grace_cuda_device_sync(void) { return cudaDeviceSynchronize() == cudaSuccess ? 0 : -2; }
+
+API int grace_cuda_pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out, void* stream) {
+  if (bits < 1 || bits > 8 || n < 0) return -1;
+  if (n == 0) return 0;
+  k_pack<<<grid_for((n + 7) / 8), kThreads, 0, as_stream(stream)>>>(codes, n, bits, out);
+  return status();
+}
+
+API int grace_cuda_unpack(const uint8_t* packed, int64_t n, int bits, uint8_t* codes, void* stream) {
+  if (bits < 1 || bits > 8 || n < 0) return -1;
+  if (n == 0) return 0;
+  k_unpack<<<grid_for((n + 7) / 8), kThreads, 0, as_stream(stream)>>>(packed, n, bits, codes);
+  return status();
+}
+
+API int grace_cuda_sign_pack(const float* x, int64_t n, int negative, uint8_t* out, void* stream) {
+  if (n <= 0) return n < 0 ? -1 : 0;
+  k_sign_pack<<<grid_for(n), kThreads, 0, as_stream(stream)>>>(x, n, negative, out);
+  return status();
+}
+
+template <int S>
+static int sign_sums(const float* x, int64_t n, uint8_t* out, float* result, cudaStream_t s) {
+  const int grid = red_grid(n);
+  Scratch sc(S * grid * sizeof(float), s);
+  if (!sc.p) return -3;
+  float* partial = sc.at<float>(0);
+  if (n > 0) k_sign_sums<S><<<grid, kThreads, 0, s>>>(x, n, out, partial);
+  else cudaMemsetAsync(partial, 0, S * grid * sizeof(float), s);
+  k_sign_final<S><<<1, 1024, 0, s>>>(partial, grid, n, result);
+  return status();
+}
+
+API int grace_cuda_efsign_compress(const float* x, int64_t n, uint8_t* out, float* scale, void* stream) {
+  if (n < 0) return -1;
+  return sign_sums<1>(x, n, out, scale, as_stream(stream));
+}
+
+API int grace_cuda_onebit_compress(const float* x, int64_t n, uint8_t* out, float* means, void* stream) {
+  if (n < 0) return -1;
+  return sign_sums<3>(x, n, out, means, as_stream(stream));
+}
+
+API int grace_cuda_maxabs(const float* x, int64_t n, float* out, void* stream) {
+  cudaStream_t s = as_stream(stream);
+  cudaMemsetAsync(out, 0, sizeof(float), s);
+  if (n > 0) k_maxabs<<<grid_for(n, kThreads * 8, 1024), kThreads, 0, s>>>(x, n, reinterpret_cast<unsigned*>(out));
+  return status();
+}
+
+API int grace_cuda_terngrad_compress(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out,
+                                     void* stream) {
+  if (n <= 0) return n < 0 ? -1 : 0;
+  k_terngrad<<<grid_for((n + 7) / 8), kThreads, 0, as_stream(stream)>>>(x, u, n, scale, out);
+  return status();
+}
+
+API int grace_cuda_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* norms, void* stream) {
+  cudaStream_t s = as_stream(stream);
+  const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+  const int64_t rows = n > 0 ? (n + b - 1) / b : 1;
+  if (n == 0) {
+    cudaMemsetAsync(norms, 0, sizeof(float), s);
+    return status();
+  }
+  if (b <= 4096) {
+    k_norms_warp<<<grid_for(rows * 32), kThreads, 0, s>>>(x, n, b, rows, norms);
+    return status();
+  }
+  const int64_t cpr = (b + kSegChunk - 1) / kSegChunk;
+  Scratch sc(rows * cpr * sizeof(float), s);
+  if (!sc.p) return -3;
+  k_norms_partial<<<(unsigned)(rows * cpr), kThreads, 0, s>>>(x, n, b, cpr, sc.at<float>(0));
+  k_norms_final<<<(unsigned)rows, kThreads, 0, s>>>(sc.at<float>(0), cpr, norms);
+  return status();
+}
+
+API int grace_cuda_qsgd_compress(const float* x, const float* u, int64_t n, int levels, int64_t bucket, int bits,
+                                 const float* norms, uint8_t* out, void* stream) {
+  if (bits < 1 || bits > 8 || levels < 1 || n < 0) return -1;
+  if (n == 0) return 0;
+  const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+  k_qsgd<<<grid_for((n + 7) / 8), kThreads, 0, as_stream(stream)>>>(x, u, n, (float)levels, b, bits, norms, out);
+  return status();
+}
+
+API int grace_cuda_natural_compress(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes,
+                                    void* stream) {
+  if (n <= 0) return n < 0 ? -1 : 0;
+  k_natural<<<grid_for((n + 7) / 8), kThreads, 0, as_stream(stream)>>>(x, u, n, signs, codes);
+  return status();
+}
+
+API int grace_cuda_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out, void* stream) {
+  if (n <= 0) return n < 0 ? -1 : 0;
+  k_sign_decode<<<grid_for(n), kThreads, 0, as_stream(stream)>>>(packed, n, scale, out);
+  return status();
+}
+
+API int grace_cuda_onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out, void* stream) {
+  if (n <= 0) return n < 0 ? -1 : 0;
+  k_onebit_decode<<<grid_for(n), kThreads, 0, as_stream(stream)>>>(packed, n, means, out);
+  return status();
+}
+
+API int grace_cuda_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out, void* stream) {
+  if (n <= 0) return n < 0 ? -1 : 0;
+  k_terngrad_decode<<<grid_for(n), kThreads, 0, as_stream(stream)>>>(packed, n, scale, out);
+  return status();
+}
+
+API int grace_cuda_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,
+                               const float* norms, float* out, void* stream) {
+  if (bits < 1 || bits > 8 || levels < 1 || n < 0) return -1;
+  if (n == 0) return 0;
+  const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+  k_qsgd_decode<<<grid_for(n), kThreads, 0, as_stream(stream)>>>(packed, n, (float)levels, b, bits, norms, out);
+  return status();
+}
+
+API int grace_cuda_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out, void* stream) {
+  if (n <= 0) return n < 0 ? -1 : 0;
+  k_natural_decode<<<grid_for(n), kThreads, 0, as_stream(stream)>>>(signs, codes, n, out);
+  return status();
+}
+
+API int64_t grace_cuda_topk(const void* x, int val_type, int64_t n, int64_t k, int by_abs, void* idx, int idx_type,
+                            void* values, void* stream) {
+  if (val_type != GRACE_F32 || idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  cudaStream_t s = as_stream(stream);
+  const float* xf = static_cast<const float*>(x);
+  EmitIdx emit{idx, idx_type, xf, static_cast<float*>(values), nullptr};
+  if (k <= 0 || n == 0) return 0;
+  if (k >= n) {
+    k_take_all<<<grid_for(n), kThreads, 0, s>>>(n, emit);
+    int st = status();
+    return st ? st : n;
+  }
+  int st = by_abs ? topk_run(KeyAbs{xf}, n, k, emit, s) : topk_run(KeySigned{xf}, n, k, emit, s);
+  return st ? st : k;
+}
+
+API int64_t grace_cuda_topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma,
+                               int flags, float* values, void* idx, int idx_type, float* new_r, void* stream) {
+  if (idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  cudaStream_t s = as_stream(stream);
+  if (n == 0) return 0;
+  k_compensate<<<grid_for(n), kThreads, 0, s>>>(g, r, n, beta, gamma, flags, new_r);
+  if (k <= 0) return status();
+  EmitIdx emit{idx, idx_type, new_r, values, new_r};
+  if (k >= n) {
+    k_take_all<<<grid_for(n), kThreads, 0, s>>>(n, emit);
+    int st = status();
+    return st ? st : n;
+  }
+  int st = topk_run(KeyAbs{new_r}, n, k, emit, s);
+  return st ? st : k;
+}
+
+API int64_t grace_cuda_threshold(const void* x, int val_type, int64_t n, double thr, int by_abs, void* idx,
+                                 int idx_type, void* values, void* stream) {
+  if (val_type != GRACE_F32 || idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  if (n == 0) return 0;
+  cudaStream_t s = as_stream(stream);
+  Scratch sc(256, s);
+  if (!sc.p) return -3;
+  SelState* st;
+  threshold_state(&st, sc, s);
+  const float* xf = static_cast<const float*>(x);
+  EmitIdx emit{idx, idx_type, xf, static_cast<float*>(values), nullptr};
+  long long total = 0;
+  int rc = compact(ThresholdPredF{xf, (float)thr, by_abs}, n, st, emit, &total, s);
+  return rc ? rc : total;
+}
+
+API int64_t grace_cuda_nonzero(const uint8_t* mask, int64_t n, void* idx, int idx_type, void* stream) {
+  if (idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  if (n == 0) return 0;
+  cudaStream_t s = as_stream(stream);
+  Scratch sc(256, s);
+  if (!sc.p) return -3;
+  SelState* st;
+  threshold_state(&st, sc, s);
+  EmitIdx emit{idx, idx_type, nullptr, nullptr, nullptr};
+  long long total = 0;
+  int rc = compact(MaskPred{mask}, n, st, emit, &total, s);
+  return rc ? rc : total;
+}
+
+API int64_t grace_cuda_threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma,
+                                    int flags, float* values, void* idx, int idx_type, float* new_r, void* stream) {
+  if (idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  if (n == 0) return 0;
+  cudaStream_t s = as_stream(stream);
+  k_compensate<<<grid_for(n), kThreads, 0, s>>>(g, r, n, beta, gamma, flags, new_r);
+  Scratch sc(256, s);
+  if (!sc.p) return -3;
+  SelState* st;
+  threshold_state(&st, sc, s);
+  EmitIdx emit{idx, idx_type, new_r, values, new_r};
+  long long total = 0;
+  int rc = compact(ThresholdPredF{new_r, thr, 1}, n, st, emit, &total, s);
+  return rc ? rc : total;
+}
+
+namespace {
+// atomicAdd on float flushes subnormals to zero; a compare-and-swap loop adds exactly as the
+// CPU does (one try when the indices of a payload are distinct, as sparsifiers send them)
+__device__ __forceinline__ void add_exact(float* addr, float v) {
+  unsigned* a = reinterpret_cast<unsigned*>(addr);
+  unsigned old = *a, assumed;
+  do {
+    assumed = old;
+    old = atomicCAS(a, assumed, __float_as_uint(__fadd_rn(__uint_as_float(assumed), v)));
+  } while (assumed != old);
+}
+
+__device__ __forceinline__ void add_exact(double* addr, double v) {
+  unsigned long long* a = reinterpret_cast<unsigned long long*>(addr);
+  unsigned long long old = *a, assumed;
+  do {
+    assumed = old;
+    old = atomicCAS(a, assumed, __double_as_longlong(__dadd_rn(__longlong_as_double(assumed), v)));
+  } while (assumed != old);
+}
+
+template <class T>
+__global__ void k_scatter(const void* idx, int t, const T* v, int64_t len, int64_t numel, T* dense) {
+  GRID_STRIDE(j, len) {
+    int64_t i = get_index(idx, t, j);
+    if (i >= 0 && i < numel) add_exact(&dense[i], v[j]);
+  }
+}
+}  // namespace
+
+API int grace_cuda_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,
+                               const int64_t* lengths, int val_type, int64_t numel, void* dense, void* stream) {
+  if (count < 0 || numel < 0 || (val_type != GRACE_F32 && val_type != GRACE_F64)) return -1;
+  cudaStream_t s = as_stream(stream);
+  const size_t vs = val_type == GRACE_F32 ? 4 : 8;
+  if (numel > 0) cudaMemsetAsync(dense, 0, numel * vs, s);
+  for (int p = 0; p < count; ++p) {
+    if (idx_types[p] < 0 || idx_types[p] > 3) return -1;
+    if (lengths[p] <= 0) continue;
+    if (val_type == GRACE_F32)
+      k_scatter<float><<<grid_for(lengths[p]), kThreads, 0, s>>>(idx[p], idx_types[p], (const float*)values[p],
+                                                                 lengths[p], numel, (float*)dense);
+    else
+      k_scatter<double><<<grid_for(lengths[p]), kThreads, 0, s>>>(idx[p], idx_types[p], (const double*)values[p],
+                                                                  lengths[p], numel, (double*)dense);
+  }
+  return status();
+}

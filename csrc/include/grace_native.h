@@ -1,0 +1,124 @@
+/* grace native kernels: a C ABI with no toolkit dependency.
+ *
+ * libgrace_cpu.so exports the grace_cpu_* functions (host pointers), libgrace_cuda.so the
+ * grace_cuda_* functions (device pointers plus the caller's cudaStream_t, passed as void*).
+ * Both are loaded with ctypes (grace/native/_loader.py), so NumPy arrays, torch tensors and
+ * anything DLPack exports (TensorFlow) reach the same kernels.
+ *
+ * Formats are those of the pure tensor-op code (grace/core/bits.py, grace/compressors/):
+ *   packed stream: bit b of element i's w-bit code is stream bit w*i + b; stream bit n is bit
+ *   n % 8 of byte n / 8; the last byte is zero-padded.
+ * Floating-point reductions on the CPU follow NumPy's pairwise summation exactly (float32,
+ * 8 accumulators, blocks of 128), so CPU payloads equal the NumPy reference byte for byte.
+ *
+ * Index types (idx_type): 0 uint8, 1 int16, 2 int32, 3 int64 (the payload index dtypes).
+ * Value types (val_type): 0 float32, 1 float64.
+ * Functions returning int: 0 on success, < 0 on bad arguments (the caller then falls back).
+ */
+#ifndef GRACE_NATIVE_H
+#define GRACE_NATIVE_H
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GRACE_NATIVE_ABI 1
+
+enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
+enum { GRACE_F32 = 0, GRACE_F64 = 1 };
+
+/* ---- CPU ------------------------------------------------------------------------------ */
+int grace_cpu_abi(void);
+void grace_cpu_set_num_threads(int n); /* <= 0: OpenMP's default */
+int grace_cpu_get_num_threads(void);
+
+/* bit packing of codes < 2**bits, bits in 1..8; out has ceil(n * bits / 8) bytes */
+int grace_cpu_pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out);
+int grace_cpu_unpack(const uint8_t* packed, int64_t n, int bits, uint8_t* codes);
+
+/* fused quantize + pack (float32 in) */
+void grace_cpu_sign_pack(const float* x, int64_t n, int negative, uint8_t* out); /* bit = x >= 0 (negative: x < 0) */
+void grace_cpu_efsign_compress(const float* x, int64_t n, uint8_t* out, float* scale);
+void grace_cpu_onebit_compress(const float* x, int64_t n, uint8_t* out, float* means);
+void grace_cpu_maxabs(const float* x, int64_t n, float* out);
+void grace_cpu_terngrad_compress(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out);
+void grace_cpu_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* norms);
+int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int levels, int64_t bucket, int bits,
+                            const float* norms, uint8_t* out);
+void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes);
+
+/* fused unpack + decode (float32 out) */
+void grace_cpu_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out); /* (2b-1)*scale, NULL: 1 */
+void grace_cpu_onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out);
+void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out);
+int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,
+                          const float* norms, float* out);
+void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out);
+
+/* selection. topk: the k largest (by value, or by magnitude when by_abs), ties to the lowest
+ * index, indices ascending. Returns the count written, < 0 on bad arguments. */
+int64_t grace_cpu_topk(const void* x, int val_type, int64_t n, int64_t k, int by_abs, void* idx, int idx_type,
+                       void* values);
+/* indices (ascending) of |x| >= thr (by_abs) or x >= thr; idx (and values if not NULL) have
+ * room for n; returns the count */
+int64_t grace_cpu_threshold(const void* x, int val_type, int64_t n, double thr, int by_abs, void* idx, int idx_type,
+                            void* values);
+int64_t grace_cpu_nonzero(const uint8_t* mask, int64_t n, void* idx, int idx_type);
+
+/* fused error feedback for the sparsifiers:
+ *   p = g*gamma + r*beta (each factor applied only when its flag is set);
+ *   select; values = p[idx]; new_r = p - scatter(idx, values)   (p where not sent, 0 where sent) */
+int64_t grace_cpu_topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma, int flags,
+                          float* values, void* idx, int idx_type, float* new_r);
+int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma,
+                               int flags, float* values, void* idx, int idx_type, float* new_r);
+
+/* dense[numel] = 0, then dense[idx[i]] += values[i] for each payload in order.
+ * Returns 0, or -1 if an index is out of [0, numel) (dense is then unspecified). */
+int grace_cpu_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,
+                          const int64_t* lengths, int val_type, int64_t numel, void* dense);
+
+/* ---- CUDA (device pointers; stream is a cudaStream_t) ---------------------------------- */
+int grace_cuda_abi(void);
+int grace_cuda_device_count(void); /* 0 when there is no usable device or driver */
+int grace_cuda_device_sync(void); /* cudaDeviceSynchronize (TensorFlow tensors: no stream to order on) */
+int grace_cuda_pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out, void* stream);
+int grace_cuda_unpack(const uint8_t* packed, int64_t n, int bits, uint8_t* codes, void* stream);
+int grace_cuda_sign_pack(const float* x, int64_t n, int negative, uint8_t* out, void* stream);
+int grace_cuda_efsign_compress(const float* x, int64_t n, uint8_t* out, float* scale, void* stream);
+int grace_cuda_onebit_compress(const float* x, int64_t n, uint8_t* out, float* means, void* stream);
+int grace_cuda_maxabs(const float* x, int64_t n, float* out, void* stream);
+int grace_cuda_terngrad_compress(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out,
+                                 void* stream);
+int grace_cuda_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* norms, void* stream);
+int grace_cuda_qsgd_compress(const float* x, const float* u, int64_t n, int levels, int64_t bucket, int bits,
+                             const float* norms, uint8_t* out, void* stream);
+int grace_cuda_natural_compress(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes,
+                                void* stream);
+int grace_cuda_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out, void* stream);
+int grace_cuda_onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out, void* stream);
+int grace_cuda_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out, void* stream);
+int grace_cuda_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,
+                           const float* norms, float* out, void* stream);
+int grace_cuda_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out, void* stream);
+/* topk / topk_ef: k known, outputs sized k; synchronous only in the tie-resolution corner */
+int64_t grace_cuda_topk(const void* x, int val_type, int64_t n, int64_t k, int by_abs, void* idx, int idx_type,
+                        void* values, void* stream);
+int64_t grace_cuda_topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma, int flags,
+                           float* values, void* idx, int idx_type, float* new_r, void* stream);
+/* variable-length selections: outputs have room for n; returns the count (synchronizes on it) */
+int64_t grace_cuda_threshold(const void* x, int val_type, int64_t n, double thr, int by_abs, void* idx,
+                             int idx_type, void* values, void* stream);
+int64_t grace_cuda_nonzero(const uint8_t* mask, int64_t n, void* idx, int idx_type, void* stream);
+int64_t grace_cuda_threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma,
+                                int flags, float* values, void* idx, int idx_type, float* new_r, void* stream);
+/* dense is zeroed by the call; payloads are added one after another (deterministic when the
+ * indices within one payload are distinct); out-of-range indices are skipped */
+int grace_cuda_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,
+                           const int64_t* lengths, int val_type, int64_t numel, void* dense, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,508 @@
+"""Native kernels (csrc/): bit packing, fused quantize+pack, selection, error feedback, scatter-add.
+
+Every function takes NumPy arrays, torch tensors (CPU; CUDA when libgrace_cuda is built) or
+TensorFlow eager tensors (CPU through NumPy, GPU through DLPack), of any shape (read flat), and
+returns arrays of the same kind on the same device; CUDA tensors never leave the GPU. The
+results equal the pure tensor-op code's byte for byte (tests/native): codes, packed bytes,
+indices, values and, on the CPU, the float32 scalars too (NumPy's pairwise summation is
+reproduced); on a GPU, sums (norms, means, L1 scale) are deterministic but in another order.
+
+Random methods take their uniform draws ``u`` (float32, one per element, as ``xp.uniform``
+gives them) as an input: generating them is not part of the kernel.
+
+When a library is missing, or ``GRACE_NATIVE=0``, or ``with disabled():``, the functions raise
+``NativeUnavailable``; ``supports(x)`` says beforehand. The ``try_*`` functions (used by
+TorchBackend and grace.core.bits) return None instead, and the caller takes its tensor-op path.
+
+    ops                                   fused compress / decompress (float32 flat out)
+    pack(codes, bits)                     signsgd_compress(x) -> packed
+    unpack(packed, bits, numel)           signsgd_decompress(packed, numel)
+    topk_indices(x, k, ...)               efsignsgd_compress(x) -> (packed, scale)
+    threshold_indices(x, thr, ...)        efsignsgd_decompress(packed, scale, numel)
+    nonzero(mask, ...)                    onebit_compress(x) -> (packed, means)
+    scatter_add(indices, values, numel)   onebit_decompress(packed, means, numel)
+    scatter_add_many(payloads, numel)     terngrad_compress(x, u, scale=None) -> (packed, scale)
+    topk_compress(x, k)                   terngrad_decompress(packed, scale, numel)
+    threshold_compress(x, thr)            qsgd_compress(x, u, levels, bucket_size=0, norms=None)
+    topk_ef_step(g, r, k, ...)              -> (packed, norms)
+    threshold_ef_step(g, r, thr, ...)     qsgd_decompress(packed, norms, numel, levels, bucket_size=0)
+                                          natural_compress(x, u) -> (signs, codes)
+                                          natural_decompress(signs, codes, numel)
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, dlpack_info, kind_of,
+                                  same_device)
+from grace.native._loader import disabled, enabled, library, load_error, set_enabled
+
+__all__ = [
+    "NativeUnavailable", "available", "disabled", "dlpack_info", "efsignsgd_compress", "efsignsgd_decompress",
+    "enabled", "load_error", "natural_compress", "natural_decompress", "nonzero", "onebit_compress",
+    "onebit_decompress", "pack", "qsgd_compress", "qsgd_decompress", "scatter_add", "scatter_add_many",
+    "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress", "supports", "terngrad_compress",
+    "terngrad_decompress", "threshold_compress", "threshold_ef_step", "threshold_indices", "topk_compress",
+    "topk_ef_step", "topk_indices", "unpack",
+]
+
+_FLOATS = ("float16", "bfloat16", "float32")
+
+
+# --- status -------------------------------------------------------------------------------------
+def available(device: str = "cpu") -> bool:
+    """Whether the 'cpu' or 'cuda' library is loaded (and native dispatch is enabled)."""
+    return library(device) is not None
+
+
+def supports(x) -> bool:
+    """Whether the fused functions run natively on ``x`` (its kind, device and a float dtype
+    they take: float16, bfloat16, float32; the quantizers other than signSGD also float64)."""
+    try:
+        kind = kind_of(x)
+    except NativeUnavailable:
+        return False
+    name = kind.name
+    if name == "torch":
+        dtype = str(x.dtype)[6:]
+    elif name == "numpy":
+        dtype = x.dtype.name
+    else:
+        dtype = x.dtype.name
+    return dtype in _FLOATS
+
+
+def set_num_threads(n: int) -> None:
+    """Threads of the CPU kernels (<= 0: OpenMP's default, OMP_NUM_THREADS or all cores)."""
+    lib = library("cpu")
+    if lib is not None:
+        lib.set_num_threads(int(n))
+
+
+# --- helpers ------------------------------------------------------------------------------------
+def _packed_size(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def _code_width(levels: int) -> int:
+    return max(1, math.ceil(math.log2(levels)))
+
+
+def _index_dtype(numel: int) -> str:
+    from grace.core.compressor import index_dtype
+
+    return index_dtype(numel)
+
+
+def _float32(kind, x, allow=_FLOATS + ("float64",)) -> Buf:
+    b = kind.flat(x)
+    if b.dtype not in allow:
+        raise TypeError(f"native kernels take {', '.join(allow)} tensors, got {b.dtype}")
+    return b if b.dtype == "float32" else kind.flat(b.obj, "float32")
+
+
+def _same_kind(kind, x, dtype=None) -> Buf:
+    """``x`` as a flat buffer for ``kind`` (same toolkit and device as the first input)."""
+    other = kind_of(x)
+    if not same_device(kind, other):
+        raise NativeUnavailable("inputs are on different devices")
+    return other.flat(x, dtype)
+
+
+def _head(kind, buf: Buf, count: int):
+    """The first ``count`` elements of a capacity buffer, as a compact array."""
+    obj = buf.obj[:count]
+    if count < buf.n // 2:
+        obj = obj.clone() if kind.name == "torch" else (obj.copy() if hasattr(obj, "copy") else obj)
+    return obj
+
+
+def _wrap(kind, *results):
+    kind.sync()
+    out = tuple(kind.wrap(r.obj if isinstance(r, Buf) else r) for r in results)
+    return out[0] if len(out) == 1 else out
+
+
+def _index_buf(kind, idx) -> Buf:
+    b = _same_kind(kind, idx)
+    if b.dtype not in INDEX_CODES:
+        b = _same_kind(kind, b.obj, "int64")
+    return b
+
+
+# --- bit packing --------------------------------------------------------------------------------
+def pack(codes, bits: int):
+    """uint8 codes (each < 2**bits; bool or other dtypes are cast to uint8) -> packed uint8,
+    ceil(numel * bits / 8) bytes; grace.core.bits.pack's format."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    kind = kind_of(codes)
+    c = kind.flat(codes)
+    if c.dtype != "uint8" and not (c.dtype == "bool" and bits < 8):
+        c = kind.flat(c.obj, "uint8")
+    if bits == 8:
+        return _wrap(kind, c)
+    out = kind.empty(_packed_size(c.n, bits), "uint8")
+    call(kind, "pack", c.ptr, c.n, bits, out.ptr)
+    return _wrap(kind, out)
+
+
+def unpack(packed, bits: int, numel: int):
+    """packed uint8 -> the first ``numel`` codes (uint8); 8 bits: ``packed`` itself, as
+    grace.core.bits.unpack returns it."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if bits == 8:
+        return packed
+    kind = kind_of(packed)
+    p = kind.flat(packed)
+    if p.dtype != "uint8":
+        raise TypeError(f"packed codes are uint8, got {p.dtype}")
+    if p.n < _packed_size(numel, bits):
+        raise ValueError(f"{p.n} bytes hold fewer than {numel} codes of {bits} bits")
+    out = kind.empty(numel, "uint8")
+    call(kind, "unpack", p.ptr, numel, bits, out.ptr)
+    return _wrap(kind, out)
+
+
+# --- selection ----------------------------------------------------------------------------------
+def _select_values_type(kind, b: Buf) -> int:
+    code = DTYPE_CODES.get(b.dtype)
+    if code is None or (code != 0 and kind.lib.kind == "cuda"):
+        raise NativeUnavailable(f"no native selection for {b.dtype} on {kind.lib.kind}")
+    return code
+
+
+def _topk(x, k: int, by_abs: bool, index_dtype: str, with_values: bool):
+    kind = kind_of(x)
+    b = kind.flat(x)
+    vt = _select_values_type(kind, b)
+    k = max(0, min(int(k), b.n))
+    idx = kind.empty(k, index_dtype)
+    values = kind.empty(k, b.dtype) if with_values else None
+    got = call(kind, "topk", b.ptr, vt, b.n, k, int(by_abs), idx.ptr, INDEX_CODES[index_dtype],
+               values.ptr if values is not None else None)
+    if got != k:
+        raise RuntimeError(f"native top-k returned {got} of {k}")
+    return kind, idx, values
+
+
+def topk_indices(x, k: int, by_abs: bool = False, index_dtype: str = "int64"):
+    """Indices of the k largest elements of x (largest |x| when by_abs), ascending; ties go to
+    the lowest index. Linear time (radix select + compaction), not a sort. k >= numel: all."""
+    kind, idx, _ = _topk(x, k, by_abs, index_dtype, False)
+    return _wrap(kind, idx)
+
+
+def topk_compress(x, k: int):
+    """TopK's payload: (values x[idx], idx in index_dtype(numel)) for the k largest |x|,
+    idx ascending."""
+    n = kind_of(x).flat(x).n
+    kind, idx, values = _topk(x, k, True, _index_dtype(n), True)
+    return _wrap(kind, values, idx)
+
+
+def _threshold(x, threshold: float, by_abs: bool, index_dtype: str, with_values: bool):
+    kind = kind_of(x)
+    b = kind.flat(x)
+    vt = _select_values_type(kind, b)
+    idx = kind.empty(b.n, index_dtype)
+    values = kind.empty(b.n, b.dtype) if with_values else None
+    count = call(kind, "threshold", b.ptr, vt, b.n, float(threshold), int(by_abs), idx.ptr,
+                 INDEX_CODES[index_dtype], values.ptr if values is not None else None)
+    if count < 0:
+        raise RuntimeError("native threshold selection failed")
+    return kind, count, idx, values
+
+
+def threshold_indices(x, threshold: float, by_abs: bool = True, index_dtype: str = "int64"):
+    """Indices (ascending) of the elements with |x| >= threshold (x >= threshold unless by_abs),
+    compared in x's dtype; one pass, the count included."""
+    kind, count, idx, _ = _threshold(x, threshold, by_abs, index_dtype, False)
+    return _wrap(kind, _head(kind, idx, count))
+
+
+def threshold_compress(x, threshold: float):
+    """Threshold's payload: (values, idx in index_dtype(numel)) of |x| >= threshold."""
+    n = kind_of(x).flat(x).n
+    kind, count, idx, values = _threshold(x, threshold, True, _index_dtype(n), True)
+    return _wrap(kind, _head(kind, values, count), _head(kind, idx, count))
+
+
+def nonzero(mask, index_dtype: str = "int64"):
+    """Indices (ascending) of the non-zero elements of a bool (or uint8) mask."""
+    kind = kind_of(mask)
+    m = kind.flat(mask)
+    if m.dtype not in ("bool", "uint8"):
+        raise NativeUnavailable(f"nonzero takes bool or uint8 masks, got {m.dtype}")
+    idx = kind.empty(m.n, index_dtype)
+    count = call(kind, "nonzero", m.ptr, m.n, idx.ptr, INDEX_CODES[index_dtype])
+    if count < 0:
+        raise RuntimeError("native nonzero failed")
+    return _wrap(kind, _head(kind, idx, count))
+
+
+# --- scatter-add --------------------------------------------------------------------------------
+def scatter_add_many(payloads, numel: int):
+    """sum over payloads (values, indices) of scatter(indices, values) into ``numel`` zeros,
+    added in order (as scatter_add of the concatenation): Sparsifier.aggregate without the
+    concatenation. Values float32 or float64 (all the same); indices any integer type."""
+    payloads = list(payloads)
+    if not payloads:
+        raise ValueError("scatter_add_many needs at least one payload")
+    kind = kind_of(payloads[0][0])
+    vals = [_same_kind(kind, v) for v, _ in payloads]
+    idxs = [_index_buf(kind, i) for _, i in payloads]
+    dtype = vals[0].dtype
+    if dtype not in DTYPE_CODES or any(v.dtype != dtype for v in vals):
+        raise NativeUnavailable(f"scatter_add takes float32 or float64 values of one dtype, got {dtype}")
+    for v, i in zip(vals, idxs):
+        if v.n != i.n:
+            raise ValueError(f"{v.n} values for {i.n} indices")
+    count = len(payloads)
+    out = kind.empty(int(numel), dtype)
+    rc = call(kind, "scatter_add", count, (ctypes.c_void_p * count)(*[i.ptr for i in idxs]),
+              (ctypes.c_int * count)(*[INDEX_CODES[i.dtype] for i in idxs]),
+              (ctypes.c_void_p * count)(*[v.ptr for v in vals]), (ctypes.c_int64 * count)(*[v.n for v in vals]),
+              DTYPE_CODES[dtype], int(numel), out.ptr)
+    if rc != 0:
+        raise IndexError(f"an index is out of range for {numel} elements")
+    return _wrap(kind, out)
+
+
+def scatter_add(indices, values, numel: int):
+    """A dense 1-d array of ``numel`` zeros with ``values`` added at ``indices`` (in order)."""
+    return scatter_add_many([(values, indices)], numel)
+
+
+# --- fused quantizers ---------------------------------------------------------------------------
+def signsgd_compress(x):
+    """signSGD's payload: bits (x >= 0) packed 8 to a byte. float16/bfloat16/float32."""
+    kind = kind_of(x)
+    b = _float32(kind, x, _FLOATS)
+    out = kind.empty(_packed_size(b.n, 1), "uint8")
+    call(kind, "sign_pack", b.ptr, b.n, 0, out.ptr)
+    return _wrap(kind, out)
+
+
+def _decode_out(kind, numel: int) -> Buf:
+    return kind.empty(int(numel), "float32")
+
+
+def signsgd_decompress(packed, numel: int):
+    """float32 +-1 (2 * bit - 1)."""
+    kind = kind_of(packed)
+    p = kind.flat(packed)
+    out = _decode_out(kind, numel)
+    call(kind, "sign_decode", p.ptr, out.n, None, out.ptr)
+    return _wrap(kind, out)
+
+
+def efsignsgd_compress(x):
+    """EF-signSGD's payload: (bits (x >= 0), scale = [sum |x| / max(1, d)])."""
+    kind = kind_of(x)
+    b = _float32(kind, x)
+    out = kind.empty(_packed_size(b.n, 1), "uint8")
+    scale = kind.empty(1, "float32")
+    call(kind, "efsign_compress", b.ptr, b.n, out.ptr, scale.ptr)
+    return _wrap(kind, out, scale)
+
+
+def efsignsgd_decompress(packed, scale, numel: int):
+    """float32 (2 * bit - 1) * scale[0]."""
+    kind = kind_of(packed)
+    p, s = kind.flat(packed), _same_kind(kind, scale, "float32")
+    out = _decode_out(kind, numel)
+    call(kind, "sign_decode", p.ptr, out.n, s.ptr, out.ptr)
+    return _wrap(kind, out)
+
+
+def onebit_compress(x):
+    """1-bit SGD's payload: (bits (x >= 0), means [mu0, mu1] of the elements < 0 and >= 0)."""
+    kind = kind_of(x)
+    b = _float32(kind, x)
+    out = kind.empty(_packed_size(b.n, 1), "uint8")
+    means = kind.empty(2, "float32")
+    call(kind, "onebit_compress", b.ptr, b.n, out.ptr, means.ptr)
+    return _wrap(kind, out, means)
+
+
+def onebit_decompress(packed, means, numel: int):
+    """float32 mu0 + bit * (mu1 - mu0)."""
+    kind = kind_of(packed)
+    p, m = kind.flat(packed), _same_kind(kind, means, "float32")
+    out = _decode_out(kind, numel)
+    call(kind, "onebit_decode", p.ptr, out.n, m.ptr, out.ptr)
+    return _wrap(kind, out)
+
+
+def _draws(kind, u, n: int) -> Buf:
+    ub = _same_kind(kind, u, "float32")
+    if ub.n < n:
+        raise ValueError(f"{ub.n} uniform draws for {n} elements")
+    return ub
+
+
+def terngrad_compress(x, u, scale=None):
+    """TernGrad's payload: (codes 0 / 1 (+s) / 2 (-s) at 2 bits, scale = [max |x|]), keeping
+    element i when u[i] < |x[i]| / s. ``scale``: a precomputed [max |x|] (skips that pass)."""
+    kind = kind_of(x)
+    b = _float32(kind, x)
+    ub = _draws(kind, u, b.n)
+    if scale is None:
+        s = kind.empty(1, "float32")
+        call(kind, "maxabs", b.ptr, b.n, s.ptr)
+    else:
+        s = _same_kind(kind, scale, "float32")
+    out = kind.empty(_packed_size(b.n, 2), "uint8")
+    call(kind, "terngrad_compress", b.ptr, ub.ptr, b.n, s.ptr, out.ptr)
+    return _wrap(kind, out, s)
+
+
+def terngrad_decompress(packed, scale, numel: int):
+    """float32 {0, +s, -s} from the 2-bit codes."""
+    kind = kind_of(packed)
+    p, s = kind.flat(packed), _same_kind(kind, scale, "float32")
+    out = _decode_out(kind, numel)
+    call(kind, "terngrad_decode", p.ptr, out.n, s.ptr, out.ptr)
+    return _wrap(kind, out)
+
+
+def qsgd_compress(x, u, levels: int, bucket_size: int = 0, norms=None):
+    """QSGD's payload: (codes level * 2 + (x < 0) packed at code_width(2 * (levels + 1)) bits,
+    norms: one float32 per bucket of ``bucket_size`` elements, 0: one bucket). ``u``: one draw
+    per element (the compressor draws one per padded element; the first numel are used).
+    ``norms``: precomputed (skips that pass; the GPU tests pass the reference's)."""
+    kind = kind_of(x)
+    b = _float32(kind, x)
+    ub = _draws(kind, u, b.n)
+    bits = _code_width(2 * (levels + 1))
+    bucket = int(bucket_size) if bucket_size else max(b.n, 1)
+    rows = -(-b.n // bucket)
+    if norms is None:
+        nb = kind.empty(rows, "float32")
+        if rows:
+            call(kind, "qsgd_norms", b.ptr, b.n, bucket, nb.ptr)
+    else:
+        nb = _same_kind(kind, norms, "float32")
+    out = kind.empty(_packed_size(b.n, bits), "uint8")
+    if b.n:
+        rc = call(kind, "qsgd_compress", b.ptr, ub.ptr, b.n, int(levels), bucket, bits, nb.ptr, out.ptr)
+        if rc != 0:
+            raise ValueError(f"bad QSGD parameters: levels={levels}, bits={bits}")
+    return _wrap(kind, out, nb)
+
+
+def qsgd_decompress(packed, norms, numel: int, levels: int, bucket_size: int = 0):
+    """float32 norm[bucket] * sign * level / levels."""
+    kind = kind_of(packed)
+    p, nb = kind.flat(packed), _same_kind(kind, norms, "float32")
+    bits = _code_width(2 * (levels + 1))
+    out = _decode_out(kind, numel)
+    if numel:
+        bucket = int(bucket_size) if bucket_size else max(int(numel), 1)
+        call(kind, "qsgd_decode", p.ptr, out.n, int(levels), bucket, bits, nb.ptr, out.ptr)
+    return _wrap(kind, out)
+
+
+def natural_compress(x, u):
+    """Natural compression's payload: (sign bits (x < 0) packed, uint8 exponent codes: the
+    biased exponent of |x|, plus one with probability of its mantissa fraction, at most 254)."""
+    kind = kind_of(x)
+    b = _float32(kind, x)
+    ub = _draws(kind, u, b.n)
+    signs = kind.empty(_packed_size(b.n, 1), "uint8")
+    codes = kind.empty(b.n, "uint8")
+    call(kind, "natural_compress", b.ptr, ub.ptr, b.n, signs.ptr, codes.ptr)
+    return _wrap(kind, signs, codes)
+
+
+def natural_decompress(signs, codes, numel: int):
+    """float32 (-1)^sign * 2^(code - 127) (0 for code 0)."""
+    kind = kind_of(signs)
+    s, c = kind.flat(signs), _same_kind(kind, codes)
+    out = _decode_out(kind, numel)
+    call(kind, "natural_decode", s.ptr, c.ptr, out.n, out.ptr)
+    return _wrap(kind, out)
+
+
+# --- fused error feedback -----------------------------------------------------------------------
+def _ef_inputs(g, residual, out):
+    kind = kind_of(g)
+    gb = kind.flat(g)
+    rb = _same_kind(kind, residual)
+    if gb.dtype != "float32" or rb.dtype != "float32":
+        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
+    if gb.n != rb.n:
+        raise ValueError(f"gradient has {gb.n} elements, residual {rb.n}")
+    ob = kind.empty(gb.n, "float32") if out is None else _same_kind(kind, out)
+    if ob.n != gb.n or ob.dtype != "float32":
+        raise ValueError("out must be a float32 array of the gradient's size")
+    return kind, gb, rb, ob
+
+
+def _ef_flags(beta: float, gamma: float) -> int:
+    return (1 if float(gamma) != 1.0 else 0) | (2 if float(beta) != 1.0 else 0)
+
+
+def topk_ef_step(g, residual, k: int, beta: float = 1.0, gamma: float = 1.0, out=None):
+    """Residual memory + TopK in one kernel: p = g*gamma + residual*beta (each factor applied
+    only when != 1, as ResidualMemory), the k largest |p| (ties to the lowest index);
+    returns (values p[idx], idx ascending in index_dtype(numel), new residual = p with the sent
+    elements zeroed, i.e. p - decompress(compress(p))), all flat. ``out``: where to write the
+    new residual (may be ``residual`` itself)."""
+    kind, gb, rb, ob = _ef_inputs(g, residual, out)
+    n = gb.n
+    k = max(0, min(int(k), n))
+    dtype = _index_dtype(n)
+    values, idx = kind.empty(k, "float32"), kind.empty(k, dtype)
+    got = call(kind, "topk_ef", gb.ptr, rb.ptr, n, k, float(beta), float(gamma), _ef_flags(beta, gamma),
+               values.ptr, idx.ptr, INDEX_CODES[dtype], ob.ptr)
+    if got != k:
+        raise RuntimeError(f"native top-k step returned {got} of {k}")
+    return _wrap(kind, values, idx, ob)
+
+
+def threshold_ef_step(g, residual, threshold: float, beta: float = 1.0, gamma: float = 1.0, out=None):
+    """Residual memory + Threshold in one pass: p as in topk_ef_step, the elements with
+    |p| >= threshold; returns (values, idx ascending in index_dtype(numel), new residual)."""
+    kind, gb, rb, ob = _ef_inputs(g, residual, out)
+    n = gb.n
+    dtype = _index_dtype(n)
+    values, idx = kind.empty(n, "float32"), kind.empty(n, dtype)
+    count = call(kind, "threshold_ef", gb.ptr, rb.ptr, n, float(threshold), float(beta), float(gamma),
+                 _ef_flags(beta, gamma), values.ptr, idx.ptr, INDEX_CODES[dtype], ob.ptr)
+    if count < 0:
+        raise RuntimeError("native threshold step failed")
+    return _wrap(kind, _head(kind, values, count), _head(kind, idx, count), ob)
+
+
+# --- the dispatch hooks of TorchBackend and grace.core.bits ---------------------------------------
+def _try(fn, *args, **kwargs):
+    """fn(...), or None where the native path does not apply (the caller's tensor-op path
+    then runs, and raises its own errors for bad input). CUDA failures propagate."""
+    try:
+        return fn(*args, **kwargs)
+    except (NativeUnavailable, IndexError, TypeError, ValueError):
+        return None
+
+
+def try_pack(codes, bits: int):
+    return _try(pack, codes, bits)
+
+
+def try_unpack(packed, bits: int, numel: int):
+    return _try(unpack, packed, bits, numel)
+
+
+def try_topk_indices(x, k: int):
+    return _try(topk_indices, x, k)
+
+
+def try_nonzero(mask):
+    return _try(nonzero, mask)
+
+
+def try_scatter_add(indices, values, numel: int):
+    return _try(scatter_add, indices, values, numel)

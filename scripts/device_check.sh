@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# GPU check of the native kernels, in one go, on a machine with an NVIDIA GPU (H100/H200),
+# python3 with a CUDA build of torch, pytest, numpy, and nvcc on PATH. No Horovod, no
+# TensorFlow, no network needed; the repository as it is (no .venv, no built libraries).
+#
+#   bash scripts/device_check.sh            # logs and JSON in $OUT (default: results/device_check)
+#
+#   1. builds libgrace_cpu.so and libgrace_cuda.so in place (csrc/build.py, as setup.py does)
+#   2. tests/native with the CUDA cases (a skipped CUDA case fails the check)
+#   3. scripts/bench_ops.py on cuda and on cpu at 2^16, 2^20, 2^24
+#   4. tests/unit with the torch tensors on the GPU (GRACE_TEST_DEVICE=cuda), without Horovod
+# Stops at the first failing step (KEEP_GOING=1: runs every step, fails at the end).
+# Env: PYTHON (default python3), OUT, KEEP_GOING. About 1.5 minutes on an H200 host (16 cores).
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+PY="${PYTHON:-python3}"
+OUT="${OUT:-$REPO/results/device_check}"
+mkdir -p "$OUT"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" TF_CPP_MIN_LOG_LEVEL=2 PYTHONDONTWRITEBYTECODE=1
+failed=()
+t_start=$SECONDS
+
+log() { echo "[device_check $((SECONDS - t_start))s] $*"; }
+fail() {
+    echo "[device_check] FAILED: $*" >&2
+    failed+=("$1")
+    if [[ "${KEEP_GOING:-0}" != "1" ]]; then
+        echo "[device_check] logs in $OUT" >&2
+        exit 1
+    fi
+}
+# run NAME TIMEOUT CMD...: CMD with a time limit, its output in $OUT/NAME.log
+run() {
+    local name="$1" limit="$2"
+    shift 2
+    log "$name: $*"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    if ((rc == 124 || rc == 137)); then
+        fail "$name" "timed out after ${limit}s"
+        return 1
+    elif ((rc != 0)); then
+        fail "$name" "exit status $rc (see $OUT/$name.log)"
+        return 1
+    fi
+}
+maxfail=(-x)
+[[ "${KEEP_GOING:-0}" == "1" ]] && maxfail=(--maxfail=25)
+
+# 0. what is there
+command -v nvcc >/dev/null || fail "environment" "nvcc is not on PATH"
+{
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    nvcc --version | tail -2
+    "$PY" - <<'EOF_PY'
+import os, sys, numpy, pytest, torch
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"numpy {numpy.__version__}, pytest {pytest.__version__}, {os.cpu_count()} CPUs")
+assert torch.cuda.is_available(), "torch sees no GPU"
+print("GPU:", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+EOF_PY
+} 2>&1 | tee "$OUT/environment.txt"
+((PIPESTATUS[0] == 0)) || fail "environment" "python3 with torch, numpy, pytest and a visible GPU is needed"
+
+# 1. build in place (CUDA required), then load both libraries
+run build 420 bash -c "'$PY' csrc/build.py --cuda on && '$PY' -c \"
+import grace.native as g
+assert g.available('cpu'), g.load_error('cpu')
+assert g.available('cuda'), g.load_error('cuda')
+print('libgrace_cpu and libgrace_cuda loaded')\"" || true
+
+# 2. native tests, CUDA included; any CUDA skip is a failure here
+if run tests_native 300 "$PY" -m pytest tests/native -q "${maxfail[@]}" -p no:cacheprovider -rfs --tb=short; then
+    if grep -E "^SKIPPED .*(CUDA|cuda)" "$OUT/tests_native.log"; then
+        fail "tests_native" "CUDA tests were skipped on a GPU machine"
+    fi
+fi
+
+# 3. benchmarks (before the unit tests, whose failures would stop the check)
+run bench_cuda 240 "$PY" scripts/bench_ops.py --device cuda --sizes 16 20 24 --json "$OUT/bench_cuda.json" || true
+run bench_cpu 300 "$PY" scripts/bench_ops.py --device cpu --sizes 16 20 24 --json "$OUT/bench_cpu.json" || true
+
+# 4. unit tests with the torch tensors on the GPU (no Horovod, no TensorFlow)
+run tests_unit_cuda 300 env GRACE_TEST_DEVICE=cuda "$PY" -m pytest tests/unit -q "${maxfail[@]}" -p no:cacheprovider -rf --tb=short \
+    --ignore=tests/unit/test_tensorflow_backend.py -k "not horovod" || true
+
+if ((${#failed[@]})); then
+    echo "[device_check] FAILED steps: ${failed[*]} (logs in $OUT)" >&2
+    exit 1
+fi
+log "all steps passed; logs in $OUT"

@@ -1,0 +1,121 @@
+"""The libraries are built and loaded; switching them off; threads, fork and DLPack."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import grace.native as gn
+from grace.native._loader import LIB_DIR
+from tests.native.conftest import BIG, draws, gradient, on, same_bytes, torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location("grace_csrc_build", REPO / "csrc" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(os.environ.get("GRACE_NATIVE", "1") == "0", reason="GRACE_NATIVE=0")
+def test_cpu_library_is_built_and_loaded():
+    if not (shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX")):
+        pytest.skip("no C++ compiler")
+    assert gn.available("cpu"), gn.load_error("cpu")
+
+
+def test_cuda_library_is_built_from_the_current_sources():
+    """Where nvcc exists, setup.py built libgrace_cuda.so from these very sources (its stamp)."""
+    build = _build_module()
+    nvcc = build.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: the CUDA kernels are not built here")
+    lib = LIB_DIR / build.CUDA_LIB
+    assert lib.is_file(), "nvcc is there but libgrace_cuda.so was not built (python csrc/build.py --cuda on)"
+    stamp = (LIB_DIR / f"{build.CUDA_LIB}.stamp").read_text()
+    cmd = build.cuda_command(nvcc, lib)
+    assert stamp == build._stamp(cmd[:-1]), "libgrace_cuda.so is older than csrc/: rebuild"
+
+
+def test_grace_native_0_turns_it_off_and_the_fallback_runs():
+    code = ("import numpy as np, torch, grace.native as g; from grace.core import bits; "
+            "from grace.backends import get_backend; assert not g.available('cpu'); "
+            "assert not g.supports(torch.zeros(3)); "
+            "print(bits.pack(get_backend('torch'), torch.tensor([1, 0, 1], dtype=torch.uint8), 1).tolist())")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "GRACE_NATIVE": "0"}, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[5]"
+    with gn.disabled():
+        assert not gn.available("cpu")
+        with pytest.raises(gn.NativeUnavailable):
+            gn.signsgd_compress(np.zeros(3, np.float32))
+
+
+def test_results_do_not_depend_on_the_number_of_threads():
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    x, u = gradient(BIG, 1), draws(BIG)
+    runs = []
+    for threads in (1, 2, 3, 0):
+        gn.set_num_threads(threads)
+        runs.append((*gn.onebit_compress(x), *gn.qsgd_compress(x, u, 127), *gn.topk_compress(x, 1000),
+                     gn.scatter_add(np.arange(0, BIG, 3), x[::3].copy(), BIG)))
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            same_bytes(a, b)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_runs_the_kernels():
+    """libgomp hangs in a forked child that enters a parallel region; the kernels then run on
+    one thread (as torch's DataLoader workers do)."""
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    code = ("import os, numpy as np, grace.native as g\n"
+            "x = np.random.default_rng(0).standard_normal(2**20).astype(np.float32)\n"
+            "a = g.onebit_compress(x)\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    b = g.onebit_compress(x)\n"
+            "    os._exit(0 if a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes() else 3)\n"
+            "_, status = os.waitpid(pid, 0)\n"
+            "raise SystemExit(os.waitstatus_to_exitcode(status))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("dev", ["cpu", "cuda"])
+def test_dlpack_capsules_give_the_tensors_pointer(dev):
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from torch.utils.dlpack import to_dlpack
+
+    t = on(dev, gradient(1001))
+    capsule = to_dlpack(t)
+    ptr, n, dtype, dev_type, _ = gn.dlpack_info(capsule)
+    assert (ptr, n, dtype, dev_type) == (t.data_ptr(), 1001, "float32", 1 if dev == "cpu" else 2)
+    with pytest.raises(gn.NativeUnavailable):
+        gn.dlpack_info(to_dlpack(on(dev, gradient(100)).reshape(10, 10).T))
+
+
+def test_tensorflow_tensors_reach_the_same_kernels(monkeypatch):
+    tf = pytest.importorskip("tensorflow")
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    x, u = gradient(1001, 3), draws(1001)
+    for fn, args in ((gn.signsgd_compress, (x,)), (gn.onebit_compress, (x,)), (gn.qsgd_compress, (x, u, 15)),
+                     (gn.natural_compress, (x, u)), (gn.topk_compress, (x, 10)), (gn.threshold_compress, (x, 1.0))):
+        want = fn(*args)
+        got = fn(*(tf.constant(a) if isinstance(a, np.ndarray) else a for a in args))
+        for a, b in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+            assert tf.is_tensor(b)
+            same_bytes(a, b.numpy())

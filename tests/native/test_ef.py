@@ -1,0 +1,81 @@
+"""The fused error-feedback steps against the pipeline they replace, on the NumPy backend:
+
+    p = ResidualMemory.compensate(g, e); payload = compress(p); e' = p - decompress(payload)
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import grace
+import grace.native as gn
+from grace.core.compressor import TensorInfo
+from tests.native.conftest import BIG, NX, SIZES, device, gradient, host, on, same_bytes, torch  # noqa: F401
+
+INFO = TensorInfo("w", 0, 1)
+MEMORIES = [(1.0, 1.0), (0.9, 1.0), (1.0, 0.1), (0.5, 3.0)]
+
+
+def pipeline(compression, g, e):
+    memory, compressor = compression.memory, compression.compressor
+    p = memory.compensate(NX, g, e)
+    payload, ctx = compressor.compress(NX, p, INFO)
+    return payload, memory.update(NX, p, compressor.decompress(NX, payload, ctx), e)
+
+
+def residual_memory(beta, gamma):
+    return grace.ResidualMemory(beta=beta, gamma=gamma)
+
+
+@pytest.mark.parametrize("n", SIZES + [BIG])
+@pytest.mark.parametrize("beta,gamma", MEMORIES)
+def test_topk_ef_step_equals_memory_and_topk(device, n, beta, gamma):
+    g, e = gradient(n, seed=n), gradient(n, seed=n + 7) * np.float32(0.3)
+    ratio = 0.01
+    compression = grace.topk(ratio, memory=residual_memory(beta, gamma))
+    (want_values, want_idx), want_e = pipeline(compression, g, e)
+    k = min(n, max(1, math.ceil(ratio * n)))
+    values, idx, new_e = gn.topk_ef_step(on(device, g), on(device, e), k, beta=beta, gamma=gamma)
+    assert new_e.device.type == device
+    same_bytes(want_idx, idx, "indices")
+    same_bytes(want_values, values, "values")
+    same_bytes(want_e, new_e, "new residual")
+
+
+@pytest.mark.parametrize("n", SIZES + [BIG])
+@pytest.mark.parametrize("beta,gamma", MEMORIES)
+def test_threshold_ef_step_equals_memory_and_threshold(device, n, beta, gamma):
+    g, e = gradient(n, seed=n), gradient(n, seed=n + 7) * np.float32(0.3)
+    compression = grace.threshold(1.5, memory=residual_memory(beta, gamma))
+    (want_values, want_idx), want_e = pipeline(compression, g, e)
+    values, idx, new_e = gn.threshold_ef_step(on(device, g), on(device, e), 1.5, beta=beta, gamma=gamma)
+    same_bytes(want_idx, idx, "indices")
+    same_bytes(want_values, values, "values")
+    same_bytes(want_e, new_e, "new residual")
+
+
+def test_ef_step_in_place(device):
+    g, e = gradient(5000, 1), gradient(5000, 2)
+    want = gn.topk_ef_step(on(device, g), on(device, e), 50)
+    r = on(device, e.copy())
+    got = gn.topk_ef_step(on(device, g), r, 50, out=r)
+    assert got[2].data_ptr() == r.data_ptr()
+    for a, b in zip(want, got):
+        same_bytes(a, b)
+    r = on(device, e.copy())
+    got = gn.threshold_ef_step(on(device, g), r, 1.0, out=r)
+    for a, b in zip(gn.threshold_ef_step(on(device, g), on(device, e), 1.0), got):
+        same_bytes(a, b)
+
+
+def test_ef_step_keeps_negative_zero_as_the_pipeline(device):
+    g = np.array([-0.0, 0.0, -0.0, 5.0, -0.0, -2.0, 1.0], np.float32)
+    e = np.array([-0.0, -0.0, 0.0, 0.0, -0.0, -0.0, 0.0], np.float32)
+    for k in (1, 3, 7):  # no ties at the boundary (the pure path breaks them in any order)
+        (want_v, want_i), want_e = pipeline(grace.topk(k / 7), g, e)
+        v, i, new_e = gn.topk_ef_step(on(device, g), on(device, e), k)
+        same_bytes(want_i, i)
+        same_bytes(want_v, v)
+        same_bytes(want_e, new_e)

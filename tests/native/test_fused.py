@@ -1,0 +1,180 @@
+"""Fused quantize+pack and unpack+decode kernels against each method's compress/decompress on
+the NumPy backend (the oracle), given the same random numbers.
+
+CPU: every payload byte (codes and float32 scalars) and every decompressed value is identical.
+CUDA: codes, packed bytes and decompressed values are identical; the per-tensor sums (norms,
+means, L1 scale) are summed in another order, so they agree to float32 rounding, and QSGD's
+codes are compared given the oracle's norms (and, with the GPU's own norms, all but a few).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import grace
+import grace.native as gn
+from grace.core.compressor import TensorInfo
+from tests.native.conftest import BIG, NX, SIZES, draws, gradient, host, on, same_bytes, torch
+
+INFO = TensorInfo("layer.weight", 3, 1)
+
+
+def oracle(compressor, x: np.ndarray, u, monkeypatch):
+    """(payload, decompressed) of the NumPy compressor, its draws replaced by ``u``."""
+    if u is not None:
+        monkeypatch.setattr(NX, "uniform", lambda n, seed, like=None: u[:n].copy())
+    payload, ctx = compressor.compress(NX, x, INFO)
+    return payload, compressor.decompress(NX, payload, ctx)
+
+
+# method -> (factory, needs draws, native compress(x, u) -> payload, native decompress(payload, n))
+METHODS = {
+    "signsgd": (lambda: grace.signsgd().compressor, False,
+                lambda x, u: (gn.signsgd_compress(x),), lambda p, n: gn.signsgd_decompress(p[0], n)),
+    "efsignsgd": (lambda: grace.efsignsgd(0.1).compressor, False,
+                  lambda x, u: gn.efsignsgd_compress(x), lambda p, n: gn.efsignsgd_decompress(p[0], p[1], n)),
+    "onebit": (lambda: grace.onebit().compressor, False,
+               lambda x, u: gn.onebit_compress(x), lambda p, n: gn.onebit_decompress(p[0], p[1], n)),
+    "terngrad": (lambda: grace.terngrad().compressor, True,
+                 lambda x, u: gn.terngrad_compress(x, u), lambda p, n: gn.terngrad_decompress(p[0], p[1], n)),
+    "natural": (lambda: grace.natural().compressor, True,
+                lambda x, u: gn.natural_compress(x, u), lambda p, n: gn.natural_decompress(p[0], p[1], n)),
+}
+for levels, bucket in [(1, 0), (3, 0), (4, 0), (15, 0), (31, 0), (127, 0), (127, 64), (5, 1000), (7, 4097)]:
+    METHODS[f"qsgd{levels}_b{bucket}"] = (
+        lambda levels=levels, bucket=bucket: grace.qsgd(levels, bucket_size=bucket).compressor, True,
+        lambda x, u, levels=levels, bucket=bucket: gn.qsgd_compress(x, u, levels, bucket),
+        lambda p, n, levels=levels, bucket=bucket: gn.qsgd_decompress(p[0], p[1], n, levels, bucket))
+
+# payload entries that are sums (differ in the last bits on a GPU); codes are all the others
+SUMS = {"efsignsgd": {1}, "onebit": {1}}
+SUMS.update({name: {1} for name in METHODS if name.startswith("qsgd")})
+
+
+def padded_draws(name, n):
+    if not name.startswith("qsgd"):
+        return draws(n)
+    bucket = int(name.split("_b")[1]) or max(n, 1)
+    return draws(-(-n // bucket) * bucket if n else 0)
+
+
+@pytest.mark.parametrize("n", SIZES + [BIG])
+@pytest.mark.parametrize("name", METHODS)
+def test_cpu_payload_and_values_are_the_oracles_bytes(name, n, monkeypatch):
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    make, random, compress, decompress = METHODS[name]
+    x = gradient(n, seed=n)
+    u = padded_draws(name, n) if random else None
+    want_payload, want_y = oracle(make(), x, u, monkeypatch)
+    for kind in ("numpy", "torch"):  # both reach libgrace_cpu
+        xi = x if kind == "numpy" else torch.from_numpy(x)
+        ui = None if u is None else (u if kind == "numpy" else torch.from_numpy(u))
+        payload = compress(xi, ui)
+        assert len(payload) == len(want_payload)
+        for j, (a, b) in enumerate(zip(want_payload, payload)):
+            same_bytes(a, b, f"{kind} payload[{j}]")
+        same_bytes(want_y.reshape(-1), decompress(payload, n), f"{kind} decompressed")
+
+
+@pytest.mark.parametrize("n", [0, 1, 9, 1001, 4097, 2**16 + 3, BIG])
+@pytest.mark.parametrize("name", METHODS)
+def test_cuda_codes_and_values_equal_the_oracle(name, n, monkeypatch):
+    if not (torch.cuda.is_available() and gn.available("cuda")):
+        pytest.skip("no CUDA device or libgrace_cuda not built")
+    make, random, compress, decompress = METHODS[name]
+    x = gradient(n, seed=n)
+    u = padded_draws(name, n) if random else None
+    want_payload, want_y = oracle(make(), x, u, monkeypatch)
+    xd, ud = on("cuda", x), (None if u is None else on("cuda", u))
+    payload = compress(xd, ud)
+    assert all(t.device.type == "cuda" for t in payload)
+    sums = SUMS.get(name, set())
+    for j, (a, b) in enumerate(zip(want_payload, payload)):
+        if j in sums:
+            np.testing.assert_allclose(host(b), a, rtol=2e-6, atol=0, err_msg=f"payload[{j}]")
+        elif name.startswith("qsgd"):  # codes from the GPU's own norms: all but a few equal
+            a8, b8 = np.unpackbits(a), np.unpackbits(host(b))
+            assert (a8 != b8).sum() <= max(2, a8.size // 10**4)
+        else:
+            same_bytes(a, b, f"payload[{j}]")
+    if name.startswith("qsgd"):  # codes given the same norms: identical
+        levels, bucket = (int(v) for v in name[4:].split("_b"))
+        packed, _ = gn.qsgd_compress(xd, ud, levels, bucket, norms=on("cuda", want_payload[1]))
+        same_bytes(want_payload[0], packed, "codes given the oracle's norms")
+    # decoding the oracle's payload on the GPU: identical values
+    y = decompress(tuple(on("cuda", np.asarray(p)) for p in want_payload), n)
+    assert y.device.type == "cuda"
+    same_bytes(want_y.reshape(-1), y, "decompressed")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_inputs_are_read_as_float32(dtype, monkeypatch):
+    x = gradient(1001, seed=5)
+    t = torch.from_numpy(x).to(getattr(torch, dtype))
+    xf = t.float().numpy()
+    for name in ("signsgd", "onebit", "natural"):
+        make, random, compress, _ = METHODS[name]
+        u = draws(1001) if random else None
+        want, _ = oracle(make(), xf, u, monkeypatch)
+        got = compress(t, None if u is None else torch.from_numpy(u))
+        for a, b in zip(want, got):
+            same_bytes(a, b, name)
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_natural_edge_values(huge, monkeypatch):
+    """Powers of two and their neighbours, the smallest normals, subnormals. NumPy's float32
+    exp2(127) is one ulp high, which moves its codes of |x| >= 2**127 (and their decoding); for
+    those the oracle is the torch backend, whose exp2 is exact there."""
+    f = np.float32
+    vals = [0.0, -0.0, 1.0, -1.0, 2.0, 3.0, 0.75, f(2.0**-126), f(2.0**-127), f(2.0**-149),
+            np.nextafter(f(1), f(0)), np.nextafter(f(2), f(3)), f(1.5 * 2.0**-130), f(2.0**125)]
+    if huge:
+        vals += [f(2.0**126), f(-3 * 2.0**125), f(2.0**127), -np.finfo(np.float32).max, np.nextafter(f(2.0**127), f(0))]
+    x = np.array(vals * 3, dtype=np.float32)
+    for u in (np.zeros(x.size, np.float32), np.full(x.size, 0.99999994, np.float32), draws(x.size, 9)):
+        if huge:
+            from tests.native.conftest import TX
+            monkeypatch.setattr(TX, "uniform", lambda n, seed, like=None: torch.from_numpy(u[:n].copy()))
+            c = grace.natural().compressor
+            want, ctx = c.compress(TX, torch.from_numpy(x), INFO)
+            want_y = c.decompress(TX, want, ctx)
+        else:
+            want, want_y = oracle(grace.natural().compressor, x, u, monkeypatch)
+        got = gn.natural_compress(x, u)
+        same_bytes(want[0], got[0], "signs")
+        same_bytes(want[1], got[1], "codes")
+        same_bytes(host(want_y), gn.natural_decompress(*got, x.size), "values")
+
+
+def test_qsgd_all_zero_and_single_bucket_of_zeros(monkeypatch):
+    x = np.zeros(100, np.float32)
+    x[:50] = gradient(50, 3)
+    u = draws(100)
+    for bucket in (0, 10, 50):
+        want, want_y = oracle(grace.qsgd(7, bucket_size=bucket).compressor, x, u, monkeypatch)
+        got = gn.qsgd_compress(x, u, 7, bucket)
+        same_bytes(want[0], got[0], "codes")
+        same_bytes(want[1], got[1], "norms")
+        same_bytes(want_y, gn.qsgd_decompress(*got, 100, 7, bucket), "values")
+
+
+def test_precomputed_scalars_are_used():
+    x = gradient(1000, 4)
+    u = draws(1000)
+    packed, scale = gn.terngrad_compress(x, u)
+    packed2, scale2 = gn.terngrad_compress(x, u, scale=scale)
+    same_bytes(packed, packed2)
+    packed3, norms = gn.qsgd_compress(x, u, 15)
+    same_bytes(packed3, gn.qsgd_compress(x, u, 15, norms=norms)[0])
+
+
+def test_wrong_inputs_raise():
+    x = gradient(100)
+    with pytest.raises(ValueError):
+        gn.terngrad_compress(x, draws(50))
+    with pytest.raises(TypeError):
+        gn.signsgd_compress(x.astype(np.float64))
+    with pytest.raises(ValueError):
+        gn.unpack(np.zeros(3, np.uint8), 2, 100)

@@ -1,0 +1,159 @@
+"""Native ops against the tensor-op code: packing, selection, scatter-add (CPU and CUDA)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import grace.native as gn
+from grace.core import bits
+from tests.native.conftest import BIG, NX, SIZES, device, gradient, host, on, same_bytes, torch  # noqa: F401
+
+
+@pytest.mark.parametrize("width", range(1, 9))
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_and_unpack_equal_bits_py(device, width, n):
+    codes = np.random.default_rng(n + width).integers(0, 1 << width, n).astype(np.uint8)
+    want = bits.pack(NX, codes, width)
+    packed = gn.pack(on(device, codes), width)
+    assert packed.device.type == device
+    same_bytes(want, packed, "packed")
+    same_bytes(bits.unpack(NX, want, width, n), gn.unpack(packed, width, n), "unpacked")
+
+
+@pytest.mark.parametrize("n", [9, 1001, BIG])
+def test_pack_takes_bool_masks(device, n):
+    mask = gradient(n) >= 0
+    same_bytes(bits.pack(NX, mask, 1), gn.pack(on(device, mask), 1))
+
+
+def test_numpy_arrays_reach_the_same_kernels():
+    codes = np.random.default_rng(0).integers(0, 8, 1001).astype(np.uint8)
+    same_bytes(bits.pack(NX, codes, 3), gn.pack(codes, 3))
+
+
+def reference_topk(x: np.ndarray, k: int, by_abs: bool) -> np.ndarray:
+    """The k largest (|x| when by_abs), ties to the lowest index, ascending."""
+    key = np.abs(x) if by_abs else x
+    order = np.lexsort((np.arange(x.size), -key.astype(np.float64)))
+    return np.sort(order[:k])
+
+
+@pytest.mark.parametrize("n", SIZES + [BIG])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.3, 1.0])
+def test_topk_indices_are_the_k_largest(device, n, ratio):
+    x = gradient(n, seed=n)
+    k = min(n, max(1, int(np.ceil(ratio * n)))) if n else 0
+    got = gn.topk_indices(on(device, x), k, by_abs=True)
+    assert got.device.type == device and got.dtype == torch.int64
+    want = reference_topk(x, k, True)
+    np.testing.assert_array_equal(host(got), want)
+    if n:  # the same set as torch.topk (no ties among random magnitudes here)
+        t = torch.topk(torch.from_numpy(np.abs(x)), k).indices.numpy()
+        np.testing.assert_array_equal(np.sort(t), want)
+
+
+@pytest.mark.parametrize("n", [1, 9, 1001, 2**16 + 3])
+def test_topk_signed_and_float64(device, n):
+    x = gradient(n, seed=2)
+    k = max(1, n // 10)
+    np.testing.assert_array_equal(host(gn.topk_indices(on(device, x), k)), reference_topk(x, k, False))
+    if device == "cpu":
+        x64 = x.astype(np.float64) * 1.0000001
+        np.testing.assert_array_equal(host(gn.topk_indices(torch.from_numpy(x64), k)), reference_topk(x64, k, False))
+
+
+@pytest.mark.parametrize("n", [10, 1001, 2**16 + 3])
+def test_topk_ties_go_to_the_lowest_indices(device, n):
+    rng = np.random.default_rng(n)
+    x = rng.integers(-3, 4, n).astype(np.float32)  # few distinct values: ties everywhere
+    for k in (1, n // 3, n // 2 + 1, n - 1):
+        got = host(gn.topk_indices(on(device, x), k, by_abs=True))
+        np.testing.assert_array_equal(got, reference_topk(x, k, True))
+    zeros = np.zeros(n, np.float32)
+    np.testing.assert_array_equal(host(gn.topk_indices(on(device, zeros), 5, by_abs=True)), np.arange(5))
+
+
+def test_topk_compress_payload(device):
+    x = gradient(50_000, 3)
+    values, idx = gn.topk_compress(on(device, x), 500)
+    want = reference_topk(x, 500, True)
+    assert idx.dtype == torch.int32
+    np.testing.assert_array_equal(host(idx), want)
+    same_bytes(x[want], values)
+
+
+@pytest.mark.parametrize("n", SIZES + [BIG])
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 3.0, 1e30])
+def test_threshold_indices_equal_nonzero_of_the_mask(device, n, threshold):
+    x = gradient(n, seed=n + 1)
+    want = NX.nonzero(NX.abs(x) >= threshold)
+    got = gn.threshold_indices(on(device, x), threshold)
+    assert got.device.type == device
+    np.testing.assert_array_equal(host(got), want)
+    values, idx = gn.threshold_compress(on(device, x), threshold)
+    np.testing.assert_array_equal(host(idx).astype(np.int64), want)
+    same_bytes(x[want], values)
+
+
+@pytest.mark.parametrize("n", SIZES + [BIG])
+def test_nonzero_of_masks(device, n):
+    x = gradient(n, seed=n + 2)
+    for mask in (x > 0, x > 2, np.zeros(n, bool), np.ones(n, bool)):
+        got = gn.nonzero(on(device, mask))
+        np.testing.assert_array_equal(host(got), np.flatnonzero(mask))
+        same_bytes(TX_nonzero(mask), got)
+
+
+def TX_nonzero(mask):
+    return torch.nonzero(torch.from_numpy(mask), as_tuple=True)[0]
+
+
+@pytest.mark.parametrize("idx_dtype", ["uint8", "int16", "int32", "int64"])
+@pytest.mark.parametrize("ranks", [1, 3, 8])
+def test_scatter_add_many_is_the_scatter_of_the_concatenation(device, idx_dtype, ranks):
+    numel = {"uint8": 256, "int16": 2**15, "int32": 100_003, "int64": 100_003}[idx_dtype]
+    rng = np.random.default_rng(ranks)
+    payloads = []
+    for r in range(ranks):
+        k = rng.integers(0, numel // 10 + 2)
+        idx = np.sort(rng.choice(numel, size=k, replace=False)).astype(idx_dtype)
+        payloads.append((gradient(int(k), seed=r), idx))
+    values = np.concatenate([p[0] for p in payloads])
+    indices = np.concatenate([p[1].astype(np.int64) for p in payloads])
+    want = NX.scatter_add(indices, values, numel)
+    got = gn.scatter_add_many([(on(device, v), on(device, i)) for v, i in payloads], numel)
+    assert got.device.type == device
+    same_bytes(want, got)  # each rank's indices are distinct: the same order of additions
+    if device == "cpu":  # one concatenated payload: in order as well (CUDA: atomics, any order)
+        same_bytes(want, gn.scatter_add(on(device, indices), on(device, values), numel))
+
+
+def test_scatter_add_with_repeated_indices(device):
+    rng = np.random.default_rng(5)
+    idx = rng.integers(0, 1000, 300_000)
+    values = gradient(300_000, 6)
+    want = NX.scatter_add(idx, values, 1000)
+    got = gn.scatter_add(on(device, idx), on(device, values), 1000)
+    if device == "cpu":
+        same_bytes(want, got)  # in order, as np.add.at
+    else:  # atomics: the order of the additions varies, as torch's index_add_
+        np.testing.assert_allclose(host(got), want, rtol=1e-4, atol=1e-3)
+    f64 = gn.scatter_add(on(device, idx), on(device, values.astype(np.float64)), 1000)
+    np.testing.assert_allclose(host(f64), NX.scatter_add(idx, values.astype(np.float64), 1000), rtol=1e-12)
+
+
+def test_scatter_add_refuses_out_of_range_indices():
+    with pytest.raises(IndexError):
+        gn.scatter_add(np.array([0, 5]), np.ones(2, np.float32), 5)
+    with pytest.raises(IndexError):
+        gn.scatter_add(np.array([-1]), np.ones(1, np.float32), 5)
+
+
+def test_empty_inputs(device):
+    e = on(device, np.zeros(0, np.float32))
+    assert gn.topk_indices(e, 0).numel() == 0
+    assert gn.threshold_indices(e, 0.1).numel() == 0
+    assert gn.nonzero(on(device, np.zeros(0, bool))).numel() == 0
+    assert gn.pack(on(device, np.zeros(0, np.uint8)), 3).numel() == 0
+    out = gn.scatter_add(on(device, np.zeros(0, np.int64)), e, 7)
+    same_bytes(np.zeros(7, np.float32), out)

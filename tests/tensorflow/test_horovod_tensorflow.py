@@ -1,0 +1,137 @@
+"""grace through Horovod's TensorFlow API in fresh single-rank processes (real Horovod, size 1):
+the tape and Keras's optimizer, eager and inside tf.function, construction errors, state."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("horovod.tensorflow")
+
+PRELUDE = """
+import os, sys
+import numpy as np
+import tensorflow as tf
+"""
+
+
+def run(code: str, legacy_keras: bool = True) -> str:
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"}
+    if legacy_keras:
+        env["TF_USE_LEGACY_KERAS"] = "1"
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("first", ["grace", "horovod"])
+def test_tape_compresses_in_either_import_order_eager_and_traced(first):
+    imports = "import grace\nimport horovod.tensorflow as hvd" if first == "grace" else \
+        "import horovod.tensorflow as hvd\nimport grace"
+    out = run(imports + textwrap.dedent("""
+    hvd.init()
+    compression = grace.topk(0.1)
+    w = tf.Variable(tf.zeros(50), name="w")
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * x)
+        return hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, [w])[0]
+    x = tf.constant(np.arange(50, dtype=np.float32))
+    eager = step(x).numpy()
+    traced = [tf.function(step)(x).numpy() for _ in range(3)][-1]
+    exchange = grace.tensorflow.exchange_for(compression)
+    print(int(np.count_nonzero(eager)), int(np.count_nonzero(traced)), exchange.stats.steps,
+          exchange.stats.last_step_bytes, int(exchange.exchange.steps["w"].numpy()),
+          float(np.abs(exchange.exchange.memory["w"].numpy()).sum()))
+    print("torch" in sys.modules or "horovod.torch" in sys.modules)
+    """))
+    first_line, leaked = out.strip().splitlines()
+    nonzero_eager, nonzero_traced, steps, sent, counter, memory = first_line.split()
+    # 5 of 50 values sent each step, 5 values + 5 one-byte indices; the step counter and the
+    # memory live in variables that the traced step updates
+    assert (nonzero_eager, nonzero_traced, steps, sent, counter) == ("5", "5", "4", "25", "4")
+    assert float(memory) > 0 and leaked == "False"
+
+
+def test_keras_fit_with_a_grace_method_keeps_state_in_variables():
+    out = run("""
+    import grace
+    import horovod.tensorflow.keras as hvd
+    hvd.init()
+    model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(4)])
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=grace.dgc(0.25))
+    model.compile(opt, "mse")
+    x, y = np.random.default_rng(0).standard_normal((64, 8)), np.zeros((64, 4))
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    store = opt.grace.exchange.store
+    print(opt.grace.stats.steps, sorted(store.tables["memory"]), int(store.tables["steps"]["dense/kernel"].numpy()))
+    """)
+    steps, *rest = out.split(maxsplit=1)
+    assert steps == "8"
+    assert "'dense/bias', 'dense/kernel']" in rest[0] and rest[0].strip().endswith("8")
+
+
+def test_what_cannot_work_is_refused_at_construction():
+    out = run("""
+    import grace
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+    hvd.init()
+    tape = tf.GradientTape()
+    for kwargs in [dict(op=hvd.Adasum), dict(groups=2), dict(op=hvd.Min)]:
+        try:
+            hvd.DistributedGradientTape(tape, compression=grace.topk(0.1), **kwargs)
+            print("accepted", kwargs)
+        except ValueError as e:
+            print("refused:", str(e)[:40])
+    try:
+        hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=grace.topk(0.1),
+                                       backward_passes_per_step=2)
+    except ValueError as e:
+        print("refused:", str(e)[:40])
+    print(type(hvd.DistributedGradientTape(tape)).__name__)  # Horovod's own path is untouched
+    """)
+    assert out.count("refused:") == 4 and "accepted" not in out
+    assert out.strip().endswith("GradientTape")
+
+
+def test_keras_3_gets_a_clear_error_at_construction():
+    out = run("""
+    import grace
+    import horovod.tensorflow.keras as hvd
+    hvd.init()
+    try:
+        hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=grace.topk(0.1))
+        print("accepted")
+    except RuntimeError as e:
+        print(e)
+    """, legacy_keras=False)
+    assert "TF_USE_LEGACY_KERAS=1" in out and "Keras 3" in out
+
+
+def test_exchange_state_round_trips_through_a_checkpoint():
+    out = run("""
+    import grace
+    import horovod.tensorflow as hvd
+    hvd.init()
+    w = tf.Variable(tf.zeros((6, 5)), name="w")
+    def steps(compression, xs):
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * x)
+            return hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, [w])[0]
+        return [step(x).numpy() for x in xs]
+    xs = [tf.constant(np.random.default_rng(i).standard_normal((6, 5)), tf.float32) for i in range(4)]
+    straight = steps(grace.powersgd(1), xs)
+    first = grace.powersgd(1)
+    steps(first, xs[:2])
+    saved = grace.tensorflow.exchange_for(first).exchange.state_dict()
+    resumed = grace.powersgd(1)
+    grace.tensorflow.exchange_for(resumed).exchange.load_state_dict(saved)
+    print(float(np.abs(np.stack(steps(resumed, xs[2:])) - np.stack(straight[2:])).max()))
+    """)
+    assert float(out) < 1e-6
