@@ -133,6 +133,10 @@ class NumpyBackend:
         np.add.at(out, idx.astype(np.int64, copy=False), values)
         return out
 
+    def fused(self, name: str, like, dtype: str = "float32"):
+        """No native kernels here: this backend is the oracle they are tested against."""
+        return None
+
     # --- linear algebra (2-d) ------------------------------------------------------------
     def matmul(self, a, b):
         return np.matmul(a, b)

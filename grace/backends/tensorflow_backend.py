@@ -347,6 +347,10 @@ class TensorflowBackend:
             return counts > 0
         return tf.tensor_scatter_nd_add(tf.zeros((numel,), values.dtype), idx, values)
 
+    def fused(self, name: str, like, dtype: str = "float32"):
+        """Not wired for TensorFlow yet (kernels take eager tensors; steps are traced)."""
+        return None
+
     # --- linear algebra (2-d) ------------------------------------------------------------
     def matmul(self, a, b):
         dtype = _result_dtype(a, b)

@@ -172,6 +172,12 @@ class TorchBackend:
         out = torch.zeros(int(numel), dtype=values.dtype, device=values.device)
         return out.index_add_(0, idx.long(), values)
 
+    # --- native kernels ------------------------------------------------------------------
+    def fused(self, name: str, like, dtype: str = "float32"):
+        """The one-pass kernel ``name`` of grace.native for a float32 gradient on the device of
+        ``like``, when it is built (None otherwise: the method's tensor-op formula runs)."""
+        return _native.fused(name, like) if dtype == "float32" and not like.requires_grad else None
+
     # --- linear algebra (2-d) ------------------------------------------------------------
     def matmul(self, a, b):
         return a @ b

@@ -26,11 +26,15 @@ class Natural(Compressor):
 
     def compress(self, xp, x, info):
         flat = xp.cast(xp.flatten(x), "float32")
+        u = xp.uniform(xp.numel(flat), info.rank_seed(self.seed), like=flat)
+        fused = xp.fused("natural_compress", x, xp.dtype(x))  # one pass, when built
+        if fused:
+            return fused(x, u), Shape(xp.shape(x), xp.dtype(x))
         magnitude = xp.abs(flat)
         low_code = floor_log2(xp, magnitude, lowest=-_BIAS) + _BIAS  # 0 .. 254
         low = xp.where(low_code > 0, xp.exp2(low_code - _BIAS), magnitude * 0)
         high = xp.exp2(low_code + 1 - _BIAS)
-        up = xp.uniform(xp.numel(flat), info.rank_seed(self.seed), like=flat) < (magnitude - low) / (high - low)
+        up = u < (magnitude - low) / (high - low)
         codes = low_code + xp.cast(up, "float32")
         codes = xp.where(codes > _TOP, codes * 0 + _TOP, codes)  # 2^128 is not a float32
         negative = bits.pack(xp, flat < 0, 1)
@@ -41,6 +45,9 @@ class Natural(Compressor):
 
     def decompress(self, xp, payload, ctx):
         negative, codes = payload
+        fused = xp.fused("natural_decompress", codes, ctx.dtype)
+        if fused:
+            return xp.reshape(fused(negative, codes, ctx.numel), ctx.shape)
         codes = xp.cast(codes, "float32")
         magnitude = xp.where(codes > 0, xp.exp2(codes - _BIAS), codes * 0)
         sign = 1 - 2 * xp.cast(bits.unpack(xp, negative, 1, ctx.numel), "float32")

@@ -41,11 +41,15 @@ class QSGD(Compressor):
         flat = xp.cast(xp.flatten(x), "float32")
         d = xp.numel(flat)
         rows = self._buckets(xp, flat, d)
+        u = xp.uniform(xp.numel(rows), info.rank_seed(self.seed), like=flat)
+        fused = xp.fused("qsgd_compress", x, xp.dtype(x))  # one pass after the norms, when built
+        if fused:
+            return fused(x, u, self.levels, self.bucket_size), Shape(xp.shape(x), xp.dtype(x))
         norms = xp.norm(rows, axis=1)
         safe = xp.where(norms > 0, norms, norms + 1)
         r = xp.abs(rows) * self.levels / xp.reshape(safe, (-1, 1))
         low = xp.floor(r)
-        u = xp.reshape(xp.uniform(xp.numel(rows), info.rank_seed(self.seed), like=flat), xp.shape(rows))
+        u = xp.reshape(u, xp.shape(rows))
         level = low + xp.cast(u < r - low, "float32")
         level = level - xp.cast(level > self.levels, "float32")  # r can pass s by a rounding error
         codes = xp.cast(level * 2 + xp.cast(rows < 0, "float32"), "uint8")
@@ -57,6 +61,9 @@ class QSGD(Compressor):
 
     def decompress(self, xp, payload, ctx):
         packed, norms = payload
+        fused = xp.fused("qsgd_decompress", packed, ctx.dtype)
+        if fused:
+            return xp.reshape(fused(packed, norms, ctx.numel, self.levels, self.bucket_size), ctx.shape)
         codes = xp.cast(bits.unpack(xp, packed, self.bits, ctx.numel), "float32")
         level = xp.floor(codes / 2)
         sign = 1 - 2 * (codes - 2 * level)

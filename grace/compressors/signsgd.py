@@ -20,13 +20,17 @@ class SignSGD(Compressor):
         self.aggregate_by = aggregate
 
     def compress(self, xp, x, info):
-        flat = xp.flatten(x)
-        return (bits.pack(xp, flat >= 0, 1),), Shape(xp.shape(x), xp.dtype(x))
+        fused = xp.fused("signsgd_compress", x, xp.dtype(x))  # one pass, when built
+        packed = fused(x) if fused else bits.pack(xp, xp.flatten(x) >= 0, 1)
+        return (packed,), Shape(xp.shape(x), xp.dtype(x))
 
     def ideal_bits(self, xp, payload, ctx):
         return ctx.numel
 
     def decompress(self, xp, payload, ctx):
+        fused = xp.fused("signsgd_decompress", payload[0], ctx.dtype)
+        if fused:
+            return xp.reshape(fused(payload[0], ctx.numel), ctx.shape)
         signs = xp.cast(bits.unpack(xp, payload[0], 1, ctx.numel), ctx.dtype) * 2 - 1
         return xp.reshape(signs, ctx.shape)
 

@@ -20,9 +20,13 @@ class TernGrad(Compressor):
 
     def compress(self, xp, x, info):
         flat = xp.cast(xp.flatten(x), "float32")
+        u = xp.uniform(xp.numel(flat), info.rank_seed(self.seed), like=flat)
+        fused = xp.fused("terngrad_compress", x, xp.dtype(x))  # one pass, when built
+        if fused:
+            return fused(x, u), Shape(xp.shape(x), xp.dtype(x))
         scale = xp.max(xp.abs(flat))
         safe = xp.where(scale > 0, scale, scale + 1)
-        keep = xp.uniform(xp.numel(flat), info.rank_seed(self.seed), like=flat) < xp.abs(flat) / safe
+        keep = u < xp.abs(flat) / safe
         codes = xp.cast(keep, "uint8") * (1 + xp.cast(flat < 0, "uint8"))
         return (bits.pack(xp, codes, 2), xp.reshape(scale, (1,))), Shape(xp.shape(x), xp.dtype(x))
 
@@ -31,6 +35,9 @@ class TernGrad(Compressor):
 
     def decompress(self, xp, payload, ctx):
         packed, scale = payload
+        fused = xp.fused("terngrad_decompress", packed, ctx.dtype)
+        if fused:
+            return xp.reshape(fused(packed, scale, ctx.numel), ctx.shape)
         codes = bits.unpack(xp, packed, 2, ctx.numel)
         signed = xp.cast(codes > 0, "float32") - 2 * xp.cast(codes > 1, "float32")  # 0, +1, -1
         return xp.reshape(xp.cast(signed * scale[0], ctx.dtype), ctx.shape)

@@ -479,6 +479,15 @@ def threshold_ef_step(g, residual, threshold: float, beta: float = 1.0, gamma: f
 
 
 # --- the dispatch hooks of TorchBackend and grace.core.bits ---------------------------------------
+def fused(name: str, like):
+    """The fused function ``name`` (e.g. 'qsgd_compress') when it runs natively on the device
+    of ``like``, else None: the compressor then runs its tensor-op formula."""
+    try:
+        kind_of(like)
+    except NativeUnavailable:
+        return None
+    return globals()[name]
+
 def _try(fn, *args, **kwargs):
     """fn(...), or None where the native path does not apply (the caller's tensor-op path
     then runs, and raises its own errors for bad input). CUDA failures propagate."""

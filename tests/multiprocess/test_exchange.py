@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import launch
 from tests.multiprocess.reference import expected
-from tests.multiprocess.workers.common import PARAMS, STEPS, VARIANTS
+from tests.multiprocess.workers.common import BROADCAST_VARIANTS, PARAMS, STEPS, VARIANTS
 
 WORKERS = Path(__file__).parent / "workers"
 RUNS = {  # name: (launcher, ranks, worker)
@@ -103,3 +103,19 @@ def test_tensorflow_with_grace_imported_still_averages(run, run_dir):
     for rank in range(ranks):
         got = np.load(run_dir(run) / f"horovod_own.rank{rank}.npz")["grad"]
         np.testing.assert_allclose(got, np.full(4, (ranks + 1) / 2))
+
+
+def test_every_allgather_method_also_runs_by_broadcast(tmp_path):
+    """communicator='broadcast' (each rank's payload broadcast in turn) for every allgather method:
+    3 ranks of the NumPy reference worker match the all-rank reference."""
+    labels = list(BROADCAST_VARIANTS)
+    assert len(labels) >= 15
+    launch("mpirun", 3, WORKERS / "numpy_mpi.py", "--out", tmp_path, "--variants", *labels)
+    for label in labels:
+        want = expected(BROADCAST_VARIANTS[label], 3)
+        for rank in range(3):
+            got = np.load(tmp_path / f"{label}.rank{rank}.npz")
+            assert sorted(got.files) == sorted(want[rank]), label
+            for key, value in want[rank].items():
+                np.testing.assert_allclose(got[key].astype(np.float64), value, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{label} rank {rank} {key}")

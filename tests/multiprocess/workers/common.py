@@ -74,6 +74,18 @@ VARIANTS = {
 }
 
 
+def _via_broadcast(make):
+    compression = make()
+    return grace.GradientCompression(compression.compressor, compression.memory, "broadcast")
+
+
+# Every allgather method once more with communicator='broadcast' (run by the NumPy reference
+# worker only: the collective is the same code for every toolkit).
+BROADCAST_VARIANTS = {f"{label}_via_broadcast": Variant(lambda make=variant.make: _via_broadcast(make))
+                      for label, variant in VARIANTS.items()
+                      if variant.make().collective is grace.Collective.ALLGATHER and variant == Variant(variant.make)}
+
+
 def names(variant: Variant):
     if variant.named:
         return [name for name, _, _ in PARAMS]
@@ -94,7 +106,8 @@ def local_input(variant: Variant, rank: int, step: int, index: int) -> np.ndarra
 def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS),
+                        choices=[*VARIANTS, *BROADCAST_VARIANTS])
     return parser.parse_args()
 
 

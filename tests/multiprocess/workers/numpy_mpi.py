@@ -2,7 +2,7 @@
 
     mpirun -np 3 python numpy_mpi.py --out DIR
 """
-from common import PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save, state_arrays
+from common import BROADCAST_VARIANTS, PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save, state_arrays
 
 from grace import Exchange
 from grace.mpi import MPICommunicator
@@ -29,7 +29,7 @@ def main():
     args = parse_args()
     comm = MPICommunicator()
     for label in args.variants:
-        save(args.out, label, comm.rank, run(label, VARIANTS[label], comm))
+        save(args.out, label, comm.rank, run(label, {**VARIANTS, **BROADCAST_VARIANTS}[label], comm))
 
 
 if __name__ == "__main__":
