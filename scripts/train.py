@@ -84,6 +84,7 @@ def main(argv=None):
     summary = {
         "framework": args.framework,
         "compression": repr(compression),
+        "error_feedback": compression.memory.needs_feedback,
         "ranks": result["size"],
         "rank": result["rank"],
         "epochs": args.epochs,

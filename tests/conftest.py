@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,13 @@ def launch(launcher: str, np_: int, script: Path, *args, timeout: int = TIMEOUT)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+def run_snippet(prelude: str, code: str, env=None) -> str:
+    """``prelude`` + ``code`` in a fresh interpreter (import order matters, and hvd.init() must
+    not run in the pytest process that later launches mpirun); its stdout, or a failure."""
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin", **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -734,6 +735,22 @@ inline uint8_t qsgd_code(float v, float u, float safe, float flevels) {
   return c == c ? (uint8_t)(int)c : (uint8_t)0;
 }
 
+// f(std::integral_constant<int, W>{}) for the code width W = bits in 1..8: one instantiation
+// per width, chosen once per call instead of per element.
+template <class F>
+inline void with_width(int bits, F&& f) {
+  switch (bits) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // codes of elements [g0*8, g1*8) ∩ [0, n) packed at B bits (group-aligned)
 template <int B>
 void qsgd_pack_groups(const float* x, const float* u, int64_t n, const QsgdParams& p, const float* norms,
@@ -807,16 +824,7 @@ API int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int l
   QsgdParams p{levels, bits, bucket > 0 ? bucket : std::max<int64_t>(n, 1), (float)levels};
   int64_t groups = (n + 7) / 8;
   for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    switch (bits) {
-      case 1: qsgd_pack_groups<1>(x, u, n, p, norms, out, g0, g1); break;
-      case 2: qsgd_pack_groups<2>(x, u, n, p, norms, out, g0, g1); break;
-      case 3: qsgd_pack_groups<3>(x, u, n, p, norms, out, g0, g1); break;
-      case 4: qsgd_pack_groups<4>(x, u, n, p, norms, out, g0, g1); break;
-      case 5: qsgd_pack_groups<5>(x, u, n, p, norms, out, g0, g1); break;
-      case 6: qsgd_pack_groups<6>(x, u, n, p, norms, out, g0, g1); break;
-      case 7: qsgd_pack_groups<7>(x, u, n, p, norms, out, g0, g1); break;
-      default: qsgd_pack_groups<8>(x, u, n, p, norms, out, g0, g1); break;
-    }
+    with_width(bits, [&](auto w) { qsgd_pack_groups<decltype(w)::value>(x, u, n, p, norms, out, g0, g1); });
   });
   return 0;
 }
@@ -975,16 +983,7 @@ API int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int6
   const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
   const int64_t groups = (n + 7) / 8;
   for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    switch (bits) {
-      case 1: qsgd_decode_groups<1>(packed, n, b, lut, norms, out, g0, g1); break;
-      case 2: qsgd_decode_groups<2>(packed, n, b, lut, norms, out, g0, g1); break;
-      case 3: qsgd_decode_groups<3>(packed, n, b, lut, norms, out, g0, g1); break;
-      case 4: qsgd_decode_groups<4>(packed, n, b, lut, norms, out, g0, g1); break;
-      case 5: qsgd_decode_groups<5>(packed, n, b, lut, norms, out, g0, g1); break;
-      case 6: qsgd_decode_groups<6>(packed, n, b, lut, norms, out, g0, g1); break;
-      case 7: qsgd_decode_groups<7>(packed, n, b, lut, norms, out, g0, g1); break;
-      default: qsgd_decode_groups<8>(packed, n, b, lut, norms, out, g0, g1); break;
-    }
+    with_width(bits, [&](auto w) { qsgd_decode_groups<decltype(w)::value>(packed, n, b, lut, norms, out, g0, g1); });
   });
   return 0;
 }

@@ -2,11 +2,11 @@
 the tape and Keras's optimizer, eager and inside tf.function, construction errors, state."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.conftest import run_snippet
 
 pytest.importorskip("horovod.tensorflow")
 
@@ -18,13 +18,7 @@ import tensorflow as tf
 
 
 def run(code: str, legacy_keras: bool = True) -> str:
-    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"}
-    if legacy_keras:
-        env["TF_USE_LEGACY_KERAS"] = "1"
-    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    return proc.stdout
+    return run_snippet(PRELUDE, code, {"TF_CPP_MIN_LOG_LEVEL": "3", **({"TF_USE_LEGACY_KERAS": "1"} if legacy_keras else {})})
 
 
 @pytest.mark.parametrize("first", ["grace", "horovod"])

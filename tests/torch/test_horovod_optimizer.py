@@ -5,11 +5,11 @@ the pytest process that later launches mpirun.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.conftest import run_snippet
 
 pytest.importorskip("horovod.torch")
 
@@ -28,10 +28,7 @@ def step(model, opt):
 
 
 def run(code: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    return proc.stdout
+    return run_snippet(PRELUDE, code)
 
 
 @pytest.mark.parametrize("first", ["grace", "horovod"])
