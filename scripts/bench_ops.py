@@ -139,7 +139,7 @@ def cases(n: int, device: str):
     out["terngrad"] = (fallback(compressor_roundtrip(c, x, u)), compressor_roundtrip(c, x, u),
                        lambda: gn.terngrad_decompress(*gn.terngrad_compress(x, u), n),
                        2 * f4 + 2 * math.ceil(n / 4) + f4)
-    for levels, bucket in ((127, 0), (7, 0), (127, 512)):
+    for levels, bucket in ((127, 0), (7, 0), (127, 512), (15, 512)):
         c = grace.qsgd(levels, bucket_size=bucket).compressor
         w = bits.code_width(2 * (levels + 1))
         b = bucket or n

@@ -56,6 +56,23 @@ int threads_for(int64_t work, int64_t grain = kGrain) {
   return (int)std::max<int64_t>(1, std::min<int64_t>(t, by_work));
 }
 
+// ---- memory streams ------------------------------------------------------------------------
+// The hardware prefetcher of one core does not keep two or three input streams busy enough:
+// the passes over large inputs prefetch this many bytes ahead, one line at a time.
+constexpr int64_t kPrefetchBytes = 4096;
+inline void prefetch(const void* p) {
+#if defined(__SSE2__)
+  _mm_prefetch((const char*)p + kPrefetchBytes, _MM_HINT_T0);
+#else
+  __builtin_prefetch((const char*)p + kPrefetchBytes);
+#endif
+}
+
+// Outputs of at least this many bytes (beyond the caches) are written with streaming stores,
+// as memcpy does: no read of each line before it is overwritten, half the memory traffic.
+constexpr int64_t kStreamBytes = 8 << 20;
+inline bool streams(const void* out, int64_t bytes) { return bytes >= kStreamBytes && (uintptr_t)out % 16 == 0; }
+
 // [lo, hi) of chunk c of nc over n items, boundaries multiples of align.
 inline void chunk_bounds(int64_t n, int64_t align, int nc, int c, int64_t& lo, int64_t& hi) {
   int64_t units = (n + align - 1) / align;
@@ -195,184 +212,181 @@ inline uint64_t load_u64(const uint8_t* p) {
   return v;
 }
 
-// 8 codes -> `bits` bytes (as the low bytes of a little-endian word)
-inline uint64_t pack8(const uint8_t* c, int bits) {
-  const uint64_t m = (1u << bits) - 1;
+// f(std::integral_constant<int, W>{}) for the code width W = bits in 1..8: one instantiation
+// per width, chosen once per call instead of per element.
+template <class F>
+inline void with_width(int bits, F&& f) {
+  switch (bits) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// 8 codes of B bits (one per byte of v) -> the low B bytes of a word, and back. Three steps of
+// constant shifts and masks, each halving the number of fields: neighbouring codes meet in
+// 16-bit lanes (c0 | c1 << B), then in 32-bit lanes (4 codes), then in the word (8 codes).
+template <int B>
+inline uint64_t pack_word(uint64_t v) {
+  if constexpr (B == 8) {
+    return v;
+  } else {
+    constexpr uint64_t m1 = (1ULL << B) - 1, m2 = (1ULL << 2 * B) - 1, m4 = (1ULL << 4 * B) - 1;
+    constexpr uint64_t l16 = 0x0001000100010001ULL, l32 = 0x0000000100000001ULL;
+    v &= m1 * 0x0101010101010101ULL;
+    v = (v & l16 * 0xFF) | ((v >> (8 - B)) & l16 * (m1 << B));
+    v = (v & l32 * 0xFFFF) | ((v >> (16 - 2 * B)) & l32 * (m2 << 2 * B));
+    return (v & 0xFFFFFFFFULL) | ((v >> (32 - 4 * B)) & (m4 << 4 * B));
+  }
+}
+
+// the low 8*B bits of w (the bits above are ignored) -> 8 codes, one per byte
+template <int B>
+inline uint64_t unpack_word(uint64_t w) {
+  if constexpr (B == 8) {
+    return w;
+  } else {
+    constexpr uint64_t m1 = (1ULL << B) - 1, m2 = (1ULL << 2 * B) - 1, m4 = (1ULL << 4 * B) - 1;
+    constexpr uint64_t l16 = 0x0001000100010001ULL, l32 = 0x0000000100000001ULL;
+    uint64_t v = (w & m4) | ((w << (32 - 4 * B)) & (m4 << 32));
+    v = (v & l32 * m2) | ((v << (16 - 2 * B)) & l32 * (m2 << 16));
+    return (v & l16 * m1) | ((v << (8 - B)) & l16 * (m1 << 8));
+  }
+}
+
+// Group g (8 codes) of a range [.., g1) written in ascending order: its B bytes at out + g*B,
+// as one 8-byte store where the range's later groups overwrite the bytes past B.
+template <int B>
+inline void put_group(uint8_t* out, int64_t g, int64_t g1, uint64_t w) {
+  std::memcpy(out + g * B, &w, g < g1 - 7 / B ? 8 : B);
+}
+
+// Group g of a stream of `nbytes` bytes as a word: one 8-byte load where the stream goes on
+// (no byte-wise copy through the stack, which stalls store forwarding); m < 8 codes at its end.
+template <int B>
+inline uint64_t get_group(const uint8_t* packed, int64_t g, int64_t nbytes, int m = 8) {
+  if (g * B + 8 <= nbytes) return load_u64(packed + g * B);
   uint64_t w = 0;
-  for (int t = 0; t < 8; ++t) w |= (uint64_t)(c[t] & m) << (bits * t);
+  std::memcpy(&w, packed + g * B, (m * B + 7) / 8);
   return w;
 }
 
-inline uint8_t pack8_1bit(const uint8_t* c) {
-  return (uint8_t)(((load_u64(c) & 0x0101010101010101ULL) * 0x0102040810204080ULL) >> 56);
-}
-
-inline void unpack8(uint64_t w, int bits, uint8_t* c) {
-  const uint64_t m = (1u << bits) - 1;
-  uint64_t out = 0;
-  for (int t = 0; t < 8; ++t) out |= ((w >> (bits * t)) & m) << (8 * t);
-  std::memcpy(c, &out, 8);
-}
-
-struct Lut1 {
-  uint64_t v[256];
-  Lut1() {
-    for (int b = 0; b < 256; ++b) {
-      uint64_t w = 0;
-      for (int t = 0; t < 8; ++t) w |= (uint64_t)((b >> t) & 1) << (8 * t);
-      v[b] = w;
-    }
-  }
+#ifdef GRACE_SIMD
+struct Bytes16 {  // a shuffle or multiplier constant made at compile time
+  alignas(16) int8_t v[16];
+  __m128i load() const { return _mm_load_si128((const __m128i*)v); }
 };
-const Lut1 kLut1;
 
-// 8 codes of B bits (one per byte of v) -> the low B bytes of a word; constant shifts
+// 16 codes (one per byte of c, groups g and g+1) -> their 2*B packed bytes, the low ones of the
+// result. Neighbours meet by multiply-adds: c0 + c1 << B in 16-bit lanes, then 4 codes in
+// 32-bit lanes, then 8 in each 64-bit lane, whose B low bytes a shuffle puts side by side.
 template <int B>
-inline uint64_t pack_word(uint64_t v) {
-  constexpr uint64_t m = (1u << B) - 1;
-  if constexpr (B == 4) {
-    v &= 0x0F0F0F0F0F0F0F0FULL;
-    v |= v >> 4;  // byte 2t: c_2t | c_2t+1 << 4
-    return (v & 0xFF) | ((v >> 8) & 0xFF00) | ((v >> 16) & 0xFF0000) | ((v >> 24) & 0xFF000000);
-  } else if constexpr (B == 2) {
-    v &= 0x0303030303030303ULL;
-    v = (v | v >> 6) & 0x000F000F000F000FULL;  // byte 2t: c_2t | c_2t+1 << 2
-    v |= v >> 12;                             // byte 4t: four codes
-    return (v & 0xFF) | ((v >> 24) & 0xFF00);
+inline __m128i pack16(__m128i c) {
+  if constexpr (B == 8) {
+    return c;
+  } else if constexpr (B == 1) {
+    return _mm_cvtsi32_si128(_mm_movemask_epi8(_mm_slli_epi16(c, 7)));
+  } else if constexpr (B == 4) {
+    __m128i p = _mm_maddubs_epi16(_mm_and_si128(c, _mm_set1_epi8(15)), _mm_set1_epi16(0x1001));  // c0 + 16 c1
+    return _mm_packus_epi16(p, p);
   } else {
-    uint64_t w = 0;
-    for (int t = 0; t < 8; ++t) w |= ((v >> (8 * t)) & m) << (B * t);
-    return w;
+    constexpr int64_t m1 = (1 << B) - 1, m4 = (1LL << 4 * B) - 1;
+    __m128i p;
+    if constexpr (B <= 6) {  // maddubs' factors are signed bytes: 2^B <= 64
+      p = _mm_maddubs_epi16(_mm_and_si128(c, _mm_set1_epi8(m1)), _mm_set1_epi16(1 | 1 << (B + 8)));
+    } else {
+      p = _mm_or_si128(_mm_and_si128(c, _mm_set1_epi16(m1)), _mm_srli_epi16(_mm_and_si128(c, _mm_set1_epi16(m1 << 8)), 8 - B));
+    }
+    const __m128i q = _mm_madd_epi16(p, _mm_set1_epi32(1 | 1 << (2 * B + 16)));  // p0 + p1 << 2B
+    if constexpr (B == 2) {  // a byte per 32-bit lane
+      const __m128i w = _mm_packs_epi32(q, q);
+      return _mm_packus_epi16(w, w);
+    } else {
+      const __m128i w = _mm_or_si128(_mm_and_si128(q, _mm_set1_epi64x(m4)),
+                                     _mm_and_si128(_mm_srli_epi64(q, 32 - 4 * B), _mm_set1_epi64x(m4 << 4 * B)));
+      static constexpr Bytes16 idx = [] {  // bytes 0..B-1 of each 64-bit lane, side by side
+        Bytes16 r{};
+        for (int j = 0; j < 16; ++j) r.v[j] = (int8_t)(j < B ? j : j < 2 * B ? 8 + j - B : -1);
+        return r;
+      }();
+      return _mm_shuffle_epi8(w, idx.load());
+    }
   }
 }
 
+// the inverse: 2*B packed bytes (the low ones of p) -> 16 codes. Code k lies in bits
+// [s, s + B) of the 16-bit word at byte B*k/8 (s = B*k % 8): a shuffle puts each code's word
+// in a 16-bit lane, a multiply shifts the code to the lane's top, a shift to its bottom.
 template <int B>
-inline uint64_t unpack_word(uint64_t w) {
-  constexpr uint64_t m = (1u << B) - 1;
-  if constexpr (B == 4) {
-    uint64_t x = w & 0xFFFFFFFFULL;
-    x = (x | (x << 16)) & 0x0000FFFF0000FFFFULL;
-    x = (x | (x << 8)) & 0x00FF00FF00FF00FFULL;
-    return (x | (x << 4)) & 0x0F0F0F0F0F0F0F0FULL;
+inline __m128i unpack16(__m128i p) {
+  if constexpr (B == 8) {
+    return p;
+  } else if constexpr (B == 1) {
+    const __m128i bit = _mm_set1_epi64x((long long)0x8040201008040201ULL);
+    __m128i b = _mm_shuffle_epi8(p, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b, bit), bit), _mm_set1_epi8(1));
+  } else if constexpr (B == 4) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    return _mm_unpacklo_epi8(_mm_and_si128(p, m4), _mm_and_si128(_mm_srli_epi16(p, 4), m4));
   } else {
-    uint64_t out = 0;
-    for (int t = 0; t < 8; ++t) out |= ((w >> (B * t)) & m) << (8 * t);
-    return out;
+    static constexpr Bytes16 idx = [] {  // codes 0..7: bytes B*k/8 and the next
+      Bytes16 r{};
+      for (int k = 0; k < 8; ++k) r.v[2 * k] = (int8_t)(B * k / 8), r.v[2 * k + 1] = (int8_t)(B * k / 8 + 1);
+      return r;
+    }();
+    static constexpr Bytes16 mul = [] {  // 16-bit factors 2^(16 - B - s)
+      Bytes16 r{};
+      for (int k = 0; k < 8; ++k) {
+        int f = 1 << (16 - B - B * k % 8);
+        r.v[2 * k] = (int8_t)(f & 255), r.v[2 * k + 1] = (int8_t)(f >> 8);
+      }
+      return r;
+    }();
+    const __m128i lo = _mm_shuffle_epi8(p, idx.load());                       // codes 0..7
+    const __m128i hi = _mm_shuffle_epi8(_mm_srli_si128(p, B), idx.load());    // codes 8..15
+    return _mm_packus_epi16(_mm_srli_epi16(_mm_mullo_epi16(lo, mul.load()), 16 - B),
+                            _mm_srli_epi16(_mm_mullo_epi16(hi, mul.load()), 16 - B));
   }
 }
 
+// the 2*B bytes of groups g, g+1 (the low bytes of v) at out + g*B, for groups written in
+// ascending order up to gend: one 16-byte store where later groups overwrite the bytes past 2*B
 template <int B>
-void pack_groups_t(const uint8_t* codes, uint8_t* out, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    uint64_t w = pack_word<B>(load_u64(codes + 8 * g));
-    std::memcpy(out + g * B, &w, B);
+inline void put16(uint8_t* out, int64_t g, int64_t gend, __m128i v) {
+  if (g * B + 16 <= gend * B) {
+    _mm_storeu_si128((__m128i*)(out + g * B), v);
+  } else {
+    alignas(16) uint8_t t[16];
+    _mm_store_si128((__m128i*)t, v);
+    std::memcpy(out + g * B, t, 2 * B);
   }
 }
+#endif
 
 template <int B>
-void unpack_groups_t(const uint8_t* packed, uint8_t* codes, int64_t g0, int64_t g1, int64_t groups) {
-  // a whole 8-byte load where the packed stream goes on for 8 more bytes (no byte-wise copy
-  // through the stack, which stalls store forwarding), a copy of the B bytes near the end
-  const int64_t safe_end = std::min(g1, groups - (8 + B - 1) / B);
+void pack_groups(const uint8_t* codes, uint8_t* out, int64_t g0, int64_t g1) {
   int64_t g = g0;
-  for (; g < safe_end; ++g) {
-    uint64_t w = unpack_word<B>(load_u64(packed + g * B) & ((1ULL << (8 * B)) - 1));
-    std::memcpy(codes + 8 * g, &w, 8);
-  }
+#ifdef GRACE_SIMD
+  for (; g + 2 <= g1; g += 2) put16<B>(out, g, g1, pack16<B>(_mm_loadu_si128((const __m128i*)(codes + 8 * g))));
+#endif
+  for (; g < g1; ++g) put_group<B>(out, g, g1, pack_word<B>(load_u64(codes + 8 * g)));
+}
+
+template <int B>
+void unpack_groups(const uint8_t* packed, uint8_t* codes, int64_t g0, int64_t g1, int64_t nbytes) {
+  int64_t g = g0;
+#ifdef GRACE_SIMD
+  for (; g + 2 <= g1 && g * B + 16 <= nbytes; g += 2)
+    _mm_storeu_si128((__m128i*)(codes + 8 * g), unpack16<B>(_mm_loadu_si128((const __m128i*)(packed + g * B))));
+#endif
   for (; g < g1; ++g) {
-    uint64_t w = 0;
-    std::memcpy(&w, packed + g * B, B);
-    w = unpack_word<B>(w);
+    uint64_t w = unpack_word<B>(get_group<B>(packed, g, nbytes));
     std::memcpy(codes + 8 * g, &w, 8);
-  }
-}
-
-void pack_groups(const uint8_t* codes, int bits, uint8_t* out, int64_t g0, int64_t g1) {
-  if (bits == 1) {
-    int64_t g = g0;
-#if defined(__SSE2__)
-    for (; g + 2 <= g1; g += 2) {
-      __m128i v = _mm_loadu_si128((const __m128i*)(codes + 8 * g));
-      uint16_t m = (uint16_t)_mm_movemask_epi8(_mm_slli_epi16(v, 7));
-      std::memcpy(out + g, &m, 2);
-    }
-#endif
-    for (; g < g1; ++g) out[g] = pack8_1bit(codes + 8 * g);
-  } else if (bits == 8) {
-    std::memcpy(out + 8 * g0, codes + 8 * g0, 8 * (g1 - g0));
-  } else {
-#ifdef GRACE_SIMD
-    if (bits == 2 || bits == 4) {  // 16 codes at a time: multiply-add of neighbours
-      int64_t g = g0;
-      const __m128i m2 = _mm_set1_epi8(3), m4 = _mm_set1_epi8(15);
-      for (; g + 2 <= g1; g += 2) {
-        __m128i v = _mm_loadu_si128((const __m128i*)(codes + 8 * g));
-        if (bits == 4) {
-          __m128i p = _mm_maddubs_epi16(_mm_and_si128(v, m4), _mm_set1_epi16(0x1001));  // c0 + 16 c1
-          _mm_storel_epi64((__m128i*)(out + 4 * g), _mm_packus_epi16(p, p));
-        } else {
-          __m128i p = _mm_maddubs_epi16(_mm_and_si128(v, m2), _mm_set1_epi16(0x0401));  // c0 + 4 c1
-          __m128i q = _mm_madd_epi16(p, _mm_set1_epi32(0x00100001));                   // + 16 (c2 + 4 c3)
-          q = _mm_packs_epi32(q, q);
-          int w = _mm_cvtsi128_si32(_mm_packus_epi16(q, q));
-          std::memcpy(out + 2 * g, &w, 4);
-        }
-      }
-      if (g < g1) (bits == 4 ? pack_groups_t<4> : pack_groups_t<2>)(codes, out, g, g1);
-      return;
-    }
-#endif
-    switch (bits) {
-      case 2: pack_groups_t<2>(codes, out, g0, g1); break;
-      case 3: pack_groups_t<3>(codes, out, g0, g1); break;
-      case 4: pack_groups_t<4>(codes, out, g0, g1); break;
-      case 5: pack_groups_t<5>(codes, out, g0, g1); break;
-      case 6: pack_groups_t<6>(codes, out, g0, g1); break;
-      default: pack_groups_t<7>(codes, out, g0, g1); break;
-    }
-  }
-}
-
-void unpack_groups(const uint8_t* packed, int bits, uint8_t* codes, int64_t g0, int64_t g1, int64_t groups) {
-  if (bits == 1) {
-    for (int64_t g = g0; g < g1; ++g) std::memcpy(codes + 8 * g, &kLut1.v[packed[g]], 8);
-  } else if (bits == 8) {
-    std::memcpy(codes + 8 * g0, packed + 8 * g0, 8 * (g1 - g0));
-  } else {
-#ifdef GRACE_SIMD
-    if (bits == 2 || bits == 4) {  // 16 codes at a time: shift, mask, interleave
-      int64_t g = g0;
-      const __m128i m2 = _mm_set1_epi8(3), m4 = _mm_set1_epi8(15);
-      for (; g + 2 <= g1; g += 2) {
-        __m128i c;
-        if (bits == 4) {
-          __m128i b = _mm_loadl_epi64((const __m128i*)(packed + 4 * g));
-          c = _mm_unpacklo_epi8(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4));
-        } else {
-          int w;
-          std::memcpy(&w, packed + 2 * g, 4);
-          __m128i b = _mm_cvtsi32_si128(w);
-          __m128i c0 = _mm_and_si128(b, m2), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m2);
-          __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m2), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m2);
-          c = _mm_unpacklo_epi16(_mm_unpacklo_epi8(c0, c1), _mm_unpacklo_epi8(c2, c3));
-        }
-        _mm_storeu_si128((__m128i*)(codes + 8 * g), c);
-      }
-      if (g < g1) {
-        if (bits == 4) unpack_groups_t<4>(packed, codes, g, g1, groups);
-        else unpack_groups_t<2>(packed, codes, g, g1, groups);
-      }
-      return;
-    }
-#endif
-    switch (bits) {
-      case 2: unpack_groups_t<2>(packed, codes, g0, g1, groups); break;
-      case 3: unpack_groups_t<3>(packed, codes, g0, g1, groups); break;
-      case 4: unpack_groups_t<4>(packed, codes, g0, g1, groups); break;
-      case 5: unpack_groups_t<5>(packed, codes, g0, g1, groups); break;
-      case 6: unpack_groups_t<6>(packed, codes, g0, g1, groups); break;
-      default: unpack_groups_t<7>(packed, codes, g0, g1, groups); break;
-    }
   }
 }
 
@@ -496,28 +510,31 @@ API int grace_cpu_get_num_threads(void) { return max_threads(); }
 // ---- packing ---------------------------------------------------------------------------------
 API int grace_cpu_pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {
   if (bits < 1 || bits > 8 || n < 0) return -1;
-  int64_t full = n / 8, rem = n % 8;
-  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) { pack_groups(codes, bits, out, g0, g1); });
-  if (rem) {
-    uint8_t tail[8] = {0};
-    std::memcpy(tail, codes + 8 * full, rem);
-    uint64_t w = pack8(tail, bits);
-    std::memcpy(out + full * bits, &w, (rem * bits + 7) / 8);
-  }
+  const int64_t full = n / 8, rem = n % 8;
+  with_width(bits, [&](auto w) {
+    constexpr int B = decltype(w)::value;
+    for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) { pack_groups<B>(codes, out, g0, g1); });
+    if (rem) {
+      uint64_t c = 0;
+      std::memcpy(&c, codes + 8 * full, rem);
+      uint64_t p = pack_word<B>(c);
+      std::memcpy(out + full * B, &p, (rem * B + 7) / 8);
+    }
+  });
   return 0;
 }
 
 API int grace_cpu_unpack(const uint8_t* packed, int64_t n, int bits, uint8_t* codes) {
   if (bits < 1 || bits > 8 || n < 0) return -1;
-  int64_t full = n / 8, rem = n % 8;
-  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) { unpack_groups(packed, bits, codes, g0, g1, full); });
-  if (rem) {
-    uint64_t w = 0;
-    std::memcpy(&w, packed + full * bits, (rem * bits + 7) / 8);
-    uint8_t tail[8];
-    unpack8(w, bits, tail);
-    std::memcpy(codes + 8 * full, tail, rem);
-  }
+  const int64_t full = n / 8, rem = n % 8, nbytes = (n * bits + 7) / 8;
+  with_width(bits, [&](auto w) {
+    constexpr int B = decltype(w)::value;
+    for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) { unpack_groups<B>(packed, codes, g0, g1, nbytes); });
+    if (rem) {
+      uint64_t c = unpack_word<B>(get_group<B>(packed, full, nbytes, (int)rem));
+      std::memcpy(codes + 8 * full, &c, rem);
+    }
+  });
   return 0;
 }
 
@@ -695,6 +712,7 @@ inline Sums<1> square_leaf(const float* x, int64_t start, int64_t valid, int64_t
 #ifdef GRACE_SIMD
   if (len >= 8 && lo + len <= valid) {
     const float* p = x + start + lo;
+    for (int64_t k = 0; k < len; k += 16) prefetch(p + k);
     F8 v = ld8(p);
     F8 r = v * v;
     int64_t i = 8;
@@ -720,12 +738,13 @@ inline float bucket_norm_seq(const float* x, int64_t start, int64_t valid, int64
   return std::sqrt(0.0f + pairwise_seq<1>(leaf, 0, b).v[0]);
 }
 
-struct QsgdParams {
-  int levels, bits;
-  int64_t b;  // bucket length
-  float flevels;
-};
+// buckets of up to this many elements (in cache) get their norm in the pass that makes their codes
+constexpr int64_t kFusedBucket = 1 << 15;
 
+inline float safe_norm(float norm) { return norm > 0.0f ? norm : norm + 1.0f; }
+
+// r = |x| * s / norm, l = floor(r), level = l + (u < r - l), minus one past s (a rounding
+// error); code = level * 2 + (x < 0), 0 where r is NaN: grace/compressors/qsgd.py's operations
 inline uint8_t qsgd_code(float v, float u, float safe, float flevels) {
   float r = std::fabs(v) * flevels / safe;
   float low = std::floor(r);
@@ -735,67 +754,78 @@ inline uint8_t qsgd_code(float v, float u, float safe, float flevels) {
   return c == c ? (uint8_t)(int)c : (uint8_t)0;
 }
 
-// f(std::integral_constant<int, W>{}) for the code width W = bits in 1..8: one instantiation
-// per width, chosen once per call instead of per element.
-template <class F>
-inline void with_width(int bits, F&& f) {
-  switch (bits) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
-  }
-}
+#ifdef GRACE_SIMD
+// qsgd_code of 8 elements at a time, as 16-bit lanes: the float operations as above, the rest
+// exact in integers
+struct QsgdLanes {
+  __m128 safe, flevels;
+  __m128i levels;
+  QsgdLanes(float safe_, int levels_)
+      : safe(_mm_set1_ps(safe_)), flevels(_mm_set1_ps((float)levels_)), levels(_mm_set1_epi16((short)levels_)) {}
 
-// codes of elements [g0*8, g1*8) ∩ [0, n) packed at B bits (group-aligned)
+  // l + (u < r - l), as int32: l = floor(r) by truncation (r >= 0), INT_MIN where r is NaN;
+  // neg: -1 where x < 0
+  __m128i level4(const float* x, const float* u, __m128i& neg) const {
+    const __m128 v = _mm_loadu_ps(x);
+    const __m128 r = _mm_div_ps(_mm_mul_ps(_mm_and_ps(v, _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff))), flevels), safe);
+    const __m128i li = _mm_cvttps_epi32(r);
+    const __m128 up = _mm_cmplt_ps(_mm_loadu_ps(u), _mm_sub_ps(r, _mm_cvtepi32_ps(li)));
+    neg = _mm_castps_si128(_mm_cmplt_ps(v, _mm_setzero_ps()));
+    return _mm_sub_epi32(li, _mm_castps_si128(up));  // up: -1 where true
+  }
+
+  // level minus one past s, times 2, plus (x < 0); NaN r: INT_MIN, which the saturating steps
+  // keep negative and packus makes code 0
+  __m128i codes8(const float* x, const float* u) const {
+    __m128i n0, n1;
+    const __m128i l0 = level4(x, u, n0), l1 = level4(x + 4, u + 4, n1);
+    __m128i level = _mm_packs_epi32(l0, l1);
+    level = _mm_add_epi16(level, _mm_cmpgt_epi16(level, levels));
+    return _mm_sub_epi16(_mm_adds_epi16(level, level), _mm_packs_epi32(n0, n1));
+  }
+};
+#endif
+
+// codes of elements [g0*8, g1*8) ∩ [0, n) packed at B bits (group-aligned), bucket by bucket
 template <int B>
-void qsgd_pack_groups(const float* x, const float* u, int64_t n, const QsgdParams& p, const float* norms,
+void qsgd_pack_groups(const float* x, const float* u, int64_t n, int levels, int64_t b, const float* norms,
                       uint8_t* out, int64_t g0, int64_t g1) {
-  if (g0 >= g1) return;
-  uint8_t c[8];
-  int64_t row = (8 * g0) / p.b, next = (row + 1) * p.b;  // the bucket of the current element
-  auto safe_of = [&](int64_t r) {
-    float norm = norms[r];
-    return norm > 0.0f ? norm : norm + 1.0f;
-  };
-  float safe = safe_of(row);
+  const float flevels = (float)levels;
+  const int64_t gw = std::min(g1, n / 8);  // whole groups (put_group stays within them)
+  int64_t g = g0;
+  while (g < g1) {
+    const int64_t row = 8 * g / b, end = std::min(n, (row + 1) * b);  // the bucket of group g
+    const float safe = safe_norm(norms[row]);
+    const int64_t whole = std::min(g1, end / 8);  // groups [g, whole) lie in this bucket
 #ifdef GRACE_SIMD
-  const F8 zero = set8(0.0f), one = set8(1.0f), two = set8(2.0f), vlev = set8(p.flevels);
-#endif
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t i0 = 8 * g;
-    const int m = (int)std::min<int64_t>(8, n - i0);
-    uint64_t codes;
-    if (m == 8 && i0 + 8 <= next) {  // one bucket
-#ifdef GRACE_SIMD
-      F8 v = ld8(x + i0);
-      F8 r = abs8(v) * vlev / set8(safe);
-      F8 low = floor8(r);
-      F8 level = low + and8(lt8(ld8(u + i0), r - low), one);
-      level = level - and8(gt8(level, vlev), one);
-      codes = bytes8(level * two + and8(lt8(v, zero), one));
-#else
-      for (int j = 0; j < 8; ++j) c[j] = qsgd_code(x[i0 + j], u[i0 + j], safe, p.flevels);
-      codes = load_u64(c);
-#endif
-      if (i0 + 8 == next && i0 + 8 < n) row++, next += p.b, safe = safe_of(row);
-    } else {
-      for (int j = 0; j < 8; ++j) {
-        if (j < m) {
-          if (i0 + j >= next) row++, next += p.b, safe = safe_of(row);
-          c[j] = qsgd_code(x[i0 + j], u[i0 + j], safe, p.flevels);
-        } else {
-          c[j] = 0;
-        }
-      }
-      codes = load_u64(c);
+    const QsgdLanes q(safe, levels);
+    for (; g + 2 <= whole; g += 2) {  // 16 codes at a time
+      const int64_t i = 8 * g;
+      prefetch(x + i);
+      prefetch(u + i);
+      put16<B>(out, g, gw, pack16<B>(_mm_packus_epi16(q.codes8(x + i, u + i), q.codes8(x + i + 8, u + i + 8))));
     }
-    uint64_t w = B == 8 ? codes : pack_word<(B < 8 ? B : 7)>(codes);
-    std::memcpy(out + g * B, &w, m == 8 ? B : (m * B + 7) / 8);
+    if (g < whole) {
+      const __m128i c = _mm_packus_epi16(q.codes8(x + 8 * g, u + 8 * g), _mm_setzero_si128());
+      put_group<B>(out, g, gw, (uint64_t)_mm_cvtsi128_si64(pack16<B>(c)));
+      ++g;
+    }
+#else
+    for (; g < whole; ++g) {
+      uint8_t c[8];
+      for (int j = 0; j < 8; ++j) c[j] = qsgd_code(x[8 * g + j], u[8 * g + j], safe, flevels);
+      put_group<B>(out, g, gw, pack_word<B>(load_u64(c)));
+    }
+#endif
+    if (g < g1 && 8 * g < end) {  // a group across a bucket's end or at the tensor's end
+      const int64_t i0 = 8 * g;
+      const int m = (int)std::min<int64_t>(8, n - i0);
+      uint8_t c[8] = {0};
+      for (int j = 0; j < m; ++j) c[j] = qsgd_code(x[i0 + j], u[i0 + j], safe_norm(norms[(i0 + j) / b]), flevels);
+      uint64_t w = pack_word<B>(load_u64(c));
+      std::memcpy(out + g * B, &w, (m * B + 7) / 8);
+      ++g;
+    }
   }
 }
 }  // namespace
@@ -817,14 +847,32 @@ API void grace_cpu_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* 
   }
 }
 
-// norms: per bucket (as grace_cpu_qsgd_norms writes them); u: one draw per element
+// u: one draw per element; norms: one per bucket, given (have_norms) or written here: bucket by
+// bucket in the same pass as its codes (the bucket still in cache) where buckets are short
+// and hold whole groups, else grace_cpu_qsgd_norms first
 API int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int levels, int64_t bucket, int bits,
-                                const float* norms, uint8_t* out) {
-  if (bits < 1 || bits > 8 || levels < 1 || 2 * (levels + 1) > (1 << bits) + 1) return -1;
-  QsgdParams p{levels, bits, bucket > 0 ? bucket : std::max<int64_t>(n, 1), (float)levels};
-  int64_t groups = (n + 7) / 8;
-  for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    with_width(bits, [&](auto w) { qsgd_pack_groups<decltype(w)::value>(x, u, n, p, norms, out, g0, g1); });
+                                float* norms, int have_norms, uint8_t* out) {
+  if (bits < 1 || bits > 8 || levels < 1 || 2 * (levels + 1) > (1 << bits) + 1 || n < 0) return -1;
+  if (n == 0) return 0;
+  const int64_t b = bucket > 0 ? bucket : n;
+  const int64_t rows = (n + b - 1) / b, groups = (n + 7) / 8;
+  const int nt = threads_for(n);
+  const bool fused = !have_norms && b % 8 == 0 && b <= kFusedBucket && (rows >= 4 * nt || nt == 1);
+  if (!have_norms && !fused) grace_cpu_qsgd_norms(x, n, bucket, norms);
+  with_width(bits, [&](auto w) {
+    constexpr int B = decltype(w)::value;
+    if (fused) {
+      for_chunks(rows, 1, nt, [&](int, int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          norms[r] = bucket_norm_seq(x, r * b, std::min(b, n - r * b), b);
+          qsgd_pack_groups<B>(x, u, n, levels, b, norms, out, r * (b / 8), std::min(groups, (r + 1) * (b / 8)));
+        }
+      });
+    } else {
+      for_chunks(groups, 1, nt, [&](int, int64_t g0, int64_t g1) {
+        qsgd_pack_groups<B>(x, u, n, levels, b, norms, out, g0, g1);
+      });
+    }
   });
   return 0;
 }
@@ -938,34 +986,109 @@ API void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float
 }
 
 namespace {
-template <int B>
-void qsgd_decode_groups(const uint8_t* packed, int64_t n, int64_t b, const float* lut, const float* norms, float* out,
-                        int64_t g0, int64_t g1) {
-  if (g0 >= g1) return;
-  uint8_t c[8];
-  int64_t row = (8 * g0) / b, next = (row + 1) * b;  // the bucket of the current element
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t i0 = 8 * g;
-    const int m = (int)std::min<int64_t>(8, n - i0);
-    uint64_t w = 0;
-    if (m == 8) {
-      std::memcpy(&w, packed + g * B, B);
+// lut[code] of the 8 codes in the bytes of c, each times norm
+inline void qsgd_values8(uint64_t c, const float* lut, float norm, float* out) {
+#ifdef GRACE_SIMD
+  auto at = [&](int j) { return lut[(c >> (8 * j)) & 255]; };
+  const __m128 vn = _mm_set1_ps(norm);
+  _mm_storeu_ps(out, _mm_mul_ps(_mm_setr_ps(at(0), at(1), at(2), at(3)), vn));
+  _mm_storeu_ps(out + 4, _mm_mul_ps(_mm_setr_ps(at(4), at(5), at(6), at(7)), vn));
+#else
+  for (int j = 0; j < 8; ++j) out[j] = lut[(c >> (8 * j)) & 255] * norm;
+#endif
+}
+
+#ifdef GRACE_SIMD
+// the same for the 16 codes in the bytes of c: (sign * level) / levels as a float division of
+// level and the sign bit (the LUT's values exactly), times norm; stream: streaming stores
+inline void qsgd_values16(__m128i c, __m128 flevels, __m128 norm, float* out, bool stream) {
+  for (int k = 0; k < 4; ++k, c = _mm_srli_si128(c, 4)) {
+    const __m128i ck = _mm_cvtepu8_epi32(c);
+    const __m128 level = _mm_cvtepi32_ps(_mm_srli_epi32(ck, 1));
+    const __m128 sign = _mm_castsi128_ps(_mm_slli_epi32(ck, 31));
+    const __m128 v = _mm_mul_ps(_mm_xor_ps(_mm_div_ps(level, flevels), sign), norm);
+    if (stream) {
+      _mm_stream_ps(out + 4 * k, v);
     } else {
-      std::memcpy(&w, packed + g * B, (m * B + 7) / 8);
+      _mm_storeu_ps(out + 4 * k, v);
     }
-    w = B == 8 ? w : unpack_word<(B < 8 ? B : 7)>(w);
-    std::memcpy(c, &w, 8);
-    if (m == 8 && i0 + 8 <= next) {
-      const float norm = norms[row];
-      for (int j = 0; j < 8; ++j) out[i0 + j] = lut[c[j]] * norm;
-      if (i0 + 8 == next) row++, next += b;
-    } else {
-      for (int j = 0; j < m; ++j) {
-        if (i0 + j >= next) row++, next += b;
-        out[i0 + j] = lut[c[j]] * norms[row];
+  }
+}
+
+// Up to 15 levels (codes of up to 5 bits): the 16 values lut[2l] * norm of a bucket as four byte
+// planes, which one byte shuffle each looks up for 16 codes at once (no division); the sign bit
+// is the code's low bit. For finite norms, where -lut[2l] * norm is -(lut[2l] * norm) exactly.
+struct PlaneLut {
+  __m128i plane[4];
+  PlaneLut(const float* lut, float norm) {
+    const __m128i bytes = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m128i t[4];  // t[q]: byte k of values 4q..4q+3 in dword k
+    for (int q = 0; q < 4; ++q) {
+      const __m128 mag = _mm_setr_ps(lut[8 * q], lut[8 * q + 2], lut[8 * q + 4], lut[8 * q + 6]);
+      t[q] = _mm_shuffle_epi8(_mm_castps_si128(_mm_mul_ps(mag, _mm_set1_ps(norm))), bytes);
+    }
+    const __m128i a = _mm_unpacklo_epi32(t[0], t[1]), b = _mm_unpackhi_epi32(t[0], t[1]);
+    const __m128i c = _mm_unpacklo_epi32(t[2], t[3]), d = _mm_unpackhi_epi32(t[2], t[3]);
+    plane[0] = _mm_unpacklo_epi64(a, c), plane[1] = _mm_unpackhi_epi64(a, c);
+    plane[2] = _mm_unpacklo_epi64(b, d), plane[3] = _mm_unpackhi_epi64(b, d);
+  }
+  void values16(__m128i c, float* out, bool stream) const {
+    const __m128i level = _mm_and_si128(_mm_srli_epi16(c, 1), _mm_set1_epi8(15));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi8(1)), 7);
+    const __m128i b0 = _mm_shuffle_epi8(plane[0], level), b1 = _mm_shuffle_epi8(plane[1], level);
+    const __m128i b2 = _mm_shuffle_epi8(plane[2], level);
+    const __m128i b3 = _mm_xor_si128(_mm_shuffle_epi8(plane[3], level), sign);
+    const __m128i lo01 = _mm_unpacklo_epi8(b0, b1), hi01 = _mm_unpackhi_epi8(b0, b1);
+    const __m128i lo23 = _mm_unpacklo_epi8(b2, b3), hi23 = _mm_unpackhi_epi8(b2, b3);
+    const __m128i v[4] = {_mm_unpacklo_epi16(lo01, lo23), _mm_unpackhi_epi16(lo01, lo23),
+                          _mm_unpacklo_epi16(hi01, hi23), _mm_unpackhi_epi16(hi01, hi23)};
+    for (int k = 0; k < 4; ++k) {
+      if (stream) {
+        _mm_stream_si128((__m128i*)(out + 4 * k), v[k]);
+      } else {
+        _mm_storeu_si128((__m128i*)(out + 4 * k), v[k]);
       }
     }
   }
+};
+#endif
+
+// values of elements [g0*8, g1*8) ∩ [0, n): lut[code] * the norm of its bucket, bucket by bucket
+template <int B>
+void qsgd_decode_groups(const uint8_t* packed, int64_t n, int64_t b, const float* lut, const float* norms, float* out,
+                        int64_t g0, int64_t g1, int levels) {
+  const int64_t nbytes = (n * B + 7) / 8;
+#ifdef GRACE_SIMD
+  const __m128 vlev = _mm_set1_ps((float)levels);
+  const bool stream = streams(out, 4 * n);
+#endif
+  int64_t g = g0;
+  while (g < g1) {
+    const int64_t row = 8 * g / b, end = std::min(n, (row + 1) * b);  // the bucket of group g
+    const float norm = norms[row];
+    const int64_t whole = std::min(g1, end / 8);  // groups [g, whole) lie in this bucket
+#ifdef GRACE_SIMD
+    auto codes16 = [&](int64_t g) { return unpack16<B>(_mm_loadu_si128((const __m128i*)(packed + g * B))); };
+    if (B <= 5 && std::isfinite(norm)) {
+      const PlaneLut planes(lut, norm);
+      for (; g + 2 <= whole && g * B + 16 <= nbytes; g += 2) planes.values16(codes16(g), out + 8 * g, stream);
+    } else {
+      const __m128 vn = _mm_set1_ps(norm);
+      for (; g + 2 <= whole && g * B + 16 <= nbytes; g += 2) qsgd_values16(codes16(g), vlev, vn, out + 8 * g, stream);
+    }
+#endif
+    for (; g < whole; ++g) qsgd_values8(unpack_word<B>(get_group<B>(packed, g, nbytes)), lut, norm, out + 8 * g);
+    if (g < g1 && 8 * g < end) {  // a group across a bucket's end or at the tensor's end
+      const int64_t i0 = 8 * g;
+      const int m = (int)std::min<int64_t>(8, n - i0);
+      const uint64_t c = unpack_word<B>(get_group<B>(packed, g, nbytes, m));
+      for (int j = 0; j < m; ++j) out[i0 + j] = lut[(c >> (8 * j)) & 255] * norms[(i0 + j) / b];
+      ++g;
+    }
+  }
+#ifdef GRACE_SIMD
+  if (stream) _mm_sfence();  // the streamed stores before the caller's next reads
+#endif
 }
 }  // namespace
 
@@ -982,8 +1105,10 @@ API int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int6
   }
   const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
   const int64_t groups = (n + 7) / 8;
-  for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    with_width(bits, [&](auto w) { qsgd_decode_groups<decltype(w)::value>(packed, n, b, lut, norms, out, g0, g1); });
+  with_width(bits, [&](auto w) {
+    for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+      qsgd_decode_groups<decltype(w)::value>(packed, n, b, lut, norms, out, g0, g1, levels);
+    });
   });
   return 0;
 }

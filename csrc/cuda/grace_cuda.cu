@@ -740,10 +740,15 @@ API int grace_cuda_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* 
   return status();
 }
 
+// norms: given (have_norms) or computed first, on the same stream
 API int grace_cuda_qsgd_compress(const float* x, const float* u, int64_t n, int levels, int64_t bucket, int bits,
-                                 const float* norms, uint8_t* out, void* stream) {
+                                 float* norms, int have_norms, uint8_t* out, void* stream) {
   if (bits < 1 || bits > 8 || levels < 1 || n < 0) return -1;
   if (n == 0) return 0;
+  if (!have_norms) {
+    const int rc = grace_cuda_qsgd_norms(x, n, bucket, norms, stream);
+    if (rc != 0) return rc;
+  }
   const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
   k_qsgd<<<grid_for((n + 7) / 8), kThreads, 0, as_stream(stream)>>>(x, u, n, (float)levels, b, bits, norms, out);
   return status();

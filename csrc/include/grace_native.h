@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 1
+#define GRACE_NATIVE_ABI 2
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -44,8 +44,9 @@ void grace_cpu_onebit_compress(const float* x, int64_t n, uint8_t* out, float* m
 void grace_cpu_maxabs(const float* x, int64_t n, float* out);
 void grace_cpu_terngrad_compress(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out);
 void grace_cpu_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* norms);
+/* norms: one per bucket, given (have_norms != 0) or computed and written */
 int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int levels, int64_t bucket, int bits,
-                            const float* norms, uint8_t* out);
+                            float* norms, int have_norms, uint8_t* out);
 void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes);
 
 /* fused unpack + decode (float32 out) */
@@ -93,7 +94,7 @@ int grace_cuda_terngrad_compress(const float* x, const float* u, int64_t n, cons
                                  void* stream);
 int grace_cuda_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* norms, void* stream);
 int grace_cuda_qsgd_compress(const float* x, const float* u, int64_t n, int levels, int64_t bucket, int bits,
-                             const float* norms, uint8_t* out, void* stream);
+                             float* norms, int have_norms, uint8_t* out, void* stream);
 int grace_cuda_natural_compress(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes,
                                 void* stream);
 int grace_cuda_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out, void* stream);

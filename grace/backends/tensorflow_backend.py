@@ -24,6 +24,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from grace import native as _native
 from grace.backends.numpy_backend import NumpyBackend
 
 _NUMPY = NumpyBackend()  # the host draws: uniform and random_indices off the GPU
@@ -348,8 +349,13 @@ class TensorflowBackend:
         return tf.tensor_scatter_nd_add(tf.zeros((numel,), values.dtype), idx, values)
 
     def fused(self, name: str, like, dtype: str = "float32"):
-        """Not wired for TensorFlow yet (kernels take eager tensors; steps are traced)."""
-        return None
+        """The one-pass kernel ``name`` of grace.native for an eager float32 tensor, when built:
+        the kernels read its memory in place (CPU, or GPU through DLPack) and return TensorFlow
+        tensors. None inside tf.function (a traced tensor has no memory yet): the method's
+        tensor-op formula is traced instead."""
+        if dtype != "float32" or not tf.executing_eagerly() or not hasattr(like, "numpy"):
+            return None
+        return _native.fused(name, like)
 
     # --- linear algebra (2-d) ------------------------------------------------------------
     def matmul(self, a, b):

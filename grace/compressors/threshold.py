@@ -13,11 +13,15 @@ from grace.memories import make_memory
 
 class Threshold(Sparsifier):
     variable_length = True
+    residual_kernel = "threshold_ef_step"
 
     def __init__(self, threshold: float):
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
             raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
         self.threshold = float(threshold)
+
+    def kernel_argument(self, numel: int) -> float:
+        return self.threshold
 
     def select(self, xp, flat, info):
         return xp.nonzero(xp.abs(flat) >= self.threshold)

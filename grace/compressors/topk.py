@@ -12,13 +12,16 @@ from grace.memories import make_memory
 
 
 class TopK(Sparsifier):
+    residual_kernel = "topk_ef_step"
+
     def __init__(self, ratio: float):
         self.ratio = check_ratio(ratio)
 
+    def kernel_argument(self, d: int) -> int:
+        return min(d, max(1, math.ceil(self.ratio * d)))  # k
+
     def select(self, xp, flat, info):
-        d = xp.numel(flat)
-        k = min(d, max(1, math.ceil(self.ratio * d)))
-        return xp.sort(xp.topk_indices(xp.abs(flat), k))
+        return xp.sort(xp.topk_indices(xp.abs(flat), self.kernel_argument(xp.numel(flat))))
 
 
 @register("topk", compress_ratio="ratio")

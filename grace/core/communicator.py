@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Sequence
 
+from grace.backends import backend_for
 from grace.core.compressor import Collective, Payload
 
 
@@ -115,6 +116,26 @@ class LocalCommunicator(Communicator):
 
     def allgather_async(self, tensor, name):
         return lambda: tensor
+
+    def broadcast_async(self, tensor, root, name):
+        return lambda: tensor
+
+
+class ReplicaCommunicator(Communicator):
+    """A world of ``size`` ranks that all send what this one sends, without a network: the
+    local work of an n-rank step (n payloads to decode), for measuring compression cost."""
+
+    rank = 0
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def allreduce_async(self, tensor, name):
+        return lambda: tensor * self.size
+
+    def allgather_async(self, tensor, name):
+        xp = backend_for(tensor)
+        return lambda: xp.concat([tensor] * self.size)
 
     def broadcast_async(self, tensor, root, name):
         return lambda: tensor

@@ -95,6 +95,12 @@ class Exchange:
         memory_state = store.get("memory", name, lambda t: memory.init(xp, t), g)
         first = TensorInfo(name=name, step=0, world_size=info.world_size, rank=info.rank)  # init needs no tensor
         state = store.get("state", name, lambda t: compressor.init_state(xp, t, first), g)
+        if not compressor.multi_round:  # one pass over memory where a kernel fuses the three steps
+            fused = memory.fused_step(xp, compressor, g, memory_state, info)
+            if fused is not None:
+                payload, ctx, memory_state = fused
+                store.set("memory", name, memory_state)
+                return Pending(name, xp, ctx, self._send(name, xp, payload, 0))
         p = memory.compensate(xp, g, memory_state)
         if compressor.multi_round:
             rounds = compressor.rounds(xp, p, info, state)

@@ -29,6 +29,11 @@ class Memory:
     def update(self, xp, p, p_hat, state: Optional[Any]) -> Optional[Any]:
         return None
 
+    def fused_step(self, xp, compressor, g, state: Optional[Any], info):
+        """compensate, compress and update in one go where the compressor has a kernel for it:
+        (payload, ctx, new state), or None."""
+        return None
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({params})"

@@ -27,3 +27,6 @@ class ResidualMemory(Memory):
 
     def update(self, xp, p, p_hat, residual):
         return p - p_hat
+
+    def fused_step(self, xp, compressor, g, residual, info):
+        return compressor.compress_with_residual(xp, g, residual, self.beta, self.gamma, info)

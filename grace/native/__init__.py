@@ -380,15 +380,12 @@ def qsgd_compress(x, u, levels: int, bucket_size: int = 0, norms=None):
     bits = _code_width(2 * (levels + 1))
     bucket = int(bucket_size) if bucket_size else max(b.n, 1)
     rows = -(-b.n // bucket)
-    if norms is None:
-        nb = kind.empty(rows, "float32")
-        if rows:
-            call(kind, "qsgd_norms", b.ptr, b.n, bucket, nb.ptr)
-    else:
-        nb = _same_kind(kind, norms, "float32")
+    have_norms = norms is not None
+    nb = _same_kind(kind, norms, "float32") if have_norms else kind.empty(rows, "float32")
     out = kind.empty(_packed_size(b.n, bits), "uint8")
-    if b.n:
-        rc = call(kind, "qsgd_compress", b.ptr, ub.ptr, b.n, int(levels), bucket, bits, nb.ptr, out.ptr)
+    if b.n:  # the norms too, unless given (short buckets: in the same pass as their codes)
+        rc = call(kind, "qsgd_compress", b.ptr, ub.ptr, b.n, int(levels), bucket, bits, nb.ptr, int(have_norms),
+                  out.ptr)
         if rc != 0:
             raise ValueError(f"bad QSGD parameters: levels={levels}, bits={bits}")
     return _wrap(kind, out, nb)

@@ -15,7 +15,7 @@ from ctypes import c_double, c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
-ABI = 1
+ABI = 2
 
 _P, _I, _L, _F, _D = c_void_p, c_int, c_int64, c_float, c_double
 
@@ -29,7 +29,7 @@ _COMMON = {
     "maxabs": (None, [_P, _L, _P]),
     "terngrad_compress": (None, [_P, _P, _L, _P, _P]),
     "qsgd_norms": (None, [_P, _L, _L, _P]),
-    "qsgd_compress": (_I, [_P, _P, _L, _I, _L, _I, _P, _P]),
+    "qsgd_compress": (_I, [_P, _P, _L, _I, _L, _I, _P, _I, _P]),
     "natural_compress": (None, [_P, _P, _L, _P, _P]),
     "sign_decode": (None, [_P, _L, _P, _P]),
     "onebit_decode": (None, [_P, _L, _P, _P]),

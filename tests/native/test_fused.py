@@ -40,7 +40,7 @@ METHODS = {
     "natural": (lambda: grace.natural().compressor, True,
                 lambda x, u: gn.natural_compress(x, u), lambda p, n: gn.natural_decompress(p[0], p[1], n)),
 }
-for levels, bucket in [(1, 0), (3, 0), (4, 0), (15, 0), (31, 0), (127, 0), (127, 64), (5, 1000), (7, 4097)]:
+for levels, bucket in [(1, 0), (3, 0), (4, 0), (15, 0), (31, 0), (63, 0), (127, 0), (127, 64), (5, 1000), (7, 4097)]:
     METHODS[f"qsgd{levels}_b{bucket}"] = (
         lambda levels=levels, bucket=bucket: grace.qsgd(levels, bucket_size=bucket).compressor, True,
         lambda x, u, levels=levels, bucket=bucket: gn.qsgd_compress(x, u, levels, bucket),
@@ -158,6 +158,20 @@ def test_qsgd_all_zero_and_single_bucket_of_zeros(monkeypatch):
         same_bytes(want[0], got[0], "codes")
         same_bytes(want[1], got[1], "norms")
         same_bytes(want_y, gn.qsgd_decompress(*got, 100, 7, bucket), "values")
+
+
+@pytest.mark.parametrize("levels,bucket", [(127, 0), (15, 512), (3, 1000)])
+def test_qsgd_large_tensor(levels, bucket, monkeypatch):
+    """Past 8 MiB of output the decoder streams its stores; short buckets get their norms in the
+    pass that makes their codes (1000: groups across buckets, two passes)."""
+    n = 2**21 + 3
+    x = gradient(n, seed=11)
+    u = padded_draws(f"qsgd{levels}_b{bucket}", n)
+    (want_codes, want_norms), want_y = oracle(grace.qsgd(levels, bucket_size=bucket).compressor, x, u, monkeypatch)
+    codes, norms = gn.qsgd_compress(x, u, levels, bucket)
+    same_bytes(want_codes, codes, "codes")
+    same_bytes(want_norms, norms, "norms")
+    same_bytes(want_y.reshape(-1), gn.qsgd_decompress(codes, norms, n, levels, bucket), "values")
 
 
 def test_precomputed_scalars_are_used():

@@ -519,3 +519,33 @@ def test_ops_inside_tf_function():
     u, m_empty, n, m = f(tf.constant([1.0, 3.0, 2.0]))
     assert_same(NX.uniform(5, (42, 1)), u)
     assert float(m_empty) == 0.0 and int(n) == 0 and float(m) == 3.0
+
+
+# --- native kernels: eager tensors reach them, traced ones take the formula -----------------
+FUSED = {"signsgd": "signsgd_compress", "efsignsgd": "efsignsgd_compress", "onebit": "onebit_compress",
+         "terngrad": "terngrad_compress", "qsgd": "qsgd_compress", "natural": "natural_compress"}
+
+
+@pytest.mark.parametrize("method", sorted(FUSED))
+def test_eager_tensors_take_the_native_kernels_with_the_same_bytes(method, monkeypatch):
+    import grace.native as gn
+
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built (python csrc/build.py)")
+    x = tf.constant(values_for("float32", (1001,), seed=5))
+    with gn.disabled():
+        want = run_method(TX, METHODS[method]().compressor, x)
+    calls = []
+    kernel = getattr(gn, FUSED[method])
+    monkeypatch.setattr(gn, FUSED[method], lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    got = run_method(TX, METHODS[method]().compressor, x)
+    assert calls, f"{FUSED[method]} was not called for an eager tensor"
+    assert_method_agrees(method, got, want, "float32")
+    assert TX.fused(FUSED[method], x) is not None
+
+    @tf.function
+    def traced(t):
+        assert TX.fused(FUSED[method], t) is None  # no memory to hand over while tracing
+        return t
+
+    traced(x)

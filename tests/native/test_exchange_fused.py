@@ -1,0 +1,43 @@
+"""The exchange takes the one-pass residual kernels (compensate, select, new residual) for top-k
+and threshold with residual memory: over several steps the payloads, results and memory equal
+those of the three separate steps (GRACE_NATIVE off)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import grace
+import grace.native as gn
+from grace.core.communicator import ReplicaCommunicator
+from grace.core.exchange import Exchange
+from tests.native.conftest import device, gradient, host, on, torch  # noqa: F401
+
+METHODS = {"topk": lambda: grace.topk(0.01), "threshold": lambda: grace.threshold(1.5),
+           "topk_scaled": lambda: grace.topk(0.05, memory=grace.memories.ResidualMemory(beta=0.9, gamma=0.5))}
+KERNEL = {"topk": "topk_ef_step", "threshold": "threshold_ef_step", "topk_scaled": "topk_ef_step"}
+
+
+def run(method, device, steps=3):
+    exchange = Exchange(METHODS[method](), ReplicaCommunicator(3))
+    outs = []
+    for step in range(steps):
+        grads = {"w": on(device, gradient(4097 * 3, seed=step).reshape(3, 4097)), "b": on(device, gradient(77, seed=9))}
+        outs.append({k: host(v) for k, v in exchange.exchange(grads).items()})
+    return outs, {k: host(v) for k, v in exchange.memory.items()}, exchange.stats.bytes_sent
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_fused_residual_step_equals_the_separate_steps(device, method, monkeypatch):
+    with gn.disabled():
+        want = run(method, device)
+    calls = []
+    kernel = getattr(gn, KERNEL[method])
+    monkeypatch.setattr(gn, KERNEL[method], lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    got = run(method, device)
+    assert len(calls) == 6, "the exchange did not take the fused kernel"
+    for a, b in zip(want[0], got[0]):
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    for key in want[1]:
+        np.testing.assert_array_equal(want[1][key], got[1][key])
+    assert want[2] == got[2]
