@@ -152,12 +152,16 @@ class Run:
     def is_grace(self) -> bool:
         return isinstance(self.compression, grace.GradientCompression)
 
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
     def bytes_per_step(self) -> int:
         """Bytes this rank handed to the collectives in the last step."""
         if self.is_grace:
             return int(self.optimizer.grace_stats.last_step_bytes)
         per_element = 2 if self.compression.__name__ == "FP16Compressor" else 4
-        return per_element * sum(p.numel() for p in self.model.parameters())
+        return per_element * self.parameters
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -242,11 +246,11 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
         compressor = run.compression.compressor if run.is_grace else None
         rows.append({
             "model": model_name, "method": method["name"], "ranks": ranks,
-            "parameters": sum(p.numel() for p in run.model.parameters()),
+            "parameters": run.parameters,
             "samples_per_second": ranks * config["batch_size"] / step,
             "step_s": step,
             "bytes_per_step": run.bytes_per_step(),
-            "dense_bytes_per_step": 4 * sum(p.numel() for p in run.model.parameters()),
+            "dense_bytes_per_step": 4 * run.parameters,
             "collective": run.compression.collective.value if run.is_grace else "allreduce",
             "rounds": 2 if compressor is not None and compressor.multi_round else 1,
             "compute_s": compute,
