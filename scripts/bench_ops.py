@@ -8,7 +8,9 @@ For each method and size (float32 elements, standard normal), compress + decompr
              selection, scatter-add), i.e. what the compressors get today
   native     the fused kernels of grace.native (one pass per function)
   speedup    fallback / native
-  GB/s       bytes the native functions must move (inputs read once, outputs written once) / time
+  GB/s       bytes the native functions must move (inputs read once, outputs written once; a
+             gradient read twice where the method needs a whole-tensor scalar before its first
+             code: TernGrad's max |x|, QSGD's norm with one bucket) / time
   of copy    that bandwidth as a fraction of a plain tensor copy of the n floats (read + write),
              measured in the same run
 Random draws are made once beforehand and handed to both paths (the kernels take them as
@@ -138,7 +140,7 @@ def cases(n: int, device: str):
     c = grace.terngrad().compressor
     out["terngrad"] = (fallback(compressor_roundtrip(c, x, u)), compressor_roundtrip(c, x, u),
                        lambda: gn.terngrad_decompress(*gn.terngrad_compress(x, u), n),
-                       2 * f4 + 2 * math.ceil(n / 4) + f4)
+                       3 * f4 + 2 * math.ceil(n / 4) + f4)  # x twice: max |x|, then the codes
     for levels, bucket in ((127, 0), (7, 0), (127, 512), (15, 512)):
         c = grace.qsgd(levels, bucket_size=bucket).compressor
         w = bits.code_width(2 * (levels + 1))
@@ -148,7 +150,7 @@ def cases(n: int, device: str):
             fallback(compressor_roundtrip(c, x, uq)), compressor_roundtrip(c, x, uq),
             lambda levels=levels, bucket=bucket, uq=uq: gn.qsgd_decompress(
                 *gn.qsgd_compress(x, uq, levels, bucket), n, levels, bucket),
-            2 * f4 + 2 * math.ceil(n * w / 8) + f4)
+            (2 if bucket else 3) * f4 + 2 * math.ceil(n * w / 8) + f4)  # one bucket: the norm first
     c = grace.natural().compressor
     out["natural"] = (fallback(compressor_roundtrip(c, x, u)), compressor_roundtrip(c, x, u),
                       lambda: gn.natural_decompress(*gn.natural_compress(x, u), n),

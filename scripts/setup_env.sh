@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything grace needs on a fresh Debian machine:
-#   Open MPI (apt, if mpirun is missing), a virtual environment in .venv with the pinned
+#   Open MPI and iptables (apt, if missing), a virtual environment in .venv with the pinned
 #   requirements, Horovod 0.28.1 built from its sdist with our build fixes (wheel cached
 #   outside the repo), and grace itself in editable mode.
 # Usage: bash scripts/setup_env.sh        (re-running it takes seconds)
@@ -22,6 +22,8 @@ log() { echo "[setup] $*"; }
 missing=()
 command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin libopenmpi-dev)
 command -v patch >/dev/null 2>&1 || missing+=(patch)
+# the emulated cluster's latency on kernels without sch_netem (an NFQUEUE rule per host)
+command -v iptables >/dev/null 2>&1 || missing+=(iptables)
 if ((${#missing[@]})); then
     log "installing ${missing[*]} from Debian"
     export DEBIAN_FRONTEND=noninteractive

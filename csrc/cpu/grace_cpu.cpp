@@ -72,6 +72,15 @@ inline void prefetch(const void* p) {
 // as memcpy does: no read of each line before it is overwritten, half the memory traffic.
 constexpr int64_t kStreamBytes = 8 << 20;
 inline bool streams(const void* out, int64_t bytes) { return bytes >= kStreamBytes && (uintptr_t)out % 16 == 0; }
+#if defined(__SSE2__)
+// 4 floats at out (16-byte aligned when stream), streamed or stored
+inline void store4(float* out, __m128 v, bool stream) {
+  if (stream)
+    _mm_stream_ps(out, v);
+  else
+    _mm_storeu_ps(out, v);
+}
+#endif
 
 // [lo, hi) of chunk c of nc over n items, boundaries multiples of align.
 inline void chunk_bounds(int64_t n, int64_t align, int nc, int c, int64_t& lo, int64_t& hi) {
@@ -675,10 +684,22 @@ API void grace_cpu_terngrad_compress(const float* x, const float* u, int64_t n, 
   int64_t full = n / 8, rem = n % 8;
   for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
 #ifdef GRACE_SIMD
-    const F8 vsafe = set8(safe), zero = set8(0.0f);
+    // u < |v| / s decided by the product q = |v| (1/s) where u is clearly away from it: 1/s
+    // and q are each rounded once, so q lies within 2^-22 q of the quotient while 1/s is a
+    // normal float; the margin is 2^-21 q + 2^-100 (the floor covers products that lost bits
+    // to underflow). Close calls, NaN and inf take the division itself.
+    const F8 vsafe = set8(safe), vinv = set8(1.0f / safe), zero = set8(0.0f);
+    const F8 margin = set8(0x1p-21f), floor_eps = set8(0x1p-100f);
+    const bool exact_only = !(safe >= 0x1p-100f && safe <= 0x1p100f);  // 1/s must be a normal float
     for (int64_t g = g0; g < g1; ++g) {
-      F8 v = ld8(x + 8 * g);
-      F8 keep = lt8(ld8(u + 8 * g), abs8(v) / vsafe);
+      if (!(g & 1)) {  // two input streams: one line of each every 16 elements
+        prefetch(x + 8 * g);
+        prefetch(u + 8 * g);
+      }
+      F8 v = ld8(x + 8 * g), uu = ld8(u + 8 * g), a = abs8(v);
+      F8 q = a * vinv, eps = q * margin + floor_eps;
+      F8 keep = lt8(uu, q);
+      if (exact_only || mask8(gt8(abs8(uu - q), eps)) != 0xff) keep = lt8(uu, a / vsafe);
       int k = mask8(keep), neg = mask8(lt8(v, zero));
       // code 1 (bit 2j) for kept non-negatives, 2 (bit 2j+1) for kept negatives
       uint16_t w16 = (uint16_t)(kSpread[k & ~neg] | kSpread[k & neg] << 1);
@@ -899,6 +920,10 @@ API void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, u
       int64_t i0 = 8 * g;
       if (i0 + 8 <= n) {
 #ifdef GRACE_SIMD
+        if (!(g & 1)) {  // two input streams: one line of each every 16 elements
+          prefetch(x + i0);
+          prefetch(u + i0);
+        }
         // e = biased exponent; + (u < mantissa fraction), except e >= 254: 254
         const __m128i ff = _mm_set1_epi32(0xff), mm = _mm_set1_epi32(0x7fffff), top = _mm_set1_epi32(254);
         const __m128 scale = _mm_set1_ps(0x1p-23f);
@@ -938,15 +963,15 @@ API void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, u
 // ---- decoders ------------------------------------------------------------------------------
 namespace {
 // out[0..8) = bit j of b ? hi : lo
-inline void select8(uint8_t b, float lo, float hi, float* out) {
+inline void select8(uint8_t b, float lo, float hi, float* out, bool stream) {
 #if defined(__SSE2__)
   const __m128i sel0 = _mm_setr_epi32(1, 2, 4, 8), sel1 = _mm_setr_epi32(16, 32, 64, 128);
   const __m128i bb = _mm_set1_epi32(b);
   const __m128 vlo = _mm_set1_ps(lo), vhi = _mm_set1_ps(hi);
   __m128 m0 = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(bb, sel0), sel0));
   __m128 m1 = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(bb, sel1), sel1));
-  _mm_storeu_ps(out, _mm_or_ps(_mm_and_ps(m0, vhi), _mm_andnot_ps(m0, vlo)));
-  _mm_storeu_ps(out + 4, _mm_or_ps(_mm_and_ps(m1, vhi), _mm_andnot_ps(m1, vlo)));
+  store4(out, _mm_or_ps(_mm_and_ps(m0, vhi), _mm_andnot_ps(m0, vlo)), stream);
+  store4(out + 4, _mm_or_ps(_mm_and_ps(m1, vhi), _mm_andnot_ps(m1, vlo)), stream);
 #else
   for (int j = 0; j < 8; ++j) out[j] = ((b >> j) & 1) ? hi : lo;
 #endif
@@ -954,10 +979,14 @@ inline void select8(uint8_t b, float lo, float hi, float* out) {
 
 void decode_bits(const uint8_t* packed, int64_t n, float lo, float hi, float* out) {
   const int64_t full = n / 8;
+  const bool stream = streams(out, 4 * n);
   for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) select8(packed[g], lo, hi, out + 8 * g);
+    for (int64_t g = g0; g < g1; ++g) select8(packed[g], lo, hi, out + 8 * g, stream);
   });
   for (int64_t i = 8 * full; i < n; ++i) out[i] = ((packed[full] >> (i - 8 * full)) & 1) ? hi : lo;
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();  // the streamed stores before the caller's next reads
+#endif
 }
 }  // namespace
 
@@ -979,9 +1008,17 @@ API void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float
   for (int b = 0; b < 256; ++b)
     for (int j = 0; j < 4; ++j) lut[b][j] = val[(b >> (2 * j)) & 3];
   const int64_t full = n / 4;
+#if defined(__SSE2__)
+  const bool stream = streams(out, 4 * n);
+  for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) store4(out + 4 * g, _mm_loadu_ps(lut[packed[g]]), stream);
+  });
+  if (stream) _mm_sfence();
+#else
   for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) std::memcpy(out + 4 * g, lut[packed[g]], 16);
   });
+#endif
   for (int64_t i = 4 * full; i < n; ++i) out[i] = val[(packed[full] >> (2 * (i - 4 * full))) & 3];
 }
 
@@ -1121,6 +1158,7 @@ API void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, in
     std::memcpy(&mag, &b, 4);
     return (neg ? -1.0f : 1.0f) * mag;
   };
+  const bool stream = streams(out, 4 * n);
   for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t s = signs[g];
@@ -1133,8 +1171,8 @@ API void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, in
       const __m128i bb = _mm_set1_epi32(s), sign = _mm_set1_epi32((int)0x80000000u);
       __m128i s0 = _mm_and_si128(_mm_cmpeq_epi32(_mm_and_si128(bb, sel0), sel0), sign);
       __m128i s1 = _mm_and_si128(_mm_cmpeq_epi32(_mm_and_si128(bb, sel1), sel1), sign);
-      _mm_storeu_si128((__m128i*)(out + i0), _mm_or_si128(_mm_slli_epi32(c, 23), s0));
-      _mm_storeu_si128((__m128i*)(out + i0 + 4), _mm_or_si128(_mm_slli_epi32(c1, 23), s1));
+      store4(out + i0, _mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(c, 23), s0)), stream);
+      store4(out + i0 + 4, _mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(c1, 23), s1)), stream);
 #else
       for (int j = 0; j < 8; ++j) {
         uint32_t b = (uint32_t)codes[i0 + j] << 23 | (uint32_t)((s >> j) & 1) << 31;
@@ -1146,6 +1184,9 @@ API void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, in
     }
   });
   for (int64_t i = 8 * full; i < n; ++i) out[i] = one(codes[i], (signs[full] >> (i - 8 * full)) & 1);
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();
+#endif
 }
 
 // ---- selection -------------------------------------------------------------------------------

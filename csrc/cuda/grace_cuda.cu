@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -33,11 +34,29 @@ inline int status() { return cudaGetLastError() == cudaSuccess ? 0 : -2; }
 #define GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
 
+// The default pool returns freed memory to the driver at every synchronization (release
+// threshold 0), so each call's scratch would be mapped again: tens of microseconds per call.
+// Keep up to 64 MiB in it instead (once per device).
+void keep_pool_memory() {
+  static std::atomic<unsigned long long> done{0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return;
+  if (done.load(std::memory_order_relaxed) >> dev & 1) return;
+  cudaMemPool_t pool;
+  if (cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess) {
+    uint64_t current = 0, keep = 64ull << 20;
+    cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &current);
+    if (current < keep) cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  }
+  done.fetch_or(1ull << dev);
+}
+
 // A stream-ordered scratch allocation, freed on the same stream.
 struct Scratch {
   void* p = nullptr;
   cudaStream_t s;
   Scratch(size_t bytes, cudaStream_t stream) : s(stream) {
+    keep_pool_memory();
     if (cudaMallocAsync(&p, std::max<size_t>(bytes, 16), s) != cudaSuccess) p = nullptr;
   }
   ~Scratch() {
@@ -399,8 +418,9 @@ __global__ void k_hist(Key key, int64_t n, const SelState* st, int shift, int nb
   __syncthreads();
   const uint32_t prefix = st->prefix, mask = st->mask;
   const int lane = threadIdx.x & 31;
-  // warp-aggregated: the lanes that fall in one bin add their count once (gradients crowd a
-  // few exponents, so plain shared-memory atomics would serialize)
+  // shared-memory atomics, except where the whole warp falls in one bin (runs of zeros, or
+  // the later passes where most keys match no prefix): one add for the warp. Aggregating
+  // every warp with __match_any_sync costs more than the collisions it saves (H200).
   WARP_STRIDE(base, n) {
     int64_t i = base + lane;
     int bin = nbins;  // none
@@ -408,8 +428,11 @@ __global__ void k_hist(Key key, int64_t n, const SelState* st, int shift, int nb
       uint32_t k = key(i);
       if ((k & mask) == prefix) bin = (int)((k >> shift) & (nbins - 1));
     }
-    unsigned peers = __match_any_sync(kFull, bin);
-    if (bin < nbins && lane == __ffs(peers) - 1) atomicAdd(&sh[bin], (unsigned)__popc(peers));
+    if (__all_sync(kFull, bin == __shfl_sync(kFull, bin, 0))) {
+      if (lane == 0 && bin < nbins) atomicAdd(&sh[bin], 32u);
+    } else if (bin < nbins) {
+      atomicAdd(&sh[bin], 1u);
+    }
   }
   __syncthreads();
   for (int j = threadIdx.x; j < nbins; j += blockDim.x)
@@ -551,6 +574,9 @@ struct EmitIdx {
   }
 };
 
+// Warp w of a block owns kItems rounds of 32 consecutive elements of the block's tile, so the
+// block needs one synchronization (for the warps' counts); each warp keeps its ballots in
+// registers and writes in order with its own running offsets.
 template <class Pred>
 __global__ void k_write(Pred pred, int64_t n, const SelState* st_, const long long* off_gt, const long long* off_eq,
                         EmitIdx emit) {
@@ -558,33 +584,36 @@ __global__ void k_write(Pred pred, int64_t n, const SelState* st_, const long lo
   const SelState st = *st_;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const unsigned lt = (1u << lane) - 1;
-  const int64_t base = blockIdx.x * kTile;
-  long long run_gt = off_gt[blockIdx.x], run_eq = off_eq[blockIdx.x];
+  const int64_t wbase = blockIdx.x * kTile + (int64_t)w * kItems * 32;
+  unsigned bg[kItems], be[kItems];
+  int count_g = 0, count_e = 0;
+#pragma unroll
   for (int j = 0; j < kItems; ++j) {
-    int64_t i = base + j * kThreads + threadIdx.x;
+    const int64_t i = wbase + j * 32 + lane;
     bool gt = false, eq = false;
     if (i < n) pred(i, st, gt, eq);
-    unsigned bg = __ballot_sync(kFull, gt), be = __ballot_sync(kFull, eq);
-    if (lane == 0) {
-      wg[w] = __popc(bg);
-      we[w] = __popc(be);
-    }
-    __syncthreads();
-    long long before_g = 0, before_e = 0, tot_g = 0, tot_e = 0;
-    for (int v = 0; v < kThreads / 32; ++v) {
-      if (v < w) {
-        before_g += wg[v];
-        before_e += we[v];
-      }
-      tot_g += wg[v];
-      tot_e += we[v];
-    }
-    long long rg = run_gt + before_g + __popc(bg & lt);
-    long long re = run_eq + before_e + __popc(be & lt);
-    if (gt || (eq && re < st.need)) emit(rg + (re < st.need ? re : st.need), i);
-    run_gt += tot_g;
-    run_eq += tot_e;
-    __syncthreads();
+    bg[j] = __ballot_sync(kFull, gt);
+    be[j] = __ballot_sync(kFull, eq);
+    count_g += __popc(bg[j]);
+    count_e += __popc(be[j]);
+  }
+  if (lane == 0) {
+    wg[w] = count_g;
+    we[w] = count_e;
+  }
+  __syncthreads();
+  long long run_gt = off_gt[blockIdx.x], run_eq = off_eq[blockIdx.x];
+  for (int v = 0; v < w; ++v) {
+    run_gt += wg[v];
+    run_eq += we[v];
+  }
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const long long rg = run_gt + __popc(bg[j] & lt), re = run_eq + __popc(be[j] & lt);
+    const bool gt = bg[j] >> lane & 1, eq = be[j] >> lane & 1;
+    if (gt || (eq && re < st.need)) emit(rg + (re < st.need ? re : st.need), wbase + j * 32 + lane);
+    run_gt += __popc(bg[j]);
+    run_eq += __popc(be[j]);
   }
 }
 

@@ -127,6 +127,10 @@ class NumpyBackend:
     def gather(self, x, idx):
         return x[idx.astype(np.int64, copy=False)]
 
+    def cumsum(self, x):
+        """Running sum of the 1-d ``x``, in its dtype."""
+        return np.cumsum(x, dtype=x.dtype)
+
     def scatter_add(self, idx, values, numel: int):
         """A dense 1-d tensor of ``numel`` zeros with ``values`` added at ``idx``."""
         out = np.zeros(int(numel), dtype=values.dtype)

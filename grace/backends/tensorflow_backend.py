@@ -115,6 +115,64 @@ def _host_draw(draw, seed, shape, dtype, like):
         return tf.ensure_shape(out, shape)
 
 
+# What each fused kernel returns, for tf.py_function: dtype names, or a function of the input's
+# length (an index type); a tuple returns a tuple
+_FUSED_OUTPUTS = {
+    "signsgd_compress": "uint8", "signsgd_decompress": "float32",
+    "efsignsgd_compress": ("uint8", "float32"), "efsignsgd_decompress": "float32",
+    "onebit_compress": ("uint8", "float32"), "onebit_decompress": "float32",
+    "terngrad_compress": ("uint8", "float32"), "terngrad_decompress": "float32",
+    "qsgd_compress": ("uint8", "float32"), "qsgd_decompress": "float32",
+    "natural_compress": ("uint8", "uint8"), "natural_decompress": "float32",
+    "topk_ef_step": ("float32", "index", "float32"), "threshold_ef_step": ("float32", "index", "float32"),
+}
+_VARIABLE_LENGTH = {"threshold_ef_step": (0, 1)}  # outputs whose length depends on the values
+
+
+def _static_shapes(kernel, args, count: int) -> list:
+    """The kernel's output shapes for inputs of these static shapes, from running it once,
+    eagerly, on zeros (every kernel returns flat arrays); [None] each where a shape is unknown."""
+    tensors = [a for a in args if _is_tensor(a)]
+    if not all(t.shape.is_fully_defined() for t in tensors):
+        return [[None]] * count
+    with tf.init_scope():  # out of the graph being traced
+        out = kernel(*[tf.zeros(a.shape, a.dtype) if _is_tensor(a) else a for a in args])
+    return [list(t.shape) for t in (out if isinstance(out, tuple) else (out,))]
+
+
+def _graph_fused(name: str, like):
+    """``name`` as a tf.py_function node of the graph being traced, or None."""
+    from grace.core.compressor import index_dtype
+
+    outputs = _FUSED_OUTPUTS.get(name)
+    if outputs is None or not _is_tensor(like) or not _native.available("cuda" if _on_gpu(like) else "cpu"):
+        return None
+    names = outputs if isinstance(outputs, tuple) else (outputs,)
+    numel = like.shape.num_elements()
+    if "index" in names and numel is None:  # the index type depends on the length
+        return None
+    tout = [_tf_dtype(index_dtype(numel) if n == "index" else n) for n in names]
+    kernel = getattr(_native, name)
+
+    def call(*args):
+        at = [i for i, a in enumerate(args) if _is_tensor(a)]
+
+        def run(*tensors):  # eager tensors, when the step runs
+            full = list(args)
+            for i, t in zip(at, tensors):
+                full[i] = t
+            out = kernel(*full)
+            return list(out) if isinstance(out, tuple) else [out]
+
+        with tf.device(_device(like)):
+            out = tf.py_function(run, [args[i] for i in at], tout, name=name)
+        for j, (t, shape) in enumerate(zip(out, _static_shapes(kernel, args, len(out)))):
+            t.set_shape([None] if j in _VARIABLE_LENGTH.get(name, ()) else shape)
+        return tuple(out) if isinstance(outputs, tuple) else out[0]
+
+    return call
+
+
 class TensorflowBackend:
     name = "tensorflow"
 
@@ -338,6 +396,10 @@ class TensorflowBackend:
     def gather(self, x, idx):
         return tf.gather(_to_tensor(x), _to_tensor(idx, "int64"))
 
+    def cumsum(self, x):
+        """Running sum of the 1-d ``x``, in its dtype."""
+        return tf.math.cumsum(_to_tensor(x))
+
     def scatter_add(self, idx, values, numel: int):
         """A dense 1-d tensor of ``numel`` zeros with ``values`` added at ``idx``."""
         values = _to_tensor(values)
@@ -349,13 +411,16 @@ class TensorflowBackend:
         return tf.tensor_scatter_nd_add(tf.zeros((numel,), values.dtype), idx, values)
 
     def fused(self, name: str, like, dtype: str = "float32"):
-        """The one-pass kernel ``name`` of grace.native for an eager float32 tensor, when built:
-        the kernels read its memory in place (CPU, or GPU through DLPack) and return TensorFlow
-        tensors. None inside tf.function (a traced tensor has no memory yet): the method's
-        tensor-op formula is traced instead."""
-        if dtype != "float32" or not tf.executing_eagerly() or not hasattr(like, "numpy"):
+        """The one-pass kernel ``name`` of grace.native for a float32 tensor, when built: the
+        kernels read its memory in place (CPU, or GPU through DLPack) and return TensorFlow
+        tensors. Inside tf.function the call becomes a tf.py_function node, which runs the
+        kernel on the step's eager tensors (when the tensor's length and the kernel's device
+        are known while tracing; else None, and the method's tensor-op formula is traced)."""
+        if dtype != "float32":
             return None
-        return _native.fused(name, like)
+        if tf.executing_eagerly():
+            return _native.fused(name, like) if hasattr(like, "numpy") else None
+        return _graph_fused(name, like)
 
     # --- linear algebra (2-d) ------------------------------------------------------------
     def matmul(self, a, b):

@@ -12,6 +12,9 @@ prefix, gr<pid> or gr<pid>c<k>):
 Each host link is a veth pair (eth0 in the host, p<i> on the switch) shaped on both ends'
 egress, so it is rate-limited in both directions: tbf at the link rate, with netem delay of
 latency/2 in front of it (one-way host-to-host latency = latency: two links of latency/2).
+On a kernel without sch_netem, each host's outgoing packets go through a delay line instead
+(delay_line.py on an NFQUEUE queue of the host's namespace, in front of tbf) that holds them
+for the whole one-way latency: the same host-to-host latency, added at the sender.
 The /24 is picked from 10.213.0.0/16 and refused if any address or route overlaps it, here or
 in any other namespace. Host names resolve inside the cluster through /etc/netns/<ns>/hosts
 (bind-mounted by `ip netns exec`; the global /etc/hosts is never touched), and processes
@@ -58,6 +61,7 @@ CONFIG = REPO / "configs" / "cluster" / "links.yaml"
 NS_RSH = HERE / "ns_rsh"
 SSH_SHIM_DIR = HERE / "bin"        # holds `ssh` -> ns_rsh, for horovodrun
 NETPROBE = HERE / "netprobe.py"
+DELAY_LINE = HERE / "delay_line.py"
 STATE_DIR = Path("/run/grace-cluster")
 NETNS_ETC = Path("/etc/netns")
 PREFIX_RE = re.compile(r"^gr\d+(?:c\d+)?$")
@@ -216,6 +220,12 @@ def _ns_pids(ns: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit()]
 
 
+def _cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    return ""
+
+
 def _networks_in_use() -> list[ipaddress.IPv4Network]:
     """Every IPv4 address (as its network) and route, in the root and in every named namespace."""
     nets = []
@@ -269,6 +279,12 @@ def netem_available(ns: str) -> bool:
     return False
 
 
+def iptables() -> str | None:
+    """The iptables that takes an NFQUEUE rule (the nft one needs xt compatibility, the legacy one
+    the legacy tables; kernels have either)."""
+    return shutil.which("iptables") or shutil.which("iptables-legacy")
+
+
 # ----------------------------------------------------------------------------- the cluster
 
 @dataclass
@@ -285,8 +301,9 @@ class EmulatedCluster:
     ``bandwidth``: per-link rate, each direction (``'100mbit'``, ``'1gbit'`` or bit/s);
     ``latency``: one-way host-to-host latency (``'0.5ms'``; each link adds half of it in each
     direction); ``preset``: a name from configs/cluster/links.yaml instead of the two.
-    ``allow_native_latency``: on a kernel without sch_netem, go on with the links' native
-    latency instead of refusing (the report then says latency is not emulated).
+    Latency is emulated by sch_netem, or where the kernel lacks it by a delay line per host
+    (NFQUEUE and delay_line.py; needs iptables). ``allow_native_latency``: when neither works, go
+    on with the links' native latency instead of refusing (the report says it is not emulated).
     ``keep``: leave the cluster up when the object is closed (the CLI's ``up``).
     """
 
@@ -319,6 +336,7 @@ class EmulatedCluster:
         self.hosts: list[Host] = []
         self.head_ip: str | None = None
         self.netem = False
+        self.latency_method = None     # 'netem', 'delay-line' or None (native latency)
         self.latency_emulated = False
         self._up = False
         self._old_handlers = {}
@@ -467,6 +485,7 @@ class EmulatedCluster:
         state = {"prefix": self.prefix, "status": status, "pid": os.getpid(), "created": time.time(),
                  "n": self.n, "subnet": str(self.subnet), "bandwidth_bps": self.bandwidth,
                  "latency_s": self.latency, "latency_emulated": self.latency_emulated,
+                 "latency_method": self.latency_method,
                  "mtu": self.mtu, "queue_s": self.queue, "preset": self.preset_name, "kept": self.keep,
                  "switch": self.switch_ns, "head": {"name": self.head_ns, "ip": self.head_ip},
                  "hosts": [{"name": h.name, "ip": h.ip, "port": h.port} for h in self.hosts]}
@@ -493,7 +512,8 @@ class EmulatedCluster:
         obj.hosts = [Host(i, h["name"], h["ip"], h["port"]) for i, h in enumerate(state["hosts"])]
         obj.head_ip = state["head"]["ip"]
         obj.latency_emulated = state["latency_emulated"]
-        obj.netem = obj.latency_emulated
+        obj.latency_method = state.get("latency_method", "netem" if obj.latency_emulated else None)
+        obj.netem = obj.latency_method == "netem"
         obj._up = True
         missing = [ns for ns in obj.namespaces if ns not in list_namespaces()]
         if missing:
@@ -511,12 +531,15 @@ class EmulatedCluster:
             self._ip(ns, "link", "set", "lo", "up")
             self._sysctls(ns)
         self.netem = netem_available(sw)
-        if self.latency > 0 and not self.netem and not self.allow_native_latency:
+        if self.latency > 0:
+            self.latency_method = "netem" if self.netem else "delay-line" if iptables() else None
+        if self.latency > 0 and self.latency_method is None and not self.allow_native_latency:
             raise ClusterError(
                 f"latency {fmt_time(self.latency)} cannot be emulated: this kernel has no sch_netem "
-                "(CONFIG_NET_SCH_NETEM). Use latency 0, or allow_native_latency=True "
+                "(CONFIG_NET_SCH_NETEM) and iptables, which the delay line needs, is not installed "
+                "(apt-get install iptables). Use latency 0, or allow_native_latency=True "
                 "(--allow-native-latency) to go on with the links' native latency (tens of us).")
-        self.latency_emulated = self.netem and self.latency > 0
+        self.latency_emulated = self.latency_method is not None
         self._ip(sw, "link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0")
         self._ip(sw, "link", "set", "br0", "mtu", str(self.mtu), "up")
         links = [(h.name, h.ip, h.port) for h in self.hosts] + [(hd, self.head_ip, "phd")]
@@ -531,6 +554,9 @@ class EmulatedCluster:
         for h in self.hosts:
             self._shape(h.name, "eth0")   # host -> switch
             self._shape(sw, h.port)       # switch -> host
+        if self.latency_method == "delay-line":
+            for h in self.hosts:
+                self._start_delay_line(h.name)
         self._write_hosts_files()
         self._wait_forwarding()
 
@@ -553,12 +579,39 @@ class EmulatedCluster:
         return {"rate_bit": int(round(self.bandwidth)), "burst_bytes": burst, "limit_bytes": limit,
                 "delay_us": int(round(delay * 1e6)), "netem_limit_pkts": netem_limit}
 
+    def _start_delay_line(self, ns):
+        """Hold every packet leaving ns's eth0 for the one-way latency (before tbf)."""
+        rule = ["-t", "mangle", "-A", "POSTROUTING", "-o", "eth0", "-j", "NFQUEUE", "--queue-num", "0"]
+        proc = _run(["ip", "netns", "exec", ns, iptables(), *rule], check=False)
+        if proc.returncode != 0:
+            raise ClusterError(f"latency {fmt_time(self.latency)}: no sch_netem, and the delay line's "
+                               f"NFQUEUE rule was refused ({(proc.stderr or proc.stdout).strip()}); "
+                               "use --allow-native-latency to go on without emulated latency")
+        # its own session: it outlives `up` and is killed with the namespace's other processes;
+        # its errors go to a log next to the cluster's state (a pipe nobody reads could fill)
+        log = STATE_DIR / f"{ns}.delay_line.log"
+        with open(log, "w") as err:
+            line = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(DELAY_LINE), "--queue", "0",
+                                     "--delay", f"{self.latency * 1e6:.0f}us"], stdout=subprocess.PIPE,
+                                    stderr=err, text=True, start_new_session=True)
+        ready = line.stdout.readline().strip()
+        if ready != "ready":
+            line.kill()
+            raise ClusterError(f"the delay line of {ns} did not start: {ready} {log.read_text().strip()}")
+        line.stdout.close()
+
+    def delay_lines_running(self) -> dict:
+        """{host: whether its delay line runs} (empty unless latency is emulated by delay lines)."""
+        if self.latency_method != "delay-line":
+            return {}
+        return {h.name: any("delay_line.py" in _cmdline(pid) for pid in _ns_pids(h.name)) for h in self.hosts}
+
     def _shape(self, ns, dev):
         sp = self.shaping_params()
         tbf = ["tbf", "rate", f"{sp['rate_bit']}bit", "burst", str(sp["burst_bytes"]),
                "limit", str(sp["limit_bytes"])]
         _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
-        if self.latency_emulated and sp["delay_us"] > 0:
+        if self.latency_method == "netem" and sp["delay_us"] > 0:
             # netem delays, then hands packets to tbf (tc-netem(8): "netem delay ... parent 1:1 tbf")
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                   "delay", f"{sp['delay_us']}us", "limit", str(sp["netem_limit_pkts"])])
@@ -698,6 +751,9 @@ class EmulatedCluster:
         env = self.env(base)
         env["PATH"] = f"{SSH_SHIM_DIR}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["HOROVOD_GLOO_IFACE"] = "eth0"
+        # Gloo gives up on a receive after 30 s; broadcasting a 68 MB model from one rank over an
+        # emulated 100 Mbit link takes 15-20 s, more on a loaded machine
+        env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "300")
         return env
 
     def run(self, cmd, launcher: str = "mpirun", np: int | None = None, ranks_per_host: int = 1,
@@ -848,10 +904,14 @@ class EmulatedCluster:
         one_way = lat["one_way_median"]
         L = self.latency
         lat_report = {"configured_one_way_s": L, "measured_one_way_s": one_way, "rtt_median_s": lat["rtt_median"],
-                      "rtt_min_s": lat["rtt_min"], "emulated": self.latency_emulated}
+                      "rtt_min_s": lat["rtt_min"], "emulated": self.latency_emulated,
+                      "method": self.latency_method}
         if self.latency_emulated:
             ok = 0.9 * L - 20e-6 <= one_way <= 1.1 * L + 300e-6
-            lat_report["status"] = "verified" if ok else "failed"
+            stopped = [h for h, up in self.delay_lines_running().items() if not up]
+            lat_report["status"] = "verified" if ok and not stopped else "failed"
+            if stopped:
+                lat_report["why"] = f"the delay lines of {', '.join(stopped)} are not running"
         else:
             lat_report["status"] = "native" if L == 0 else "not-emulated"
         report["latency"] = lat_report
@@ -880,8 +940,10 @@ def format_report(r: dict) -> str:
         lines.append(f"  latency one-way: configured {fmt_time(lat['configured_one_way_s'])}, measured "
                      f"{fmt_time(lat['measured_one_way_s'])} (TCP RTT median {fmt_time(lat['rtt_median_s'])}, "
                      f"min {fmt_time(lat['rtt_min_s'])}): {lat['status'].upper()}"
+                     + (f" ({lat['method']})" if lat.get("method") else "")
+                     + (f" - {lat['why']}" if lat.get("why") else "")
                      + ("" if lat["emulated"] or lat["configured_one_way_s"] == 0 else
-                        " - no sch_netem in this kernel; the links keep their native latency"))
+                        " - neither sch_netem nor the delay line; the links keep their native latency"))
     lines.append("  => " + ("CERTIFIED" if r.get("certified") else
                             "UNVERIFIED (CPU-bound: do not trust benchmark numbers at this rate)"
                             if r["status"] == "cpu-bound" else
@@ -930,6 +992,10 @@ def teardown(prefix: str) -> list[str]:
         if f.exists():
             f.unlink()
             removed.append(str(f))
+    for f in STATE_DIR.glob(f"{prefix}h*.delay_line.log"):
+        if NS_RE.match(f.name.split(".")[0]):
+            f.unlink()
+            removed.append(str(f))
     return removed
 
 
@@ -969,7 +1035,7 @@ def _add_link_args(p):
     p.add_argument("--mtu", type=int)
     p.add_argument("--config", type=Path, default=CONFIG)
     p.add_argument("--allow-native-latency", action="store_true",
-                   help="on a kernel without sch_netem, keep the native latency instead of refusing")
+                   help="where latency cannot be emulated (no sch_netem, no iptables), keep the native latency instead of refusing")
 
 
 def _add_verify_args(p):

@@ -201,15 +201,38 @@ def test_subnet_in_use_is_refused():
 
 
 @needs_netns
-def test_latency_without_netem_is_refused_unless_allowed():
-    if not _netem():
-        with pytest.raises(ec.ClusterError, match="sch_netem"):
-            ec.EmulatedCluster(2, "100mbit", "1ms").up()
-        assert not [p for p in ec.leftovers() if p.startswith(f"gr{os.getpid()}")]
+def test_latency_is_emulated():
+    """2 ms one way: netem where the kernel has it, else a delay line per host; verified by a
+    TCP ping-pong, and the delay lines go with the cluster."""
+    with ec.EmulatedCluster(2, "100mbit", "2ms") as c:
+        assert c.latency_emulated and c.latency_method == ("netem" if _netem() else "delay-line")
+        r = c.verify(seconds=1.5, attempts=2, both_directions=False, strict=False)
+        print(ec.format_report(r))
+        assert r["latency"]["status"] == "verified", ec.format_report(r)
+        assert 1.8e-3 <= r["latency"]["measured_one_way_s"] <= 2.5e-3
+        assert r["status"] == "verified"      # the delay line does not eat the bandwidth
+        lines = c.delay_lines_running()
+        assert all(lines.values()) and len(lines) == (0 if _netem() else 2)
+        pids = [pid for h in c.host_names for pid in ec._ns_pids(h) if "delay_line.py" in ec._cmdline(pid)]
+        assert len(pids) == len(lines)
+        prefix = c.prefix
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    assert not _mine(prefix)
+
+
+@needs_netns
+def test_latency_that_cannot_be_emulated_is_refused_unless_allowed(monkeypatch):
+    monkeypatch.setattr(ec, "netem_available", lambda ns: False)
+    monkeypatch.setattr(ec, "iptables", lambda: None)
+    with pytest.raises(ec.ClusterError, match="cannot be emulated.*iptables"):
+        ec.EmulatedCluster(2, "100mbit", "1ms").up()
+    assert not [p for p in ec.leftovers() if p.startswith(f"gr{os.getpid()}")]
     with ec.EmulatedCluster(2, "100mbit", "1ms", allow_native_latency=True) as c:
-        assert c.latency_emulated == _netem()
-        qd = c.qdiscs()
-        assert all(("netem" in v) == _netem() for v in qd.values()), qd
+        assert not c.latency_emulated and c.latency_method is None
+        r = c.verify(seconds=1, attempts=1, both_directions=False, strict=False)
+        assert r["latency"]["status"] == "not-emulated" and not r["certified"]
+        assert "native latency" in ec.format_report(r)
+        assert all("netem" not in v for v in c.qdiscs().values())
 
 
 def _netem() -> bool:

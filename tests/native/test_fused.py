@@ -174,6 +174,30 @@ def test_qsgd_large_tensor(levels, bucket, monkeypatch):
     same_bytes(want_y.reshape(-1), gn.qsgd_decompress(codes, norms, n, levels, bucket), "values")
 
 
+@pytest.mark.parametrize("scale", [3.7, 1e35, 1e-35])
+def test_terngrad_close_calls_are_decided_as_the_division(monkeypatch, scale):
+    """The kernel decides u < |x| / s by a multiplication where that is safe: draws equal to the
+    quotient, one ulp either side, tiny, subnormal and huge values, and a max |x| whose
+    reciprocal is not a normal float must still give the oracle's codes."""
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(4096) * scale).astype(np.float32)
+    x[:16] = [1e-38, -1e-39, 1e-45, 0.0, -0.0, 3e-30, 1.0, -1.0, 2.0, 0.5, 1e-20, -7e-40, 1e-30, 0.0, 1e-44, 4.0]
+    s = np.max(np.abs(x)).astype(np.float32)
+    quotient = (np.abs(x) / s).astype(np.float32)
+    u = quotient.copy()
+    u[1::4] = np.nextafter(quotient[1::4], np.float32(0))
+    u[2::4] = np.nextafter(quotient[2::4], np.float32(1))
+    u = np.clip(u, 0, np.nextafter(np.float32(1), np.float32(0))).astype(np.float32)
+    (want_codes, want_scale), want_y = oracle(grace.terngrad().compressor, x, u, monkeypatch)
+    codes, scale = gn.terngrad_compress(x, u)
+    same_bytes(want_scale, scale, "scale")
+    same_bytes(want_codes, codes, "codes")
+    kept = gn.terngrad_decompress(codes, scale, x.size) != 0
+    assert 0 < kept.sum() < x.size  # both outcomes occur among the close calls
+
+
 def test_precomputed_scalars_are_used():
     x = gradient(1000, 4)
     u = draws(1000)

@@ -543,9 +543,31 @@ def test_eager_tensors_take_the_native_kernels_with_the_same_bytes(method, monke
     assert_method_agrees(method, got, want, "float32")
     assert TX.fused(FUSED[method], x) is not None
 
-    @tf.function
-    def traced(t):
-        assert TX.fused(FUSED[method], t) is None  # no memory to hand over while tracing
-        return t
 
-    traced(x)
+@pytest.mark.parametrize("method", sorted(FUSED))
+def test_tf_function_runs_the_native_kernels_with_the_same_bytes(method, monkeypatch):
+    """Inside tf.function the kernel runs as a tf.py_function node, on the step's tensors."""
+    import grace.native as gn
+
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built (python csrc/build.py)")
+    x = tf.constant(values_for("float32", (1001,), seed=6))
+    with gn.disabled():
+        want = run_method(TX, METHODS[method]().compressor, x)
+    calls = []
+    kernel = getattr(gn, FUSED[method])
+    monkeypatch.setattr(gn, FUSED[method], lambda *a, **k: calls.append(1) or kernel(*a, **k))
+
+    @tf.function
+    def step(t):
+        payload, y, agg = run_method(TX, METHODS[method]().compressor, t)
+        return payload, y, agg
+
+    graph = step.get_concrete_function(x).graph
+    assert any(op.type == "EagerPyFunc" for op in graph.get_operations())
+    got = step(x)
+    assert calls, f"{FUSED[method]} did not run in the tf.function step"
+    assert_method_agrees(method, got, want, "float32")
+    with gn.disabled():  # traced without the library: the formula, no host call
+        graph = tf.function(lambda t: run_method(TX, METHODS[method]().compressor, t)[1]).get_concrete_function(x).graph
+    assert not any(op.type == "EagerPyFunc" for op in graph.get_operations())
