@@ -115,8 +115,8 @@ def _host_draw(draw, seed, shape, dtype, like):
         return tf.ensure_shape(out, shape)
 
 
-# What each fused kernel returns, for tf.py_function: dtype names, or a function of the input's
-# length (an index type); a tuple returns a tuple
+# What each fused kernel returns, for tf.py_function: dtype names ("index": the index type for
+# the input's length); a tuple returns a tuple
 _FUSED_OUTPUTS = {
     "signsgd_compress": "uint8", "signsgd_decompress": "float32",
     "efsignsgd_compress": ("uint8", "float32"), "efsignsgd_decompress": "float32",

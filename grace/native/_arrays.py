@@ -103,6 +103,7 @@ class _Numpy:
 
 
 _TORCH_NAMES: dict = {}
+_TORCH_CPU: list = []  # the kind of torch CPU tensors, once made
 
 
 class _Torch:
@@ -126,7 +127,7 @@ class _Torch:
             self.lib = None
 
     def flat(self, x, dtype=None) -> Buf:
-        t = x.reshape(-1)  # a contiguous copy if x was not contiguous
+        t = x if x.dim() == 1 else x.reshape(-1)  # a contiguous copy if x was not contiguous
         name = _TORCH_NAMES.get(t.dtype) or _TORCH_NAMES.setdefault(t.dtype, str(t.dtype)[6:])
         if dtype is not None and name != dtype:
             t, name = t.to(getattr(self.torch, dtype)), dtype
@@ -213,9 +214,13 @@ def kind_of(x):
         raise NativeUnavailable("native kernels are disabled (GRACE_NATIVE=0)")
     root = type(x).__module__.split(".")[0]
     if root == "torch":
-        kind = _Torch(x.device)
         if x.requires_grad:
             raise NativeUnavailable("tensor requires grad")
+        # one kind for CPU tensors (its library never changes: kind_of checks the switch
+        # first); a CUDA kind reads the current stream, so it is made per call
+        kind = _TORCH_CPU[0] if x.device.type == "cpu" and _TORCH_CPU else _Torch(x.device)
+        if x.device.type == "cpu" and not _TORCH_CPU and kind.lib is not None:
+            _TORCH_CPU.append(kind)
     elif root == "numpy" or isinstance(x, np.ndarray):
         kind = _Numpy()
     elif root == "tensorflow" or ("tensorflow" in sys.modules and sys.modules["tensorflow"].is_tensor(x)):

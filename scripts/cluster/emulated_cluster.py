@@ -299,8 +299,9 @@ class EmulatedCluster:
     """N hosts in network namespaces, each linked to a switch namespace by a shaped veth.
 
     ``bandwidth``: per-link rate, each direction (``'100mbit'``, ``'1gbit'`` or bit/s);
-    ``latency``: one-way host-to-host latency (``'0.5ms'``; each link adds half of it in each
-    direction); ``preset``: a name from configs/cluster/links.yaml instead of the two.
+    ``latency``: one-way host-to-host latency (``'0.5ms'``; with netem each link adds half of it
+    in each direction, a delay line adds all of it at the sender); ``preset``: a name from
+    configs/cluster/links.yaml instead of the two.
     Latency is emulated by sch_netem, or where the kernel lacks it by a delay line per host
     (NFQUEUE and delay_line.py; needs iptables). ``allow_native_latency``: when neither works, go
     on with the links' native latency instead of refusing (the report says it is not emulated).

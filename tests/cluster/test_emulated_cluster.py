@@ -142,10 +142,13 @@ def test_cli_up_list_down():
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_cleans_up(sig):
-    # a `run` whose command is still running inside a namespace when the signal arrives
+    # a `run` whose command is still running inside a namespace when the signal arrives. SIGINT
+    # as a terminal's Ctrl-C delivers it: a shell's background jobs (a CI runner's, say) start
+    # with SIGINT ignored, which Python then keeps, so the child gets the default back first
     proc = subprocess.Popen([PY, str(SCRIPT), "run", "--bandwidth", "100mbit", "--latency", "0", "--no-verify",
                              "--launcher", "host:0", "--", "sleep", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     prefix = f"gr{proc.pid}"
     deadline = time.monotonic() + 120  # generous: a loaded 2-core machine builds the cluster slowly
     while not any(p.startswith("sleep") or "sleep" in p for p in _pids_cmdlines(f"{prefix}h0")):
