@@ -338,6 +338,7 @@ class EmulatedCluster:
         self.head_ip: str | None = None
         self.netem = False
         self.latency_method = None     # 'netem', 'delay-line' or None (native latency)
+        self.delay_hold = None         # what the delay lines hold each packet, once calibrated
         self.latency_emulated = False
         self._up = False
         self._old_handlers = {}
@@ -486,7 +487,7 @@ class EmulatedCluster:
         state = {"prefix": self.prefix, "status": status, "pid": os.getpid(), "created": time.time(),
                  "n": self.n, "subnet": str(self.subnet), "bandwidth_bps": self.bandwidth,
                  "latency_s": self.latency, "latency_emulated": self.latency_emulated,
-                 "latency_method": self.latency_method,
+                 "latency_method": self.latency_method, "delay_hold_s": self.delay_hold,
                  "mtu": self.mtu, "queue_s": self.queue, "preset": self.preset_name, "kept": self.keep,
                  "switch": self.switch_ns, "head": {"name": self.head_ns, "ip": self.head_ip},
                  "hosts": [{"name": h.name, "ip": h.ip, "port": h.port} for h in self.hosts]}
@@ -515,6 +516,7 @@ class EmulatedCluster:
         obj.latency_emulated = state["latency_emulated"]
         obj.latency_method = state.get("latency_method", "netem" if obj.latency_emulated else None)
         obj.netem = obj.latency_method == "netem"
+        obj.delay_hold = state.get("delay_hold_s")
         obj._up = True
         missing = [ns for ns in obj.namespaces if ns not in list_namespaces()]
         if missing:
@@ -557,9 +559,12 @@ class EmulatedCluster:
             self._shape(sw, h.port)       # switch -> host
         if self.latency_method == "delay-line":
             for h in self.hosts:
-                self._start_delay_line(h.name)
+                self._add_delay_rule(h.name)
+                self._start_delay_line(h.name, self.latency)
         self._write_hosts_files()
         self._wait_forwarding()
+        if self.latency_method == "delay-line":
+            self._calibrate_delay_lines()
 
     def _sysctls(self, ns):
         # per-namespace settings only: IPv4 only, and TCP buffers large enough for the
@@ -580,20 +585,23 @@ class EmulatedCluster:
         return {"rate_bit": int(round(self.bandwidth)), "burst_bytes": burst, "limit_bytes": limit,
                 "delay_us": int(round(delay * 1e6)), "netem_limit_pkts": netem_limit}
 
-    def _start_delay_line(self, ns):
-        """Hold every packet leaving ns's eth0 for the one-way latency (before tbf)."""
+    def _add_delay_rule(self, ns):
+        """Send every packet leaving ns's eth0 to NFQUEUE 0 (before tbf)."""
         rule = ["-t", "mangle", "-A", "POSTROUTING", "-o", "eth0", "-j", "NFQUEUE", "--queue-num", "0"]
         proc = _run(["ip", "netns", "exec", ns, iptables(), *rule], check=False)
         if proc.returncode != 0:
             raise ClusterError(f"latency {fmt_time(self.latency)}: no sch_netem, and the delay line's "
                                f"NFQUEUE rule was refused ({(proc.stderr or proc.stdout).strip()}); "
                                "use --allow-native-latency to go on without emulated latency")
+
+    def _start_delay_line(self, ns, hold_s: float):
+        """Run ns's delay line: each packet of NFQUEUE 0 held hold_s, then on to tbf."""
         # its own session: it outlives `up` and is killed with the namespace's other processes;
         # its errors go to a log next to the cluster's state (a pipe nobody reads could fill)
         log = STATE_DIR / f"{ns}.delay_line.log"
         with open(log, "w") as err:
             line = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(DELAY_LINE), "--queue", "0",
-                                     "--delay", f"{self.latency * 1e6:.0f}us"], stdout=subprocess.PIPE,
+                                     "--delay", f"{hold_s * 1e6:.0f}us"], stdout=subprocess.PIPE,
                                     stderr=err, text=True, start_new_session=True)
         ready = line.stdout.readline().strip()
         if ready != "ready":
@@ -601,11 +609,33 @@ class EmulatedCluster:
             raise ClusterError(f"the delay line of {ns} did not start: {ready} {log.read_text().strip()}")
         line.stdout.close()
 
+    def _delay_line_pids(self, ns) -> list:
+        return [pid for pid in _ns_pids(ns) if "delay_line.py" in _cmdline(pid)]
+
+    def _calibrate_delay_lines(self, probes: int = 30):
+        """A delay line adds its own wake-up and netlink round trip (40-120 us here) to what it
+        holds: measure the one-way latency once, idle, and hold each packet that much less."""
+        if self.n < 2:
+            return
+        excess = self.measure_latency(0, 1, count=probes)["one_way_median"] - self.latency
+        if excess <= 0:
+            return
+        self.delay_hold = max(0.0, self.latency - excess)
+        for h in self.hosts:
+            pids = self._delay_line_pids(h.name)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self._start_delay_line(h.name, self.delay_hold)
+
     def delay_lines_running(self) -> dict:
         """{host: whether its delay line runs} (empty unless latency is emulated by delay lines)."""
         if self.latency_method != "delay-line":
             return {}
-        return {h.name: any("delay_line.py" in _cmdline(pid) for pid in _ns_pids(h.name)) for h in self.hosts}
+        return {h.name: bool(self._delay_line_pids(h.name)) for h in self.hosts}
 
     def _shape(self, ns, dev):
         sp = self.shaping_params()
@@ -906,7 +936,7 @@ class EmulatedCluster:
         L = self.latency
         lat_report = {"configured_one_way_s": L, "measured_one_way_s": one_way, "rtt_median_s": lat["rtt_median"],
                       "rtt_min_s": lat["rtt_min"], "emulated": self.latency_emulated,
-                      "method": self.latency_method}
+                      "method": self.latency_method, "delay_hold_s": self.delay_hold}
         if self.latency_emulated:
             ok = 0.9 * L - 20e-6 <= one_way <= 1.1 * L + 300e-6
             stopped = [h for h, up in self.delay_lines_running().items() if not up]
@@ -941,7 +971,9 @@ def format_report(r: dict) -> str:
         lines.append(f"  latency one-way: configured {fmt_time(lat['configured_one_way_s'])}, measured "
                      f"{fmt_time(lat['measured_one_way_s'])} (TCP RTT median {fmt_time(lat['rtt_median_s'])}, "
                      f"min {fmt_time(lat['rtt_min_s'])}): {lat['status'].upper()}"
-                     + (f" ({lat['method']})" if lat.get("method") else "")
+                     + (f" ({lat['method']}" + (f", each packet held {fmt_time(lat['delay_hold_s'])}"
+                                                   if lat.get("delay_hold_s") is not None else "") + ")"
+                        if lat.get("method") else "")
                      + (f" - {lat['why']}" if lat.get("why") else "")
                      + ("" if lat["emulated"] or lat["configured_one_way_s"] == 0 else
                         " - neither sch_netem nor the delay line; the links keep their native latency"))

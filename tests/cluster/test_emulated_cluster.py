@@ -216,6 +216,8 @@ def test_latency_is_emulated():
         assert r["status"] == "verified"      # the delay line does not eat the bandwidth
         lines = c.delay_lines_running()
         assert all(lines.values()) and len(lines) == (0 if _netem() else 2)
+        if not _netem():  # calibrated: the delay lines hold packets less than the latency
+            assert c.delay_hold is not None and 1.5e-3 <= c.delay_hold < 2e-3
         pids = [pid for h in c.host_names for pid in ec._ns_pids(h) if "delay_line.py" in ec._cmdline(pid)]
         assert len(pids) == len(lines)
         prefix = c.prefix
