@@ -622,13 +622,7 @@ class EmulatedCluster:
             return
         self.delay_hold = max(0.0, self.latency - excess)
         for h in self.hosts:
-            pids = self._delay_line_pids(h.name)
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _stop(self._delay_line_pids(h.name))
             self._start_delay_line(h.name, self.delay_hold)
 
     def delay_lines_running(self) -> dict:
@@ -986,8 +980,8 @@ def format_report(r: dict) -> str:
 
 # ----------------------------------------------------------------------------- cleanup by prefix
 
-def _kill_ns_processes(ns: str, grace: float = 2.0):
-    pids = _ns_pids(ns)
+def _stop(pids: list[int], grace: float = 2.0):
+    """SIGTERM, and SIGKILL for what is still there after ``grace`` seconds; returns once gone."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -998,6 +992,10 @@ def _kill_ns_processes(ns: str, grace: float = 2.0):
             time.sleep(0.05)
         if not pids:
             return
+
+
+def _kill_ns_processes(ns: str, grace: float = 2.0):
+    _stop(_ns_pids(ns), grace)
 
 
 def teardown(prefix: str) -> list[str]:

@@ -521,23 +521,29 @@ def test_ops_inside_tf_function():
     assert float(m_empty) == 0.0 and int(n) == 0 and float(m) == 3.0
 
 
-# --- native kernels: eager tensors reach them, traced ones take the formula -----------------
+# --- native kernels: eager tensors reach them directly, traced ones through tf.py_function ---
 FUSED = {"signsgd": "signsgd_compress", "efsignsgd": "efsignsgd_compress", "onebit": "onebit_compress",
          "terngrad": "terngrad_compress", "qsgd": "qsgd_compress", "natural": "natural_compress"}
 
 
-@pytest.mark.parametrize("method", sorted(FUSED))
-def test_eager_tensors_take_the_native_kernels_with_the_same_bytes(method, monkeypatch):
+def native_case(method, seed, monkeypatch):
+    """(x, the method's results with native off, the list each call of its kernel appends to)."""
     import grace.native as gn
 
     if not gn.available("cpu"):
         pytest.skip("libgrace_cpu not built (python csrc/build.py)")
-    x = tf.constant(values_for("float32", (1001,), seed=5))
+    x = tf.constant(values_for("float32", (1001,), seed=seed))
     with gn.disabled():
         want = run_method(TX, METHODS[method]().compressor, x)
     calls = []
     kernel = getattr(gn, FUSED[method])
     monkeypatch.setattr(gn, FUSED[method], lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    return x, want, calls
+
+
+@pytest.mark.parametrize("method", sorted(FUSED))
+def test_eager_tensors_take_the_native_kernels_with_the_same_bytes(method, monkeypatch):
+    x, want, calls = native_case(method, 5, monkeypatch)
     got = run_method(TX, METHODS[method]().compressor, x)
     assert calls, f"{FUSED[method]} was not called for an eager tensor"
     assert_method_agrees(method, got, want, "float32")
@@ -549,19 +555,11 @@ def test_tf_function_runs_the_native_kernels_with_the_same_bytes(method, monkeyp
     """Inside tf.function the kernel runs as a tf.py_function node, on the step's tensors."""
     import grace.native as gn
 
-    if not gn.available("cpu"):
-        pytest.skip("libgrace_cpu not built (python csrc/build.py)")
-    x = tf.constant(values_for("float32", (1001,), seed=6))
-    with gn.disabled():
-        want = run_method(TX, METHODS[method]().compressor, x)
-    calls = []
-    kernel = getattr(gn, FUSED[method])
-    monkeypatch.setattr(gn, FUSED[method], lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    x, want, calls = native_case(method, 6, monkeypatch)
 
     @tf.function
     def step(t):
-        payload, y, agg = run_method(TX, METHODS[method]().compressor, t)
-        return payload, y, agg
+        return run_method(TX, METHODS[method]().compressor, t)
 
     graph = step.get_concrete_function(x).graph
     assert any(op.type == "EagerPyFunc" for op in graph.get_operations())
