@@ -1,7 +1,8 @@
 """Build grace's native kernels as plain shared libraries with a C ABI (no toolkit needed).
 
-    libgrace_cpu.so   csrc/cpu/*.cpp   C++17, -O3, portable -march (x86-64-v2), OpenMP
-    libgrace_cuda.so  csrc/cuda/*.cu   nvcc, sm_80 + sm_90 + compute_90 PTX; only when nvcc is found
+    libgrace_cpu.so       csrc/cpu/*.cpp   C++17, -O3, portable -march (x86-64-v2), OpenMP
+    libgrace_cpu_avx2.so  the same for x86-64-v3 (AVX2; x86-64 only), loaded where the CPU runs it
+    libgrace_cuda.so      csrc/cuda/*.cu   nvcc, sm_80 + sm_90 + compute_90 PTX; only when nvcc is found
 
 setup.py calls ``build_all`` from its build_py / build_ext steps (``pip install -e .`` puts the
 libraries in grace/native/_lib/ of the source tree). It is also a script:
@@ -29,6 +30,7 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent
 DEFAULT_OUT = CSRC.parent / "grace" / "native" / "_lib"
 CPU_LIB = "libgrace_cpu.so"
+CPU_AVX2_LIB = "libgrace_cpu_avx2.so"
 CUDA_LIB = "libgrace_cuda.so"
 
 
@@ -36,14 +38,16 @@ def _log(msg: str) -> None:
     print(f"[grace native] {msg}", file=sys.stderr, flush=True)
 
 
-def cpu_command(out: Path) -> list:
+def cpu_command(out: Path, march: str = "x86-64-v2") -> list:
+    """The compile command; ``march`` applies on x86-64 (x86-64-v2: SSE4.2, any x86 server of
+    the last decade; x86-64-v3: AVX2)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "c++"
     flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fvisibility=hidden",
              # every float operation rounds as in the NumPy reference: no contraction to FMA,
              # no fast-math; errno-free sqrt/floor only
              "-ffp-contract=off", "-fno-math-errno", "-Wall"]
     if platform.machine() in ("x86_64", "AMD64"):
-        flags += ["-march=x86-64-v2", "-mtune=generic"]  # SSE4.2: any x86 server of the last decade
+        flags += [f"-march={march}", "-mtune=generic"]
     sources = sorted(str(p) for p in (CSRC / "cpu").glob("*.cpp"))
     return [cxx, *flags, f"-I{CSRC / 'include'}", *sources, "-o", str(out)]
 
@@ -110,7 +114,16 @@ def _compile(name: str, cmd: list, out_dir: Path, force: bool) -> Path:
 
 
 def build_cpu(out_dir: Path = DEFAULT_OUT, force: bool = False) -> Path:
-    return _compile(CPU_LIB, cpu_command(out_dir / CPU_LIB), Path(out_dir), force)
+    """libgrace_cpu.so and, on x86-64, libgrace_cpu_avx2.so (a failure of the latter only
+    warns: the portable library runs everywhere)."""
+    out_dir = Path(out_dir)
+    target = _compile(CPU_LIB, cpu_command(out_dir / CPU_LIB), out_dir, force)
+    if platform.machine() in ("x86_64", "AMD64"):
+        try:
+            _compile(CPU_AVX2_LIB, cpu_command(out_dir / CPU_AVX2_LIB, "x86-64-v3"), out_dir, force)
+        except RuntimeError as exc:
+            _log(f"warning: {exc}\n[grace native] continuing with the x86-64-v2 library only")
+    return target
 
 
 def build_cuda(out_dir: Path = DEFAULT_OUT, force: bool = False, mode: str = "auto"):

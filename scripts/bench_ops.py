@@ -1,6 +1,7 @@
 """Native kernels (csrc/, grace.native) against the tensor-op fallback, per method and size.
 
     python scripts/bench_ops.py [--sizes 16 20 24] [--repeats 7] [--device cpu|cuda] [--json out.json]
+                                [--only METHOD ...] [--builds x86-64-v3 x86-64-v2]
 
 For each method and size (float32 elements, standard normal), compress + decompress:
   fallback   the method's compressor on the torch backend with native dispatch off (GRACE_NATIVE=0)
@@ -15,12 +16,15 @@ For each method and size (float32 elements, standard normal), compress + decompr
              measured in the same run
 Random draws are made once beforehand and handed to both paths (the kernels take them as
 input), so neither time includes the random number generator. Times are medians of
-``--repeats`` runs (fewer if a fallback takes seconds); torch's default threads.
+``--repeats`` runs (fewer if a fallback takes seconds); torch's default threads. The header
+names the CPU kernels' build (x86-64-v3 where the CPU runs AVX2); ``--builds x86-64-v3
+x86-64-v2`` times the native kernels of both builds in the same run, one row each.
 'topk select' compares the native selection with torch.topk on the same |x| (k = 1%).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -213,6 +217,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--only", nargs="*", help="methods whose name starts with one of these")
+    parser.add_argument("--builds", nargs="+", metavar="ISA",
+                        help="CPU: time the native kernels of each of these builds in this run, "
+                             "interleaved (e.g. x86-64-v3 x86-64-v2)")
     parser.add_argument("--malloc-default", action="store_true",
                         help="leave glibc's malloc as it is (every large output faults its pages in)")
     args = parser.parse_args(argv)
@@ -227,9 +234,19 @@ def main(argv=None) -> int:
     else:
         import platform
         name = f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}, " \
-               f"native threads {gn._loader.library('cpu').get_num_threads()}"
+               f"native threads {gn._loader.library('cpu').get_num_threads()}, kernels {gn.cpu_isa()}"
     print(f"# device: {args.device} ({name}); torch {torch.__version__}; repeats {args.repeats} (median)")
     measure = timer(args.device, args.repeats)
+    builds = [None]
+    if args.builds and args.device == "cpu":
+        builds = []
+        for isa in args.builds:
+            try:
+                with gn.cpu_build(isa):
+                    builds.append(isa)
+            except OSError as exc:
+                print(f"# build {isa} left out: {exc}")
+        builds = builds or [None]
     rows = []
     header = f"{'method':<28} {'n':>9} {'fallback ms':>12} {'ops ms':>10} {'native ms':>10} {'speedup':>8} " \
              f"{'GB/s':>7} {'of copy':>8}"
@@ -248,15 +265,18 @@ def main(argv=None) -> int:
                 continue
             t_fb = measure(fb)
             t_ops = measure(ops) if ops is not None else None
-            t_nat = measure(nat)
-            bw = nbytes / t_nat
-            row = {"method": name, "n": n, "fallback_s": t_fb, "ops_s": t_ops, "native_s": t_nat,
-                   "speedup": t_fb / t_nat, "gbps": bw / 1e9, "of_copy": bw / copy_bw, "device": args.device}
-            rows.append(row)
-            size = "2^%d" % round(math.log2(n)) if n & (n - 1) == 0 else str(n)
-            ops_s = f"{t_ops * 1e3:>10.3f}" if t_ops is not None else f"{'-':>10}"
-            print(f"{name:<28} {size:>9} {t_fb * 1e3:>12.3f} {ops_s} {t_nat * 1e3:>10.3f} "
-                  f"{t_fb / t_nat:>7.1f}x {bw / 1e9:>7.1f} {bw / copy_bw:>8.2f}", flush=True)
+            for isa in builds:
+                with gn.cpu_build(isa) if isa else contextlib.nullcontext():
+                    t_nat = measure(nat)
+                bw = nbytes / t_nat
+                label = f"{name} [{isa}]" if isa else name
+                rows.append({"method": name, "n": n, "fallback_s": t_fb, "ops_s": t_ops, "native_s": t_nat,
+                             "speedup": t_fb / t_nat, "gbps": bw / 1e9, "of_copy": bw / copy_bw,
+                             "device": args.device, "build": isa or gn.cpu_isa()})
+                size = "2^%d" % round(math.log2(n)) if n & (n - 1) == 0 else str(n)
+                ops_s = f"{t_ops * 1e3:>10.3f}" if t_ops is not None else f"{'-':>10}"
+                print(f"{label:<28} {size:>9} {t_fb * 1e3:>12.3f} {ops_s} {t_nat * 1e3:>10.3f} "
+                      f"{t_fb / t_nat:>7.1f}x {bw / 1e9:>7.1f} {bw / copy_bw:>8.2f}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

@@ -7,7 +7,7 @@
 #
 #   1. builds libgrace_cpu.so and libgrace_cuda.so in place (csrc/build.py, as setup.py does)
 #   2. tests/native with the CUDA cases (a skipped CUDA case fails the check)
-#   3. scripts/bench_ops.py on cuda and on cpu at 2^16, 2^20, 2^24
+#   3. scripts/bench_ops.py on cuda and on cpu (both CPU builds) at 2^16, 2^20, 2^24
 #   4. tests/unit with the torch tensors on the GPU (GRACE_TEST_DEVICE=cuda), without Horovod
 # Stops at the first failing step (KEEP_GOING=1: runs every step, fails at the end).
 # Env: PYTHON (default python3), OUT, KEEP_GOING. About 1.5 minutes on an H200 host (16 cores).
@@ -69,7 +69,7 @@ run build 420 bash -c "'$PY' csrc/build.py --cuda on && '$PY' -c \"
 import grace.native as g
 assert g.available('cpu'), g.load_error('cpu')
 assert g.available('cuda'), g.load_error('cuda')
-print('libgrace_cpu and libgrace_cuda loaded')\"" || true
+print('libgrace_cpu (' + g.cpu_isa() + ') and libgrace_cuda loaded')\"" || true
 
 # 2. native tests, CUDA included; any CUDA skip is a failure here
 if run tests_native 300 "$PY" -m pytest tests/native -q "${maxfail[@]}" -p no:cacheprovider -rfs --tb=short; then
@@ -80,7 +80,8 @@ fi
 
 # 3. benchmarks (before the unit tests, whose failures would stop the check)
 run bench_cuda 240 "$PY" scripts/bench_ops.py --device cuda --sizes 16 20 24 --json "$OUT/bench_cuda.json" || true
-run bench_cpu 300 "$PY" scripts/bench_ops.py --device cpu --sizes 16 20 24 --json "$OUT/bench_cpu.json" || true
+run bench_cpu 300 "$PY" scripts/bench_ops.py --device cpu --sizes 16 20 24 --builds x86-64-v3 x86-64-v2 \
+  --json "$OUT/bench_cpu.json" || true
 
 # 4. unit tests with the torch tensors on the GPU (no Horovod, no TensorFlow)
 run tests_unit_cuda 300 env GRACE_TEST_DEVICE=cuda "$PY" -m pytest tests/unit -q "${maxfail[@]}" -p no:cacheprovider -rf --tb=short \

@@ -1,8 +1,10 @@
 // grace CPU kernels: bit packing, fused quantize+pack, selection, error feedback, scatter-add.
 //
 // Compiled with -O3 -ffp-contract=off (no fused multiply-adds: every float operation rounds
-// exactly as in the NumPy reference) and OpenMP. Each kernel is a pass or two over memory;
-// float32 sums reproduce NumPy's pairwise summation, so payload bytes equal the reference.
+// exactly as in the NumPy reference) and OpenMP; on x86-64 twice, for x86-64-v2 (SSE4.2: 8
+// float lanes in two registers) and x86-64-v3 (AVX2: one register), the same results. Each
+// kernel is a pass or two over memory; float32 sums reproduce NumPy's pairwise summation, so
+// payload bytes equal the reference.
 #include "grace_native.h"
 
 #include <algorithm>
@@ -22,6 +24,9 @@
 #if defined(__SSE4_1__)
 #include <smmintrin.h>
 #define GRACE_SIMD 1
+#endif
+#if defined(__AVX2__)
+#include <immintrin.h>
 #endif
 
 #define API extern "C" __attribute__((visibility("default")))
@@ -112,8 +117,8 @@ void for_chunks(int64_t n, int64_t align, int nc, F&& f) {
 // numpy/_core/src/umath/loops_utils.h.src: n < 8: a plain loop; n <= 128: 8 accumulators
 // combined as ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)) then the rest; else split at
 // n2 = n/2 - (n/2)%8. The reduction starts from 0, so the result is 0.0f + pairwise(a).
-// A Leaf computes one block (n <= 128) of S sums at once and may do more work on the way
-// (packing the block's codes): one pass over memory. Block starts are multiples of 8.
+// A Leaf computes the S sums of one block (n <= 128), leaf(lo, n), and may do more work on the
+// way (packing the block's codes): one pass over memory. Block starts are multiples of 8.
 constexpr int64_t kBlock = 128;
 
 template <int S>
@@ -121,11 +126,15 @@ struct Sums {
   float v[S];
 };
 
+inline int64_t pw_half(int64_t n) {
+  int64_t n2 = n / 2;
+  return n2 - n2 % 8;
+}
+
 template <int S, class Leaf>
 Sums<S> pairwise_seq(const Leaf& leaf, int64_t lo, int64_t n) {
   if (n <= kBlock) return leaf(lo, n);
-  int64_t n2 = n / 2;
-  n2 -= n2 % 8;
+  const int64_t n2 = pw_half(n);
   Sums<S> a = pairwise_seq<S>(leaf, lo, n2);
   Sums<S> b = pairwise_seq<S>(leaf, lo + n2, n - n2);
   for (int s = 0; s < S; ++s) a.v[s] = a.v[s] + b.v[s];
@@ -141,8 +150,7 @@ void pw_collect(int64_t lo, int64_t n, int64_t cutoff, std::vector<Node>& out) {
     out.push_back({lo, n});
     return;
   }
-  int64_t n2 = n / 2;
-  n2 -= n2 % 8;
+  const int64_t n2 = pw_half(n);
   pw_collect(lo, n2, cutoff, out);
   pw_collect(lo + n2, n - n2, cutoff, out);
 }
@@ -150,8 +158,7 @@ void pw_collect(int64_t lo, int64_t n, int64_t cutoff, std::vector<Node>& out) {
 template <int S>
 Sums<S> pw_combine(int64_t n, int64_t cutoff, const std::vector<Sums<S>>& vals, size_t& pos) {
   if (n <= kBlock || n <= cutoff) return vals[pos++];
-  int64_t n2 = n / 2;
-  n2 -= n2 % 8;
+  const int64_t n2 = pw_half(n);
   Sums<S> a = pw_combine<S>(n2, cutoff, vals, pos);
   Sums<S> b = pw_combine<S>(n - n2, cutoff, vals, pos);
   for (int s = 0; s < S; ++s) a.v[s] = a.v[s] + b.v[s];
@@ -401,7 +408,11 @@ void unpack_groups(const uint8_t* packed, uint8_t* codes, int64_t g0, int64_t g1
 
 // sign bits of 8 floats: bit j = (x[j] >= 0), or (x[j] < 0) when negative
 inline uint8_t sign_byte(const float* x, bool negative) {
-#if defined(__SSE2__)
+#if defined(__AVX2__)
+  const __m256 v = _mm256_loadu_ps(x), z = _mm256_setzero_ps();
+  return (uint8_t)(negative ? _mm256_movemask_ps(_mm256_cmp_ps(v, z, _CMP_LT_OQ))
+                            : _mm256_movemask_ps(_mm256_cmp_ps(v, z, _CMP_GE_OQ)));
+#elif defined(__SSE2__)
   __m128 z = _mm_setzero_ps();
   __m128 a = _mm_loadu_ps(x), b = _mm_loadu_ps(x + 4);
   int m = negative ? (_mm_movemask_ps(_mm_cmplt_ps(a, z)) | _mm_movemask_ps(_mm_cmplt_ps(b, z)) << 4)
@@ -415,8 +426,35 @@ inline uint8_t sign_byte(const float* x, bool negative) {
 }
 
 
-// ---- 8 float lanes (two SSE registers): each lane does exactly the scalar code's operations ----
+// ---- 8 float lanes: one AVX register, or two SSE ones; each lane does exactly the scalar ----
+// code's operations (the comparisons are false for NaN, as the scalar ones)
 #ifdef GRACE_SIMD
+#if defined(__AVX2__)
+struct F8 {
+  __m256 a;
+};
+inline F8 ld8(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline F8 set8(float v) { return {_mm256_set1_ps(v)}; }
+inline void st8(float* p, F8 x) { _mm256_storeu_ps(p, x.a); }
+inline F8 operator+(F8 x, F8 y) { return {_mm256_add_ps(x.a, y.a)}; }
+inline F8 operator-(F8 x, F8 y) { return {_mm256_sub_ps(x.a, y.a)}; }
+inline F8 operator*(F8 x, F8 y) { return {_mm256_mul_ps(x.a, y.a)}; }
+inline F8 operator/(F8 x, F8 y) { return {_mm256_div_ps(x.a, y.a)}; }
+inline F8 abs8(F8 x) { return {_mm256_and_ps(x.a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)))}; }
+inline F8 floor8(F8 x) { return {_mm256_floor_ps(x.a)}; }
+inline F8 ge8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_GE_OQ)}; }
+inline F8 lt8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_LT_OQ)}; }
+inline F8 gt8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_GT_OQ)}; }
+inline F8 and8(F8 m, F8 x) { return {_mm256_and_ps(m.a, x.a)}; }
+inline F8 sel8(F8 m, F8 x, F8 y) { return {_mm256_blendv_ps(y.a, x.a, m.a)}; }  // m ? x : y
+inline int mask8(F8 m) { return _mm256_movemask_ps(m.a); }
+// 8 float codes in [0, 255] (or NaN: 0) -> 8 bytes in a word, as (uint8_t)(int)c
+inline uint64_t bytes8(F8 c) {
+  const __m256i i = _mm256_cvttps_epi32(c.a);
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  return (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(h, h));
+}
+#else
 struct F8 {
   __m128 a, b;
 };
@@ -441,17 +479,56 @@ inline F8 gt8(F8 x, F8 y) { return {_mm_cmpgt_ps(x.a, y.a), _mm_cmpgt_ps(x.b, y.
 inline F8 and8(F8 m, F8 x) { return {_mm_and_ps(m.a, x.a), _mm_and_ps(m.b, x.b)}; }
 inline F8 sel8(F8 m, F8 x, F8 y) { return {_mm_blendv_ps(y.a, x.a, m.a), _mm_blendv_ps(y.b, x.b, m.b)}; }  // m ? x : y
 inline int mask8(F8 m) { return _mm_movemask_ps(m.a) | _mm_movemask_ps(m.b) << 4; }
-inline float combine8(F8 r) {  // ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), NumPy's order
-  float v[8];
-  st8(v, r);
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
 // 8 float codes in [0, 255] (or NaN: 0) -> 8 bytes in a word, as (uint8_t)(int)c
 inline uint64_t bytes8(F8 c) {
   __m128i i = _mm_packus_epi32(_mm_cvttps_epi32(c.a), _mm_cvttps_epi32(c.b));
   return (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(i, i));
 }
 #endif
+inline float combine8(F8 r) {  // ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), NumPy's order
+  float v[8];
+  st8(v, r);
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+#endif
+
+// ---- the blocks of a pairwise sum -----------------------------------------------------------
+// Terms give a kernel's S summands: terms(i, float t[S]) of element i and, with SIMD,
+// terms.group(i, F8 t[S]) of the 8 elements from i (i a multiple of 8); both may do the
+// kernel's other work for those elements on the way, visited in ascending order.
+// Blocks<S, Terms> is the Leaf of pairwise() for them: NumPy's block loop, 8 lanes at a time.
+template <int S, class Terms>
+struct Blocks {
+  Terms terms;  // a copy: the kernels' byte stores cannot alias its pointers
+  Sums<S> operator()(int64_t lo, int64_t n) const {
+#ifdef GRACE_SIMD
+    if (n >= 8) {
+      F8 r[S], t[S];
+      terms.group(lo, r);
+      int64_t i = 8;
+      for (; i + 8 <= n; i += 8) {
+        terms.group(lo + i, t);
+        for (int s = 0; s < S; ++s) r[s] = r[s] + t[s];
+      }
+      Sums<S> res;
+      for (int s = 0; s < S; ++s) res.v[s] = combine8(r[s]);
+      for (; i < n; ++i) {
+        float t1[S];
+        terms(lo + i, t1);
+        for (int s = 0; s < S; ++s) res.v[s] += t1[s];
+      }
+      return res;
+    }
+#endif
+    return leaf_sums<S>(terms, lo, n);
+  }
+};
+
+// NumPy's pairwise sums of terms over [0, n), the top of the tree on nt threads
+template <int S, class Terms>
+Sums<S> pairwise_sums(const Terms& terms, int64_t n, int nt) {
+  return pairwise<S>(Blocks<S, Terms>{terms}, n, nt);
+}
 
 // bit j of a byte -> bit 2j of a 16-bit word
 struct Spread {
@@ -513,6 +590,27 @@ bool idx_type_ok(int t) { return t >= GRACE_U8 && t <= GRACE_I64; }
 
 // =============================================================================================
 API int grace_cpu_abi(void) { return GRACE_NATIVE_ABI; }
+API const char* grace_cpu_isa(void) {
+#if defined(__AVX2__)
+  return "x86-64-v3";
+#elif defined(__SSE4_2__)
+  return "x86-64-v2";
+#else
+  return "generic";
+#endif
+}
+API int grace_cpu_runs_x86_64_v3(void) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("x86-64-v3") ? 1 : 0;
+#elif defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi") &&
+         __builtin_cpu_supports("bmi2");
+#else
+  return 0;
+#endif
+}
 API void grace_cpu_set_num_threads(int n) { g_threads.store(n > 0 ? n : 0); }
 API int grace_cpu_get_num_threads(void) { return max_threads(); }
 
@@ -564,74 +662,62 @@ API void grace_cpu_sign_pack(const float* x, int64_t n, int negative, uint8_t* o
 }
 
 namespace {
-// sign bits of [lo, lo+n) into out (lo a multiple of 8)
-inline void sign_bits_block(const float* x, int64_t lo, int64_t n, uint8_t* out) {
-  int64_t g = 0;
-  for (; 8 * g + 8 <= n; ++g) out[lo / 8 + g] = sign_byte(x + lo + 8 * g, false);
-  if (8 * g < n) {
-    uint8_t m = 0;
-    for (int64_t j = 0; 8 * g + j < n; ++j) m |= (uint8_t)((x[lo + 8 * g + j] >= 0.0f) << j);
-    out[lo / 8 + g] = m;
-  }
+// bit i % 8 of out[i / 8]: the first element of a byte clears the others
+inline void put_bit(uint8_t* out, int64_t i, bool bit) {
+  const uint8_t b = (uint8_t)(bit << (i % 8));
+  out[i / 8] = i % 8 ? (uint8_t)(out[i / 8] | b) : b;
 }
+
+// |x| for the scale; the sign bits (x >= 0) on the way
+struct EfsignTerms {
+  const float* x;
+  uint8_t* out;
+  void operator()(int64_t i, float* t) const {
+    t[0] = std::fabs(x[i]);
+    put_bit(out, i, x[i] >= 0.0f);
+  }
+#ifdef GRACE_SIMD
+  void group(int64_t i, F8* t) const {
+    const F8 v = ld8(x + i);
+    out[i / 8] = (uint8_t)mask8(ge8(v, set8(0.0f)));
+    t[0] = abs8(v);
+  }
+#endif
+};
+
+// (x >= 0), x where x >= 0 (else x * 0: NaN stays NaN) and x; the sign bits on the way
+struct OnebitTerms {
+  const float* x;
+  uint8_t* out;
+  void operator()(int64_t i, float* t) const {
+    const float v = x[i];
+    const bool pos = v >= 0.0f;
+    t[0] = pos ? 1.0f : 0.0f;
+    t[1] = pos ? v : v * 0.0f;
+    t[2] = v;
+    put_bit(out, i, pos);
+  }
+#ifdef GRACE_SIMD
+  void group(int64_t i, F8* t) const {
+    const F8 v = ld8(x + i), zero = set8(0.0f), m = ge8(v, zero);
+    out[i / 8] = (uint8_t)mask8(m);
+    t[0] = and8(m, set8(1.0f));
+    t[1] = sel8(m, v, v * zero);
+    t[2] = v;
+  }
+#endif
+};
 }  // namespace
 
-// EF-signSGD: bits (x >= 0) and scale = sum|x| / max(1, n)
+// EF-signSGD: bits (x >= 0) and scale = sum|x| / max(1, n), in one pass
 API void grace_cpu_efsign_compress(const float* x, int64_t n, uint8_t* out, float* scale) {
-  auto leaf = [&](int64_t lo, int64_t len) {
-    sign_bits_block(x, lo, len, out);
-#ifdef GRACE_SIMD
-    if (len >= 8) {
-      F8 r = abs8(ld8(x + lo));
-      int64_t i = 8;
-      for (; i < len - (len % 8); i += 8) r = r + abs8(ld8(x + lo + i));
-      Sums<1> res{{combine8(r)}};
-      for (; i < len; ++i) res.v[0] += std::fabs(x[lo + i]);
-      return res;
-    }
-#endif
-    return leaf_sums<1>([&](int64_t i, float* t) { t[0] = std::fabs(x[i]); }, lo, len);
-  };
-  Sums<1> s = pairwise<1>(leaf, n, threads_for(n));
+  Sums<1> s = pairwise_sums<1>(EfsignTerms{x, out}, n, threads_for(n));
   scale[0] = s.v[0] / (float)std::max<int64_t>(1, n);
 }
 
 // 1-bit SGD: bits (x >= 0), means [mu0, mu1] as grace/compressors/onebit.py computes them
 API void grace_cpu_onebit_compress(const float* x, int64_t n, uint8_t* out, float* means) {
-  auto term = [&](int64_t i, float* t) {
-    float v = x[i];
-    bool pos = v >= 0.0f;
-    t[0] = pos ? 1.0f : 0.0f;
-    t[1] = pos ? v : v * 0.0f;
-    t[2] = v;
-  };
-  auto leaf = [&](int64_t lo, int64_t len) {
-    sign_bits_block(x, lo, len, out);
-#ifdef GRACE_SIMD
-    if (len >= 8) {
-      const F8 zero = set8(0.0f), one = set8(1.0f);
-      F8 v = ld8(x + lo), m = ge8(v, zero);
-      F8 rc = and8(m, one), rp = sel8(m, v, v * zero), rt = v;
-      int64_t i = 8;
-      for (; i < len - (len % 8); i += 8) {
-        v = ld8(x + lo + i);
-        m = ge8(v, zero);
-        rc = rc + and8(m, one);
-        rp = rp + sel8(m, v, v * zero);
-        rt = rt + v;
-      }
-      Sums<3> res{{combine8(rc), combine8(rp), combine8(rt)}};
-      for (; i < len; ++i) {
-        float t[3];
-        term(lo + i, t);
-        for (int s = 0; s < 3; ++s) res.v[s] += t[s];
-      }
-      return res;
-    }
-#endif
-    return leaf_sums<3>(term, lo, len);
-  };
-  Sums<3> s = pairwise<3>(leaf, n, threads_for(n));
+  Sums<3> s = pairwise_sums<3>(OnebitTerms{x, out}, n, threads_for(n));
   float n_pos = s.v[0], sum_pos = s.v[1], total = s.v[2];
   float d1 = n_pos < 1.0f ? 1.0f : n_pos;
   float rest = (float)n - n_pos;
@@ -726,37 +812,45 @@ API void grace_cpu_terngrad_compress(const float* x, const float* u, int64_t n, 
 
 // ---- QSGD ------------------------------------------------------------------------------------
 namespace {
-// norm of one bucket: sqrt of NumPy's pairwise sum of squares over b elements, the ones past
-// the tensor's end being the zero padding of grace/compressors/qsgd.py
-// a leaf of the sum of squares of bucket elements [lo, lo+len) (x from start, zeros past valid)
-inline Sums<1> square_leaf(const float* x, int64_t start, int64_t valid, int64_t lo, int64_t len) {
+// x^2 of a bucket's elements (x from its start); Padded: zeros from `valid` on, the padding of
+// grace/compressors/qsgd.py (the tensor's last bucket)
+template <bool Padded>
+struct SquareTerms {
+  const float* x;
+  int64_t valid;
+  void operator()(int64_t i, float* t) const {
+    const float v = !Padded || i < valid ? x[i] : 0.0f;
+    t[0] = v * v;
+  }
 #ifdef GRACE_SIMD
-  if (len >= 8 && lo + len <= valid) {
-    const float* p = x + start + lo;
-    for (int64_t k = 0; k < len; k += 16) prefetch(p + k);
-    F8 v = ld8(p);
-    F8 r = v * v;
-    int64_t i = 8;
-    for (; i < len - (len % 8); i += 8) {
-      v = ld8(p + i);
-      r = r + v * v;
+  void group(int64_t i, F8* t) const {
+    if (!(i & 15)) prefetch(x + i);
+    F8 v;
+    if (!Padded || i + 8 <= valid) {
+      v = ld8(x + i);
+    } else {
+      float p[8];
+      for (int j = 0; j < 8; ++j) p[j] = i + j < valid ? x[i + j] : 0.0f;
+      v = ld8(p);
     }
-    Sums<1> res{{combine8(r)}};
-    for (; i < len; ++i) res.v[0] += p[i] * p[i];
-    return res;
+    t[0] = v * v;
   }
 #endif
-  return leaf_sums<1>(
-      [&](int64_t i, float* t) {
-        float v = i < valid ? x[start + i] : 0.0f;
-        t[0] = v * v;
-      },
-      lo, len);
+};
+
+// f(terms) with the SquareTerms of bucket [start, start + b) of x[0, n)
+template <class F>
+auto with_square_terms(const float* x, int64_t n, int64_t start, int64_t b, F&& f) {
+  const int64_t valid = std::min(b, n - start);
+  return valid == b ? f(SquareTerms<false>{x + start, valid}) : f(SquareTerms<true>{x + start, valid});
 }
 
-inline float bucket_norm_seq(const float* x, int64_t start, int64_t valid, int64_t b) {
-  auto leaf = [&](int64_t lo, int64_t len) { return square_leaf(x, start, valid, lo, len); };
-  return std::sqrt(0.0f + pairwise_seq<1>(leaf, 0, b).v[0]);
+// norm of one bucket: sqrt of NumPy's pairwise sum of squares over b elements, the ones past
+// the tensor's end being the zero padding
+inline float bucket_norm_seq(const float* x, int64_t n, int64_t start, int64_t b) {
+  return with_square_terms(x, n, start, b, [&](auto terms) {
+    return std::sqrt(0.0f + pairwise_seq<1>(Blocks<1, decltype(terms)>{terms}, 0, b).v[0]);
+  });
 }
 
 // buckets of up to this many elements (in cache) get their norm in the pass that makes their codes
@@ -858,13 +952,10 @@ API void grace_cpu_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* 
   int nt = threads_for(rows * b);
   if (rows >= 4 * nt || nt == 1) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int64_t r = 0; r < rows; ++r) norms[r] = bucket_norm_seq(x, r * b, std::min(b, n - r * b), b);
+    for (int64_t r = 0; r < rows; ++r) norms[r] = bucket_norm_seq(x, n, r * b, b);
   } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      int64_t start = r * b, valid = std::min(b, n - r * b);
-      auto leaf = [&](int64_t lo, int64_t len) { return square_leaf(x, start, valid, lo, len); };
-      norms[r] = std::sqrt(pairwise<1>(leaf, b, nt).v[0]);
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      norms[r] = with_square_terms(x, n, r * b, b, [&](auto terms) { return std::sqrt(pairwise_sums<1>(terms, b, nt).v[0]); });
   }
 }
 
@@ -885,7 +976,7 @@ API int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int l
     if (fused) {
       for_chunks(rows, 1, nt, [&](int, int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          norms[r] = bucket_norm_seq(x, r * b, std::min(b, n - r * b), b);
+          norms[r] = bucket_norm_seq(x, n, r * b, b);
           qsgd_pack_groups<B>(x, u, n, levels, b, norms, out, r * (b / 8), std::min(groups, (r + 1) * (b / 8)));
         }
       });

@@ -1,6 +1,7 @@
 /* grace native kernels: a C ABI with no toolkit dependency.
  *
- * libgrace_cpu.so exports the grace_cpu_* functions (host pointers), libgrace_cuda.so the
+ * libgrace_cpu.so exports the grace_cpu_* functions (host pointers; libgrace_cpu_avx2.so is the
+ * same source compiled for x86-64-v3, taken where the CPU runs it), libgrace_cuda.so the
  * grace_cuda_* functions (device pointers plus the caller's cudaStream_t, passed as void*).
  * Both are loaded with ctypes (grace/native/_loader.py), so NumPy arrays, torch tensors and
  * anything DLPack exports (TensorFlow) reach the same kernels.
@@ -23,13 +24,17 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 2
+#define GRACE_NATIVE_ABI 3
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
 
 /* ---- CPU ------------------------------------------------------------------------------ */
 int grace_cpu_abi(void);
+/* the instruction set the library was compiled for ("x86-64-v3", "x86-64-v2", "generic") and
+ * whether this CPU runs x86-64-v3 code (AVX2, FMA, BMI2...): the loader takes libgrace_cpu_avx2.so then */
+const char* grace_cpu_isa(void);
+int grace_cpu_runs_x86_64_v3(void);
 void grace_cpu_set_num_threads(int n); /* <= 0: OpenMP's default */
 int grace_cpu_get_num_threads(void);
 

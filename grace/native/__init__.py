@@ -36,10 +36,10 @@ import math
 
 from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, dlpack_info, kind_of,
                                   same_device)
-from grace.native._loader import disabled, enabled, library, load_error, set_enabled
+from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library, load_error, set_enabled
 
 __all__ = [
-    "NativeUnavailable", "available", "disabled", "dlpack_info", "efsignsgd_compress", "efsignsgd_decompress",
+    "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info", "efsignsgd_compress", "efsignsgd_decompress",
     "enabled", "load_error", "natural_compress", "natural_decompress", "nonzero", "onebit_compress",
     "onebit_decompress", "pack", "qsgd_compress", "qsgd_decompress", "scatter_add", "scatter_add_many",
     "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress", "supports", "terngrad_compress",

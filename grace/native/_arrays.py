@@ -103,7 +103,7 @@ class _Numpy:
 
 
 _TORCH_NAMES: dict = {}
-_TORCH_CPU: list = []  # the kind of torch CPU tensors, once made
+_TORCH_CPU: list = []  # the kind of torch CPU tensors
 
 
 class _Torch:
@@ -216,11 +216,14 @@ def kind_of(x):
     if root == "torch":
         if x.requires_grad:
             raise NativeUnavailable("tensor requires grad")
-        # one kind for CPU tensors (its library never changes: kind_of checks the switch
-        # first); a CUDA kind reads the current stream, so it is made per call
-        kind = _TORCH_CPU[0] if x.device.type == "cpu" and _TORCH_CPU else _Torch(x.device)
-        if x.device.type == "cpu" and not _TORCH_CPU and kind.lib is not None:
-            _TORCH_CPU.append(kind)
+        # one kind for CPU tensors, made again when cpu_build() switches the library; a CUDA
+        # kind reads the current stream, so it is made per call
+        if x.device.type == "cpu":
+            if not _TORCH_CPU or _TORCH_CPU[0].lib is not _loader.library("cpu"):
+                _TORCH_CPU[:] = [_Torch(x.device)]
+            kind = _TORCH_CPU[0]
+        else:
+            kind = _Torch(x.device)
     elif root == "numpy" or isinstance(x, np.ndarray):
         kind = _Numpy()
     elif root == "tensorflow" or ("tensorflow" in sys.modules and sys.modules["tensorflow"].is_tensor(x)):

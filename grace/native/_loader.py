@@ -4,6 +4,10 @@ The libraries live in grace/native/_lib/ (built by setup.py through csrc/build.p
 that is missing, or that does not load (no CUDA driver, ...), is simply absent: every caller
 then takes the tensor-op path. ``GRACE_NATIVE=0`` in the environment turns native dispatch off
 for the process; ``set_enabled`` / ``disabled()`` do it at run time (tests compare both paths).
+
+On x86-64 the CPU kernels come in two builds of the same source: libgrace_cpu.so (x86-64-v2,
+runs everywhere) and libgrace_cpu_avx2.so (x86-64-v3), taken where the portable library says
+the CPU runs x86-64-v3 code. ``GRACE_NATIVE_ISA=x86-64-v2`` keeps the portable one.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from ctypes import c_double, c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
-ABI = 2
+ABI = 3
+ISAS = ("x86-64-v3", "x86-64-v2")  # the builds on x86-64, best first
 
 _P, _I, _L, _F, _D = c_void_p, c_int, c_int64, c_float, c_double
 
@@ -67,6 +72,10 @@ class _Lib:
                 fn.restype, fn.argtypes = res, args
             setattr(self, name, fn)
         if kind == "cpu":
+            self._dll.grace_cpu_isa.restype = ctypes.c_char_p
+            self.isa = self._dll.grace_cpu_isa().decode()
+            self._dll.grace_cpu_runs_x86_64_v3.restype = c_int
+            self.runs_x86_64_v3 = bool(self._dll.grace_cpu_runs_x86_64_v3())
             self._dll.grace_cpu_set_num_threads.argtypes = [c_int]
             self._dll.grace_cpu_get_num_threads.restype = c_int
             self.set_num_threads = self._dll.grace_cpu_set_num_threads
@@ -85,21 +94,82 @@ _errors: dict = {}
 _enabled = os.environ.get("GRACE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _open(path: Path, kind: str):
+    """The library at path, or None with the reason in _errors."""
+    if not path.is_file():
+        _errors[kind] = f"{path} is not built (python csrc/build.py, or pip install -e .)"
+        return None
+    try:
+        return _Lib(path, kind)
+    except (OSError, AttributeError) as exc:  # e.g. no CUDA driver on this machine
+        _errors[kind] = f"{path}: {exc}"
+        return None
+
+
 def _load(kind: str):
     with _lock:
         if kind in _libs:
             return _libs[kind]
-        path = LIB_DIR / f"libgrace_{kind}.so"
-        lib = None
-        if path.is_file():
-            try:
-                lib = _Lib(path, kind)
-            except (OSError, AttributeError) as exc:  # e.g. no CUDA driver on this machine
-                _errors[kind] = f"{path}: {exc}"
-        else:
-            _errors[kind] = f"{path} is not built (python csrc/build.py, or pip install -e .)"
+        lib = _open(LIB_DIR / f"libgrace_{kind}.so", kind)
+        if kind == "cpu" and lib is not None:
+            _cpu_builds["portable"] = lib  # the build that can ask the CPU what it runs
+            lib = _best_cpu_build(lib)
         _libs[kind] = lib
         return lib
+
+
+_CPU_BUILDS = {"x86-64-v2": "libgrace_cpu.so", "x86-64-v3": "libgrace_cpu_avx2.so"}
+_cpu_builds: dict = {}
+
+
+def _cpu_build(isa: str, portable):
+    """The CPU library built for ``isa``; OSError where it is missing or this CPU cannot run it
+    (only the portable library can ask the CPU: the other may not even load on an older one)."""
+    if isa not in _cpu_builds:
+        if isa not in _CPU_BUILDS and isa != portable.isa:
+            raise OSError(f"no CPU build for {isa!r}: there are {', '.join(_CPU_BUILDS)}")
+        if isa == portable.isa:
+            _cpu_builds[isa] = portable
+        elif isa == "x86-64-v3" and portable.isa == "x86-64-v2" and not portable.runs_x86_64_v3:
+            raise OSError("this CPU does not run x86-64-v3 code (AVX2, FMA, BMI2)")
+        else:
+            path = LIB_DIR / _CPU_BUILDS.get(isa, f"libgrace_cpu ({isa})")
+            if not path.is_file():
+                raise OSError(f"{path} is not built")
+            lib = _Lib(path, "cpu")
+            if lib.isa != isa:
+                raise OSError(f"{path} is built for {lib.isa}, not {isa}")
+            _cpu_builds[isa] = lib
+    return _cpu_builds[isa]
+
+
+def _best_cpu_build(portable):
+    """The x86-64-v3 build where this CPU runs it and GRACE_NATIVE_ISA allows, else ``portable``."""
+    wanted = os.environ.get("GRACE_NATIVE_ISA", "").strip() or ISAS[0]
+    if wanted not in ISAS:
+        raise ValueError(f"GRACE_NATIVE_ISA={wanted!r}: expected one of {', '.join(ISAS)}")
+    try:
+        return _cpu_build(wanted, portable)
+    except (OSError, AttributeError) as exc:
+        _errors[f"cpu {wanted}"] = str(exc)
+        return portable
+
+
+@contextlib.contextmanager
+def cpu_build(isa: str):
+    """``with cpu_build("x86-64-v2"):`` the CPU kernels of that build run (benchmarks compare
+    the builds in one process); OSError where it is not built or this CPU cannot run it."""
+    if _load("cpu") is None:
+        raise OSError(f"libgrace_cpu is not loaded: {_errors.get('cpu')}")
+    with _lock:
+        lib = _cpu_build(isa, _cpu_builds["portable"])
+        previous, _libs["cpu"] = _libs["cpu"], lib
+        lib.set_num_threads(previous.get_num_threads())
+    try:
+        yield lib
+    finally:
+        with _lock:
+            _libs["cpu"] = previous
 
 
 def library(kind: str):
@@ -108,6 +178,13 @@ def library(kind: str):
         return None
     lib = _libs.get(kind, False)
     return _load(kind) if lib is False else lib
+
+
+def cpu_isa():
+    """The instruction set of the CPU kernels in use ("x86-64-v3", "x86-64-v2", "generic"), or
+    None when libgrace_cpu is not loaded."""
+    lib = library("cpu")
+    return lib.isa if lib is not None else None
 
 
 def load_error(kind: str):

@@ -1,8 +1,10 @@
 """The libraries are built and loaded; switching them off; threads, fork and DLPack."""
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -30,6 +32,71 @@ def test_cpu_library_is_built_and_loaded():
     if not (shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX")):
         pytest.skip("no C++ compiler")
     assert gn.available("cpu"), gn.load_error("cpu")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="one CPU build off x86-64")
+def test_the_best_cpu_build_for_this_cpu_is_loaded():
+    """x86-64-v3 (AVX2) where the CPU runs it, from the current sources; x86-64-v2 otherwise or
+    when GRACE_NATIVE_ISA says so."""
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    build = _build_module()
+    portable = ctypes.CDLL(str(LIB_DIR / build.CPU_LIB))
+    runs_v3 = bool(portable.grace_cpu_runs_x86_64_v3())
+    wanted = os.environ.get("GRACE_NATIVE_ISA") or "x86-64-v3"
+    assert gn.cpu_isa() == ("x86-64-v3" if runs_v3 and wanted == "x86-64-v3" else "x86-64-v2")
+    for name, march in ((build.CPU_LIB, "x86-64-v2"), (build.CPU_AVX2_LIB, "x86-64-v3")):
+        stamp = (LIB_DIR / f"{name}.stamp").read_text()
+        assert stamp == build._stamp(build.cpu_command(LIB_DIR / name, march)[:-1]), f"{name} is older than csrc/"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="one CPU build off x86-64")
+@pytest.mark.skipif(bool(os.environ.get("GRACE_NATIVE_ISA")), reason="this is the run under GRACE_NATIVE_ISA")
+def test_the_portable_build_passes_this_suite_too():
+    """The x86-64-v2 library (older CPUs) against the oracle: tests/native again, in a process
+    that loads it."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/native",
+                          "-k", "not the_portable_build"],
+                         env={**os.environ, "GRACE_NATIVE_ISA": "x86-64-v2"}, cwd=REPO, capture_output=True,
+                         text=True, timeout=900)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert out.returncode == 0 and " passed" in summary and "failed" not in summary, out.stdout[-4000:]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="one CPU build off x86-64")
+def test_cpu_build_switches_the_kernels_in_this_process():
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    x, u = gradient(BIG, 2), draws(BIG)
+    best = gn.cpu_isa()
+    runs = {}
+    for isa in ("x86-64-v2", best):
+        with gn.cpu_build(isa):
+            assert gn.cpu_isa() == isa
+            called = []
+            lib = gn.library("cpu")
+            onebit = lib.onebit_compress
+            lib.onebit_compress = lambda *a: called.append(isa) or onebit(*a)
+            try:
+                tx = torch.from_numpy(x)  # the cached kind of torch CPU tensors follows the switch too
+                runs[isa] = (*gn.onebit_compress(tx), *gn.onebit_compress(x), *gn.efsignsgd_compress(x),
+                             *gn.terngrad_compress(x, u), *gn.qsgd_compress(x, u, 7, 1000))
+            finally:
+                lib.onebit_compress = onebit
+            assert called == [isa, isa]
+        assert gn.cpu_isa() == best
+    for a, b in zip(runs["x86-64-v2"], runs[best]):
+        same_bytes(a, b)
+    with pytest.raises(OSError, match="no CPU build for 'x86-64-v9'"):
+        with gn.cpu_build("x86-64-v9"):
+            pass
+
+
+def test_an_unknown_isa_is_refused_by_name():
+    code = "import grace.native as g; g.available('cpu')"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "GRACE_NATIVE_ISA": "avx9"}, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "GRACE_NATIVE_ISA='avx9'" in out.stderr and "x86-64-v2" in out.stderr
 
 
 def test_cuda_library_is_built_from_the_current_sources():

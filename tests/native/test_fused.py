@@ -77,6 +77,34 @@ def test_cpu_payload_and_values_are_the_oracles_bytes(name, n, monkeypatch):
         same_bytes(want_y.reshape(-1), decompress(payload, n), f"{kind} decompressed")
 
 
+@pytest.mark.parametrize("specials", [[np.inf], [-np.inf], [np.nan], [np.inf, -np.inf, np.nan]], ids=str)
+@pytest.mark.parametrize("name", [m for m in METHODS if m != "natural"])  # natural: test_natural_edge_values
+def test_cpu_non_finite_gradients_give_the_oracles_bytes(name, specials, monkeypatch):
+    """inf and NaN in a block's SIMD lanes and in its scalar tail: the lanes' comparisons and
+    sums treat them as the scalar code does. Every byte is the oracle's but a NaN's sign bit,
+    which IEEE arithmetic leaves unspecified (-scale against -1 * scale)."""
+    make, random, compress, decompress = METHODS[name]
+    n = 1001  # blocks of 128 and a tail of 1001 % 8 = 1 element
+    x = gradient(n, seed=5)
+    for k, v in enumerate(specials):
+        x[[3 + 40 * k, 517 + k, n - 1 - k]] = v
+    u = padded_draws(name, n) if random else None
+    with np.errstate(invalid="ignore", over="ignore"):
+        want_payload, want_y = oracle(make(), x, u, monkeypatch)
+    payload = compress(torch.from_numpy(x), None if u is None else torch.from_numpy(u))
+
+    def same_up_to_nan_sign(a, b, what):
+        a, b = host(a).reshape(-1), host(b).reshape(-1)
+        if a.dtype.kind == "f":
+            assert np.array_equal(np.isnan(a), np.isnan(b)), what
+            a, b = np.where(np.isnan(a), np.nan, a), np.where(np.isnan(b), np.nan, b)
+        same_bytes(a, b, what)
+
+    for j, (a, b) in enumerate(zip(want_payload, payload)):
+        same_up_to_nan_sign(a, b, f"payload[{j}]")
+    same_up_to_nan_sign(want_y, decompress(payload, n), "decompressed")
+
+
 @pytest.mark.parametrize("n", [0, 1, 9, 1001, 4097, 2**16 + 3, BIG])
 @pytest.mark.parametrize("name", METHODS)
 def test_cuda_codes_and_values_equal_the_oracle(name, n, monkeypatch):
