@@ -133,7 +133,7 @@ def _cpu_build(isa: str, portable):
         elif isa == "x86-64-v3" and portable.isa == "x86-64-v2" and not portable.runs_x86_64_v3:
             raise OSError("this CPU does not run x86-64-v3 code (AVX2, FMA, BMI2)")
         else:
-            path = LIB_DIR / _CPU_BUILDS.get(isa, f"libgrace_cpu ({isa})")
+            path = LIB_DIR / _CPU_BUILDS[isa]
             if not path.is_file():
                 raise OSError(f"{path} is not built")
             lib = _Lib(path, "cpu")
