@@ -265,6 +265,8 @@ def main(argv=None) -> int:
                 continue
             t_fb = measure(fb)
             t_ops = measure(ops) if ops is not None else None
+            size = "2^%d" % round(math.log2(n)) if n & (n - 1) == 0 else str(n)
+            ops_s = f"{t_ops * 1e3:>10.3f}" if t_ops is not None else f"{'-':>10}"
             for isa in builds:
                 with gn.cpu_build(isa) if isa else contextlib.nullcontext():
                     t_nat = measure(nat)
@@ -273,8 +275,6 @@ def main(argv=None) -> int:
                 rows.append({"method": name, "n": n, "fallback_s": t_fb, "ops_s": t_ops, "native_s": t_nat,
                              "speedup": t_fb / t_nat, "gbps": bw / 1e9, "of_copy": bw / copy_bw,
                              "device": args.device, "build": isa or gn.cpu_isa()})
-                size = "2^%d" % round(math.log2(n)) if n & (n - 1) == 0 else str(n)
-                ops_s = f"{t_ops * 1e3:>10.3f}" if t_ops is not None else f"{'-':>10}"
                 print(f"{label:<28} {size:>9} {t_fb * 1e3:>12.3f} {ops_s} {t_nat * 1e3:>10.3f} "
                       f"{t_fb / t_nat:>7.1f}x {bw / 1e9:>7.1f} {bw / copy_bw:>8.2f}", flush=True)
     if args.json:

@@ -86,6 +86,12 @@ inline void store4(float* out, __m128 v, bool stream) {
     _mm_storeu_ps(out, v);
 }
 #endif
+// after a kernel's streamed stores: they land before the caller's next reads
+inline void fence_streams(bool stream) {
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();
+#endif
+}
 
 // [lo, hi) of chunk c of nc over n items, boundaries multiples of align.
 inline void chunk_bounds(int64_t n, int64_t align, int nc, int c, int64_t& lo, int64_t& hi) {
@@ -838,19 +844,12 @@ struct SquareTerms {
 #endif
 };
 
-// f(terms) with the SquareTerms of bucket [start, start + b) of x[0, n)
-template <class F>
-auto with_square_terms(const float* x, int64_t n, int64_t start, int64_t b, F&& f) {
+// norm of bucket [start, start + b) of x[0, n): sqrt of NumPy's pairwise sum of squares over b
+// elements, the ones past the tensor's end being the zero padding; nt threads
+inline float bucket_norm(const float* x, int64_t n, int64_t start, int64_t b, int nt = 1) {
   const int64_t valid = std::min(b, n - start);
-  return valid == b ? f(SquareTerms<false>{x + start, valid}) : f(SquareTerms<true>{x + start, valid});
-}
-
-// norm of one bucket: sqrt of NumPy's pairwise sum of squares over b elements, the ones past
-// the tensor's end being the zero padding
-inline float bucket_norm_seq(const float* x, int64_t n, int64_t start, int64_t b) {
-  return with_square_terms(x, n, start, b, [&](auto terms) {
-    return std::sqrt(0.0f + pairwise_seq<1>(Blocks<1, decltype(terms)>{terms}, 0, b).v[0]);
-  });
+  return std::sqrt(valid == b ? pairwise_sums<1>(SquareTerms<false>{x + start, valid}, b, nt).v[0]
+                              : pairwise_sums<1>(SquareTerms<true>{x + start, valid}, b, nt).v[0]);
 }
 
 // buckets of up to this many elements (in cache) get their norm in the pass that makes their codes
@@ -952,10 +951,9 @@ API void grace_cpu_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* 
   int nt = threads_for(rows * b);
   if (rows >= 4 * nt || nt == 1) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int64_t r = 0; r < rows; ++r) norms[r] = bucket_norm_seq(x, n, r * b, b);
+    for (int64_t r = 0; r < rows; ++r) norms[r] = bucket_norm(x, n, r * b, b);
   } else {
-    for (int64_t r = 0; r < rows; ++r)
-      norms[r] = with_square_terms(x, n, r * b, b, [&](auto terms) { return std::sqrt(pairwise_sums<1>(terms, b, nt).v[0]); });
+    for (int64_t r = 0; r < rows; ++r) norms[r] = bucket_norm(x, n, r * b, b, nt);
   }
 }
 
@@ -976,7 +974,7 @@ API int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int l
     if (fused) {
       for_chunks(rows, 1, nt, [&](int, int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          norms[r] = bucket_norm_seq(x, n, r * b, b);
+          norms[r] = bucket_norm(x, n, r * b, b);
           qsgd_pack_groups<B>(x, u, n, levels, b, norms, out, r * (b / 8), std::min(groups, (r + 1) * (b / 8)));
         }
       });
@@ -1075,9 +1073,7 @@ void decode_bits(const uint8_t* packed, int64_t n, float lo, float hi, float* ou
     for (int64_t g = g0; g < g1; ++g) select8(packed[g], lo, hi, out + 8 * g, stream);
   });
   for (int64_t i = 8 * full; i < n; ++i) out[i] = ((packed[full] >> (i - 8 * full)) & 1) ? hi : lo;
-#if defined(__SSE2__)
-  if (stream) _mm_sfence();  // the streamed stores before the caller's next reads
-#endif
+  fence_streams(stream);
 }
 }  // namespace
 
@@ -1104,7 +1100,7 @@ API void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float
   for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) store4(out + 4 * g, _mm_loadu_ps(lut[packed[g]]), stream);
   });
-  if (stream) _mm_sfence();
+  fence_streams(stream);
 #else
   for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) std::memcpy(out + 4 * g, lut[packed[g]], 16);
@@ -1215,7 +1211,7 @@ void qsgd_decode_groups(const uint8_t* packed, int64_t n, int64_t b, const float
     }
   }
 #ifdef GRACE_SIMD
-  if (stream) _mm_sfence();  // the streamed stores before the caller's next reads
+  fence_streams(stream);
 #endif
 }
 }  // namespace
@@ -1275,9 +1271,7 @@ API void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, in
     }
   });
   for (int64_t i = 8 * full; i < n; ++i) out[i] = one(codes[i], (signs[full] >> (i - 8 * full)) & 1);
-#if defined(__SSE2__)
-  if (stream) _mm_sfence();
-#endif
+  fence_streams(stream);
 }
 
 // ---- selection -------------------------------------------------------------------------------

@@ -39,12 +39,12 @@ from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailab
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library, load_error, set_enabled
 
 __all__ = [
-    "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info", "efsignsgd_compress", "efsignsgd_decompress",
-    "enabled", "load_error", "natural_compress", "natural_decompress", "nonzero", "onebit_compress",
-    "onebit_decompress", "pack", "qsgd_compress", "qsgd_decompress", "scatter_add", "scatter_add_many",
-    "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress", "supports", "terngrad_compress",
-    "terngrad_decompress", "threshold_compress", "threshold_ef_step", "threshold_indices", "topk_compress",
-    "topk_ef_step", "topk_indices", "unpack",
+    "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info", "efsignsgd_compress",
+    "efsignsgd_decompress", "enabled", "load_error", "natural_compress", "natural_decompress", "nonzero",
+    "onebit_compress", "onebit_decompress", "pack", "qsgd_compress", "qsgd_decompress", "scatter_add",
+    "scatter_add_many", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress", "supports",
+    "terngrad_compress", "terngrad_decompress", "threshold_compress", "threshold_ef_step", "threshold_indices",
+    "topk_compress", "topk_ef_step", "topk_indices", "unpack",
 ]
 
 _FLOATS = ("float16", "bfloat16", "float32")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import errno
 import os
@@ -26,6 +27,8 @@ import socket
 import struct
 import sys
 import time
+
+from emulated_cluster import parse_time  # this folder: the cluster's own units
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_QUEUE = 3
@@ -112,9 +115,9 @@ class Queue:
 
 
 def run(queue_num: int, delay_s: float) -> None:
-    with _suppress():
+    with contextlib.suppress(Exception):
         ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)  # wake-ups to the microsecond
-    with _suppress():
+    with contextlib.suppress(Exception):
         # ahead of the ranks when they keep every core busy: a packet held longer than its delay
         # would turn CPU load into network latency (it is a wire, not a process)
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
@@ -144,31 +147,14 @@ def run(queue_num: int, delay_s: float) -> None:
         queue.accept_through(held[-1][1])
 
 
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return True
-
-
-def parse_delay(text: str) -> float:
-    units = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-    for unit in ("us", "ms", "s"):
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * units[unit]
-    return float(text)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--queue", type=int, default=0, help="NFQUEUE number (default 0)")
-    p.add_argument("--delay", required=True, help="how long each packet is held: 2ms, 500us, 0.002")
+    p.add_argument("--delay", required=True, type=parse_time, help="how long each packet is held: 2ms, 500us, 0.002")
     args = p.parse_args(argv)
-    delay = parse_delay(args.delay)
-    if not 0 <= delay <= 10:
-        p.error(f"delay {args.delay} outside [0, 10 s]")
-    run(args.queue, delay)
+    if not 0 <= args.delay <= 10:
+        p.error(f"delay {args.delay} s outside [0, 10 s]")
+    run(args.queue, args.delay)
     return 0
 
 

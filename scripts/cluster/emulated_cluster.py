@@ -336,13 +336,15 @@ class EmulatedCluster:
         self.subnet: ipaddress.IPv4Network | None = None
         self.hosts: list[Host] = []
         self.head_ip: str | None = None
-        self.netem = False
         self.latency_method = None     # 'netem', 'delay-line' or None (native latency)
         self.delay_hold = None         # what the delay lines hold each packet, once calibrated
-        self.latency_emulated = False
         self._up = False
         self._old_handlers = {}
         self._created_netns_etc = False
+
+    @property
+    def latency_emulated(self) -> bool:
+        return self.latency_method is not None
 
     # ---- names
     @property
@@ -513,9 +515,8 @@ class EmulatedCluster:
         obj.subnet = ipaddress.ip_network(state["subnet"])
         obj.hosts = [Host(i, h["name"], h["ip"], h["port"]) for i, h in enumerate(state["hosts"])]
         obj.head_ip = state["head"]["ip"]
-        obj.latency_emulated = state["latency_emulated"]
-        obj.latency_method = state.get("latency_method", "netem" if obj.latency_emulated else None)
-        obj.netem = obj.latency_method == "netem"
+        obj.latency_method = state.get("latency_method",  # a state file older than the delay lines
+                                       "netem" if state["latency_emulated"] else None)
         obj.delay_hold = state.get("delay_hold_s")
         obj._up = True
         missing = [ns for ns in obj.namespaces if ns not in list_namespaces()]
@@ -533,16 +534,14 @@ class EmulatedCluster:
             _run(["ip", "netns", "add", ns])
             self._ip(ns, "link", "set", "lo", "up")
             self._sysctls(ns)
-        self.netem = netem_available(sw)
         if self.latency > 0:
-            self.latency_method = "netem" if self.netem else "delay-line" if iptables() else None
+            self.latency_method = "netem" if netem_available(sw) else "delay-line" if iptables() else None
         if self.latency > 0 and self.latency_method is None and not self.allow_native_latency:
             raise ClusterError(
                 f"latency {fmt_time(self.latency)} cannot be emulated: this kernel has no sch_netem "
                 "(CONFIG_NET_SCH_NETEM) and iptables, which the delay line needs, is not installed "
                 "(apt-get install iptables). Use latency 0, or allow_native_latency=True "
                 "(--allow-native-latency) to go on with the links' native latency (tens of us).")
-        self.latency_emulated = self.latency_method is not None
         self._ip(sw, "link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0")
         self._ip(sw, "link", "set", "br0", "mtu", str(self.mtu), "up")
         links = [(h.name, h.ip, h.port) for h in self.hosts] + [(hd, self.head_ip, "phd")]
