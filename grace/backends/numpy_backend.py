@@ -52,6 +52,21 @@ class NumpyBackend:
     def split(self, x, sizes):
         return np.split(x, np.cumsum(sizes)[:-1])
 
+    def to_bytes(self, x):
+        """A 1-d tensor's raw bytes as a uint8 tensor (a view where the toolkit allows)."""
+        return np.ascontiguousarray(x).view(np.uint8)
+
+    def from_bytes(self, b, dtype: str):
+        """uint8 bytes read as a 1-d tensor of ``dtype`` (their count a multiple of its size)."""
+        return np.ascontiguousarray(b).view(self.cast(np.zeros(0), dtype).dtype)
+
+    def host_ints(self, x, count: int):
+        """The ``count`` values of a 1-d integer tensor as Python ints (one read from the device)."""
+        return [int(v) for v in np.asarray(x).tolist()]
+
+    def device(self, x) -> str:
+        return "cpu"
+
     # --- arithmetic and selection --------------------------------------------------------
     def abs(self, x):
         return np.abs(x)

@@ -244,6 +244,26 @@ class TensorflowBackend:
         starts, ends = [0] + cuts, cuts + [None]
         return [x[start:end] for start, end in zip(starts, ends)]
 
+    def to_bytes(self, x):
+        x = _to_tensor(x)
+        return x if x.dtype == tf.uint8 else tf.reshape(tf.bitcast(x, tf.uint8), (-1,))
+
+    def from_bytes(self, b, dtype: str):
+        dtype = _tf_dtype(dtype)
+        if dtype == tf.uint8:
+            return b
+        return tf.bitcast(tf.reshape(b, (-1, dtype.size)), dtype) if dtype.size > 1 else tf.bitcast(b, dtype)
+
+    def host_ints(self, x, count: int):
+        """The ``count`` values of a 1-d integer tensor as Python ints; inside a trace, as
+        scalar tensors."""
+        if tf.executing_eagerly():
+            return [int(v) for v in x.numpy()]
+        return [x[i] for i in range(count)]
+
+    def device(self, x) -> str:
+        return _device(x)
+
     # --- arithmetic and selection --------------------------------------------------------
     def abs(self, x):
         x = _to_tensor(x)

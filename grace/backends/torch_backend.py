@@ -74,6 +74,18 @@ class TorchBackend:
     def split(self, x, sizes):
         return list(torch.split(x, [int(s) for s in sizes]))
 
+    def to_bytes(self, x):
+        return x.contiguous().view(torch.uint8)
+
+    def from_bytes(self, b, dtype: str):
+        return b.view(_dtype(dtype))  # a view: bucket frames keep every piece aligned
+
+    def host_ints(self, x, count: int):
+        return x.tolist()
+
+    def device(self, x) -> str:
+        return str(x.device)
+
     # --- arithmetic and selection --------------------------------------------------------
     def abs(self, x):
         return x.abs()

@@ -12,6 +12,7 @@ from grace.memories import make_memory
 class FP16(Compressor):
     collective = Collective.ALLREDUCE
     supports_allreduce = True
+    elementwise = True
 
     def __init__(self, dtype: str = "float16"):
         if dtype not in ("float16", "bfloat16"):

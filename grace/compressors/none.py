@@ -8,6 +8,7 @@ from grace.memories import make_memory
 class NoneCompressor(Compressor):
     collective = Collective.ALLREDUCE
     supports_allreduce = True
+    elementwise = True
 
     def compress(self, xp, x, info):
         return (xp.flatten(x),), Shape(xp.shape(x), xp.dtype(x))

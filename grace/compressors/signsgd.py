@@ -13,6 +13,7 @@ from grace.memories import make_memory
 
 class SignSGD(Compressor):
     collective = Collective.ALLGATHER
+    elementwise = True
 
     def __init__(self, aggregate: str = "majority"):
         if aggregate not in ("majority", "mean"):

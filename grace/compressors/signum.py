@@ -12,6 +12,8 @@ from grace.memories import make_memory
 
 
 class Signum(SignSGD):
+    elementwise = False  # its momentum is per-tensor state, saved under the tensor's name
+
     def __init__(self, momentum: float = 0.9, aggregate: str = "majority"):
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")

@@ -12,11 +12,33 @@ from grace.core.compressor import Collective, Compressor
 from grace.core.memory import Memory
 
 
+#: DDP's default bucket cap
+DEFAULT_BUCKET_MB = 25.0
+SCOPES = ("tensor", "bucket")
+
+
 class GradientCompression:
+    """``bucket_mb``: the cap of a bucket of gradients exchanged together (0: one exchange per
+    gradient). ``scope``: 'tensor' compresses each gradient as its own tensor; 'bucket'
+    compresses a bucket's flat buffer as one tensor (for example one global top-k), which is
+    a different method with its own accuracy."""
+
     def __init__(self, compressor: Compressor, memory: Memory,
-                 communicator: Optional[Union[str, Collective]] = None):
+                 communicator: Optional[Union[str, Collective]] = None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, scope: str = "tensor"):
         self.compressor = compressor
         self.memory = memory
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 <= bucket_mb < float("inf"):
+            raise ValueError(f"bucket_mb must be a finite number >= 0 (0: one exchange per gradient), got {bucket_mb!r}")
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(map(repr, SCOPES))}, got {scope!r}")
+        if scope == "bucket" and not bucket_mb:
+            raise ValueError("scope='bucket' compresses whole buckets: it needs bucket_mb > 0")
+        if scope == "bucket" and compressor.multi_round:
+            raise ValueError(f"scope='bucket' cannot be used with {type(compressor).__name__}: "
+                             "it works on each gradient's matrix shape")
+        self.bucket_mb = float(bucket_mb)
+        self.scope = scope
         self.collective = compressor.collective if communicator is None else Collective.parse(communicator)
         if self.collective is Collective.ALLREDUCE and not compressor.supports_allreduce:
             raise ValueError(
@@ -29,7 +51,9 @@ class GradientCompression:
                              "it runs only with communicator='allreduce'")
 
     def __repr__(self) -> str:
-        return f"grace({self.compressor!r}, memory={self.memory!r}, communicator='{self.collective.value}')"
+        scope = f", scope='{self.scope}'" if self.scope != "tensor" else ""
+        return (f"grace({self.compressor!r}, memory={self.memory!r}, communicator='{self.collective.value}', "
+                f"bucket_mb={self.bucket_mb:g}{scope})")
 
     # Horovod's own hook calls these when it got a grace object without grace's wrapper.
     def compress(self, tensor):

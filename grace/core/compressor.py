@@ -94,6 +94,9 @@ class Compressor:
     variable_length: bool = False
     #: compression needs several allreduce rounds (see ``rounds``)
     multi_round: bool = False
+    #: every element is compressed on its own, with no statistic, draw or state of its tensor,
+    #: so a bucket of tensors compresses as one flat tensor with the same result
+    elementwise: bool = False
 
     def compress(self, xp, x, info: TensorInfo) -> Tuple[Payload, Any]:
         raise NotImplementedError

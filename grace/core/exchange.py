@@ -12,17 +12,29 @@ ranks share).
 
 ``start`` runs up to launching the collective and ``finish`` waits for it, so a toolkit can
 overlap the exchange of one gradient with the backward pass of the next.
+
+With ``bucket_mb > 0`` (the default) gradients travel in buckets (``grace.core.bucket``):
+``start_bucket`` compensates the bucket's flat buffer in one pass, compresses each gradient
+in it as its own tensor (the same k, scales and draws as alone), and sends every payload in
+one frame with one collective; ``finish_bucket`` decodes each rank's frame and aggregates
+per gradient. Methods that treat elements independently (``Compressor.elementwise``), and
+every method with ``scope='bucket'``, compress the whole buffer at once. A bucket whose
+encoding would be larger than the dense gradient is sent dense, and its memory records all
+of it as sent. Step counters and flat memories are kept per bucket and saved per gradient
+name, so a checkpoint loads under any bucket size.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from grace.backends import backend_for
-from grace.core.communicator import Communicator, Handle
+from grace.core import bucket as frames
+from grace.core.bucket import Bucket, Dense
+from grace.core.communicator import Communicator, Handle, _lengths
 from grace.core.compression import GradientCompression
 from grace.core.compressor import FLOAT_DTYPES, Collective, TensorInfo
-from grace.core.state import StateStore
+from grace.core.state import TABLES, StateStore
 
 
 @dataclass
@@ -68,6 +80,57 @@ class Pending:
     memory_state: Any = None  # multi-round methods: the memory before this step
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """What the compressor sees as one tensor: a gradient of the bucket, or the whole bucket."""
+
+    name: str
+    shape: tuple
+    offset: int
+    numel: int
+
+
+@dataclass
+class BucketPending:
+    bucket: Bucket
+    xp: Any
+    units: List[_Unit]
+    infos: List[TensorInfo]
+    g: Any  # the flat gradient
+    old: List[Any]  # each unit's memory before this step
+    flat_memory: bool
+    ctxs: List[Any] = field(default_factory=list)
+    wait: Any = None
+    sent_dense: bool = False
+    structure: List[int] = field(default_factory=list)  # tensors per unit's payload
+    dtypes: List[str] = field(default_factory=list)  # of the frame's pieces
+    counts: List[int] = field(default_factory=list)
+    p: Any = None  # multi-round methods: the compensated units
+    rounds: Any = None  # multi-round methods: one suspended protocol per unit
+
+
+def _view(xp, flat, unit):
+    """The unit's part of a flat tensor (or of each tensor of a state tuple), in its shape."""
+    if flat is None:
+        return None
+    if isinstance(flat, tuple):
+        return tuple(_view(xp, t, unit) for t in flat)
+    return xp.reshape(flat[unit.offset:unit.offset + unit.numel], unit.shape)
+
+
+def _state_view(value, segment):
+    return _view(backend_for(value[0] if isinstance(value, tuple) else value), value, segment)
+
+
+def _flat_state(xp, value):
+    return tuple(xp.flatten(t) for t in value) if isinstance(value, tuple) else xp.flatten(value)
+
+
+def _concat(xp, tensors):
+    flat = [xp.flatten(t) for t in tensors]
+    return flat[0] if len(flat) == 1 else xp.concat(flat)
+
+
 class Exchange:
     def __init__(self, compression: GradientCompression, communicator: Communicator,
                  average: bool = True, store: Optional[StateStore] = None, stats=None):
@@ -78,6 +141,9 @@ class Exchange:
         self.average = average
         self.store = store if store is not None else StateStore()
         self.stats = stats if stats is not None else WireStats()
+        self._plans: Dict[tuple, List[Bucket]] = {}
+        self._buckets: Dict[str, Bucket] = {}
+        self._adopted: set = set()
 
     def start(self, name: str, g) -> Pending:
         xp = backend_for(g)
@@ -149,10 +215,288 @@ class Exchange:
         return handle
 
     def exchange(self, grads: Dict[str, Any]) -> Dict[str, Any]:
-        """Exchange a whole step's gradients (all launched before any is awaited)."""
-        pending = {name: self.start(name, g) for name, g in grads.items()}
-        out = {name: self.finish(p) for name, p in pending.items()}
+        """Exchange a whole step's gradients, in buckets planned in the dict's order unless
+        ``bucket_mb`` is 0 (all launched before any is awaited)."""
+        if not self.compression.bucket_mb:
+            pending = {name: self.start(name, g) for name, g in grads.items()}
+            out = {name: self.finish(p) for name, p in pending.items()}
+        else:
+            out = {}
+            specs = []
+            for name, g in grads.items():
+                xp = backend_for(g)
+                specs.append((name, xp.shape(g), xp.dtype(g), xp.device(g)))
+                if xp.numel(g) == 0:
+                    out[name] = g
+            started = [self.start_bucket(b, [grads[s] for s in b.names]) for b in self.plan(specs)]
+            for pending in started:
+                out.update(zip(pending.bucket.names, self.finish_bucket(pending)))
+            out = {name: out[name] for name in grads}
         self.stats.end_step()
+        return out
+
+    # --- buckets -------------------------------------------------------------------------
+    def plan(self, tensors: Sequence[tuple]) -> List[Bucket]:
+        """The buckets for ``(name, shape, dtype, group)`` tuples in backward order (see
+        ``grace.core.bucket.plan``), remembered so that their state is saved per name."""
+        key = tuple(tensors)
+        if key not in self._plans:
+            self._plans[key] = frames.plan(tensors, self.compression.bucket_mb * 2**20)
+            self._buckets.update((b.key, b) for b in self._plans[key])
+        return self._plans[key]
+
+    def start_bucket(self, bucket: Bucket, grads: Sequence) -> "BucketPending":
+        """Compensate, compress and launch the one collective of ``bucket``; ``grads`` are its
+        gradients in segment order."""
+        xp = backend_for(grads[0])
+        dtype = xp.dtype(grads[0])
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"grace compresses floating-point gradients; {bucket.names[0]!r} has dtype {dtype}")
+        compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
+        rank, n = self.communicator.rank, self.communicator.size
+        g = xp.concat([xp.flatten(t) for t in grads]) if len(grads) > 1 else xp.flatten(grads[0])
+        self._adopt(bucket, xp, g)
+        units = [_Unit(bucket.key, (bucket.numel,), 0, bucket.numel)] if self._whole else [
+            _Unit(s.name, s.shape, s.offset, s.numel) for s in bucket.segments]
+        flat_memory = self._flat_memory
+        step = store.get("steps", bucket.key, lambda _: 0, g)
+        store.set("steps", bucket.key, step + 1)
+        self.stats.add(0, 4 * bucket.numel)
+        e_flat = store.get("memory", bucket.key, lambda t: memory.init(xp, t), g) if flat_memory else None
+
+        def memory_of(u, g_u):
+            if flat_memory:
+                return _view(xp, e_flat, u)
+            return store.get("memory", u.name, lambda t: memory.init(xp, t), g_u)
+
+        infos, states, old, p = [], [], [], []
+        for u in units:
+            g_u = _view(xp, g, u)
+            info = TensorInfo(name=u.name, step=step, world_size=n, rank=rank)
+            first = TensorInfo(name=u.name, step=0, world_size=n, rank=rank)
+            infos.append(info)
+            states.append(store.get("state", u.name, lambda t: compressor.init_state(xp, t, first), g_u))
+            old.append(memory_of(u, g_u))
+        pending = BucketPending(bucket, xp, units, infos, g, old, flat_memory)
+
+        if compressor.multi_round:
+            pending.p = [memory.compensate(xp, _view(xp, g, u), e) for u, e in zip(units, old)]
+            pending.rounds = [compressor.rounds(xp, p_u, info, state)
+                              for p_u, info, state in zip(pending.p, infos, states)]
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [next(r) for r in pending.rounds], g)
+            self.stats.add(nbytes, 0)
+            return pending
+
+        payloads, new_memory = [], []
+        for u, info, state, e in zip(units, infos, states, old):
+            g_u = _view(xp, g, u)
+            fused = memory.fused_step(xp, compressor, g_u, e, info)
+            if fused is not None:
+                payload, ctx, e_new = fused
+            else:
+                p_u = memory.compensate(xp, g_u, e)
+                payload, ctx, state = compressor.step(xp, p_u, info, state)
+                store.set("state", u.name, state)
+                e_new = (memory.update(xp, p_u, compressor.decompress(xp, payload, ctx), e)
+                         if memory.needs_feedback else None)
+            payloads.append(payload)
+            pending.ctxs.append(ctx)
+            new_memory.append(e_new)
+
+        if self.compression.collective is Collective.ALLREDUCE:
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, g)
+        else:
+            nbytes = self._launch_frame(pending, payloads)
+            if pending.sent_dense:  # the memory records the whole bucket as sent
+                new_memory = [memory.update(xp, p_u, p_u, e) if memory.needs_feedback else None
+                              for p_u, e in ((memory.compensate(xp, _view(xp, g, u), e), e)
+                                             for u, e in zip(units, old))]
+        self._store_memory(pending, new_memory)
+        self.stats.add(nbytes, 0)
+        return pending
+
+    def finish_bucket(self, pending: "BucketPending") -> List[Any]:
+        """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order."""
+        xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
+        if pending.rounds is not None:
+            g_hat = self._finish_bucket_rounds(pending)
+        elif self.compression.collective is Collective.ALLREDUCE:
+            g_hat = [compressor.decompress(xp, payload, ctx) / n
+                     for payload, ctx in zip(pending.wait(), pending.ctxs)]
+        else:
+            g_hat = self._aggregate_frames(pending)
+        if len(pending.units) == 1 and pending.units[0].name == pending.bucket.key:  # the whole bucket
+            flat = xp.flatten(g_hat[0])
+            g_hat = [_view(xp, flat, s) for s in pending.bucket.segments]
+        return g_hat if self.average else [t * n for t in g_hat]
+
+    def _allreduce_units(self, xp, key: str, payloads, like):
+        """One allreduce per payload dtype (one, unless a method mixes them) of all units'
+        payloads; (wait for the summed payloads per unit, bytes sent)."""
+        shapes = [xp.shape(t) for payload in payloads for t in payload]
+        pieces = [xp.flatten(t) for payload in payloads for t in payload]
+        structure = [len(payload) for payload in payloads]
+        dtypes = [xp.dtype(t) for t in pieces]
+        counts = [xp.numel(t) for t in pieces]
+        waits = {}
+        for dtype in dict.fromkeys(dtypes):
+            group = [t for t, d in zip(pieces, dtypes) if d == dtype]
+            name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
+            waits[dtype] = self.communicator.allreduce_async(xp.concat(group) if len(group) > 1 else group[0], name)
+
+        def wait():
+            summed = {d: xp.split(w(), [c for c, dd in zip(counts, dtypes) if dd == d]) for d, w in waits.items()}
+            ordered = [xp.reshape(summed[d].pop(0), shape) for d, shape in zip(dtypes, shapes)]
+            return frames.split_payloads(ordered, structure)
+
+        return wait, sum(xp.nbytes(t) for t in pieces)
+
+    def _launch_frame(self, pending: "BucketPending", payloads) -> int:
+        """Frame this rank's payloads (or its dense bucket) and launch the allgather or the
+        broadcasts; the bytes sent."""
+        xp, comm, bucket, g = pending.xp, self.communicator, pending.bucket, pending.g
+        variable = self.compression.compressor.variable_length
+        pieces = [t for payload in payloads for t in payload]
+        pending.structure = [len(payload) for payload in payloads]
+        pending.dtypes = [xp.dtype(t) for t in pieces]
+        pending.counts = [xp.numel(t) for t in pieces]
+        frame = frames.frame(xp, pieces, variable, like=g)
+        dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False) + (8 * len(pieces) if variable else 0)
+        # Fixed-length methods: every rank decides alike. A length known only when a traced
+        # TensorFlow step runs is never replaced (the frame's layout is fixed at trace time).
+        if isinstance(xp.numel(frame), int) and xp.numel(frame) > dense_size:
+            pending.sent_dense = True
+            frame = frames.dense_frame(xp, g, len(pieces), like=g) if variable else frames.frame(xp, [g], False, g)
+        nbytes = xp.numel(frame)
+        if self.compression.collective is Collective.ALLGATHER:
+            pending.wait = comm.allgather_async(frame, bucket.key)
+            return nbytes
+        if variable:  # receivers must know the frames' sizes before the broadcasts
+            sizes = xp.host_ints(comm.allgather_async(_lengths(xp, [frame]), f"{bucket.key}.sizes")(), comm.size)
+            nbytes += 8
+        else:
+            sizes = [nbytes] * comm.size
+        waits = [comm.broadcast_async(frame if root == comm.rank or not variable
+                                      else xp.zeros(sizes[root], "uint8", like=g), root, f"{bucket.key}.from{root}")
+                 for root in range(comm.size)]
+        pending.wait = lambda: [w() for w in waits]
+        return nbytes
+
+    def _aggregate_frames(self, pending: "BucketPending") -> List[Any]:
+        xp, bucket, compressor, n = pending.xp, pending.bucket, self.compression.compressor, self.communicator.size
+        variable = compressor.variable_length
+        received = pending.wait()
+        if pending.sent_dense and not variable:  # every rank sent its dense bucket
+            dtypes, counts = [bucket.dtype], [bucket.numel]
+        else:
+            dtypes, counts = pending.dtypes, pending.counts
+        if isinstance(received, list):  # broadcasts: one frame per rank
+            read = [frames.read_frame(xp, f, 0, dtypes, counts, variable, bucket.numel, bucket.dtype)[0]
+                    for f in received]
+        else:
+            read, start = [], 0
+            expected = n * frames.frame_size(counts, dtypes, False)
+            if not variable and isinstance(xp.numel(received), int) and xp.numel(received) != expected:
+                raise RuntimeError(f"grace: ranks sent payloads of different lengths for {bucket.key!r} "
+                                   "(are they configured differently?)")
+            for _ in range(n):
+                frame, start = frames.read_frame(xp, received, start, dtypes, counts, variable,
+                                                 bucket.numel, bucket.dtype)
+                read.append(frame)
+        if pending.sent_dense and not variable:
+            read = [Dense(pieces[0]) for pieces in read]
+        dense = [f.values for f in read if isinstance(f, Dense)]
+        encoded = [frames.split_payloads(f, pending.structure) for f in read if not isinstance(f, Dense)]
+        out = []
+        for i, (u, ctx) in enumerate(zip(pending.units, pending.ctxs)):
+            g_hat = compressor.aggregate(xp, [payloads[i] for payloads in encoded], ctx) if encoded else None
+            if dense:  # aggregate is a mean over the payloads it gets: weigh it, add the dense ones
+                total = dense[0][u.offset:u.offset + u.numel]
+                for values in dense[1:]:
+                    total = total + values[u.offset:u.offset + u.numel]
+                total = xp.reshape(total, u.shape)
+                g_hat = total / n if g_hat is None else (g_hat * len(encoded) + total) / n
+            out.append(g_hat)
+        return out
+
+    def _finish_bucket_rounds(self, pending: "BucketPending") -> List[Any]:
+        xp, memory, key = pending.xp, self.compression.memory, pending.bucket.key
+        summed, results, r = pending.wait(), [None] * len(pending.units), 0
+        running = list(range(len(pending.units)))
+        while running:
+            payloads, still = [], []
+            for i, total in zip(running, summed):
+                try:
+                    payloads.append(pending.rounds[i].send(total))
+                    still.append(i)
+                except StopIteration as done:
+                    results[i] = done.value
+            running = still
+            if running:
+                r += 1
+                wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads, pending.g)
+                self.stats.add(nbytes, 0)
+                summed = wait()
+        g_hat, new_memory = [], []
+        for u, (g_u, p_hat, state), p_u, e in zip(pending.units, results, pending.p, pending.old):
+            self.store.set("state", u.name, state)
+            g_hat.append(g_u)
+            new_memory.append(memory.update(xp, p_u, p_hat, e) if memory.needs_feedback else None)
+        self._store_memory(pending, new_memory)
+        return g_hat
+
+    def _store_memory(self, pending: "BucketPending", new_memory: List[Any]) -> None:
+        if not self.compression.memory.needs_feedback:
+            return
+        xp, store = pending.xp, self.store
+        if not pending.flat_memory:
+            for u, e in zip(pending.units, new_memory):
+                store.set("memory", u.name, e)
+            return
+        if isinstance(new_memory[0], tuple):  # a state of several tensors (DGC's u and v)
+            parts = zip(*new_memory)
+            store.set("memory", pending.bucket.key, tuple(_concat(xp, list(c)) for c in parts))
+        else:
+            store.set("memory", pending.bucket.key, _concat(xp, new_memory))
+
+    @property
+    def _whole(self) -> bool:
+        """Buckets are compressed as one tensor."""
+        return self.compression.scope == "bucket" or self.compression.compressor.elementwise
+
+    @property
+    def _flat_memory(self) -> bool:
+        """A bucket keeps one flat memory (else each gradient keeps its own)."""
+        return self._whole or self.compression.memory.elementwise
+
+    def _adopt(self, bucket: Bucket, xp, like) -> None:
+        """The first time a bucket is used: take over its gradients' per-name state (from a
+        checkpoint, or saved under another bucket size)."""
+        if bucket.key in self._adopted:
+            return
+        self._adopted.add(bucket.key)
+        with self.store.eager():  # a TensorFlow trace: read and create the variables once, now
+            for table, value in self._gather(bucket, self.store.tables, xp, like).items():
+                self.store.set(table, bucket.key, value)
+
+    def _gather(self, bucket: Bucket, tables: Dict[str, Dict[str, Any]], xp, like) -> Dict[str, Any]:
+        """Pop the per-name steps (and flat-kept memories) of ``bucket``'s gradients from
+        ``tables``; the bucket's own values: its step (the largest), its flat memory (a
+        gradient without one starts from the memory's init)."""
+        out = {}
+        steps = [tables["steps"].pop(name) for name in bucket.names if name in tables["steps"]]
+        if steps:
+            out["steps"] = max(int(s) for s in steps)
+        memories = tables["memory"]
+        if self._flat_memory and any(name in memories for name in bucket.names):
+            memory, parts = self.compression.memory, []
+            for s in bucket.segments:
+                value = memories.pop(s.name, None)
+                if value is None:
+                    value = memory.init(xp, xp.zeros(s.numel, bucket.dtype, like=like))
+                parts.append(_flat_state(xp, value))
+            out["memory"] = (tuple(_concat(xp, list(c)) for c in zip(*parts)) if isinstance(parts[0], tuple)
+                             else _concat(xp, parts))
         return out
 
     # --- state and checkpointing ---------------------------------------------------------
@@ -172,7 +516,26 @@ class Exchange:
         return self.store.tables["steps"]
 
     def state_dict(self) -> Dict[str, Any]:
-        return self.store.state_dict()
+        """Per gradient name: a bucket's step counter and flat memory are saved as each of its
+        gradients' own, so the state loads under any bucket size."""
+        state = self.store.state_dict()
+        for table in ("steps", "memory"):
+            for key in [k for k in state[table] if k in self._buckets]:
+                value, bucket = state[table].pop(key), self._buckets[key]
+                for s in bucket.segments:
+                    state[table][s.name] = value if table == "steps" else _state_view(value, s)
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Buckets already in use take their gradients' state at once (a traced step keeps
+        reading the bucket's variables); the others when they are first used."""
+        state = {table: dict(values) for table, values in state.items()}
+        for table in TABLES:
+            state.setdefault(table, {})
+        for bucket in self._buckets.values():
+            like = next((v[0] if isinstance(v, tuple) else v for v in state["memory"].values()), None)
+            xp = backend_for(like) if like is not None else None
+            for table, value in self._gather(bucket, state, xp, like).items():
+                state[table][bucket.key] = value
         self.store.load_state_dict(state)
+        self._adopted = set(self._buckets)

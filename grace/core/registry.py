@@ -1,25 +1,32 @@
 """Methods by name: each method file registers its factory with one decorator line."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict
 
-from grace.core.compression import GradientCompression
+from grace.core.compression import DEFAULT_BUCKET_MB, GradientCompression
 
 _FACTORIES: Dict[str, Callable[..., GradientCompression]] = {}
 _GRACE_PARAMS: Dict[str, Dict[str, str]] = {}
 # Keys of GRACE's parameter dictionary that every method accepts; world_size comes from Horovod.
-_COMMON_PARAMS = {"memory": "memory", "communicator": "communicator"}
+_COMMON_PARAMS = {"memory": "memory", "communicator": "communicator", "bucket_mb": "bucket_mb", "scope": "scope"}
 _IGNORED_PARAMS = {"world_size"}
 
 
 def register(name: str, **grace_params: str):
     """Register a factory under ``name``; ``grace_params`` maps GRACE dictionary keys to its
-    keyword arguments (e.g. ``compress_ratio="ratio"``)."""
+    keyword arguments (e.g. ``compress_ratio="ratio"``). The registered factory also takes
+    ``bucket_mb=`` and ``scope=`` (see ``GradientCompression``)."""
 
     def decorate(factory):
-        _FACTORIES[name] = factory
+        @functools.wraps(factory)
+        def make(*args, bucket_mb: float = DEFAULT_BUCKET_MB, scope: str = "tensor", **kwargs):
+            method = factory(*args, **kwargs)
+            return GradientCompression(method.compressor, method.memory, method.collective, bucket_mb, scope)
+
+        _FACTORIES[name] = make
         _GRACE_PARAMS[name] = {**_COMMON_PARAMS, **grace_params}
-        return factory
+        return make
 
     return decorate
 

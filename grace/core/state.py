@@ -7,6 +7,7 @@ A value of None means "no state" and is never stored.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict
 
 TABLES = ("memory", "state", "steps")
@@ -29,6 +30,10 @@ class StateStore:
             self.tables[table].pop(name, None)
         else:
             self.tables[table][name] = value
+
+    def eager(self):
+        """A context in which values are read and stored at once (not traced into a graph)."""
+        return contextlib.nullcontext()
 
     def state_dict(self) -> Dict[str, Dict[str, Any]]:
         return {table: dict(values) for table, values in self.tables.items()}

@@ -37,20 +37,26 @@ class GradientExchange:
     def __call__(self, grads, variables=None, use_generic_names=False):
         names = [f"grad_{i}" if use_generic_names or variables is None else v.name.removesuffix(":0")
                  for i, v in enumerate(variables or grads)]
-        started = []
+        dense = {}
         for name, grad in zip(names, grads):
             if grad is None:  # no gradient for this variable on this rank: Horovod's rule too
-                started.append(None)
                 continue
             if isinstance(grad, tf.IndexedSlices):
                 if not self.sparse_as_dense:
                     raise ValueError(f"grace cannot compress the sparse gradient of {name!r}; "
                                      "pass sparse_as_dense=True")
                 grad = tf.convert_to_tensor(grad)
-            started.append(self.exchange.start(name, grad))
-        reduced = [None if p is None else self.exchange.finish(p) for p in started]
-        self.exchange.stats.end_step()
-        return reduced
+            if self.exchange.compression.bucket_mb and name in dense:
+                raise ValueError(f"two variables are named {name!r}: grace keeps error-feedback state per "
+                                 "variable name, so give each variable a unique name")
+            dense[name] = grad
+        if not self.exchange.compression.bucket_mb:
+            started = {name: self.exchange.start(name, grad) for name, grad in dense.items()}
+            reduced = {name: self.exchange.finish(p) for name, p in started.items()}
+            self.exchange.stats.end_step()
+        else:  # buckets planned in backward order: the last variables first
+            reduced = self.exchange.exchange(dict(reversed(list(dense.items()))))
+        return [reduced.get(name) if grad is not None else None for name, grad in zip(names, grads)]
 
 
 _TAPE_EXCHANGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -41,6 +41,9 @@ class VariableStore(StateStore):
             return
         tf.nest.map_structure(lambda v, x: v.assign(tf.cast(x, v.dtype)), variables[name], value)
 
+    def eager(self):
+        return tf.init_scope()
+
     @property
     def variables(self):
         """Every variable, for a tf.train.Checkpoint or a Keras model's weights."""

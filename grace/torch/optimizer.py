@@ -15,6 +15,7 @@ from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
 from grace.core.compression import check_horovod_arguments
 from grace.core.exchange import Exchange
+from grace.core.ready import ReadyBuckets
 from grace.torch.communicator import HorovodCommunicator
 
 
@@ -27,6 +28,12 @@ class _GraceOptimizer:
         _HorovodOptimizer.__init__(self, params, named_parameters, Compression.none,
                                    backward_passes_per_step, op, 1.0, None, sparse_as_dense, process_set)
         self._grace = Exchange(compression, HorovodCommunicator(process_set), average=op == Average)
+        self._grace_buckets = None
+        if compression.bucket_mb:  # planned in backward order: the last parameters first
+            params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+            specs = [(self._parameter_names[p], tuple(p.shape), str(p.dtype).removeprefix("torch."), str(p.device))
+                     for p in reversed(params)]
+            self._grace_buckets = ReadyBuckets(self._grace, self._grace.plan(specs))
         # Horovod skips communication on a single rank; a compression method still applies
         # there, so that training with it behaves the same at any scale.
         if process_set.included() and not self._grad_accs:
@@ -42,11 +49,17 @@ class _GraceOptimizer:
                 raise ValueError(f"grace cannot compress the sparse gradient of {name!r}; "
                                  "pass sparse_as_dense=True to DistributedOptimizer")
             grad = grad.to_dense()
+        if self._grace_buckets is not None:
+            return self._grace_buckets.add(name, grad), None
         pending = self._grace.start(name, grad)
         return (lambda: self._grace.finish(pending)), None
 
     def synchronize(self):
-        _HorovodOptimizer.synchronize(self)
+        try:
+            _HorovodOptimizer.synchronize(self)
+        finally:
+            if self._grace_buckets is not None:
+                self._grace_buckets.reset()
         self._grace.stats.end_step()
 
     @property
@@ -63,6 +76,8 @@ class _GraceOptimizer:
         state_dict = dict(state_dict)
         grace_state = state_dict.pop("grace", None)
         _HorovodOptimizer.load_state_dict(self, state_dict)
+        if self._grace_buckets is not None:
+            self._grace_buckets.reset()
         if grace_state is not None:
             self._grace.load_state_dict(grace_state)
 

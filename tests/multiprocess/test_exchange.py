@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import launch
-from tests.multiprocess.reference import expected
+from tests.multiprocess.reference import collective_calls, expected
 from tests.multiprocess.workers.common import BROADCAST_VARIANTS, PARAMS, STEPS, VARIANTS
 
 WORKERS = Path(__file__).parent / "workers"
@@ -50,13 +50,25 @@ def test_every_rank_gets_the_reference_result(run, label, run_dir):
     want = expected(VARIANTS[label], ranks)
     for rank in range(ranks):
         got = np.load(run_dir(run) / f"{label}.rank{rank}.npz")
-        assert sorted(got.files) == sorted(want[rank]), f"rank {rank}: different tensors"
+        assert sorted(k for k in got.files if not k.startswith("calls/")) == sorted(want[rank]), \
+            f"rank {rank}: different tensors"
         for key, value in want[rank].items():
             if key.startswith("bytes/"):
                 assert int(got[key]) == value, f"rank {rank} {key}: sent {int(got[key])} bytes, promised {value}"
             else:
                 np.testing.assert_allclose(got[key].astype(np.float64), value, **tolerance(label),
                                            err_msg=f"{run} {label} rank {rank} {key}")
+
+
+@pytest.mark.parametrize("label", [l for l, v in VARIANTS.items() if v.make().bucket_mb])
+@pytest.mark.parametrize("run", ["torch-horovod-gloo-np3", "torch-horovod-mpi-np2"])
+def test_one_collective_per_bucket_and_round(run, label, run_dir):
+    """Counted at Horovod's entry points: buckets x the method's rounds (broadcast: one per rank)."""
+    ranks = RUNS[run][1]
+    want = collective_calls(VARIANTS[label].make(), ranks)
+    for rank in range(ranks):
+        got = np.load(run_dir(run) / f"{label}.rank{rank}.npz")
+        assert [int(got[f"calls/{s}"]) for s in range(STEPS)] == [want] * STEPS, f"rank {rank}"
 
 
 @pytest.mark.parametrize("label", [l for l in VARIANTS if l.startswith(("topk", "threshold", "randomk"))])

@@ -71,6 +71,22 @@ VARIANTS = {
     "powersgd": Variant(lambda: grace.powersgd(2)),
     "powersgd_checkpoint": Variant(lambda: grace.powersgd(1), checkpoint_after=1),
     "signum_checkpoint": Variant(lambda: grace.signum(0.5), checkpoint_after=0),
+    # every variant above exchanges one 25 MB bucket; these exchange each tensor alone ...
+    "topk_per_tensor": Variant(lambda: grace.topk(0.1, bucket_mb=0)),
+    "threshold_per_tensor": Variant(lambda: grace.threshold(1.5, bucket_mb=0)),
+    "signsgd_per_tensor": Variant(lambda: grace.signsgd(bucket_mb=0)),
+    "powersgd_per_tensor": Variant(lambda: grace.powersgd(2, bucket_mb=0)),
+    # ... or in two buckets ("big" alone: 12 kB; the rest: 368 bytes) ...
+    "topk_small_buckets": Variant(lambda: grace.topk(0.1, bucket_mb=0.005)),
+    "powersgd_small_buckets": Variant(lambda: grace.powersgd(2, bucket_mb=0.005)),
+    "dgc_small_buckets_checkpoint": Variant(lambda: grace.dgc(0.05, sample_ratio=0.1, bucket_mb=0.005),
+                                            checkpoint_after=1),
+    # ... or compress each bucket as one tensor
+    "topk_bucket_scope": Variant(lambda: grace.topk(0.1, scope="bucket")),
+    "randomk_bucket_scope": Variant(lambda: grace.randomk(0.25, scope="bucket")),
+    # nearly every element passes: the encoding (6 bytes each) is larger than dense, sent dense
+    # (TensorFlow eagerly: a traced step fixes its frame layout, so it never switches to dense)
+    "threshold_dense": Variant(lambda: grace.threshold(1e-3), eager=True),
 }
 
 
@@ -96,6 +112,12 @@ def gradient(rank: int, step: int, index: int, backward_pass: int = 0) -> np.nda
     _, shape, scale = PARAMS[index]
     rng = np.random.default_rng([rank, step, index, backward_pass])
     return np.asarray(scale * rng.standard_normal(shape), dtype=np.float32)
+
+
+def backward_order(grads: dict) -> dict:
+    """The gradients in the order backward produces them (last parameter first), which is
+    the order adapters plan their buckets in."""
+    return dict(reversed(list(grads.items())))
 
 
 def local_input(variant: Variant, rank: int, step: int, index: int) -> np.ndarray:

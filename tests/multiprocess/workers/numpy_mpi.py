@@ -2,7 +2,8 @@
 
     mpirun -np 3 python numpy_mpi.py --out DIR
 """
-from common import BROADCAST_VARIANTS, PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save, state_arrays
+from common import (BROADCAST_VARIANTS, PARAMS, STEPS, VARIANTS, backward_order, local_input, names, parse_args, save,
+                    state_arrays)
 
 from grace import Exchange
 from grace.mpi import MPICommunicator
@@ -14,7 +15,7 @@ def run(label, variant, comm):
     results = {}
     for step in range(STEPS):
         grads = {keys[i]: local_input(variant, comm.rank, step, i) for i in range(len(PARAMS))}
-        for name, g_hat in exchange.exchange(grads).items():
+        for name, g_hat in exchange.exchange(backward_order(grads)).items():
             results[f"grad/{name}/{step}"] = g_hat
         results[f"bytes/{step}"] = exchange.stats.last_step_bytes
         if step == variant.checkpoint_after:  # a fresh exchange restored from the saved state

@@ -9,6 +9,21 @@ import horovod.torch as hvd  # the user's two lines, in this order here ...
 import grace  # noqa: F401   (... and in the other order in the training test)
 import torch
 from common import PARAMS, STEPS, VARIANTS, gradient, names, parse_args, save, state_arrays
+from horovod.torch import mpi_ops
+
+CALLS = [0]  # collectives launched, counted at Horovod's own entry points
+
+
+def counted(collective):
+    def call(*args, **kwargs):
+        CALLS[0] += 1
+        return collective(*args, **kwargs)
+
+    return call
+
+
+for _name in ("allreduce_async", "allgather_async", "broadcast_async"):
+    setattr(mpi_ops, _name, counted(getattr(mpi_ops, _name)))
 
 
 def build(variant, values, state=None):
@@ -30,11 +45,13 @@ def run(label, variant):
     results = {}
     for step in range(STEPS):
         optimizer.zero_grad()
+        calls = CALLS[0]
         for b in range(variant.passes):
             loss = sum((p * torch.from_numpy(gradient(hvd.rank(), step, i, b))).sum()
                        for i, p in enumerate(params))
             loss.backward()
         optimizer.synchronize()
+        results[f"calls/{step}"] = CALLS[0] - calls
         for name, p in zip(keys, params):
             results[f"grad/{name}/{step}"] = p.grad.numpy().copy()
         results[f"bytes/{step}"] = optimizer.grace_stats.last_step_bytes

@@ -1,0 +1,159 @@
+"""Buckets: a step's gradients in a few flat buffers, each exchanged with one collective.
+
+A bucket is a run of gradients of one dtype on one device, in the order backward produces
+them, up to a size cap (as Horovod's fusion buffer and DDP's gradient buckets). The layout is
+a pure function of the tensors' names, shapes and dtypes, so every rank plans the same buckets.
+
+What a rank sends for a bucket is one contiguous uint8 tensor, its *frame*:
+
+    [header: int64 element count per piece]   (variable-length methods only)
+    [pieces: every payload tensor of every segment, widest element type first]
+    [zeros up to a multiple of 8 bytes]
+
+Widest first and the 8-byte total keep every piece aligned for its dtype, in this rank's
+frame and in the concatenation of all ranks' frames that allgather returns, so the receiver
+reads pieces as views, without copies. A frame whose header starts with -1 carries the dense
+bucket instead (a variable-length encoding that came out larger than the gradient).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, List, Sequence, Tuple
+
+from grace.core.communicator import _lengths
+from grace.core.compressor import FLOAT_DTYPES, Payload
+
+ALIGN = 8
+DENSE = -1  # first header entry of a frame that carries the dense bucket
+ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "float16": 2, "bfloat16": 2, "int32": 4,
+            "float32": 4, "int64": 8, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One gradient's place in its bucket's flat buffer."""
+
+    name: str
+    shape: Tuple[int, ...]
+    offset: int  # in elements
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    key: str  # names the bucket's collectives: the same on every rank
+    dtype: str
+    segments: Tuple[Segment, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.segments)
+
+    @property
+    def names(self) -> List[str]:
+        return [s.name for s in self.segments]
+
+
+def plan(tensors: Sequence[Tuple[str, Tuple[int, ...], str, Any]], cap_bytes: float) -> List[Bucket]:
+    """Buckets for ``(name, shape, dtype, group)`` tuples given in backward order.
+
+    Gradients of one (dtype, group) fill a bucket until the next one would take it past
+    ``cap_bytes``; a gradient larger than the cap gets a bucket of its own. ``group`` keeps
+    apart what cannot share a buffer (the device). Empty tensors are in no bucket."""
+    open_: dict = {}
+    closed: List[List[tuple]] = []
+    for name, shape, dtype, group in tensors:
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"grace compresses floating-point gradients ({', '.join(FLOAT_DTYPES)}); "
+                            f"{name!r} has dtype {dtype}")
+        numel = math.prod(shape)
+        if numel == 0:
+            continue
+        members = open_.setdefault((dtype, group), [])
+        size = sum(math.prod(s) for _, s, _, _ in members) * ITEMSIZE[dtype]
+        if members and size + numel * ITEMSIZE[dtype] > cap_bytes:
+            closed.append(members)
+            members = open_[(dtype, group)] = []
+        members.append((name, tuple(shape), dtype, group))
+    closed.extend(m for m in open_.values() if m)
+    closed.sort(key=lambda members: [t[0] for t in tensors].index(members[0][0]))  # launch order
+    buckets = []
+    for index, members in enumerate(closed):
+        segments, offset = [], 0
+        for name, shape, _, _ in members:
+            segments.append(Segment(name, shape, offset, math.prod(shape)))
+            offset += math.prod(shape)
+        tag = zlib.crc32("\0".join(s.name for s in segments).encode())
+        buckets.append(Bucket(f"grace.bucket{index}.{tag:08x}", members[0][2], tuple(segments)))
+    return buckets
+
+
+# --- frames ------------------------------------------------------------------------------
+def _order(dtypes: Sequence[str]) -> List[int]:
+    return sorted(range(len(dtypes)), key=lambda i: -ITEMSIZE[dtypes[i]])  # stable
+
+
+def frame(xp, pieces: Sequence, with_header: bool, like) -> Any:
+    """One rank's frame for the payload tensors ``pieces`` (all units' payloads, in order).
+    Under a TensorFlow trace a variable length is a tensor: the frame is built with ops."""
+    flat = [xp.flatten(t) for t in pieces]
+    parts = [xp.to_bytes(_lengths(xp, flat))] if with_header else []
+    parts.extend(xp.to_bytes(flat[i]) for i in _order([xp.dtype(t) for t in flat]))
+    return _padded(xp, parts, like)
+
+
+def dense_frame(xp, flat, pieces: int, like) -> Any:
+    """A variable-length frame that carries the bucket's dense values instead of its encoding."""
+    header = xp.cast(xp.asarray([DENSE] + [0] * (pieces - 1), like=like), "int64")
+    return _padded(xp, [xp.to_bytes(header), xp.to_bytes(flat)], like)
+
+
+def _padded(xp, parts, like):
+    size = sum(xp.numel(p) for p in parts)
+    pad = -size % ALIGN
+    if not isinstance(pad, int) or pad:
+        parts = [*parts, xp.zeros(pad, "uint8", like=like)]
+    return xp.concat(parts) if len(parts) > 1 else parts[0]
+
+
+def frame_size(counts: Sequence, dtypes: Sequence[str], with_header: bool):
+    size = (8 * len(counts) if with_header else 0) + sum(c * ITEMSIZE[d] for c, d in zip(counts, dtypes))
+    return size + (-size % ALIGN)
+
+
+@dataclass
+class Dense:
+    """What a dense frame carried: the sending rank's whole bucket."""
+
+    values: Any
+
+
+def read_frame(xp, data, start, dtypes: Sequence[str], counts: Sequence, variable: bool,
+               dense_numel: int, dense_dtype: str):
+    """The frame at byte ``start`` of ``data``: (its pieces in payload order, or ``Dense``;
+    the byte where the next frame starts). ``counts`` are this rank's own element counts,
+    which every rank shares unless the method is variable-length."""
+    pos = start
+    if variable:
+        counts = xp.host_ints(xp.from_bytes(data[pos:pos + 8 * len(dtypes)], "int64"), len(dtypes))
+        pos += 8 * len(dtypes)
+        if isinstance(counts[0], int) and counts[0] == DENSE:  # (a traced step never sends dense)
+            values = xp.from_bytes(data[pos:pos + dense_numel * ITEMSIZE[dense_dtype]], dense_dtype)
+            return Dense(values), pos + frame_size([dense_numel], [dense_dtype], False)
+    pieces: List[Any] = [None] * len(dtypes)
+    for i in _order(dtypes):
+        nbytes = counts[i] * ITEMSIZE[dtypes[i]]
+        pieces[i] = xp.from_bytes(data[pos:pos + nbytes], dtypes[i])
+        pos += nbytes
+    return pieces, start + frame_size(counts, dtypes, variable)
+
+
+def split_payloads(pieces: Sequence, structure: Sequence[int]) -> List[Payload]:
+    """Pieces back into per-unit payload tuples (``structure``: tensors per payload)."""
+    payloads, i = [], 0
+    for n in structure:
+        payloads.append(tuple(pieces[i:i + n]))
+        i += n
+    return payloads
