@@ -6,6 +6,8 @@ import numpy as np
 
 class NumpyBackend:
     name = "numpy"
+    #: tensors can be written in place (``concat_into``, ``assign``), so buffers can be reused
+    mutable_tensors = True
 
     # --- introspection -------------------------------------------------------------------
     def dtype(self, x) -> str:
@@ -59,6 +61,17 @@ class NumpyBackend:
     def from_bytes(self, b, dtype: str):
         """uint8 bytes read as a 1-d tensor of ``dtype`` (their count a multiple of its size)."""
         return np.ascontiguousarray(b).view(self.cast(np.zeros(0), dtype).dtype)
+
+    def concat_into(self, xs, out):
+        """concat into the preallocated ``out`` (backends whose tensors are mutable)."""
+        return np.concatenate(xs, out=out)
+
+    def assign(self, dst, src) -> None:
+        """Write ``src`` into the tensor (or view) ``dst``."""
+        dst[...] = src
+
+    def copy(self, x):
+        return np.array(x, copy=True)
 
     def host_ints(self, x, count: int):
         """The ``count`` values of a 1-d integer tensor as Python ints (one read from the device)."""

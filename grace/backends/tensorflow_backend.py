@@ -175,6 +175,7 @@ def _graph_fused(name: str, like):
 
 class TensorflowBackend:
     name = "tensorflow"
+    mutable_tensors = False  # concat_into returns a new tensor; assign refuses
 
     # --- introspection -------------------------------------------------------------------
     def dtype(self, x) -> str:
@@ -253,6 +254,15 @@ class TensorflowBackend:
         if dtype == tf.uint8:
             return b
         return tf.bitcast(tf.reshape(b, (-1, dtype.size)), dtype) if dtype.size > 1 else tf.bitcast(b, dtype)
+
+    def copy(self, x):
+        return tf.identity(x) if _is_tensor(x) else np.array(x, copy=True)
+
+    def concat_into(self, xs, out):
+        return self.concat(xs)
+
+    def assign(self, dst, src) -> None:
+        raise TypeError("TensorFlow tensors cannot be written in place (mutable_tensors is False)")
 
     def host_ints(self, x, count: int):
         """The ``count`` values of a 1-d integer tensor as Python ints; inside a trace, as

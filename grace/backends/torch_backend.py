@@ -27,6 +27,7 @@ def _dtype(name: str) -> torch.dtype:
 
 class TorchBackend:
     name = "torch"
+    mutable_tensors = True
 
     # --- introspection -------------------------------------------------------------------
     def dtype(self, x) -> str:
@@ -79,6 +80,15 @@ class TorchBackend:
 
     def from_bytes(self, b, dtype: str):
         return b.view(_dtype(dtype))  # a view: bucket frames keep every piece aligned
+
+    def concat_into(self, xs, out):
+        return torch.cat(list(xs), out=out)
+
+    def assign(self, dst, src) -> None:
+        dst.copy_(src)
+
+    def copy(self, x):
+        return x.clone()
 
     def host_ints(self, x, count: int):
         return x.tolist()

@@ -18,11 +18,12 @@ class Sparsifier(Compressor):
         """What the residual kernel selects by (k, or the threshold)."""
         raise NotImplementedError
 
-    def compress_with_residual(self, xp, g, residual, beta, gamma, info):
+    def compress_with_residual(self, xp, g, residual, beta, gamma, info, out=None):
         fused = xp.fused(self.residual_kernel, g, xp.dtype(g)) if self.residual_kernel else None
         if not fused:
             return None
-        values, indices, residual = fused(g, residual, self.kernel_argument(xp.numel(g)), beta, gamma)
+        where = {} if out is None else {"out": out}
+        values, indices, residual = fused(g, residual, self.kernel_argument(xp.numel(g)), beta, gamma, **where)
         return (values, indices), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(residual, xp.shape(g))
 
     def compress(self, xp, x, info):

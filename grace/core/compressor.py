@@ -116,10 +116,11 @@ class Compressor:
         payload, ctx = self.compress(xp, x, info)
         return payload, ctx, state
 
-    def compress_with_residual(self, xp, g, residual, beta: float, gamma: float, info: TensorInfo):
+    def compress_with_residual(self, xp, g, residual, beta: float, gamma: float, info: TensorInfo, out=None):
         """Optional fast path for residual memory: p = gamma * g + beta * residual, compress(p)
         and the new residual p - decompress(compress(p)) in one pass over memory (a native
-        kernel). (payload, ctx, new residual), or None: the pipeline runs the steps apart."""
+        kernel, writing the residual into ``out`` when given). (payload, ctx, new residual), or
+        None: the pipeline runs the steps apart."""
         return None
 
     def rounds(self, xp, x, info: TensorInfo, state):

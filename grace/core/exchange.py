@@ -122,8 +122,26 @@ def _state_view(value, segment):
     return _view(backend_for(value[0] if isinstance(value, tuple) else value), value, segment)
 
 
+def _state_copy(value, segment):
+    xp = backend_for(value[0] if isinstance(value, tuple) else value)
+    view = _view(xp, value, segment)
+    return tuple(xp.copy(t) for t in view) if isinstance(view, tuple) else xp.copy(view)
+
+
 def _flat_state(xp, value):
     return tuple(xp.flatten(t) for t in value) if isinstance(value, tuple) else xp.flatten(value)
+
+
+def _assign(xp, dst, src) -> None:
+    if isinstance(dst, tuple):
+        for d, s in zip(dst, src):
+            xp.assign(d, s)
+    else:
+        xp.assign(dst, src)
+
+
+def _shapes(xp, value):
+    return [xp.shape(t) for t in value] if isinstance(value, tuple) else xp.shape(value)
 
 
 def _concat(xp, tensors):
@@ -144,6 +162,8 @@ class Exchange:
         self._plans: Dict[tuple, List[Bucket]] = {}
         self._buckets: Dict[str, Bucket] = {}
         self._adopted: set = set()
+        self._buffers: Dict[str, Any] = {}  # per bucket: the flat gradient
+        self._spares: Dict[str, Any] = {}  # per bucket: where the next flat memory is written
 
     def start(self, name: str, g) -> Pending:
         xp = backend_for(g)
@@ -254,7 +274,7 @@ class Exchange:
             raise TypeError(f"grace compresses floating-point gradients; {bucket.names[0]!r} has dtype {dtype}")
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
         rank, n = self.communicator.rank, self.communicator.size
-        g = xp.concat([xp.flatten(t) for t in grads]) if len(grads) > 1 else xp.flatten(grads[0])
+        g = self._flat_gradient(bucket, xp, grads)
         self._adopt(bucket, xp, g)
         units = [_Unit(bucket.key, (bucket.numel,), 0, bucket.numel)] if self._whole else [
             _Unit(s.name, s.shape, s.offset, s.numel) for s in bucket.segments]
@@ -287,10 +307,14 @@ class Exchange:
             self.stats.add(nbytes, 0)
             return pending
 
+        # The new flat memory goes into the bucket's spare buffer, where the backend's tensors
+        # are mutable: no step allocates (and page-faults) a bucket-sized buffer.
+        spare = self._spare_memory(bucket, xp, e_flat) if flat_memory and memory.needs_feedback else None
         payloads, new_memory = [], []
         for u, info, state, e in zip(units, infos, states, old):
             g_u = _view(xp, g, u)
-            fused = memory.fused_step(xp, compressor, g_u, e, info)
+            out = _view(xp, spare, u) if spare is not None and not isinstance(spare, tuple) else None
+            fused = memory.fused_step(xp, compressor, g_u, e, info, out=out)
             if fused is not None:
                 payload, ctx, e_new = fused
             else:
@@ -299,6 +323,8 @@ class Exchange:
                 store.set("state", u.name, state)
                 e_new = (memory.update(xp, p_u, compressor.decompress(xp, payload, ctx), e)
                          if memory.needs_feedback else None)
+                if spare is not None:
+                    _assign(xp, _view(xp, spare, u), e_new)
             payloads.append(payload)
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
@@ -306,11 +332,22 @@ class Exchange:
         if self.compression.collective is Collective.ALLREDUCE:
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, g)
         else:
-            nbytes = self._launch_frame(pending, payloads)
+            compensated = []
+
+            def dense():  # the compensated units, computed again (the fused kernels keep no p)
+                compensated.extend(memory.compensate(xp, _view(xp, g, u), e) for u, e in zip(units, old))
+                return compensated
+
+            nbytes = self._launch_frame(pending, payloads, dense)
             if pending.sent_dense:  # the memory records the whole bucket as sent
                 new_memory = [memory.update(xp, p_u, p_u, e) if memory.needs_feedback else None
-                              for p_u, e in ((memory.compensate(xp, _view(xp, g, u), e), e)
-                                             for u, e in zip(units, old))]
+                              for p_u, e in zip(compensated, old)]
+                if spare is not None:
+                    for u, e_new in zip(units, new_memory):
+                        _assign(xp, _view(xp, spare, u), e_new)
+        if spare is not None:  # the old memory becomes the next step's spare
+            self._spares[bucket.key] = e_flat
+            new_memory = [spare]
         self._store_memory(pending, new_memory)
         self.stats.add(nbytes, 0)
         return pending
@@ -329,6 +366,29 @@ class Exchange:
             flat = xp.flatten(g_hat[0])
             g_hat = [_view(xp, flat, s) for s in pending.bucket.segments]
         return g_hat if self.average else [t * n for t in g_hat]
+
+    def _flat_gradient(self, bucket: Bucket, xp, grads):
+        """The bucket's gradients as one flat tensor, copied into a buffer kept per bucket
+        where the backend's tensors are mutable (results never alias it)."""
+        flat = [xp.flatten(t) for t in grads]
+        if len(flat) == 1:
+            return flat[0]
+        if not xp.mutable_tensors:
+            return xp.concat(flat)
+        buffer = self._buffers.get(bucket.key)
+        if buffer is None or xp.dtype(buffer) != bucket.dtype or xp.device(buffer) != xp.device(flat[0]):
+            buffer = self._buffers[bucket.key] = xp.zeros(bucket.numel, bucket.dtype, like=flat[0])
+        return xp.concat_into(flat, buffer)
+
+    def _spare_memory(self, bucket: Bucket, xp, current):
+        """A flat memory buffer like ``current`` to write the new memory into, or None where
+        the backend's tensors are immutable."""
+        if not xp.mutable_tensors or current is None:
+            return None
+        spare = self._spares.pop(bucket.key, None)
+        if spare is None or _shapes(xp, spare) != _shapes(xp, current):
+            spare = tuple(xp.zeros_like(t) for t in current) if isinstance(current, tuple) else xp.zeros_like(current)
+        return spare
 
     def _allreduce_units(self, xp, key: str, payloads, like):
         """One allreduce per payload dtype (one, unless a method mixes them) of all units'
@@ -351,9 +411,9 @@ class Exchange:
 
         return wait, sum(xp.nbytes(t) for t in pieces)
 
-    def _launch_frame(self, pending: "BucketPending", payloads) -> int:
-        """Frame this rank's payloads (or its dense bucket) and launch the allgather or the
-        broadcasts; the bytes sent."""
+    def _launch_frame(self, pending: "BucketPending", payloads, compensated) -> int:
+        """Frame this rank's payloads, or the dense bucket (``compensated()``: its units) where
+        that is smaller, and launch the allgather or the broadcasts; the bytes sent."""
         xp, comm, bucket, g = pending.xp, self.communicator, pending.bucket, pending.g
         variable = self.compression.compressor.variable_length
         pieces = [t for payload in payloads for t in payload]
@@ -366,7 +426,8 @@ class Exchange:
         # TensorFlow step runs is never replaced (the frame's layout is fixed at trace time).
         if isinstance(xp.numel(frame), int) and xp.numel(frame) > dense_size:
             pending.sent_dense = True
-            frame = frames.dense_frame(xp, g, len(pieces), like=g) if variable else frames.frame(xp, [g], False, g)
+            p = _concat(xp, compensated())
+            frame = frames.dense_frame(xp, p, len(pieces), like=g) if variable else frames.frame(xp, [p], False, g)
         nbytes = xp.numel(frame)
         if self.compression.collective is Collective.ALLGATHER:
             pending.wait = comm.allgather_async(frame, bucket.key)
@@ -502,29 +563,39 @@ class Exchange:
     # --- state and checkpointing ---------------------------------------------------------
     @property
     def memory(self) -> Dict[str, Any]:
-        """Error-feedback state per tensor name."""
-        return self.store.tables["memory"]
+        """Error-feedback state per tensor name (views of a bucket's flat memory)."""
+        return self._by_name("memory", self.store.tables["memory"], _state_view)
 
     @property
     def state(self) -> Dict[str, Any]:
-        """Compressor state per tensor name (signum's momentum, PowerSGD's Q)."""
+        """Compressor state per tensor name (signum's momentum, PowerSGD's Q); with
+        ``scope='bucket'``, per bucket."""
         return self.store.tables["state"]
 
     @property
     def steps(self) -> Dict[str, Any]:
         """Exchanges so far per tensor name (they seed the random methods)."""
-        return self.store.tables["steps"]
+        return self._by_name("steps", self.store.tables["steps"], _state_view)
 
     def state_dict(self) -> Dict[str, Any]:
         """Per gradient name: a bucket's step counter and flat memory are saved as each of its
-        gradients' own, so the state loads under any bucket size."""
+        gradients' own (copies: the bucket's buffers are reused), so the state loads under any
+        bucket size."""
         state = self.store.state_dict()
         for table in ("steps", "memory"):
-            for key in [k for k in state[table] if k in self._buckets]:
-                value, bucket = state[table].pop(key), self._buckets[key]
-                for s in bucket.segments:
-                    state[table][s.name] = value if table == "steps" else _state_view(value, s)
+            state[table] = self._by_name(table, state[table], _state_copy)
         return state
+
+    def _by_name(self, table: str, values: Dict[str, Any], part) -> Dict[str, Any]:
+        """``values`` with each bucket's entry split into its gradients' (``part`` cuts one)."""
+        out = {}
+        for key, value in values.items():
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                out[key] = value
+            else:
+                out.update((s.name, value if table == "steps" else part(value, s)) for s in bucket.segments)
+        return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Buckets already in use take their gradients' state at once (a traced step keeps

@@ -31,9 +31,9 @@ class Memory:
     def update(self, xp, p, p_hat, state: Optional[Any]) -> Optional[Any]:
         return None
 
-    def fused_step(self, xp, compressor, g, state: Optional[Any], info):
+    def fused_step(self, xp, compressor, g, state: Optional[Any], info, out=None):
         """compensate, compress and update in one go where the compressor has a kernel for it:
-        (payload, ctx, new state), or None."""
+        (payload, ctx, new state), or None. ``out``: where the kernel may write the new state."""
         return None
 
     def __repr__(self) -> str:

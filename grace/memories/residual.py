@@ -28,5 +28,5 @@ class ResidualMemory(Memory):
     def update(self, xp, p, p_hat, residual):
         return p - p_hat
 
-    def fused_step(self, xp, compressor, g, residual, info):
-        return compressor.compress_with_residual(xp, g, residual, self.beta, self.gamma, info)
+    def fused_step(self, xp, compressor, g, residual, info, out=None):
+        return compressor.compress_with_residual(xp, g, residual, self.beta, self.gamma, info, out)

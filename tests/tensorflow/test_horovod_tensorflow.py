@@ -44,9 +44,9 @@ def test_tape_compresses_in_either_import_order_eager_and_traced(first):
     """))
     first_line, leaked = out.strip().splitlines()
     nonzero_eager, nonzero_traced, steps, sent, counter, memory = first_line.split()
-    # 5 of 50 values sent each step, 5 values + 5 one-byte indices; the step counter and the
-    # memory live in variables that the traced step updates
-    assert (nonzero_eager, nonzero_traced, steps, sent, counter) == ("5", "5", "4", "25", "4")
+    # 5 of 50 values sent each step, 5 values + 5 one-byte indices in a frame padded to 8
+    # bytes; the step counter and the memory live in variables that the traced step updates
+    assert (nonzero_eager, nonzero_traced, steps, sent, counter) == ("5", "5", "4", "32", "4")
     assert float(memory) > 0 and leaked == "False"
 
 
@@ -60,8 +60,8 @@ def test_keras_fit_with_a_grace_method_keeps_state_in_variables():
     model.compile(opt, "mse")
     x, y = np.random.default_rng(0).standard_normal((64, 8)), np.zeros((64, 4))
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    store = opt.grace.exchange.store
-    print(opt.grace.stats.steps, sorted(store.tables["memory"]), int(store.tables["steps"]["dense/kernel"].numpy()))
+    exchange = opt.grace.exchange
+    print(opt.grace.stats.steps, sorted(exchange.memory), int(exchange.steps["dense/kernel"].numpy()))
     """)
     steps, *rest = out.split(maxsplit=1)
     assert steps == "8"
