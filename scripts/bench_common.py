@@ -11,13 +11,13 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ["grace", "torch", "horovod", "tensorflow-cpu", "numpy", "mpi4py"]
 
 
 def load_config(path: Path | str) -> dict:
+    import yaml  # here: the device machine's Python may lack it, and needs no configuration
+
     with open(path) as f:
         config = yaml.safe_load(f)
     if not isinstance(config, dict):

@@ -1,4 +1,4 @@
-"""Compress + decompress latency per method and tensor size (GRACE, seed 001 §V-D, Fig. 8).
+"""Compress + decompress latency per method and tensor size (GRACE, Xu et al. 2021, §V-D, Fig. 8).
 
     python scripts/bench_compress.py --config configs/bench_compress.yaml [--out results/bench_compress] [--quick]
 

@@ -1,4 +1,4 @@
-"""Alpha-beta cost model of one data-parallel training step (seed 004 §VII, Table III).
+"""Alpha-beta cost model of one data-parallel training step (Tang et al. 2020, §VII, Table III; docs/methods.md).
 
 Sending m bytes costs alpha + beta * m (alpha: per-message latency, beta: seconds per byte of
 the link). For n ranks (Horovod's ring algorithms, one rank per host):

@@ -1,6 +1,6 @@
 """Hard threshold vs top-k, both with error feedback, at the same total communication volume.
 
-The logistic-regression experiment of seed 002 (Fig. 1) on synthetic data:
+The logistic-regression experiment of Sahu et al. 2021 (Fig. 1) on synthetic data:
 
     python scripts/threshold_vs_topk.py                       # 8 workers, 5000 features
     python scripts/threshold_vs_topk.py --workers 16 --ratio 0.005 --json out.json
@@ -12,22 +12,22 @@ compressor on the NumPy backend, keeps e = p - C(p), and the model takes a plain
 lr) with the mean of everybody's C(p) (``compressor.aggregate``).
 
 Threshold units: grace's memory is in gradient units and this script thresholds p = g + e
-directly, with lambda in gradient units. With a fixed learning rate that is exactly seed 002's
-lr * C_lambda(p / lr) with the memory in model units (METHODS.md, "hard threshold works in
-gradient units").
+directly, with lambda in gradient units. With a fixed learning rate that is exactly the paper's
+lr * C_lambda(p / lr) with the memory in model units (docs/methods.md, "Where the papers'
+printed formulas need care").
 
 Volume = number of (value, index) pairs sent, summed over workers and steps. Top-k sends
 ceil(ratio * d) per worker per step; lambda is tuned (full runs, secant on log lambda vs log
 volume, kept inside a bracket) until the threshold run sends top-k's total within --tolerance.
 The claim checked: at equal volume hard threshold reaches a lower training loss than top-k and
-its error-feedback norm stays smaller (seed 002: top-k piles up error early because it may send
+its error-feedback norm stays smaller (the paper: top-k piles up error early because it may send
 only k per step; threshold spends its budget when the gradient is large, i.e. early).
 
 Data: rows are Gaussian, columns scaled by log-normal factors exp(scale_sigma * N(0, 1)), so
 gradient magnitudes differ between coordinates; true weights are drawn on a random support
 (``active`` of the features); labels are drawn from the logistic model (not separable); the
 data is scaled so that the full loss is 1-smooth (lr = 1 is 1/L). Defaults: top-k density 0.2%
-(k = 10 of 5000 per worker, as seed 002's 0.17% of gisette's 5000), mildly heterogeneous scales.
+(k = 10 of 5000 per worker, as the paper's 0.17% of gisette's 5000), mildly heterogeneous scales.
 
 Where the claim holds: threshold wins when many coordinates matter and the gradient is large
 early and small late, so that a fixed lambda spends most of the budget in the first steps while
@@ -64,7 +64,7 @@ XP = get_backend("numpy")
 class Problem:
     X: np.ndarray  # (workers, samples per worker, features): worker i's shard is X[i]
     y: np.ndarray  # (workers, samples per worker), labels in {0, 1}
-    l2: float      # ridge term: the loss is strongly convex with a unique minimizer, as in seed 002
+    l2: float      # ridge term: the loss is strongly convex with a unique minimizer, as in the paper
 
     @property
     def workers(self) -> int:
@@ -213,7 +213,7 @@ class Result:
     ef_norm_mean: Dict[str, float]  # mean over steps of the mean-over-workers |e|
     ef_norm_max: Dict[str, float]
     ef_norm_final: Dict[str, float]
-    total_error: Dict[str, float]   # ~ seed 002's total error: sum over steps of that EF norm squared
+    total_error: Dict[str, float]   # ~ the paper's total error: sum over steps of that EF norm squared
     tuning: List[Tuple[float, int]]  # (lambda, volume) of every tuning run
     seconds: float
     traces: Dict[str, Trace] = field(repr=False)

@@ -4,7 +4,7 @@
 
 One launch trains each method in turn (scripts/train.py, same seed and data) and rank 0
 writes the table as CSV, JSON and Markdown. Methods with error feedback are expected within
-3 points of uncompressed; seed 001 §V reports how the others fare.
+3 points of uncompressed; GRACE (Xu et al. 2021, §V) reports how the others fare.
 """
 from __future__ import annotations
 

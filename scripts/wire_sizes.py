@@ -1,4 +1,4 @@
-"""Bits per element each method hands to Horovod, against its ideal (METHODS.md).
+"""Bits per element each method hands to Horovod, against its ideal (docs/methods.md).
 
     python scripts/wire_sizes.py --shape 1024 1024
 

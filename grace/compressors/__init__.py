@@ -1,4 +1,4 @@
-"""One file per method, each reading like its row in METHODS.md."""
+"""One file per method, each reading like its row in docs/methods.md."""
 from grace.compressors.adaq import AdaQ, adaq
 from grace.compressors.dgc import DGC, dgc
 from grace.compressors.efsignsgd import EFSignSGD, efsignsgd

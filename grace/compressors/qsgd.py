@@ -1,7 +1,7 @@
 """QSGD (Alistarh et al. 2017): stochastic rounding to s levels of the norm, unbiased.
 
     r = s * |x| / ||x||_2,  l = floor(r)
-    level = l + 1 with probability r - l, else l          (METHODS.md: fixed, not swapped)
+    level = l + 1 with probability r - l, else l          (docs/methods.md: printed swapped in the paper)
     out = ||x||_2 * sign(x) * level / s
 
 Each code is level * 2 + (x < 0), packed at the narrowest width holding 2 * (s + 1) codes;

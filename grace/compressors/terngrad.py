@@ -1,6 +1,6 @@
 """TernGrad (Wen et al. 2017): three levels {-s, 0, s}, unbiased.
 
-    s = max|x|;  b ~ Bernoulli(|x| / s)        (METHODS.md: fixed, |x| not x)
+    s = max|x|;  b ~ Bernoulli(|x| / s)        (docs/methods.md: |x|, not x)
     out = s * sign(x) * b
 
 Codes 0 (zero), 1 (+s), 2 (-s) at 2 bits; s travels as one float32.

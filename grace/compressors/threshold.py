@@ -1,8 +1,8 @@
-"""Hard-threshold sparsification (seed 002): keep every element with |x| >= threshold.
+"""Hard-threshold sparsification (Sahu et al. 2021, docs/methods.md): keep every element with |x| >= threshold.
 
 The number kept, k_t, varies per step and per rank and may be zero; the exchange sends each
 rank's length with its payload. grace compresses gradients, so the memory is in gradient units
-and the threshold applies to p = g + e: this is seed 002's lr * C(p / lr) with its memory
+and the threshold applies to p = g + e: this is the paper's lr * C(p / lr) with its memory
 expressed in gradient units, which needs no rescaling when the learning rate changes.
 """
 from grace.compressors.sparse import Sparsifier

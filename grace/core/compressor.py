@@ -1,4 +1,4 @@
-"""The Compressor role of the GRACE pipeline (seed 001 §IV, METHODS.md).
+"""The Compressor role of the GRACE pipeline (Xu et al. 2021, §IV; docs/methods.md).
 
 A compressor is a pure function pair written against a backend ``xp`` (see
 ``grace.backends``), so one implementation serves NumPy, PyTorch and TensorFlow:
@@ -102,7 +102,7 @@ class Compressor:
         raise NotImplementedError
 
     def ideal_bits(self, xp, payload: Payload, ctx) -> float:
-        """The ideal wire cost of ``payload`` in bits: METHODS.md's 'payload (ideal)' column,
+        """The ideal wire cost of ``payload`` in bits: the 'bits (ideal)' column of docs/methods.md,
         with indices at the width of ``index_dtype``. Multi-round methods: all rounds' payloads."""
         raise NotImplementedError
 

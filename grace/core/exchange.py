@@ -289,7 +289,7 @@ class Exchange:
                 return _view(xp, e_flat, u)
             return store.get("memory", u.name, lambda t: memory.init(xp, t), g_u)
 
-        infos, states, old, p = [], [], [], []
+        infos, states, old = [], [], []
         for u in units:
             g_u = _view(xp, g, u)
             info = TensorInfo(name=u.name, step=step, world_size=n, rank=rank)

@@ -1,4 +1,4 @@
-"""The Memory role of the GRACE pipeline: error feedback (seed 001 §IV).
+"""The Memory role of the GRACE pipeline: error feedback (docs/methods.md).
 
     state = init(g)                   # before a tensor's first step
     p     = compensate(g, state)      # phi

@@ -1,4 +1,4 @@
-"""Bytes on the wire against each method's ideal (METHODS.md, column 'payload (ideal)').
+"""Bytes on the wire against each method's ideal (docs/methods.md, column 'bits (ideal)').
 
     report = wire_report(grace.qsgd(), (1024, 1024))
     report.ideal_bits, report.sent_bytes, report.header_bytes

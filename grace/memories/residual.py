@@ -1,4 +1,4 @@
-"""Residual error feedback (GRACE's default memory, seed 001 eq. 3-4).
+"""Residual error feedback (GRACE's default memory, Xu et al. 2021, eq. 3-4).
 
     p = beta * e + gamma * g      (compensate)
     e = p - Q^-1(Q(p))            (update)

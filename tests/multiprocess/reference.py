@@ -1,7 +1,7 @@
 """The expected outcome of a multi-process exchange, computed from all ranks' inputs at once.
 
 Independent of grace's exchange, communicators, memories and aggregation: per rank and tensor
-it writes the memory formulas of METHODS.md out in NumPy, runs only the method's own
+it writes the memory formulas of docs/methods.md out in NumPy, runs only the method's own
 compress/decompress, and combines the ranks' results with plain NumPy (a mean; signSGD's
 majority vote; EF-signSGD's mean over lr; PowerSGD's two sums, written out here).
 

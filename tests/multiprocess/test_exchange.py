@@ -111,7 +111,7 @@ def test_averaging_is_over_the_optimizers_process_set(tmp_path):
 @pytest.mark.parametrize("run", ["tensorflow-horovod-gloo-np2", "tensorflow-horovod-gloo-np3"])
 def test_tensorflow_with_grace_imported_still_averages(run, run_dir):
     """grace must not import horovod.torch into a TensorFlow process: that silently stops
-    Horovod's own TensorFlow tape from averaging (../shared/HOROVOD.md). The worker also fails
+    Horovod's own TensorFlow tape from averaging (seen with Horovod 0.28.1). The worker also fails
     if torch or horovod.torch was imported."""
     ranks = RUNS[run][1]
     for rank in range(ranks):

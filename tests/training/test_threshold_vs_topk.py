@@ -14,7 +14,7 @@ import pytest
 SCRIPT = Path(__file__).parents[2] / "scripts" / "threshold_vs_topk.py"
 
 # The script's defaults, spelled out so that a change of default does not change this test.
-# Top-k density 0.2% (k = 10 per worker), near seed 002's 0.17%.
+# Top-k density 0.2% (k = 10 per worker), near Sahu et al.'s 0.17%.
 CONFIG = dict(workers=8, features=5000, steps=300, ratio=0.002, lr=1.0, batch=32, samples_per_worker=256,
               seed=0, scale_sigma=0.25, active=0.2, tolerance=0.02)
 
@@ -57,7 +57,7 @@ def test_threshold_reaches_lower_training_loss(script, result):
 
 
 def test_threshold_error_feedback_stays_smaller(script, result):
-    # Over the run: mean, peak, and seed 002's total error sum_t |e_t|^2. Not the last step alone:
+    # Over the run: mean, peak, and Sahu et al.'s total error sum_t |e_t|^2. Not the last step alone:
     # once the model has converged, top-k keeps sending k per step and drains its memory below
     # threshold's floor (|e_j| < lambda for every j); with steps=600 top-k ends lower, 5.5 vs 9.0.
     for stat in (result.ef_norm_mean, result.ef_norm_max, result.total_error):

@@ -1,4 +1,4 @@
-"""The promises of the methods beyond the basic quantizers and sparsifiers (METHODS.md)."""
+"""The promises of the methods beyond the basic quantizers and sparsifiers (docs/methods.md)."""
 from __future__ import annotations
 
 import math

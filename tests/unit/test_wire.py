@@ -1,4 +1,4 @@
-"""Every method hands Horovod its ideal payload (METHODS.md), within 1% plus a fixed header."""
+"""Every method hands Horovod its ideal payload (docs/methods.md), within 1% plus a fixed header."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ from grace.core.wire import wire_report
 
 HEADER_BYTES = 64  # the exchange's lengths of variable payloads: 8 bytes per payload tensor
 
-# each method in its default configuration (settings without a default chosen as in METHODS.md)
+# each method in its default configuration (settings without a default chosen as in docs/methods.md)
 DEFAULTS = {
     "none": grace.none, "fp16": grace.fp16, "u8bit": grace.u8bit, "onebit": grace.onebit,
     "signsgd": grace.signsgd, "signum": grace.signum, "efsignsgd": lambda: grace.efsignsgd(0.1),

@@ -1,0 +1,204 @@
+"""Buckets: the per-tensor exchange is the oracle, bit for bit; plans, frames and arguments."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import grace
+from grace.backends import get_backend
+from grace.core import bucket as frames
+from grace.core.communicator import ReplicaCommunicator
+from tests.unit.conftest import METHODS, to_backend
+
+# a model's worth of shapes: matrices, vectors, a scalar, an empty one, one larger tensor
+SHAPES = {"conv.weight": (4, 3, 3, 3), "conv.bias": (4,), "fc.weight": (10, 36), "fc.bias": (10,),
+          "scale": (), "unused": (0,), "embed": (300, 8), "head": (1,)}
+STEPS = 3
+
+
+def gradients(xp, step: int) -> dict:
+    rng = np.random.default_rng(step)
+    return {name: to_backend(xp, rng.standard_normal(shape)) for name, shape in reversed(SHAPES.items())}
+
+
+def run(xp, compression, steps=STEPS, exchange=None, first_step=0):
+    exchange = exchange or grace.Exchange(compression, ReplicaCommunicator(3))
+    outs = [exchange.exchange(gradients(xp, first_step + s)) for s in range(steps)]
+    return exchange, outs
+
+
+def with_buckets(make, bucket_mb):
+    method = make()
+    return grace.GradientCompression(method.compressor, method.memory, method.collective, bucket_mb=bucket_mb)
+
+
+def assert_same(xp, a, b, what):
+    if isinstance(a, tuple):
+        for x, y in zip(a, b):
+            assert_same(xp, x, y, what)
+        return
+    if hasattr(a, "shape") and not isinstance(a, np.ndarray):
+        a, b = xp.to_numpy(a), xp.to_numpy(b)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
+
+
+@pytest.mark.parametrize("bucket_mb", [25, 0.002], ids=["one-bucket", "several-buckets"])
+@pytest.mark.parametrize("method", METHODS)
+def test_bucketed_equals_per_tensor_bit_for_bit(xp, method, bucket_mb):
+    reference, want = run(xp, with_buckets(METHODS[method], 0))
+    bucketed, got = run(xp, with_buckets(METHODS[method], bucket_mb))
+    if bucket_mb < 1:
+        assert len(bucketed._buckets) > 2  # 2 kB: the embedding alone, the rest in several
+    for step, (w, g) in enumerate(zip(want, got)):
+        assert list(w) == list(g)
+        for name in w:
+            assert_same(xp, w[name], g[name], f"{method} step {step} {name}")
+    for table in ("memory", "state", "steps"):
+        mine, theirs = reference.state_dict()[table], bucketed.state_dict()[table]
+        assert sorted(mine) == sorted(theirs), table
+        for name in mine:
+            assert_same(xp, mine[name], theirs[name], f"{method} {table} {name}")
+
+
+@pytest.mark.parametrize("method", ["topk", "dgc", "randomk", "powersgd", "signum", "efsignsgd"])
+@pytest.mark.parametrize("before, after", [(25, 0), (0, 25), (25, 0.002)])
+def test_checkpoints_load_under_another_bucket_size(xp, method, before, after):
+    _, straight = run(xp, with_buckets(METHODS[method], before), steps=4)
+    first, _ = run(xp, with_buckets(METHODS[method], before), steps=2)
+    second = grace.Exchange(with_buckets(METHODS[method], after), ReplicaCommunicator(3))
+    second.load_state_dict(first.state_dict())
+    _, resumed = run(xp, None, steps=2, exchange=second, first_step=2)
+    for w, g in zip(straight[2:], resumed):
+        for name in w:
+            assert_same(xp, w[name], g[name], f"{method} {before} -> {after}: {name}")
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("method", ["topk", "threshold", "randomk", "qsgd", "signsgd", "dgc", "powersgd", "inceptionn"])
+def test_tensorflow_bucketed_equals_per_tensor_bit_for_bit(method, traced):
+    tf = pytest.importorskip("tensorflow")
+    from grace.tensorflow.state import VariableStore, VariableWireStats
+
+    xp = get_backend("tensorflow")
+    results = []
+    for bucket_mb in (0, 25):
+        exchange = grace.Exchange(with_buckets(METHODS[method], bucket_mb), ReplicaCommunicator(3),
+                                  store=VariableStore(), stats=VariableWireStats())
+        step = tf.function(exchange.exchange) if traced else exchange.exchange
+        results.append([step(gradients(xp, s)) for s in range(STEPS)])
+        results[-1].append(exchange.memory)
+    for want, got in zip(*results):
+        for name in want:
+            if traced and method in ("dgc", "powersgd"):
+                # In a traced step TensorFlow's kernels round some elements of the bucket's
+                # slices differently (up to 1% of them, by an ulp of the unit-scale values they
+                # come from; PowerSGD's orthonormalisation carries that over steps): the
+                # multi-process tolerance. Eager TensorFlow is bit for bit.
+                np.testing.assert_allclose(xp.to_numpy(got[name]), xp.to_numpy(want[name]), rtol=1e-5,
+                                           atol=1e-5, err_msg=f"{method} {name}")
+            else:
+                assert_same(xp, want[name], got[name], f"{method} {name}")
+
+
+def test_a_state_dict_is_a_copy_of_the_reused_buffers(xp):
+    exchange, _ = run(xp, grace.topk(0.1), steps=1)
+    saved = exchange.state_dict()
+    kept = {name: np.array(xp.to_numpy(value)) for name, value in saved["memory"].items()}
+    run(xp, None, steps=3, exchange=exchange, first_step=1)
+    for name, value in saved["memory"].items():
+        np.testing.assert_array_equal(xp.to_numpy(value), kept[name])
+
+
+def test_one_collective_per_bucket():
+    counts = []
+
+    class Counting(ReplicaCommunicator):
+        def allgather_async(self, tensor, name):
+            counts.append(name)
+            return super().allgather_async(tensor, name)
+
+    exchange = grace.Exchange(grace.topk(0.1, bucket_mb=0.002), Counting(2))
+    exchange.exchange(gradients(get_backend("numpy"), 0))
+    assert len(counts) == len(exchange._buckets) == len(set(counts))
+
+
+def test_scope_bucket_selects_over_the_whole_bucket():
+    """One global top-k: a bucket of a large and a tiny tensor sends only the large one's values."""
+    xp = get_backend("numpy")
+    grads = {"large": np.full(90, 10.0, np.float32), "tiny": np.full(10, 0.1, np.float32)}
+    out = grace.Exchange(grace.topk(0.1, scope="bucket", memory="none"), ReplicaCommunicator(1)).exchange(grads)
+    assert np.count_nonzero(out["large"]) == 10 and np.count_nonzero(out["tiny"]) == 0
+    per_tensor = grace.Exchange(grace.topk(0.1, memory="none"), ReplicaCommunicator(1)).exchange(grads)
+    assert np.count_nonzero(per_tensor["large"]) == 9 and np.count_nonzero(per_tensor["tiny"]) == 1
+    del xp
+
+
+def test_an_encoding_larger_than_dense_is_sent_dense_with_the_memory_emptied():
+    grads = {"w": np.linspace(-1, 1, 100).astype(np.float32)}
+    exchange = grace.Exchange(grace.threshold(1e-6), ReplicaCommunicator(1))
+    out = exchange.exchange(grads)
+    np.testing.assert_array_equal(out["w"], grads["w"])
+    # an 8-byte count per payload tensor (values, indices), then the 100 dense values
+    assert exchange.stats.last_step_bytes == 8 * 2 + 4 * 100
+    assert not np.any(exchange.memory["w"])
+
+
+# --- plans -------------------------------------------------------------------------------
+def test_plan_fills_buckets_in_backward_order_per_dtype_and_device():
+    tensors = [("a", (100,), "float32", "cpu"), ("b", (100,), "float16", "cpu"), ("c", (100,), "float32", "cpu"),
+               ("big", (1000,), "float32", "cpu"), ("d", (100,), "float32", "cuda:0"), ("e", (0,), "float32", "cpu"),
+               ("f", (50,), "float32", "cpu")]
+    buckets = frames.plan(tensors, cap_bytes=1000)
+    assert [b.names for b in buckets] == [["a", "c"], ["b"], ["big"], ["d"], ["f"]]
+    assert [b.dtype for b in buckets] == ["float32", "float16", "float32", "float32", "float32"]
+    assert buckets[0].segments[1].offset == 100 and buckets[0].numel == 200
+    assert len({b.key for b in buckets}) == len(buckets)
+    assert frames.plan(tensors, cap_bytes=1000) == buckets  # every rank plans the same
+
+
+def test_plan_refuses_non_float_gradients_by_name():
+    with pytest.raises(TypeError, match="'layer.weight' has dtype complex64"):
+        frames.plan([("layer.weight", (3,), "complex64", "cpu")], 2**20)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_frames_round_trip_every_dtype_aligned(backend):
+    xp = get_backend(backend)
+    pieces = [to_backend(xp, np.arange(n), dtype) for n, dtype in
+              [(3, "uint8"), (5, "float32"), (2, "int64"), (7, "float16"), (1, "int16")]]
+    dtypes, counts = [xp.dtype(p) for p in pieces], [xp.numel(p) for p in pieces]
+    for variable in (False, True):
+        frame = frames.frame(xp, pieces, variable, like=pieces[1])
+        assert xp.numel(frame) % 8 == 0 and xp.numel(frame) == frames.frame_size(counts, dtypes, variable)
+        data = xp.concat([frame, frame])  # two ranks' frames, as allgather returns them
+        first, end = frames.read_frame(xp, data, 0, dtypes, counts, variable, 0, "float32")
+        second, _ = frames.read_frame(xp, data, end, dtypes, counts, variable, 0, "float32")
+        for got in (first, second):
+            for p, q in zip(pieces, got):
+                assert xp.dtype(q) == xp.dtype(p)
+                np.testing.assert_array_equal(xp.to_numpy(q), xp.to_numpy(p))
+
+
+# --- arguments ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(bucket_mb=-1), "bucket_mb must be a finite number >= 0"),
+    (dict(bucket_mb="25"), "bucket_mb must be a finite number >= 0"),
+    (dict(bucket_mb=float("nan")), "bucket_mb must be a finite number >= 0"),
+    (dict(scope="layer"), "scope must be one of 'tensor', 'bucket'"),
+    (dict(scope="bucket", bucket_mb=0), "scope='bucket' compresses whole buckets: it needs bucket_mb > 0"),
+])
+def test_bad_bucket_arguments_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        grace.topk(0.01, **kwargs)
+
+
+def test_powersgd_cannot_compress_whole_buckets():
+    with pytest.raises(ValueError, match="scope='bucket' cannot be used with PowerSGD"):
+        grace.powersgd(1, scope="bucket")
+
+
+def test_bucket_arguments_come_through_the_grace_parameter_dictionary():
+    compression = grace.from_params({"compressor": "topk", "compress_ratio": 0.01, "bucket_mb": 4,
+                                     "scope": "bucket"})
+    assert (compression.bucket_mb, compression.scope) == (4.0, "bucket")
+    assert grace.topk(0.01).bucket_mb == 25.0 and "bucket_mb=25" in repr(grace.topk(0.01))
