@@ -96,9 +96,8 @@ class BucketPending:
     xp: Any
     units: List[_Unit]
     infos: List[TensorInfo]
-    g: Any  # the flat gradient
+    g: Any  # the flat gradient of a whole bucket; else its first gradient
     old: List[Any]  # each unit's memory before this step
-    flat_memory: bool
     ctxs: List[Any] = field(default_factory=list)
     wait: Any = None
     sent_dense: bool = False
@@ -274,57 +273,49 @@ class Exchange:
             raise TypeError(f"grace compresses floating-point gradients; {bucket.names[0]!r} has dtype {dtype}")
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
         rank, n = self.communicator.rank, self.communicator.size
-        g = self._flat_gradient(bucket, xp, grads)
+        if self._whole:  # one flat tensor, with one flat memory
+            g = self._flat_gradient(bucket, xp, grads)
+            units, g_units = [_Unit(bucket.key, (bucket.numel,), 0, bucket.numel)], [g]
+        else:  # each gradient as it is, with its own memory: nothing is copied
+            g = grads[0]  # what new tensors are made like
+            units, g_units = [_Unit(s.name, s.shape, s.offset, s.numel) for s in bucket.segments], list(grads)
         self._adopt(bucket, xp, g)
-        units = [_Unit(bucket.key, (bucket.numel,), 0, bucket.numel)] if self._whole else [
-            _Unit(s.name, s.shape, s.offset, s.numel) for s in bucket.segments]
-        flat_memory = self._flat_memory
         step = store.get("steps", bucket.key, lambda _: 0, g)
         store.set("steps", bucket.key, step + 1)
         self.stats.add(0, 4 * bucket.numel)
-        e_flat = store.get("memory", bucket.key, lambda t: memory.init(xp, t), g) if flat_memory else None
-
-        def memory_of(u, g_u):
-            if flat_memory:
-                return _view(xp, e_flat, u)
-            return store.get("memory", u.name, lambda t: memory.init(xp, t), g_u)
 
         infos, states, old = [], [], []
-        for u in units:
-            g_u = _view(xp, g, u)
-            info = TensorInfo(name=u.name, step=step, world_size=n, rank=rank)
+        for u, g_u in zip(units, g_units):
             first = TensorInfo(name=u.name, step=0, world_size=n, rank=rank)
-            infos.append(info)
+            infos.append(TensorInfo(name=u.name, step=step, world_size=n, rank=rank))
             states.append(store.get("state", u.name, lambda t: compressor.init_state(xp, t, first), g_u))
-            old.append(memory_of(u, g_u))
-        pending = BucketPending(bucket, xp, units, infos, g, old, flat_memory)
+            old.append(store.get("memory", u.name, lambda t: memory.init(xp, t), g_u))
+        pending = BucketPending(bucket, xp, units, infos, g, old)
 
         if compressor.multi_round:
-            pending.p = [memory.compensate(xp, _view(xp, g, u), e) for u, e in zip(units, old)]
+            pending.p = [memory.compensate(xp, g_u, e) for g_u, e in zip(g_units, old)]
             pending.rounds = [compressor.rounds(xp, p_u, info, state)
                               for p_u, info, state in zip(pending.p, infos, states)]
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [next(r) for r in pending.rounds], g)
             self.stats.add(nbytes, 0)
             return pending
 
-        # The new flat memory goes into the bucket's spare buffer, where the backend's tensors
+        # A whole bucket's new memory goes into its spare buffer, where the backend's tensors
         # are mutable: no step allocates (and page-faults) a bucket-sized buffer.
-        spare = self._spare_memory(bucket, xp, e_flat) if flat_memory and memory.needs_feedback else None
+        spare = self._spare_memory(bucket, xp, old[0]) if self._whole and memory.needs_feedback else None
         payloads, new_memory = [], []
-        for u, info, state, e in zip(units, infos, states, old):
-            g_u = _view(xp, g, u)
-            out = _view(xp, spare, u) if spare is not None and not isinstance(spare, tuple) else None
+        for u, g_u, info, state, e in zip(units, g_units, infos, states, old):
+            out = spare if spare is not None and not isinstance(spare, tuple) else None
             fused = memory.fused_step(xp, compressor, g_u, e, info, out=out)
             if fused is not None:
                 payload, ctx, e_new = fused
+                e_new = spare if out is not None else e_new  # the kernel wrote it there
             else:
                 p_u = memory.compensate(xp, g_u, e)
                 payload, ctx, state = compressor.step(xp, p_u, info, state)
                 store.set("state", u.name, state)
                 e_new = (memory.update(xp, p_u, compressor.decompress(xp, payload, ctx), e)
                          if memory.needs_feedback else None)
-                if spare is not None:
-                    _assign(xp, _view(xp, spare, u), e_new)
             payloads.append(payload)
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
@@ -335,20 +326,21 @@ class Exchange:
             compensated = []
 
             def dense():  # the compensated units, computed again (the fused kernels keep no p)
-                compensated.extend(memory.compensate(xp, _view(xp, g, u), e) for u, e in zip(units, old))
+                compensated.extend(memory.compensate(xp, g_u, e) for g_u, e in zip(g_units, old))
                 return compensated
 
             nbytes = self._launch_frame(pending, payloads, dense)
             if pending.sent_dense:  # the memory records the whole bucket as sent
                 new_memory = [memory.update(xp, p_u, p_u, e) if memory.needs_feedback else None
                               for p_u, e in zip(compensated, old)]
-                if spare is not None:
-                    for u, e_new in zip(units, new_memory):
-                        _assign(xp, _view(xp, spare, u), e_new)
-        if spare is not None:  # the old memory becomes the next step's spare
-            self._spares[bucket.key] = e_flat
+        if spare is not None:
+            if new_memory[0] is not spare:
+                _assign(xp, spare, new_memory[0])
+            self._spares[bucket.key] = old[0]  # the old memory is the next step's spare
             new_memory = [spare]
-        self._store_memory(pending, new_memory)
+        for u, e_new in zip(units, new_memory):
+            if memory.needs_feedback:
+                store.set("memory", u.name, e_new)
         self.stats.add(nbytes, 0)
         return pending
 
@@ -498,37 +490,18 @@ class Exchange:
                 wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads, pending.g)
                 self.stats.add(nbytes, 0)
                 summed = wait()
-        g_hat, new_memory = [], []
+        g_hat = []
         for u, (g_u, p_hat, state), p_u, e in zip(pending.units, results, pending.p, pending.old):
             self.store.set("state", u.name, state)
             g_hat.append(g_u)
-            new_memory.append(memory.update(xp, p_u, p_hat, e) if memory.needs_feedback else None)
-        self._store_memory(pending, new_memory)
+            if memory.needs_feedback:
+                self.store.set("memory", u.name, memory.update(xp, p_u, p_hat, e))
         return g_hat
-
-    def _store_memory(self, pending: "BucketPending", new_memory: List[Any]) -> None:
-        if not self.compression.memory.needs_feedback:
-            return
-        xp, store = pending.xp, self.store
-        if not pending.flat_memory:
-            for u, e in zip(pending.units, new_memory):
-                store.set("memory", u.name, e)
-            return
-        if isinstance(new_memory[0], tuple):  # a state of several tensors (DGC's u and v)
-            parts = zip(*new_memory)
-            store.set("memory", pending.bucket.key, tuple(_concat(xp, list(c)) for c in parts))
-        else:
-            store.set("memory", pending.bucket.key, _concat(xp, new_memory))
 
     @property
     def _whole(self) -> bool:
         """Buckets are compressed as one tensor."""
         return self.compression.scope == "bucket" or self.compression.compressor.elementwise
-
-    @property
-    def _flat_memory(self) -> bool:
-        """A bucket keeps one flat memory (else each gradient keeps its own)."""
-        return self._whole or self.compression.memory.elementwise
 
     def _adopt(self, bucket: Bucket, xp, like) -> None:
         """The first time a bucket is used: take over its gradients' per-name state (from a
@@ -549,7 +522,7 @@ class Exchange:
         if steps:
             out["steps"] = max(int(s) for s in steps)
         memories = tables["memory"]
-        if self._flat_memory and any(name in memories for name in bucket.names):
+        if self._whole and any(name in memories for name in bucket.names):
             memory, parts = self.compression.memory, []
             for s in bucket.segments:
                 value = memories.pop(s.name, None)

@@ -18,8 +18,6 @@ class Memory:
 
     #: update() needs p_hat, so the pipeline must decompress the rank's own payload
     needs_feedback: bool = False
-    #: compensate and update treat elements on their own, so a bucket keeps one flat state
-    elementwise: bool = True
 
     def init(self, xp, g) -> Optional[Any]:
         """The state before the first step (None: this memory keeps none for ``g``)."""

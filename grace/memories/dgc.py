@@ -21,10 +21,6 @@ class DGCMemory(Memory):
         self.momentum = float(momentum)
         self.clip_norm = float(clip_norm)
 
-    @property
-    def elementwise(self) -> bool:
-        return not self.clip_norm  # clipping scales by the tensor's norm
-
     def init(self, xp, g):
         return xp.zeros_like(g), xp.zeros_like(g)
 

@@ -4,8 +4,6 @@ from grace.memories.residual import ResidualMemory
 
 
 class PowerSGDMemory(ResidualMemory):
-    elementwise = False  # vectors keep no residual
-
     def init(self, xp, g):
         return super().init(xp, g) if len(xp.shape(g)) >= 2 else None
 
