@@ -118,3 +118,39 @@ def test_a_grace_object_given_to_horovods_own_optimizer_fails_loudly():
         print(e)
     """)
     assert "reached Horovod's dense allreduce hook" in out
+
+
+def test_a_complex_parameter_is_refused_when_the_optimizer_is_built():
+    out = run("""
+    import horovod.torch as hvd
+    import grace
+    hvd.init()
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))]
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), compression=grace.topk(0.5),
+                                 named_parameters=[("real", params[0]), ("phase", params[1])])
+    except TypeError as error:
+        print(error)
+    """)
+    assert "'phase' has dtype complex64" in out
+
+
+def test_buckets_and_per_tensor_give_the_same_training_on_one_rank():
+    out = run("""
+    import horovod.torch as hvd
+    import grace
+    hvd.init()
+    weights = []
+    for bucket_mb in (25, 0):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 4))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=grace.topk(0.1, bucket_mb=bucket_mb))
+        torch.manual_seed(1)
+        for _ in range(3):
+            step(model, opt)
+        weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    print(bool(torch.equal(weights[0], weights[1])), opt.grace_stats.last_step_bytes > 0)
+    """)
+    assert out.split() == ["True", "True"]
