@@ -46,3 +46,33 @@ def run_snippet(prelude: str, code: str, env=None) -> str:
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return proc.stdout
+
+
+# --- tiers: a marker per kind of test, from the folder it lives in -------------------------
+TIERS = {
+    "unit": "single-process tests: methods, backends, native kernels, the toolkit adapters (a few minutes)",
+    "multiprocess": "real multi-process runs (horovodrun, mpirun) against an all-rank reference",
+    "training": "training runs and benchmark scripts end to end",
+    "cluster": "the emulated cluster (network namespaces; needs root)",
+    "cuda": "cases on a GPU (skipped where there is none)",
+}
+_TIER_OF_FOLDER = {"unit": "unit", "torch": "unit", "tensorflow": "unit", "native": "unit",
+                   "multiprocess": "multiprocess", "training": "training", "scripts": "training",
+                   "cluster": "cluster"}
+_CLUSTER_SCRIPTS = {"test_bench_train.py"}  # bench_train brings up the emulated cluster
+
+
+def pytest_configure(config):
+    for name, doc in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+def pytest_collection_modifyitems(items):
+    tests = Path(__file__).parent
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(tests).parts
+        tier = "cluster" if parts[-1] in _CLUSTER_SCRIPTS else _TIER_OF_FOLDER.get(parts[0], "unit")
+        item.add_marker(getattr(pytest.mark, tier))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(value == "cuda" for value in params.values()) or "cuda" in item.name.split("[")[0]:
+            item.add_marker(pytest.mark.cuda)

@@ -46,9 +46,9 @@ class GradientExchange:
                     raise ValueError(f"grace cannot compress the sparse gradient of {name!r}; "
                                      "pass sparse_as_dense=True")
                 grad = tf.convert_to_tensor(grad)
-            if self.exchange.compression.bucket_mb and name in dense:
+            if name in dense:  # they would share one memory: silently wrong gradients
                 raise ValueError(f"two variables are named {name!r}: grace keeps error-feedback state per "
-                                 "variable name, so give each variable a unique name")
+                                 "variable name, so give each variable a unique name (tf.Variable(..., name=...))")
             dense[name] = grad
         if not self.exchange.compression.bucket_mb:
             started = {name: self.exchange.start(name, grad) for name, grad in dense.items()}

@@ -129,3 +129,21 @@ def test_exchange_state_round_trips_through_a_checkpoint():
     print(float(np.abs(np.stack(steps(resumed, xs[2:])) - np.stack(straight[2:])).max()))
     """)
     assert float(out) < 1e-6
+
+
+@pytest.mark.parametrize("bucket_mb", [25, 0])
+def test_two_variables_of_one_name_are_refused_not_mixed(bucket_mb):
+    out = run(f"""
+    import grace
+    import horovod.tensorflow as hvd
+    hvd.init()
+    a, b = tf.Variable(tf.ones(4)), tf.Variable(tf.ones(4))  # both named 'Variable'
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(a * 2.0) + tf.reduce_sum(b * 3.0)
+    tape = hvd.DistributedGradientTape(tape, compression=grace.topk(0.5, bucket_mb={bucket_mb}))
+    try:
+        tape.gradient(loss, [a, b])
+    except ValueError as error:
+        print(error)
+    """)
+    assert "two variables are named 'Variable'" in out
