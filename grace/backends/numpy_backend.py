@@ -80,6 +80,10 @@ class NumpyBackend:
     def device(self, x) -> str:
         return "cpu"
 
+    def on_accelerator(self, x) -> bool:
+        """Whether ``x`` lives on a GPU (or another device where kernel launches are dear)."""
+        return False
+
     # --- arithmetic and selection --------------------------------------------------------
     def abs(self, x):
         return np.abs(x)

@@ -274,6 +274,9 @@ class TensorflowBackend:
     def device(self, x) -> str:
         return _device(x)
 
+    def on_accelerator(self, x) -> bool:
+        return _on_gpu(x)
+
     # --- arithmetic and selection --------------------------------------------------------
     def abs(self, x):
         x = _to_tensor(x)

@@ -96,6 +96,9 @@ class TorchBackend:
     def device(self, x) -> str:
         return str(x.device)
 
+    def on_accelerator(self, x) -> bool:
+        return x.device.type != "cpu"
+
     # --- arithmetic and selection --------------------------------------------------------
     def abs(self, x):
         return x.abs()

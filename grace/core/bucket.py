@@ -99,7 +99,14 @@ def frame(xp, pieces: Sequence, with_header: bool, like) -> Any:
     """One rank's frame for the payload tensors ``pieces`` (all units' payloads, in order).
     Under a TensorFlow trace a variable length is a tensor: the frame is built with ops."""
     flat = [xp.flatten(t) for t in pieces]
-    parts = [xp.to_bytes(_lengths(xp, flat))] if with_header else []
+    parts = []
+    if with_header:
+        counts = [xp.numel(t) for t in flat]
+        if all(isinstance(c, int) for c in counts):  # one host-to-device copy, not one per piece
+            header = xp.cast(xp.asarray(counts, like=like), "int64")
+        else:  # lengths known only when a traced step runs
+            header = _lengths(xp, flat)
+        parts.append(xp.to_bytes(header))
     parts.extend(xp.to_bytes(flat[i]) for i in _order([xp.dtype(t) for t in flat]))
     return _padded(xp, parts, like)
 

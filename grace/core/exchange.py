@@ -161,7 +161,8 @@ class Exchange:
         self._plans: Dict[tuple, List[Bucket]] = {}
         self._buckets: Dict[str, Bucket] = {}
         self._adopted: set = set()
-        self._buffers: Dict[str, Any] = {}  # per bucket: the flat gradient
+        self._whole_of: Dict[str, bool] = {}  # per bucket in use: compressed as one tensor
+        self._buffers: Dict[str, Any] = {}  # reused per name: flat gradients, joined payloads
         self._spares: Dict[str, Any] = {}  # per bucket: where the next flat memory is written
 
     def start(self, name: str, g) -> Pending:
@@ -273,7 +274,8 @@ class Exchange:
             raise TypeError(f"grace compresses floating-point gradients; {bucket.names[0]!r} has dtype {dtype}")
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
         rank, n = self.communicator.rank, self.communicator.size
-        if self._whole:  # one flat tensor, with one flat memory
+        whole = self._whole_of.setdefault(bucket.key, self._compresses_whole(xp, grads[0]))
+        if whole:  # one flat tensor, with one flat memory
             g = self._flat_gradient(bucket, xp, grads)
             units, g_units = [_Unit(bucket.key, (bucket.numel,), 0, bucket.numel)], [g]
         else:  # each gradient as it is, with its own memory: nothing is copied
@@ -302,7 +304,7 @@ class Exchange:
 
         # A whole bucket's new memory goes into its spare buffer, where the backend's tensors
         # are mutable: no step allocates (and page-faults) a bucket-sized buffer.
-        spare = self._spare_memory(bucket, xp, old[0]) if self._whole and memory.needs_feedback else None
+        spare = self._spare_memory(bucket, xp, old[0]) if whole and memory.needs_feedback else None
         payloads, new_memory = [], []
         for u, g_u, info, state, e in zip(units, g_units, infos, states, old):
             out = spare if spare is not None and not isinstance(spare, tuple) else None
@@ -362,15 +364,21 @@ class Exchange:
     def _flat_gradient(self, bucket: Bucket, xp, grads):
         """The bucket's gradients as one flat tensor, copied into a buffer kept per bucket
         where the backend's tensors are mutable (results never alias it)."""
-        flat = [xp.flatten(t) for t in grads]
-        if len(flat) == 1:
-            return flat[0]
+        return self._joined(xp, f"{bucket.key}.gradient", [xp.flatten(t) for t in grads])
+
+    def _joined(self, xp, name: str, tensors):
+        """1-d ``tensors`` as one, in a buffer kept per ``name`` where the backend's tensors
+        are mutable (it is free again once the step's collective has been awaited)."""
+        if len(tensors) == 1:
+            return tensors[0]
         if not xp.mutable_tensors:
-            return xp.concat(flat)
-        buffer = self._buffers.get(bucket.key)
-        if buffer is None or xp.dtype(buffer) != bucket.dtype or xp.device(buffer) != xp.device(flat[0]):
-            buffer = self._buffers[bucket.key] = xp.zeros(bucket.numel, bucket.dtype, like=flat[0])
-        return xp.concat_into(flat, buffer)
+            return xp.concat(tensors)
+        numel, dtype = sum(xp.numel(t) for t in tensors), xp.dtype(tensors[0])
+        buffer = self._buffers.get(name)
+        if buffer is None or xp.numel(buffer) != numel or xp.dtype(buffer) != dtype \
+                or xp.device(buffer) != xp.device(tensors[0]):
+            buffer = self._buffers[name] = xp.zeros(numel, dtype, like=tensors[0])
+        return xp.concat_into(tensors, buffer)
 
     def _spare_memory(self, bucket: Bucket, xp, current):
         """A flat memory buffer like ``current`` to write the new memory into, or None where
@@ -394,7 +402,7 @@ class Exchange:
         for dtype in dict.fromkeys(dtypes):
             group = [t for t, d in zip(pieces, dtypes) if d == dtype]
             name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
-            waits[dtype] = self.communicator.allreduce_async(xp.concat(group) if len(group) > 1 else group[0], name)
+            waits[dtype] = self.communicator.allreduce_async(self._joined(xp, name, group), name)
 
         def wait():
             summed = {d: xp.split(w(), [c for c, dd in zip(counts, dtypes) if dd == d]) for d, w in waits.items()}
@@ -498,10 +506,14 @@ class Exchange:
                 self.store.set("memory", u.name, memory.update(xp, p_u, p_hat, e))
         return g_hat
 
-    @property
-    def _whole(self) -> bool:
-        """Buckets are compressed as one tensor."""
-        return self.compression.scope == "bucket" or self.compression.compressor.elementwise
+    def _compresses_whole(self, xp, like) -> bool:
+        """Whether a bucket is compressed as one flat tensor: always with scope='bucket'; for
+        elementwise methods (the same result either way) on an accelerator, where one kernel
+        per bucket beats one per gradient. On a CPU each gradient goes in turn: cache-sized
+        passes, and no bucket-sized temporaries to map and fault in every step."""
+        if self.compression.scope == "bucket":
+            return True
+        return self.compression.compressor.elementwise and xp.on_accelerator(like)
 
     def _adopt(self, bucket: Bucket, xp, like) -> None:
         """The first time a bucket is used: take over its gradients' per-name state (from a
@@ -510,19 +522,19 @@ class Exchange:
             return
         self._adopted.add(bucket.key)
         with self.store.eager():  # a TensorFlow trace: read and create the variables once, now
-            for table, value in self._gather(bucket, self.store.tables, xp, like).items():
+            for table, value in self._gather(bucket, self.store.tables, xp, like, self._whole_of[bucket.key]).items():
                 self.store.set(table, bucket.key, value)
 
-    def _gather(self, bucket: Bucket, tables: Dict[str, Dict[str, Any]], xp, like) -> Dict[str, Any]:
-        """Pop the per-name steps (and flat-kept memories) of ``bucket``'s gradients from
-        ``tables``; the bucket's own values: its step (the largest), its flat memory (a
-        gradient without one starts from the memory's init)."""
+    def _gather(self, bucket: Bucket, tables: Dict[str, Dict[str, Any]], xp, like, whole: bool) -> Dict[str, Any]:
+        """Pop the per-name steps (and, for a bucket compressed ``whole``, the memories) of
+        ``bucket``'s gradients from ``tables``; the bucket's own values: its step (the
+        largest), its flat memory (a gradient without one starts from the memory's init)."""
         out = {}
         steps = [tables["steps"].pop(name) for name in bucket.names if name in tables["steps"]]
         if steps:
             out["steps"] = max(int(s) for s in steps)
         memories = tables["memory"]
-        if self._whole and any(name in memories for name in bucket.names):
+        if whole and any(name in memories for name in bucket.names):
             memory, parts = self.compression.memory, []
             for s in bucket.segments:
                 value = memories.pop(s.name, None)
@@ -576,10 +588,10 @@ class Exchange:
         state = {table: dict(values) for table, values in state.items()}
         for table in TABLES:
             state.setdefault(table, {})
-        for bucket in self._buckets.values():
-            like = next((v[0] if isinstance(v, tuple) else v for v in state["memory"].values()), None)
-            xp = backend_for(like) if like is not None else None
-            for table, value in self._gather(bucket, state, xp, like).items():
-                state[table][bucket.key] = value
+        like = next((v[0] if isinstance(v, tuple) else v for v in state["memory"].values()), None)
+        xp = backend_for(like) if like is not None else None
+        for key, whole in self._whole_of.items():
+            for table, value in self._gather(self._buckets[key], state, xp, like, whole).items():
+                state[table][key] = value
         self.store.load_state_dict(state)
-        self._adopted = set(self._buckets)
+        self._adopted = set(self._whole_of)

@@ -8,7 +8,8 @@ majority vote; EF-signSGD's mean over lr; PowerSGD's two sums, written out here)
 Buckets change only what travels, never the result: the bytes per step are counted here from
 the frame layout (payload bytes, an 8-byte count per payload tensor for variable-length
 methods, padding to 8 bytes per frame), with buckets planned in reverse parameter order.
-With ``scope='bucket'`` a bucket is compressed as one tensor.
+With ``scope='bucket'`` a bucket is compressed as one tensor (elementwise methods also are,
+on a GPU; these runs are on the CPU).
 """
 from __future__ import annotations
 
@@ -139,9 +140,6 @@ def wire_bytes(compression, payloads, p, world_size: int):
         return size, False
     if not compression.bucket_mb:
         return size + (8 * len(tensors) if variable else 0), False
-    if compressor.elementwise:  # compressed as one flat tensor
-        flat = np.concatenate([x.ravel() for x in p])
-        size = sum(np.asarray(t).nbytes for t in compressor.compress(xp, flat, TensorInfo("b", 0, world_size))[0])
     header = 8 * len(tensors) if variable else 0
     dense = 4 * sum(x.size for x in p) + header
     broadcast_sizes = 8 if compression.collective is Collective.BROADCAST and variable else 0

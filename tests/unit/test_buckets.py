@@ -60,6 +60,23 @@ def test_bucketed_equals_per_tensor_bit_for_bit(xp, method, bucket_mb):
             assert_same(xp, mine[name], theirs[name], f"{method} {table} {name}")
 
 
+@pytest.mark.parametrize("method", ["none", "fp16", "bf16", "signsgd", "signsgd_mean"])
+def test_elementwise_methods_compress_whole_buckets_on_an_accelerator_alike(xp, method, monkeypatch):
+    """On a GPU these compress each bucket as one flat tensor (here the backend is told it is
+    on one): the same results as per tensor; on a CPU they go tensor by tensor."""
+    reference, want = run(xp, with_buckets(METHODS[method], 0))
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
+    bucketed, got = run(xp, with_buckets(METHODS[method], 0.002))
+    assert set(bucketed._whole_of.values()) == {True}
+    for w, g in zip(want, got):
+        for name in w:
+            assert_same(xp, w[name], g[name], f"{method} {name}")
+    assert bucketed.state_dict()["steps"] == reference.state_dict()["steps"]
+    monkeypatch.undo()
+    on_cpu, _ = run(xp, with_buckets(METHODS[method], 0.002), steps=1)
+    assert set(on_cpu._whole_of.values()) == {False}
+
+
 @pytest.mark.parametrize("method", ["topk", "dgc", "randomk", "powersgd", "signum", "efsignsgd"])
 @pytest.mark.parametrize("before, after", [(25, 0), (0, 25), (25, 0.002)])
 def test_checkpoints_load_under_another_bucket_size(xp, method, before, after):
