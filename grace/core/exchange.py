@@ -14,14 +14,15 @@ ranks share).
 overlap the exchange of one gradient with the backward pass of the next.
 
 With ``bucket_mb > 0`` (the default) gradients travel in buckets (``grace.core.bucket``):
-``start_bucket`` compensates the bucket's flat buffer in one pass, compresses each gradient
-in it as its own tensor (the same k, scales and draws as alone), and sends every payload in
-one frame with one collective; ``finish_bucket`` decodes each rank's frame and aggregates
-per gradient. Methods that treat elements independently (``Compressor.elementwise``), and
-every method with ``scope='bucket'``, compress the whole buffer at once. A bucket whose
-encoding would be larger than the dense gradient is sent dense, and its memory records all
-of it as sent. Step counters and flat memories are kept per bucket and saved per gradient
-name, so a checkpoint loads under any bucket size.
+``start_bucket`` compresses each gradient of the bucket as its own tensor, with its own
+memory (the same k, scales and draws as alone), and sends every payload in one frame with
+one collective; ``finish_bucket`` decodes each rank's frame and aggregates per gradient.
+With ``scope='bucket'``, and for methods that treat elements independently
+(``Compressor.elementwise``) on an accelerator, the bucket is copied into one flat tensor
+with one flat memory and compressed at once. A bucket whose encoding would be larger than
+the dense gradient is sent dense, and its memory records all of it as sent. Step counters
+(and flat memories) are kept per bucket and saved per gradient name, so a checkpoint loads
+under any bucket size.
 """
 from __future__ import annotations
 
@@ -298,7 +299,7 @@ class Exchange:
             pending.p = [memory.compensate(xp, g_u, e) for g_u, e in zip(g_units, old)]
             pending.rounds = [compressor.rounds(xp, p_u, info, state)
                               for p_u, info, state in zip(pending.p, infos, states)]
-            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [next(r) for r in pending.rounds], g)
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [next(r) for r in pending.rounds])
             self.stats.add(nbytes, 0)
             return pending
 
@@ -323,7 +324,7 @@ class Exchange:
             new_memory.append(e_new)
 
         if self.compression.collective is Collective.ALLREDUCE:
-            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, g)
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads)
         else:
             compensated = []
 
@@ -390,7 +391,7 @@ class Exchange:
             spare = tuple(xp.zeros_like(t) for t in current) if isinstance(current, tuple) else xp.zeros_like(current)
         return spare
 
-    def _allreduce_units(self, xp, key: str, payloads, like):
+    def _allreduce_units(self, xp, key: str, payloads):
         """One allreduce per payload dtype (one, unless a method mixes them) of all units'
         payloads; (wait for the summed payloads per unit, bytes sent)."""
         shapes = [xp.shape(t) for payload in payloads for t in payload]
@@ -495,7 +496,7 @@ class Exchange:
             running = still
             if running:
                 r += 1
-                wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads, pending.g)
+                wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads)
                 self.stats.add(nbytes, 0)
                 summed = wait()
         g_hat = []
