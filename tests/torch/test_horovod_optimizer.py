@@ -154,3 +154,30 @@ def test_buckets_and_per_tensor_give_the_same_training_on_one_rank():
     print(bool(torch.equal(weights[0], weights[1])), opt.grace_stats.last_step_bytes > 0)
     """)
     assert out.split() == ["True", "True"]
+
+
+def test_a_bucket_is_launched_while_backward_still_runs():
+    """Two buckets: the first is launched from the backward hook of its last gradient, before
+    autograd has produced the first layer's weight gradient."""
+    out = run("""
+    import horovod.torch as hvd
+    import grace
+    from grace.core.exchange import Exchange
+    hvd.init()
+    events = []
+    start_bucket = Exchange.start_bucket
+    def logged(self, bucket, grads):
+        events.append("launch " + ",".join(bucket.names))
+        return start_bucket(self, bucket, grads)
+    Exchange.start_bucket = logged
+    model = torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.ReLU(), torch.nn.Linear(300, 4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=grace.topk(0.1, bucket_mb=0.01))  # 10 kB: two buckets
+    model[0].weight.register_hook(lambda g: events.append("first layer's gradient"))
+    step(model, opt)
+    print(events)
+    """)
+    events = eval(out.strip())
+    # the plan, last layer first: [2.bias, 2.weight, 0.bias] (6 kB) and [0.weight] (24 kB)
+    assert events == ["launch 2.bias,2.weight,0.bias", "first layer's gradient", "launch 0.weight"], events
