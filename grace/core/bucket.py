@@ -62,23 +62,25 @@ def plan(tensors: Sequence[Tuple[str, Tuple[int, ...], str, Any]], cap_bytes: fl
     Gradients of one (dtype, group) fill a bucket until the next one would take it past
     ``cap_bytes``; a gradient larger than the cap gets a bucket of its own. ``group`` keeps
     apart what cannot share a buffer (the device). Empty tensors are in no bucket."""
-    open_: dict = {}
+    open_: dict = {}  # (dtype, group) -> (members, bytes)
     closed: List[List[tuple]] = []
+    position = {}
     for name, shape, dtype, group in tensors:
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"grace compresses floating-point gradients ({', '.join(FLOAT_DTYPES)}); "
                             f"{name!r} has dtype {dtype}")
-        numel = math.prod(shape)
-        if numel == 0:
+        position[name] = len(position)
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        if nbytes == 0:
             continue
-        members = open_.setdefault((dtype, group), [])
-        size = sum(math.prod(s) for _, s, _, _ in members) * ITEMSIZE[dtype]
-        if members and size + numel * ITEMSIZE[dtype] > cap_bytes:
+        members, size = open_.get((dtype, group), ([], 0))
+        if members and size + nbytes > cap_bytes:
             closed.append(members)
-            members = open_[(dtype, group)] = []
+            members, size = [], 0
         members.append((name, tuple(shape), dtype, group))
-    closed.extend(m for m in open_.values() if m)
-    closed.sort(key=lambda members: [t[0] for t in tensors].index(members[0][0]))  # launch order
+        open_[(dtype, group)] = (members, size + nbytes)
+    closed.extend(members for members, _ in open_.values())
+    closed.sort(key=lambda members: position[members[0][0]])  # launch order
     buckets = []
     for index, members in enumerate(closed):
         segments, offset = [], 0

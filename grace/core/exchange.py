@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from grace.backends import backend_for
 from grace.core import bucket as frames
-from grace.core.bucket import Bucket, Dense
+from grace.core.bucket import Bucket, Dense, Segment
 from grace.core.communicator import Communicator, Handle, _lengths
 from grace.core.compression import GradientCompression
 from grace.core.compressor import FLOAT_DTYPES, Collective, TensorInfo
@@ -81,22 +81,11 @@ class Pending:
     memory_state: Any = None  # multi-round methods: the memory before this step
 
 
-@dataclass(frozen=True)
-class _Unit:
-    """What the compressor sees as one tensor: a gradient of the bucket, or the whole bucket."""
-
-    name: str
-    shape: tuple
-    offset: int
-    numel: int
-
-
 @dataclass
 class BucketPending:
     bucket: Bucket
     xp: Any
-    units: List[_Unit]
-    infos: List[TensorInfo]
+    units: List[Segment]  # what the compressor sees as one tensor: each gradient, or the whole bucket
     g: Any  # the flat gradient of a whole bucket; else its first gradient
     old: List[Any]  # each unit's memory before this step
     ctxs: List[Any] = field(default_factory=list)
@@ -107,6 +96,11 @@ class BucketPending:
     counts: List[int] = field(default_factory=list)
     p: Any = None  # multi-round methods: the compensated units
     rounds: Any = None  # multi-round methods: one suspended protocol per unit
+
+
+def _check_float(xp, name: str, g) -> None:
+    if xp.dtype(g) not in FLOAT_DTYPES:
+        raise TypeError(f"grace compresses floating-point gradients; {name!r} has dtype {xp.dtype(g)}")
 
 
 def _view(xp, flat, unit):
@@ -126,10 +120,6 @@ def _state_copy(value, segment):
     xp = backend_for(value[0] if isinstance(value, tuple) else value)
     view = _view(xp, value, segment)
     return tuple(xp.copy(t) for t in view) if isinstance(view, tuple) else xp.copy(view)
-
-
-def _flat_state(xp, value):
-    return tuple(xp.flatten(t) for t in value) if isinstance(value, tuple) else xp.flatten(value)
 
 
 def _assign(xp, dst, src) -> None:
@@ -168,8 +158,7 @@ class Exchange:
 
     def start(self, name: str, g) -> Pending:
         xp = backend_for(g)
-        if xp.dtype(g) not in FLOAT_DTYPES:
-            raise TypeError(f"grace compresses floating-point gradients; {name!r} has dtype {xp.dtype(g)}")
+        _check_float(xp, name, g)
         if xp.numel(g) == 0:  # nothing to send, nothing to remember
             return Pending(name, xp, _EMPTY, Handle(lambda: g, 0))
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
@@ -270,18 +259,16 @@ class Exchange:
         """Compensate, compress and launch the one collective of ``bucket``; ``grads`` are its
         gradients in segment order."""
         xp = backend_for(grads[0])
-        dtype = xp.dtype(grads[0])
-        if dtype not in FLOAT_DTYPES:
-            raise TypeError(f"grace compresses floating-point gradients; {bucket.names[0]!r} has dtype {dtype}")
+        _check_float(xp, bucket.names[0], grads[0])
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
         rank, n = self.communicator.rank, self.communicator.size
         whole = self._whole_of.setdefault(bucket.key, self._compresses_whole(xp, grads[0]))
         if whole:  # one flat tensor, with one flat memory
             g = self._flat_gradient(bucket, xp, grads)
-            units, g_units = [_Unit(bucket.key, (bucket.numel,), 0, bucket.numel)], [g]
+            units, g_units = [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], [g]
         else:  # each gradient as it is, with its own memory: nothing is copied
             g = grads[0]  # what new tensors are made like
-            units, g_units = [_Unit(s.name, s.shape, s.offset, s.numel) for s in bucket.segments], list(grads)
+            units, g_units = list(bucket.segments), list(grads)
         self._adopt(bucket, xp, g)
         step = store.get("steps", bucket.key, lambda _: 0, g)
         store.set("steps", bucket.key, step + 1)
@@ -293,7 +280,7 @@ class Exchange:
             infos.append(TensorInfo(name=u.name, step=step, world_size=n, rank=rank))
             states.append(store.get("state", u.name, lambda t: compressor.init_state(xp, t, first), g_u))
             old.append(store.get("memory", u.name, lambda t: memory.init(xp, t), g_u))
-        pending = BucketPending(bucket, xp, units, infos, g, old)
+        pending = BucketPending(bucket, xp, units, g, old)
 
         if compressor.multi_round:
             pending.p = [memory.compensate(xp, g_u, e) for g_u, e in zip(g_units, old)]
@@ -541,7 +528,7 @@ class Exchange:
                 value = memories.pop(s.name, None)
                 if value is None:
                     value = memory.init(xp, xp.zeros(s.numel, bucket.dtype, like=like))
-                parts.append(_flat_state(xp, value))
+                parts.append(value)
             out["memory"] = (tuple(_concat(xp, list(c)) for c in zip(*parts)) if isinstance(parts[0], tuple)
                              else _concat(xp, parts))
         return out
