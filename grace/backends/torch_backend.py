@@ -137,6 +137,14 @@ class TorchBackend:
             return x.sum() if axis is None else x.sum(dim=axis)
         return x.sum(dtype=torch.int64) if axis is None else x.sum(dim=axis, dtype=torch.int64)
 
+    def nonfinite(self, xs):
+        """A one-element float32 flag: 1 where any of the tensors ``xs`` holds an inf or a NaN.
+        One summing pass each, on the device, with no read back to the host (half precision
+        sums in float32, which cannot overflow)."""
+        sums = [x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32) for x in xs]
+        total = sums[0] if len(sums) == 1 else torch.stack([s.double() for s in sums]).sum()
+        return (~torch.isfinite(total)).to(torch.float32).reshape(1)
+
     def max(self, x, axis=None):
         if x.numel() == 0:
             return torch.zeros((), dtype=x.dtype, device=x.device)

@@ -9,7 +9,7 @@
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compressor import Collective, Compressor, Shape, check_number
 from grace.core.registry import register
 from grace.memories import EFSignSGDMemory, make_memory
 
@@ -18,9 +18,7 @@ class EFSignSGD(Compressor):
     collective = Collective.ALLGATHER
 
     def __init__(self, lr: float):
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-            raise ValueError(f"lr must be the optimizer's learning rate, a number > 0; got {lr!r}")
-        self.lr = float(lr)
+        self.lr = check_number(lr, "lr", strict=True, note=" (the optimizer's learning rate)")
 
     def compress(self, xp, x, info):
         fused = xp.fused("efsignsgd_compress", x, xp.dtype(x))  # one pass, when built

@@ -13,6 +13,7 @@ class FP16(Compressor):
     collective = Collective.ALLREDUCE
     supports_allreduce = True
     elementwise = True
+    passes_nonfinite = True
 
     def __init__(self, dtype: str = "float16"):
         if dtype not in ("float16", "bfloat16"):

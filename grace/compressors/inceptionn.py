@@ -12,7 +12,7 @@ elements in index order, so the tags alone say where every value goes.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compressor import Collective, Compressor, Shape, check_number
 from grace.core.registry import register
 from grace.memories import make_memory
 
@@ -22,9 +22,7 @@ class Inceptionn(Compressor):
     variable_length = True
 
     def __init__(self, error_bound: float = 2.0**-12):
-        if isinstance(error_bound, bool) or not isinstance(error_bound, (int, float)) or not error_bound > 0:
-            raise ValueError(f"error_bound must be a number > 0, got {error_bound!r}")
-        self.error_bound = float(error_bound)
+        self.error_bound = check_number(error_bound, "error_bound", strict=True)
 
     def compress(self, xp, x, info):
         flat = xp.cast(xp.flatten(x), "float32")

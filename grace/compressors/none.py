@@ -9,6 +9,7 @@ class NoneCompressor(Compressor):
     collective = Collective.ALLREDUCE
     supports_allreduce = True
     elementwise = True
+    passes_nonfinite = True
 
     def compress(self, xp, x, info):
         return (xp.flatten(x),), Shape(xp.shape(x), xp.dtype(x))

@@ -18,6 +18,7 @@ class PowerSGD(Compressor):
     collective = Collective.ALLREDUCE
     supports_allreduce = True
     multi_round = True
+    shared_state = True
 
     def __init__(self, rank: int = 1, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:

@@ -7,6 +7,7 @@ expressed in gradient units, which needs no rescaling when the learning rate cha
 """
 from grace.compressors.sparse import Sparsifier
 from grace.core.compression import GradientCompression
+from grace.core.compressor import check_number
 from grace.core.registry import register
 from grace.memories import make_memory
 
@@ -16,9 +17,7 @@ class Threshold(Sparsifier):
     residual_kernel = "threshold_ef_step"
 
     def __init__(self, threshold: float):
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
-            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
-        self.threshold = float(threshold)
+        self.threshold = check_number(threshold, "threshold")
 
     def kernel_argument(self, numel: int) -> float:
         return self.threshold

@@ -8,6 +8,7 @@ What a rank sends for a bucket is one contiguous uint8 tensor, its *frame*:
 
     [header: int64 element count per piece]   (variable-length methods only)
     [pieces: every payload tensor of every segment, widest element type first]
+    [overflow flag: one uint8, 1 if the rank's gradients held an inf or a NaN]   (when guarded)
     [zeros up to a multiple of 8 bytes]
 
 Widest first and the 8-byte total keep every piece aligned for its dtype, in this rank's
@@ -97,9 +98,10 @@ def _order(dtypes: Sequence[str]) -> List[int]:
     return sorted(range(len(dtypes)), key=lambda i: -ITEMSIZE[dtypes[i]])  # stable
 
 
-def frame(xp, pieces: Sequence, with_header: bool, like) -> Any:
-    """One rank's frame for the payload tensors ``pieces`` (all units' payloads, in order).
-    Under a TensorFlow trace a variable length is a tensor: the frame is built with ops."""
+def frame(xp, pieces: Sequence, with_header: bool, like, flag=None) -> Any:
+    """One rank's frame for the payload tensors ``pieces`` (all units' payloads, in order),
+    with the overflow ``flag`` (a one-element tensor) where given. Under a TensorFlow trace a
+    variable length is a tensor: the frame is built with ops."""
     flat = [xp.flatten(t) for t in pieces]
     parts = []
     if with_header:
@@ -110,16 +112,18 @@ def frame(xp, pieces: Sequence, with_header: bool, like) -> Any:
             header = _lengths(xp, flat)
         parts.append(xp.to_bytes(header))
     parts.extend(xp.to_bytes(flat[i]) for i in _order([xp.dtype(t) for t in flat]))
-    return _padded(xp, parts, like)
+    return _padded(xp, parts, like, flag)
 
 
-def dense_frame(xp, flat, pieces: int, like) -> Any:
+def dense_frame(xp, flat, pieces: int, like, flag=None) -> Any:
     """A variable-length frame that carries the bucket's dense values instead of its encoding."""
     header = xp.cast(xp.asarray([DENSE] + [0] * (pieces - 1), like=like), "int64")
-    return _padded(xp, [xp.to_bytes(header), xp.to_bytes(flat)], like)
+    return _padded(xp, [xp.to_bytes(header), xp.to_bytes(flat)], like, flag)
 
 
-def _padded(xp, parts, like):
+def _padded(xp, parts, like, flag=None):
+    if flag is not None:
+        parts = [*parts, xp.cast(flag, "uint8")]
     size = sum(xp.numel(p) for p in parts)
     pad = -size % ALIGN
     if not isinstance(pad, int) or pad:
@@ -127,8 +131,8 @@ def _padded(xp, parts, like):
     return xp.concat(parts) if len(parts) > 1 else parts[0]
 
 
-def frame_size(counts: Sequence, dtypes: Sequence[str], with_header: bool):
-    size = (8 * len(counts) if with_header else 0) + sum(c * ITEMSIZE[d] for c, d in zip(counts, dtypes))
+def frame_size(counts: Sequence, dtypes: Sequence[str], with_header: bool, flagged: bool = False):
+    size = (8 * len(counts) if with_header else 0) + sum(c * ITEMSIZE[d] for c, d in zip(counts, dtypes)) + flagged
     return size + (-size % ALIGN)
 
 
@@ -140,23 +144,27 @@ class Dense:
 
 
 def read_frame(xp, data, start, dtypes: Sequence[str], counts: Sequence, variable: bool,
-               dense_numel: int, dense_dtype: str):
+               dense_numel: int, dense_dtype: str, flagged: bool = False):
     """The frame at byte ``start`` of ``data``: (its pieces in payload order, or ``Dense``;
-    the byte where the next frame starts). ``counts`` are this rank's own element counts,
-    which every rank shares unless the method is variable-length."""
+    its overflow flag, a one-element uint8 tensor, or None where not ``flagged``; the byte
+    where the next frame starts). ``counts`` are this rank's own element counts, which every
+    rank shares unless the method is variable-length."""
     pos = start
     if variable:
         counts = xp.host_ints(xp.from_bytes(data[pos:pos + 8 * len(dtypes)], "int64"), len(dtypes))
         pos += 8 * len(dtypes)
         if isinstance(counts[0], int) and counts[0] == DENSE:  # (a traced step never sends dense)
-            values = xp.from_bytes(data[pos:pos + dense_numel * ITEMSIZE[dense_dtype]], dense_dtype)
-            return Dense(values), pos + frame_size([dense_numel], [dense_dtype], False)
+            end = pos + dense_numel * ITEMSIZE[dense_dtype]
+            flag = data[end:end + 1] if flagged else None
+            return Dense(xp.from_bytes(data[pos:end], dense_dtype)), flag, \
+                pos + frame_size([dense_numel], [dense_dtype], False, flagged)
     pieces: List[Any] = [None] * len(dtypes)
     for i in _order(dtypes):
         nbytes = counts[i] * ITEMSIZE[dtypes[i]]
         pieces[i] = xp.from_bytes(data[pos:pos + nbytes], dtypes[i])
         pos += nbytes
-    return pieces, start + frame_size(counts, dtypes, variable)
+    flag = data[pos:pos + 1] if flagged else None
+    return pieces, flag, start + frame_size(counts, dtypes, variable, flagged)
 
 
 def split_payloads(pieces: Sequence, structure: Sequence[int]) -> List[Payload]:

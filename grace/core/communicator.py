@@ -106,6 +106,23 @@ class Communicator:
         return Handle(wait, nbytes)
 
 
+class ProcessSetCommunicator(Communicator):
+    """Over a group of processes that knows its own ``rank()`` and ``size()`` (a Horovod
+    process set). Both are read at every use: Horovod's elastic training changes them while
+    the job runs."""
+
+    def __init__(self, process_set):
+        self.process_set = process_set
+
+    @property
+    def rank(self) -> int:
+        return self.process_set.rank()
+
+    @property
+    def size(self) -> int:
+        return self.process_set.size()
+
+
 class LocalCommunicator(Communicator):
     """A world of one: every collective hands back this rank's own tensor."""
 

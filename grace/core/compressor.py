@@ -97,6 +97,11 @@ class Compressor:
     #: every element is compressed on its own, with no statistic, draw or state of its tensor,
     #: so a bucket of tensors compresses as one flat tensor with the same result
     elementwise: bool = False
+    #: an inf or NaN in the input reaches every rank's result by itself, and the method keeps
+    #: no state: with no memory either, the exchange need not flag overflows
+    passes_nonfinite: bool = False
+    #: the per-tensor state is the same on every rank (PowerSGD's Q), not the rank's own
+    shared_state: bool = False
 
     def compress(self, xp, x, info: TensorInfo) -> Tuple[Payload, Any]:
         raise NotImplementedError
@@ -146,6 +151,15 @@ def check_ratio(ratio: float, name: str = "ratio") -> float:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"{name} must be a number in (0, 1], got {ratio!r}")
     return float(ratio)
+
+
+def check_number(value, name: str, minimum: float = 0.0, strict: bool = False, note: str = "") -> float:
+    """A finite real number >= ``minimum`` (> where ``strict``); else a ValueError naming ``name``."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
+        and (value > minimum if strict else value >= minimum)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {minimum:g}{note}, got {value!r}")
+    return float(value)
 
 
 def check_float_dtype(dtype: str, method: str) -> None:

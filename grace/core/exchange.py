@@ -23,9 +23,21 @@ with one flat memory and compressed at once. A bucket whose encoding would be la
 the dense gradient is sent dense, and its memory records all of it as sent. Step counters
 (and flat memories) are kept per bucket and saved per gradient name, so a checkpoint loads
 under any bucket size.
+
+An overflow (an inf or a NaN in a rank's gradient, as mixed precision produces) costs one
+step and leaves no trace: each rank flags its own in what it sends anyway (an extra element
+of the allreduce, a byte of the frame), every rank hands back non-finite gradients for the
+flagged exchange (so a loss scaler skips the step), and ``end_step`` puts back every memory,
+compressor state and step counter the step changed. Methods that keep nothing and pass an inf
+through by themselves (``none``, ``fp16`` without memory) send no flag.
 """
 from __future__ import annotations
 
+import os
+import socket
+import uuid
+import warnings
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -68,6 +80,7 @@ class WireStats:
 
 
 _EMPTY = object()  # ctx of an empty tensor, which is not exchanged
+_PROCESS = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # this process, in saved states
 
 
 @dataclass
@@ -76,6 +89,7 @@ class Pending:
     xp: Any
     ctx: Any
     handle: Handle
+    flagged: bool = False  # the first round's payload ends with the overflow flag
     p: Any = None  # multi-round methods: the compensated gradient, for the memory update
     rounds: Any = None  # multi-round methods: the protocol, suspended between rounds
     memory_state: Any = None  # multi-round methods: the memory before this step
@@ -91,6 +105,7 @@ class BucketPending:
     ctxs: List[Any] = field(default_factory=list)
     wait: Any = None
     sent_dense: bool = False
+    flag: Any = None  # this rank's overflow flag (guarded methods): 1 if its gradients hold an inf or NaN
     structure: List[int] = field(default_factory=list)  # tensors per unit's payload
     dtypes: List[str] = field(default_factory=list)  # of the frame's pieces
     counts: List[int] = field(default_factory=list)
@@ -134,6 +149,16 @@ def _shapes(xp, value):
     return [xp.shape(t) for t in value] if isinstance(value, tuple) else xp.shape(value)
 
 
+def _poisoned(xp, tensors, overflow):
+    """NaN everywhere when any rank flagged an overflow (``overflow``: how many did, an int or
+    a traced tensor; None: not guarded), so that a loss scaler sees it and skips the step."""
+    if overflow is None or (isinstance(overflow, int) and not overflow):
+        return tensors
+    if isinstance(overflow, int):
+        return [t * float("nan") for t in tensors]
+    return [xp.where(overflow > 0, float("nan"), t) for t in tensors]
+
+
 def _concat(xp, tensors):
     flat = [xp.flatten(t) for t in tensors]
     return flat[0] if len(flat) == 1 else xp.concat(flat)
@@ -155,17 +180,26 @@ class Exchange:
         self._whole_of: Dict[str, bool] = {}  # per bucket in use: compressed as one tensor
         self._buffers: Dict[str, Any] = {}  # reused per name: flat gradients, joined payloads
         self._spares: Dict[str, Any] = {}  # per bucket: where the next flat memory is written
+        compressor = compression.compressor
+        self._guarded = not (compressor.passes_nonfinite and not compression.memory.needs_feedback)
+        self._journal: Dict[tuple, Any] = {}  # (table, key): its value before this step
+        self._overflows: List[Any] = []  # per exchange of this step: how many ranks flagged one
+        self._tensors: set = set()  # (name, shape, dtype) of every gradient expected or planned
+        self._agreed_in = None  # (rank, size) of the world the ranks last compared configurations in
 
     def start(self, name: str, g) -> Pending:
         xp = backend_for(g)
         _check_float(xp, name, g)
+        if self._agreed_in != self._world():
+            self._agree(xp, g)
         if xp.numel(g) == 0:  # nothing to send, nothing to remember
             return Pending(name, xp, _EMPTY, Handle(lambda: g, 0))
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
         step = store.get("steps", name, lambda _: 0, g)
         info = TensorInfo(name=name, step=step, world_size=self.communicator.size,
                           rank=self.communicator.rank)
-        store.set("steps", name, step + 1)
+        self._set("steps", name, step + 1)
+        flag = xp.nonfinite([g]) if self._guarded else None
         self.stats.add(0, 4 * xp.numel(g))
 
         memory_state = store.get("memory", name, lambda t: memory.init(xp, t), g)
@@ -175,49 +209,66 @@ class Exchange:
             fused = memory.fused_step(xp, compressor, g, memory_state, info)
             if fused is not None:
                 payload, ctx, memory_state = fused
-                store.set("memory", name, memory_state)
-                return Pending(name, xp, ctx, self._send(name, xp, payload, 0))
+                self._set("memory", name, memory_state)
+                return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
         p = memory.compensate(xp, g, memory_state)
         if compressor.multi_round:
             rounds = compressor.rounds(xp, p, info, state)
-            return Pending(name, xp, None, self._send(name, xp, next(rounds), 0), p, rounds, memory_state)
+            return Pending(name, xp, None, self._send(name, xp, next(rounds), 0, flag), flag is not None,
+                           p, rounds, memory_state)
 
         payload, ctx, state = compressor.step(xp, p, info, state)
-        store.set("state", name, state)
+        self._set("state", name, state)
         if memory.needs_feedback:
             p_hat = compressor.decompress(xp, payload, ctx)
-            store.set("memory", name, memory.update(xp, p, p_hat, memory_state))
-        return Pending(name, xp, ctx, self._send(name, xp, payload, 0))
+            self._set("memory", name, memory.update(xp, p, p_hat, memory_state))
+        return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
 
     def finish(self, pending: Pending):
         xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
         if pending.ctx is _EMPTY:
             return pending.handle.wait()
         if pending.rounds is not None:
-            g_hat = self._finish_rounds(pending)
+            g_hat, overflow = self._finish_rounds(pending)
         elif self.compression.collective is Collective.ALLREDUCE:
-            g_hat = compressor.decompress(xp, pending.handle.wait(), pending.ctx) / n
+            summed, overflow = self._unflagged(pending, pending.handle.wait())
+            g_hat = compressor.decompress(xp, summed, pending.ctx) / n
         else:
-            g_hat = compressor.aggregate(xp, pending.handle.wait(), pending.ctx)
+            gathered, overflow = self._unflagged(pending, pending.handle.wait())
+            g_hat = compressor.aggregate(xp, gathered, pending.ctx)
+        [g_hat] = _poisoned(xp, [g_hat], overflow)
         return g_hat if self.average else g_hat * n
+
+    def _unflagged(self, pending: Pending, received):
+        """The received payloads without their overflow flags; how many ranks flagged one."""
+        if not pending.flagged:
+            return received, None
+        if isinstance(received, tuple):  # allreduce: one summed payload
+            return received[:-1], self._overflow(pending.xp, [received[-1]])
+        return [r[:-1] for r in received], self._overflow(pending.xp, [r[-1] for r in received])
 
     def _finish_rounds(self, pending: Pending):
         name, xp, memory = pending.name, pending.xp, self.compression.memory
-        summed, r = pending.handle.wait(), 0
+        (summed, overflow), r = self._unflagged(pending, pending.handle.wait()), 0
         while True:
             try:
                 payload = pending.rounds.send(summed)
             except StopIteration as done:
                 g_hat, p_hat, state = done.value
-                self.store.set("state", name, state)
+                self._set("state", name, state)
                 break
             r += 1
             summed = self._send(name, xp, payload, r).wait()
         if memory.needs_feedback:
-            self.store.set("memory", name, memory.update(xp, pending.p, p_hat, pending.memory_state))
-        return g_hat
+            self._set("memory", name, memory.update(xp, pending.p, p_hat, pending.memory_state))
+        return g_hat, overflow
 
-    def _send(self, name: str, xp, payload, round_: int) -> Handle:
+    def _send(self, name: str, xp, payload, round_: int, flag=None) -> Handle:
+        """Launch ``payload``'s collective, with this rank's overflow ``flag`` as one more
+        tensor where given (in the payload's dtype where it is summed)."""
+        if flag is not None:
+            summed = self.compression.collective is Collective.ALLREDUCE
+            payload = (*payload, xp.cast(flag, xp.dtype(payload[0]) if summed else "uint8"))
         suffix = f".round{round_}" if round_ else ""
         handle = self.communicator.exchange(self.compression.collective, xp, payload, f"grace.{name}{suffix}",
                                             equal_lengths=not self.compression.compressor.variable_length)
@@ -242,24 +293,99 @@ class Exchange:
             for pending in started:
                 out.update(zip(pending.bucket.names, self.finish_bucket(pending)))
             out = {name: out[name] for name in grads}
-        self.stats.end_step()
+        self.end_step()
         return out
+
+    def end_step(self) -> None:
+        """Close a step (every exchange of it finished). Where any rank flagged an overflow,
+        put back every memory, compressor state and step counter as they were before it."""
+        overflow = sum(self._overflows)  # an int; a tensor inside a trace
+        if self._journal and not (isinstance(overflow, int) and not overflow):
+            for (table, key), old in self._journal.items():
+                if isinstance(overflow, int):
+                    if self._spares.get(key) is old:  # the old memory is no longer free to write over
+                        self._spares[key] = self.store.value(table, key)
+                    self.store.set(table, key, old)
+                elif old is not None:  # traced: chosen when the step runs
+                    current = self.store.value(table, key)
+                    choose = lambda o, c: backend_for(c).where(overflow > 0, o, c)  # noqa: E731
+                    self.store.set(table, key, tuple(map(choose, old, current)) if isinstance(old, tuple)
+                                   else choose(old, current))
+        self._journal.clear()
+        self._overflows.clear()
+        self.stats.end_step()
+
+    def _set(self, table: str, key: str, value) -> None:
+        """Store a value this step changes, keeping its old value until the step ends."""
+        if self._guarded and (table, key) not in self._journal:
+            self._journal[table, key] = self.store.value(table, key)
+        self.store.set(table, key, value)
+
+    def _overflow(self, xp, flags) -> Any:
+        """How many ranks flagged an overflow (summed flags, or each rank's), noted for ``end_step``."""
+        flags = [xp.cast(xp.flatten(f), "int64") for f in flags]
+        total = xp.sum(flags[0] if len(flags) == 1 else xp.concat(flags))
+        count = xp.host_ints(xp.reshape(total, (1,)), 1)[0]
+        self._overflows.append(count)
+        return count
 
     # --- buckets -------------------------------------------------------------------------
     def plan(self, tensors: Sequence[tuple]) -> List[Bucket]:
         """The buckets for ``(name, shape, dtype, group)`` tuples in backward order (see
         ``grace.core.bucket.plan``), remembered so that their state is saved per name."""
         key = tuple(tensors)
+        self.expect(tensors)
         if key not in self._plans:
             self._plans[key] = frames.plan(tensors, self.compression.bucket_mb * 2**20)
             self._buckets.update((b.key, b) for b in self._plans[key])
         return self._plans[key]
+
+    def expect(self, tensors: Sequence[tuple]) -> None:
+        """The ``(name, shape, dtype, group)`` tuples of the gradients this exchange will see,
+        for the ranks' first-step agreement (``plan`` records its own)."""
+        self._tensors.update((name, tuple(shape), str(dtype)) for name, shape, dtype, *_ in tensors)
+
+    def _world(self):
+        return self.communicator.rank, self.communicator.size
+
+    def _agree(self, xp, like) -> None:
+        """Before the first exchange, and again after the world changed (Horovod's elastic
+        training), one small allgather under a name every rank shares (a bucket's name depends
+        on the tensor set, so it cannot carry this): the ranks compare fingerprints of their
+        configuration, gradients and step counters, and every rank raises the same clear error
+        where they differ, instead of hanging or drifting apart."""
+        self._agreed_in = self._world()
+        comm = self.communicator
+        with self.store.eager():
+            steps = sorted((name, int(v)) for name, v in self.state_dict()["steps"].items())
+            parts = {
+                "configuration": f"{self.compression!r}, average={self.average}",
+                "gradients": repr(sorted(self._tensors)),
+                "step counters": repr(steps),
+            }
+            mine = [zlib.crc32(text.encode()) for text in parts.values()]
+            wait = comm.allgather_async(xp.cast(xp.asarray(mine, like=like), "int64"), "grace.agreement")
+            table = xp.host_ints(wait(), len(mine) * comm.size)
+        rows = [table[r * len(mine):(r + 1) * len(mine)] for r in range(comm.size)]
+        for i, (what, text) in enumerate(parts.items()):
+            differ = [r for r in range(comm.size) if rows[r][i] != rows[0][i]]
+            if differ:
+                hint = {"configuration": "build the same compression (method, parameters, seed, bucket_mb, "
+                                         "scope, op) on every rank",
+                        "gradients": "every rank must exchange the same named gradients, of the same shapes",
+                        "step counters": "after loading a checkpoint on some ranks only, call "
+                                         "hvd.broadcast_optimizer_state(opt, root_rank=0) (it carries grace's "
+                                         "step counters), or load each rank's own checkpoint on every rank"}[what]
+                raise RuntimeError(f"grace: ranks {differ} differ from rank 0 in their {what}; {hint}. "
+                                   f"Rank {comm.rank} has: {text[:500]}")
 
     def start_bucket(self, bucket: Bucket, grads: Sequence) -> "BucketPending":
         """Compensate, compress and launch the one collective of ``bucket``; ``grads`` are its
         gradients in segment order."""
         xp = backend_for(grads[0])
         _check_float(xp, bucket.names[0], grads[0])
+        if self._agreed_in != self._world():
+            self._agree(xp, grads[0])
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
         rank, n = self.communicator.rank, self.communicator.size
         whole = self._whole_of.setdefault(bucket.key, self._compresses_whole(xp, grads[0]))
@@ -271,7 +397,7 @@ class Exchange:
             units, g_units = list(bucket.segments), list(grads)
         self._adopt(bucket, xp, g)
         step = store.get("steps", bucket.key, lambda _: 0, g)
-        store.set("steps", bucket.key, step + 1)
+        self._set("steps", bucket.key, step + 1)
         self.stats.add(0, 4 * bucket.numel)
 
         infos, states, old = [], [], []
@@ -281,12 +407,15 @@ class Exchange:
             states.append(store.get("state", u.name, lambda t: compressor.init_state(xp, t, first), g_u))
             old.append(store.get("memory", u.name, lambda t: memory.init(xp, t), g_u))
         pending = BucketPending(bucket, xp, units, g, old)
+        if self._guarded:
+            pending.flag = xp.nonfinite(g_units)
 
         if compressor.multi_round:
             pending.p = [memory.compensate(xp, g_u, e) for g_u, e in zip(g_units, old)]
             pending.rounds = [compressor.rounds(xp, p_u, info, state)
                               for p_u, info, state in zip(pending.p, infos, states)]
-            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [next(r) for r in pending.rounds])
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [next(r) for r in pending.rounds],
+                                                         pending.flag)
             self.stats.add(nbytes, 0)
             return pending
 
@@ -303,7 +432,7 @@ class Exchange:
             else:
                 p_u = memory.compensate(xp, g_u, e)
                 payload, ctx, state = compressor.step(xp, p_u, info, state)
-                store.set("state", u.name, state)
+                self._set("state", u.name, state)
                 e_new = (memory.update(xp, p_u, compressor.decompress(xp, payload, ctx), e)
                          if memory.needs_feedback else None)
             payloads.append(payload)
@@ -311,7 +440,7 @@ class Exchange:
             new_memory.append(e_new)
 
         if self.compression.collective is Collective.ALLREDUCE:
-            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads)
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, pending.flag)
         else:
             compensated = []
 
@@ -330,7 +459,7 @@ class Exchange:
             new_memory = [spare]
         for u, e_new in zip(units, new_memory):
             if memory.needs_feedback:
-                store.set("memory", u.name, e_new)
+                self._set("memory", u.name, e_new)
         self.stats.add(nbytes, 0)
         return pending
 
@@ -338,15 +467,16 @@ class Exchange:
         """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order."""
         xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
         if pending.rounds is not None:
-            g_hat = self._finish_bucket_rounds(pending)
+            g_hat, overflow = self._finish_bucket_rounds(pending)
         elif self.compression.collective is Collective.ALLREDUCE:
-            g_hat = [compressor.decompress(xp, payload, ctx) / n
-                     for payload, ctx in zip(pending.wait(), pending.ctxs)]
+            summed, overflow = pending.wait()
+            g_hat = [compressor.decompress(xp, payload, ctx) / n for payload, ctx in zip(summed, pending.ctxs)]
         else:
-            g_hat = self._aggregate_frames(pending)
+            g_hat, overflow = self._aggregate_frames(pending)
         if len(pending.units) == 1 and pending.units[0].name == pending.bucket.key:  # the whole bucket
             flat = xp.flatten(g_hat[0])
             g_hat = [_view(xp, flat, s) for s in pending.bucket.segments]
+        g_hat = _poisoned(xp, g_hat, overflow)
         return g_hat if self.average else [t * n for t in g_hat]
 
     def _flat_gradient(self, bucket: Bucket, xp, grads):
@@ -378,12 +508,17 @@ class Exchange:
             spare = tuple(xp.zeros_like(t) for t in current) if isinstance(current, tuple) else xp.zeros_like(current)
         return spare
 
-    def _allreduce_units(self, xp, key: str, payloads):
+    def _allreduce_units(self, xp, key: str, payloads, flag=None):
         """One allreduce per payload dtype (one, unless a method mixes them) of all units'
-        payloads; (wait for the summed payloads per unit, bytes sent)."""
+        payloads, and of this rank's overflow ``flag`` where given (as one more element of the
+        first dtype); (wait for (the summed payloads per unit, how many ranks flagged an
+        overflow or None), bytes sent)."""
         shapes = [xp.shape(t) for payload in payloads for t in payload]
         pieces = [xp.flatten(t) for payload in payloads for t in payload]
         structure = [len(payload) for payload in payloads]
+        if flag is not None:
+            shapes.append((1,))
+            pieces.append(xp.cast(flag, xp.dtype(pieces[0])))
         dtypes = [xp.dtype(t) for t in pieces]
         counts = [xp.numel(t) for t in pieces]
         waits = {}
@@ -395,7 +530,8 @@ class Exchange:
         def wait():
             summed = {d: xp.split(w(), [c for c, dd in zip(counts, dtypes) if dd == d]) for d, w in waits.items()}
             ordered = [xp.reshape(summed[d].pop(0), shape) for d, shape in zip(dtypes, shapes)]
-            return frames.split_payloads(ordered, structure)
+            overflow = self._overflow(xp, [ordered.pop()]) if flag is not None else None
+            return frames.split_payloads(ordered, structure), overflow
 
         return wait, sum(xp.nbytes(t) for t in pieces)
 
@@ -408,14 +544,15 @@ class Exchange:
         pending.structure = [len(payload) for payload in payloads]
         pending.dtypes = [xp.dtype(t) for t in pieces]
         pending.counts = [xp.numel(t) for t in pieces]
-        frame = frames.frame(xp, pieces, variable, like=g)
-        dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False) + (8 * len(pieces) if variable else 0)
+        flag, flagged = pending.flag, pending.flag is not None
+        frame = frames.frame(xp, pieces, variable, g, flag)
+        dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False, flagged) + (8 * len(pieces) if variable else 0)
         # Fixed-length methods: every rank decides alike. A length known only when a traced
         # TensorFlow step runs is never replaced (the frame's layout is fixed at trace time).
         if isinstance(xp.numel(frame), int) and xp.numel(frame) > dense_size:
             pending.sent_dense = True
             p = _concat(xp, compensated())
-            frame = frames.dense_frame(xp, p, len(pieces), like=g) if variable else frames.frame(xp, [p], False, g)
+            frame = frames.dense_frame(xp, p, len(pieces), g, flag) if variable else frames.frame(xp, [p], False, g, flag)
         nbytes = xp.numel(frame)
         if self.compression.collective is Collective.ALLGATHER:
             pending.wait = comm.allgather_async(frame, bucket.key)
@@ -433,25 +570,26 @@ class Exchange:
 
     def _aggregate_frames(self, pending: "BucketPending") -> List[Any]:
         xp, bucket, compressor, n = pending.xp, pending.bucket, self.compression.compressor, self.communicator.size
-        variable = compressor.variable_length
+        variable, flagged = compressor.variable_length, pending.flag is not None
         received = pending.wait()
         if pending.sent_dense and not variable:  # every rank sent its dense bucket
             dtypes, counts = [bucket.dtype], [bucket.numel]
         else:
             dtypes, counts = pending.dtypes, pending.counts
         if isinstance(received, list):  # broadcasts: one frame per rank
-            read = [frames.read_frame(xp, f, 0, dtypes, counts, variable, bucket.numel, bucket.dtype)[0]
-                    for f in received]
+            read, flags = zip(*(frames.read_frame(xp, f, 0, dtypes, counts, variable, bucket.numel, bucket.dtype,
+                                                  flagged)[:2] for f in received))
         else:
-            read, start = [], 0
-            expected = n * frames.frame_size(counts, dtypes, False)
+            read, flags, start = [], [], 0
+            expected = n * frames.frame_size(counts, dtypes, False, flagged)
             if not variable and isinstance(xp.numel(received), int) and xp.numel(received) != expected:
                 raise RuntimeError(f"grace: ranks sent payloads of different lengths for {bucket.key!r} "
                                    "(are they configured differently?)")
             for _ in range(n):
-                frame, start = frames.read_frame(xp, received, start, dtypes, counts, variable,
-                                                 bucket.numel, bucket.dtype)
+                frame, flag, start = frames.read_frame(xp, received, start, dtypes, counts, variable,
+                                                       bucket.numel, bucket.dtype, flagged)
                 read.append(frame)
+                flags.append(flag)
         if pending.sent_dense and not variable:
             read = [Dense(pieces[0]) for pieces in read]
         dense = [f.values for f in read if isinstance(f, Dense)]
@@ -466,11 +604,11 @@ class Exchange:
                 total = xp.reshape(total, u.shape)
                 g_hat = total / n if g_hat is None else (g_hat * len(encoded) + total) / n
             out.append(g_hat)
-        return out
+        return out, self._overflow(xp, list(flags)) if flagged else None
 
     def _finish_bucket_rounds(self, pending: "BucketPending") -> List[Any]:
         xp, memory, key = pending.xp, self.compression.memory, pending.bucket.key
-        summed, results, r = pending.wait(), [None] * len(pending.units), 0
+        (summed, overflow), results, r = pending.wait(), [None] * len(pending.units), 0
         running = list(range(len(pending.units)))
         while running:
             payloads, still = [], []
@@ -485,14 +623,14 @@ class Exchange:
                 r += 1
                 wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads)
                 self.stats.add(nbytes, 0)
-                summed = wait()
+                summed, _ = wait()
         g_hat = []
         for u, (g_u, p_hat, state), p_u, e in zip(pending.units, results, pending.p, pending.old):
-            self.store.set("state", u.name, state)
+            self._set("state", u.name, state)
             g_hat.append(g_u)
             if memory.needs_feedback:
-                self.store.set("memory", u.name, memory.update(xp, p_u, p_hat, e))
-        return g_hat
+                self._set("memory", u.name, memory.update(xp, p_u, p_hat, e))
+        return g_hat, overflow
 
     def _compresses_whole(self, xp, like) -> bool:
         """Whether a bucket is compressed as one flat tensor: always with scope='bucket'; for
@@ -553,11 +691,54 @@ class Exchange:
     def state_dict(self) -> Dict[str, Any]:
         """Per gradient name: a bucket's step counter and flat memory are saved as each of its
         gradients' own (copies: the bucket's buffers are reused), so the state loads under any
-        bucket size."""
+        bucket size. ``origin`` records the rank and world size the memory belongs to."""
         state = self.store.state_dict()
         for table in ("steps", "memory"):
             state[table] = self._by_name(table, state[table], _state_copy)
+        state["origin"] = self._origin()
         return state
+
+    def _origin(self) -> Dict[str, Any]:
+        """Who saved a state: the rank and world size, and the process (Horovod's elastic
+        training restores a process's own state after its rank or the world changed)."""
+        return {"rank": self.communicator.rank, "size": self.communicator.size, "process": _PROCESS}
+
+    def shared_state(self) -> Dict[str, Any]:
+        """What every rank must hold alike: the step counters (they seed shared draws) and, for
+        methods whose state all ranks share (PowerSGD's Q), that state. Memory is each rank's own."""
+        state = self.state_dict()
+        shared = {"steps": state["steps"]}
+        if self.compression.compressor.shared_state:
+            shared["state"] = state["state"]
+        return shared
+
+    def load_shared_state(self, shared: Dict[str, Any]) -> None:
+        """Take another rank's ``shared_state()`` (Horovod's broadcast of the optimizer state),
+        keeping this rank's own memory and per-rank state."""
+        state = self.state_dict()
+        state.update(shared)
+        state["origin"] = self._origin()
+        self.load_state_dict(state)
+
+    def _check_origin(self, origin, state: Dict[str, Dict[str, Any]]) -> None:
+        """The rule for a checkpoint saved elsewhere. Another rank's memory is that rank's
+        unsent gradient: loaded on every rank it would be sent n times, so it is dropped (and
+        per-rank method state with it) with a warning; this rank starts with empty memory.
+        Another world size keeps everything, with a warning. A state this very process saved
+        (an elastic reset, a state kept in memory) is its own, whatever its rank was."""
+        if not origin or origin.get("process") == _PROCESS:
+            return
+        rank, size = int(origin["rank"]), int(origin["size"])
+        if rank != self.communicator.rank:
+            state["memory"] = {}
+            if not self.compression.compressor.shared_state:
+                state["state"] = {}
+            warnings.warn(f"grace: this checkpoint holds rank {rank}'s error-feedback memory; rank "
+                          f"{self.communicator.rank} starts with empty memory instead (save and load one checkpoint "
+                          "per rank to keep it)", RuntimeWarning, stacklevel=3)
+        elif size != self.communicator.size:
+            warnings.warn(f"grace: this checkpoint was saved in a world of {size} ranks, this one has "
+                          f"{self.communicator.size}; its memory is loaded as it is", RuntimeWarning, stacklevel=3)
 
     def _by_name(self, table: str, values: Dict[str, Any], part) -> Dict[str, Any]:
         """``values`` with each bucket's entry split into its gradients' (``part`` cuts one)."""
@@ -572,10 +753,14 @@ class Exchange:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Buckets already in use take their gradients' state at once (a traced step keeps
-        reading the bucket's variables); the others when they are first used."""
-        state = {table: dict(values) for table, values in state.items()}
+        reading the bucket's variables); the others when they are first used. A checkpoint
+        saved by another rank brings its step counters and shared state, but not its memory
+        (see ``_check_origin``)."""
+        origin = state.get("origin")
+        state = {table: dict(values) for table, values in state.items() if table in TABLES}
         for table in TABLES:
             state.setdefault(table, {})
+        self._check_origin(origin, state)
         like = next((v[0] if isinstance(v, tuple) else v for v in state["memory"].values()), None)
         xp = backend_for(like) if like is not None else None
         for key, whole in self._whole_of.items():
@@ -583,3 +768,5 @@ class Exchange:
                 state[table][key] = value
         self.store.load_state_dict(state)
         self._adopted = set(self._whole_of)
+        self._journal.clear()  # a step in progress is abandoned
+        self._overflows.clear()

@@ -25,6 +25,10 @@ class StateStore:
             self.set(table, name, init(like))
         return values.get(name)
 
+    def value(self, table: str, name: str) -> Any:
+        """The current value of ``name`` (None where it has none), unchanged by later ``set``s."""
+        return self.tables[table].get(name)
+
     def set(self, table: str, name: str, value) -> None:
         if value is None:
             self.tables[table].pop(name, None)

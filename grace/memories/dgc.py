@@ -7,6 +7,7 @@
 With ``clip_norm``, g is first scaled to norm at most clip_norm (DGC's local clipping).
 State per tensor: (u, v). Use it with an optimizer without momentum: this is the momentum.
 """
+from grace.core.compressor import check_number
 from grace.core.memory import Memory
 
 
@@ -16,8 +17,7 @@ class DGCMemory(Memory):
     def __init__(self, momentum: float = 0.9, clip_norm: float = 0.0):
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm < 0:
-            raise ValueError(f"clip_norm must be a number >= 0 (0: no clipping), got {clip_norm!r}")
+        check_number(clip_norm, "clip_norm", note=" (0: no clipping)")
         self.momentum = float(momentum)
         self.clip_norm = float(clip_norm)
 

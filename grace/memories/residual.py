@@ -5,6 +5,7 @@
 
 The state ``e`` is one tensor per gradient, in gradient units, on the gradient's device.
 """
+from grace.core.compressor import check_number
 from grace.core.memory import Memory
 
 
@@ -12,11 +13,8 @@ class ResidualMemory(Memory):
     needs_feedback = True
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0):
-        for name, value in (("beta", beta), ("gamma", gamma)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
-        self.beta = float(beta)
-        self.gamma = float(gamma)
+        self.beta = check_number(beta, "beta")
+        self.gamma = check_number(gamma, "gamma")
 
     def init(self, xp, g):
         return xp.zeros_like(g)

@@ -8,7 +8,7 @@ import re
 import tensorflow as tf
 from horovod.tensorflow import mpi_ops
 
-from grace.core.communicator import Communicator
+from grace.core.communicator import ProcessSetCommunicator
 
 
 def _op_name(name: str) -> str:
@@ -16,11 +16,9 @@ def _op_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
 
 
-class HorovodCommunicator(Communicator):
+class HorovodCommunicator(ProcessSetCommunicator):
     def __init__(self, process_set=mpi_ops.global_process_set):
-        self.process_set = process_set
-        self.rank = process_set.rank()
-        self.size = process_set.size()
+        super().__init__(process_set)
 
     def allreduce_async(self, tensor, name):
         if tensor.dtype == tf.bfloat16:  # summed in float32, as the other backends do

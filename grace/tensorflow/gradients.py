@@ -8,22 +8,46 @@ state in tf.Variables keyed by the variable's name (stable across steps and trac
 from __future__ import annotations
 
 import weakref
+from typing import List
 
 import tensorflow as tf
 from horovod.tensorflow import mpi_ops
 
 from grace.core.compression import GradientCompression
 from grace.core.exchange import Exchange
+from grace.core.state import TABLES
 from grace.tensorflow.communicator import HorovodCommunicator
 from grace.tensorflow.state import VariableStore, VariableWireStats
 
 
+_RUNNING: List[tuple] = []  # (configuration, weak references to its variables, GradientExchange)
+
+
 class GradientExchange:
+    """The reduction of one model's gradients. Its state is per configuration and variables: an
+    equal compression built again for the same variables (every step, or in every trace, as
+    Horovod's own examples do inside ``tf.function``) continues the state of the first one,
+    unless it was given a state of its own (``load_state_dict``) before its first step."""
+
     def __init__(self, compression: GradientCompression, op=mpi_ops.Average, sparse_as_dense=False,
                  process_set=mpi_ops.global_process_set):
-        self.exchange = Exchange(compression, HorovodCommunicator(process_set), average=op == mpi_ops.Average,
-                                 store=VariableStore(), stats=VariableWireStats())
+        self._arguments = (compression, op, process_set)
+        self._own = None  # made on first use: its wire counters are variables, which a later trace cannot create
         self.sparse_as_dense = sparse_as_dense
+        self._configuration = (repr(compression), op, sparse_as_dense, process_set.process_set_id)
+        self._running = None  # the exchange that runs this one's steps: itself, or its equal
+
+    @property
+    def _exchange(self) -> Exchange:
+        if self._own is None:
+            compression, op, process_set = self._arguments
+            self._own = Exchange(compression, HorovodCommunicator(process_set), average=op == mpi_ops.Average,
+                                 store=VariableStore(), stats=VariableWireStats())
+        return self._own
+
+    @property
+    def exchange(self) -> Exchange:
+        return (self._running or self)._exchange
 
     @property
     def stats(self):
@@ -34,7 +58,25 @@ class GradientExchange:
         """The state variables (memory, compressor state, step counters), for checkpoints."""
         return self.exchange.store.variables
 
+    def _bind(self, variables) -> "GradientExchange":
+        """At the first step: an exchange of an equal configuration that already runs for these
+        very variables, or this one."""
+        global _RUNNING
+        _RUNNING = [entry for entry in _RUNNING if all(r() is not None for r in entry[1])]
+        wanted = list(variables or [])
+        fresh = self._own is None or not any(self._own.store.tables[table] for table in TABLES)
+        for configuration, refs, running in _RUNNING if wanted and fresh else []:
+            if configuration == self._configuration and len(refs) == len(wanted) \
+                    and all(r() is v for r, v in zip(refs, wanted)):
+                return running
+        _RUNNING.append((self._configuration, [weakref.ref(v) for v in wanted], self))
+        return self
+
     def __call__(self, grads, variables=None, use_generic_names=False):
+        if self._running is None:
+            self._running = self._bind(variables)
+        if self._running is not self:
+            return self._running(grads, variables, use_generic_names)
         names = [f"grad_{i}" if use_generic_names or variables is None else v.name.removesuffix(":0")
                  for i, v in enumerate(variables or grads)]
         dense = {}
@@ -50,12 +92,12 @@ class GradientExchange:
                 raise ValueError(f"two variables are named {name!r}: grace keeps error-feedback state per "
                                  "variable name, so give each variable a unique name (tf.Variable(..., name=...))")
             dense[name] = grad
-        if not self.exchange.compression.bucket_mb:
-            started = {name: self.exchange.start(name, grad) for name, grad in dense.items()}
-            reduced = {name: self.exchange.finish(p) for name, p in started.items()}
-            self.exchange.stats.end_step()
+        if not self._exchange.compression.bucket_mb:
+            started = {name: self._exchange.start(name, grad) for name, grad in dense.items()}
+            reduced = {name: self._exchange.finish(p) for name, p in started.items()}
+            self._exchange.end_step()
         else:  # buckets planned in backward order: the last variables first
-            reduced = self.exchange.exchange(dict(reversed(list(dense.items()))))
+            reduced = self._exchange.exchange(dict(reversed(list(dense.items()))))
         return [reduced.get(name) if grad is not None else None for name, grad in zip(names, grads)]
 
 
@@ -65,8 +107,8 @@ _TAPE_EXCHANGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def exchange_for(compression: GradientCompression, op=mpi_ops.Average, sparse_as_dense=False,
                  process_set=mpi_ops.global_process_set) -> GradientExchange:
     """The exchange that the tapes built with ``compression`` share: a tape is usually made
-    anew every step, so the state lives with the compression object. Create the compression
-    once, outside the training step."""
+    anew every step, so the state lives with the compression object (and, from the first
+    step, with its equals for the same variables: see ``GradientExchange``)."""
     per_compression = _TAPE_EXCHANGES.setdefault(compression, {})
     key = (process_set.process_set_id, op, sparse_as_dense)
     if key not in per_compression:

@@ -29,6 +29,10 @@ class VariableStore(StateStore):
                 variables[name] = tf.nest.map_structure(_variable, value)
         return tf.nest.map_structure(lambda v: v.read_value(), variables[name])
 
+    def value(self, table, name):
+        variables = self.tables[table].get(name)
+        return None if variables is None else tf.nest.map_structure(lambda v: v.read_value(), variables)
+
     def set(self, table, name, value):
         variables = self.tables[table]
         if value is None:

@@ -2,14 +2,12 @@
 import torch
 from horovod.torch import mpi_ops
 
-from grace.core.communicator import Communicator
+from grace.core.communicator import ProcessSetCommunicator
 
 
-class HorovodCommunicator(Communicator):
+class HorovodCommunicator(ProcessSetCommunicator):
     def __init__(self, process_set=mpi_ops.global_process_set):
-        self.process_set = process_set
-        self.rank = process_set.rank()
-        self.size = process_set.size()
+        super().__init__(process_set)
 
     def allreduce_async(self, tensor, name):
         if tensor.dtype == torch.bfloat16:

@@ -1,8 +1,12 @@
 """Route ``hvd.DistributedOptimizer(..., compression=<grace method>)`` to grace.
 
-The only change grace makes to Horovod's PyTorch namespace: ``horovod.torch.DistributedOptimizer``
-becomes a function that hands grace compressions to ``grace.torch.DistributedOptimizer`` and
-everything else (``hvd.Compression.fp16``, ``none``, Adasum, ...) to Horovod's original, untouched.
+The two changes grace makes to Horovod's PyTorch namespace:
+- ``horovod.torch.DistributedOptimizer`` becomes a function that hands grace compressions to
+  ``grace.torch.DistributedOptimizer`` and everything else (``hvd.Compression.fp16``, ``none``,
+  Adasum, ...) to Horovod's original, untouched;
+- ``horovod.torch.broadcast_optimizer_state`` runs Horovod's original, then, for a grace
+  optimizer, also broadcasts what all ranks must share (step counters, PowerSGD's Q), so that
+  Horovod's resume recipe (rank 0 loads, then broadcasts) leaves no rank behind.
 """
 import functools
 import inspect
@@ -27,3 +31,18 @@ def install(hvd_torch) -> None:
 
     DistributedOptimizer.__grace_original__ = original
     hvd_torch.DistributedOptimizer = DistributedOptimizer
+
+    original_broadcast = hvd_torch.broadcast_optimizer_state
+
+    @functools.wraps(original_broadcast)
+    def broadcast_optimizer_state(optimizer, root_rank, *args, **kwargs):
+        original_broadcast(optimizer, root_rank, *args, **kwargs)
+        exchange = getattr(optimizer, "_grace", None)
+        if exchange is not None:
+            shared = hvd_torch.broadcast_object(exchange.shared_state(), root_rank,
+                                                name="grace.shared_state",
+                                                process_set=exchange.communicator.process_set)
+            exchange.load_shared_state(shared)
+
+    broadcast_optimizer_state.__grace_original__ = original_broadcast
+    hvd_torch.broadcast_optimizer_state = broadcast_optimizer_state

@@ -29,11 +29,13 @@ class _GraceOptimizer:
                                    backward_passes_per_step, op, 1.0, None, sparse_as_dense, process_set)
         self._grace = Exchange(compression, HorovodCommunicator(process_set), average=op == Average)
         self._grace_buckets = None
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        specs = [(self._parameter_names[p], tuple(p.shape), str(p.dtype).removeprefix("torch."), str(p.device))
+                 for p in reversed(params)]
         if compression.bucket_mb:  # planned in backward order: the last parameters first
-            params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-            specs = [(self._parameter_names[p], tuple(p.shape), str(p.dtype).removeprefix("torch."), str(p.device))
-                     for p in reversed(params)]
             self._grace_buckets = ReadyBuckets(self._grace, self._grace.plan(specs))
+        else:
+            self._grace.expect(specs)
         # Horovod skips communication on a single rank; a compression method still applies
         # there, so that training with it behaves the same at any scale.
         if process_set.included() and not self._grad_accs:
@@ -60,7 +62,7 @@ class _GraceOptimizer:
         finally:
             if self._grace_buckets is not None:
                 self._grace_buckets.reset()
-        self._grace.stats.end_step()
+            self._grace.end_step()
 
     @property
     def grace_stats(self):

@@ -7,7 +7,8 @@ majority vote; EF-signSGD's mean over lr; PowerSGD's two sums, written out here)
 
 Buckets change only what travels, never the result: the bytes per step are counted here from
 the frame layout (payload bytes, an 8-byte count per payload tensor for variable-length
-methods, padding to 8 bytes per frame), with buckets planned in reverse parameter order.
+methods, the overflow flag byte, padding to 8 bytes per frame), with buckets planned in
+reverse parameter order.
 With ``scope='bucket'`` a bucket is compressed as one tensor (elementwise methods also are,
 on a GPU; these runs are on the CPU).
 """
@@ -131,19 +132,23 @@ def bucket_key(keys, group, index: int) -> str:
 
 def wire_bytes(compression, payloads, p, world_size: int):
     """What one rank hands to the collectives for one bucket (or, with bucket_mb=0, one tensor),
-    and whether it sends the bucket dense (its encoding would be larger)."""
+    and whether it sends the bucket dense (its encoding would be larger). Methods that keep
+    state add their overflow flag: one element of the summed payload's dtype, or one byte of
+    the frame (per tensor: one more uint8 tensor, with its length where lengths are sent)."""
     compressor = compression.compressor
     variable = compressor.variable_length
+    flagged = not (compressor.passes_nonfinite and not compression.memory.needs_feedback)
     tensors = [t for payload in payloads for t in payload]
     size = sum(np.asarray(t).nbytes for t in tensors)
     if compressor.multi_round or compression.collective is Collective.ALLREDUCE:
-        return size, False
+        return size + (np.asarray(tensors[0]).itemsize if flagged else 0), False
     if not compression.bucket_mb:
-        return size + (8 * len(tensors) if variable else 0), False
+        return size + flagged + (8 * (len(tensors) + flagged) if variable else 0), False
     header = 8 * len(tensors) if variable else 0
-    dense = 4 * sum(x.size for x in p) + header
+    dense = 4 * sum(x.size for x in p) + header + flagged
     broadcast_sizes = 8 if compression.collective is Collective.BROADCAST and variable else 0
-    return min(_aligned(header + size), _aligned(dense)) + broadcast_sizes, _aligned(header + size) > _aligned(dense)
+    encoded = header + size + flagged
+    return min(_aligned(encoded), _aligned(dense)) + broadcast_sizes, _aligned(encoded) > _aligned(dense)
 
 
 def _aligned(n: int) -> int:

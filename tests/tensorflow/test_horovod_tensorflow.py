@@ -111,8 +111,8 @@ def test_exchange_state_round_trips_through_a_checkpoint():
     import grace
     import horovod.tensorflow as hvd
     hvd.init()
-    w = tf.Variable(tf.zeros((6, 5)), name="w")
     def steps(compression, xs):
+        w = tf.Variable(tf.zeros((6, 5)), name="w")  # a new model each time
         @tf.function
         def step(x):
             with tf.GradientTape() as tape:
@@ -147,3 +147,35 @@ def test_two_variables_of_one_name_are_refused_not_mixed(bucket_mb):
         print(error)
     """)
     assert "two variables are named 'Variable'" in out
+
+
+@pytest.mark.parametrize("bucket_mb", [25, 0])
+def test_a_compression_built_inside_the_traced_step_keeps_one_state(bucket_mb):
+    """Horovod's tensorflow2 examples build the tape's compression inside the tf.function step,
+    which is traced again for first_batch=False: the second trace must continue the first's
+    state (not fail creating variables, nor start from empty memory)."""
+    out = run(f"""
+    import grace
+    import horovod.tensorflow as hvd
+    hvd.init()
+    xs = [tf.constant(np.random.default_rng(i).standard_normal(40), tf.float32) for i in range(6)]
+    def train(inside):
+        w = tf.Variable(tf.zeros(40), name="w")
+        outside = grace.topk(0.1, bucket_mb={bucket_mb})
+        @tf.function
+        def step(x, first_batch):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * x)
+            compression = grace.topk(0.1, bucket_mb={bucket_mb}) if inside else outside
+            tape = hvd.DistributedGradientTape(tape, compression=compression)
+            grad = tape.gradient(loss, [w])[0]
+            if first_batch:
+                hvd.broadcast_variables([w], root_rank=0)
+            return grad
+        return np.stack([step(x, i == 0).numpy() for i, x in enumerate(xs)])
+    inside, outside = train(True), train(False)
+    print(int(np.count_nonzero(inside[1:] != inside[1])), float(np.abs(inside - outside).max()))
+    """)
+    changing, difference = out.split()
+    assert int(changing) > 0  # memory carries over: the selection moves from step to step
+    assert float(difference) == 0.0

@@ -20,14 +20,22 @@ def test_ratio_outside_0_1_is_refused_at_construction(factory, ratio):
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: grace.threshold(-1.0), "threshold must be a number >= 0"),
+    (lambda: grace.threshold(-1.0), "threshold must be a finite number >= 0"),
+    (lambda: grace.threshold(float("inf")), "threshold must be a finite number >= 0"),  # would send nothing, ever
+    (lambda: grace.threshold(float("nan")), "threshold must be a finite number >= 0"),
+    (lambda: grace.ResidualMemory(beta=float("nan")), "beta must be a finite number >= 0"),
+    (lambda: grace.ResidualMemory(gamma=float("inf")), "gamma must be a finite number >= 0"),
+    (lambda: grace.efsignsgd(float("inf")), "lr must be a finite number > 0"),
+    (lambda: grace.efsignsgd(0), "lr must be a finite number > 0"),
+    (lambda: grace.inceptionn(float("nan")), "error_bound must be a finite number > 0"),
+    (lambda: grace.dgc(0.1, clip_norm=float("inf")), "clip_norm must be a finite number >= 0"),
     (lambda: grace.topk(0.1, memory="bogus"), "memory must be one of"),
     (lambda: grace.topk(0.1, communicator="bogus"), "communicator must be one of"),
     (lambda: grace.topk(0.1, communicator="allreduce"), "cannot carry TopK payloads"),
     (lambda: grace.threshold(0.1, communicator="allreduce"), "cannot carry Threshold payloads"),
     (lambda: grace.fp16("int8"), "dtype must be 'float16' or 'bfloat16'"),
     (lambda: grace.randomk(0.1, seed=-1), "seed must be a non-negative integer"),
-    (lambda: grace.ResidualMemory(beta=-1), "beta must be a non-negative number"),
+    (lambda: grace.ResidualMemory(beta=-1), "beta must be a finite number >= 0"),
     (lambda: grace.create("bogus"), "unknown compression method 'bogus'"),
     (lambda: grace.from_params({"compressor": "bogus"}), "unknown compression method 'bogus'"),
     (lambda: grace.from_params({"memory": "residual"}), "needs a 'compressor' key"),

@@ -135,6 +135,10 @@ def test_one_collective_per_bucket():
 
     exchange = grace.Exchange(grace.topk(0.1, bucket_mb=0.002), Counting(2))
     exchange.exchange(gradients(get_backend("numpy"), 0))
+    assert counts.pop(0) == "grace.agreement"  # the ranks' first-step check, once
+    assert len(counts) == len(exchange._buckets) == len(set(counts))
+    counts.clear()
+    exchange.exchange(gradients(get_backend("numpy"), 1))
     assert len(counts) == len(exchange._buckets) == len(set(counts))
 
 
@@ -152,8 +156,9 @@ def test_an_encoding_larger_than_dense_is_sent_dense_with_the_memory_emptied():
     exchange = grace.Exchange(grace.threshold(1e-6), ReplicaCommunicator(1))
     out = exchange.exchange(grads)
     np.testing.assert_array_equal(out["w"], grads["w"])
-    # an 8-byte count per payload tensor (values, indices), then the 100 dense values
-    assert exchange.stats.last_step_bytes == 8 * 2 + 4 * 100
+    # an 8-byte count per payload tensor (values, indices), the 100 dense values, the overflow
+    # flag byte, padding to 8 bytes
+    assert exchange.stats.last_step_bytes == 8 * 2 + 4 * 100 + 8
     assert not np.any(exchange.memory["w"])
 
 
@@ -182,15 +187,20 @@ def test_frames_round_trip_every_dtype_aligned(backend):
               [(3, "uint8"), (5, "float32"), (2, "int64"), (7, "float16"), (1, "int16")]]
     dtypes, counts = [xp.dtype(p) for p in pieces], [xp.numel(p) for p in pieces]
     for variable in (False, True):
-        frame = frames.frame(xp, pieces, variable, like=pieces[1])
-        assert xp.numel(frame) % 8 == 0 and xp.numel(frame) == frames.frame_size(counts, dtypes, variable)
-        data = xp.concat([frame, frame])  # two ranks' frames, as allgather returns them
-        first, end = frames.read_frame(xp, data, 0, dtypes, counts, variable, 0, "float32")
-        second, _ = frames.read_frame(xp, data, end, dtypes, counts, variable, 0, "float32")
-        for got in (first, second):
-            for p, q in zip(pieces, got):
-                assert xp.dtype(q) == xp.dtype(p)
-                np.testing.assert_array_equal(xp.to_numpy(q), xp.to_numpy(p))
+        for flag in (None, 0, 1):  # unguarded; a rank's overflow flag, down or up
+            flagged = flag is not None
+            flag_tensor = to_backend(xp, np.asarray([flag]), "float32") if flagged else None
+            frame = frames.frame(xp, pieces, variable, pieces[1], flag_tensor)
+            assert xp.numel(frame) % 8 == 0
+            assert xp.numel(frame) == frames.frame_size(counts, dtypes, variable, flagged)
+            data = xp.concat([frame, frame])  # two ranks' frames, as allgather returns them
+            first, flag1, end = frames.read_frame(xp, data, 0, dtypes, counts, variable, 0, "float32", flagged)
+            second, flag2, _ = frames.read_frame(xp, data, end, dtypes, counts, variable, 0, "float32", flagged)
+            for got, got_flag in ((first, flag1), (second, flag2)):
+                assert (got_flag is None) if not flagged else xp.to_numpy(got_flag).tolist() == [flag]
+                for p, q in zip(pieces, got):
+                    assert xp.dtype(q) == xp.dtype(p)
+                    np.testing.assert_array_equal(xp.to_numpy(q), xp.to_numpy(p))
 
 
 # --- arguments ---------------------------------------------------------------------------

@@ -1,0 +1,109 @@
+"""An overflow (an inf or a NaN in a gradient) costs one step: that step's result is
+non-finite, and the exchange then goes on exactly as if the step had not happened."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import grace
+from grace.backends import get_backend
+from grace.core.communicator import ReplicaCommunicator
+from tests.unit.conftest import METHODS
+from tests.unit.test_buckets import assert_same, gradients
+
+VARIANTS = {
+    **{f"{label}/{mb:g}": (make, dict(bucket_mb=mb)) for label, make in METHODS.items() for mb in (0, 25, 0.002)},
+    "topk/bucket-scope": (METHODS["topk"], dict(scope="bucket")),
+    "efsignsgd/bucket-scope": (METHODS["efsignsgd"], dict(scope="bucket")),
+}
+
+
+def configured(make, options):
+    method = make()
+    return grace.GradientCompression(method.compressor, method.memory, method.collective, **options)
+
+
+def overflowing(xp, step, bad, name="fc.weight"):
+    grads = gradients(xp, step)
+    value = xp.to_numpy(grads[name]).copy()
+    value.flat[7] = bad
+    grads[name] = xp.asarray(value.astype(np.float32), like=grads["fc.bias"])
+    return grads
+
+
+def assert_same_state(xp, a, b, tables, what):
+    for table in tables:
+        assert sorted(a[table]) == sorted(b[table]), f"{what}: {table}"
+        for name in a[table]:
+            assert_same(xp, a[table][name], b[table][name], f"{what}: {table} {name}")
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_overflow_costs_one_step(xp, variant, bad):
+    make, options = VARIANTS[variant]
+    compression = configured(make, options)
+    guarded = not (compression.compressor.passes_nonfinite and not compression.memory.needs_feedback)
+    faulty = grace.Exchange(compression, ReplicaCommunicator(3))
+    clean = grace.Exchange(configured(make, options), ReplicaCommunicator(3))
+
+    faulty.exchange(gradients(xp, 0))
+    clean.exchange(gradients(xp, 0))
+    before = faulty.state_dict()
+    out = faulty.exchange(overflowing(xp, 1, bad))
+    assert not np.isfinite(xp.to_numpy(out["fc.weight"])).all(), "the overflow did not reach the result"
+    # nothing the step changed is kept (none and fp16 keep nothing; their step counter counts)
+    assert_same_state(xp, before, faulty.state_dict(), ("memory", "state", "steps") if guarded else ("memory", "state"),
+                      variant)
+    for s in (2, 3):  # then exactly as if step 1 had not happened
+        want, got = clean.exchange(gradients(xp, s)), faulty.exchange(gradients(xp, s))
+        for name in want:
+            assert np.isfinite(xp.to_numpy(got[name])).all(), f"{variant} step {s} {name}"
+            assert_same(xp, want[name], got[name], f"{variant} step {s} {name}")
+    assert_same_state(xp, clean.state_dict(), faulty.state_dict(), ("memory", "state"), variant)
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "threshold", "signum", "dgc", "powersgd", "qsgd", "onebit"])
+@pytest.mark.parametrize("bucket_mb", [0, 25])
+def test_tensorflow_traced_overflow_costs_one_step(method, bucket_mb):
+    tf = pytest.importorskip("tensorflow")
+    from grace.tensorflow.state import VariableStore, VariableWireStats
+
+    xp = get_backend("tensorflow")
+
+    def exchange():
+        ex = grace.Exchange(configured(METHODS[method], dict(bucket_mb=bucket_mb)), ReplicaCommunicator(3),
+                            store=VariableStore(), stats=VariableWireStats())
+        return ex, tf.function(ex.exchange)
+
+    faulty, faulty_step = exchange()
+    clean, clean_step = exchange()
+    faulty_step(gradients(xp, 0))
+    clean_step(gradients(xp, 0))
+    before = faulty.state_dict()
+    out = faulty_step(overflowing(xp, 1, np.inf))  # the same trace as the clean steps
+    assert not np.isfinite(out["fc.weight"].numpy()).all()
+    assert_same_state(xp, before, faulty.state_dict(), ("memory", "state", "steps"), method)
+    for s in (2, 3):
+        want, got = clean_step(gradients(xp, s)), faulty_step(gradients(xp, s))
+        for name in want:
+            if method == "powersgd":  # two graphs: float32 rounding, as in test_buckets
+                np.testing.assert_allclose(got[name].numpy(), want[name].numpy(), rtol=1e-5, atol=1e-5)
+            else:
+                assert_same(xp, want[name], got[name], f"{method} step {s} {name}")
+
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "tensorflow"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_the_flag_sees_every_inf_and_nan_and_no_large_finite_sum(backend, dtype):
+    if backend == "tensorflow":
+        pytest.importorskip("tensorflow")
+    xp = get_backend(backend)
+    large = xp.cast(xp.asarray(np.full(100_000, 60_000.0, np.float32)), dtype)  # sums far past float16's range
+    small = xp.cast(xp.asarray(np.arange(10, dtype=np.float32)), dtype)
+    assert xp.to_numpy(xp.nonfinite([large, small])).tolist() == [0.0]
+    for bad in (np.inf, -np.inf, np.nan):
+        values = np.arange(10, dtype=np.float32)
+        values[4] = bad
+        assert xp.to_numpy(xp.nonfinite([large, xp.cast(xp.asarray(values), dtype)])).tolist() == [1.0]
