@@ -74,6 +74,16 @@ if ! "$PY" -c "import importlib.metadata as m; assert m.version('horovod') == '$
     echo "$key" >"$VENV/.horovod-key"
 fi
 
+# 3b. Python-only fixes to the installed Horovod, no rebuild: its Keras callbacks bind bare
+#     `keras` (Keras 3) instead of tf.keras (tf_keras), and fail on `K.get_value`.
+site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+for fix in "$REPO"/scripts/horovod/horovod-$HOROVOD_VERSION-keras-*.patch; do
+    if ! patch -p1 -d "$site" --dry-run -R -s -f <"$fix" >/dev/null 2>&1; then  # not applied yet
+        log "patching the installed Horovod: $(basename "$fix")"
+        patch -p1 -d "$site" -s --forward <"$fix"
+    fi
+done
+
 # 4. grace itself, editable, and its native kernels (csrc/: the CPU library always, the CUDA one
 #    where nvcc is found), rebuilt when their sources change; a no-op when they are up to date.
 if ! (cd / && "$PY" -c "import grace" 2>/dev/null); then  # not from the repo root: that would find ./grace

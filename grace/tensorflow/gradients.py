@@ -72,6 +72,9 @@ class GradientExchange:
         _RUNNING.append((self._configuration, [weakref.ref(v) for v in wanted], self))
         return self
 
+    # Inside tf.function this runs as plain Python that builds ops (it never branches on a
+    # tensor's value), so AutoGraph need not convert it, nor the backends it imports.
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, grads, variables=None, use_generic_names=False):
         if self._running is None:
             self._running = self._bind(variables)

@@ -6,7 +6,10 @@ become functions that hand grace compressions to grace (which builds Horovod's o
 Horovod's original, untouched. Nothing here imports horovod.torch or torch.
 """
 import functools
+import importlib
 import inspect
+
+import tensorflow as tf
 
 from grace.core.compression import GradientCompression
 
@@ -18,11 +21,11 @@ def _route(module, attribute: str, grace_factory_path: str) -> None:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
+    @tf.autograph.experimental.do_not_convert  # called inside tf.function steps: plain Python, no graph
     def routed(*args, **kwargs):
         if isinstance(signature.bind(*args, **kwargs).arguments.get("compression"), GradientCompression):
             module_path, name = grace_factory_path.rsplit(".", 1)
-            factory = getattr(__import__(module_path, fromlist=[name]), name)
-            return factory(original, *args, **kwargs)
+            return getattr(importlib.import_module(module_path), name)(original, *args, **kwargs)
         return original(*args, **kwargs)
 
     routed.__grace_original__ = original

@@ -179,3 +179,23 @@ def test_a_compression_built_inside_the_traced_step_keeps_one_state(bucket_mb):
     changing, difference = out.split()
     assert int(changing) > 0  # memory carries over: the selection moves from step to step
     assert float(difference) == 0.0
+
+
+def test_keras_fit_with_horovods_callbacks():
+    """Horovod's Keras callbacks, as its keras examples use them (setup_env.sh fixes their Keras
+    backend binding: tf_keras, not Keras 3), with a grace optimizer."""
+    out = run("""
+    import grace
+    import horovod.tensorflow.keras as hvd
+    hvd.init()
+    model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(4)])
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9), compression=grace.topk(0.25))
+    model.compile(opt, "mse")
+    x, y = np.random.default_rng(0).standard_normal((64, 8)), np.zeros((64, 4))
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+                 hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2, verbose=0)]
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks)
+    print(opt.grace.stats.steps, float(tf.keras.backend.get_value(model.optimizer.lr)), history.history["loss"][-1] < history.history["loss"][0])
+    """)
+    steps, lr, improved = out.split()
+    assert (int(steps), float(lr), improved) == (12, pytest.approx(0.1), "True")
