@@ -4,12 +4,14 @@ The two changes grace makes to Horovod's PyTorch namespace:
 - ``horovod.torch.DistributedOptimizer`` becomes a function that hands grace compressions to
   ``grace.torch.DistributedOptimizer`` and everything else (``hvd.Compression.fp16``, ``none``,
   Adasum, ...) to Horovod's original, untouched;
-- ``horovod.torch.broadcast_optimizer_state`` runs Horovod's original, then, for a grace
-  optimizer, also broadcasts what all ranks must share (step counters, PowerSGD's Q), so that
-  Horovod's resume recipe (rank 0 loads, then broadcasts) leaves no rank behind.
+- ``broadcast_optimizer_state`` (in ``horovod.torch`` and where Horovod's elastic state uses
+  it) runs Horovod's original, then, for a grace optimizer, also broadcasts what all ranks
+  must share (step counters, PowerSGD's Q), so that Horovod's resume recipe (rank 0 loads,
+  then broadcasts) and an elastic reset leave no rank behind.
 """
 import functools
 import inspect
+import sys
 
 from grace.core.compression import GradientCompression
 
@@ -32,7 +34,9 @@ def install(hvd_torch) -> None:
     DistributedOptimizer.__grace_original__ = original
     hvd_torch.DistributedOptimizer = DistributedOptimizer
 
-    original_broadcast = hvd_torch.broadcast_optimizer_state
+    from horovod.torch import functions
+
+    original_broadcast = functions.broadcast_optimizer_state
 
     @functools.wraps(original_broadcast)
     def broadcast_optimizer_state(optimizer, root_rank, *args, **kwargs):
@@ -45,4 +49,7 @@ def install(hvd_torch) -> None:
             exchange.load_shared_state(shared)
 
     broadcast_optimizer_state.__grace_original__ = original_broadcast
-    hvd_torch.broadcast_optimizer_state = broadcast_optimizer_state
+    # where users and Horovod's elastic TorchState (which imported it by name) find it
+    for module in (functions, hvd_torch, sys.modules.get("horovod.torch.elastic.state")):
+        if module is not None and getattr(module, "broadcast_optimizer_state", None) is original_broadcast:
+            module.broadcast_optimizer_state = broadcast_optimizer_state

@@ -70,7 +70,7 @@ def test_bytes_are_graces_own_accounting(quick):
     n = 2**12
     k = math.ceil(0.01 * n)  # top-k: k float32 values and k indices (int16 below 2^15 elements)
     assert index_dtype(n) == "int16"
-    framed = -(-k * (4 + 2) // 8) * 8  # one frame per bucket, padded to 8 bytes
+    framed = -(-(k * (4 + 2) + 1) // 8) * 8  # one frame per bucket: payload, overflow flag byte, padding to 8
     assert rows["topk(0.01)", n]["bytes"] == framed == wire_report(grace.topk(0.01), (n,)).sent_bytes
     # fixed-length methods send the same whatever the data: equal to wire_report's count
     for m in yaml.safe_load(CONFIG.read_text())["methods"]:
@@ -80,7 +80,8 @@ def test_bytes_are_graces_own_accounting(quick):
         row = rows[m["name"], n]
         shape = tuple(int(d) for d in row["shape"].split("x"))
         assert row["bytes"] == wire_report(compression, shape).sent_bytes, m["name"]
-    assert rows["powersgd(1)", n]["shape"] == "64x64" and rows["powersgd(1)", n]["bytes"] == (64 + 64) * 4
+    # P and Q, and the overflow flag as one more float32 of the first round's allreduce
+    assert rows["powersgd(1)", n]["shape"] == "64x64" and rows["powersgd(1)", n]["bytes"] == (64 + 64 + 1) * 4
 
 
 def test_files_and_plot_exist(quick):
