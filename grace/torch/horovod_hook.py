@@ -1,13 +1,15 @@
 """Route ``hvd.DistributedOptimizer(..., compression=<grace method>)`` to grace.
 
-The two changes grace makes to Horovod's PyTorch namespace:
+The changes grace makes to Horovod's PyTorch namespace:
 - ``horovod.torch.DistributedOptimizer`` becomes a function that hands grace compressions to
   ``grace.torch.DistributedOptimizer`` and everything else (``hvd.Compression.fp16``, ``none``,
   Adasum, ...) to Horovod's original, untouched;
 - ``broadcast_optimizer_state`` (in ``horovod.torch`` and where Horovod's elastic state uses
   it) runs Horovod's original, then, for a grace optimizer, also broadcasts what all ranks
   must share (step counters, PowerSGD's Q), so that Horovod's resume recipe (rank 0 loads,
-  then broadcasts) and an elastic reset leave no rank behind.
+  then broadcasts) and an elastic reset leave no rank behind;
+- ``horovod.torch.join`` refuses clearly while a grace optimizer exchanges by allgather or
+  broadcast (Horovod fills in a joined rank's part of allreduce only).
 """
 import functools
 import inspect
@@ -48,6 +50,25 @@ def install(hvd_torch) -> None:
                                                 process_set=exchange.communicator.process_set)
             exchange.load_shared_state(shared)
 
+    original_join = hvd_torch.join
+
+    @functools.wraps(original_join)
+    def join(*args, **kwargs):
+        from grace.core.compressor import Collective
+        from grace.torch.optimizer import LIVE
+
+        for optimizer in list(LIVE):
+            compression = optimizer._grace.compression
+            if compression.collective is not Collective.ALLREDUCE:
+                raise RuntimeError(
+                    f"grace: hvd.join() cannot be used with {compression!r}: Horovod fills in a joined rank's "
+                    f"part of an allreduce only, and this method exchanges by {compression.collective.value}. "
+                    "Give every rank the same number of steps, or use an allreduce method (none, fp16, randomk, "
+                    "powersgd, or communicator='allreduce' where the method allows it)")
+        return original_join(*args, **kwargs)
+
+    join.__grace_original__ = original_join
+    hvd_torch.join = join
     broadcast_optimizer_state.__grace_original__ = original_broadcast
     # where users and Horovod's elastic TorchState (which imported it by name) find it
     for module in (functions, hvd_torch, sys.modules.get("horovod.torch.elastic.state")):

@@ -8,6 +8,7 @@ Horovod a callable that finishes it. Everything else is Horovod's code, unmodifi
 """
 from __future__ import annotations
 
+import weakref
 
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
@@ -19,6 +20,10 @@ from grace.core.ready import ReadyBuckets
 from grace.torch.communicator import HorovodCommunicator
 
 
+#: every grace optimizer alive in this process (hvd.join checks their collectives)
+LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+
 class _GraceOptimizer:
     """Methods that replace Horovod's in the dynamically built optimizer class."""
 
@@ -28,6 +33,7 @@ class _GraceOptimizer:
         _HorovodOptimizer.__init__(self, params, named_parameters, Compression.none,
                                    backward_passes_per_step, op, 1.0, None, sparse_as_dense, process_set)
         self._grace = Exchange(compression, HorovodCommunicator(process_set), average=op == Average)
+        LIVE.add(self)
         self._grace_buckets = None
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         specs = [(self._parameter_names[p], tuple(p.shape), str(p.dtype).removeprefix("torch."), str(p.device))

@@ -1,0 +1,31 @@
+"""``hvd.join()`` (horovodrun, Gloo, 2 real ranks): allreduce methods behave as Horovod's own
+optimizer does under join; allgather methods are refused with a clear error."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import launch
+
+WORKER = Path(__file__).parent / "workers" / "torch_join.py"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("join")
+    launch("horovodrun", 2, WORKER, "--out", out)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("method", ["none", "randomk"])
+def test_allreduce_methods_join_as_horovod_does(ranks, method):
+    for rank in ranks:
+        np.testing.assert_allclose(rank[method], rank["horovod"], rtol=1e-6, atol=1e-7)
+
+
+def test_allgather_methods_refuse_join_clearly(ranks):
+    assert "hvd.join() cannot be used with grace(TopK" in ranks[1]["topk"]
+    assert "exchanges by allgather" in ranks[1]["topk"]
