@@ -546,13 +546,15 @@ class Exchange:
         pending.counts = [xp.numel(t) for t in pieces]
         flag, flagged = pending.flag, pending.flag is not None
         frame = frames.frame(xp, pieces, variable, g, flag)
-        dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False, flagged) + (8 * len(pieces) if variable else 0)
+        header = 8 * len(pieces) if variable else 0
+        dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False, flagged) + header
         # Fixed-length methods: every rank decides alike. A length known only when a traced
         # TensorFlow step runs is never replaced (the frame's layout is fixed at trace time).
         if isinstance(xp.numel(frame), int) and xp.numel(frame) > dense_size:
             pending.sent_dense = True
             p = _concat(xp, compensated())
-            frame = frames.dense_frame(xp, p, len(pieces), g, flag) if variable else frames.frame(xp, [p], False, g, flag)
+            frame = (frames.dense_frame(xp, p, len(pieces), g, flag) if variable
+                     else frames.frame(xp, [p], False, g, flag))
         nbytes = xp.numel(frame)
         if self.compression.collective is Collective.ALLGATHER:
             pending.wait = comm.allgather_async(frame, bucket.key)
