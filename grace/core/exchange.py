@@ -195,10 +195,9 @@ class Exchange:
         if xp.numel(g) == 0:  # nothing to send, nothing to remember
             return Pending(name, xp, _EMPTY, Handle(lambda: g, 0))
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
-        step = store.get("steps", name, lambda _: 0, g)
+        step = self._next_step(name, g)
         info = TensorInfo(name=name, step=step, world_size=self.communicator.size,
                           rank=self.communicator.rank)
-        self._set("steps", name, step + 1)
         flag = xp.nonfinite([g]) if self._guarded else None
         self.stats.add(0, 4 * xp.numel(g))
 
@@ -315,6 +314,16 @@ class Exchange:
         self._overflows.clear()
         self.stats.end_step()
 
+    def _next_step(self, key: str, like):
+        """This exchange's step for ``key`` (it seeds random draws), counted on. Methods that keep
+        no state and read no step (``none``, ``fp16`` without memory) count nothing, so that an
+        overflow leaves nothing of theirs changed either."""
+        if not self._guarded:
+            return 0
+        step = self.store.get("steps", key, lambda _: 0, like)
+        self._set("steps", key, step + 1)
+        return step
+
     def _set(self, table: str, key: str, value) -> None:
         """Store a value this step changes, keeping its old value until the step ends."""
         if self._guarded and (table, key) not in self._journal:
@@ -396,8 +405,7 @@ class Exchange:
             g = grads[0]  # what new tensors are made like
             units, g_units = list(bucket.segments), list(grads)
         self._adopt(bucket, xp, g)
-        step = store.get("steps", bucket.key, lambda _: 0, g)
-        self._set("steps", bucket.key, step + 1)
+        step = self._next_step(bucket.key, g)
         self.stats.add(0, 4 * bucket.numel)
 
         infos, states, old = [], [], []
@@ -687,7 +695,8 @@ class Exchange:
 
     @property
     def steps(self) -> Dict[str, Any]:
-        """Exchanges so far per tensor name (they seed the random methods)."""
+        """Exchanges so far per tensor name (they seed the random methods); none for methods
+        that keep no state (``none``, ``fp16`` without memory)."""
         return self._by_name("steps", self.store.tables["steps"], _state_view)
 
     def state_dict(self) -> Dict[str, Any]:
