@@ -50,6 +50,13 @@ class GradientCompression:
             raise ValueError(f"{type(compressor).__name__} sums its factors between rounds: "
                              "it runs only with communicator='allreduce'")
 
+    @property
+    def flags_overflow(self) -> bool:
+        """Whether each exchange carries an overflow flag and is undone on an inf or NaN: every
+        method but those that pass an inf through by themselves and keep no memory (``none``,
+        ``fp16``), which have nothing to undo."""
+        return not (self.compressor.passes_nonfinite and not self.memory.needs_feedback)
+
     def __repr__(self) -> str:
         scope = f", scope='{self.scope}'" if self.scope != "tensor" else ""
         return (f"grace({self.compressor!r}, memory={self.memory!r}, communicator='{self.collective.value}', "

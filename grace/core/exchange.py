@@ -180,8 +180,7 @@ class Exchange:
         self._whole_of: Dict[str, bool] = {}  # per bucket in use: compressed as one tensor
         self._buffers: Dict[str, Any] = {}  # reused per name: flat gradients, joined payloads
         self._spares: Dict[str, Any] = {}  # per bucket: where the next flat memory is written
-        compressor = compression.compressor
-        self._guarded = not (compressor.passes_nonfinite and not compression.memory.needs_feedback)
+        self._guarded = compression.flags_overflow
         self._journal: Dict[tuple, Any] = {}  # (table, key): its value before this step
         self._overflows: List[Any] = []  # per exchange of this step: how many ranks flagged one
         self._tensors: set = set()  # (name, shape, dtype) of every gradient expected or planned
@@ -366,7 +365,7 @@ class Exchange:
         self._agreed_in = self._world()
         comm = self.communicator
         with self.store.eager():
-            steps = sorted((name, int(v)) for name, v in self.state_dict()["steps"].items())
+            steps = sorted((name, int(v)) for name, v in self.steps.items())  # (no memory copied)
             parts = {
                 "configuration": f"{self.compression!r}, average={self.average}",
                 "gradients": repr(sorted(self._tensors)),

@@ -137,7 +137,7 @@ def wire_bytes(compression, payloads, p, world_size: int):
     the frame (per tensor: one more uint8 tensor, with its length where lengths are sent)."""
     compressor = compression.compressor
     variable = compressor.variable_length
-    flagged = not (compressor.passes_nonfinite and not compression.memory.needs_feedback)
+    flagged = compression.flags_overflow
     tensors = [t for payload in payloads for t in payload]
     size = sum(np.asarray(t).nbytes for t in tensors)
     if compressor.multi_round or compression.collective is Collective.ALLREDUCE:
