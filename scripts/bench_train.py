@@ -5,10 +5,17 @@ per method, model and link, with an alpha-beta prediction of every step time.
     .venv/bin/python scripts/bench_train.py --stage quality           # no root needed
     sudo .venv/bin/python scripts/bench_train.py --stage throughput --links 100mbit --models wide_mlp
     .venv/bin/python scripts/bench_train.py --stage report            # tables and plots from saved runs
+    sudo .venv/bin/python scripts/bench_train.py --config configs/bench_train_ddp.yaml \
+        --out results/bench_train_ddp                                 # DDP: grace's hook vs PyTorch's
+
+The config's ``engine`` says how gradients travel: ``horovod`` (hvd.DistributedOptimizer; methods
+are grace's or Horovod's own none/fp16) or ``ddp`` (DistributedDataParallel over Gloo; methods
+are grace's hook or PyTorch's own hooks: no hook, fp16_compress_hook, powerSGD_hook).
 
 Stages (configs/bench_train.yaml says what runs):
   throughput  per link: an emulated cluster (scripts/cluster) of `ranks` hosts, its bandwidth
-              verified, then one horovodrun launch per model that trains every method in turn:
+              verified, then one launch per model (horovodrun, or torch.distributed processes in
+              the hosts' namespaces) that trains every method in turn:
               median step time after warm-up, bytes per step on the wire, and, for the cost
               model, compute time (no communication), the method's local compression work and
               a tiny allreduce's latency, all measured in the same launch (needs root)
@@ -26,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -43,20 +49,32 @@ from tqdm import tqdm  # noqa: E402
 import grace  # noqa: E402
 import cost_model  # noqa: E402
 from bench_common import REPO, load_config, write_results  # noqa: E402
-from train import OWN_MOMENTUM, digits  # noqa: E402
+from ddp_baselines import DDPHook  # noqa: E402
+from train import ENGINES, OWN_MOMENTUM, digits  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "configs" / "bench_train.yaml"
 
 
 # ---- configuration -------------------------------------------------------------------------
 def make_compression(method: dict, config: dict, hvd=None):
-    """A method entry of the config -> what DistributedOptimizer takes (hvd: horovod.torch)."""
+    """A method entry of the config -> what the engine's wrap takes: a grace compression,
+    Horovod's own compression (hvd: horovod.torch), or a ``DDPHook``."""
+    engine = config.get("engine", "horovod")
     if "horovod" in method:
+        if engine != "horovod":
+            raise ValueError(f"method {method['name']!r}: a horovod method needs engine: horovod")
         if method["horovod"] not in ("none", "fp16"):
             raise ValueError(f"method {method['name']!r}: horovod must be 'none' or 'fp16', got {method['horovod']!r}")
         return getattr(hvd.Compression, method["horovod"]) if hvd is not None else None
+    if "ddp" in method:
+        if engine != "ddp":
+            raise ValueError(f"method {method['name']!r}: a ddp hook needs engine: ddp")
+        return DDPHook(method["ddp"], method.get("rank", 1))
     if "grace" not in method:
-        raise ValueError(f"method {method.get('name')!r} needs a 'grace' (from_params dictionary) or 'horovod' key")
+        raise ValueError(f"method {method.get('name')!r} needs a 'grace' (from_params dictionary), 'horovod' "
+                         "or 'ddp' key")
+    if "bucket_cap_mb" in method and engine != "ddp":
+        raise ValueError(f"method {method['name']!r}: bucket_cap_mb (DDP's bucket size) needs engine: ddp")
     params = dict(method["grace"])
     if params.get("compressor") == "efsignsgd":
         params.setdefault("lr", config["lr"])  # its memory is in model units
@@ -68,6 +86,8 @@ def check_config(config: dict) -> None:
                 "target"):
         if key not in config:
             raise ValueError(f"bench_train config: missing key {key!r}")
+    if config.get("engine", "horovod") not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {config['engine']!r}")
     for name, spec in config["models"].items():
         if spec.get("kind") not in ("mlp", "cnn"):
             raise ValueError(f"model {name!r}: kind must be 'mlp' or 'cnn', got {spec.get('kind')!r}")
@@ -79,7 +99,14 @@ def check_config(config: dict) -> None:
 
 
 def method_key(method: dict) -> str:
-    return method["grace"]["compressor"] if "grace" in method else method["horovod"]
+    return method["grace"]["compressor"] if "grace" in method else method.get("horovod") or method["ddp"]
+
+
+def baselines(config: dict) -> dict:
+    """The methods speed-ups are measured against: {'none': name, 'fp16': name}."""
+    default = {"horovod": {"none": "none", "fp16": "fp16 (Horovod)"},
+               "ddp": {"none": "DDP", "fp16": "DDP fp16_compress_hook"}}[config.get("engine", "horovod")]
+    return {**default, **config.get("baselines", {})}
 
 
 # ---- what each rank runs -------------------------------------------------------------------
@@ -103,28 +130,27 @@ def build_model(spec: dict):
 
 
 class Run:
-    """One rank's model, data shard and Horovod optimizer for one method."""
+    """One rank's model, data shard and distributed optimizer (through the engine) for one method."""
 
-    def __init__(self, config: dict, model_name: str, method: dict):
+    def __init__(self, config: dict, model_name: str, method: dict, engine):
         import torch
-        import horovod.torch as hvd
 
         torch.manual_seed(config["seed"])
-        self.model = build_model(config["models"][model_name])
-        self.compression = make_compression(method, config, hvd)
+        model = build_model(config["models"][model_name])
+        self.compression = make_compression(method, config, getattr(engine, "hvd", None))
         momentum = 0.0 if method_key(method) in OWN_MOMENTUM else config["momentum"]
-        optimizer = torch.optim.SGD(self.model.parameters(), lr=config["lr"], momentum=momentum)
-        self.optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=self.model.named_parameters(),
-                                                  compression=self.compression)
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=momentum)
+        self.engine = engine
+        options = {"bucket_cap_mb": method["bucket_cap_mb"]} if "bucket_cap_mb" in method else {}
+        self.model, self.optimizer = engine.wrap(model, optimizer, self.compression, **options)
 
         x_train, x_test, y_train, y_test = digits(config["seed"])
-        rank, size = hvd.rank(), hvd.size()
+        rank, size = engine.rank, engine.size
         self.x, self.y = torch.from_numpy(x_train[rank::size]), torch.from_numpy(y_train[rank::size])
         self.x_test, self.y_test = torch.from_numpy(x_test), y_test
         self.batch = config["batch_size"]
         # every rank takes as many steps per epoch, or the collectives would not pair up
-        self.steps_per_epoch = int(hvd.allreduce(torch.tensor(len(self.x) // self.batch), op=hvd.Min))
+        self.steps_per_epoch = int(engine.reduce(len(self.x) // self.batch, "min"))
         self.rng = np.random.default_rng(config["seed"] + rank)
 
     def epoch_batches(self):
@@ -159,7 +185,9 @@ class Run:
     def bytes_per_step(self) -> int:
         """Bytes this rank handed to the collectives in the last step."""
         if self.is_grace:
-            return int(self.optimizer.grace_stats.last_step_bytes)
+            return int(self.engine.stats().last_step_bytes)
+        if isinstance(self.compression, DDPHook):
+            return self.compression.bytes_per_step()
         per_element = 2 if self.compression.__name__ == "FP16Compressor" else 4
         return per_element * self.parameters
 
@@ -182,8 +210,8 @@ def codec_seconds(run: Run, ranks: int, repeats: int) -> float:
 
     grads = {name: p.grad.detach().clone() for name, p in run.model.named_parameters()}
     if not run.is_grace:
-        if run.compression.__name__ != "FP16Compressor":
-            return 0.0
+        if getattr(run.compression, "__name__", None) != "FP16Compressor":
+            return 0.0  # (PyTorch's DDP hooks: their work is in the measured step only)
         return median_seconds(lambda: [g.to(torch.float16).to(torch.float32) for g in grads.values()], repeats)
     exchange = Exchange(run.compression, ReplicaCommunicator(ranks))
     exchange.exchange(grads)  # first use creates the state
@@ -192,20 +220,18 @@ def codec_seconds(run: Run, ranks: int, repeats: int) -> float:
 
 def worker_throughput(config: dict, model_name: str, result: Path) -> None:
     import torch
-    import horovod.torch as hvd
 
-    hvd.init()
+    engine = ENGINES[config.get("engine", "horovod")]()
     torch.set_num_threads(1)
-    rank, ranks = hvd.rank(), hvd.size()
+    rank, ranks = engine.rank, engine.size
     bench = config["throughput"]
 
     def slowest(seconds: float) -> float:  # a step is as slow as its slowest rank
-        return float(hvd.allreduce(torch.tensor(seconds), op=hvd.Max, name="bench.max"))
+        return float(engine.reduce(seconds, "max"))
 
-    probe = torch.zeros(1)
     for i in range(5):
-        hvd.allreduce(probe, name="bench.probe")
-    tiny_allreduce = slowest(median_seconds(lambda: hvd.allreduce(probe, name="bench.probe"), 20))
+        engine.reduce(0.0, "sum")
+    tiny_allreduce = slowest(median_seconds(lambda: engine.reduce(0.0, "sum"), 20))
 
     # compute alone: the same model and batches, a local optimizer, every rank at once
     torch.manual_seed(config["seed"])
@@ -227,7 +253,7 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
     total = len(config["methods"]) * (bench["warmup_steps"] + bench["steps"])
     bar = tqdm(total=total, disable=rank != 0, desc=f"{model_name} throughput", file=sys.stdout)
     for method in config["methods"]:
-        run = Run(config, model_name, method)
+        run = Run(config, model_name, method, engine)
         batches = iter(())
         times = []
         for i in range(bench["warmup_steps"] + bench["steps"]):
@@ -236,7 +262,7 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
             except StopIteration:
                 batches = run.epoch_batches()
                 xb, yb = next(batches)
-            hvd.allreduce(probe, name="bench.barrier")  # steps start together
+            engine.reduce(0.0, "sum")  # steps start together
             t0 = time.perf_counter()
             run.step(xb, yb)
             times.append(time.perf_counter() - t0)
@@ -251,8 +277,10 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
             "step_s": step,
             "bytes_per_step": run.bytes_per_step(),
             "dense_bytes_per_step": 4 * run.parameters,
+            "engine": config.get("engine", "horovod"),
             "collective": run.compression.collective.value if run.is_grace else "allreduce",
-            "rounds": 2 if compressor is not None and compressor.multi_round else 1,
+            "rounds": 2 if (compressor is not None and compressor.multi_round)
+            or getattr(run.compression, "kind", None) == "powersgd" else 1,
             "compute_s": compute,
             "codec_s": slowest(codec_seconds(run, ranks, bench["codec_repeats"])),
             "tiny_allreduce_s": tiny_allreduce,
@@ -265,17 +293,16 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
 
 def worker_quality(config: dict, model_name: str, result: Path) -> None:
     import torch
-    import horovod.torch as hvd
 
-    hvd.init()
+    engine = ENGINES[config.get("engine", "horovod")]()
     torch.set_num_threads(1)
     epochs = config["quality"]["epochs"]
     rows = []
     bar = None
     for method in config["methods"]:
-        run = Run(config, model_name, method)
+        run = Run(config, model_name, method, engine)
         if bar is None:
-            bar = tqdm(total=len(config["methods"]) * epochs * run.steps_per_epoch, disable=hvd.rank() != 0,
+            bar = tqdm(total=len(config["methods"]) * epochs * run.steps_per_epoch, disable=engine.rank != 0,
                        desc=f"{model_name} quality", file=sys.stdout)
         curve = []
         for epoch in range(epochs):
@@ -291,7 +318,7 @@ def worker_quality(config: dict, model_name: str, result: Path) -> None:
         })
         del run
     bar.close()
-    if hvd.rank() == 0:
+    if engine.rank == 0:
         result.write_text(json.dumps(rows, indent=2))
 
 
@@ -337,7 +364,8 @@ def stage_throughput(args, config: dict) -> None:
                 with tempfile.TemporaryDirectory() as tmp:
                     result = Path(tmp) / "rows.json"
                     os.chmod(tmp, 0o777)
-                    cluster.run(worker_cmd(args, "throughput", model, result), launcher="horovodrun", np=ranks,
+                    launcher = "torchrun" if config.get("engine") == "ddp" else "horovodrun"
+                    cluster.run(worker_cmd(args, "throughput", model, result), launcher=launcher, np=ranks,
                                 check=True)
                     rows += [{**link_info, **r} for r in json.loads(result.read_text())]
         merge(args.out / "throughput.json", rows, ("link", "model", "method"))
@@ -345,13 +373,16 @@ def stage_throughput(args, config: dict) -> None:
 
 def stage_quality(args, config: dict) -> None:
     ranks = config["ranks"]
-    horovodrun = str(Path(sys.executable).parent / "horovodrun")
+    bin_ = Path(sys.executable).parent
+    if config.get("engine") == "ddp":
+        launch = [str(bin_ / "torchrun"), "--standalone", "--nproc-per-node", str(ranks)]
+    else:
+        launch = [str(bin_ / "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable]
     rows = []
     for model in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "rows.json"
-            subprocess.run([horovodrun, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
-                            *worker_cmd(args, "quality", model, result)], check=True)
+            subprocess.run([*launch, *worker_cmd(args, "quality", model, result)[1:]], check=True)
             rows += json.loads(result.read_text())
     merge(args.out / "quality.json", rows, ("model", "method"))
 
@@ -369,8 +400,9 @@ def steps_to_target(q: dict, target: float):
     return None if epoch is None else (epoch + 1) * q["steps_per_epoch"]
 
 
-def combine(throughput: list[dict], quality: list[dict], target: float) -> list[dict]:
-    """One row per (link, model, method): throughput, prediction, speed-ups, quality, time to accuracy."""
+def combine(throughput: list[dict], quality: list[dict], target: float, names: dict) -> list[dict]:
+    """One row per (link, model, method): throughput, prediction, speed-ups, quality, time to
+    accuracy (``names``: the baselines', see ``baselines``)."""
     by_method = {(q["model"], q["method"]): q for q in quality}
     baseline = {(r["link"], r["model"], r["method"]): r["samples_per_second"] for r in throughput}
     rows = []
@@ -381,7 +413,7 @@ def combine(throughput: list[dict], quality: list[dict], target: float) -> list[
                                  "compute_s", "codec_s")}
         row["predicted_step_s"] = predicted_step(r)
         row["prediction_error"] = row["predicted_step_s"] / r["step_s"] - 1
-        for base, column in (("none", "speedup_vs_none"), ("fp16 (Horovod)", "speedup_vs_fp16")):
+        for base, column in ((names["none"], "speedup_vs_none"), (names["fp16"], "speedup_vs_fp16")):
             b = baseline.get((r["link"], r["model"], base))
             row[column] = r["samples_per_second"] / b if b else None
         row["test_accuracy"] = q.get("test_accuracy")
@@ -424,7 +456,7 @@ def claims(rows: list[dict], config: dict) -> list[str]:
             ok = (r["speedup_vs_none"] or 0) >= t["vs_none"] and (r["speedup_vs_fp16"] or 0) >= t["vs_fp16"]
             out.append(f"{'PASS' if ok else 'FAIL'}: {r['method']} on {r['model']} at {r['link']}: "
                        f"{r['speedup_vs_none']:.2f}x uncompressed (target >= {t['vs_none']}), "
-                       f"{r['speedup_vs_fp16']:.2f}x Horovod fp16 (target >= {t['vs_fp16']})")
+                       f"{r['speedup_vs_fp16']:.2f}x {baselines(config)['fp16']} (target >= {t['vs_fp16']})")
     errors = sorted(abs(r["prediction_error"]) for r in rows)
     if errors:
         worst = max(rows, key=lambda r: abs(r["prediction_error"]))
@@ -442,7 +474,7 @@ def claims(rows: list[dict], config: dict) -> list[str]:
     return out
 
 
-def plot(rows: list[dict], quality: list[dict], out: Path) -> list[Path]:
+def plot(rows: list[dict], quality: list[dict], out: Path, names: dict) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -457,7 +489,7 @@ def plot(rows: list[dict], quality: list[dict], out: Path) -> list[Path]:
         for method in methods:
             sel = sorted((r for r in rows if r["model"] == model and r["method"] == method),
                          key=lambda r: r["measured_bps"])
-            style = "--" if method in ("none", "fp16 (Horovod)") else "-"
+            style = "--" if method in names.values() else "-"
             ax.plot([r["measured_bps"] / 1e6 for r in sel], [r["samples_per_second"] for r in sel], style,
                     marker="o", label=method)
         ax.set(xscale="log", yscale="log", xlabel="link bandwidth, measured (Mbit/s)", ylabel="samples/s",
@@ -505,12 +537,12 @@ def stage_report(args, config: dict) -> list[dict]:
     quality = json.loads((args.out / "quality.json").read_text()) if (args.out / "quality.json").exists() else []
     if not throughput:
         raise SystemExit(f"no throughput results in {args.out}; run --stage throughput first (as root)")
-    rows = combine(throughput, quality, config["quality"]["target_accuracy"])
+    rows = combine(throughput, quality, config["quality"]["target_accuracy"], baselines(config))
     lines = claims(rows, config)
     write_results(rows, args.out, "bench_train", config, claims=lines, quality=quality)
     report = markdown(rows, config) + "\n" + "\n".join(f"- {c}" for c in lines) + "\n"
     (args.out / "report.md").write_text(report)
-    paths = plot(rows, quality, args.out)
+    paths = plot(rows, quality, args.out, baselines(config))
     print(report)
     print("wrote", args.out / "bench_train.csv", args.out / "report.md", *paths)
     return rows

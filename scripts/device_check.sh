@@ -7,11 +7,12 @@
 #
 #   1. builds libgrace_cpu.so and libgrace_cuda.so in place (csrc/build.py, as setup.py does)
 #   2. tests/native with the CUDA cases (a skipped CUDA case fails the check)
-#   3. scripts/bench_ops.py on cuda and on cpu (both CPU builds) at 2^16, 2^20, 2^24, and
-#      scripts/bench_step.py on cuda (ResNet-50, a BERT-base encoder: per tensor and bucketed)
+#   3. scripts/bench_ops.py on cuda and on cpu (both CPU builds) at 2^16, 2^20, 2^24,
+#      scripts/bench_step.py on cuda (ResNet-50, a BERT-base encoder: per tensor and bucketed),
+#      scripts/bench_ddp_step.py (whole DDP steps per hook: NCCL, and Gloo with 2 processes)
 #   4. tests/unit with the torch tensors on the GPU (GRACE_TEST_DEVICE=cuda), without Horovod
 # Stops at the first failing step (KEEP_GOING=1: runs every step, fails at the end).
-# Env: PYTHON (default python3), OUT, KEEP_GOING. About 1.5 minutes on an H200 host (16 cores).
+# Env: PYTHON (default python3), OUT, KEEP_GOING. About 1.5 minutes on an H200 host (16 cores), before the DDP steps were added.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -86,6 +87,12 @@ run bench_cpu 300 "$PY" scripts/bench_ops.py --device cpu --sizes 16 20 24 --bui
 
 # 3b. compression work per training step on ResNet-50's and a BERT-base encoder's gradients
 run bench_step_cuda 300 "$PY" scripts/bench_step.py --device cuda --models resnet50 transformer --out "$OUT" || true
+
+# 3c. whole DDP steps on ResNet-50 per hook (PyTorch's own and grace's): NCCL in a world of one,
+#     then Gloo with 2 processes sharing the GPU
+run bench_ddp_nccl 240 "$PY" scripts/bench_ddp_step.py --device cuda --models resnet50 --out "$OUT" || true
+run bench_ddp_gloo 300 "$PY" scripts/bench_ddp_step.py --device cuda --backend gloo --world 2 --models resnet50 \
+  --methods topk powersgd --iters 5 --out "$OUT" || true
 
 # 4. unit tests with the torch tensors on the GPU (no Horovod, no TensorFlow)
 run tests_unit_cuda 300 env GRACE_TEST_DEVICE=cuda "$PY" -m pytest tests/unit -q "${maxfail[@]}" -p no:cacheprovider -rf --tb=short \

@@ -3,10 +3,12 @@
     horovodrun -np 4 -H localhost:4 --gloo python scripts/train.py --compressor topk --ratio 0.01
     horovodrun -np 4 -H localhost:4 --gloo python scripts/train.py --framework tensorflow
     mpirun -np 2 python scripts/train.py --compressor threshold --threshold 0.01 --epochs 10
+    torchrun --standalone --nproc-per-node 4 scripts/train.py --engine ddp --compressor topk
 
 Each rank trains on its shard of the training set; gradients travel compressed through
-``hvd.DistributedOptimizer`` (PyTorch) or Keras's ``hvd.DistributedOptimizer`` and ``model.fit``
-(TensorFlow, Keras 2). Rank 0 shows progress and prints a summary (test accuracy, bytes sent
+``hvd.DistributedOptimizer`` (PyTorch), PyTorch DDP with grace's communication hook
+(``--engine ddp``: Gloo, no Horovod), or Keras's ``hvd.DistributedOptimizer``
+and ``model.fit`` (TensorFlow, Keras 2). Rank 0 shows progress and prints a summary (test accuracy, bytes sent
 per step against uncompressed float32, steps per second); ``--json`` saves it.
 """
 from __future__ import annotations
@@ -28,6 +30,8 @@ import grace
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--framework", default="torch", choices=["torch", "tensorflow"])
+    parser.add_argument("--engine", default="horovod", choices=["horovod", "ddp"],
+                        help="PyTorch: Horovod's DistributedOptimizer, or DDP with grace's hook (torchrun)")
     parser.add_argument("--compressor", default="topk", choices=grace.methods())
     parser.add_argument("--ratio", type=float, default=0.01, help="topk, randomk, dgc, adaq: fraction sent")
     parser.add_argument("--threshold", type=float, default=0.01, help="threshold: |x| >= threshold is sent")
@@ -78,11 +82,14 @@ def digits(seed: int):
 def main(argv=None):
     args = parse_args(argv)
     compression = make_compression(args)  # bad arguments fail before Horovod starts
+    if args.engine == "ddp" and args.framework != "torch":
+        raise SystemExit("--engine ddp trains with PyTorch (--framework torch)")
     train = train_keras if args.framework == "tensorflow" else train_torch
     result = train(args, compression)
     stats = result["stats"]
     summary = {
         "framework": args.framework,
+        "engine": args.engine,
         "compression": repr(compression),
         "error_feedback": compression.memory.needs_feedback,
         "ranks": result["size"],
@@ -97,7 +104,7 @@ def main(argv=None):
         "ranks_agree": result["ranks_agree"],  # every rank ended with the same model
     }
     if summary["rank"] == 0:
-        print(f"\n{summary['compression']} on {summary['ranks']} ranks ({args.framework}), {args.epochs} epochs:\n"
+        print(f"\n{summary['compression']} on {summary['ranks']} ranks ({args.framework}, {args.engine}), {args.epochs} epochs:\n"
               f"  test accuracy     {summary['test_accuracy']:.4f}\n"
               f"  bytes per step    {summary['bytes_per_step']:.0f} "
               f"(uncompressed float32: {summary['dense_bytes_per_step']:.0f}, "
@@ -109,30 +116,99 @@ def main(argv=None):
     return summary
 
 
+class HorovodEngine:
+    """Horovod's DistributedOptimizer (grace's compression, or Horovod's own)."""
+
+    def __init__(self):
+        import horovod.torch as hvd
+
+        self.hvd = hvd
+        hvd.init()
+        self.rank, self.size = hvd.rank(), hvd.size()
+
+    def wrap(self, model, optimizer, compression):
+        optimizer = self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                  compression=compression)
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self.stats = lambda: optimizer.grace_stats
+        return model, optimizer
+
+    def reduce(self, value, op: str):
+        """``value`` (a number) reduced over the ranks by ``op``: 'min', 'max' or 'sum'."""
+        import torch
+
+        ops = {"min": self.hvd.Min, "max": self.hvd.Max, "sum": self.hvd.Sum}
+        return self.hvd.allreduce(torch.tensor(value), op=ops[op], name=f"train.{op}").item()
+
+    def gather(self, tensor):
+        return self.hvd.allgather(tensor[None])
+
+
+class DDPEngine:
+    """PyTorch DistributedDataParallel (launched by torchrun) with grace's communication hook,
+    or with what ``compression(model)`` registers when it is not a grace compression."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        if not dist.is_initialized():  # (train_methods.py trains one method after another)
+            dist.init_process_group("gloo")
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def wrap(self, model, optimizer, compression, **ddp_options):
+        import grace.torch.ddp
+        from torch.nn.parallel import DistributedDataParallel
+
+        # (broadcasts rank 0's parameters)
+        model = DistributedDataParallel(model, **{**getattr(compression, "ddp_options", {}), **ddp_options})
+        if isinstance(compression, grace.GradientCompression):
+            state = grace.torch.ddp.register(model, compression)
+            self.stats = lambda: state.stats
+        else:
+            compression(model)
+        return model, optimizer
+
+    def reduce(self, value, op: str):
+        import torch
+
+        value = torch.tensor(value)
+        self.dist.all_reduce(value, op=getattr(self.dist.ReduceOp, op.upper()))
+        return value.item()
+
+    def gather(self, tensor):
+        import torch
+
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.dist.all_gather(out, tensor)
+        return torch.stack(out)
+
+
+ENGINES = {"horovod": HorovodEngine, "ddp": DDPEngine}
+
+
 def train_torch(args, compression):
     import torch
-    import horovod.torch as hvd
 
-    hvd.init()
+    engine = ENGINES[args.engine]()
+    rank, size = engine.rank, engine.size
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     x_train, x_test, y_train, y_test = digits(args.seed)
-    x_train, y_train = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
+    x_train, y_train = x_train[rank::size], y_train[rank::size]
 
     model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, 10))
     momentum = 0.0 if args.compressor in OWN_MOMENTUM else args.momentum
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    model, optimizer = engine.wrap(model, optimizer, compression)
 
     # Every rank takes the same number of steps per epoch, or the collectives would not pair up.
-    steps_per_epoch = int(hvd.allreduce(torch.tensor(len(x_train) // args.batch_size), op=hvd.Min))
+    steps_per_epoch = int(engine.reduce(len(x_train) // args.batch_size, "min"))
     xs, ys = torch.from_numpy(x_train), torch.from_numpy(y_train)
-    rng = np.random.default_rng(args.seed + hvd.rank())
+    rng = np.random.default_rng(args.seed + rank)
     total = args.epochs * steps_per_epoch
-    bar = tqdm(total=total, disable=hvd.rank() != 0 or args.no_progress, desc=repr(compression.compressor))
+    bar = tqdm(total=total, disable=rank != 0 or args.no_progress, desc=repr(compression.compressor))
     start = time.perf_counter()
     for epoch in range(args.epochs):
         order = torch.from_numpy(rng.permutation(len(xs)))
@@ -149,8 +225,8 @@ def train_torch(args, compression):
 
     with torch.no_grad():
         accuracy = float((model(torch.from_numpy(x_test)).argmax(1).numpy() == y_test).mean())
-    checksum = hvd.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()])[None])
-    return dict(accuracy=accuracy, stats=optimizer.grace_stats, rank=hvd.rank(), size=hvd.size(), steps=total,
+    checksum = engine.gather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return dict(accuracy=accuracy, stats=engine.stats(), rank=rank, size=size, steps=total,
                 elapsed=elapsed, ranks_agree=bool(torch.allclose(checksum, checksum[0:1].expand_as(checksum))))
 
 

@@ -1,6 +1,7 @@
 """Every method on the 4-rank digits model: accuracy, bytes per step and steps per second.
 
     horovodrun -np 4 -H localhost:4 --gloo python scripts/train_methods.py --out results/train_methods
+    torchrun --standalone --nproc-per-node 4 scripts/train_methods.py --engine ddp --out results/train_methods_ddp
 
 One launch trains each method in turn (scripts/train.py, same seed and data) and rank 0
 writes the table as CSV, JSON and Markdown. Methods with error feedback are expected within
@@ -32,6 +33,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--engine", default="horovod", choices=["horovod", "ddp"])
     parser.add_argument("--out", type=Path, default=Path("results/train_methods"))
     return parser.parse_args(argv)
 
@@ -41,7 +43,8 @@ def main(argv=None):
     rows = []
     for method in args.methods:
         settings = SETTINGS[method]
-        summary = train.main(["--compressor", method, "--epochs", str(args.epochs), "--no-progress", *settings])
+        summary = train.main(["--engine", args.engine, "--compressor", method, "--epochs", str(args.epochs),
+                              "--no-progress", *settings])
         rows.append({"method": method, "settings": " ".join(settings), **summary})
     if rows and summary["rank"] == 0:
         write(rows, args.out, args.epochs)

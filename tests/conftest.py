@@ -1,4 +1,4 @@
-"""Launching real multi-process runs (horovodrun with Gloo, mpirun) from tests."""
+"""Launching real multi-process runs (horovodrun with Gloo, mpirun, torchrun) from tests."""
 from __future__ import annotations
 
 import os
@@ -19,6 +19,8 @@ def launch(launcher: str, np_: int, script: Path, *args, timeout: int = TIMEOUT)
     python = [sys.executable, str(script), *map(str, args)]
     if launcher == "horovodrun":
         cmd = [str(VENV_BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", *python]
+    elif launcher == "torchrun":  # (a free port of its own: runs may overlap)
+        cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(np_), *python[1:]]
     elif launcher == "mpirun":
         mpirun = shutil.which("mpirun")
         if mpirun is None:

@@ -5,7 +5,10 @@ primitives, each asynchronous (it returns a zero-argument ``wait`` callable):
 
     allreduce_async(tensor, name)        elementwise sum over ranks
     allgather_async(tensor, name)        1-d tensors, lengths may differ; concatenated in rank order
-    broadcast_async(tensor, root, name)  the root's tensor, on every rank
+    broadcast_async(tensor, root, name)  the root's tensor, on every rank (a receiver's tensor
+                                         gives only the size and dtype; it is not written to)
+
+and, where it pays, ``allgather_equal_async`` (the same when all lengths are equal).
 
 On top of them this class exchanges whole payloads (tuples of tensors) and reports the bytes
 this rank handed to the collectives, headers included.
@@ -39,6 +42,11 @@ class Communicator:
     def broadcast_async(self, tensor, root: int, name: str) -> Callable[[], Any]:
         raise NotImplementedError
 
+    def allgather_equal_async(self, tensor, name: str) -> Callable[[], Any]:
+        """``allgather_async`` where every rank sends as many elements as this one (a toolkit
+        whose allgather needs equal lengths then skips exchanging them)."""
+        return self.allgather_async(tensor, name)
+
     # --- payload-level collectives -------------------------------------------------------
     def exchange(self, collective: Collective, xp, payload: Payload, name: str,
                  equal_lengths: bool) -> Handle:
@@ -58,9 +66,10 @@ class Communicator:
         lengths_wait = None
         if not equal_lengths:
             lengths = _lengths(xp, flat)
-            lengths_wait = self.allgather_async(lengths, f"{name}.lengths")
+            lengths_wait = self.allgather_equal_async(lengths, f"{name}.lengths")
             nbytes += xp.nbytes(lengths)
-        waits = [self.allgather_async(t, f"{name}.{i}") for i, t in enumerate(flat)]
+        gather = self.allgather_equal_async if equal_lengths else self.allgather_async
+        waits = [gather(t, f"{name}.{i}") for i, t in enumerate(flat)]
 
         def wait() -> List[Payload]:
             gathered = [w() for w in waits]
@@ -88,7 +97,7 @@ class Communicator:
         else:  # receivers must know the sizes before the broadcasts
             lengths = _lengths(xp, flat)
             nbytes += xp.nbytes(lengths)
-            table = xp.reshape(self.allgather_async(lengths, f"{name}.lengths")(), (self.size, len(flat)))
+            table = xp.reshape(self.allgather_equal_async(lengths, f"{name}.lengths")(), (self.size, len(flat)))
         waits = []
         for root in range(self.size):
             for i, t in enumerate(flat):

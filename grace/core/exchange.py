@@ -345,7 +345,7 @@ class Exchange:
         self.expect(tensors)
         if key not in self._plans:
             self._plans[key] = frames.plan(tensors, self.compression.bucket_mb * 2**20)
-            self._buckets.update((b.key, b) for b in self._plans[key])
+        self._buckets.update((b.key, b) for b in self._plans[key])  # (again, where another plan released them)
         return self._plans[key]
 
     def expect(self, tensors: Sequence[tuple]) -> None:
@@ -372,7 +372,7 @@ class Exchange:
                 "step counters": repr(steps),
             }
             mine = [zlib.crc32(text.encode()) for text in parts.values()]
-            wait = comm.allgather_async(xp.cast(xp.asarray(mine, like=like), "int64"), "grace.agreement")
+            wait = comm.allgather_equal_async(xp.cast(xp.asarray(mine, like=like), "int64"), "grace.agreement")
             table = xp.host_ints(wait(), len(mine) * comm.size)
         rows = [table[r * len(mine):(r + 1) * len(mine)] for r in range(comm.size)]
         for i, (what, text) in enumerate(parts.items()):
@@ -387,9 +387,10 @@ class Exchange:
                 raise RuntimeError(f"grace: ranks {differ} differ from rank 0 in their {what}; {hint}. "
                                    f"Rank {comm.rank} has: {text[:500]}")
 
-    def start_bucket(self, bucket: Bucket, grads: Sequence) -> "BucketPending":
+    def start_bucket(self, bucket: Bucket, grads: Sequence, flat=None) -> "BucketPending":
         """Compensate, compress and launch the one collective of ``bucket``; ``grads`` are its
-        gradients in segment order."""
+        gradients in segment order, ``flat`` (optional) all of them in one flat tensor, in
+        which case ``grads`` are views of it (DDP's bucket buffer)."""
         xp = backend_for(grads[0])
         _check_float(xp, bucket.names[0], grads[0])
         if self._agreed_in != self._world():
@@ -398,7 +399,7 @@ class Exchange:
         rank, n = self.communicator.rank, self.communicator.size
         whole = self._whole_of.setdefault(bucket.key, self._compresses_whole(xp, grads[0]))
         if whole:  # one flat tensor, with one flat memory
-            g = self._flat_gradient(bucket, xp, grads)
+            g = flat if flat is not None else self._flat_gradient(bucket, xp, grads)
             units, g_units = [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], [g]
         else:  # each gradient as it is, with its own memory: nothing is copied
             g = grads[0]  # what new tensors are made like
@@ -564,10 +565,12 @@ class Exchange:
                      else frames.frame(xp, [p], False, g, flag))
         nbytes = xp.numel(frame)
         if self.compression.collective is Collective.ALLGATHER:
-            pending.wait = comm.allgather_async(frame, bucket.key)
+            gather = comm.allgather_async if variable else comm.allgather_equal_async
+            pending.wait = gather(frame, bucket.key)
             return nbytes
         if variable:  # receivers must know the frames' sizes before the broadcasts
-            sizes = xp.host_ints(comm.allgather_async(_lengths(xp, [frame]), f"{bucket.key}.sizes")(), comm.size)
+            sizes = xp.host_ints(comm.allgather_equal_async(_lengths(xp, [frame]), f"{bucket.key}.sizes")(),
+                                 comm.size)
             nbytes += 8
         else:
             sizes = [nbytes] * comm.size
@@ -656,9 +659,31 @@ class Exchange:
         if bucket.key in self._adopted:
             return
         self._adopted.add(bucket.key)
+        self._buckets[bucket.key] = bucket
         with self.store.eager():  # a TensorFlow trace: read and create the variables once, now
+            self._release(bucket)
             for table, value in self._gather(bucket, self.store.tables, xp, like, self._whole_of[bucket.key]).items():
                 self.store.set(table, bucket.key, value)
+
+    def _release(self, bucket: Bucket) -> None:
+        """Buckets that held some of ``bucket``'s gradients before (DDP rebuilds its buckets after
+        the first step; another plan) hand their step counters and memories back per gradient
+        name, for ``bucket`` to take over. Per-bucket compressor state (``scope='bucket'``)
+        belongs to the old layout and ends with it."""
+        names, tables = set(bucket.names), self.store.tables
+        for key, old in list(self._buckets.items()):
+            if key == bucket.key or key not in self._adopted or names.isdisjoint(old.names):
+                continue
+            for table in ("steps", "memory"):
+                value = tables[table].pop(key, None)
+                if value is not None:
+                    for s in old.segments:
+                        tables[table][s.name] = value if table == "steps" else _state_copy(value, s)
+            tables["state"].pop(key, None)
+            for forget in (self._adopted, self._whole_of, self._spares, self._buckets):
+                forget.discard(key) if isinstance(forget, set) else forget.pop(key, None)
+            for name in [n for n in self._buffers if n == key or n.startswith(key + ".")]:
+                del self._buffers[name]
 
     def _gather(self, bucket: Bucket, tables: Dict[str, Dict[str, Any]], xp, like, whole: bool) -> Dict[str, Any]:
         """Pop the per-name steps (and, for a bucket compressed ``whole``, the memories) of

@@ -8,7 +8,7 @@ state in tf.Variables keyed by the variable's name (stable across steps and trac
 from __future__ import annotations
 
 import weakref
-from typing import List
+from typing import Any, Dict, List
 
 import tensorflow as tf
 from horovod.tensorflow import mpi_ops
@@ -21,6 +21,7 @@ from grace.tensorflow.state import VariableStore, VariableWireStats
 
 
 _RUNNING: List[tuple] = []  # (configuration, weak references to its variables, GradientExchange)
+_PENDING: Dict[tuple, Any] = {}  # shared state from rank 0 for exchanges this process has not run yet
 
 
 class GradientExchange:
@@ -72,14 +73,37 @@ class GradientExchange:
         _RUNNING.append((self._configuration, [weakref.ref(v) for v in wanted], self))
         return self
 
+    def _key(self):
+        """Who this exchange is across processes: its configuration and its variables' names."""
+        refs = next((refs for _, refs, running in _RUNNING if running is self), [])
+        return self._configuration, tuple(r().name for r in refs if r() is not None)
+
     # Inside tf.function this runs as plain Python that builds ops (it never branches on a
     # tensor's value), so AutoGraph need not convert it, nor the backends it imports.
     @tf.autograph.experimental.do_not_convert
     def __call__(self, grads, variables=None, use_generic_names=False):
         if self._running is None:
             self._running = self._bind(variables)
+            pending = _PENDING.pop(self._key(), None) if self._running is self else None
+            if pending is not None:  # joined an elastic job: rank 0's step counters (and PowerSGD's Q)
+                with tf.init_scope():
+                    self._exchange.load_shared_state(pending)
         if self._running is not self:
             return self._running(grads, variables, use_generic_names)
+        reduced = self._reduce(grads, variables, use_generic_names)
+        if tf.executing_eagerly():
+            return reduced
+        # A traced step has the world size in its graph; Horovod's elastic training can change it.
+        size = self._exchange.communicator.size
+        check = tf.debugging.assert_equal(
+            mpi_ops.size_op(self._arguments[2].process_set_id), size,
+            message=f"grace: this step was traced for a world of {size} ranks and the world has changed "
+                    "(Horovod's elastic training); build the tf.function again in a reset callback "
+                    "(state.register_reset_callbacks)")
+        with tf.control_dependencies([check]):
+            return [None if g is None else tf.identity(g) for g in reduced]
+
+    def _reduce(self, grads, variables, use_generic_names):
         names = [f"grad_{i}" if use_generic_names or variables is None else v.name.removesuffix(":0")
                  for i, v in enumerate(variables or grads)]
         dense = {}
@@ -102,6 +126,43 @@ class GradientExchange:
         else:  # buckets planned in backward order: the last variables first
             reduced = self._exchange.exchange(dict(reversed(list(dense.items()))))
         return [reduced.get(name) if grad is not None else None for name, grad in zip(names, grads)]
+
+
+def _running_exchanges() -> Dict[tuple, "GradientExchange"]:
+    global _RUNNING
+    _RUNNING = [entry for entry in _RUNNING if all(r() is not None for r in entry[1])]
+    return {exchange._key(): exchange for _, _, exchange in _RUNNING if exchange._own is not None}
+
+
+_SAVED: Dict[tuple, Any] = {}  # each running exchange's state at the last elastic commit
+
+
+def save_states() -> None:
+    """Keep every running exchange's state (Horovod's elastic commit)."""
+    _SAVED.clear()
+    _SAVED.update((key, exchange.exchange.state_dict()) for key, exchange in _running_exchanges().items())
+
+
+def restore_states() -> None:
+    """Put back the states of the last commit (Horovod's elastic reset after a failed step)."""
+    for key, exchange in _running_exchanges().items():
+        if key in _SAVED:
+            exchange.exchange.load_state_dict(_SAVED[key])
+
+
+def sync_shared_state(broadcast_object) -> None:
+    """Every rank takes rank 0's shared state (step counters, PowerSGD's Q) of every exchange,
+    as Horovod's elastic state objects sync after a reset; each keeps its own memory. An exchange
+    this process has not run yet (it just joined) takes it at its first step. Every rank calls
+    this, whatever it runs: one broadcast."""
+    running = _running_exchanges()
+    shared = broadcast_object({key: exchange.exchange.shared_state() for key, exchange in running.items()},
+                              root_rank=0, name="grace.shared_state")
+    for key, state in shared.items():
+        if key in running:
+            running[key].exchange.load_shared_state(state)
+        else:
+            _PENDING[key] = state
 
 
 _TAPE_EXCHANGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

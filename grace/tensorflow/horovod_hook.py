@@ -3,7 +3,8 @@
 ``horovod.tensorflow.DistributedGradientTape`` and ``horovod.tensorflow.keras.DistributedOptimizer``
 become functions that hand grace compressions to grace (which builds Horovod's own object with
 ``Compression.none`` and replaces only its gradient reduction) and everything else to
-Horovod's original, untouched. Nothing here imports horovod.torch or torch.
+Horovod's original, untouched. Horovod's elastic state objects also save, restore and sync
+grace's state. Nothing here imports horovod.torch or torch.
 """
 import functools
 import importlib
@@ -35,6 +36,32 @@ def _route(module, attribute: str, grace_factory_path: str) -> None:
 def install(hvd_tf) -> None:
     """For horovod.tensorflow."""
     _route(hvd_tf, "DistributedGradientTape", "grace.tensorflow.tape.DistributedGradientTape")
+    _keep_with_elastic_states()
+
+
+def _keep_with_elastic_states() -> None:
+    """Horovod's elastic state objects (all ``ObjectState``s) keep grace's state with theirs: a
+    commit saves it, a reset restores it (a failed step leaves no trace, as in PyTorch's
+    TorchState, which saves the optimizer's state_dict), and a sync broadcasts rank 0's shared
+    state (step counters, PowerSGD's Q) when the world changes."""
+    from horovod.common.elastic import ObjectState
+    from horovod.tensorflow.functions import broadcast_object
+
+    from grace.tensorflow import gradients
+
+    extra = {"save": gradients.save_states, "restore": gradients.restore_states,
+             "sync": lambda: gradients.sync_shared_state(broadcast_object)}
+    for method, then in extra.items():
+        original = getattr(ObjectState, method)
+        if hasattr(original, "__grace_original__"):
+            continue
+
+        def wrapped(self, _original=original, _then=then):
+            _original(self)
+            _then()
+
+        wrapped.__grace_original__ = original
+        setattr(ObjectState, method, functools.wraps(original)(wrapped))
 
 
 def install_keras(hvd_keras) -> None:

@@ -780,10 +780,43 @@ class EmulatedCluster:
         env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "300")
         return env
 
+    def torchrun_env(self, rank: int, world: int, ranks_per_host: int, base: dict | None = None) -> dict:
+        """What torchrun gives each process (torch.distributed's env:// rendezvous, served by rank
+        0 on host 0), with Gloo on the emulated link."""
+        env = self.env(base)
+        env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % ranks_per_host),
+                    "LOCAL_WORLD_SIZE": str(ranks_per_host), "MASTER_ADDR": self.hosts[0].ip,
+                    "MASTER_PORT": "29500", "GLOO_SOCKET_IFNAME": "eth0"})
+        return env
+
+    def _run_torch(self, cmd, np: int | None, ranks_per_host: int, check: bool, env=None,
+                   **kw) -> subprocess.CompletedProcess:
+        """One process per rank in its host's namespace, as torchrun would start them; the first
+        to fail stops the others (they would wait for it forever)."""
+        np = self._placement(np, ranks_per_host)[0]
+        self._log(f"run ({np} ranks, torch.distributed): " + " ".join(map(str, cmd)))
+        procs = [self.popen(rank // ranks_per_host, cmd, env=self.torchrun_env(rank, np, ranks_per_host, env), **kw)
+                 for rank in range(np)]
+        try:
+            while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        code = next((p.returncode for p in procs if p.returncode), 0)
+        if check and code:
+            raise subprocess.CalledProcessError(code, list(map(str, cmd)))
+        return subprocess.CompletedProcess(list(map(str, cmd)), code)
+
     def run(self, cmd, launcher: str = "mpirun", np: int | None = None, ranks_per_host: int = 1,
             check: bool = False, **kw) -> subprocess.CompletedProcess:
-        """Run cmd over the cluster. launcher: 'mpirun', 'horovodrun' (Gloo), 'head' (cmd runs in the
-        head namespace with GRACE_CLUSTER_* set), or 'host:<i>' (cmd runs on host i)."""
+        """Run cmd over the cluster. launcher: 'mpirun', 'horovodrun' (Gloo), 'torchrun' (one
+        process per rank with torch.distributed's environment), 'head' (cmd runs in the head
+        namespace with GRACE_CLUSTER_* set), or 'host:<i>' (cmd runs on host i)."""
+        if launcher == "torchrun":
+            return self._run_torch(cmd, np, ranks_per_host, check, **kw)
         if launcher == "mpirun":
             argv, env = self.mpirun_cmd(cmd, np, ranks_per_host), self.env(kw.pop("env", None))
         elif launcher == "horovodrun":
@@ -1125,7 +1158,7 @@ def main(argv=None) -> int:
     _add_link_args(p_run)
     _add_verify_args(p_run)
     p_run.add_argument("--launcher", default="mpirun",
-                       help="mpirun (default), horovodrun (Gloo), head (CMD in the head namespace, "
+                       help="mpirun (default), horovodrun (Gloo), torchrun (torch.distributed env), head (CMD in the head namespace, "
                             "GRACE_CLUSTER_* set), host:<i>")
     p_run.add_argument("--np", type=int, help="ranks (default: hosts x --ranks-per-host)")
     p_run.add_argument("--ranks-per-host", type=int, default=1)

@@ -1,6 +1,7 @@
-"""Horovod elastic training with grace (real processes): the world shrinks from 2 ranks to 1
-when a process dies, and grows back to 2 when a host is added. grace reads rank and size
-where they change, compares configurations again in each new world, and every step's
+"""Horovod elastic training with grace (real processes, PyTorch and TensorFlow): the world
+shrinks from 2 ranks to 1 when a process dies, and grows back to 2 when a host is added. grace
+reads rank and size where they change, compares configurations again in each new world (the
+joining rank has taken rank 0's step counters through Horovod's state sync), and every step's
 averaged gradient is the mean of the current ranks' gradients."""
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import pytest
 
 from tests.conftest import TIMEOUT, VENV_BIN
 
-WORKER = Path(__file__).parent / "workers" / "torch_elastic.py"
+WORKERS = {"torch": Path(__file__).parent / "workers" / "torch_elastic.py",
+           "tensorflow": Path(__file__).parent / "workers" / "tensorflow_elastic.py"}
 
 
 def local_names():
@@ -37,10 +39,12 @@ def local_names():
     return usable[:3]
 
 
-@pytest.fixture(scope="module", params=["none", "topk", "randomk"])
+@pytest.fixture(scope="module", params=[("torch", "none"), ("torch", "topk"), ("torch", "randomk"),
+                                        ("tensorflow", "none"), ("tensorflow", "randomk")],
+                ids=lambda p: "-".join(p))
 def run(request, tmp_path_factory):
-    method = request.param
-    out = tmp_path_factory.mktemp(f"elastic-{method}")
+    framework, method = request.param
+    out = tmp_path_factory.mktemp(f"elastic-{framework}-{method}")
     first, second, third = local_names()
     hosts = out / "hosts"
     hosts.write_text(f"{first}:1\n{second}:1\n")
@@ -49,9 +53,9 @@ def run(request, tmp_path_factory):
     discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
     cmd = [str(VENV_BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2",
            "--host-discovery-script", str(discover), "--elastic-timeout", "60",
-           sys.executable, str(WORKER), "--out", str(out), "--hosts", str(hosts), "--grow-host", third,
+           sys.executable, str(WORKERS[framework]), "--out", str(out), "--hosts", str(hosts), "--grow-host", third,
            "--method", method]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=out)
     result = out / f"{method}.json"
     if not result.exists():

@@ -2,62 +2,21 @@
 must each deliver, on every rank, what the reference computes from all ranks' inputs."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from tests.conftest import launch
+from tests.multiprocess.conftest import RUNS, WORKERS, assert_reference_result
 from tests.multiprocess.reference import collective_calls, expected
 from tests.multiprocess.workers.common import BROADCAST_VARIANTS, PARAMS, STEPS, VARIANTS
 
-WORKERS = Path(__file__).parent / "workers"
-RUNS = {  # name: (launcher, ranks, worker)
-    "numpy-mpi4py-np2": ("mpirun", 2, "numpy_mpi.py"),
-    "numpy-mpi4py-np3": ("mpirun", 3, "numpy_mpi.py"),
-    "torch-horovod-gloo-np2": ("horovodrun", 2, "torch_horovod.py"),
-    "torch-horovod-gloo-np3": ("horovodrun", 3, "torch_horovod.py"),
-    "torch-horovod-mpi-np2": ("mpirun", 2, "torch_horovod.py"),
-    "tensorflow-horovod-gloo-np2": ("horovodrun", 2, "tensorflow_horovod.py"),
-    "tensorflow-horovod-gloo-np3": ("horovodrun", 3, "tensorflow_horovod.py"),
-}
-
-
-@pytest.fixture(scope="session")
-def run_dir(tmp_path_factory):
-    """Launch each run once, lazily; return its output folder."""
-    done = {}
-
-    def get(run: str) -> Path:
-        if run not in done:
-            launcher, ranks, worker = RUNS[run]
-            out = tmp_path_factory.mktemp(run)
-            launch(launcher, ranks, WORKERS / worker, "--out", out)
-            done[run] = out
-        return done[run]
-
-    return get
-
-
-def tolerance(label):
-    return dict(rtol=2e-2, atol=2e-2) if label in ("fp16", "bf16") else dict(rtol=1e-5, atol=1e-6)
+HOROVOD_RUNS = [run for run, (launcher, _, _) in RUNS.items() if launcher != "torchrun"]
 
 
 @pytest.mark.parametrize("label", list(VARIANTS))
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", HOROVOD_RUNS)
 def test_every_rank_gets_the_reference_result(run, label, run_dir):
-    ranks = RUNS[run][1]
-    want = expected(VARIANTS[label], ranks)
-    for rank in range(ranks):
-        got = np.load(run_dir(run) / f"{label}.rank{rank}.npz")
-        assert sorted(k for k in got.files if not k.startswith("calls/")) == sorted(want[rank]), \
-            f"rank {rank}: different tensors"
-        for key, value in want[rank].items():
-            if key.startswith("bytes/"):
-                assert int(got[key]) == value, f"rank {rank} {key}: sent {int(got[key])} bytes, promised {value}"
-            else:
-                np.testing.assert_allclose(got[key].astype(np.float64), value, **tolerance(label),
-                                           err_msg=f"{run} {label} rank {rank} {key}")
+    assert_reference_result(run, label, VARIANTS[label], run_dir(run))
 
 
 @pytest.mark.parametrize("label", [l for l, v in VARIANTS.items() if v.make().bucket_mb])

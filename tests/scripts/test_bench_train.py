@@ -45,6 +45,9 @@ def bench(tmp_path, *args, config=CONFIG):
     (lambda c: c["models"].update(rnn={"kind": "rnn"}), "model 'rnn': kind must be"),
     (lambda c: c["methods"].append({"name": "none", "horovod": "none"}), "unique name"),
     (lambda c: c["methods"].append({"name": "bf", "horovod": "bf16"}), "horovod must be 'none' or 'fp16'"),
+    (lambda c: c["methods"].append({"name": "h", "ddp": "fp16"}), "a ddp hook needs engine: ddp"),
+    (lambda c: c.update(engine="mpi"), "engine must be one of horovod, ddp"),
+    (lambda c: c.update(engine="ddp"), "a horovod method needs engine: horovod"),
 ])
 def test_bad_configuration_is_refused_before_any_launch(change, message):
     config = json.loads(json.dumps(CONFIG))
@@ -79,6 +82,37 @@ def test_steps_to_target_counts_whole_epochs():
     q = {"accuracy_per_epoch": [0.4, 0.6, 0.9], "steps_per_epoch": 7}
     assert bench_train.steps_to_target(q, 0.5) == 14
     assert bench_train.steps_to_target(q, 0.95) is None
+
+
+DDP_CONFIG = {
+    **CONFIG, "engine": "ddp", "models": {"mlp": CONFIG["models"]["mlp"]},
+    "target": {**CONFIG["target"], "vs_fp16": 2},
+    "methods": [{"name": "DDP", "ddp": "allreduce"}, {"name": "DDP fp16_compress_hook", "ddp": "fp16"},
+                {"name": "DDP powerSGD_hook(2)", "ddp": "powersgd", "rank": 2},
+                {"name": "powersgd(2)", "grace": {"compressor": "powersgd", "matrix_approximation_rank": 2}},
+                {"name": "topk(0.01)", "grace": {"compressor": "topk", "compress_ratio": 0.01}}],
+}
+
+
+@pytest.fixture(scope="module")
+def ddp_quality(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench_train_ddp")
+    bench(tmp, "--stage", "quality", config=DDP_CONFIG)
+    return tmp, {r["method"]: r for r in json.loads((tmp / "out" / "quality.json").read_text())}
+
+
+def test_ddp_engine_trains_pytorchs_hooks_and_grace_side_by_side(ddp_quality):
+    _, rows = ddp_quality
+    assert list(rows) == [m["name"] for m in DDP_CONFIG["methods"]]
+    dense = 4 * PARAMS["mlp"]
+    assert rows["DDP"]["bytes_per_step"] == dense
+    assert rows["DDP fp16_compress_hook"]["bytes_per_step"] == dense // 2
+    # PyTorch's rule for its own hook and grace's count of what it sent agree (grace adds its
+    # 4-byte overflow flag): P and Q of both matrices at rank 2, the biases dense
+    low_rank = 4 * (2 * (64 + 1024) + 2 * (1024 + 10) + 1024 + 10)
+    assert rows["DDP powerSGD_hook(2)"]["bytes_per_step"] == low_rank
+    assert rows["powersgd(2)"]["bytes_per_step"] == low_rank + 4
+    assert rows["DDP"]["test_accuracy"] > 0.8 and rows["powersgd(2)"]["test_accuracy"] > 0.8
 
 
 def _cluster_unavailable():
@@ -120,3 +154,17 @@ def test_throughput_on_an_emulated_link_and_report(quality):
     for name in ("bench_train.csv", "report.md", "throughput_vs_bandwidth.png", "quality_vs_bytes.png",
                  "predicted_vs_measured.png"):
         assert (tmp / "out" / name).stat().st_size > 0
+
+
+@pytest.mark.skipif(CLUSTER_UNAVAILABLE is not None, reason=f"emulated cluster unavailable: {CLUSTER_UNAVAILABLE}")
+def test_ddp_throughput_on_an_emulated_link(ddp_quality):
+    """torch.distributed processes in the hosts' namespaces (the cluster's torchrun launcher)."""
+    tmp, _ = ddp_quality
+    out = bench(tmp, "--stage", "throughput", config=DDP_CONFIG)
+    assert "[100mbit] link verified" in out
+    rows = {r["method"]: r for r in json.loads((tmp / "out" / "throughput.json").read_text())}
+    assert list(rows) == [m["name"] for m in DDP_CONFIG["methods"]]
+    ddp = rows["DDP"]
+    assert ddp["engine"] == "ddp" and ddp["step_s"] >= (ddp["bytes_per_step"] - 64 * 1024) * 8 / 100e6
+    report = bench(tmp, "--stage", "report", config=DDP_CONFIG)
+    assert "topk(0.01) on mlp at 100mbit:" in report and "x DDP fp16_compress_hook (target >= 2)" in report

@@ -1,10 +1,12 @@
-"""Every method trains the 4-rank digits model in one horovodrun launch (scripts/train_methods.py,
-PyTorch, 30 epochs as in README's table).
+"""Every method trains the 4-rank digits model (scripts/train_methods.py, PyTorch, 30 epochs as
+in README's table), once through Horovod (one horovodrun launch) and once through PyTorch DDP
+with grace's communication hook (one torchrun launch).
 
 Methods with error feedback must end within 3 points of uncompressed, and top-k(0.01) (the main
 job) within 2 points while sending >= 20x fewer bytes; every method must learn (well above the
-10% of chance) and leave all ranks with the same model. The table is printed so the CI log
-records accuracy, bytes per step and steps per second per method.
+10% of chance) and leave all ranks with the same model. The two engines must agree: the same
+bytes per step for every method and the same accuracy within noise. The tables are printed so
+the CI log records accuracy, bytes per step and steps per second per method.
 """
 from __future__ import annotations
 
@@ -17,16 +19,33 @@ from tests.conftest import launch
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "train_methods.py"
 EPOCHS = 30
+LAUNCHER = {"horovod": "horovodrun", "ddp": "torchrun"}
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    done = {}
+
+    def get(engine: str) -> dict:
+        if engine not in done:
+            out = tmp_path_factory.mktemp(f"train_methods_{engine}")
+            output = launch(LAUNCHER[engine], 4, SCRIPT, "--engine", engine, "--epochs", EPOCHS, "--out", out,
+                            timeout=1800)
+            print(f"\n{engine}:\n" + output[output.find("| method"):])
+            done[engine] = {r["method"]: r for r in json.loads((out / "table.json").read_text())["runs"]}
+        return done[engine]
+
+    return get
 
 
 @pytest.mark.timeout(1900)
-def test_every_method_trains_and_error_feedback_keeps_accuracy(tmp_path):
-    output = launch("horovodrun", 4, SCRIPT, "--epochs", EPOCHS, "--out", tmp_path, timeout=1800)
-    print(output[output.find("| method"):])
-    runs = {r["method"]: r for r in json.loads((tmp_path / "table.json").read_text())["runs"]}
+@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+def test_every_method_trains_and_error_feedback_keeps_accuracy(engine, table):
+    runs = table(engine)
     baseline = runs["none"]["test_accuracy"]
     assert baseline > 0.9
     for method, run in runs.items():
+        assert run["engine"] == engine and run["ranks"] == 4
         assert run["ranks_agree"], method
         assert run["test_accuracy"] > 0.5, (method, run["test_accuracy"])
         if run["error_feedback"]:
@@ -35,3 +54,13 @@ def test_every_method_trains_and_error_feedback_keeps_accuracy(tmp_path):
             assert run["bytes_per_step"] < runs["none"]["bytes_per_step"], method
     topk = runs["topk"]
     assert topk["test_accuracy"] >= baseline - 0.02 and runs["none"]["bytes_per_step"] >= 20 * topk["bytes_per_step"]
+
+
+@pytest.mark.timeout(1900)
+def test_ddp_matches_horovod(table):
+    horovod, ddp = table("horovod"), table("ddp")
+    assert horovod.keys() == ddp.keys()
+    for method in horovod:
+        assert ddp[method]["bytes_per_step"] == horovod[method]["bytes_per_step"], method
+        assert abs(ddp[method]["test_accuracy"] - horovod[method]["test_accuracy"]) <= 0.02, \
+            (method, ddp[method]["test_accuracy"], horovod[method]["test_accuracy"])

@@ -6,6 +6,8 @@ process can recompute all ranks' inputs and the expected result without any comm
 from __future__ import annotations
 
 import argparse
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,6 +37,8 @@ class Variant:
     named: bool = True  # False: no named_parameters, Horovod generates the names
     checkpoint_after: int = -1  # save, rebuild and restore the optimizer after this step
     eager: bool = False  # TensorFlow: run the step eagerly instead of inside tf.function
+    unused: tuple = ()  # parameters rank 0 does not use (DDP: find_unused_parameters=True)
+    ddp: tuple = ()  # DistributedDataParallel options, as (name, value) pairs
 
 
 VARIANTS = {
@@ -92,6 +96,20 @@ VARIANTS = {
 }
 
 
+# What DDP's hook runs: every variant its buckets can express (DDP averages, names parameters
+# itself, and sizes its own buckets: one here, as the 25 MB default above), and DDP's options.
+DDP_VARIANTS = {
+    **{label: variant for label, variant in VARIANTS.items()
+       if variant.op == "average" and variant.named and variant.make().bucket_mb == 25 and variant.make().scope == "tensor"},
+    "topk_unused": Variant(lambda: grace.topk(0.1), unused=("tiny", "scalar")),
+    "signum_unused": Variant(lambda: grace.signum(0.5), unused=("layer.weight",)),
+    "topk_bucket_view": Variant(lambda: grace.topk(0.1), ddp=(("gradient_as_bucket_view", True),)),
+    "powersgd_static_graph": Variant(lambda: grace.powersgd(2), ddp=(("static_graph", True),)),
+    "qsgd_process_group": Variant(lambda: grace.qsgd(4), ddp=(("process_group", "new"),)),
+    "dgc_no_sync": Variant(lambda: grace.dgc(0.05, sample_ratio=0.1), passes=3),
+}
+
+
 def _via_broadcast(make):
     compression = make()
     return grace.GradientCompression(compression.compressor, compression.memory, "broadcast")
@@ -123,15 +141,18 @@ def backward_order(grads: dict) -> dict:
 
 
 def local_input(variant: Variant, rank: int, step: int, index: int) -> np.ndarray:
-    """What one rank hands to the exchange: its gradients summed over the backward passes."""
+    """What one rank hands to the exchange: its gradients summed over the backward passes
+    (zeros for a parameter rank 0 does not use)."""
+    if rank == 0 and PARAMS[index][0] in variant.unused:
+        return np.zeros(PARAMS[index][1], np.float32)
     return np.asarray(sum(gradient(rank, step, index, b) for b in range(variant.passes)), dtype=np.float32)
 
 
-def parse_args():
+def parse_args(variants=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--variants", nargs="*", default=list(VARIANTS),
-                        choices=[*VARIANTS, *BROADCAST_VARIANTS])
+    parser.add_argument("--variants", nargs="*", default=list(variants or VARIANTS),
+                        choices=[*VARIANTS, *BROADCAST_VARIANTS, *DDP_VARIANTS])
     return parser.parse_args()
 
 
@@ -151,3 +172,30 @@ def state_arrays(grace_state: dict, to_numpy) -> dict:
 def save(out: Path, label: str, rank: int, results: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     np.savez(out / f"{label}.rank{rank}.npz", **results)
+
+
+# --- elastic training (torch_elastic.py, tensorflow_elastic.py) ------------------------------
+ELASTIC_STEPS, FAIL_AT, GROW_AT = 12, 4, 8  # rank 1 dies at FAIL_AT; a host is added at GROW_AT
+ELASTIC_METHODS = {"none": grace.none, "topk": lambda: grace.topk(0.25), "randomk": lambda: grace.randomk(0.25)}
+
+
+def parse_elastic_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--hosts", type=Path, required=True)
+    parser.add_argument("--grow-host", required=True)
+    parser.add_argument("--method", choices=ELASTIC_METHODS, required=True)
+    return parser.parse_args()
+
+
+def shrink_or_grow(state, args, step: int, rank: int, size: int) -> None:
+    """At FAIL_AT the second rank's process dies (its host leaves the job); at GROW_AT, with one
+    rank left, rank 0 lists another host and waits until Horovod interrupts it to add it."""
+    if step == FAIL_AT and size == 2 and rank == 1 and not state.failed_once:
+        os._exit(1)
+    if step == GROW_AT and size == 1:
+        if rank == 0:
+            args.hosts.write_text(args.hosts.read_text() + f"{args.grow_host}:1\n")
+        while True:
+            time.sleep(0.5)
+            state.check_host_updates()

@@ -9,30 +9,14 @@ GROW_AT the first rank lists a third host, and a new process joins. Every step c
 averaged gradient against the mean of all current ranks' own gradients, gathered by Horovod's
 plain allgather (method 'none'), and that every rank holds the same parameters.
 """
-import argparse
 import json
-import os
-import time
-from pathlib import Path
 
 import horovod.torch as hvd
-import grace
 import torch
+from common import ELASTIC_METHODS, ELASTIC_STEPS, parse_elastic_args, shrink_or_grow
 
-STEPS, FAIL_AT, GROW_AT = 12, 4, 8
-METHODS = {"none": grace.none, "topk": lambda: grace.topk(0.25), "randomk": lambda: grace.randomk(0.25)}
-
-
-def parse():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--hosts", type=Path, required=True)
-    parser.add_argument("--grow-host", required=True)
-    parser.add_argument("--method", choices=METHODS, required=True)
-    return parser.parse_args()
-
-
-ARGS = parse()
+ARGS = parse_elastic_args()
+METHODS = ELASTIC_METHODS
 
 
 def local_gradient_inputs(step: int, rank: int):
@@ -43,16 +27,9 @@ def local_gradient_inputs(step: int, rank: int):
 @hvd.elastic.run
 def train(state):
     log = state.log
-    while state.step < STEPS:
+    while state.step < ELASTIC_STEPS:
         step, rank, size = state.step, hvd.rank(), hvd.size()
-        if step == FAIL_AT and size == 2 and rank == 1 and not state.failed_once:
-            os._exit(1)  # this process dies; its host leaves the job
-        if step == GROW_AT and size == 1:
-            if rank == 0:
-                ARGS.hosts.write_text(ARGS.hosts.read_text() + f"{ARGS.grow_host}:1\n")
-            while True:  # until Horovod sees the new host (it interrupts this loop)
-                time.sleep(0.5)
-                state.check_host_updates()
+        shrink_or_grow(state, ARGS, step, rank, size)
         x, y = local_gradient_inputs(step, rank)
         state.optimizer.zero_grad()
         torch.nn.functional.mse_loss(state.model(x), y).backward()

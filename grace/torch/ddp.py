@@ -1,0 +1,152 @@
+"""grace as a PyTorch DistributedDataParallel communication hook (NCCL, Gloo; no Horovod).
+
+    model = DistributedDataParallel(model)
+    state = grace.torch.ddp.register(model, grace.topk(0.01))
+
+or, in PyTorch's own idiom,
+
+    state = grace.torch.ddp.GraceState(model, grace.topk(0.01))
+    model.register_comm_hook(state, grace.torch.ddp.hook)
+
+DDP hands the hook one ``GradBucket`` at a time, as soon as backward has filled it, and waits
+at the end of backward for the future the hook returns: the averaged bucket. A DDP bucket is
+a grace bucket (``grace.core.bucket``): each gradient is compressed as its own tensor, with
+its own error-feedback memory, and the whole bucket travels in one collective of the method.
+State lives in ``GraceState``, keyed by parameter name, so it survives DDP rebuilding its
+buckets after the first step, and ``state_dict()`` goes into a checkpoint (one per rank: the
+memory is this rank's unsent gradient).
+"""
+import threading
+import zlib
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from grace.core.bucket import Bucket, Segment
+from grace.core.compression import GradientCompression
+from grace.core.compressor import Compressor
+from grace.core.exchange import Exchange
+from grace.torch.process_group import ProcessGroupCommunicator
+
+__all__ = ["GraceState", "hook", "register"]
+
+
+class GraceState:
+    """What the hook keeps between buckets and steps: the exchange (memory, method state, step
+    counters, bytes sent) and the parameter names of ``model``."""
+
+    def __init__(self, model: DistributedDataParallel, compression: GradientCompression,
+                 process_group: Optional[dist.ProcessGroup] = None):
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"grace.torch.ddp needs a DistributedDataParallel model, got {type(model).__name__}")
+        if not isinstance(compression, GradientCompression):
+            raise TypeError(f"expected a grace compression such as grace.topk(0.01), got {compression!r}")
+        if not compression.bucket_mb:
+            raise ValueError("grace.torch.ddp exchanges DDP's own buckets; bucket_mb=0 (one exchange per "
+                             "tensor) cannot apply. Size them with DistributedDataParallel(bucket_cap_mb=...)")
+        if compression.scope == "bucket" and type(compression.compressor).init_state is not Compressor.init_state:
+            raise ValueError(f"scope='bucket' keeps {type(compression.compressor).__name__}'s state per bucket, "
+                             "and DDP rebuilds its buckets after the first step; use scope='tensor'")
+        sparse = [name for name, m in model.module.named_modules() if getattr(m, "sparse", False) is True]
+        if sparse:
+            raise ValueError(f"grace compresses dense gradients; {', '.join(sparse)} produce sparse ones "
+                             "(construct them with sparse=False)")
+        group = process_group if process_group is not None else model.process_group
+        self.exchange = Exchange(compression, ProcessGroupCommunicator(group))
+        ignored = getattr(model, "parameters_to_ignore", set())
+        named = [(name, p) for name, p in model.module.named_parameters()
+                 if p.requires_grad and name not in ignored]
+        self._names: Dict[int, str] = {id(p): name for name, p in named}
+        self._parameters = [p for _, p in named]  # keeps the ids above valid
+        self.exchange.expect([(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), str(p.device))
+                              for name, p in named])
+        self._buckets: Dict[tuple, Bucket] = {}
+        self._lock = threading.Lock()
+        self._open = 0  # buckets launched and not finished in this step
+        self._last_launched = False
+
+    @property
+    def stats(self):
+        """Bytes this rank handed to the collectives (``last_step_bytes``, ``bytes_sent``, ...)."""
+        return self.exchange.stats
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's memory, method state and step counters, per parameter name."""
+        return self.exchange.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.exchange.load_state_dict(state)
+
+    # --- one bucket ----------------------------------------------------------------------
+    def launch(self, grad_bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = grad_bucket.buffer()
+        bucket, grads = self._bucket(grad_bucket)
+        comm = self.exchange.communicator
+        futures = []
+        comm.watch = futures.append
+        try:
+            pending = self.exchange.start_bucket(bucket, grads, flat=buffer)
+        finally:
+            comm.watch = None
+        with self._lock:
+            self._open += 1
+            self._last_launched |= grad_bucket.is_last()
+        if self.exchange.compression.compressor.multi_round:
+            # Later rounds launch collectives: here, in hook order, every rank launches them in
+            # the same order (a callback would run on a communication thread, at any time).
+            done = torch.futures.Future()
+            done.set_result(self._finish(pending, buffer))
+            return done
+        return torch.futures.collect_all(futures).then(
+            lambda _: self._finish(pending, buffer))
+
+    def _finish(self, pending, buffer: torch.Tensor) -> torch.Tensor:
+        grads = self.exchange.finish_bucket(pending)
+        flat = [g.reshape(-1) for g in grads]
+        buffer.copy_(flat[0] if len(flat) == 1 else torch.cat(flat))
+        with self._lock:
+            self._open -= 1
+            if self._last_launched and not self._open:  # the step's last bucket
+                self._last_launched = False
+                self.exchange.end_step()
+        return buffer
+
+    def _bucket(self, grad_bucket: dist.GradBucket):
+        """The grace bucket for DDP's (its parameters by name, in buffer order), and its
+        non-empty gradients (views of the buffer)."""
+        params, grads = grad_bucket.parameters(), grad_bucket.gradients()
+        names = tuple(self._names[id(p)] for p in params)
+        bucket = self._buckets.get(names)
+        if bucket is None:
+            segments, offset = [], 0
+            for name, p in zip(names, params):
+                if p.numel():
+                    segments.append(Segment(name, tuple(p.shape), offset, p.numel()))
+                offset += p.numel()
+            if offset != grad_bucket.buffer().numel():
+                raise RuntimeError(f"grace: DDP bucket {grad_bucket.index()} holds {grad_bucket.buffer().numel()} "
+                                   f"elements, its parameters {offset}; its layout is not one grace can read")
+            dtype = str(grad_bucket.buffer().dtype).removeprefix("torch.")
+            bucket = self._buckets[names] = Bucket(_key(grad_bucket.index(), names), dtype, tuple(segments))
+        return bucket, [g for g, p in zip(grads, params) if p.numel()]
+
+
+def _key(index: int, names) -> str:
+    """The same on every rank (DDP builds the same buckets everywhere), new when DDP rebuilds them."""
+    return f"grace.ddp{index}.{zlib.crc32(chr(0).join(names).encode()):08x}"
+
+
+def hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's communication hook: compress ``bucket``, exchange it, hand back its average."""
+    return state.launch(bucket)
+
+
+def register(model: DistributedDataParallel, compression: GradientCompression,
+             process_group: Optional[dist.ProcessGroup] = None) -> "GraceState":
+    """Register grace's hook for ``compression`` on ``model``; returns its state (checkpoint
+    it with ``state_dict()``)."""
+    state = GraceState(model, compression, process_group)
+    model.register_comm_hook(state, hook)
+    return state
