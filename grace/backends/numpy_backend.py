@@ -70,6 +70,13 @@ class NumpyBackend:
         """Write ``src`` into the tensor (or view) ``dst``."""
         dst[...] = src
 
+    def add_into(self, a, b, out):
+        """a + b written into the preallocated ``out`` (backends whose tensors are mutable)."""
+        return np.add(a, b, out=out)
+
+    def subtract_into(self, a, b, out):
+        return np.subtract(a, b, out=out)
+
     def copy(self, x):
         return np.array(x, copy=True)
 

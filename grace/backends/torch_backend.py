@@ -87,6 +87,12 @@ class TorchBackend:
     def assign(self, dst, src) -> None:
         dst.copy_(src)
 
+    def add_into(self, a, b, out):
+        return torch.add(a, b, out=out)
+
+    def subtract_into(self, a, b, out):
+        return torch.sub(a, b, out=out)
+
     def copy(self, x):
         return x.clone()
 

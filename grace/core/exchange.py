@@ -381,9 +381,10 @@ class Exchange:
                 hint = {"configuration": "build the same compression (method, parameters, seed, bucket_mb, "
                                          "scope, op) on every rank",
                         "gradients": "every rank must exchange the same named gradients, of the same shapes",
-                        "step counters": "after loading a checkpoint on some ranks only, call "
-                                         "hvd.broadcast_optimizer_state(opt, root_rank=0) (it carries grace's "
-                                         "step counters), or load each rank's own checkpoint on every rank"}[what]
+                        "step counters": "after loading a checkpoint on some ranks only, load each rank's own "
+                                         "checkpoint on every rank, or (PyTorch) call "
+                                         "hvd.broadcast_optimizer_state(opt, root_rank=0): it carries grace's "
+                                         "step counters"}[what]
                 raise RuntimeError(f"grace: ranks {differ} differ from rank 0 in their {what}; {hint}. "
                                    f"Rank {comm.rank} has: {text[:500]}")
 
@@ -419,7 +420,7 @@ class Exchange:
             pending.flag = xp.nonfinite(g_units)
 
         if compressor.multi_round:
-            pending.p = [memory.compensate(xp, g_u, e) for g_u, e in zip(g_units, old)]
+            pending.p = [self._compensated(xp, u.name, g_u, e) for u, g_u, e in zip(units, g_units, old)]
             pending.rounds = [compressor.rounds(xp, p_u, info, state)
                               for p_u, info, state in zip(pending.p, infos, states)]
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [next(r) for r in pending.rounds],
@@ -640,9 +641,29 @@ class Exchange:
         for u, (g_u, p_hat, state), p_u, e in zip(pending.units, results, pending.p, pending.old):
             self._set("state", u.name, state)
             g_hat.append(g_u)
-            if memory.needs_feedback:
+            if not memory.needs_feedback:
+                continue
+            if p_u is self._spares.get(u.name):  # p is the spare buffer: the new memory goes there too
+                self._set("memory", u.name, memory.update_into(xp, p_u, p_hat, e, p_u))
+                self._spares[u.name] = e  # and the old memory is the next step's spare
+            else:
                 self._set("memory", u.name, memory.update(xp, p_u, p_hat, e))
         return g_hat, overflow
+
+    def _compensated(self, xp, key: str, g, e):
+        """``memory.compensate`` for a multi-round method, written into ``key``'s spare buffer
+        where the backend's tensors are mutable: a gradient-sized allocation each step costs
+        more than the arithmetic on a CPU (fresh pages, faulted in and zeroed by the kernel)."""
+        memory = self.compression.memory
+        if xp.mutable_tensors and memory.needs_feedback and e is not None and not isinstance(e, tuple):
+            spare = self._spares.get(key)
+            if spare is None or xp.shape(spare) != xp.shape(e) or xp.dtype(spare) != xp.dtype(e) \
+                    or xp.device(spare) != xp.device(e):
+                spare = self._spares[key] = xp.zeros_like(e)
+            p = memory.compensate_into(xp, g, e, spare)
+            if p is not None:
+                return p
+        return memory.compensate(xp, g, e)
 
     def _compresses_whole(self, xp, like) -> bool:
         """Whether a bucket is compressed as one flat tensor: always with scope='bucket'; for

@@ -29,6 +29,16 @@ class Memory:
     def update(self, xp, p, p_hat, state: Optional[Any]) -> Optional[Any]:
         return None
 
+    def compensate_into(self, xp, g, state: Optional[Any], out):
+        """``compensate`` written into ``out`` (a buffer like the state, on a backend whose
+        tensors are mutable), so that no step allocates a gradient-sized tensor; None where
+        this memory cannot (the caller then calls ``compensate``)."""
+        return None
+
+    def update_into(self, xp, p, p_hat, state: Optional[Any], out):
+        """``update`` written into ``out``, for a ``p`` that ``compensate_into`` gave."""
+        return self.update(xp, p, p_hat, state)
+
     def fused_step(self, xp, compressor, g, state: Optional[Any], info, out=None):
         """compensate, compress and update in one go where the compressor has a kernel for it:
         (payload, ctx, new state), or None. ``out``: where the kernel may write the new state."""

@@ -26,5 +26,13 @@ class ResidualMemory(Memory):
     def update(self, xp, p, p_hat, residual):
         return p - p_hat
 
+    def compensate_into(self, xp, g, residual, out):
+        if residual is None or self.beta != 1.0 or self.gamma != 1.0:
+            return None
+        return xp.add_into(g, residual, out)
+
+    def update_into(self, xp, p, p_hat, residual, out):
+        return xp.subtract_into(p, p_hat, out)
+
     def fused_step(self, xp, compressor, g, residual, info, out=None):
         return compressor.compress_with_residual(xp, g, residual, self.beta, self.gamma, info, out)

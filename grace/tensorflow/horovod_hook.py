@@ -45,12 +45,16 @@ def _keep_with_elastic_states() -> None:
     TorchState, which saves the optimizer's state_dict), and a sync broadcasts rank 0's shared
     state (step counters, PowerSGD's Q) when the world changes."""
     from horovod.common.elastic import ObjectState
-    from horovod.tensorflow.functions import broadcast_object
 
-    from grace.tensorflow import gradients
+    def sync_shared_state(gradients):
+        from horovod.tensorflow.functions import broadcast_object
 
-    extra = {"save": gradients.save_states, "restore": gradients.restore_states,
-             "sync": lambda: gradients.sync_shared_state(broadcast_object)}
+        gradients.sync_shared_state(broadcast_object)
+
+    # (grace.tensorflow.gradients imports horovod.tensorflow, whose import runs this: look it up late)
+    extra = {"save": lambda gradients: gradients.save_states(),
+             "restore": lambda gradients: gradients.restore_states(),
+             "sync": sync_shared_state}
     for method, then in extra.items():
         original = getattr(ObjectState, method)
         if hasattr(original, "__grace_original__"):
@@ -58,7 +62,7 @@ def _keep_with_elastic_states() -> None:
 
         def wrapped(self, _original=original, _then=then):
             _original(self)
-            _then()
+            _then(importlib.import_module("grace.tensorflow.gradients"))
 
         wrapped.__grace_original__ = original
         setattr(ObjectState, method, functools.wraps(original)(wrapped))

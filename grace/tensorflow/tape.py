@@ -4,7 +4,7 @@ from __future__ import annotations
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.mpi_ops import Adasum, Average, Sum, global_process_set
 
-from grace.core.compression import check_horovod_arguments
+from grace.horovod_common import check_horovod_arguments
 from grace.tensorflow.gradients import exchange_for
 
 

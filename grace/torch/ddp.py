@@ -103,9 +103,12 @@ class GraceState:
             lambda _: self._finish(pending, buffer))
 
     def _finish(self, pending, buffer: torch.Tensor) -> torch.Tensor:
-        grads = self.exchange.finish_bucket(pending)
-        flat = [g.reshape(-1) for g in grads]
-        buffer.copy_(flat[0] if len(flat) == 1 else torch.cat(flat))
+        flat = [g.reshape(-1) for g in self.exchange.finish_bucket(pending)]
+        storage = buffer.untyped_storage().data_ptr()
+        if any(g.untyped_storage().data_ptr() == storage for g in flat):  # a result that is DDP's buffer
+            buffer.copy_(torch.cat(flat))
+        else:  # written straight into DDP's buffer: no bucket-sized temporary
+            torch.cat(flat, out=buffer)
         with self._lock:
             self._open -= 1
             if self._last_launched and not self._open:  # the step's last bucket

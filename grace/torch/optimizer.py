@@ -14,7 +14,7 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
 from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
-from grace.core.compression import check_horovod_arguments
+from grace.horovod_common import check_horovod_arguments
 from grace.core.exchange import Exchange
 from grace.core.ready import ReadyBuckets
 from grace.torch.communicator import HorovodCommunicator
