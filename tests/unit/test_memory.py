@@ -51,3 +51,22 @@ def test_state_round_trips_exactly(xp):
     resumed.load_state_dict(first.state_dict())
     for g, want in zip(grads[2:], outputs[2:]):
         np.testing.assert_array_equal(xp.to_numpy(resumed.exchange({"w": g})["w"]), xp.to_numpy(want))
+
+
+def test_powersgd_reuses_two_buffers_for_its_memory(xp):
+    """PowerSGD writes each step's compensated gradient, then its new memory, into the buffer the
+    memory before last used (mutable backends): no gradient-sized allocation per step. The
+    result is the one of the allocating path: what was sent plus what is remembered is p."""
+    exchange = Exchange(grace.powersgd(1), LocalCommunicator())
+    rng = np.random.default_rng(0)
+    buffers, residual = [], None
+    for step in range(4):
+        g = to_backend(xp, rng.standard_normal((20, 30)))
+        p = xp.to_numpy(g) + (0 if residual is None else residual)
+        sent = xp.to_numpy(exchange.exchange({"w": g})["w"])
+        memory = exchange.store.tables["memory"]["w"]
+        residual = xp.to_numpy(memory)
+        np.testing.assert_allclose(sent + residual, p, rtol=1e-5, atol=1e-5)
+        buffers.append(memory)  # (kept alive: a freed tensor's id could come back)
+    if xp.mutable_tensors:  # two buffers in turn
+        assert buffers[1] is buffers[3] and buffers[0] is buffers[2] and buffers[1] is not buffers[2]
