@@ -264,6 +264,12 @@ class TensorflowBackend:
     def assign(self, dst, src) -> None:
         raise TypeError("TensorFlow tensors cannot be written in place (mutable_tensors is False)")
 
+    def add_into(self, a, b, out):  # (like concat_into: a new tensor; ``out`` cannot be written)
+        return a + b
+
+    def subtract_into(self, a, b, out):
+        return a - b
+
     def host_ints(self, x, count: int):
         """The ``count`` values of a 1-d integer tensor as Python ints; inside a trace, as
         scalar tensors."""
