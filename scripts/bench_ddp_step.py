@@ -14,8 +14,6 @@ the hook's own cost per step is ``step - DDP step``. Models and inputs: scripts/
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 import grace
 import grace.torch.ddp
 from bench_common import write_results
-from bench_step import METHODS, build
+from bench_step import METHODS, build, timed
 from ddp_baselines import DDPHook
 
 BASELINES = {"DDP": ("allreduce", 1), "DDP fp16_compress_hook": ("fp16", 1),
@@ -49,17 +47,14 @@ def step_seconds(model: str, hook: str, args, rank: int) -> dict:
         state = grace.torch.ddp.register(ddp, grace.create(hook, **METHODS[hook]))
         nbytes = lambda: state.stats.last_step_bytes  # noqa: E731
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(3 + args.iters):
-        sync()
-        start = time.perf_counter()
+
+    def step():
         optimizer.zero_grad(set_to_none=True)
         loss(ddp(x), y).backward()
         optimizer.step()
-        sync()
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor(statistics.median(times[3:]), device=device if args.backend == "nccl" else "cpu")
+
+    seconds = timed(step, args.device, args.iters, warmup=3)
+    slowest = torch.tensor(seconds, device=device if args.backend == "nccl" else "cpu")
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return {"step_ms": 1e3 * slowest.item(), "bytes": int(nbytes()),
             "tensors": sum(1 for p in net.parameters() if p.requires_grad),

@@ -56,10 +56,15 @@ DEFAULT_CONFIG = REPO / "configs" / "bench_train.yaml"
 
 
 # ---- configuration -------------------------------------------------------------------------
+def engine_name(config: dict) -> str:
+    """How gradients travel: 'horovod' (the default) or 'ddp'."""
+    return config.get("engine", "horovod")
+
+
 def make_compression(method: dict, config: dict, hvd=None):
     """A method entry of the config -> what the engine's wrap takes: a grace compression,
     Horovod's own compression (hvd: horovod.torch), or a ``DDPHook``."""
-    engine = config.get("engine", "horovod")
+    engine = engine_name(config)
     if "horovod" in method:
         if engine != "horovod":
             raise ValueError(f"method {method['name']!r}: a horovod method needs engine: horovod")
@@ -86,8 +91,8 @@ def check_config(config: dict) -> None:
                 "target"):
         if key not in config:
             raise ValueError(f"bench_train config: missing key {key!r}")
-    if config.get("engine", "horovod") not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {config['engine']!r}")
+    if engine_name(config) not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine_name(config)!r}")
     for name, spec in config["models"].items():
         if spec.get("kind") not in ("mlp", "cnn"):
             raise ValueError(f"model {name!r}: kind must be 'mlp' or 'cnn', got {spec.get('kind')!r}")
@@ -105,7 +110,7 @@ def method_key(method: dict) -> str:
 def baselines(config: dict) -> dict:
     """The methods speed-ups are measured against: {'none': name, 'fp16': name}."""
     default = {"horovod": {"none": "none", "fp16": "fp16 (Horovod)"},
-               "ddp": {"none": "DDP", "fp16": "DDP fp16_compress_hook"}}[config.get("engine", "horovod")]
+               "ddp": {"none": "DDP", "fp16": "DDP fp16_compress_hook"}}[engine_name(config)]
     return {**default, **config.get("baselines", {})}
 
 
@@ -221,7 +226,7 @@ def codec_seconds(run: Run, ranks: int, repeats: int) -> float:
 def worker_throughput(config: dict, model_name: str, result: Path) -> None:
     import torch
 
-    engine = ENGINES[config.get("engine", "horovod")]()
+    engine = ENGINES[engine_name(config)]()
     torch.set_num_threads(1)
     rank, ranks = engine.rank, engine.size
     bench = config["throughput"]
@@ -277,7 +282,7 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
             "step_s": step,
             "bytes_per_step": run.bytes_per_step(),
             "dense_bytes_per_step": 4 * run.parameters,
-            "engine": config.get("engine", "horovod"),
+            "engine": engine_name(config),
             "collective": run.compression.collective.value if run.is_grace else "allreduce",
             "rounds": 2 if (compressor is not None and compressor.multi_round)
             or getattr(run.compression, "kind", None) == "powersgd" else 1,
@@ -294,7 +299,7 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
 def worker_quality(config: dict, model_name: str, result: Path) -> None:
     import torch
 
-    engine = ENGINES[config.get("engine", "horovod")]()
+    engine = ENGINES[engine_name(config)]()
     torch.set_num_threads(1)
     epochs = config["quality"]["epochs"]
     rows = []
@@ -364,7 +369,7 @@ def stage_throughput(args, config: dict) -> None:
                 with tempfile.TemporaryDirectory() as tmp:
                     result = Path(tmp) / "rows.json"
                     os.chmod(tmp, 0o777)
-                    launcher = "torchrun" if config.get("engine") == "ddp" else "horovodrun"
+                    launcher = "torchrun" if engine_name(config) == "ddp" else "horovodrun"
                     cluster.run(worker_cmd(args, "throughput", model, result), launcher=launcher, np=ranks,
                                 check=True)
                     rows += [{**link_info, **r} for r in json.loads(result.read_text())]
@@ -374,7 +379,7 @@ def stage_throughput(args, config: dict) -> None:
 def stage_quality(args, config: dict) -> None:
     ranks = config["ranks"]
     bin_ = Path(sys.executable).parent
-    if config.get("engine") == "ddp":
+    if engine_name(config) == "ddp":
         launch = [str(bin_ / "torchrun"), "--standalone", "--nproc-per-node", str(ranks)]
     else:
         launch = [str(bin_ / "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable]

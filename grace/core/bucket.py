@@ -88,9 +88,14 @@ def plan(tensors: Sequence[Tuple[str, Tuple[int, ...], str, Any]], cap_bytes: fl
         for name, shape, _, _ in members:
             segments.append(Segment(name, shape, offset, math.prod(shape)))
             offset += math.prod(shape)
-        tag = zlib.crc32("\0".join(s.name for s in segments).encode())
-        buckets.append(Bucket(f"grace.bucket{index}.{tag:08x}", members[0][2], tuple(segments)))
+        buckets.append(Bucket(bucket_key(index, [s.name for s in segments]), members[0][2], tuple(segments)))
     return buckets
+
+
+def bucket_key(index: int, names: Sequence[str], prefix: str = "grace.bucket") -> str:
+    """A bucket's name for its collectives: the same on every rank that plans the same buckets,
+    another when the members change (its launch index and a checksum of their names)."""
+    return f"{prefix}{index}.{zlib.crc32(chr(0).join(names).encode()):08x}"
 
 
 # --- frames ------------------------------------------------------------------------------

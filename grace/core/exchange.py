@@ -145,8 +145,9 @@ def _assign(xp, dst, src) -> None:
         xp.assign(dst, src)
 
 
-def _shapes(xp, value):
-    return [xp.shape(t) for t in value] if isinstance(value, tuple) else xp.shape(value)
+def _layout(xp, value):
+    """Shape, dtype and device of a state value (a tensor, or each of a tuple's)."""
+    return [(xp.shape(t), xp.dtype(t), xp.device(t)) for t in (value if isinstance(value, tuple) else (value,))]
 
 
 def _poisoned(xp, tensors, overflow):
@@ -430,7 +431,7 @@ class Exchange:
 
         # A whole bucket's new memory goes into its spare buffer, where the backend's tensors
         # are mutable: no step allocates (and page-faults) a bucket-sized buffer.
-        spare = self._spare_memory(bucket, xp, old[0]) if whole and memory.needs_feedback else None
+        spare = self._spare_memory(bucket.key, xp, old[0]) if whole and memory.needs_feedback else None
         payloads, new_memory = [], []
         for u, g_u, info, state, e in zip(units, g_units, infos, states, old):
             out = spare if spare is not None and not isinstance(spare, tuple) else None
@@ -507,13 +508,13 @@ class Exchange:
             buffer = self._buffers[name] = xp.zeros(numel, dtype, like=tensors[0])
         return xp.concat_into(tensors, buffer)
 
-    def _spare_memory(self, bucket: Bucket, xp, current):
-        """A flat memory buffer like ``current`` to write the new memory into, or None where
-        the backend's tensors are immutable."""
+    def _spare_memory(self, key: str, xp, current):
+        """``key``'s spare memory buffer (taken out), like ``current``, to write a new value into;
+        None where the backend's tensors are immutable."""
         if not xp.mutable_tensors or current is None:
             return None
-        spare = self._spares.pop(bucket.key, None)
-        if spare is None or _shapes(xp, spare) != _shapes(xp, current):
+        spare = self._spares.pop(key, None)
+        if spare is None or _layout(xp, spare) != _layout(xp, current):
             spare = tuple(xp.zeros_like(t) for t in current) if isinstance(current, tuple) else xp.zeros_like(current)
         return spare
 
@@ -655,15 +656,12 @@ class Exchange:
         where the backend's tensors are mutable: a gradient-sized allocation each step costs
         more than the arithmetic on a CPU (fresh pages, faulted in and zeroed by the kernel)."""
         memory = self.compression.memory
-        if xp.mutable_tensors and memory.needs_feedback and e is not None and not isinstance(e, tuple):
-            spare = self._spares.get(key)
-            if spare is None or xp.shape(spare) != xp.shape(e) or xp.dtype(spare) != xp.dtype(e) \
-                    or xp.device(spare) != xp.device(e):
-                spare = self._spares[key] = xp.zeros_like(e)
-            p = memory.compensate_into(xp, g, e, spare)
-            if p is not None:
-                return p
-        return memory.compensate(xp, g, e)
+        spare = self._spare_memory(key, xp, e) if memory.needs_feedback and not isinstance(e, tuple) else None
+        if spare is None:
+            return memory.compensate(xp, g, e)
+        self._spares[key] = spare  # (kept: _finish_bucket_rounds tells by it where p was written)
+        p = memory.compensate_into(xp, g, e, spare)
+        return memory.compensate(xp, g, e) if p is None else p
 
     def _compresses_whole(self, xp, like) -> bool:
         """Whether a bucket is compressed as one flat tensor: always with scope='bucket'; for
@@ -701,8 +699,9 @@ class Exchange:
                     for s in old.segments:
                         tables[table][s.name] = value if table == "steps" else _state_copy(value, s)
             tables["state"].pop(key, None)
-            for forget in (self._adopted, self._whole_of, self._spares, self._buckets):
-                forget.discard(key) if isinstance(forget, set) else forget.pop(key, None)
+            self._adopted.discard(key)
+            for per_bucket in (self._whole_of, self._spares, self._buckets):
+                per_bucket.pop(key, None)
             for name in [n for n in self._buffers if n == key or n.startswith(key + ".")]:
                 del self._buffers[name]
 

@@ -37,6 +37,7 @@ class GradientExchange:
         self.sparse_as_dense = sparse_as_dense
         self._configuration = (repr(compression), op, sparse_as_dense, process_set.process_set_id)
         self._running = None  # the exchange that runs this one's steps: itself, or its equal
+        self._key = None  # once it runs itself: its configuration and variables' names (see _bind)
 
     @property
     def _exchange(self) -> Exchange:
@@ -62,21 +63,16 @@ class GradientExchange:
     def _bind(self, variables) -> "GradientExchange":
         """At the first step: an exchange of an equal configuration that already runs for these
         very variables, or this one."""
-        global _RUNNING
-        _RUNNING = [entry for entry in _RUNNING if all(r() is not None for r in entry[1])]
         wanted = list(variables or [])
         fresh = self._own is None or not any(self._own.store.tables[table] for table in TABLES)
-        for configuration, refs, running in _RUNNING if wanted and fresh else []:
+        for configuration, refs, running in _prune_running() if wanted and fresh else []:
             if configuration == self._configuration and len(refs) == len(wanted) \
                     and all(r() is v for r, v in zip(refs, wanted)):
                 return running
         _RUNNING.append((self._configuration, [weakref.ref(v) for v in wanted], self))
+        # who this exchange is across processes (Horovod's elastic sync): configuration and variables
+        self._key = self._configuration, tuple(v.name for v in wanted)
         return self
-
-    def _key(self):
-        """Who this exchange is across processes: its configuration and its variables' names."""
-        refs = next((refs for _, refs, running in _RUNNING if running is self), [])
-        return self._configuration, tuple(r().name for r in refs if r() is not None)
 
     # Inside tf.function this runs as plain Python that builds ops (it never branches on a
     # tensor's value), so AutoGraph need not convert it, nor the backends it imports.
@@ -84,7 +80,7 @@ class GradientExchange:
     def __call__(self, grads, variables=None, use_generic_names=False):
         if self._running is None:
             self._running = self._bind(variables)
-            pending = _PENDING.pop(self._key(), None) if self._running is self else None
+            pending = _PENDING.pop(self._key, None) if self._running is self else None
             if pending is not None:  # joined an elastic job: rank 0's step counters (and PowerSGD's Q)
                 with tf.init_scope():
                     self._exchange.load_shared_state(pending)
@@ -128,10 +124,15 @@ class GradientExchange:
         return [reduced.get(name) if grad is not None else None for name, grad in zip(names, grads)]
 
 
-def _running_exchanges() -> Dict[tuple, "GradientExchange"]:
+def _prune_running() -> List[tuple]:
+    """``_RUNNING`` without the exchanges whose variables are gone."""
     global _RUNNING
     _RUNNING = [entry for entry in _RUNNING if all(r() is not None for r in entry[1])]
-    return {exchange._key(): exchange for _, _, exchange in _RUNNING if exchange._own is not None}
+    return _RUNNING
+
+
+def _running_exchanges() -> Dict[tuple, "GradientExchange"]:
+    return {exchange._key: exchange for _, _, exchange in _prune_running() if exchange._own is not None}
 
 
 _SAVED: Dict[tuple, Any] = {}  # each running exchange's state at the last elastic commit
@@ -150,11 +151,13 @@ def restore_states() -> None:
             exchange.exchange.load_state_dict(_SAVED[key])
 
 
-def sync_shared_state(broadcast_object) -> None:
+def sync_shared_state() -> None:
     """Every rank takes rank 0's shared state (step counters, PowerSGD's Q) of every exchange,
     as Horovod's elastic state objects sync after a reset; each keeps its own memory. An exchange
     this process has not run yet (it just joined) takes it at its first step. Every rank calls
     this, whatever it runs: one broadcast."""
+    from horovod.tensorflow.functions import broadcast_object
+
     running = _running_exchanges()
     shared = broadcast_object({key: exchange.exchange.shared_state() for key, exchange in running.items()},
                               root_rank=0, name="grace.shared_state")

@@ -46,15 +46,7 @@ def _keep_with_elastic_states() -> None:
     state (step counters, PowerSGD's Q) when the world changes."""
     from horovod.common.elastic import ObjectState
 
-    def sync_shared_state(gradients):
-        from horovod.tensorflow.functions import broadcast_object
-
-        gradients.sync_shared_state(broadcast_object)
-
-    # (grace.tensorflow.gradients imports horovod.tensorflow, whose import runs this: look it up late)
-    extra = {"save": lambda gradients: gradients.save_states(),
-             "restore": lambda gradients: gradients.restore_states(),
-             "sync": sync_shared_state}
+    extra = {"save": "save_states", "restore": "restore_states", "sync": "sync_shared_state"}
     for method, then in extra.items():
         original = getattr(ObjectState, method)
         if hasattr(original, "__grace_original__"):
@@ -62,7 +54,8 @@ def _keep_with_elastic_states() -> None:
 
         def wrapped(self, _original=original, _then=then):
             _original(self)
-            _then(importlib.import_module("grace.tensorflow.gradients"))
+            # (grace.tensorflow.gradients imports horovod.tensorflow, whose import runs this: look it up late)
+            getattr(importlib.import_module("grace.tensorflow.gradients"), _then)()
 
         wrapped.__grace_original__ = original
         setattr(ObjectState, method, functools.wraps(original)(wrapped))

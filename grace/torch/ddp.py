@@ -17,14 +17,13 @@ buckets after the first step, and ``state_dict()`` goes into a checkpoint (one p
 memory is this rank's unsent gradient).
 """
 import threading
-import zlib
 from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from grace.core.bucket import Bucket, Segment
+from grace.core.bucket import Bucket, Segment, bucket_key
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Compressor
 from grace.core.exchange import Exchange
@@ -41,8 +40,8 @@ class GraceState:
                  process_group: Optional[dist.ProcessGroup] = None):
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"grace.torch.ddp needs a DistributedDataParallel model, got {type(model).__name__}")
-        if not isinstance(compression, GradientCompression):
-            raise TypeError(f"expected a grace compression such as grace.topk(0.01), got {compression!r}")
+        group = process_group if process_group is not None else model.process_group
+        self.exchange = Exchange(compression, ProcessGroupCommunicator(group))  # (refuses a non-grace compression)
         if not compression.bucket_mb:
             raise ValueError("grace.torch.ddp exchanges DDP's own buckets; bucket_mb=0 (one exchange per "
                              "tensor) cannot apply. Size them with DistributedDataParallel(bucket_cap_mb=...)")
@@ -53,8 +52,6 @@ class GraceState:
         if sparse:
             raise ValueError(f"grace compresses dense gradients; {', '.join(sparse)} produce sparse ones "
                              "(construct them with sparse=False)")
-        group = process_group if process_group is not None else model.process_group
-        self.exchange = Exchange(compression, ProcessGroupCommunicator(group))
         ignored = getattr(model, "parameters_to_ignore", set())
         named = [(name, p) for name, p in model.module.named_parameters()
                  if p.requires_grad and name not in ignored]
@@ -132,13 +129,9 @@ class GraceState:
                 raise RuntimeError(f"grace: DDP bucket {grad_bucket.index()} holds {grad_bucket.buffer().numel()} "
                                    f"elements, its parameters {offset}; its layout is not one grace can read")
             dtype = str(grad_bucket.buffer().dtype).removeprefix("torch.")
-            bucket = self._buckets[names] = Bucket(_key(grad_bucket.index(), names), dtype, tuple(segments))
+            key = bucket_key(grad_bucket.index(), names, prefix="grace.ddp")  # new when DDP rebuilds its buckets
+            bucket = self._buckets[names] = Bucket(key, dtype, tuple(segments))
         return bucket, [g for g, p in zip(grads, params) if p.numel()]
-
-
-def _key(index: int, names) -> str:
-    """The same on every rank (DDP builds the same buckets everywhere), new when DDP rebuilds them."""
-    return f"grace.ddp{index}.{zlib.crc32(chr(0).join(names).encode()):08x}"
 
 
 def hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
