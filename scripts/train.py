@@ -14,6 +14,7 @@ per step against uncompressed float32, steps per second); ``--json`` saves it.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import time
@@ -154,6 +155,8 @@ class DDPEngine:
         self.dist = dist
         if not dist.is_initialized():  # (train_methods.py trains one method after another)
             dist.init_process_group("gloo")
+            # torn down before the interpreter's own exit, which can abort while Gloo's threads run
+            atexit.register(dist.destroy_process_group)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
     def wrap(self, model, optimizer, compression, **ddp_options):
