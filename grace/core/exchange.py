@@ -34,12 +34,15 @@ through by themselves (``none``, ``fp16`` without memory) send no flag.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import uuid
 import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
 
 from grace.backends import backend_for
 from grace.core import bucket as frames
@@ -167,7 +170,12 @@ def _concat(xp, tensors):
 
 class Exchange:
     def __init__(self, compression: GradientCompression, communicator: Communicator,
-                 average: bool = True, store: Optional[StateStore] = None, stats=None):
+                 average: bool = True, store: Optional[StateStore] = None, stats=None,
+                 shared_state_from_rank_0: bool = False):
+        """``shared_state_from_rank_0``: where only the ranks' step counters differ at the
+        first step (a checkpoint loaded on rank 0 alone), every rank takes rank 0's shared state
+        then, instead of raising: the rule for toolkits whose resume recipe broadcasts after
+        the first step (TensorFlow's ``hvd.broadcast_variables`` at the first batch)."""
         if not isinstance(compression, GradientCompression):
             raise TypeError(f"expected a grace compression such as grace.topk(0.01), got {compression!r}")
         self.compression = compression
@@ -186,6 +194,7 @@ class Exchange:
         self._overflows: List[Any] = []  # per exchange of this step: how many ranks flagged one
         self._tensors: set = set()  # (name, shape, dtype) of every gradient expected or planned
         self._agreed_in = None  # (rank, size) of the world the ranks last compared configurations in
+        self.shared_state_from_rank_0 = shared_state_from_rank_0
 
     def start(self, name: str, g) -> Pending:
         xp = backend_for(g)
@@ -378,7 +387,10 @@ class Exchange:
         rows = [table[r * len(mine):(r + 1) * len(mine)] for r in range(comm.size)]
         for i, (what, text) in enumerate(parts.items()):
             differ = [r for r in range(comm.size) if rows[r][i] != rows[0][i]]
-            if differ:
+            if differ and what == "step counters" and self.shared_state_from_rank_0:
+                with self.store.eager():
+                    self._take_shared_state_of_rank_0(xp, like)
+            elif differ:
                 hint = {"configuration": "build the same compression (method, parameters, seed, bucket_mb, "
                                          "scope, op) on every rank",
                         "gradients": "every rank must exchange the same named gradients, of the same shapes",
@@ -388,6 +400,20 @@ class Exchange:
                                          "step counters"}[what]
                 raise RuntimeError(f"grace: ranks {differ} differ from rank 0 in their {what}; {hint}. "
                                    f"Rank {comm.rank} has: {text[:500]}")
+
+    def _take_shared_state_of_rank_0(self, xp, like) -> None:
+        """Every rank takes rank 0's ``shared_state()``, keeping its own memory: rank 0's pickled
+        state in one broadcast (its length in another), once per run."""
+        comm = self.communicator
+        data = pickle.dumps(self.shared_state()) if comm.rank == 0 else b""
+        length = comm.broadcast_async(xp.asarray(np.array([len(data)], np.int64), like=like), 0,
+                                      "grace.shared_state.length")()
+        size = int(xp.to_numpy(length)[0])
+        mine = xp.asarray(np.frombuffer(data, np.uint8), like=like) if comm.rank == 0 else \
+            xp.zeros(size, "uint8", like=like)
+        received = xp.to_numpy(comm.broadcast_async(mine, 0, "grace.shared_state")())
+        if comm.rank != 0:
+            self.load_shared_state(pickle.loads(received.tobytes()))
 
     def start_bucket(self, bucket: Bucket, grads: Sequence, flat=None) -> "BucketPending":
         """Compensate, compress and launch the one collective of ``bucket``; ``grads`` are its

@@ -43,8 +43,10 @@ class GradientExchange:
     def _exchange(self) -> Exchange:
         if self._own is None:
             compression, op, process_set = self._arguments
+            # Horovod's TensorFlow recipes broadcast variables after the first step, so a
+            # checkpoint loaded on rank 0 alone reaches the others' step counters only through grace
             self._own = Exchange(compression, HorovodCommunicator(process_set), average=op == mpi_ops.Average,
-                                 store=VariableStore(), stats=VariableWireStats())
+                                 store=VariableStore(), stats=VariableWireStats(), shared_state_from_rank_0=True)
         return self._own
 
     @property

@@ -1,6 +1,7 @@
 """Ranks agree or fail loudly (horovodrun, Gloo, 2 real ranks): a configuration that differs
-between ranks is an error on every rank at the first step, and Horovod's resume recipe
-(rank 0 loads, then broadcasts) leaves the ranks in step."""
+between ranks is an error on every rank at the first step, and Horovod's resume recipes
+(rank 0 loads, then broadcasts: PyTorch before the first step, TensorFlow after it) leave the
+ranks in step."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import pytest
 from tests.conftest import launch
 
 WORKER = Path(__file__).parent / "workers" / "torch_agreement.py"
+TF_WORKER = Path(__file__).parent / "workers" / "tensorflow_agreement.py"
 RANKS = 2
 
 
@@ -19,6 +21,13 @@ RANKS = 2
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("agreement")
     launch("horovodrun", RANKS, WORKER, "--out", out)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+
+
+@pytest.fixture(scope="module")
+def tf_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("agreement_tf")
+    launch("horovodrun", RANKS, TF_WORKER, "--out", out)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 
@@ -47,3 +56,23 @@ def test_a_checkpoint_on_rank_0_alone_without_the_broadcast_is_refused(ranks):
         message = rank["resume_without_broadcast"]["error"]
         assert "differ from rank 0 in their step counters" in message
         assert "hvd.broadcast_optimizer_state" in message
+
+
+@pytest.mark.parametrize("scenario", ["ratio", "seed"])
+def test_tensorflow_a_difference_between_ranks_is_an_error_on_every_rank(tf_ranks, scenario):
+    for rank in tf_ranks:
+        assert "ranks [1] differ from rank 0 in their configuration" in rank[scenario], rank[scenario][-500:]
+    assert [rank["same"] for rank in tf_ranks] == [""] * RANKS
+
+
+@pytest.mark.parametrize("scenario", ["resume_randomk", "resume_randomk_per_tensor", "resume_powersgd"])
+def test_tensorflow_resume_recipe_keeps_the_ranks_in_step(tf_ranks, scenario):
+    """Rank 0 alone restores; the traced step broadcasts the variables after its first batch.
+    The ranks take rank 0's step counters (and PowerSGD's Q) at that first step; each keeps
+    its own memory."""
+    results = [rank[scenario] for rank in tf_ranks]
+    assert [r["error"] for r in results] == [""] * RANKS
+    assert results[1]["steps"] == results[0]["steps"] and set(results[0]["steps"].values()) == {6}
+    assert results[0]["memory"] == results[1]["memory"] != []
+    for mine, theirs in zip(results[1]["params"], results[0]["params"]):
+        np.testing.assert_array_equal(mine, theirs)
