@@ -50,6 +50,7 @@ from grace.core.bucket import Bucket, Dense, Segment
 from grace.core.communicator import Communicator, Handle, _lengths
 from grace.core.compression import GradientCompression
 from grace.core.compressor import FLOAT_DTYPES, Collective, TensorInfo
+from grace.core.phases import NO_CLOCK, PhaseClock
 from grace.core.state import TABLES, StateStore
 
 
@@ -195,6 +196,15 @@ class Exchange:
         self._tensors: set = set()  # (name, shape, dtype) of every gradient expected or planned
         self._agreed_in = None  # (rank, size) of the world the ranks last compared configurations in
         self.shared_state_from_rank_0 = shared_state_from_rank_0
+        self.phases: Optional[PhaseClock] = None  # a benchmark's clock (grace.core.phases)
+
+    def _phase(self, name: str):
+        return NO_CLOCK if self.phases is None else self.phases.phase(name)
+
+    def _wait(self, wait):
+        """``wait()``, timed as the collective."""
+        with self._phase("collective"):
+            return wait()
 
     def start(self, name: str, g) -> Pending:
         xp = backend_for(g)
@@ -203,49 +213,52 @@ class Exchange:
             self._agree(xp, g)
         if xp.numel(g) == 0:  # nothing to send, nothing to remember
             return Pending(name, xp, _EMPTY, Handle(lambda: g, 0))
-        compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
-        step = self._next_step(name, g)
-        info = TensorInfo(name=name, step=step, world_size=self.communicator.size,
-                          rank=self.communicator.rank)
-        flag = xp.nonfinite([g]) if self._guarded else None
-        self.stats.add(0, 4 * xp.numel(g))
+        with self._phase("compress"):
+            compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
+            step = self._next_step(name, g)
+            info = TensorInfo(name=name, step=step, world_size=self.communicator.size,
+                              rank=self.communicator.rank)
+            flag = xp.nonfinite([g]) if self._guarded else None
+            self.stats.add(0, 4 * xp.numel(g))
 
-        memory_state = store.get("memory", name, lambda t: memory.init(xp, t), g)
-        first = TensorInfo(name=name, step=0, world_size=info.world_size, rank=info.rank)  # init needs no tensor
-        state = store.get("state", name, lambda t: compressor.init_state(xp, t, first), g)
-        if not compressor.multi_round:  # one pass over memory where a kernel fuses the three steps
-            fused = memory.fused_step(xp, compressor, g, memory_state, info)
-            if fused is not None:
-                payload, ctx, memory_state = fused
-                self._set("memory", name, memory_state)
-                return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
-        p = memory.compensate(xp, g, memory_state)
-        if compressor.multi_round:
-            rounds = compressor.rounds(xp, p, info, state)
-            return Pending(name, xp, None, self._send(name, xp, next(rounds), 0, flag), flag is not None,
-                           p, rounds, memory_state)
+            memory_state = store.get("memory", name, lambda t: memory.init(xp, t), g)
+            first = TensorInfo(name=name, step=0, world_size=info.world_size, rank=info.rank)  # init needs no tensor
+            state = store.get("state", name, lambda t: compressor.init_state(xp, t, first), g)
+            if not compressor.multi_round:  # one pass over memory where a kernel fuses the three steps
+                fused = memory.fused_step(xp, compressor, g, memory_state, info)
+                if fused is not None:
+                    payload, ctx, memory_state = fused
+                    self._set("memory", name, memory_state)
+                    return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
+            p = memory.compensate(xp, g, memory_state)
+            if compressor.multi_round:
+                rounds = compressor.rounds(xp, p, info, state)
+                return Pending(name, xp, None, self._send(name, xp, next(rounds), 0, flag), flag is not None,
+                               p, rounds, memory_state)
 
-        payload, ctx, state = compressor.step(xp, p, info, state)
-        self._set("state", name, state)
-        if memory.needs_feedback:
-            p_hat = compressor.decompress(xp, payload, ctx)
-            self._set("memory", name, memory.update(xp, p, p_hat, memory_state))
-        return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
+            payload, ctx, state = compressor.step(xp, p, info, state)
+            self._set("state", name, state)
+            if memory.needs_feedback:
+                with self._phase("feedback"):
+                    p_hat = compressor.decompress(xp, payload, ctx)
+                    self._set("memory", name, memory.update(xp, p, p_hat, memory_state))
+            return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
 
     def finish(self, pending: Pending):
         xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
         if pending.ctx is _EMPTY:
             return pending.handle.wait()
-        if pending.rounds is not None:
-            g_hat, overflow = self._finish_rounds(pending)
-        elif self.compression.collective is Collective.ALLREDUCE:
-            summed, overflow = self._unflagged(pending, pending.handle.wait())
-            g_hat = compressor.decompress(xp, summed, pending.ctx) / n
-        else:
-            gathered, overflow = self._unflagged(pending, pending.handle.wait())
-            g_hat = compressor.aggregate(xp, gathered, pending.ctx)
-        [g_hat] = _poisoned(xp, [g_hat], overflow)
-        return g_hat if self.average else g_hat * n
+        with self._phase("decompress"):
+            if pending.rounds is not None:
+                g_hat, overflow = self._finish_rounds(pending)
+            elif self.compression.collective is Collective.ALLREDUCE:
+                summed, overflow = self._unflagged(pending, self._wait(pending.handle.wait))
+                g_hat = compressor.decompress(xp, summed, pending.ctx) / n
+            else:
+                gathered, overflow = self._unflagged(pending, self._wait(pending.handle.wait))
+                g_hat = compressor.aggregate(xp, gathered, pending.ctx)
+            [g_hat] = _poisoned(xp, [g_hat], overflow)
+            return g_hat if self.average else g_hat * n
 
     def _unflagged(self, pending: Pending, received):
         """The received payloads without their overflow flags; how many ranks flagged one."""
@@ -257,18 +270,22 @@ class Exchange:
 
     def _finish_rounds(self, pending: Pending):
         name, xp, memory = pending.name, pending.xp, self.compression.memory
-        (summed, overflow), r = self._unflagged(pending, pending.handle.wait()), 0
+        (summed, overflow), r = self._unflagged(pending, self._wait(pending.handle.wait)), 0
         while True:
-            try:
-                payload = pending.rounds.send(summed)
-            except StopIteration as done:
-                g_hat, p_hat, state = done.value
-                self._set("state", name, state)
-                break
+            with self._phase("compress") as mark:
+                try:
+                    payload = pending.rounds.send(summed)
+                except StopIteration as done:
+                    if mark:
+                        mark[0] = "decompress"  # the last round's work: the decompression
+                    g_hat, p_hat, state = done.value
+                    self._set("state", name, state)
+                    break
             r += 1
-            summed = self._send(name, xp, payload, r).wait()
+            summed = self._wait(self._send(name, xp, payload, r).wait)
         if memory.needs_feedback:
-            self._set("memory", name, memory.update(xp, pending.p, p_hat, pending.memory_state))
+            with self._phase("feedback"):
+                self._set("memory", name, memory.update(xp, pending.p, p_hat, pending.memory_state))
         return g_hat, overflow
 
     def _send(self, name: str, xp, payload, round_: int, flag=None) -> Handle:
@@ -278,8 +295,9 @@ class Exchange:
             summed = self.compression.collective is Collective.ALLREDUCE
             payload = (*payload, xp.cast(flag, xp.dtype(payload[0]) if summed else "uint8"))
         suffix = f".round{round_}" if round_ else ""
-        handle = self.communicator.exchange(self.compression.collective, xp, payload, f"grace.{name}{suffix}",
-                                            equal_lengths=not self.compression.compressor.variable_length)
+        with self._phase("collective"):
+            handle = self.communicator.exchange(self.compression.collective, xp, payload, f"grace.{name}{suffix}",
+                                                equal_lengths=not self.compression.compressor.variable_length)
         self.stats.add(handle.nbytes, 0)
         return handle
 
@@ -423,6 +441,10 @@ class Exchange:
         _check_float(xp, bucket.names[0], grads[0])
         if self._agreed_in != self._world():
             self._agree(xp, grads[0])
+        with self._phase("compress"):
+            return self._compress_bucket(bucket, xp, grads, flat)
+
+    def _compress_bucket(self, bucket: Bucket, xp, grads: Sequence, flat) -> "BucketPending":
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
         rank, n = self.communicator.rank, self.communicator.size
         whole = self._whole_of.setdefault(bucket.key, self._compresses_whole(xp, grads[0]))
@@ -469,8 +491,10 @@ class Exchange:
                 p_u = memory.compensate(xp, g_u, e)
                 payload, ctx, state = compressor.step(xp, p_u, info, state)
                 self._set("state", u.name, state)
-                e_new = (memory.update(xp, p_u, compressor.decompress(xp, payload, ctx), e)
-                         if memory.needs_feedback else None)
+                e_new = None
+                if memory.needs_feedback:
+                    with self._phase("feedback"):
+                        e_new = memory.update(xp, p_u, compressor.decompress(xp, payload, ctx), e)
             payloads.append(payload)
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
@@ -485,9 +509,11 @@ class Exchange:
                 return compensated
 
             nbytes = self._launch_frame(pending, payloads, dense)
-            if pending.sent_dense:  # the memory records the whole bucket as sent
-                new_memory = [memory.update(xp, p_u, p_u, e) if memory.needs_feedback else None
-                              for p_u, e in zip(compensated, old)]
+            if pending.sent_dense and memory.needs_feedback:  # the memory records the whole bucket as sent
+                with self._phase("feedback"):
+                    new_memory = [memory.update(xp, p_u, p_u, e) for p_u, e in zip(compensated, old)]
+            elif pending.sent_dense:
+                new_memory = [None] * len(old)
         if spare is not None:
             if new_memory[0] is not spare:
                 _assign(xp, spare, new_memory[0])
@@ -502,18 +528,19 @@ class Exchange:
     def finish_bucket(self, pending: "BucketPending") -> List[Any]:
         """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order."""
         xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
-        if pending.rounds is not None:
-            g_hat, overflow = self._finish_bucket_rounds(pending)
-        elif self.compression.collective is Collective.ALLREDUCE:
-            summed, overflow = pending.wait()
-            g_hat = [compressor.decompress(xp, payload, ctx) / n for payload, ctx in zip(summed, pending.ctxs)]
-        else:
-            g_hat, overflow = self._aggregate_frames(pending)
-        if len(pending.units) == 1 and pending.units[0].name == pending.bucket.key:  # the whole bucket
-            flat = xp.flatten(g_hat[0])
-            g_hat = [_view(xp, flat, s) for s in pending.bucket.segments]
-        g_hat = _poisoned(xp, g_hat, overflow)
-        return g_hat if self.average else [t * n for t in g_hat]
+        with self._phase("decompress"):
+            if pending.rounds is not None:
+                g_hat, overflow = self._finish_bucket_rounds(pending)
+            elif self.compression.collective is Collective.ALLREDUCE:
+                summed, overflow = self._wait(pending.wait)
+                g_hat = [compressor.decompress(xp, payload, ctx) / n for payload, ctx in zip(summed, pending.ctxs)]
+            else:
+                g_hat, overflow = self._aggregate_frames(pending)
+            if len(pending.units) == 1 and pending.units[0].name == pending.bucket.key:  # the whole bucket
+                flat = xp.flatten(g_hat[0])
+                g_hat = [_view(xp, flat, s) for s in pending.bucket.segments]
+            g_hat = _poisoned(xp, g_hat, overflow)
+            return g_hat if self.average else [t * n for t in g_hat]
 
     def _flat_gradient(self, bucket: Bucket, xp, grads):
         """The bucket's gradients as one flat tensor, copied into a buffer kept per bucket
@@ -561,10 +588,13 @@ class Exchange:
         for dtype in dict.fromkeys(dtypes):
             group = [t for t, d in zip(pieces, dtypes) if d == dtype]
             name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
-            waits[dtype] = self.communicator.allreduce_async(self._joined(xp, name, group), name)
+            joined = self._joined(xp, name, group)
+            with self._phase("collective"):
+                waits[dtype] = self.communicator.allreduce_async(joined, name)
 
         def wait():
-            summed = {d: xp.split(w(), [c for c, dd in zip(counts, dtypes) if dd == d]) for d, w in waits.items()}
+            summed = {d: xp.split(self._wait(w), [c for c, dd in zip(counts, dtypes) if dd == d])
+                      for d, w in waits.items()}
             ordered = [xp.reshape(summed[d].pop(0), shape) for d, shape in zip(dtypes, shapes)]
             overflow = self._overflow(xp, [ordered.pop()]) if flag is not None else None
             return frames.split_payloads(ordered, structure), overflow
@@ -592,26 +622,28 @@ class Exchange:
             frame = (frames.dense_frame(xp, p, len(pieces), g, flag) if variable
                      else frames.frame(xp, [p], False, g, flag))
         nbytes = xp.numel(frame)
-        if self.compression.collective is Collective.ALLGATHER:
-            gather = comm.allgather_async if variable else comm.allgather_equal_async
-            pending.wait = gather(frame, bucket.key)
-            return nbytes
-        if variable:  # receivers must know the frames' sizes before the broadcasts
-            sizes = xp.host_ints(comm.allgather_equal_async(_lengths(xp, [frame]), f"{bucket.key}.sizes")(),
-                                 comm.size)
-            nbytes += 8
-        else:
-            sizes = [nbytes] * comm.size
-        waits = [comm.broadcast_async(frame if root == comm.rank or not variable
-                                      else xp.zeros(sizes[root], "uint8", like=g), root, f"{bucket.key}.from{root}")
-                 for root in range(comm.size)]
+        with self._phase("collective"):
+            if self.compression.collective is Collective.ALLGATHER:
+                gather = comm.allgather_async if variable else comm.allgather_equal_async
+                pending.wait = gather(frame, bucket.key)
+                return nbytes
+            if variable:  # receivers must know the frames' sizes before the broadcasts
+                sizes = xp.host_ints(comm.allgather_equal_async(_lengths(xp, [frame]), f"{bucket.key}.sizes")(),
+                                     comm.size)
+                nbytes += 8
+            else:
+                sizes = [nbytes] * comm.size
+            waits = [comm.broadcast_async(frame if root == comm.rank or not variable
+                                          else xp.zeros(sizes[root], "uint8", like=g), root,
+                                          f"{bucket.key}.from{root}")
+                     for root in range(comm.size)]
         pending.wait = lambda: [w() for w in waits]
         return nbytes
 
     def _aggregate_frames(self, pending: "BucketPending") -> List[Any]:
         xp, bucket, compressor, n = pending.xp, pending.bucket, self.compression.compressor, self.communicator.size
         variable, flagged = compressor.variable_length, pending.flag is not None
-        received = pending.wait()
+        received = self._wait(pending.wait)
         if pending.sent_dense and not variable:  # every rank sent its dense bucket
             dtypes, counts = [bucket.dtype], [bucket.numel]
         else:
@@ -653,11 +685,14 @@ class Exchange:
         while running:
             payloads, still = [], []
             for i, total in zip(running, summed):
-                try:
-                    payloads.append(pending.rounds[i].send(total))
-                    still.append(i)
-                except StopIteration as done:
-                    results[i] = done.value
+                with self._phase("compress") as mark:
+                    try:
+                        payloads.append(pending.rounds[i].send(total))
+                        still.append(i)
+                    except StopIteration as done:
+                        if mark:
+                            mark[0] = "decompress"  # the last round's work: the decompression
+                        results[i] = done.value
             running = still
             if running:
                 r += 1
@@ -670,11 +705,12 @@ class Exchange:
             g_hat.append(g_u)
             if not memory.needs_feedback:
                 continue
-            if p_u is self._spares.get(u.name):  # p is the spare buffer: the new memory goes there too
-                self._set("memory", u.name, memory.update_into(xp, p_u, p_hat, e, p_u))
-                self._spares[u.name] = e  # and the old memory is the next step's spare
-            else:
-                self._set("memory", u.name, memory.update(xp, p_u, p_hat, e))
+            with self._phase("feedback"):
+                if p_u is self._spares.get(u.name):  # p is the spare buffer: the new memory goes there too
+                    self._set("memory", u.name, memory.update_into(xp, p_u, p_hat, e, p_u))
+                    self._spares[u.name] = e  # and the old memory is the next step's spare
+                else:
+                    self._set("memory", u.name, memory.update(xp, p_u, p_hat, e))
         return g_hat, overflow
 
     def _compensated(self, xp, key: str, g, e):

@@ -11,10 +11,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "scripts" / "cluster"))
-import bench_train  # noqa: E402
-import emulated_cluster  # noqa: E402
+from grace.bench import bench_train, cluster as emulated_cluster
 
 SCRIPT = REPO / "scripts" / "bench_train.py"
 CONFIG = {

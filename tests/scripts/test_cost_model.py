@@ -1,13 +1,9 @@
-"""The alpha-beta cost model (scripts/cost_model.py) against hand-computed cases."""
+"""The alpha-beta cost model (grace.bench.cost_model) against hand-computed cases."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import cost_model as cm  # noqa: E402
+from grace.bench import cost_model as cm
 
 LINK = cm.Link(alpha=1e-3, bandwidth=1e6)  # 1 ms per message, 1 MB/s
 

@@ -11,7 +11,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the source checkout (grace is installed editable)
 PACKAGES = ["grace", "torch", "horovod", "tensorflow-cpu", "numpy", "mpi4py"]
 
 

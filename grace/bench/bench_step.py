@@ -1,0 +1,218 @@
+"""What compression costs per training step on real models' gradients, per-tensor and bucketed.
+
+    python scripts/bench_step.py [--models mlp48 resnet50 transformer] [--methods topk dgc ...]
+                                 [--device cpu|cuda] [--iters 10] [--world 4] [--bucket-mb 25]
+                                 [--out results/bench_step]
+
+For each model (synthetic inputs; see MODELS) it measures, in one run:
+  fwd+bwd      median time of forward + backward of one batch
+  work         one rank's compression work per step in a world of ``--world`` ranks, without a
+               network: memory compensation, compression, error feedback, decoding the world's
+               payloads and aggregating them (``Exchange`` over ``ReplicaCommunicator``: every
+               rank sends what this one sends). Once exchanging each gradient alone
+               (``bucket_mb=0``) and once in buckets.
+  share        work / fwd+bwd
+  calls        collectives per step (each would be one Horovod call)
+  bytes        bytes this rank hands to the collectives per step
+Times are medians over ``--iters`` steps after two warm-up steps, with a device sync around
+each. torchvision's ResNet-50 is used where torchvision imports; otherwise the same layers,
+defined here (25.6M parameters in 161 tensors either way).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import grace
+from grace.core.communicator import ReplicaCommunicator
+
+from grace.bench.common import write_results
+
+METHODS = {  # the arguments each method is benchmarked with
+    "none": {}, "fp16": {}, "topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01},
+    "threshold": {"threshold": 0.01}, "signsgd": {}, "signum": {}, "efsignsgd": {"lr": 0.1}, "onebit": {},
+    "terngrad": {}, "natural": {}, "qsgd": {"levels": 127}, "u8bit": {}, "dgc": {"ratio": 0.01},
+    "powersgd": {"rank": 1},
+}
+DEFAULT_METHODS = ["none", "fp16", "topk", "randomk", "threshold", "signsgd", "efsignsgd", "onebit", "terngrad",
+                   "natural", "qsgd", "dgc", "powersgd"]
+
+
+# --- models ------------------------------------------------------------------------------
+class Bottleneck(nn.Module):
+    """ResNet's 1x1 -> 3x3 -> 1x1 block with a projection on the shortcut where shapes change."""
+
+    def __init__(self, inputs: int, width: int, stride: int):
+        super().__init__()
+        outputs = 4 * width
+        self.body = nn.Sequential(
+            nn.Conv2d(inputs, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, outputs, 1, bias=False), nn.BatchNorm2d(outputs))
+        self.shortcut = nn.Identity() if stride == 1 and inputs == outputs else nn.Sequential(
+            nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+def resnet50(classes: int = 1000) -> nn.Module:
+    try:
+        import torchvision
+
+        return torchvision.models.resnet50(num_classes=classes)
+    except Exception:  # missing, or built for another torch (its C++ ops fail to register)
+        pass
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
+    inputs = 64
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for b in range(blocks):
+            layers.append(Bottleneck(inputs, width, stride if b == 0 else 1))
+            inputs = 4 * width
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inputs, classes))
+
+
+class Encoder(nn.Module):
+    """A BERT-like encoder: token embeddings, ``layers`` transformer layers, a token classifier."""
+
+    def __init__(self, vocab: int, width: int, heads: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, batch_first=True, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def build(model: str, device: str):
+    """(module, inputs, targets, loss); GPU sizes as in common practice, smaller inputs on a CPU."""
+    gpu = device != "cpu"
+    if model == "mlp48":  # about 100 tensors: 48 Linear(512, 512), 12.6M parameters
+        net = nn.Sequential(*[m for _ in range(48) for m in (nn.Linear(512, 512), nn.ReLU())])
+        x, y = torch.randn(64, 512), torch.randn(64, 512)
+        return net, x, y, nn.functional.mse_loss
+    if model == "resnet50":  # the parameters do not depend on the image size
+        net = resnet50()
+        batch, side = (64, 224) if gpu else (8, 64)
+        return net, torch.randn(batch, 3, side, side), torch.randint(0, 1000, (batch,)), nn.functional.cross_entropy
+    if model == "transformer":  # BERT-base sized on a GPU (12 layers, 768 wide), 4 layers of 512 on a CPU
+        width, heads, layers, batch, length = (768, 12, 12, 32, 128) if gpu else (512, 8, 4, 8, 64)
+        net = Encoder(30522 if gpu else 8192, width, heads, layers)
+        vocab = net.head.out_features
+        tokens = torch.randint(0, vocab, (batch, length))
+
+        def loss(out, target):
+            return nn.functional.cross_entropy(out.reshape(-1, vocab), target.reshape(-1))
+
+        return net, tokens, torch.randint(0, vocab, (batch, length)), loss
+    raise ValueError(f"unknown model {model!r}; known: mlp48, resnet50, transformer")
+
+
+# --- measuring ---------------------------------------------------------------------------
+class CountingReplica(ReplicaCommunicator):
+    """A world of ranks that all send what this one sends; counts the collectives launched."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.calls = 0
+
+    def allreduce_async(self, tensor, name):
+        self.calls += 1
+        return super().allreduce_async(tensor, name)
+
+    def allgather_async(self, tensor, name):
+        self.calls += 1
+        return super().allgather_async(tensor, name)
+
+    def broadcast_async(self, tensor, root, name):
+        self.calls += 1
+        return super().broadcast_async(tensor, root, name)
+
+
+def timed(fn, device: str, iters: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup``."""
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    times = []
+    for i in range(warmup + iters):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def gradients(net, x, y, loss, device: str, iters: int):
+    """(fwd+bwd seconds, the gradients in backward order: last parameter first)."""
+    net, x, y = net.to(device), x.to(device), y.to(device)
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        loss(net(x), y).backward()
+
+    seconds = timed(step, device, iters)
+    named = [(n, p.grad.detach().clone()) for n, p in net.named_parameters() if p.grad is not None]
+    return seconds, dict(reversed(named))
+
+
+def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int) -> dict:
+    comm = CountingReplica(world)
+    exchange = grace.Exchange(grace.create(method, **METHODS[method], bucket_mb=bucket_mb), comm)
+    seconds = timed(lambda: exchange.exchange(grads), device, iters)
+    calls_before = comm.calls
+    exchange.exchange(grads)
+    return {"work_ms": 1e3 * seconds, "calls": comm.calls - calls_before, "bytes": exchange.stats.last_step_bytes}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["mlp48", "resnet50", "transformer"])
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=sorted(METHODS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_step"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = []
+    for model in args.models:
+        net, x, y, loss = build(model, args.device)
+        fwd_bwd, grads = gradients(net, x, y, loss, args.device, args.iters)
+        params = sum(g.numel() for g in grads.values())
+        print(f"\n{model} on {args.device}: {len(grads)} gradient tensors, {params / 1e6:.1f}M parameters, "
+              f"fwd+bwd {1e3 * fwd_bwd:.1f} ms; compression work of one rank in a world of {args.world}")
+        print(f"{'method':<10} {'per-tensor ms':>13} {'share':>7} {'calls':>6} {'bucketed ms':>12} {'share':>7} "
+              f"{'calls':>6} {'speedup':>8} {'bytes':>12}")
+        for method in args.methods:
+            per_tensor = measure(grads, method, 0, args.world, args.device, args.iters)
+            bucketed = measure(grads, method, args.bucket_mb, args.world, args.device, args.iters)
+            row = {"model": model, "device": args.device, "method": method, "tensors": len(grads),
+                   "parameters": params, "fwd_bwd_ms": 1e3 * fwd_bwd,
+                   **{f"per_tensor_{k}": v for k, v in per_tensor.items()},
+                   **{f"bucketed_{k}": v for k, v in bucketed.items()},
+                   "per_tensor_share": per_tensor["work_ms"] / (1e3 * fwd_bwd),
+                   "bucketed_share": bucketed["work_ms"] / (1e3 * fwd_bwd),
+                   "speedup": per_tensor["work_ms"] / bucketed["work_ms"]}
+            rows.append(row)
+            print(f"{method:<10} {row['per_tensor_work_ms']:>13.2f} {row['per_tensor_share']:>7.1%} "
+                  f"{row['per_tensor_calls']:>6} {row['bucketed_work_ms']:>12.2f} {row['bucketed_share']:>7.1%} "
+                  f"{row['bucketed_calls']:>6} {row['speedup']:>7.2f}x {row['bucketed_bytes']:>12}", flush=True)
+    path = write_results(rows, args.out, f"bench_step_{args.device}", vars(args) | {"out": str(args.out)},
+                         methods=METHODS)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
