@@ -68,7 +68,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["grace", "grace.*"]),
-    package_data={"grace.native": ["_lib/*.so"]},
+    # the emulated cluster's ssh stand-in (bin/ssh: a link to ns_rsh, for horovodrun), kept executable
+    package_data={"grace.native": ["_lib/*.so"], "grace.bench.cluster": ["shims/ns_rsh", "shims/bin/ssh"]},
     cmdclass={"build_py": build_py, "build_ext": build_ext},
     distclass=BinaryDistribution,
     install_requires=["numpy>=1.22"],

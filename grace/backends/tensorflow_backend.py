@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from grace import native as _native
+from grace.formats import index_dtype
 from grace.backends.numpy_backend import NumpyBackend
 
 _NUMPY = NumpyBackend()  # the host draws: uniform and random_indices off the GPU
@@ -117,18 +118,6 @@ def _host_draw(draw, seed, shape, dtype, like):
 
 # What each fused kernel returns, for tf.py_function: dtype names ("index": the index type for
 # the input's length); a tuple returns a tuple
-_FUSED_OUTPUTS = {
-    "signsgd_compress": "uint8", "signsgd_decompress": "float32",
-    "efsignsgd_compress": ("uint8", "float32"), "efsignsgd_decompress": "float32",
-    "onebit_compress": ("uint8", "float32"), "onebit_decompress": "float32",
-    "terngrad_compress": ("uint8", "float32"), "terngrad_decompress": "float32",
-    "qsgd_compress": ("uint8", "float32"), "qsgd_decompress": "float32",
-    "natural_compress": ("uint8", "uint8"), "natural_decompress": "float32",
-    "topk_ef_step": ("float32", "index", "float32"), "threshold_ef_step": ("float32", "index", "float32"),
-}
-_VARIABLE_LENGTH = {"threshold_ef_step": (0, 1)}  # outputs whose length depends on the values
-
-
 def _static_shapes(kernel, args, count: int) -> list:
     """The kernel's output shapes for inputs of these static shapes, from running it once,
     eagerly, on zeros (every kernel returns flat arrays); [None] each where a shape is unknown."""
@@ -142,17 +131,15 @@ def _static_shapes(kernel, args, count: int) -> list:
 
 def _graph_fused(name: str, like):
     """``name`` as a tf.py_function node of the graph being traced, or None."""
-    from grace.core.compressor import index_dtype
-
-    outputs = _FUSED_OUTPUTS.get(name)
-    if outputs is None or not _is_tensor(like) or not _native.available("cuda" if _on_gpu(like) else "cpu"):
+    spec = _native.FUSED[name]
+    device = "cuda" if _is_tensor(like) and _on_gpu(like) else "cpu"
+    if not _is_tensor(like) or device not in spec.devices or not _native.available(device):
         return None
-    names = outputs if isinstance(outputs, tuple) else (outputs,)
     numel = like.shape.num_elements()
-    if "index" in names and numel is None:  # the index type depends on the length
+    if "index" in spec.outputs and numel is None:  # the index type depends on the length
         return None
-    tout = [_tf_dtype(index_dtype(numel) if n == "index" else n) for n in names]
-    kernel = getattr(_native, name)
+    tout = [_tf_dtype(index_dtype(numel) if n == "index" else n) for n in spec.outputs]
+    kernel = spec.function
 
     def call(*args):
         at = [i for i, a in enumerate(args) if _is_tensor(a)]
@@ -167,8 +154,8 @@ def _graph_fused(name: str, like):
         with tf.device(_device(like)):
             out = tf.py_function(run, [args[i] for i in at], tout, name=name)
         for j, (t, shape) in enumerate(zip(out, _static_shapes(kernel, args, len(out)))):
-            t.set_shape([None] if j in _VARIABLE_LENGTH.get(name, ()) else shape)
-        return tuple(out) if isinstance(outputs, tuple) else out[0]
+            t.set_shape([None] if j in spec.variable else shape)
+        return tuple(out) if len(out) > 1 else out[0]
 
     return call
 

@@ -13,7 +13,7 @@ are grace's or Horovod's own none/fp16) or ``ddp`` (DistributedDataParallel over
 are grace's hook or PyTorch's own hooks: no hook, fp16_compress_hook, powerSGD_hook).
 
 Stages (configs/bench_train.yaml says what runs):
-  throughput  per link: an emulated cluster (scripts/cluster) of `ranks` hosts, its bandwidth
+  throughput  per link: an emulated cluster (grace.bench.cluster) of `ranks` hosts, its bandwidth
               verified, then one launch per model (horovodrun, or torch.distributed processes in
               the hosts' namespaces) that trains every method in turn:
               median step time after warm-up, bytes per step on the wire, and, for the cost

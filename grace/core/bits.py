@@ -11,23 +11,10 @@ kernels (csrc/, grace.native) when they are built: one pass, the same bytes.
 """
 from __future__ import annotations
 
-import math
-
 from grace import native as _native
+from grace.formats import code_width, packed_size  # noqa: F401  (re-exported)
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
-
-
-def code_width(levels: int) -> int:
-    """The number of bits that holds ``levels`` distinct codes."""
-    bits = max(1, math.ceil(math.log2(levels)))
-    if bits > 8:
-        raise ValueError(f"{levels} levels do not fit in one byte")
-    return bits
-
-
-def packed_size(numel: int, bits: int) -> int:
-    return math.ceil(numel * bits / 8)
 
 
 def _bit_planes(xp, codes, bits: int):

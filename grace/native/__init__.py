@@ -12,7 +12,9 @@ gives them) as an input: generating them is not part of the kernel.
 
 When a library is missing, or ``GRACE_NATIVE=0``, or ``with disabled():``, the functions raise
 ``NativeUnavailable``; ``supports(x)`` says beforehand. The ``try_*`` functions (used by
-TorchBackend and grace.core.bits) return None instead, and the caller takes its tensor-op path.
+TorchBackend and grace.core.bits) return None on ``NativeUnavailable`` only, and the caller
+takes its tensor-op path; any other error propagates. ``FUSED`` is the table of the one-pass
+functions a compressor may ask a backend for: their C functions, output dtypes and devices.
 
     ops                                   fused compress / decompress (float32 flat out)
     pack(codes, bits)                     signsgd_compress(x) -> packed
@@ -32,8 +34,10 @@ TorchBackend and grace.core.bits) return None instead, and the caller takes its 
 from __future__ import annotations
 
 import ctypes
-import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
 
+from grace.formats import code_width, index_dtype, packed_size
 from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, dlpack_info, kind_of,
                                   same_device)
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library, load_error, set_enabled
@@ -81,20 +85,6 @@ def set_num_threads(n: int) -> None:
 
 
 # --- helpers ------------------------------------------------------------------------------------
-def _packed_size(n: int, bits: int) -> int:
-    return (n * bits + 7) // 8
-
-
-def _code_width(levels: int) -> int:
-    return max(1, math.ceil(math.log2(levels)))
-
-
-def _index_dtype(numel: int) -> str:
-    from grace.core.compressor import index_dtype
-
-    return index_dtype(numel)
-
-
 def _float32(kind, x, allow=_FLOATS + ("float64",)) -> Buf:
     b = kind.flat(x)
     if b.dtype not in allow:
@@ -143,7 +133,7 @@ def pack(codes, bits: int):
         c = kind.flat(c.obj, "uint8")
     if bits == 8:
         return _wrap(kind, c)
-    out = kind.empty(_packed_size(c.n, bits), "uint8")
+    out = kind.empty(packed_size(c.n, bits), "uint8")
     call(kind, "pack", c.ptr, c.n, bits, out.ptr)
     return _wrap(kind, out)
 
@@ -159,7 +149,7 @@ def unpack(packed, bits: int, numel: int):
     p = kind.flat(packed)
     if p.dtype != "uint8":
         raise TypeError(f"packed codes are uint8, got {p.dtype}")
-    if p.n < _packed_size(numel, bits):
+    if p.n < packed_size(numel, bits):
         raise ValueError(f"{p.n} bytes hold fewer than {numel} codes of {bits} bits")
     out = kind.empty(numel, "uint8")
     call(kind, "unpack", p.ptr, numel, bits, out.ptr)
@@ -199,7 +189,7 @@ def topk_compress(x, k: int):
     """TopK's payload: (values x[idx], idx in index_dtype(numel)) for the k largest |x|,
     idx ascending."""
     n = kind_of(x).flat(x).n
-    kind, idx, values = _topk(x, k, True, _index_dtype(n), True)
+    kind, idx, values = _topk(x, k, True, index_dtype(n), True)
     return _wrap(kind, values, idx)
 
 
@@ -226,7 +216,7 @@ def threshold_indices(x, threshold: float, by_abs: bool = True, index_dtype: str
 def threshold_compress(x, threshold: float):
     """Threshold's payload: (values, idx in index_dtype(numel)) of |x| >= threshold."""
     n = kind_of(x).flat(x).n
-    kind, count, idx, values = _threshold(x, threshold, True, _index_dtype(n), True)
+    kind, count, idx, values = _threshold(x, threshold, True, index_dtype(n), True)
     return _wrap(kind, _head(kind, values, count), _head(kind, idx, count))
 
 
@@ -281,7 +271,7 @@ def signsgd_compress(x):
     """signSGD's payload: bits (x >= 0) packed 8 to a byte. float16/bfloat16/float32."""
     kind = kind_of(x)
     b = _float32(kind, x, _FLOATS)
-    out = kind.empty(_packed_size(b.n, 1), "uint8")
+    out = kind.empty(packed_size(b.n, 1), "uint8")
     call(kind, "sign_pack", b.ptr, b.n, 0, out.ptr)
     return _wrap(kind, out)
 
@@ -303,7 +293,7 @@ def efsignsgd_compress(x):
     """EF-signSGD's payload: (bits (x >= 0), scale = [sum |x| / max(1, d)])."""
     kind = kind_of(x)
     b = _float32(kind, x)
-    out = kind.empty(_packed_size(b.n, 1), "uint8")
+    out = kind.empty(packed_size(b.n, 1), "uint8")
     scale = kind.empty(1, "float32")
     call(kind, "efsign_compress", b.ptr, b.n, out.ptr, scale.ptr)
     return _wrap(kind, out, scale)
@@ -322,7 +312,7 @@ def onebit_compress(x):
     """1-bit SGD's payload: (bits (x >= 0), means [mu0, mu1] of the elements < 0 and >= 0)."""
     kind = kind_of(x)
     b = _float32(kind, x)
-    out = kind.empty(_packed_size(b.n, 1), "uint8")
+    out = kind.empty(packed_size(b.n, 1), "uint8")
     means = kind.empty(2, "float32")
     call(kind, "onebit_compress", b.ptr, b.n, out.ptr, means.ptr)
     return _wrap(kind, out, means)
@@ -355,7 +345,7 @@ def terngrad_compress(x, u, scale=None):
         call(kind, "maxabs", b.ptr, b.n, s.ptr)
     else:
         s = _same_kind(kind, scale, "float32")
-    out = kind.empty(_packed_size(b.n, 2), "uint8")
+    out = kind.empty(packed_size(b.n, 2), "uint8")
     call(kind, "terngrad_compress", b.ptr, ub.ptr, b.n, s.ptr, out.ptr)
     return _wrap(kind, out, s)
 
@@ -377,12 +367,12 @@ def qsgd_compress(x, u, levels: int, bucket_size: int = 0, norms=None):
     kind = kind_of(x)
     b = _float32(kind, x)
     ub = _draws(kind, u, b.n)
-    bits = _code_width(2 * (levels + 1))
+    bits = code_width(2 * (levels + 1))
     bucket = int(bucket_size) if bucket_size else max(b.n, 1)
     rows = -(-b.n // bucket)
     have_norms = norms is not None
     nb = _same_kind(kind, norms, "float32") if have_norms else kind.empty(rows, "float32")
-    out = kind.empty(_packed_size(b.n, bits), "uint8")
+    out = kind.empty(packed_size(b.n, bits), "uint8")
     if b.n:  # the norms too, unless given (short buckets: in the same pass as their codes)
         rc = call(kind, "qsgd_compress", b.ptr, ub.ptr, b.n, int(levels), bucket, bits, nb.ptr, int(have_norms),
                   out.ptr)
@@ -395,7 +385,7 @@ def qsgd_decompress(packed, norms, numel: int, levels: int, bucket_size: int = 0
     """float32 norm[bucket] * sign * level / levels."""
     kind = kind_of(packed)
     p, nb = kind.flat(packed), _same_kind(kind, norms, "float32")
-    bits = _code_width(2 * (levels + 1))
+    bits = code_width(2 * (levels + 1))
     out = _decode_out(kind, numel)
     if numel:
         bucket = int(bucket_size) if bucket_size else max(int(numel), 1)
@@ -409,7 +399,7 @@ def natural_compress(x, u):
     kind = kind_of(x)
     b = _float32(kind, x)
     ub = _draws(kind, u, b.n)
-    signs = kind.empty(_packed_size(b.n, 1), "uint8")
+    signs = kind.empty(packed_size(b.n, 1), "uint8")
     codes = kind.empty(b.n, "uint8")
     call(kind, "natural_compress", b.ptr, ub.ptr, b.n, signs.ptr, codes.ptr)
     return _wrap(kind, signs, codes)
@@ -452,7 +442,7 @@ def topk_ef_step(g, residual, k: int, beta: float = 1.0, gamma: float = 1.0, out
     kind, gb, rb, ob = _ef_inputs(g, residual, out)
     n = gb.n
     k = max(0, min(int(k), n))
-    dtype = _index_dtype(n)
+    dtype = index_dtype(n)
     values, idx = kind.empty(k, "float32"), kind.empty(k, dtype)
     got = call(kind, "topk_ef", gb.ptr, rb.ptr, n, k, float(beta), float(gamma), _ef_flags(beta, gamma),
                values.ptr, idx.ptr, INDEX_CODES[dtype], ob.ptr)
@@ -466,7 +456,7 @@ def threshold_ef_step(g, residual, threshold: float, beta: float = 1.0, gamma: f
     |p| >= threshold; returns (values, idx ascending in index_dtype(numel), new residual)."""
     kind, gb, rb, ob = _ef_inputs(g, residual, out)
     n = gb.n
-    dtype = _index_dtype(n)
+    dtype = index_dtype(n)
     values, idx = kind.empty(n, "float32"), kind.empty(n, dtype)
     count = call(kind, "threshold_ef", gb.ptr, rb.ptr, n, float(threshold), float(beta), float(gamma),
                  _ef_flags(beta, gamma), values.ptr, idx.ptr, INDEX_CODES[dtype], ob.ptr)
@@ -475,40 +465,78 @@ def threshold_ef_step(g, residual, threshold: float, beta: float = 1.0, gamma: f
     return _wrap(kind, _head(kind, values, count), _head(kind, idx, count), ob)
 
 
-# --- the dispatch hooks of TorchBackend and grace.core.bits ---------------------------------------
+# --- the kernel table: what a backend may ask for, and what each function returns ----------------
+@dataclass(frozen=True)
+class Kernel:
+    """A native function a backend dispatches to: the C functions it calls (grace_cpu_<symbol>,
+    grace_cuda_<symbol>; their argument types: ``_loader.SYMBOLS``), its outputs' dtypes
+    ("index": ``index_dtype`` of the input's length; a graph needs them before it runs), the
+    outputs whose length depends on the values, and the devices that have it."""
+
+    function: Callable
+    symbols: Tuple[str, ...]
+    outputs: Tuple[str, ...]
+    variable: Tuple[int, ...] = ()
+    devices: Tuple[str, ...] = ("cpu", "cuda")
+
+
+# The one-pass functions a compressor asks for by name (``xp.fused(name, like)``).
+FUSED: Dict[str, Kernel] = {
+    "signsgd_compress": Kernel(signsgd_compress, ("sign_pack",), ("uint8",)),
+    "signsgd_decompress": Kernel(signsgd_decompress, ("sign_decode",), ("float32",)),
+    "efsignsgd_compress": Kernel(efsignsgd_compress, ("efsign_compress",), ("uint8", "float32")),
+    "efsignsgd_decompress": Kernel(efsignsgd_decompress, ("sign_decode",), ("float32",)),
+    "onebit_compress": Kernel(onebit_compress, ("onebit_compress",), ("uint8", "float32")),
+    "onebit_decompress": Kernel(onebit_decompress, ("onebit_decode",), ("float32",)),
+    "terngrad_compress": Kernel(terngrad_compress, ("maxabs", "terngrad_compress"), ("uint8", "float32")),
+    "terngrad_decompress": Kernel(terngrad_decompress, ("terngrad_decode",), ("float32",)),
+    "qsgd_compress": Kernel(qsgd_compress, ("qsgd_norms", "qsgd_compress"), ("uint8", "float32")),
+    "qsgd_decompress": Kernel(qsgd_decompress, ("qsgd_decode",), ("float32",)),
+    "natural_compress": Kernel(natural_compress, ("natural_compress",), ("uint8", "uint8")),
+    "natural_decompress": Kernel(natural_decompress, ("natural_decode",), ("float32",)),
+    "topk_ef_step": Kernel(topk_ef_step, ("topk_ef",), ("float32", "index", "float32")),
+    "threshold_ef_step": Kernel(threshold_ef_step, ("threshold_ef",), ("float32", "index", "float32"),
+                                variable=(0, 1)),
+}
+
+
 def fused(name: str, like):
     """The fused function ``name`` (e.g. 'qsgd_compress') when it runs natively on the device
     of ``like``, else None: the compressor then runs its tensor-op formula."""
+    kernel = FUSED[name]  # (an unknown name is a bug, not a reason to fall back)
     try:
-        kind_of(like)
+        kind = kind_of(like)
     except NativeUnavailable:
         return None
-    return globals()[name]
+    return kernel.function if kind.lib.kind in kernel.devices else None
 
-def _try(fn, *args, **kwargs):
-    """fn(...), or None where the native path does not apply (the caller's tensor-op path
-    then runs, and raises its own errors for bad input). CUDA failures propagate."""
+
+# --- the building blocks the backends and grace.core.bits use where they apply --------------------
+def _unless_unavailable(fn, *args, **kwargs):
+    """fn(...), or None where no native kernel serves these inputs (no library, another device,
+    a dtype it does not take: NativeUnavailable); the caller then runs its tensor-op code.
+    Any other error is a real one and propagates."""
     try:
         return fn(*args, **kwargs)
-    except (NativeUnavailable, IndexError, TypeError, ValueError):
+    except NativeUnavailable:
         return None
 
 
 def try_pack(codes, bits: int):
-    return _try(pack, codes, bits)
+    return _unless_unavailable(pack, codes, bits)
 
 
 def try_unpack(packed, bits: int, numel: int):
-    return _try(unpack, packed, bits, numel)
+    return _unless_unavailable(unpack, packed, bits, numel)
 
 
 def try_topk_indices(x, k: int):
-    return _try(topk_indices, x, k)
+    return _unless_unavailable(topk_indices, x, k)
 
 
 def try_nonzero(mask):
-    return _try(nonzero, mask)
+    return _unless_unavailable(nonzero, mask)
 
 
 def try_scatter_add(indices, values, numel: int):
-    return _try(scatter_add, indices, values, numel)
+    return _unless_unavailable(scatter_add, indices, values, numel)

@@ -24,8 +24,8 @@ ISAS = ("x86-64-v3", "x86-64-v2")  # the builds on x86-64, best first
 
 _P, _I, _L, _F, _D = c_void_p, c_int, c_int64, c_float, c_double
 
-# name -> (restype, argtypes without the CUDA stream); the same for grace_cpu_* and grace_cuda_*
-_COMMON = {
+# C symbol -> (restype, argtypes without the CUDA stream); the same for grace_cpu_* and grace_cuda_*
+SYMBOLS = {
     "pack": (_I, [_P, _L, _I, _P]),
     "unpack": (_I, [_P, _L, _I, _P]),
     "sign_pack": (None, [_P, _L, _I, _P]),
@@ -49,7 +49,7 @@ _COMMON = {
     "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P]),
 }
 # CUDA functions return a status (or a count) where the CPU ones return nothing
-_CUDA_RESTYPE = {name: (_I if res is None else res) for name, (res, _) in _COMMON.items()}
+_CUDA_RESTYPE = {name: (_I if res is None else res) for name, (res, _) in SYMBOLS.items()}
 
 
 class _Lib:
@@ -64,7 +64,7 @@ class _Lib:
         abi.restype = c_int
         if abi() != ABI:
             raise OSError(f"{path} has ABI {abi()}, this grace expects {ABI}: rebuild (python csrc/build.py)")
-        for name, (res, args) in _COMMON.items():
+        for name, (res, args) in SYMBOLS.items():
             fn = getattr(self._dll, prefix + name)
             if kind == "cuda":
                 fn.restype, fn.argtypes = _CUDA_RESTYPE[name], [*args, _P]

@@ -1,4 +1,5 @@
-"""The emulated cluster (scripts/cluster/emulated_cluster.py): namespaces, shaped links, launching.
+"""The emulated cluster (grace.bench.cluster, and its command line scripts/cluster/emulated_cluster.py):
+namespaces, shaped links, launching.
 
 Everything except the privilege check needs root and `ip netns`; without them these tests are
 skipped (with the reason), which is not a pass. About 1.5 minutes on a 2-core machine.
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+import grace.bench.cluster as ec
+from grace.bench.cluster import shaping, system
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts" / "cluster"))
-import emulated_cluster as ec  # noqa: E402
 
 SCRIPT = REPO / "scripts" / "cluster" / "emulated_cluster.py"
 WORKERS = Path(__file__).parent / "workers"
@@ -66,7 +68,7 @@ def _result(output: str) -> dict:
 # ----------------------------------------------------------------------------- no root needed
 
 def test_privilege_check_is_clear(monkeypatch):
-    monkeypatch.setattr(ec, "_capabilities", lambda: 0)
+    monkeypatch.setattr(system, "_capabilities", lambda: 0)
     with pytest.raises(ec.PrivilegeError) as err:
         ec.check_privileges()
     message = str(err.value)
@@ -162,7 +164,7 @@ def test_signal_cleans_up(sig):
 
 def _pids_cmdlines(ns: str) -> list[str]:
     out = []
-    for pid in ec._ns_pids(ns) if ns in ec.list_namespaces() else []:
+    for pid in system._ns_pids(ns) if ns in ec.list_namespaces() else []:
         try:
             out.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
         except OSError:
@@ -218,7 +220,7 @@ def test_latency_is_emulated():
         assert all(lines.values()) and len(lines) == (0 if _netem() else 2)
         if not _netem():  # calibrated: the delay lines hold packets less than the latency
             assert c.delay_hold is not None and 1.5e-3 <= c.delay_hold < 2e-3
-        pids = [pid for h in c.host_names for pid in ec._ns_pids(h) if "delay_line.py" in ec._cmdline(pid)]
+        pids = [pid for h in c.host_names for pid in system._ns_pids(h) if "delay_line.py" in system._cmdline(pid)]
         assert len(pids) == len(lines)
         prefix = c.prefix
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
@@ -227,8 +229,8 @@ def test_latency_is_emulated():
 
 @needs_netns
 def test_latency_that_cannot_be_emulated_is_refused_unless_allowed(monkeypatch):
-    monkeypatch.setattr(ec, "netem_available", lambda ns: False)
-    monkeypatch.setattr(ec, "iptables", lambda: None)
+    monkeypatch.setattr(shaping, "netem_available", lambda ns: False)
+    monkeypatch.setattr(shaping, "iptables", lambda: None)
     with pytest.raises(ec.ClusterError, match="cannot be emulated.*iptables"):
         ec.EmulatedCluster(2, "100mbit", "1ms").up()
     assert not [p for p in ec.leftovers() if p.startswith(f"gr{os.getpid()}")]

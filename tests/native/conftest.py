@@ -6,6 +6,8 @@ every test here that needs them is skipped.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -81,3 +83,11 @@ def gradient(n: int, seed: int = 0) -> np.ndarray:
 
 def draws(n: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).random(n, dtype=np.float32)
+
+
+def count_calls(monkeypatch, name: str) -> list:
+    """A list that each call of the fused kernel ``name`` (grace.native.FUSED) appends to."""
+    calls, kernel = [], gn.FUSED[name]
+    monkeypatch.setitem(gn.FUSED, name, dataclasses.replace(
+        kernel, function=lambda *a, **k: calls.append(1) or kernel.function(*a, **k)))
+    return calls

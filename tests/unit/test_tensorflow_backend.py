@@ -14,6 +14,7 @@ from grace.backends import backend_for, get_backend  # noqa: E402
 from grace.core import bits  # noqa: E402
 from grace.core.compressor import TensorInfo  # noqa: E402
 from grace.core.wire import run_local  # noqa: E402
+from tests.native.conftest import count_calls  # noqa: E402
 from tests.unit.conftest import METHODS  # noqa: E402
 
 NX = get_backend("numpy")
@@ -535,10 +536,7 @@ def native_case(method, seed, monkeypatch):
     x = tf.constant(values_for("float32", (1001,), seed=seed))
     with gn.disabled():
         want = run_method(TX, METHODS[method]().compressor, x)
-    calls = []
-    kernel = getattr(gn, FUSED[method])
-    monkeypatch.setattr(gn, FUSED[method], lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    return x, want, calls
+    return x, want, count_calls(monkeypatch, FUSED[method])
 
 
 @pytest.mark.parametrize("method", sorted(FUSED))

@@ -1,15 +1,16 @@
-#!/usr/bin/env python3
 """A delay line for kernels without sch_netem: hold every packet of an NFQUEUE queue for a fixed
 time, then let it go on (to the link's tbf), in arrival order.
 
-    ip netns exec <host> delay_line.py --queue 0 --delay 2ms
+    ip netns exec <host> python delay_line.py --queue 0 --delay 2ms
+    ip netns exec <host> python -m grace.bench.cluster.delay_line --queue 0 --delay 2ms
 
 The emulated cluster sends a host's outgoing packets to queue 0 of its namespace
 (``iptables -t mangle -A POSTROUTING -o eth0 -j NFQUEUE --queue-num 0``) and runs one delay
-line per host. It talks nfnetlink_queue directly (linux/netfilter/nfnetlink_queue.h): packets
-arrive as metadata only (no payload copy), whole GSO packets (no segmentation), and leave with
-one batch verdict for every packet that is due. A packet whose notice was lost (socket buffer
-full) is released by the next batch verdict, as the kernel accepts every id up to the given one.
+line per host (shaping.py starts it by this file's path). It talks nfnetlink_queue directly
+(linux/netfilter/nfnetlink_queue.h): packets arrive as metadata only (no payload copy), whole
+GSO packets (no segmentation), and leave with one batch verdict for every packet that is due.
+A packet whose notice was lost (socket buffer full) is released by the next batch verdict, as
+the kernel accepts every id up to the given one.
 
 It prints "ready" once bound, and on SIGTERM/SIGINT releases what it holds and exits.
 """
@@ -28,7 +29,7 @@ import struct
 import sys
 import time
 
-from emulated_cluster import parse_time  # this folder: the cluster's own units
+from grace.bench.cluster.units import parse_time
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_QUEUE = 3

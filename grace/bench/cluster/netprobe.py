@@ -1,6 +1,7 @@
-"""Tiny TCP throughput and latency probe used by ``emulated_cluster.py verify``.
+"""Tiny TCP throughput and latency probe used by ``EmulatedCluster.verify`` (verify.py).
 
-Run one end in each network namespace (``ip netns exec NS python netprobe.py ...``):
+Run one end in each network namespace (``ip netns exec NS python netprobe.py ...``, or
+``python -m grace.bench.cluster.netprobe ...``):
 
     netprobe.py recv  --bind IP --port P --warmup 0.5     # prints "ready", then a JSON result
     netprobe.py send  --host IP --port P --seconds 3

@@ -1,0 +1,32 @@
+"""Sizes and dtypes of the wire formats, shared by the core and the native kernels.
+
+Plain arithmetic on counts: this module imports neither ``grace.core`` nor ``grace.native``,
+so both can use it without importing each other.
+"""
+from __future__ import annotations
+
+import math
+
+
+def index_dtype(numel: int) -> str:
+    """The smallest integer type that holds every index of a tensor of ``numel`` elements."""
+    if numel <= 2**8:
+        return "uint8"
+    if numel <= 2**15:
+        return "int16"
+    if numel <= 2**31:
+        return "int32"
+    return "int64"
+
+
+def code_width(levels: int) -> int:
+    """The number of bits that holds ``levels`` distinct codes."""
+    bits = max(1, math.ceil(math.log2(levels)))
+    if bits > 8:
+        raise ValueError(f"{levels} levels do not fit in one byte")
+    return bits
+
+
+def packed_size(numel: int, bits: int) -> int:
+    """Bytes that hold ``numel`` codes of ``bits`` bits each."""
+    return (numel * bits + 7) // 8
