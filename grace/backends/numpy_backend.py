@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from grace.core import bits as bits_
+
 
 class NumpyBackend:
     name = "numpy"
@@ -185,6 +187,12 @@ class NumpyBackend:
     def fused(self, name: str, like, dtype: str = "float32"):
         """No native kernels here: this backend is the oracle they are tested against."""
         return None
+
+    def pack(self, codes, bits: int):
+        return bits_.pack_codes(self, codes, bits)
+
+    def unpack(self, packed, bits: int, numel: int):
+        return bits_.unpack_codes(self, packed, bits, numel)
 
     # --- linear algebra (2-d) ------------------------------------------------------------
     def matmul(self, a, b):

@@ -27,6 +27,7 @@ import tensorflow as tf
 from grace import native as _native
 from grace.formats import index_dtype
 from grace.backends.numpy_backend import NumpyBackend
+from grace.core import bits as bits_
 
 _NUMPY = NumpyBackend()  # the host draws: uniform and random_indices off the GPU
 
@@ -116,8 +117,6 @@ def _host_draw(draw, seed, shape, dtype, like):
         return tf.ensure_shape(out, shape)
 
 
-# What each fused kernel returns, for tf.py_function: dtype names ("index": the index type for
-# the input's length); a tuple returns a tuple
 def _static_shapes(kernel, args, count: int) -> list:
     """The kernel's output shapes for inputs of these static shapes, from running it once,
     eagerly, on zeros (every kernel returns flat arrays); [None] each where a shape is unknown."""
@@ -454,6 +453,12 @@ class TensorflowBackend:
         if tf.executing_eagerly():
             return _native.fused(name, like) if hasattr(like, "numpy") else None
         return _graph_fused(name, like)
+
+    def pack(self, codes, bits: int):
+        return bits_.pack_codes(self, codes, bits)
+
+    def unpack(self, packed, bits: int, numel: int):
+        return bits_.unpack_codes(self, packed, bits, numel)
 
     # --- linear algebra (2-d) ------------------------------------------------------------
     def matmul(self, a, b):

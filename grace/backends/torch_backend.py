@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from grace import native as _native
+from grace.core import bits as bits_
 from grace.backends.numpy_backend import NumpyBackend
 
 
@@ -215,6 +216,14 @@ class TorchBackend:
         return out.index_add_(0, idx.long(), values)
 
     # --- native kernels ------------------------------------------------------------------
+    def pack(self, codes, bits: int):
+        packed = _native.try_pack(codes, bits)  # one pass (csrc/) when built
+        return bits_.pack_codes(self, codes, bits) if packed is None else packed
+
+    def unpack(self, packed, bits: int, numel: int):
+        codes = _native.try_unpack(packed, bits, numel) if bits != 8 else None
+        return bits_.unpack_codes(self, packed, bits, numel) if codes is None else codes
+
     def fused(self, name: str, like, dtype: str = "float32"):
         """The one-pass kernel ``name`` of grace.native for a float32 gradient on the device of
         ``like``, when it is built (None otherwise: the method's tensor-op formula runs)."""

@@ -6,12 +6,14 @@ The last byte is padded with zeros; the element count comes from ctx, so it neve
 
 Widths 1, 2, 4 and 8 divide a byte and pack with one multiply-add per byte. Other widths
 (3, 5, 6, 7 bits) are spread into their bit planes and packed as 1-bit codes: the same stream
-at several times the temporary memory. For torch tensors pack and unpack run the native
-kernels (csrc/, grace.native) when they are built: one pass, the same bytes.
+at several times the temporary memory.
+
+``pack`` and ``unpack`` are backend operations (``xp.pack``, ``xp.unpack``): a backend with a
+native kernel for its tensors (PyTorch: csrc/, grace.native, when built) runs it, one pass and
+the same bytes; the others run ``pack_codes`` / ``unpack_codes``, the tensor-op formula here.
 """
 from __future__ import annotations
 
-from grace import native as _native
 from grace.formats import code_width, packed_size  # noqa: F401  (re-exported)
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -30,13 +32,19 @@ def _place_values(xp, bits: int, like):
 
 def pack(xp, codes, bits: int):
     """uint8 codes (each < 2**bits) -> uint8 bytes."""
-    if xp.name == "torch":  # torch tensors: the native kernel (csrc/) when built
-        packed = _native.try_pack(codes, bits)
-        if packed is not None:
-            return packed
+    return xp.pack(codes, bits)
+
+
+def unpack(xp, packed, bits: int, numel: int):
+    """uint8 bytes -> the first ``numel`` uint8 codes."""
+    return xp.unpack(packed, bits, numel)
+
+
+def pack_codes(xp, codes, bits: int):
+    """``pack`` in tensor operations."""
     codes = xp.cast(xp.flatten(codes), "uint8")
     if 8 % bits:
-        return pack(xp, _bit_planes(xp, codes, bits), 1)
+        return pack_codes(xp, _bit_planes(xp, codes, bits), 1)
     per = 8 // bits
     if per == 1:
         return codes
@@ -46,14 +54,10 @@ def pack(xp, codes, bits: int):
     return xp.cast(xp.sum(xp.reshape(codes, (-1, per)) * _place_values(xp, bits, codes), axis=1), "uint8")
 
 
-def unpack(xp, packed, bits: int, numel: int):
-    """uint8 bytes -> the first ``numel`` uint8 codes."""
-    if xp.name == "torch" and bits != 8:
-        codes = _native.try_unpack(packed, bits, numel)
-        if codes is not None:
-            return codes
+def unpack_codes(xp, packed, bits: int, numel: int):
+    """``unpack`` in tensor operations."""
     if 8 % bits:
-        planes = xp.reshape(unpack(xp, packed, 1, numel * bits), (-1, bits))  # 0/1 times 2**b fits uint8
+        planes = xp.reshape(unpack_codes(xp, packed, 1, numel * bits), (-1, bits))  # 0/1 times 2**b fits uint8
         return xp.cast(xp.sum(planes * _place_values(xp, 1, packed)[:bits], axis=1), "uint8")
     per = 8 // bits
     if per == 1:
