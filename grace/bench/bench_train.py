@@ -292,6 +292,7 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
     bar.close()
     if rank == 0:
         result.write_text(json.dumps(rows, indent=2))
+    engine.close()
 
 
 def worker_quality(config: dict, model_name: str, result: Path) -> None:
@@ -323,6 +324,7 @@ def worker_quality(config: dict, model_name: str, result: Path) -> None:
     bar.close()
     if engine.rank == 0:
         result.write_text(json.dumps(rows, indent=2))
+    engine.close()
 
 
 # ---- stages (the driver) -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import json
 import os
 import time
@@ -144,6 +145,9 @@ class HorovodEngine:
     def gather(self, tensor):
         return self.hvd.allgather(tensor[None])
 
+    def close(self) -> None:
+        """(Horovod shuts itself down at exit.)"""
+
 
 class DDPEngine:
     """PyTorch DistributedDataParallel (launched by torchrun) with grace's communication hook,
@@ -155,9 +159,21 @@ class DDPEngine:
         self.dist = dist
         if not dist.is_initialized():  # (train_methods.py trains one method after another)
             dist.init_process_group("gloo")
-            # torn down before the interpreter's own exit, which can abort while Gloo's threads run
-            atexit.register(dist.destroy_process_group)
+            atexit.register(self._teardown)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def _teardown(self) -> None:
+        """The process group torn down while the interpreter is whole: Gloo's threads can abort
+        its own teardown (terminate called without an active exception) while DDP models and
+        hook states, kept alive by reference cycles, still hold the group."""
+        gc.collect()
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+    def close(self) -> None:
+        """At the end of a run that went well: every rank done with its collectives, then torn down."""
+        self.dist.barrier()
+        self._teardown()
 
     def wrap(self, model, optimizer, compression, **ddp_options):
         import grace.torch.ddp
