@@ -9,16 +9,20 @@ Importing grace imports no toolkit and no Horovod module; the adapter for a tool
 loaded when that toolkit's Horovod module is.
 """
 from grace._import_hooks import install_import_hooks
-from grace.compressors import (adaq, dgc, efsignsgd, fp16, inceptionn, natural, none, onebit, powersgd, qsgd,
-                               randomk, signsgd, signum, sketchml, terngrad, threshold, topk, u8bit)
+from grace import compressors as _compressors  # noqa: F401  (imports and so registers every method)
 from grace.core import Collective, Compressor, Exchange, GradientCompression, Memory, WireStats
-from grace.core.registry import create, from_params, methods
+from grace.core.registry import create, factory as _factory, from_params, methods
 from grace.memories import NoMemory, ResidualMemory
 
 __version__ = "0.1.0"
 __all__ = ["Collective", "Compressor", "Exchange", "GradientCompression", "Memory", "NoMemory",
-           "ResidualMemory", "WireStats", "adaq", "create", "dgc", "efsignsgd", "fp16", "from_params",
-           "inceptionn", "methods", "natural", "none", "onebit", "powersgd", "qsgd", "randomk", "signsgd",
-           "signum", "sketchml", "terngrad", "threshold", "topk", "u8bit"]
+           "ResidualMemory", "WireStats", "create", "from_params", "methods"]
+# every method of grace/compressors as grace.<name>: grace.topk(0.01)
+for _name in methods():
+    if _name in __all__:
+        raise ImportError(f"method {_name!r} would hide grace.{_name}")
+    globals()[_name] = _factory(_name)
+__all__ += methods()
+del _name
 
 install_import_hooks()

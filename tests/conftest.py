@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 VENV_BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 600  # a hung collective fails the test instead of the CI run
+
+
+def worker_env() -> dict:
+    """The environment of launched workers: the venv's launchers first on PATH, one thread each,
+    and the repository on PYTHONPATH (workers import the test package, e.g. its fixture methods)."""
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
+            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def launch(launcher: str, np_: int, script: Path, *args, timeout: int = TIMEOUT) -> str:
@@ -28,8 +37,7 @@ def launch(launcher: str, np_: int, script: Path, *args, timeout: int = TIMEOUT)
         cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(np_), *python]
     else:
         raise ValueError(launcher)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
-           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = worker_env()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:

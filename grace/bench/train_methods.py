@@ -17,7 +17,8 @@ from pathlib import Path
 import grace
 from grace.bench import train
 
-# command-line settings per method (the rest are train.py's defaults)
+# command-line settings per method (the rest, and every setting of a method not listed, are
+# train.py's defaults)
 SETTINGS = {
     "none": [], "fp16": [], "u8bit": [], "onebit": [], "efsignsgd": [],
     "signsgd": ["--lr", "0.005"], "signum": ["--lr", "0.005"],  # each step moves every weight by lr
@@ -31,7 +32,7 @@ COLUMNS = ["method", "settings", "error_feedback", "test_accuracy", "bytes_per_s
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--methods", nargs="+", default=grace.methods(), choices=grace.methods())
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--engine", default="horovod", choices=["horovod", "ddp"])
     parser.add_argument("--out", type=Path, default=Path("results/train_methods"))
@@ -42,7 +43,7 @@ def main(argv=None):
     args = parse_args(argv)
     rows = []
     for method in args.methods:
-        settings = SETTINGS[method]
+        settings = SETTINGS.get(method, [])
         summary = train.main(["--engine", args.engine, "--compressor", method, "--epochs", str(args.epochs),
                               "--no-progress", *settings])
         rows.append({"method": method, "settings": " ".join(settings), **summary})

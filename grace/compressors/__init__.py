@@ -1,24 +1,16 @@
-"""One file per method, each reading like its row in docs/methods.md."""
-from grace.compressors.adaq import AdaQ, adaq
-from grace.compressors.dgc import DGC, dgc
-from grace.compressors.efsignsgd import EFSignSGD, efsignsgd
-from grace.compressors.fp16 import FP16, fp16
-from grace.compressors.inceptionn import Inceptionn, inceptionn
-from grace.compressors.natural import Natural, natural
-from grace.compressors.none import NoneCompressor, none
-from grace.compressors.onebit import OneBit, onebit
-from grace.compressors.powersgd import PowerSGD, powersgd
-from grace.compressors.qsgd import QSGD, qsgd
-from grace.compressors.randomk import RandomK, randomk
-from grace.compressors.signsgd import SignSGD, signsgd
-from grace.compressors.signum import Signum, signum
-from grace.compressors.sketchml import SketchML, sketchml
-from grace.compressors.terngrad import TernGrad, terngrad
-from grace.compressors.threshold import Threshold, threshold
-from grace.compressors.topk import TopK, topk
-from grace.compressors.u8bit import U8Bit, u8bit
+"""One file per method, each reading like its row in docs/methods.md.
 
-__all__ = ["AdaQ", "DGC", "EFSignSGD", "FP16", "Inceptionn", "Natural", "NoneCompressor", "OneBit",
-           "PowerSGD", "QSGD", "RandomK", "SignSGD", "Signum", "SketchML", "TernGrad", "Threshold", "TopK",
-           "U8Bit", "adaq", "dgc", "efsignsgd", "fp16", "inceptionn", "natural", "none", "onebit", "powersgd",
-           "qsgd", "randomk", "signsgd", "signum", "sketchml", "terngrad", "threshold", "topk", "u8bit"]
+Every module here is imported, and what it defines (its compressor, its registered factory)
+is exported: a new method is a new file."""
+import importlib
+import pkgutil
+
+__all__ = []
+for _info in pkgutil.iter_modules(__path__):
+    _module = importlib.import_module(f"{__name__}.{_info.name}")
+    for _name, _value in vars(_module).items():
+        if not _name.startswith("_") and getattr(_value, "__module__", None) == _module.__name__:
+            globals()[_name] = _value
+            __all__.append(_name)
+__all__.sort()
+del _info, _module, _name, _value

@@ -6,7 +6,7 @@
 """
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape, check_ratio, index_bits, index_dtype
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
@@ -43,7 +43,7 @@ class AdaQ(Compressor):
         return xp.reshape(xp.cast(xp.scatter_add(indices, values, ctx.numel), ctx.dtype), ctx.shape)
 
 
-@register("adaq", compress_ratio="ratio")
+@register("adaq", compress_ratio="ratio", examples=dict(adaq=example(0.1)))
 def adaq(ratio: float = 0.01, *, memory="residual", communicator=None) -> GradientCompression:
     """AdaQ: the top ``ratio`` of the positive and of the negative elements, each at its mean."""
     return GradientCompression(AdaQ(ratio), make_memory(memory), communicator)

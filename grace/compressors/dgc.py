@@ -13,7 +13,7 @@ import math
 from grace.compressors.sparse import Sparsifier
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_ratio
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import DGCMemory, make_memory
 
 
@@ -55,7 +55,8 @@ class DGC(Sparsifier):
 
 
 @register("dgc", compress_ratio="ratio", sample_ratio="sample_ratio", warmup_steps="warmup_steps",
-          momentum="momentum", clip_norm="clip_norm", seed="seed")
+          momentum="momentum", clip_norm="clip_norm", seed="seed",
+          examples=dict(dgc=example(0.1), dgc_warmup=example(0.01, warmup_steps=5, sample_ratio=0.1)))
 def dgc(ratio: float, *, sample_ratio: float = 0.01, warmup_steps: int = 0, momentum: float = 0.9,
         clip_norm: float = 0.0, seed: int = 0, memory="dgc", communicator=None) -> GradientCompression:
     """DGC: sampled-threshold sparsification with momentum correction (use an optimizer

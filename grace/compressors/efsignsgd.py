@@ -10,7 +10,7 @@
 from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape, check_number
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import EFSignSGDMemory, make_memory
 
 
@@ -43,7 +43,7 @@ class EFSignSGD(Compressor):
         return super().aggregate(xp, payloads, ctx) / self.lr
 
 
-@register("efsignsgd", lr="lr")
+@register("efsignsgd", lr="lr", examples=dict(efsignsgd=example(0.1)))
 def efsignsgd(lr: float, *, memory="efsignsgd", communicator=None) -> GradientCompression:
     """EF-signSGD: scaled sign (1 bit + 1 float) with error feedback; ``lr`` as the optimizer's."""
     compressor = EFSignSGD(lr)

@@ -5,7 +5,7 @@ cannot overflow where each one alone did not; decompress multiplies back, so Q^-
 """
 from grace.core.compressor import Collective, Compressor, Shape
 from grace.core.compression import GradientCompression
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
@@ -32,7 +32,7 @@ class FP16(Compressor):
         return xp.reshape(xp.cast(payload[0], shape.dtype) * n, shape.shape)
 
 
-@register("fp16", dtype="dtype")
+@register("fp16", dtype="dtype", examples=dict(fp16=example(), bf16=example("bfloat16")))
 def fp16(dtype: str = "float16", *, memory="none", communicator=None) -> GradientCompression:
     """Half precision (16 bits per element): ``dtype`` is 'float16' or 'bfloat16'."""
     return GradientCompression(FP16(dtype), make_memory(memory), communicator)

@@ -13,7 +13,7 @@ elements in index order, so the tags alone say where every value goes.
 from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape, check_number
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
@@ -50,7 +50,7 @@ class Inceptionn(Compressor):
         return xp.reshape(xp.cast(out, ctx.dtype), ctx.shape)
 
 
-@register("inceptionn", error_bound="error_bound")
+@register("inceptionn", error_bound="error_bound", examples=dict(inceptionn=example(0.01)))
 def inceptionn(error_bound: float = 2.0**-12, *, memory="none", communicator=None) -> GradientCompression:
     """Error-bounded lossy floats: 2-bit tag plus 0, 8, 16 or 32 bits per element."""
     return GradientCompression(Inceptionn(error_bound), make_memory(memory), communicator)

@@ -9,6 +9,7 @@ class NoneCompressor(Compressor):
     collective = Collective.ALLREDUCE
     supports_allreduce = True
     elementwise = True
+    unbiased = True
     passes_nonfinite = True
 
     def compress(self, xp, x, info):

@@ -10,7 +10,7 @@ Vectors and scalars travel uncompressed in one allreduce. Q is the per-tensor st
 """
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
@@ -52,7 +52,8 @@ class PowerSGD(Compressor):
         return out, out, q
 
 
-@register("powersgd", matrix_approximation_rank="rank", rank="rank", seed="seed")
+@register("powersgd", matrix_approximation_rank="rank", rank="rank", seed="seed",
+          examples=dict(powersgd=example(2)))
 def powersgd(rank: int = 1, *, seed: int = 0, memory="powersgd", communicator=None) -> GradientCompression:
     """PowerSGD: rank-``rank`` approximation of each matrix, two allreduce rounds."""
     return GradientCompression(PowerSGD(rank, seed), make_memory(memory), communicator)

@@ -12,12 +12,13 @@ import math
 from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
 class QSGD(Compressor):
     collective = Collective.ALLGATHER
+    unbiased = True
 
     def __init__(self, levels: int = 127, bucket_size: int = 0, seed: int = 0):
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
@@ -72,7 +73,8 @@ class QSGD(Compressor):
         return xp.reshape(xp.cast(values, ctx.dtype), ctx.shape)
 
 
-@register("qsgd", quantum_num="levels", bucket_size="bucket_size", seed="seed")
+@register("qsgd", quantum_num="levels", bucket_size="bucket_size", seed="seed",
+          examples=dict(qsgd=example(4), qsgd_bucketed=example(127, bucket_size=64)))
 def qsgd(levels: int = 127, *, bucket_size: int = 0, seed: int = 0, memory="none",
          communicator=None) -> GradientCompression:
     """QSGD with ``levels`` quantization levels (GRACE's quantum_num), unbiased."""

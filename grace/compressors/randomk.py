@@ -8,7 +8,7 @@ import math
 
 from grace.core.compressor import Collective, Compressor, Shape, check_ratio
 from grace.core.compression import GradientCompression
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
@@ -22,6 +22,10 @@ class RandomK(Compressor):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self.seed = seed
+
+    @property
+    def unbiased(self) -> bool:
+        return self.scale
 
     def compress(self, xp, x, info):
         flat = xp.flatten(x)
@@ -41,7 +45,8 @@ class RandomK(Compressor):
         return xp.reshape(xp.scatter_add(indices, payload[0], shape.numel), shape.shape)
 
 
-@register("randomk", compress_ratio="ratio", scale="scale", seed="seed")
+@register("randomk", compress_ratio="ratio", scale="scale", seed="seed",
+          examples=dict(randomk=example(0.1), randomk_scaled=example(0.1, scale=True)))
 def randomk(ratio: float, *, scale: bool = False, seed: int = 0, memory="residual",
             communicator=None) -> GradientCompression:
     """Random-k: ceil(ratio * d) elements at indices drawn from a seed all ranks share."""

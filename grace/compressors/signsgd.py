@@ -7,7 +7,7 @@
 from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
@@ -40,7 +40,7 @@ class SignSGD(Compressor):
         return mean if self.aggregate_by == "mean" else xp.sign(mean)  # sign of mean = sign of sum
 
 
-@register("signsgd", aggregate="aggregate")
+@register("signsgd", aggregate="aggregate", examples=dict(signsgd=example(), signsgd_mean=example("mean")))
 def signsgd(aggregate: str = "majority", *, memory="none", communicator=None) -> GradientCompression:
     """signSGD: 1 bit per element; majority vote (or mean) of the ranks' signs."""
     return GradientCompression(SignSGD(aggregate), make_memory(memory), communicator)

@@ -16,7 +16,7 @@ keys is not reproduced.
 from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
@@ -59,7 +59,7 @@ class SketchML(Compressor):
         return xp.reshape(xp.cast(xp.scatter_add(positions, values, ctx.numel), ctx.dtype), ctx.shape)
 
 
-@register("sketchml", buckets="buckets")
+@register("sketchml", buckets="buckets", examples=dict(sketchml=example(16)))
 def sketchml(buckets: int = 256, *, memory="residual", communicator=None) -> GradientCompression:
     """SketchML: non-zeros as 8-bit quantile-bucket codes plus the bucket means."""
     return GradientCompression(SketchML(buckets), make_memory(memory), communicator)

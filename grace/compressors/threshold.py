@@ -8,7 +8,7 @@ expressed in gradient units, which needs no rescaling when the learning rate cha
 from grace.compressors.sparse import Sparsifier
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_number
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
@@ -26,7 +26,7 @@ class Threshold(Sparsifier):
         return xp.nonzero(xp.abs(flat) >= self.threshold)
 
 
-@register("threshold", threshold="threshold")
+@register("threshold", threshold="threshold", examples=dict(threshold=example(0.5)))
 def threshold(threshold: float, *, memory="residual", communicator=None) -> GradientCompression:
     """Hard threshold: every element with |x| >= threshold, with its index, by allgather."""
     return GradientCompression(Threshold(threshold), make_memory(memory), communicator)

@@ -7,7 +7,7 @@ import math
 from grace.compressors.sparse import Sparsifier
 from grace.core.compressor import check_ratio
 from grace.core.compression import GradientCompression
-from grace.core.registry import register
+from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
@@ -24,7 +24,7 @@ class TopK(Sparsifier):
         return xp.sort(xp.topk_indices(xp.abs(flat), self.kernel_argument(xp.numel(flat))))
 
 
-@register("topk", compress_ratio="ratio")
+@register("topk", compress_ratio="ratio", examples=dict(topk=example(0.1)))
 def topk(ratio: float, *, memory="residual", communicator=None) -> GradientCompression:
     """Top-k: the ceil(ratio * d) largest magnitudes, with their indices, by allgather."""
     return GradientCompression(TopK(ratio), make_memory(memory), communicator)

@@ -29,6 +29,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence, Tuple
 
+from grace.formats import index_dtype  # noqa: F401  (re-exported: methods import it from here)
+
 Payload = Tuple[Any, ...]
 
 
@@ -102,6 +104,8 @@ class Compressor:
     passes_nonfinite: bool = False
     #: the per-tensor state is the same on every rank (PowerSGD's Q), not the rank's own
     shared_state: bool = False
+    #: E[decompress(compress(x))] = x: its rounding or scaling is right on average
+    unbiased: bool = False
 
     def compress(self, xp, x, info: TensorInfo) -> Tuple[Payload, Any]:
         raise NotImplementedError
@@ -168,17 +172,6 @@ def check_float_dtype(dtype: str, method: str) -> None:
             f"{method} compresses floating-point gradients ({', '.join(FLOAT_DTYPES)}); "
             f"got a tensor of dtype {dtype}"
         )
-
-
-def index_dtype(numel: int) -> str:
-    """The smallest integer type that holds every index of a tensor of ``numel`` elements."""
-    if numel <= 2**8:
-        return "uint8"
-    if numel <= 2**15:
-        return "int16"
-    if numel <= 2**31:
-        return "int32"
-    return "int64"
 
 
 def index_bits(numel: int) -> int:

@@ -1,22 +1,74 @@
-"""Methods by name: each method file registers its factory with one decorator line."""
+"""Methods by name: each method file registers its factory, and the arguments it is tried
+with, in one decorator line.
+
+    @register("qsgd", quantum_num="levels", bucket_size="bucket_size",
+              examples=dict(qsgd=example(4), qsgd_bucketed=example(127, bucket_size=64)))
+    def qsgd(levels: int = 127, *, bucket_size: int = 0, ...) -> GradientCompression: ...
+
+The examples are what the test catalogues run every method with (labelled as their test ids);
+the one labelled with the method's name is its main one. What a method is (its collective,
+variable-length payload, rounds, unbiasedness) its compressor says (see ``Compressor``).
+"""
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from grace.core.compression import DEFAULT_BUCKET_MB, GradientCompression
 
-_FACTORIES: Dict[str, Callable[..., GradientCompression]] = {}
-_GRACE_PARAMS: Dict[str, Dict[str, str]] = {}
+#: where grace's own methods live; the others (plug-ins, test fixtures) register from elsewhere
+SHIPPED = "grace.compressors"
 # Keys of GRACE's parameter dictionary that every method accepts; world_size comes from Horovod.
 _COMMON_PARAMS = {"memory": "memory", "communicator": "communicator", "bucket_mb": "bucket_mb", "scope": "scope"}
 _IGNORED_PARAMS = {"world_size"}
 
 
-def register(name: str, **grace_params: str):
+@dataclass(frozen=True)
+class Example:
+    """Arguments a method's factory is tried with."""
+
+    args: tuple = ()
+    kwargs: Mapping = field(default_factory=dict)
+
+
+def example(*args, **kwargs) -> Example:
+    return Example(args, kwargs)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    factory: Callable[..., GradientCompression]
+    grace_params: Dict[str, str]
+    examples: Dict[str, Example]
+
+    @property
+    def module(self) -> str:
+        return self.factory.__module__
+
+    def make(self, label: Optional[str] = None) -> Callable[[], GradientCompression]:
+        """A call that builds the method with the example ``label`` (default: its main one)."""
+        chosen = self.examples[label or self.name]
+        return functools.partial(self.factory, *chosen.args, **chosen.kwargs)
+
+
+_METHODS: Dict[str, Method] = {}
+
+
+def register(name: str, *, examples: Optional[Dict[str, Example]] = None, **grace_params: str):
     """Register a factory under ``name``; ``grace_params`` maps GRACE dictionary keys to its
-    keyword arguments (e.g. ``compress_ratio="ratio"``). The registered factory also takes
-    ``bucket_mb=`` and ``scope=`` (see ``GradientCompression``)."""
+    keyword arguments (e.g. ``compress_ratio="ratio"``); ``examples`` labels the arguments the
+    tests try it with, one labelled ``name`` among them (default: ``{name: example()}``, the
+    factory's defaults). The registered factory also takes ``bucket_mb=`` and ``scope=`` (see
+    ``GradientCompression``)."""
+    examples = dict(examples or {name: example()})
+    if name not in examples:
+        raise ValueError(f"{name}: one of its examples must be labelled {name!r} (its main one)")
+    taken = {label: m.name for m in _METHODS.values() if m.name != name for label in m.examples}
+    clashes = sorted(label for label in examples if label in taken)
+    if clashes:
+        raise ValueError(f"{name}: example labels {clashes} are taken by {sorted({taken[c] for c in clashes})}")
 
     def decorate(factory):
         @functools.wraps(factory)
@@ -24,21 +76,38 @@ def register(name: str, **grace_params: str):
             method = factory(*args, **kwargs)
             return GradientCompression(method.compressor, method.memory, method.collective, bucket_mb, scope)
 
-        _FACTORIES[name] = make
-        _GRACE_PARAMS[name] = {**_COMMON_PARAMS, **grace_params}
+        _METHODS[name] = Method(name, make, {**_COMMON_PARAMS, **grace_params}, examples)
         return make
 
     return decorate
 
 
-def methods():
-    return sorted(_FACTORIES)
+def _registered(package: Optional[str]):
+    return [_METHODS[name] for name in sorted(_METHODS)
+            if package is None or (_METHODS[name].module + ".").startswith(package + ".")]
+
+
+def methods(package: Optional[str] = SHIPPED):
+    """The names of the methods registered from ``package`` (default: grace's own; None: every
+    registered method, plug-ins and test fixtures included)."""
+    return [method.name for method in _registered(package)]
+
+
+def examples(package: Optional[str] = None, *, method: Optional[str] = None) -> Dict[str, Callable[[], Any]]:
+    """label -> a call that builds that example, for every example of the methods registered
+    from ``package`` (None: all of them), or of ``method`` alone; methods in name order."""
+    chosen = [_METHODS[method]] if method else _registered(package)
+    return {label: m.make(label) for m in chosen for label in m.examples}
+
+
+def factory(name: str) -> Callable[..., GradientCompression]:
+    if name not in _METHODS:
+        raise ValueError(f"unknown compression method {name!r}; available: {', '.join(methods())}")
+    return _METHODS[name].factory
 
 
 def create(name: str, **kwargs) -> GradientCompression:
-    if name not in _FACTORIES:
-        raise ValueError(f"unknown compression method {name!r}; available: {', '.join(methods())}")
-    return _FACTORIES[name](**kwargs)
+    return factory(name)(**kwargs)
 
 
 def from_params(params: dict) -> GradientCompression:
@@ -48,9 +117,8 @@ def from_params(params: dict) -> GradientCompression:
     if "compressor" not in params:
         raise ValueError("params needs a 'compressor' key naming the method")
     name = params.pop("compressor")
-    if name not in _FACTORIES:
-        raise ValueError(f"unknown compression method {name!r}; available: {', '.join(methods())}")
-    accepted = _GRACE_PARAMS[name]
+    make = factory(name)
+    accepted = _METHODS[name].grace_params
     kwargs = {}
     for key, value in params.items():
         if key in _IGNORED_PARAMS:
@@ -58,4 +126,4 @@ def from_params(params: dict) -> GradientCompression:
         if key not in accepted:
             raise ValueError(f"{name} does not take parameter {key!r}; it takes {', '.join(sorted(accepted))}")
         kwargs[accepted[key]] = value
-    return create(name, **kwargs)
+    return make(**kwargs)

@@ -6,7 +6,6 @@ averaged gradient is the mean of the current ranks' gradients."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import stat
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import TIMEOUT, VENV_BIN
+from tests.conftest import TIMEOUT, VENV_BIN, worker_env
 
 WORKERS = {"torch": Path(__file__).parent / "workers" / "torch_elastic.py",
            "tensorflow": Path(__file__).parent / "workers" / "tensorflow_elastic.py"}
@@ -55,8 +54,7 @@ def run(request, tmp_path_factory):
            "--host-discovery-script", str(discover), "--elastic-timeout", "60",
            sys.executable, str(WORKERS[framework]), "--out", str(out), "--hosts", str(hosts), "--grow-host", third,
            "--method", method]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=out)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=worker_env(), cwd=out)
     result = out / f"{method}.json"
     if not result.exists():
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}, no result:\n{(proc.stdout + proc.stderr)[-6000:]}")

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from grace.core import registry
 from tests.conftest import launch
 from tests.multiprocess.workers.common import VARIANTS
 
@@ -18,6 +19,7 @@ LABELS = ["none", "fp16", "bf16", "topk", "topk_per_tensor", "topk_bucket_scope"
           "randomk_scaled", "signsgd", "signsgd_mean", "onebit", "qsgd", "qsgd_bucketed_broadcast",
           "terngrad", "natural", "u8bit", "inceptionn", "signum", "efsignsgd", "dgc", "adaq",
           "sketchml", "powersgd", "powersgd_per_tensor", "powersgd_small_buckets"]
+LABELS += [name for name in registry.methods(None) if name not in LABELS]  # any other method (a test fixture)
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,17 @@ the CI log records accuracy, bytes per step and steps per second per method.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+import grace
+from grace.core import registry
 from tests.conftest import launch
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "train_methods.py"
+README = Path(__file__).parents[2] / "README.md"
 EPOCHS = 30
 LAUNCHER = {"horovod": "horovodrun", "ddp": "torchrun"}
 
@@ -30,7 +34,7 @@ def table(tmp_path_factory):
         if engine not in done:
             out = tmp_path_factory.mktemp(f"train_methods_{engine}")
             output = launch(LAUNCHER[engine], 4, SCRIPT, "--engine", engine, "--epochs", EPOCHS, "--out", out,
-                            timeout=1800)
+                            "--methods", *grace.methods(), timeout=1800)  # every method grace ships
             print(f"\n{engine}:\n" + output[output.find("| method"):])
             done[engine] = {r["method"]: r for r in json.loads((out / "table.json").read_text())["runs"]}
         return done[engine]
@@ -64,3 +68,31 @@ def test_ddp_matches_horovod(table):
         assert ddp[method]["bytes_per_step"] == horovod[method]["bytes_per_step"], method
         assert abs(ddp[method]["test_accuracy"] - horovod[method]["test_accuracy"]) <= 0.02, \
             (method, ddp[method]["test_accuracy"], horovod[method]["test_accuracy"])
+
+
+def readme_table(header: str):
+    """The rows of README's table whose header starts with ``header``, as lists of cells."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            return rows
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_readme_tables_show_every_method_grace_ships_as_it_is():
+    """The method table has a row per method of grace/compressors whose collective, variable
+    length, rounds and unbiasedness are its compressor's; the training table a row per method."""
+    rows = {re.match(r"`grace\.(\w+)\(", row[0]).group(1): row for row in readme_table("| call | family | collective |")}
+    assert sorted(rows) == grace.methods()
+    for name, (_, _, collective, _, unbiased, *_) in rows.items():
+        examples = {label: make().compressor for label, make in registry.examples(method=name).items()}
+        main, flags = examples[name], {c.unbiased for c in examples.values()}
+        assert collective.split(" ")[0].rstrip(",") == main.collective.value, name
+        assert ("variable length" in collective) == main.variable_length, name
+        assert ("two rounds" in collective) == main.multi_round, name
+        said = "yes" if flags == {True} else "no" if flags == {False} else "with"  # "with `scale=True`"
+        assert unbiased.split(" ")[0] == said, (name, unbiased)
+    assert sorted(row[0] for row in readme_table("| method | settings | error feedback |")) == grace.methods()

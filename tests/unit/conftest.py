@@ -9,39 +9,17 @@ import os
 import numpy as np
 import pytest
 
-import grace
 from grace.backends import get_backend
+from grace.core import registry
 from grace.core.wire import run_local
+import tests.fixtures.methods  # noqa: F401  (registers the fixture methods)
 
 BACKENDS = ["numpy", "torch"]
 TORCH_DEVICE = os.environ.get("GRACE_TEST_DEVICE", "cpu")
 
-# label -> factory; every registered method appears at least once
-METHODS = {
-    "none": lambda: grace.none(),
-    "fp16": lambda: grace.fp16(),
-    "bf16": lambda: grace.fp16("bfloat16"),
-    "topk": lambda: grace.topk(0.1),
-    "randomk": lambda: grace.randomk(0.1),
-    "randomk_scaled": lambda: grace.randomk(0.1, scale=True),
-    "threshold": lambda: grace.threshold(0.5),
-    "signsgd": lambda: grace.signsgd(),
-    "signsgd_mean": lambda: grace.signsgd("mean"),
-    "onebit": lambda: grace.onebit(),
-    "qsgd": lambda: grace.qsgd(4),
-    "qsgd_bucketed": lambda: grace.qsgd(127, bucket_size=64),
-    "terngrad": lambda: grace.terngrad(),
-    "natural": lambda: grace.natural(),
-    "u8bit": lambda: grace.u8bit(),
-    "inceptionn": lambda: grace.inceptionn(0.01),
-    "signum": lambda: grace.signum(),
-    "efsignsgd": lambda: grace.efsignsgd(0.1),
-    "dgc": lambda: grace.dgc(0.1),
-    "dgc_warmup": lambda: grace.dgc(0.01, warmup_steps=5, sample_ratio=0.1),
-    "adaq": lambda: grace.adaq(0.1),
-    "sketchml": lambda: grace.sketchml(16),
-    "powersgd": lambda: grace.powersgd(2),
-}
+# label -> factory: every example of every registered method (grace/core/registry.py), test
+# fixtures (tests/fixtures/methods) included
+METHODS = registry.examples()
 
 
 def roundtrip(xp, compressor, x, info):

@@ -15,6 +15,8 @@ from typing import Callable
 import numpy as np
 
 import grace
+import tests.fixtures.methods  # noqa: F401  (registers the fixture methods; tests.conftest.launch sets PYTHONPATH)
+from grace.core import registry
 
 # name, shape, scale ("tiny" is below every threshold: that rank sends nothing for it)
 PARAMS = [
@@ -42,37 +44,26 @@ class Variant:
 
 
 VARIANTS = {
-    "none": Variant(grace.none),
-    "fp16": Variant(grace.fp16),
-    "bf16": Variant(lambda: grace.fp16("bfloat16")),
-    "topk": Variant(lambda: grace.topk(0.1)),
+    # every example of every registered method (grace/core/registry.py; test fixtures included) ...
+    **{label: Variant(make) for label, make in registry.examples().items()},
+    # ... some with the settings these inputs call for instead of the example's ...
+    "threshold": Variant(lambda: grace.threshold(1.5)),
+    "randomk": Variant(lambda: grace.randomk(0.25)),
+    "randomk_scaled": Variant(lambda: grace.randomk(0.25, scale=True, memory="none")),
+    "inceptionn": Variant(lambda: grace.inceptionn(1e-4)),  # all four tags occur
+    "signum": Variant(lambda: grace.signum(0.5)),
+    "dgc": Variant(lambda: grace.dgc(0.05, sample_ratio=0.1, clip_norm=5.0)),
+    # ... and more ways to run them
     "topk_nomemory": Variant(lambda: grace.topk(0.1, memory="none")),
     "topk_broadcast": Variant(lambda: grace.topk(0.1, communicator="broadcast")),
     "topk_sum": Variant(lambda: grace.topk(0.1), op="sum"),
     "topk_checkpoint": Variant(lambda: grace.topk(0.1), checkpoint_after=1),
     "topk_eager": Variant(lambda: grace.topk(0.1), eager=True),
-    "threshold": Variant(lambda: grace.threshold(1.5)),
     "threshold_broadcast": Variant(lambda: grace.threshold(1.5, communicator="broadcast")),
-    "randomk": Variant(lambda: grace.randomk(0.25)),
-    "randomk_scaled": Variant(lambda: grace.randomk(0.25, scale=True, memory="none")),
     "randomk_passes2": Variant(lambda: grace.randomk(0.25), passes=2),
     "randomk_unnamed": Variant(lambda: grace.randomk(0.25), named=False),
-    "signsgd": Variant(grace.signsgd),
-    "signsgd_mean": Variant(lambda: grace.signsgd("mean")),
-    "onebit": Variant(grace.onebit),
-    "qsgd": Variant(lambda: grace.qsgd(4)),
     "qsgd_bucketed_broadcast": Variant(lambda: grace.qsgd(16, bucket_size=50, communicator="broadcast")),
-    "terngrad": Variant(grace.terngrad),
-    "natural": Variant(grace.natural),
-    "u8bit": Variant(grace.u8bit),
-    "inceptionn": Variant(lambda: grace.inceptionn(1e-4)),  # all four tags occur
-    "signum": Variant(lambda: grace.signum(0.5)),
-    "efsignsgd": Variant(lambda: grace.efsignsgd(0.1)),
-    "dgc": Variant(lambda: grace.dgc(0.05, sample_ratio=0.1, clip_norm=5.0)),
     "dgc_warmup_broadcast": Variant(lambda: grace.dgc(0.01, warmup_steps=2, communicator="broadcast")),
-    "adaq": Variant(lambda: grace.adaq(0.1)),
-    "sketchml": Variant(lambda: grace.sketchml(16)),
-    "powersgd": Variant(lambda: grace.powersgd(2)),
     "powersgd_checkpoint": Variant(lambda: grace.powersgd(1), checkpoint_after=1),
     "signum_checkpoint": Variant(lambda: grace.signum(0.5), checkpoint_after=0),
     # every variant above exchanges one 25 MB bucket; these exchange each tensor alone ...

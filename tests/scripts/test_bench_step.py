@@ -1,0 +1,29 @@
+"""scripts/bench_step.py end to end on the CPU (mlp48, two methods): the table and the JSON,
+with grace's work and the stand-in collectives timed apart."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
+
+
+def test_bench_step_reports_work_without_the_stand_in_collectives(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--models", "mlp48", "--methods", "none", "topk",
+                           "--iters", "2", "--threads", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads((tmp_path / "bench_step_cpu.json").read_text())["rows"]}
+    assert set(rows) == {"none", "topk"}
+    for row in rows.values():
+        assert row["tensors"] == 96 and row["per_tensor_calls"] >= 96
+        assert row["bucketed_calls"] == 2  # 50 MB of gradients in 25 MB buckets
+        for mode in ("per_tensor", "bucketed"):
+            assert row[f"{mode}_collective_ms"] > 0
+            assert row[f"{mode}_work_ms"] == pytest.approx(row[f"{mode}_exchange_ms"] - row[f"{mode}_collective_ms"])
+    assert rows["topk"]["bucketed_bytes"] * 40 < rows["none"]["bucketed_bytes"]
+    assert "mlp48 on cpu: 96 gradient tensors" in proc.stdout
