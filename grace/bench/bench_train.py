@@ -48,7 +48,7 @@ import grace
 from grace.bench import cost_model
 from grace.bench.common import REPO, load_config, write_results
 from grace.bench.ddp_baselines import DDPHook
-from grace.bench.train import ENGINES, OWN_MOMENTUM, digits
+from grace.bench.train import ENGINES, OWN_MOMENTUM, DigitsRun, build_model, digits
 
 DEFAULT_CONFIG = REPO / "configs" / "bench_train.yaml"
 
@@ -113,77 +113,23 @@ def baselines(config: dict) -> dict:
 
 
 # ---- what each rank runs -------------------------------------------------------------------
-def build_model(spec: dict):
-    import torch.nn as nn
-
-    if spec["kind"] == "mlp":
-        sizes = [64, *spec["hidden"], 10]
-        layers = []
-        for a, b in zip(sizes, sizes[1:]):
-            layers += [nn.Linear(a, b), nn.ReLU()]
-        return nn.Sequential(*layers[:-1])
-    c = spec["channels"]
-    layers, width = [nn.Unflatten(1, (1, 8, 8))], 1
-    if spec.get("upsample", 1) > 1:  # more pixels: more compute per parameter
-        layers.append(nn.Upsample(scale_factor=spec["upsample"]))
-    for _ in range(spec["layers"]):
-        layers += [nn.Conv2d(width, c, 3, padding=1), nn.ReLU()]
-        width = c
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(8), nn.Flatten(), nn.Linear(c * 64, 10))
-
-
-class Run:
-    """One rank's model, data shard and distributed optimizer (through the engine) for one method."""
+class Run(DigitsRun):
+    """One rank's run of one method of the config (the training loop is train.py's)."""
 
     def __init__(self, config: dict, model_name: str, method: dict, engine):
         import torch
 
         torch.manual_seed(config["seed"])
         model = build_model(config["models"][model_name])
-        self.compression = make_compression(method, config, getattr(engine, "hvd", None))
-        momentum = 0.0 if method_key(method) in OWN_MOMENTUM else config["momentum"]
-        optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=momentum)
-        self.engine = engine
+        compression = make_compression(method, config, getattr(engine, "hvd", None))
         options = {"bucket_cap_mb": method["bucket_cap_mb"]} if "bucket_cap_mb" in method else {}
-        self.model, self.optimizer = engine.wrap(model, optimizer, self.compression, **options)
-
-        x_train, x_test, y_train, y_test = digits(config["seed"])
-        rank, size = engine.rank, engine.size
-        self.x, self.y = torch.from_numpy(x_train[rank::size]), torch.from_numpy(y_train[rank::size])
-        self.x_test, self.y_test = torch.from_numpy(x_test), y_test
-        self.batch = config["batch_size"]
-        # every rank takes as many steps per epoch, or the collectives would not pair up
-        self.steps_per_epoch = int(engine.reduce(len(self.x) // self.batch, "min"))
-        self.rng = np.random.default_rng(config["seed"] + rank)
-
-    def epoch_batches(self):
-        import torch
-
-        order = torch.from_numpy(self.rng.permutation(len(self.x)))
-        for s in range(self.steps_per_epoch):
-            idx = order[s * self.batch:(s + 1) * self.batch]
-            yield self.x[idx], self.y[idx]
-
-    def step(self, x, y) -> None:
-        import torch.nn.functional as F
-
-        self.optimizer.zero_grad()
-        F.cross_entropy(self.model(x), y).backward()
-        self.optimizer.step()
-
-    def accuracy(self) -> float:
-        import torch
-
-        with torch.no_grad():
-            return float((self.model(self.x_test).argmax(1).numpy() == self.y_test).mean())
+        super().__init__(engine, model, compression, lr=config["lr"],
+                         momentum=0.0 if method_key(method) in OWN_MOMENTUM else config["momentum"],
+                         batch_size=config["batch_size"], seed=config["seed"], **options)
 
     @property
     def is_grace(self) -> bool:
         return isinstance(self.compression, grace.GradientCompression)
-
-    @property
-    def parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
 
     def bytes_per_step(self) -> int:
         """Bytes this rank handed to the collectives in the last step."""

@@ -206,47 +206,105 @@ class DDPEngine:
 ENGINES = {"horovod": HorovodEngine, "ddp": DDPEngine}
 
 
+def build_model(spec: dict):
+    """A model for 8x8 digits: ``{"kind": "mlp", "hidden": [...]}`` or ``{"kind": "cnn", "channels":
+    c, "layers": n, "upsample": f}``."""
+    import torch.nn as nn
+
+    if spec["kind"] == "mlp":
+        sizes = [64, *spec["hidden"], 10]
+        layers = []
+        for a, b in zip(sizes, sizes[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        return nn.Sequential(*layers[:-1])
+    c = spec["channels"]
+    layers, width = [nn.Unflatten(1, (1, 8, 8))], 1
+    if spec.get("upsample", 1) > 1:  # more pixels: more compute per parameter
+        layers.append(nn.Upsample(scale_factor=spec["upsample"]))
+    for _ in range(spec["layers"]):
+        layers += [nn.Conv2d(width, c, 3, padding=1), nn.ReLU()]
+        width = c
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(8), nn.Flatten(), nn.Linear(c * 64, 10))
+
+
+class DigitsRun:
+    """One rank's model, its shard of the digits and its distributed optimizer (through an
+    engine): the training loop of train.py and of the benchmarks."""
+
+    def __init__(self, engine, model, compression, *, lr: float, momentum: float, batch_size: int, seed: int,
+                 **ddp_options):
+        import torch
+
+        self.engine, self.compression = engine, compression
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        self.model, self.optimizer = engine.wrap(model, optimizer, compression, **ddp_options)
+        x_train, x_test, y_train, y_test = digits(seed)
+        rank, size = engine.rank, engine.size
+        self.x, self.y = torch.from_numpy(x_train[rank::size]), torch.from_numpy(y_train[rank::size])
+        self.x_test, self.y_test = torch.from_numpy(x_test), y_test
+        self.batch = batch_size
+        # every rank takes as many steps per epoch, or the collectives would not pair up
+        self.steps_per_epoch = int(engine.reduce(len(self.x) // self.batch, "min"))
+        self.rng = np.random.default_rng(seed + rank)
+
+    def epoch_batches(self):
+        import torch
+
+        order = torch.from_numpy(self.rng.permutation(len(self.x)))
+        for s in range(self.steps_per_epoch):
+            idx = order[s * self.batch:(s + 1) * self.batch]
+            yield self.x[idx], self.y[idx]
+
+    def step(self, x, y):
+        """One step; the loss."""
+        import torch.nn.functional as F
+
+        self.optimizer.zero_grad()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+    def accuracy(self) -> float:
+        import torch
+
+        with torch.no_grad():
+            return float((self.model(self.x_test).argmax(1).numpy() == self.y_test).mean())
+
+    def ranks_agree(self) -> bool:
+        """Whether every rank holds the same model."""
+        import torch
+
+        checksum = self.engine.gather(torch.cat([p.detach().reshape(-1) for p in self.model.parameters()]))
+        return bool(torch.allclose(checksum, checksum[0:1].expand_as(checksum)))
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
 def train_torch(args, compression):
     import torch
 
     engine = ENGINES[args.engine]()
-    rank, size = engine.rank, engine.size
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
-    x_train, x_test, y_train, y_test = digits(args.seed)
-    x_train, y_train = x_train[rank::size], y_train[rank::size]
-
-    model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, 10))
-    momentum = 0.0 if args.compressor in OWN_MOMENTUM else args.momentum
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum)
-    model, optimizer = engine.wrap(model, optimizer, compression)
-
-    # Every rank takes the same number of steps per epoch, or the collectives would not pair up.
-    steps_per_epoch = int(engine.reduce(len(x_train) // args.batch_size, "min"))
-    xs, ys = torch.from_numpy(x_train), torch.from_numpy(y_train)
-    rng = np.random.default_rng(args.seed + rank)
-    total = args.epochs * steps_per_epoch
-    bar = tqdm(total=total, disable=rank != 0 or args.no_progress, desc=repr(compression.compressor))
+    model = build_model({"kind": "mlp", "hidden": [args.hidden]})
+    run = DigitsRun(engine, model, compression, lr=args.lr,
+                    momentum=0.0 if args.compressor in OWN_MOMENTUM else args.momentum,
+                    batch_size=args.batch_size, seed=args.seed)
+    total = args.epochs * run.steps_per_epoch
+    bar = tqdm(total=total, disable=engine.rank != 0 or args.no_progress, desc=repr(compression.compressor))
     start = time.perf_counter()
     for epoch in range(args.epochs):
-        order = torch.from_numpy(rng.permutation(len(xs)))
-        for step in range(steps_per_epoch):
-            batch = order[step * args.batch_size:(step + 1) * args.batch_size]
-            optimizer.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(xs[batch]), ys[batch])
-            loss.backward()
-            optimizer.step()
+        for x, y in run.epoch_batches():
+            loss = run.step(x, y)
             bar.update()
         bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
     elapsed = time.perf_counter() - start
     bar.close()
-
-    with torch.no_grad():
-        accuracy = float((model(torch.from_numpy(x_test)).argmax(1).numpy() == y_test).mean())
-    checksum = engine.gather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-    return dict(accuracy=accuracy, stats=engine.stats(), rank=rank, size=size, steps=total,
-                elapsed=elapsed, ranks_agree=bool(torch.allclose(checksum, checksum[0:1].expand_as(checksum))))
+    return dict(accuracy=run.accuracy(), stats=engine.stats(), rank=engine.rank, size=engine.size, steps=total,
+                elapsed=elapsed, ranks_agree=run.ranks_agree())
 
 
 def train_keras(args, compression):
