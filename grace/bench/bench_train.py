@@ -48,7 +48,7 @@ import grace
 from grace.bench import cost_model
 from grace.bench.common import REPO, load_config, write_results
 from grace.bench.ddp_baselines import DDPHook
-from grace.bench.train import ENGINES, OWN_MOMENTUM, DigitsRun, build_model, digits
+from grace.bench.train import ENGINES, MODEL_KINDS, OWN_MOMENTUM, DigitsRun, build_model, digits
 
 DEFAULT_CONFIG = REPO / "configs" / "bench_train.yaml"
 
@@ -92,8 +92,8 @@ def check_config(config: dict) -> None:
     if engine_name(config) not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine_name(config)!r}")
     for name, spec in config["models"].items():
-        if spec.get("kind") not in ("mlp", "cnn"):
-            raise ValueError(f"model {name!r}: kind must be 'mlp' or 'cnn', got {spec.get('kind')!r}")
+        if spec.get("kind") not in MODEL_KINDS:
+            raise ValueError(f"model {name!r}: kind must be one of {', '.join(MODEL_KINDS)}, got {spec.get('kind')!r}")
     names = [m.get("name") for m in config["methods"]]
     if len(set(names)) != len(names) or None in names:
         raise ValueError(f"every method needs a unique name, got {names}")
@@ -286,7 +286,7 @@ def merge(path: Path, new_rows: list[dict], keys: tuple) -> list[dict]:
 
 def worker_cmd(args, stage: str, model: str, result: Path) -> list[str]:
     return [sys.executable, "-m", "grace.bench.bench_train", "--worker", stage, "--config", str(args.config),
-            "--models", model, "--result", str(result)]
+            "--models", model, "--result", str(result), *(["--methods", *args.methods] if args.methods else [])]
 
 
 def stage_throughput(args, config: dict) -> None:
@@ -505,6 +505,8 @@ def parse_args(argv=None):
     parser.add_argument("--stage", default="all", choices=["all", "throughput", "quality", "report"])
     parser.add_argument("--links", nargs="+", help="link presets (default: the config's)")
     parser.add_argument("--models", nargs="+", help="models (default: the config's)")
+    parser.add_argument("--methods", nargs="+", help="methods by name (default: the config's); the stages merge "
+                                                     "their rows into what earlier runs saved")
     parser.add_argument("--worker", choices=["throughput", "quality"], help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -519,6 +521,12 @@ def main(argv=None):
     unknown = [m for m in args.models if m not in config["models"]]
     if unknown:
         raise SystemExit(f"unknown model(s) {unknown}; the config has {list(config['models'])}")
+    if args.methods:
+        names = [m["name"] for m in config["methods"]]
+        unknown = [m for m in args.methods if m not in names]
+        if unknown:
+            raise SystemExit(f"unknown method(s) {unknown}; the config has {names}")
+        config["methods"] = [m for m in config["methods"] if m["name"] in args.methods]
     if args.worker:
         worker = worker_throughput if args.worker == "throughput" else worker_quality
         return worker(config, args.models[0], args.result)

@@ -206,11 +206,31 @@ class DDPEngine:
 ENGINES = {"horovod": HorovodEngine, "ddp": DDPEngine}
 
 
+MODEL_KINDS = ("mlp", "cnn", "resnet")
+
+
 def build_model(spec: dict):
-    """A model for 8x8 digits: ``{"kind": "mlp", "hidden": [...]}`` or ``{"kind": "cnn", "channels":
-    c, "layers": n, "upsample": f}``."""
+    """A model for 8x8 digits: ``{"kind": "mlp", "hidden": [...]}``, ``{"kind": "cnn", "channels":
+    c, "layers": n, "upsample": f}``, or ``{"kind": "resnet", "channels": c, "blocks": n}``:
+    n residual blocks of two 3x3 convolutions with batch norm, many small tensors as in a
+    ResNet (6 per block)."""
     import torch.nn as nn
 
+    if spec["kind"] == "resnet":
+        c = spec["channels"]
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+                                          nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
+
+            def forward(self, x):
+                return nn.functional.relu(x + self.body(x))
+
+        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, c, 3, padding=1, bias=False),
+                             nn.BatchNorm2d(c), nn.ReLU(), *[Block() for _ in range(spec["blocks"])],
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
     if spec["kind"] == "mlp":
         sizes = [64, *spec["hidden"], 10]
         layers = []

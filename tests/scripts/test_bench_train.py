@@ -19,12 +19,14 @@ CONFIG = {
     "seed": 0, "throughput": {"warmup_steps": 1, "steps": 3, "codec_repeats": 2},
     "quality": {"epochs": 2, "target_accuracy": 0.5},
     "target": {"link": "100mbit", "model": "mlp", "method": "topk(0.01)", "vs_none": 6, "vs_fp16": 3},
-    "models": {"mlp": {"kind": "mlp", "hidden": [1024]}, "conv": {"kind": "cnn", "channels": 8, "layers": 1}},
+    "models": {"mlp": {"kind": "mlp", "hidden": [1024]}, "conv": {"kind": "cnn", "channels": 8, "layers": 1},
+               "resnet": {"kind": "resnet", "channels": 4, "blocks": 2}},
     "methods": [{"name": "none", "horovod": "none"}, {"name": "fp16 (Horovod)", "horovod": "fp16"},
                 {"name": "topk(0.01)", "grace": {"compressor": "topk", "compress_ratio": 0.01}},
                 {"name": "powersgd(2)", "grace": {"compressor": "powersgd", "matrix_approximation_rank": 2}}],
 }
-PARAMS = {"mlp": 64 * 1024 + 1024 + 1024 * 10 + 10, "conv": 8 * 9 + 8 + 8 * 64 * 10 + 10}
+PARAMS = {"mlp": 64 * 1024 + 1024 + 1024 * 10 + 10, "conv": 8 * 9 + 8 + 8 * 64 * 10 + 10,
+          "resnet": 4 * 9 + 2 * 4 + 2 * (2 * 4 * 4 * 9 + 2 * 2 * 4) + 4 * 10 + 10}  # stem, 2 blocks, head
 
 
 def bench(tmp_path, *args, config=CONFIG):
@@ -73,6 +75,13 @@ def test_quality_trains_every_method_on_every_model(quality):
     mlp = {r["method"]: r for r in rows if r["model"] == "mlp"}
     assert mlp["none"]["test_accuracy"] > 0.8  # the 2-epoch MLP learns digits
     assert mlp["topk(0.01)"]["bytes_per_step"] < mlp["none"]["bytes_per_step"] / 10
+
+
+def test_an_unknown_method_name_is_refused(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(CONFIG, sort_keys=False))
+    with pytest.raises(SystemExit, match=r"unknown method\(s\) \['zipk'\]"):
+        bench_train.main(["--config", str(path), "--methods", "zipk", "--stage", "report", "--out", str(tmp_path)])
 
 
 def test_steps_to_target_counts_whole_epochs():
