@@ -478,7 +478,7 @@ def main(argv=None) -> int:
             config["methods"] = [m for m in config["methods"] if m["name"] in args.methods]
         from grace.bench.bench_ops import keep_freed_memory
 
-        keep_freed_memory()  # steady state, as in a training loop (see scripts/bench_ops.py)
+        keep_freed_memory()  # steady state, as in a training loop (see grace.bench.bench_ops)
         rows, skipped, devices = run(config, progress=not args.no_progress)
     except ConfigError as exc:
         print(f"{NAME}: {args.config}: {exc}", file=sys.stderr)

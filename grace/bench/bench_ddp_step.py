@@ -9,7 +9,7 @@ A step is forward, backward (DDP runs the hook on each bucket as backward fills 
 for them all at its end) and the optimizer's step; the median over ``--iters`` steps after
 three warm-up steps (PyTorch's PowerSGD compresses from the third), with a device sync around
 each, as the slowest rank saw it. ``vs DDP`` is the step time over DDP's without a hook, so
-the hook's own cost per step is ``step - DDP step``. Models and inputs: scripts/bench_step.py.
+the hook's own cost per step is ``step - DDP step``. Models and inputs: grace.bench.bench_step.
 """
 from __future__ import annotations
 

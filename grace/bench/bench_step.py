@@ -172,22 +172,25 @@ def gradients(net, x, y, loss, device: str, iters: int):
 def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int) -> dict:
     comm = CountingReplica(world)
     exchange = grace.Exchange(grace.create(method, **METHODS[method], bucket_mb=bucket_mb), comm)
-    seconds = timed(lambda: exchange.exchange(grads), device, iters)
-    calls_before = comm.calls
-    exchange.exchange(grads)
-    calls = comm.calls - calls_before
     # The stand-in collectives (sums and copies of this rank's payload) are the network's part of
-    # a step, not grace's: their time, taken phase by phase in separate steps, is left out of work.
-    exchange.phases = clock = PhaseClock(_sync(device))
-
-    def collective_seconds():
+    # a step, not grace's: timed phase by phase in the same steps, they are left out of work.
+    sync = _sync(device)
+    exchange.phases = clock = PhaseClock(sync)
+    steps, collectives = [], []
+    for i in range(2 + iters):
+        calls_before = comm.calls
         clock.reset()
+        sync()
+        start = time.perf_counter()
         exchange.exchange(grads)
-        return clock.reset()["collective"]
-
-    collective = statistics.median(collective_seconds() for _ in range(iters))
-    return {"work_ms": 1e3 * (seconds - collective), "exchange_ms": 1e3 * seconds, "collective_ms": 1e3 * collective,
-            "calls": calls, "bytes": exchange.stats.last_step_bytes}
+        sync()
+        if i >= 2:
+            steps.append(time.perf_counter() - start)
+            collectives.append(clock.reset()["collective"])
+    seconds, collective = statistics.median(steps), statistics.median(collectives)
+    work = statistics.median(s - c for s, c in zip(steps, collectives))
+    return {"work_ms": 1e3 * work, "exchange_ms": 1e3 * seconds, "collective_ms": 1e3 * collective,
+            "calls": comm.calls - calls_before, "bytes": exchange.stats.last_step_bytes}
 
 
 def main():

@@ -164,6 +164,17 @@ def _poisoned(xp, tensors, overflow):
     return [xp.where(overflow > 0, float("nan"), t) for t in tensors]
 
 
+def _on_host(value):
+    """``value`` (nested dicts and tuples of tensors and numbers) with NumPy arrays for tensors."""
+    if isinstance(value, dict):
+        return {k: _on_host(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_host(v) for v in value)
+    if isinstance(value, (int, float, np.ndarray, np.generic)):
+        return value
+    return backend_for(value).to_numpy(value)
+
+
 def _concat(xp, tensors):
     flat = [xp.flatten(t) for t in tensors]
     return flat[0] if len(flat) == 1 else xp.concat(flat)
@@ -384,12 +395,14 @@ class Exchange:
     def _world(self):
         return self.communicator.rank, self.communicator.size
 
-    def _agree(self, xp, like) -> None:
+    def _agree(self, xp, like, adopt: bool = True) -> None:
         """Before the first exchange, and again after the world changed (Horovod's elastic
         training), one small allgather under a name every rank shares (a bucket's name depends
         on the tensor set, so it cannot carry this): the ranks compare fingerprints of their
         configuration, gradients and step counters, and every rank raises the same clear error
-        where they differ, instead of hanging or drifting apart."""
+        where they differ, instead of hanging or drifting apart. With
+        ``shared_state_from_rank_0``, differing step counters are rank 0's for every rank
+        instead, and compared once more (``adopt``: whether they may still be taken)."""
         self._agreed_in = self._world()
         comm = self.communicator
         with self.store.eager():
@@ -405,9 +418,10 @@ class Exchange:
         rows = [table[r * len(mine):(r + 1) * len(mine)] for r in range(comm.size)]
         for i, (what, text) in enumerate(parts.items()):
             differ = [r for r in range(comm.size) if rows[r][i] != rows[0][i]]
-            if differ and what == "step counters" and self.shared_state_from_rank_0:
+            if differ and what == "step counters" and self.shared_state_from_rank_0 and adopt:
                 with self.store.eager():
                     self._take_shared_state_of_rank_0(xp, like)
+                self._agree(xp, like, adopt=False)  # (a rank with counters rank 0 lacks still differs)
             elif differ:
                 hint = {"configuration": "build the same compression (method, parameters, seed, bucket_mb, "
                                          "scope, op) on every rank",
@@ -423,11 +437,11 @@ class Exchange:
         """Every rank takes rank 0's ``shared_state()``, keeping its own memory: rank 0's pickled
         state in one broadcast (its length in another), once per run."""
         comm = self.communicator
-        data = pickle.dumps(self.shared_state()) if comm.rank == 0 else b""
+        data = pickle.dumps(_on_host(self.shared_state())) if comm.rank == 0 else b""
         length = comm.broadcast_async(xp.asarray(np.array([len(data)], np.int64), like=like), 0,
                                       "grace.shared_state.length")()
         size = int(xp.to_numpy(length)[0])
-        mine = xp.asarray(np.frombuffer(data, np.uint8), like=like) if comm.rank == 0 else \
+        mine = xp.asarray(np.frombuffer(data, np.uint8).copy(), like=like) if comm.rank == 0 else \
             xp.zeros(size, "uint8", like=like)
         received = xp.to_numpy(comm.broadcast_async(mine, 0, "grace.shared_state")())
         if comm.rank != 0:
@@ -532,7 +546,7 @@ class Exchange:
             if pending.rounds is not None:
                 g_hat, overflow = self._finish_bucket_rounds(pending)
             elif self.compression.collective is Collective.ALLREDUCE:
-                summed, overflow = self._wait(pending.wait)
+                summed, overflow = pending.wait()  # (its allreduce waits are timed inside)
                 g_hat = [compressor.decompress(xp, payload, ctx) / n for payload, ctx in zip(summed, pending.ctxs)]
             else:
                 g_hat, overflow = self._aggregate_frames(pending)

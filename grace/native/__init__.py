@@ -12,7 +12,7 @@ gives them) as an input: generating them is not part of the kernel.
 
 When a library is missing, or ``GRACE_NATIVE=0``, or ``with disabled():``, the functions raise
 ``NativeUnavailable``; ``supports(x)`` says beforehand. The ``try_*`` functions (used by
-TorchBackend and grace.core.bits) return None on ``NativeUnavailable`` only, and the caller
+TorchBackend) return None on ``NativeUnavailable`` only, and the caller
 takes its tensor-op path; any other error propagates. ``FUSED`` is the table of the one-pass
 functions a compressor may ask a backend for: their C functions, output dtypes and devices.
 
@@ -43,8 +43,8 @@ from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailab
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library, load_error, set_enabled
 
 __all__ = [
-    "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info", "efsignsgd_compress",
-    "efsignsgd_decompress", "enabled", "load_error", "natural_compress", "natural_decompress", "nonzero",
+    "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info", "efsignsgd_compress",
+    "efsignsgd_decompress", "enabled", "fused", "load_error", "natural_compress", "natural_decompress", "nonzero",
     "onebit_compress", "onebit_decompress", "pack", "qsgd_compress", "qsgd_decompress", "scatter_add",
     "scatter_add_many", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress", "supports",
     "terngrad_compress", "terngrad_decompress", "threshold_compress", "threshold_ef_step", "threshold_indices",
@@ -511,7 +511,7 @@ def fused(name: str, like):
     return kernel.function if kind.lib.kind in kernel.devices else None
 
 
-# --- the building blocks the backends and grace.core.bits use where they apply --------------------
+# --- the building blocks TorchBackend uses where they apply (top-k, nonzero, scatter-add, packing) ---
 def _unless_unavailable(fn, *args, **kwargs):
     """fn(...), or None where no native kernel serves these inputs (no library, another device,
     a dtype it does not take: NativeUnavailable); the caller then runs its tensor-op code.

@@ -76,3 +76,8 @@ def test_tensorflow_resume_recipe_keeps_the_ranks_in_step(tf_ranks, scenario):
     assert results[0]["memory"] == results[1]["memory"] != []
     for mine, theirs in zip(results[1]["params"], results[0]["params"]):
         np.testing.assert_array_equal(mine, theirs)
+
+
+def test_tensorflow_step_counters_that_rank_0_cannot_hand_over_are_an_error(tf_ranks):
+    for rank in tf_ranks:
+        assert "differ from rank 0 in their step counters" in rank["resume_on_rank_1_only"]["error"]

