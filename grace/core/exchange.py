@@ -225,35 +225,38 @@ class Exchange:
         if xp.numel(g) == 0:  # nothing to send, nothing to remember
             return Pending(name, xp, _EMPTY, Handle(lambda: g, 0))
         with self._phase("compress"):
-            compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
-            step = self._next_step(name, g)
-            info = TensorInfo(name=name, step=step, world_size=self.communicator.size,
-                              rank=self.communicator.rank)
-            flag = xp.nonfinite([g]) if self._guarded else None
-            self.stats.add(0, 4 * xp.numel(g))
+            return self._compress(name, xp, g)
 
-            memory_state = store.get("memory", name, lambda t: memory.init(xp, t), g)
-            first = TensorInfo(name=name, step=0, world_size=info.world_size, rank=info.rank)  # init needs no tensor
-            state = store.get("state", name, lambda t: compressor.init_state(xp, t, first), g)
-            if not compressor.multi_round:  # one pass over memory where a kernel fuses the three steps
-                fused = memory.fused_step(xp, compressor, g, memory_state, info)
-                if fused is not None:
-                    payload, ctx, memory_state = fused
-                    self._set("memory", name, memory_state)
-                    return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
-            p = memory.compensate(xp, g, memory_state)
-            if compressor.multi_round:
-                rounds = compressor.rounds(xp, p, info, state)
-                return Pending(name, xp, None, self._send(name, xp, next(rounds), 0, flag), flag is not None,
-                               p, rounds, memory_state)
+    def _compress(self, name: str, xp, g) -> Pending:
+        compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
+        step = self._next_step(name, g)
+        info = TensorInfo(name=name, step=step, world_size=self.communicator.size,
+                          rank=self.communicator.rank)
+        flag = xp.nonfinite([g]) if self._guarded else None
+        self.stats.add(0, 4 * xp.numel(g))
 
-            payload, ctx, state = compressor.step(xp, p, info, state)
-            self._set("state", name, state)
-            if memory.needs_feedback:
-                with self._phase("feedback"):
-                    p_hat = compressor.decompress(xp, payload, ctx)
-                    self._set("memory", name, memory.update(xp, p, p_hat, memory_state))
-            return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
+        memory_state = store.get("memory", name, lambda t: memory.init(xp, t), g)
+        first = TensorInfo(name=name, step=0, world_size=info.world_size, rank=info.rank)  # init needs no tensor
+        state = store.get("state", name, lambda t: compressor.init_state(xp, t, first), g)
+        if not compressor.multi_round:  # one pass over memory where a kernel fuses the three steps
+            fused = memory.fused_step(xp, compressor, g, memory_state, info)
+            if fused is not None:
+                payload, ctx, memory_state = fused
+                self._set("memory", name, memory_state)
+                return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
+        p = memory.compensate(xp, g, memory_state)
+        if compressor.multi_round:
+            rounds = compressor.rounds(xp, p, info, state)
+            return Pending(name, xp, None, self._send(name, xp, next(rounds), 0, flag), flag is not None,
+                           p, rounds, memory_state)
+
+        payload, ctx, state = compressor.step(xp, p, info, state)
+        self._set("state", name, state)
+        if memory.needs_feedback:
+            with self._phase("feedback"):
+                p_hat = compressor.decompress(xp, payload, ctx)
+                self._set("memory", name, memory.update(xp, p, p_hat, memory_state))
+        return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
 
     def finish(self, pending: Pending):
         xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
