@@ -17,18 +17,21 @@ TF_WORKER = Path(__file__).parent / "workers" / "tensorflow_agreement.py"
 RANKS = 2
 
 
+def results(tmp_path_factory, worker: Path) -> list:
+    """What each rank of ``worker`` saw, per scenario."""
+    out = tmp_path_factory.mktemp(worker.stem)
+    launch("horovodrun", RANKS, worker, "--out", out)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("agreement")
-    launch("horovodrun", RANKS, WORKER, "--out", out)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    return results(tmp_path_factory, WORKER)
 
 
 @pytest.fixture(scope="module")
 def tf_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("agreement_tf")
-    launch("horovodrun", RANKS, TF_WORKER, "--out", out)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    return results(tmp_path_factory, TF_WORKER)
 
 
 @pytest.mark.parametrize("scenario, what", [("ratio", "configuration"), ("seed", "configuration"),

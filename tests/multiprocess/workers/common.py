@@ -6,6 +6,7 @@ process can recompute all ranks' inputs and the expected result without any comm
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -158,6 +159,18 @@ def state_arrays(grace_state: dict, to_numpy) -> dict:
             else:
                 out[f"{kind}/{name}"] = to_numpy(value)
     return out
+
+
+def parse_out() -> Path:
+    """The ``--out`` folder of a worker that saves one JSON file per rank (``save_json``)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args().out
+
+
+def save_json(out: Path, rank: int, results: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 
 def save(out: Path, label: str, rank: int, results: dict) -> None:

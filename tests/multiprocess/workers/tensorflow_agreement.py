@@ -6,17 +6,15 @@ Horovod's TensorFlow recipe resumes from a checkpoint that rank 0 alone restores
 broadcasts the variables at the end of the first batch (``hvd.broadcast_variables`` inside the
 traced step, ``first_batch=True``). Each scenario saves what every rank saw.
 """
-import argparse
-import json
 import os
 import pickle
-from pathlib import Path
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import grace  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from common import parse_out, save_json  # noqa: E402
 
 SHAPES = {"w1": (8, 16), "b1": (16,), "w2": (16, 3)}
 
@@ -81,9 +79,7 @@ def resume(make, restoring_rank: int = 0) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    out = parser.parse_args().out
+    out = parse_out()
     hvd.init()
     rank = hvd.rank()
     results = {
@@ -96,8 +92,7 @@ def main():
         # rank 0 has no step counters to hand over: still an error
         "resume_on_rank_1_only": resume(lambda: grace.randomk(0.25), restoring_rank=1),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    save_json(out, rank, results)
 
 
 if __name__ == "__main__":

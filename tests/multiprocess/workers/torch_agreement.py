@@ -4,14 +4,12 @@
 
 Each scenario saves what every rank saw: the error it raised, or its parameters.
 """
-import argparse
 import io
-import json
-from pathlib import Path
 
 import horovod.torch as hvd
 import grace
 import torch
+from common import parse_out, save_json
 
 
 def model(extra: bool = False):
@@ -70,9 +68,7 @@ def resume(broadcast: bool, make) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    out = parser.parse_args().out
+    out = parse_out()
     hvd.init()
     rank = hvd.rank()
     results = {
@@ -85,8 +81,7 @@ def main():
         "resume_powersgd": resume(True, lambda: grace.powersgd(1)),
         "resume_without_broadcast": resume(False, lambda: grace.randomk(0.25)),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    save_json(out, rank, results)
 
 
 if __name__ == "__main__":
