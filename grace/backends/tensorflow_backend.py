@@ -131,8 +131,10 @@ def _static_shapes(kernel, args, count: int) -> list:
 def _graph_fused(name: str, like):
     """``name`` as a tf.py_function node of the graph being traced, or None."""
     spec = _native.FUSED[name]
-    device = "cuda" if _is_tensor(like) and _on_gpu(like) else "cpu"
-    if not _is_tensor(like) or device not in spec.devices or not _native.available(device):
+    if not _is_tensor(like):
+        return None
+    device = "cuda" if _on_gpu(like) else "cpu"
+    if device not in spec.devices or not _native.available(device):
         return None
     numel = like.shape.num_elements()
     if "index" in spec.outputs and numel is None:  # the index type depends on the length
