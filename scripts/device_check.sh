@@ -7,12 +7,17 @@
 #
 #   1. builds libgrace_cpu.so and libgrace_cuda.so in place (csrc/build.py, as setup.py does)
 #   2. tests/native with the CUDA cases (a skipped CUDA case fails the check)
-#   3. scripts/bench_ops.py on cuda and on cpu (both CPU builds) at 2^16, 2^20, 2^24,
-#      scripts/bench_step.py on cuda (ResNet-50, a BERT-base encoder: per tensor and bucketed),
-#      scripts/bench_ddp_step.py (whole DDP steps per hook: NCCL, and Gloo with 2 processes)
+#   3. scripts/bench_step.py on cuda (ResNet-50, a BERT-base encoder: per tensor and bucketed,
+#      with kernel and host-sync counts), scripts/bench_ddp_step.py (whole DDP steps per hook:
+#      NCCL, and Gloo with 2 processes sharing the GPU)
 #   4. tests/unit with the torch tensors on the GPU (GRACE_TEST_DEVICE=cuda), without Horovod
+#      (spread over 8 processes where pytest-xdist is installed)
+#   5. scripts/bench_ops.py on cuda at 2^16, 2^20, 2^24 (CPU_BENCH=1: also on the host's CPU,
+#      both CPU builds)
 # Stops at the first failing step (KEEP_GOING=1: runs every step, fails at the end).
-# Env: PYTHON (default python3), OUT, KEEP_GOING. About 1.5 minutes on an H200 host (16 cores), before the DDP steps were added.
+# Env: PYTHON (default python3), OUT, KEEP_GOING, CPU_BENCH, STEPS (the steps to run, by name;
+# default all), BENCH_STEP_ARGS (more arguments for bench_step.py, e.g. --bucketed-only).
+# All steps took 6 minutes on an H100 host (16 cores); it fits in one call of the `device` tool.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,6 +28,8 @@ mkdir -p "$OUT"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" TF_CPP_MIN_LOG_LEVEL=2 PYTHONDONTWRITEBYTECODE=1
 failed=()
 t_start=$SECONDS
+STEPS="${STEPS:-build tests_native bench_cuda bench_step_cuda bench_ddp_nccl bench_ddp_gloo tests_unit_cuda}"
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 
 log() { echo "[device_check $((SECONDS - t_start))s] $*"; }
 fail() {
@@ -67,36 +74,43 @@ EOF_PY
 ((PIPESTATUS[0] == 0)) || fail "environment" "python3 with torch, numpy, pytest and a visible GPU is needed"
 
 # 1. build in place (CUDA required), then load both libraries
-run build 420 bash -c "'$PY' csrc/build.py --cuda on && '$PY' -c \"
+wanted build && run build 420 bash -c "'$PY' csrc/build.py --cuda on && '$PY' -c \"
 import grace.native as g
 assert g.available('cpu'), g.load_error('cpu')
 assert g.available('cuda'), g.load_error('cuda')
 print('libgrace_cpu (' + g.cpu_isa() + ') and libgrace_cuda loaded')\"" || true
 
 # 2. native tests, CUDA included; any CUDA skip is a failure here
-if run tests_native 300 "$PY" -m pytest tests/native -q "${maxfail[@]}" -p no:cacheprovider -rfs --tb=short; then
+if wanted tests_native && run tests_native 300 "$PY" -m pytest tests/native -q "${maxfail[@]}" -p no:cacheprovider -rfs --tb=short; then
     if grep -E "^SKIPPED .*(CUDA|cuda)" "$OUT/tests_native.log"; then
         fail "tests_native" "CUDA tests were skipped on a GPU machine"
     fi
 fi
 
 # 3. benchmarks (before the unit tests, whose failures would stop the check)
-run bench_cuda 240 "$PY" scripts/bench_ops.py --device cuda --sizes 16 20 24 --json "$OUT/bench_cuda.json" || true
-run bench_cpu 300 "$PY" scripts/bench_ops.py --device cpu --sizes 16 20 24 --builds x86-64-v3 x86-64-v2 \
-  --json "$OUT/bench_cpu.json" || true
+# 3a. compression work per training step on ResNet-50's and a BERT-base encoder's gradients
+wanted bench_step_cuda && { run bench_step_cuda 300 "$PY" scripts/bench_step.py --device cuda \
+  --models resnet50 transformer --out "$OUT" ${BENCH_STEP_ARGS:-} || true; }
 
-# 3b. compression work per training step on ResNet-50's and a BERT-base encoder's gradients
-run bench_step_cuda 300 "$PY" scripts/bench_step.py --device cuda --models resnet50 transformer --out "$OUT" || true
-
-# 3c. whole DDP steps on ResNet-50 per hook (PyTorch's own and grace's): NCCL in a world of one,
+# 3b. whole DDP steps on ResNet-50 per hook (PyTorch's own and grace's): NCCL in a world of one,
 #     then Gloo with 2 processes sharing the GPU
-run bench_ddp_nccl 240 "$PY" scripts/bench_ddp_step.py --device cuda --models resnet50 --out "$OUT" || true
-run bench_ddp_gloo 300 "$PY" scripts/bench_ddp_step.py --device cuda --backend gloo --world 2 --models resnet50 \
-  --methods topk powersgd --iters 5 --out "$OUT" || true
+wanted bench_ddp_nccl && { run bench_ddp_nccl 240 "$PY" scripts/bench_ddp_step.py --device cuda --models resnet50 \
+  --out "$OUT" || true; }
+wanted bench_ddp_gloo && { run bench_ddp_gloo 300 "$PY" scripts/bench_ddp_step.py --device cuda --backend gloo \
+  --world 2 --models resnet50 --methods topk powersgd --iters 5 --out "$OUT" || true; }
 
 # 4. unit tests with the torch tensors on the GPU (no Horovod, no TensorFlow)
-run tests_unit_cuda 300 env GRACE_TEST_DEVICE=cuda "$PY" -m pytest tests/unit -q "${maxfail[@]}" -p no:cacheprovider -rf --tb=short \
-    --ignore=tests/unit/test_tensorflow_backend.py -k "not horovod" || true
+parallel=()
+"$PY" -c "import xdist" 2>/dev/null && parallel=(-n 8)
+wanted tests_unit_cuda && { run tests_unit_cuda 300 env GRACE_TEST_DEVICE=cuda "$PY" -m pytest tests/unit -q \
+  "${parallel[@]}" "${maxfail[@]}" -p no:cacheprovider -rf --tb=short \
+  --ignore=tests/unit/test_tensorflow_backend.py -k "not horovod" || true; }
+
+# 5. one tensor per method against plain torch code (bench_ops), last: the longest and least urgent
+wanted bench_cuda && { run bench_cuda 240 "$PY" scripts/bench_ops.py --device cuda --sizes 16 20 24 \
+  --json "$OUT/bench_cuda.json" || true; }
+[[ "${CPU_BENCH:-0}" == "1" ]] && { run bench_cpu 300 "$PY" scripts/bench_ops.py --device cpu --sizes 16 20 24 \
+  --builds x86-64-v3 x86-64-v2 --json "$OUT/bench_cpu.json" || true; }
 
 if ((${#failed[@]})); then
     echo "[device_check] FAILED steps: ${failed[*]} (logs in $OUT)" >&2

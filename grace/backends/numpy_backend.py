@@ -162,21 +162,52 @@ class NumpyBackend:
         return np.argsort(x, kind="stable").astype(np.int64, copy=False)
 
     def topk_indices(self, x, k: int):
-        """Indices (int64, any order) of the k largest elements of the 1-d ``x``."""
+        """Indices (int64, ascending) of the k largest elements of the 1-d ``x``; of those equal
+        to the k-th largest, the first ones (grace.native's rule; NaN ranks as inf)."""
         k = int(k)
         if k >= x.size:
             return np.arange(x.size, dtype=np.int64)
-        return np.argpartition(x, x.size - k)[x.size - k:].astype(np.int64)
+        if x.dtype.kind == "f" and np.isnan(x).any():
+            x = np.where(np.isnan(x), np.inf, x)
+        kth = np.partition(x, x.size - k)[x.size - k]
+        above = np.flatnonzero(x > kth)
+        ties = np.flatnonzero(x == kth)[:k - above.size]
+        return np.sort(np.concatenate([above, ties])).astype(np.int64, copy=False)
 
-    def nonzero(self, mask):
+    def nonzero(self, mask, size=None):
+        """Indices of the true elements of a 1-d mask, ascending (``size``: how many there are,
+        where the caller knows it)."""
         return np.flatnonzero(mask).astype(np.int64)
 
     def gather(self, x, idx):
         return x[idx.astype(np.int64, copy=False)]
 
-    def cumsum(self, x):
-        """Running sum of the 1-d ``x``, in its dtype."""
-        return np.cumsum(x, dtype=x.dtype)
+    def cumsum(self, x, axis: int = 0):
+        """Running sum of ``x`` along ``axis``, in its dtype."""
+        return np.cumsum(x, axis=axis, dtype=x.dtype)
+
+    # --- segmented ops (grace.core.segments) ---------------------------------------------
+    segmented = True  # has the ops below
+
+    def shift_right(self, x, bits: int):
+        """Integers shifted right by ``bits`` (arithmetic shift)."""
+        return np.right_shift(x, bits)
+
+    def repeat(self, x, counts, total: int):
+        """Each element of ``x`` repeated ``counts`` times (``total``: their sum)."""
+        return np.repeat(x, counts)
+
+    def bincount(self, idx, length: int):
+        """int64 counts of each value in [0, length) among the integers ``idx``."""
+        return np.bincount(idx, minlength=int(length)).astype(np.int64, copy=False)
+
+    def scatter_add_rows(self, out, idx_rows, value_rows):
+        """``out`` (1-d) with each row of values added at its row of indices (distinct within a
+        row), row after row: the additions of ``scatter_add`` over the rows' concatenation.
+        (Where tensors are mutable, ``out`` itself.)"""
+        for idx, values in zip(idx_rows, value_rows):
+            np.add.at(out, idx, values)
+        return out
 
     def scatter_add(self, idx, values, numel: int):
         """A dense 1-d tensor of ``numel`` zeros with ``values`` added at ``idx``."""

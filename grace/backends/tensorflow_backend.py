@@ -163,6 +163,7 @@ def _graph_fused(name: str, like):
 
 class TensorflowBackend:
     name = "tensorflow"
+    segmented = False  # no segmented ops (grace.core.segments): buckets go gradient by gradient
     mutable_tensors = False  # concat_into returns a new tensor; assign refuses
 
     # --- introspection -------------------------------------------------------------------
@@ -421,7 +422,7 @@ class TensorflowBackend:
             x = tf.cast(x, tf.uint8)
         return tf.cast(tf.math.top_k(x, k, sorted=False).indices, tf.int64)
 
-    def nonzero(self, mask):
+    def nonzero(self, mask, size=None):
         mask = tf.reshape(_to_tensor(mask), (-1,))
         if mask.dtype != tf.bool:
             mask = tf.not_equal(mask, tf.zeros((), mask.dtype))
@@ -430,9 +431,27 @@ class TensorflowBackend:
     def gather(self, x, idx):
         return tf.gather(_to_tensor(x), _to_tensor(idx, "int64"))
 
-    def cumsum(self, x):
-        """Running sum of the 1-d ``x``, in its dtype."""
-        return tf.math.cumsum(_to_tensor(x))
+    def cumsum(self, x, axis: int = 0):
+        """Running sum of ``x`` along ``axis``, in its dtype."""
+        return tf.math.cumsum(_to_tensor(x), axis=axis)
+
+    # --- segmented ops (grace.core.segments; Exchange does not segment TensorFlow buckets) --
+    def shift_right(self, x, bits: int):
+        x = _to_tensor(x)
+        return tf.bitwise.right_shift(x, tf.cast(bits, x.dtype))
+
+    def bincount(self, idx, length: int):
+        return tf.math.bincount(tf.cast(_to_tensor(idx), tf.int32), minlength=int(length), maxlength=int(length),
+                                dtype=tf.int64)
+
+    def repeat(self, x, counts, total: int):
+        return tf.repeat(_to_tensor(x), _to_tensor(counts, "int64"))
+
+    def scatter_add_rows(self, out, idx_rows, value_rows):
+        out = _to_tensor(out)
+        for idx, values in zip(idx_rows, value_rows):
+            out = tf.tensor_scatter_nd_add(out, tf.reshape(_to_tensor(idx, "int64"), (-1, 1)), _to_tensor(values))
+        return out
 
     def scatter_add(self, idx, values, numel: int):
         """A dense 1-d tensor of ``numel`` zeros with ``values`` added at ``idx``."""

@@ -194,7 +194,12 @@ class TorchBackend:
                 return idx
         return torch.topk(x, k, sorted=False).indices
 
-    def nonzero(self, mask):
+    def nonzero(self, mask, size=None):
+        if size is not None and mask.is_cuda:  # a known count: no wait for the GPU to tell it
+            try:
+                return torch.nonzero_static(mask, size=int(size)).reshape(-1)
+            except NotImplementedError:  # a torch without the CUDA kernel
+                pass
         if mask.dim() == 1 and not mask.is_cuda:  # on a GPU torch's own compaction is faster (H200)
             idx = _native.try_nonzero(mask)
             if idx is not None:
@@ -204,8 +209,8 @@ class TorchBackend:
     def gather(self, x, idx):
         return x[idx.long()]
 
-    def cumsum(self, x):
-        return torch.cumsum(x, 0, dtype=x.dtype)
+    def cumsum(self, x, axis: int = 0):
+        return torch.cumsum(x, axis, dtype=x.dtype)
 
     def scatter_add(self, idx, values, numel: int):
         if idx.dim() == 1 and values.dim() == 1:
@@ -214,6 +219,27 @@ class TorchBackend:
                 return out
         out = torch.zeros(int(numel), dtype=values.dtype, device=values.device)
         return out.index_add_(0, idx.long(), values)
+
+    # --- segmented ops (grace.core.segments) ---------------------------------------------
+    segmented = True
+
+    def shift_right(self, x, bits: int):
+        return torch.bitwise_right_shift(x, bits)
+
+    def repeat(self, x, counts, total: int):
+        return torch.repeat_interleave(x, counts, output_size=int(total))  # (the size given: no sync)
+
+    def bincount(self, idx, length: int):
+        # integer additions: the same counts in any order (torch.bincount reads its length
+        # back from the GPU)
+        ones = torch.ones(1, dtype=torch.int64, device=idx.device).expand(idx.numel())
+        return torch.zeros(int(length), dtype=torch.int64, device=idx.device).index_add_(0, idx, ones)
+
+    def scatter_add_rows(self, out, idx_rows, value_rows):
+        for idx, values in zip(idx_rows, value_rows):  # a gather, an add and a put: exact, in order
+            idx = idx.long()
+            out.index_put_((idx,), out[idx] + values)
+        return out
 
     # --- native kernels ------------------------------------------------------------------
     def pack(self, codes, bits: int):

@@ -2,7 +2,7 @@
 
     python scripts/bench_step.py [--models mlp48 resnet50 transformer] [--methods topk dgc ...]
                                  [--device cpu|cuda] [--iters 10] [--world 4] [--bucket-mb 25]
-                                 [--out results/bench_step]
+                                 [--bucketed-only] [--out results/bench_step]
 
 For each model (synthetic inputs; see MODELS) it measures, in one run:
   fwd+bwd      median time of forward + backward of one batch
@@ -15,7 +15,12 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
                ``grace.core.phases``, and left out: exchange = work + collective.
   share        work / fwd+bwd
   calls        collectives per step (each would be one Horovod call)
+  ops          what one step launches, from torch's profiler: kernels and copies on a GPU
+               (with the host syncs the step waits for), top-level torch ops on a CPU
   bytes        bytes this rank hands to the collectives per step
+The phase clock syncs the device at each phase boundary, which a GPU pays for per tensor: the
+JSON also holds ``exchange_free_ms``, whole steps timed with no clock (work and the stand-in
+collectives, as training runs them).
 Times are medians over ``--iters`` steps after two warm-up steps, with a device sync around
 each. torchvision's ResNet-50 is used where torchvision imports; otherwise the same layers,
 defined here (25.6M parameters in 161 tensors either way).
@@ -169,6 +174,23 @@ def gradients(net, x, y, loss, device: str, iters: int):
     return seconds, dict(reversed(named))
 
 
+def launches(fn, device: str) -> dict:
+    """What one call of ``fn`` launches: {"ops": GPU kernels and copies, "syncs": host waits
+    for the GPU} on a GPU, {"ops": top-level torch ops} on a CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = device != "cpu"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
+        fn()
+    events = prof.events()
+    if not gpu:
+        return {"ops": sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::"))}
+    return {"ops": sum(1 for e in events if e.device_type == DeviceType.CUDA),
+            "syncs": sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                         "cudaEventSynchronize", "cudaMemcpy"))}
+
+
 def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int) -> dict:
     comm = CountingReplica(world)
     exchange = grace.Exchange(grace.create(method, **METHODS[method], bucket_mb=bucket_mb), comm)
@@ -189,8 +211,12 @@ def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str,
             collectives.append(clock.reset()["collective"])
     seconds, collective = statistics.median(steps), statistics.median(collectives)
     work = statistics.median(s - c for s, c in zip(steps, collectives))
+    calls, nbytes = comm.calls - calls_before, exchange.stats.last_step_bytes
+    exchange.phases = None
+    free = timed(lambda: exchange.exchange(grads), device, iters, warmup=0)
     return {"work_ms": 1e3 * work, "exchange_ms": 1e3 * seconds, "collective_ms": 1e3 * collective,
-            "calls": comm.calls - calls_before, "bytes": exchange.stats.last_step_bytes}
+            "exchange_free_ms": 1e3 * free, "calls": calls, "bytes": nbytes,
+            **launches(lambda: exchange.exchange(grads), device)}
 
 
 def main():
@@ -202,6 +228,7 @@ def main():
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
+    parser.add_argument("--bucketed-only", action="store_true", help="skip the per-tensor exchange")
     parser.add_argument("--out", type=Path, default=Path("results/bench_step"))
     args = parser.parse_args()
     if args.threads:
@@ -214,10 +241,13 @@ def main():
         params = sum(g.numel() for g in grads.values())
         print(f"\n{model} on {args.device}: {len(grads)} gradient tensors, {params / 1e6:.1f}M parameters, "
               f"fwd+bwd {1e3 * fwd_bwd:.1f} ms; compression work of one rank in a world of {args.world}")
-        print(f"{'method':<10} {'per-tensor ms':>13} {'share':>7} {'calls':>6} {'bucketed ms':>12} {'share':>7} "
-              f"{'calls':>6} {'speedup':>8} {'bytes':>12} {'(collective ms)':>16}")
+        print(f"{'method':<10} {'per-tensor ms':>13} {'share':>7} {'calls':>6} {'ops':>6} {'bucketed ms':>12} "
+              f"{'share':>7} {'calls':>6} {'ops':>6} {'speedup':>8} {'bytes':>12} {'(collective ms)':>16} "
+              f"{'(no clock ms)':>14}")
         for method in args.methods:
-            per_tensor = measure(grads, method, 0, args.world, args.device, args.iters)
+            skipped = {"work_ms": float("nan"), "calls": "-", "ops": "-"}
+            per_tensor = skipped if args.bucketed_only else measure(grads, method, 0, args.world, args.device,
+                                                                     args.iters)
             bucketed = measure(grads, method, args.bucket_mb, args.world, args.device, args.iters)
             row = {"model": model, "device": args.device, "method": method, "tensors": len(grads),
                    "parameters": params, "fwd_bwd_ms": 1e3 * fwd_bwd,
@@ -228,9 +258,10 @@ def main():
                    "speedup": per_tensor["work_ms"] / bucketed["work_ms"]}
             rows.append(row)
             print(f"{method:<10} {row['per_tensor_work_ms']:>13.2f} {row['per_tensor_share']:>7.1%} "
-                  f"{row['per_tensor_calls']:>6} {row['bucketed_work_ms']:>12.2f} {row['bucketed_share']:>7.1%} "
-                  f"{row['bucketed_calls']:>6} {row['speedup']:>7.2f}x {row['bucketed_bytes']:>12} "
-                  f"{row['bucketed_collective_ms']:>16.2f}", flush=True)
+                  f"{row['per_tensor_calls']:>6} {row['per_tensor_ops']:>6} {row['bucketed_work_ms']:>12.2f} "
+                  f"{row['bucketed_share']:>7.1%} {row['bucketed_calls']:>6} {row['bucketed_ops']:>6} "
+                  f"{row['speedup']:>7.2f}x {row['bucketed_bytes']:>12} {row['bucketed_collective_ms']:>16.2f} "
+                  f"{row['bucketed_exchange_free_ms']:>14.2f}", flush=True)
     path = write_results(rows, args.out, f"bench_step_{args.device}", vars(args) | {"out": str(args.out)},
                          methods=METHODS)
     print(f"\nwrote {path}")

@@ -7,15 +7,16 @@
 
 ``lr`` must be the optimizer's learning rate.
 """
+from grace.compressors.sign_bits import SignBits
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, check_number
+from grace.core.compressor import Shape, check_number
 from grace.core.registry import example, register
 from grace.memories import EFSignSGDMemory, make_memory
 
 
-class EFSignSGD(Compressor):
-    collective = Collective.ALLGATHER
+class EFSignSGD(SignBits):
+    kernel = "efsignsgd"
 
     def __init__(self, lr: float):
         self.lr = check_number(lr, "lr", strict=True, note=" (the optimizer's learning rate)")
@@ -41,6 +42,9 @@ class EFSignSGD(Compressor):
 
     def aggregate(self, xp, payloads, ctx):
         return super().aggregate(xp, payloads, ctx) / self.lr
+
+    def aggregate_segments(self, xp, fields, ctx, table, ranks):
+        return super().aggregate_segments(xp, fields, ctx, table, ranks) / self.lr
 
 
 @register("efsignsgd", lr="lr", examples=dict(efsignsgd=example(0.1)))

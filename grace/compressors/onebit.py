@@ -3,15 +3,17 @@
     compress: bit = (x >= 0); mu1 = mean(x[bit]), mu0 = mean(x[not bit])
     decode:   mu1 where bit else mu0
 """
+from grace.compressors.sign_bits import SignBits
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compressor import Shape
 from grace.core.registry import register
 from grace.memories import make_memory
 
 
-class OneBit(Compressor):
-    collective = Collective.ALLGATHER
+class OneBit(SignBits):
+    scalars = 2  # mu0, mu1
+    kernel = "onebit"
 
     def compress(self, xp, x, info):
         fused = xp.fused("onebit_compress", x, xp.dtype(x))  # one pass, when built

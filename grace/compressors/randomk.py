@@ -6,6 +6,8 @@ With ``scale=True`` the values are multiplied by d/k, which makes the estimate u
 """
 import math
 
+import numpy as np
+
 from grace.core.compressor import Collective, Compressor, Shape, check_ratio
 from grace.core.compression import GradientCompression
 from grace.core.registry import example, register
@@ -30,7 +32,7 @@ class RandomK(Compressor):
     def compress(self, xp, x, info):
         flat = xp.flatten(x)
         d = xp.numel(flat)
-        k = min(d, max(1, math.ceil(self.ratio * d)))
+        k = self._k(d)
         indices = xp.random_indices(d, k, info.seed(self.seed), like=flat)
         values = xp.gather(flat, indices)
         if self.scale and k:
@@ -43,6 +45,29 @@ class RandomK(Compressor):
     def decompress(self, xp, payload, ctx):
         shape, indices = ctx
         return xp.reshape(xp.scatter_add(indices, payload[0], shape.numel), shape.shape)
+
+    # --- a bucket at once: each segment's own draw, one gather and one scatter -------------
+    segmented = True
+
+    def _k(self, d: int) -> int:
+        return min(d, max(1, math.ceil(self.ratio * d)))
+
+    def segment_fields(self, numels, dtype):
+        return [([self._k(d) for d in numels], [dtype] * len(numels))]
+
+    def compress_segments(self, xp, p, table, infos):
+        ks = [self._k(d) for d in table.numels]
+        starts = table.cached("sent starts", lambda: xp.asarray(np.repeat(table.starts, ks), like=p))
+        drawn = [xp.random_indices(d, k, info.seed(self.seed), like=p) for d, k, info in zip(table.numels, ks, infos)]
+        indices = xp.concat(drawn) + starts  # in the flat buffer
+        values = xp.gather(p, indices)
+        if self.scale:  # d / k per segment, as the per-tensor multiply rounds it
+            values = values * table.cached("scale", lambda: xp.cast(
+                xp.asarray(np.repeat([d / k for d, k in zip(table.numels, ks)], ks), like=p), xp.dtype(p)))
+        return (values,), indices, None
+
+    def decompress_segments(self, xp, fields, indices, table):
+        return xp.scatter_add(indices, fields[0], table.numel)
 
 
 @register("randomk", compress_ratio="ratio", scale="scale", seed="seed",

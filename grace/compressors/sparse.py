@@ -2,6 +2,8 @@
 
 Payload: (values in the gradient's dtype, indices in the smallest integer type that holds d).
 """
+import numpy as np
+
 from grace.core.compressor import Collective, Compressor, Shape, index_bits, index_dtype
 
 
@@ -45,3 +47,30 @@ class Sparsifier(Compressor):
         values = xp.concat([p[0] for p in payloads]) / len(payloads)
         indices = xp.concat([xp.cast(p[1], "int64") for p in payloads])
         return xp.reshape(xp.scatter_add(indices, values, ctx.numel), ctx.shape)
+
+    # --- a bucket at once (segmented methods: a fixed k per segment) ----------------------
+    def segment_fields(self, numels, dtype):
+        k = [self.kernel_argument(d) for d in numels]
+        return [(k, [dtype] * len(k)), (k, [index_dtype(d) for d in numels])]
+
+    def select_segments(self, xp, p, table):
+        """A mask of the elements of the flat ``p`` that each segment sends."""
+        raise NotImplementedError
+
+    def _sent_starts(self, xp, table, like):
+        """Each sent element's segment start (k_i of each segment, in order)."""
+        return table.cached("sent starts", lambda: xp.asarray(
+            np.repeat(table.starts, [self.kernel_argument(d) for d in table.numels]), like=like))
+
+    def compress_segments(self, xp, p, table, infos):
+        take = self.select_segments(xp, p, table)
+        starts = self._sent_starts(xp, table, p)
+        indices = xp.nonzero(take, size=xp.numel(starts))  # ascending: k_i per segment, in order
+        return (xp.gather(p, indices), indices - starts), None, xp.where(take, p, 0.0)
+
+    def aggregate_segments(self, xp, fields, ctx, table, ranks):
+        values, local = fields
+        starts = self._sent_starts(xp, table, values)
+        out = xp.zeros(table.numel, xp.dtype(values), like=values)
+        rows = range(ranks)  # payload after payload, as scatter_add adds the concatenation
+        return xp.scatter_add_rows(out, [local[r] + starts for r in rows], [values[r] / ranks for r in rows])

@@ -5,6 +5,7 @@ Indices are sent sorted. Every rank sends the same k, so allgather needs no leng
 import math
 
 from grace.compressors.sparse import Sparsifier
+from grace.core import segments
 from grace.core.compressor import check_ratio
 from grace.core.compression import GradientCompression
 from grace.core.registry import example, register
@@ -22,6 +23,12 @@ class TopK(Sparsifier):
 
     def select(self, xp, flat, info):
         return xp.sort(xp.topk_indices(xp.abs(flat), self.kernel_argument(xp.numel(flat))))
+
+    segmented = True
+
+    def select_segments(self, xp, p, table):
+        k = table.cached("k per segment", lambda: xp.asarray([self.kernel_argument(d) for d in table.numels], like=p))
+        return segments.top_mask(xp, segments.magnitude_keys(xp, p), table, k)
 
 
 @register("topk", compress_ratio="ratio", examples=dict(topk=example(0.1)))

@@ -24,6 +24,7 @@ Two extensions, each used by the methods that need it:
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import zlib
 from dataclasses import dataclass
@@ -106,6 +107,10 @@ class Compressor:
     shared_state: bool = False
     #: E[decompress(compress(x))] = x: its rounding or scaling is right on average
     unbiased: bool = False
+    #: segment_fields, compress_segments and aggregate_segments exist: on an accelerator a
+    #: bucket's gradients are compressed in one pass over its flat buffer, each with the
+    #: per-tensor result (grace.core.segments)
+    segmented: bool = False
 
     def compress(self, xp, x, info: TensorInfo) -> Tuple[Payload, Any]:
         raise NotImplementedError
@@ -131,6 +136,40 @@ class Compressor:
         kernel, writing the residual into ``out`` when given). (payload, ctx, new residual), or
         None: the pipeline runs the steps apart."""
         return None
+
+    def segment_fields(self, numels: Sequence[int], dtype: str):
+        """Segmented methods: per payload position, (element count per segment, wire dtype per
+        segment) of what each segment of ``numels`` elements would send alone."""
+        raise NotImplementedError
+
+    def compress_segments(self, xp, p, table, infos: Sequence[TensorInfo]):
+        """Segmented methods: every segment of the flat ``p`` compressed, as (fields, ctx,
+        p_hat): field j holds all segments' j-th payload tensors in a row; p_hat is what ``p``
+        becomes (each segment's own payload decompressed; None: the caller asks
+        ``decompress_segments``). ``infos``: each segment's TensorInfo. By default each
+        segment's own ``compress``, in turn (a method overrides it with one pass)."""
+        payloads = [self.compress(xp, p[start:start + n], info)[0]
+                    for start, n, info in zip(table.starts, table.numels, infos)]
+        return [xp.concat(list(field)) for field in zip(*payloads)], None, None
+
+    def decompress_segments(self, xp, fields, ctx, table):
+        """Segmented methods: every segment's decompress, flat (allreduce methods: of the
+        summed fields). By default each segment's own ``decompress``, in turn."""
+        offsets = table.cached("field offsets", lambda: [
+            [0, *itertools.accumulate(counts)] for counts, _ in self.segment_fields(table.numels, "float32")])
+        return xp.concat([
+            xp.flatten(self.decompress(xp, tuple(f[o[s]:o[s + 1]] for f, o in zip(fields, offsets)),
+                                       Shape((n,), "float32")))
+            for s, n in enumerate(table.numels)])
+
+    def aggregate_segments(self, xp, fields, ctx, table, ranks: int):
+        """Segmented allgather methods: the flat mean over ``ranks`` of the received fields
+        (each a (ranks, field size) tensor). By default ``aggregate``'s: decode each rank's
+        payloads and add them, rank after rank."""
+        total = self.decompress_segments(xp, [f[0] for f in fields], ctx, table)
+        for r in range(1, ranks):
+            total = total + self.decompress_segments(xp, [f[r] for f in fields], ctx, table)
+        return total / ranks
 
     def rounds(self, xp, x, info: TensorInfo, state):
         """Multi-round methods only: a generator, see the module docstring."""

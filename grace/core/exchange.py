@@ -46,6 +46,7 @@ import numpy as np
 
 from grace.backends import backend_for
 from grace.core import bucket as frames
+from grace.core import segments
 from grace.core.bucket import Bucket, Dense, Segment
 from grace.core.communicator import Communicator, Handle, _lengths
 from grace.core.compression import GradientCompression
@@ -115,6 +116,8 @@ class BucketPending:
     counts: List[int] = field(default_factory=list)
     p: Any = None  # multi-round methods: the compensated units
     rounds: Any = None  # multi-round methods: one suspended protocol per unit
+    segmented: Any = None  # segment-wise buckets: (SegmentTable, SegmentedFrame)
+    segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
 
 
 def _check_float(xp, name: str, g) -> None:
@@ -198,7 +201,8 @@ class Exchange:
         self._plans: Dict[tuple, List[Bucket]] = {}
         self._buckets: Dict[str, Bucket] = {}
         self._adopted: set = set()
-        self._whole_of: Dict[str, bool] = {}  # per bucket in use: compressed as one tensor
+        self._whole_of: Dict[str, bool] = {}  # per bucket in use: one flat memory (whole or segmented)
+        self._segmented: Dict[str, Any] = {}  # per bucket compressed segment-wise: (table, frame layout)
         self._buffers: Dict[str, Any] = {}  # reused per name: flat gradients, joined payloads
         self._spares: Dict[str, Any] = {}  # per bucket: where the next flat memory is written
         self._guarded = compression.flags_overflow
@@ -464,7 +468,16 @@ class Exchange:
     def _compress_bucket(self, bucket: Bucket, xp, grads: Sequence, flat) -> "BucketPending":
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
         rank, n = self.communicator.rank, self.communicator.size
-        whole = self._whole_of.setdefault(bucket.key, self._compresses_whole(xp, grads[0]))
+        if bucket.key not in self._whole_of:
+            segmented = self._compresses_segmented(bucket, xp, grads[0])
+            self._whole_of[bucket.key] = segmented or self._compresses_whole(xp, grads[0])
+            if segmented:
+                table = segments.SegmentTable.build(xp, [s.numel for s in bucket.segments], grads[0])
+                fields = compressor.segment_fields(table.numels, bucket.dtype)
+                self._segmented[bucket.key] = table, segments.SegmentedFrame(xp, fields, self._guarded, grads[0])
+        whole = self._whole_of[bucket.key]
+        if bucket.key in self._segmented:
+            return self._compress_segments(bucket, xp, grads, flat)
         if whole:  # one flat tensor, with one flat memory
             g = flat if flat is not None else self._flat_gradient(bucket, xp, grads)
             units, g_units = [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], [g]
@@ -542,11 +555,73 @@ class Exchange:
         self.stats.add(nbytes, 0)
         return pending
 
+    def _compress_segments(self, bucket: Bucket, xp, grads: Sequence, flat) -> "BucketPending":
+        """The bucket's gradients compressed in one pass over its flat buffer, with one flat
+        memory, each with its per-tensor result (``Compressor.segmented``)."""
+        compressor, memory, comm = self.compression.compressor, self.compression.memory, self.communicator
+        g = flat if flat is not None else self._flat_gradient(bucket, xp, grads)
+        unit = Segment(bucket.key, (bucket.numel,), 0, bucket.numel)
+        self._adopt(bucket, xp, g)
+        step = self._next_step(bucket.key, g)
+        self.stats.add(0, 4 * bucket.numel)
+        e = self.store.get("memory", bucket.key, lambda t: memory.init(xp, t), g)
+        pending = BucketPending(bucket, xp, [unit], g, [e], segmented=self._segmented[bucket.key])
+        if self._guarded:
+            pending.flag = xp.nonfinite([g])
+        table, layout = pending.segmented
+        infos = [TensorInfo(name=name, step=step, world_size=comm.size, rank=comm.rank) for name in bucket.names]
+        p = memory.compensate(xp, g, e)
+        fields, pending.segment_ctx, p_hat = compressor.compress_segments(xp, p, table, infos)
+        if compressor.collective is Collective.ALLREDUCE:  # (fixed sizes: never more than dense)
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag)
+        else:
+            frame = layout.write(xp, fields, pending.flag)
+            nbytes = None
+            if layout.size > frames.frame_size([bucket.numel], [bucket.dtype], False, self._guarded):
+                pending.sent_dense, p_hat = True, p  # every rank decides alike: the sizes are fixed
+                frame = frames.frame(xp, [p], False, g, pending.flag)
+        if memory.needs_feedback:
+            with self._phase("feedback"):
+                if p_hat is None:
+                    p_hat = compressor.decompress_segments(xp, fields, pending.segment_ctx, table)
+                self._set("memory", bucket.key, memory.update(xp, p, p_hat, e))
+        if compressor.collective is not Collective.ALLREDUCE:
+            nbytes = self._send_frame(pending, frame, variable=False)
+        self.stats.add(nbytes, 0)
+        return pending
+
+    def _aggregate_segments(self, pending: "BucketPending"):
+        """The flat mean of a segment-wise bucket's exchange, and the overflow count (or None)."""
+        xp, bucket, n = pending.xp, pending.bucket, self.communicator.size
+        compressor, (table, layout), flagged = self.compression.compressor, pending.segmented, pending.flag is not None
+        if compressor.collective is Collective.ALLREDUCE:
+            (summed,), overflow = pending.wait()  # (its waits are timed inside)
+            return compressor.decompress_segments(xp, summed, pending.segment_ctx, table) / n, overflow
+        received = self._wait(pending.wait)
+        if isinstance(received, list):  # broadcasts: one frame per rank
+            received = xp.concat(received)
+        if pending.sent_dense:
+            nbytes = bucket.numel * frames.ITEMSIZE[bucket.dtype]  # then the flag byte, then padding
+            rows = xp.reshape(received, (n, frames.frame_size([bucket.numel], [bucket.dtype], False, flagged)))
+            dense = [xp.from_bytes(rows[r, :nbytes], bucket.dtype) for r in range(n)]
+            total = dense[0]
+            for values in dense[1:]:  # rank after rank, as the per-tensor exchange adds them
+                total = total + values
+            g_hat = total / n
+            flags = rows[:, nbytes] if flagged else None
+        else:
+            fields, flags = layout.read(xp, received, n)
+            g_hat = compressor.aggregate_segments(xp, fields, pending.segment_ctx, table, n)
+        return g_hat, self._overflow(xp, [flags]) if flagged else None
+
     def finish_bucket(self, pending: "BucketPending") -> List[Any]:
         """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order."""
         xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
         with self._phase("decompress"):
-            if pending.rounds is not None:
+            if pending.segmented is not None:
+                flat, overflow = self._aggregate_segments(pending)
+                g_hat = [flat]
+            elif pending.rounds is not None:
                 g_hat, overflow = self._finish_bucket_rounds(pending)
             elif self.compression.collective is Collective.ALLREDUCE:
                 summed, overflow = pending.wait()  # (its allreduce waits are timed inside)
@@ -621,7 +696,7 @@ class Exchange:
     def _launch_frame(self, pending: "BucketPending", payloads, compensated) -> int:
         """Frame this rank's payloads, or the dense bucket (``compensated()``: its units) where
         that is smaller, and launch the allgather or the broadcasts; the bytes sent."""
-        xp, comm, bucket, g = pending.xp, self.communicator, pending.bucket, pending.g
+        xp, bucket, g = pending.xp, pending.bucket, pending.g
         variable = self.compression.compressor.variable_length
         pieces = [t for payload in payloads for t in payload]
         pending.structure = [len(payload) for payload in payloads]
@@ -638,6 +713,11 @@ class Exchange:
             p = _concat(xp, compensated())
             frame = (frames.dense_frame(xp, p, len(pieces), g, flag) if variable
                      else frames.frame(xp, [p], False, g, flag))
+        return self._send_frame(pending, frame, variable)
+
+    def _send_frame(self, pending: "BucketPending", frame, variable: bool) -> int:
+        """Launch the allgather (or the broadcasts) of this rank's ``frame``; the bytes sent."""
+        xp, comm, bucket, g = pending.xp, self.communicator, pending.bucket, pending.g
         nbytes = xp.numel(frame)
         with self._phase("collective"):
             if self.compression.collective is Collective.ALLGATHER:
@@ -751,6 +831,18 @@ class Exchange:
             return True
         return self.compression.compressor.elementwise and xp.on_accelerator(like)
 
+    def _compresses_segmented(self, bucket: Bucket, xp, like) -> bool:
+        """Whether a bucket is compressed segment-wise (one pass for all its gradients, each
+        with its per-tensor result): for methods that can (``Compressor.segmented``: fixed-size
+        payloads), with a memory that treats elements alone
+        (none, residual), on an accelerator, where launches per gradient cost more than the
+        arithmetic. On a CPU the per-gradient kernels are faster."""
+        compressor = self.compression.compressor
+        return (compressor.segmented and self.compression.scope != "bucket"
+                and (self.compression.collective is Collective.ALLREDUCE) == (compressor.collective is Collective.ALLREDUCE)
+                and self.compression.memory.elementwise and bucket.dtype == "float32"
+                and getattr(xp, "segmented", False) and xp.on_accelerator(like))
+
     def _adopt(self, bucket: Bucket, xp, like) -> None:
         """The first time a bucket is used: take over its gradients' per-name state (from a
         checkpoint, or saved under another bucket size)."""
@@ -779,7 +871,7 @@ class Exchange:
                         tables[table][s.name] = value if table == "steps" else _state_copy(value, s)
             tables["state"].pop(key, None)
             self._adopted.discard(key)
-            for per_bucket in (self._whole_of, self._spares, self._buckets):
+            for per_bucket in (self._whole_of, self._segmented, self._spares, self._buckets):
                 per_bucket.pop(key, None)
             for name in [n for n in self._buffers if n == key or n.startswith(key + ".")]:
                 del self._buffers[name]

@@ -18,6 +18,9 @@ class Memory:
 
     #: update() needs p_hat, so the pipeline must decompress the rank's own payload
     needs_feedback: bool = False
+    #: each element's state depends on that element alone (a bucket's memories can be one
+    #: flat tensor updated at once)
+    elementwise: bool = False
 
     def init(self, xp, g) -> Optional[Any]:
         """The state before the first step (None: this memory keeps none for ``g``)."""

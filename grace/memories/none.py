@@ -4,3 +4,4 @@ from grace.core.memory import Memory
 
 class NoMemory(Memory):
     """phi(g) = g; psi keeps nothing."""
+    elementwise = True

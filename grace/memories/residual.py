@@ -11,6 +11,7 @@ from grace.core.memory import Memory
 
 class ResidualMemory(Memory):
     needs_feedback = True
+    elementwise = True
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0):
         self.beta = check_number(beta, "beta")

@@ -30,6 +30,11 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     threshold_ef_step(g, r, thr, ...)     qsgd_decompress(packed, norms, numel, levels, bucket_size=0)
                                           natural_compress(x, u) -> (signs, codes)
                                           natural_decompress(signs, codes, numel)
+    segment by segment (a bucket's flat buffer; the per-tensor kernels for each segment):
+    efsignsgd_compress_segments(x, starts, numels), efsignsgd_decompress_segments(packed, scale, numels)
+    onebit_compress_segments(x, starts, numels), onebit_decompress_segments(packed, means, numels)
+    terngrad_, qsgd_, natural_compress_segments(x, u, starts, numels, draw_starts, ...) and their
+    _decompress_segments(..., numels, ...)
 """
 from __future__ import annotations
 
@@ -43,11 +48,15 @@ from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailab
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library, load_error, set_enabled
 
 __all__ = [
-    "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info", "efsignsgd_compress",
-    "efsignsgd_decompress", "enabled", "fused", "load_error", "natural_compress", "natural_decompress", "nonzero",
-    "onebit_compress", "onebit_decompress", "pack", "qsgd_compress", "qsgd_decompress", "scatter_add",
-    "scatter_add_many", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress", "supports",
-    "terngrad_compress", "terngrad_decompress", "threshold_compress", "threshold_ef_step", "threshold_indices",
+    "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info",
+    "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
+    "efsignsgd_decompress_segments", "enabled", "fused", "load_error", "natural_compress",
+    "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "nonzero",
+    "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments", "pack",
+    "qsgd_compress", "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments", "scatter_add",
+    "scatter_add_many", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
+    "supports", "terngrad_compress", "terngrad_compress_segments", "terngrad_decompress",
+    "terngrad_decompress_segments", "threshold_compress", "threshold_ef_step", "threshold_indices",
     "topk_compress", "topk_ef_step", "topk_indices", "unpack",
 ]
 
@@ -327,6 +336,57 @@ def onebit_decompress(packed, means, numel: int):
     return _wrap(kind, out)
 
 
+# --- the sign family, segment by segment: a bucket's gradients in one call ------------------
+# Each segment goes through the very kernels of the per-tensor functions above (its bits packed
+# from a byte of its own, its own scale), so the results are the per-tensor ones, with one
+# Python call per bucket instead of several per gradient.
+def _sign_segments(symbol: str, scalars: int, x, starts, numels):
+    kind = kind_of(x)
+    b = _float32(kind, x, ("float32",))
+    out = kind.empty(sum(packed_size(n, 1) for n in numels), "uint8")
+    scale = kind.empty(scalars * len(numels), "float32")
+    at = 0
+    for s, (start, n) in enumerate(zip(starts, numels)):
+        call(kind, symbol, b.ptr + 4 * start, n, out.ptr + at, scale.ptr + 4 * scalars * s)
+        at += packed_size(n, 1)
+    return _wrap(kind, out, scale)
+
+
+def _sign_decode_segments(symbol: str, scalars: int, packed, scale, numels):
+    kind = kind_of(packed)
+    p, sc = kind.flat(packed), _same_kind(kind, scale, "float32")
+    if p.n != sum(packed_size(n, 1) for n in numels) or sc.n != scalars * len(numels):
+        raise ValueError(f"{p.n} packed bytes and {sc.n} scales for segments of {list(numels)} elements")
+    out = _decode_out(kind, sum(numels))
+    at, start = 0, 0
+    for s, n in enumerate(numels):
+        call(kind, symbol, p.ptr + at, n, sc.ptr + 4 * scalars * s, out.ptr + 4 * start)
+        at += packed_size(n, 1)
+        start += n
+    return _wrap(kind, out)
+
+
+def efsignsgd_compress_segments(x, starts, numels):
+    """efsignsgd_compress of each segment (``starts``, ``numels``) of the flat float32 ``x``:
+    (every segment's bits in a row, one scale per segment)."""
+    return _sign_segments("efsign_compress", 1, x, starts, numels)
+
+
+def efsignsgd_decompress_segments(packed, scale, numels):
+    """efsignsgd_decompress of each segment, the results in a row."""
+    return _sign_decode_segments("sign_decode", 1, packed, scale, numels)
+
+
+def onebit_compress_segments(x, starts, numels):
+    """onebit_compress of each segment: (every segment's bits in a row, two means per segment)."""
+    return _sign_segments("onebit_compress", 2, x, starts, numels)
+
+
+def onebit_decompress_segments(packed, means, numels):
+    """onebit_decompress of each segment, the results in a row."""
+    return _sign_decode_segments("onebit_decode", 2, packed, means, numels)
+
+
 def _draws(kind, u, n: int) -> Buf:
     ub = _same_kind(kind, u, "float32")
     if ub.n < n:
@@ -414,6 +474,93 @@ def natural_decompress(signs, codes, numel: int):
     return _wrap(kind, out)
 
 
+# --- the random quantizers, segment by segment (draws: each segment's own, in a row) -------------
+def _segment_inputs(x, u):
+    kind = kind_of(x)
+    return kind, _float32(kind, x, ("float32",)), _same_kind(kind, u, "float32")
+
+
+def terngrad_compress_segments(x, u, starts, numels, draw_starts):
+    """terngrad_compress of each segment of the flat float32 ``x``, with the draws of segment s
+    at ``u[draw_starts[s]:]``: (every segment's codes in a row, one scale per segment)."""
+    kind, b, ub = _segment_inputs(x, u)
+    out = kind.empty(sum(packed_size(n, 2) for n in numels), "uint8")
+    scale = kind.empty(len(numels), "float32")
+    at = 0
+    for s, (start, n, drawn) in enumerate(zip(starts, numels, draw_starts)):
+        call(kind, "maxabs", b.ptr + 4 * start, n, scale.ptr + 4 * s)
+        call(kind, "terngrad_compress", b.ptr + 4 * start, ub.ptr + 4 * drawn, n, scale.ptr + 4 * s, out.ptr + at)
+        at += packed_size(n, 2)
+    return _wrap(kind, out, scale)
+
+
+def terngrad_decompress_segments(packed, scale, numels):
+    kind = kind_of(packed)
+    p, sc = kind.flat(packed), _same_kind(kind, scale, "float32")
+    out = _decode_out(kind, sum(numels))
+    at, start = 0, 0
+    for s, n in enumerate(numels):
+        call(kind, "terngrad_decode", p.ptr + at, n, sc.ptr + 4 * s, out.ptr + 4 * start)
+        at, start = at + packed_size(n, 2), start + n
+    return _wrap(kind, out)
+
+
+def _qsgd_rows(n: int, bucket_size: int) -> int:
+    return -(-n // (int(bucket_size) or n))
+
+
+def qsgd_compress_segments(x, u, starts, numels, draw_starts, levels: int, bucket_size: int = 0):
+    """qsgd_compress of each segment: (every segment's codes in a row, its norms in a row)."""
+    kind, b, ub = _segment_inputs(x, u)
+    bits = code_width(2 * (levels + 1))
+    out = kind.empty(sum(packed_size(n, bits) for n in numels), "uint8")
+    norms = kind.empty(sum(_qsgd_rows(n, bucket_size) for n in numels), "float32")
+    at, row = 0, 0
+    for start, n, drawn in zip(starts, numels, draw_starts):
+        rc = call(kind, "qsgd_compress", b.ptr + 4 * start, ub.ptr + 4 * drawn, n, int(levels),
+                  int(bucket_size) or n, bits, norms.ptr + 4 * row, 0, out.ptr + at)
+        if rc != 0:
+            raise ValueError(f"bad QSGD parameters: levels={levels}, bits={bits}")
+        at, row = at + packed_size(n, bits), row + _qsgd_rows(n, bucket_size)
+    return _wrap(kind, out, norms)
+
+
+def qsgd_decompress_segments(packed, norms, numels, levels: int, bucket_size: int = 0):
+    kind = kind_of(packed)
+    p, nb = kind.flat(packed), _same_kind(kind, norms, "float32")
+    bits = code_width(2 * (levels + 1))
+    out = _decode_out(kind, sum(numels))
+    at, row, start = 0, 0, 0
+    for n in numels:
+        call(kind, "qsgd_decode", p.ptr + at, n, int(levels), int(bucket_size) or n, bits, nb.ptr + 4 * row,
+             out.ptr + 4 * start)
+        at, row, start = at + packed_size(n, bits), row + _qsgd_rows(n, bucket_size), start + n
+    return _wrap(kind, out)
+
+
+def natural_compress_segments(x, u, starts, numels, draw_starts):
+    """natural_compress of each segment: (every segment's sign bits in a row, its codes in a row)."""
+    kind, b, ub = _segment_inputs(x, u)
+    signs = kind.empty(sum(packed_size(n, 1) for n in numels), "uint8")
+    codes = kind.empty(sum(numels), "uint8")
+    at = 0
+    for start, n, drawn in zip(starts, numels, draw_starts):
+        call(kind, "natural_compress", b.ptr + 4 * start, ub.ptr + 4 * drawn, n, signs.ptr + at, codes.ptr + start)
+        at += packed_size(n, 1)
+    return _wrap(kind, signs, codes)
+
+
+def natural_decompress_segments(signs, codes, numels):
+    kind = kind_of(signs)
+    s, c = kind.flat(signs), _same_kind(kind, codes)
+    out = _decode_out(kind, sum(numels))
+    at, start = 0, 0
+    for n in numels:
+        call(kind, "natural_decode", s.ptr + at, c.ptr + start, n, out.ptr + 4 * start)
+        at, start = at + packed_size(n, 1), start + n
+    return _wrap(kind, out)
+
+
 # --- fused error feedback -----------------------------------------------------------------------
 def _ef_inputs(g, residual, out):
     kind = kind_of(g)
@@ -488,6 +635,17 @@ FUSED: Dict[str, Kernel] = {
     "efsignsgd_decompress": Kernel(efsignsgd_decompress, ("sign_decode",), ("float32",)),
     "onebit_compress": Kernel(onebit_compress, ("onebit_compress",), ("uint8", "float32")),
     "onebit_decompress": Kernel(onebit_decompress, ("onebit_decode",), ("float32",)),
+    "efsignsgd_compress_segments": Kernel(efsignsgd_compress_segments, ("efsign_compress",), ("uint8", "float32")),
+    "efsignsgd_decompress_segments": Kernel(efsignsgd_decompress_segments, ("sign_decode",), ("float32",)),
+    "onebit_compress_segments": Kernel(onebit_compress_segments, ("onebit_compress",), ("uint8", "float32")),
+    "onebit_decompress_segments": Kernel(onebit_decompress_segments, ("onebit_decode",), ("float32",)),
+    "terngrad_compress_segments": Kernel(terngrad_compress_segments, ("maxabs", "terngrad_compress"),
+                                         ("uint8", "float32")),
+    "terngrad_decompress_segments": Kernel(terngrad_decompress_segments, ("terngrad_decode",), ("float32",)),
+    "qsgd_compress_segments": Kernel(qsgd_compress_segments, ("qsgd_compress",), ("uint8", "float32")),
+    "qsgd_decompress_segments": Kernel(qsgd_decompress_segments, ("qsgd_decode",), ("float32",)),
+    "natural_compress_segments": Kernel(natural_compress_segments, ("natural_compress",), ("uint8", "uint8")),
+    "natural_decompress_segments": Kernel(natural_decompress_segments, ("natural_decode",), ("float32",)),
     "terngrad_compress": Kernel(terngrad_compress, ("maxabs", "terngrad_compress"), ("uint8", "float32")),
     "terngrad_decompress": Kernel(terngrad_decompress, ("terngrad_decode",), ("float32",)),
     "qsgd_compress": Kernel(qsgd_compress, ("qsgd_norms", "qsgd_compress"), ("uint8", "float32")),

@@ -1,0 +1,232 @@
+"""Segmented operations: all gradients of a bucket in one pass over its flat buffer.
+
+A bucket's gradients lie one after another in a flat buffer. A ``SegmentTable`` says where
+(each segment's offset and size, and the segment of every element), on the bucket's device,
+built once per bucket. The operations here give each segment exactly what the per-tensor code
+gives it alone (the per-tensor path is their oracle, bit for bit), with a number of kernel
+launches and Python calls that does not grow with the number of segments: what a GPU needs,
+where a launch costs more than a small gradient's arithmetic.
+
+``SegmentedFrame`` writes and reads a bucket's frame (``grace.core.bucket``) from whole
+fields (one per payload position, every segment's piece in a row), byte for byte the frame
+that the segments' own payloads make.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, List, Sequence, Tuple
+
+import numpy as np
+
+from grace.core.bucket import ALIGN, ITEMSIZE, _order
+
+KEY_BITS = 31  # |x| of a float32, read as an integer: order-preserving, NaN above inf
+RADIX = (11, 10, 10)  # bits per pass of the selection, high to low
+
+
+@dataclass
+class SegmentTable:
+    """Where each segment lies in a flat buffer of ``numel`` elements. It keeps nothing per
+    element (a per-element segment index would cost twice the bucket's memory): per-segment
+    values are spread over the elements with ``xp.repeat`` when needed."""
+
+    numels: Tuple[int, ...]
+    starts: Tuple[int, ...]
+    numel: int
+    counts: Any  # int64 per segment, on the device: its size
+    start: Any  # int64 per segment: its first element
+    cache: dict = field(default_factory=dict)  # what a method derives from the layout, per name
+
+    @classmethod
+    def build(cls, xp, numels: Sequence[int], like) -> "SegmentTable":
+        starts = np.concatenate([[0], np.cumsum(numels)[:-1]]).astype(np.int64)
+        return cls(tuple(int(n) for n in numels), tuple(int(s) for s in starts), int(sum(numels)),
+                   xp.asarray(np.asarray(numels, dtype=np.int64), like=like), xp.asarray(starts, like=like))
+
+    def per_element(self, xp, per_segment):
+        """A per-segment tensor spread over the elements."""
+        return xp.repeat(per_segment, self.counts, self.numel)
+
+    def cached(self, name: str, make):
+        """``make()``, computed once per table."""
+        if name not in self.cache:
+            self.cache[name] = make()
+        return self.cache[name]
+
+
+def magnitude_keys(xp, x):
+    """|x| of a float32 tensor as int32: larger magnitude, larger key (NaN above inf)."""
+    return xp.from_bytes(xp.to_bytes(xp.abs(x)), "int32")
+
+
+def kth_largest(xp, keys, table: SegmentTable, k):
+    """Per segment, the k-th largest of its non-negative ``keys`` (``k``: int64 per segment,
+    1 <= k <= the segment's size) by radix selection, all segments at once: (the key T, how
+    many elements equal to T are among the k largest)."""
+    count = len(table.numels)
+    prefix = xp.zeros(count, "int64", like=keys)  # each segment's bits of T found so far
+    need = k
+    shift = KEY_BITS
+    for bits in RADIX:
+        shift -= bits
+        bins = 2 ** bits
+        # per element in int32, as the keys: half the memory traffic of int64
+        above = xp.shift_right(keys, shift + bits)  # the bits already decided
+        digit = xp.shift_right(keys, shift) - above * bins
+        running = above == table.per_element(xp, xp.cast(prefix, "int32"))
+        # bin b of a segment counts its running elements with digit bins-1-b: largest first
+        last_bin = table.per_element(xp, xp.cast(xp.arange(count, like=keys) * bins + (bins - 1), "int32"))
+        slot = xp.where(running, last_bin - digit, count * bins)
+        hist = xp.reshape(xp.bincount(slot, count * bins + 1)[:count * bins], (count, bins))
+        total = xp.cumsum(hist, axis=1)  # elements with a digit >= bins-1-b
+        b = xp.sum(xp.cast(total < xp.reshape(need, (-1, 1)), "int64"), axis=1)  # first bin reaching need
+        at = xp.arange(count, like=keys) * bins + b
+        need = need - (xp.gather(xp.flatten(total), at) - xp.gather(xp.flatten(hist), at))
+        prefix = prefix * bins + (bins - 1) - b
+    return prefix, need
+
+
+def top_mask(xp, keys, table: SegmentTable, k):
+    """True at each segment's k largest keys; among keys equal to the k-th, the first ones:
+    the rule of grace.native's top-k selection."""
+    threshold, need = kth_largest(xp, keys, table, k)
+    threshold = table.per_element(xp, xp.cast(threshold, "int32"))
+    equal = keys == threshold
+    ties = xp.cast(equal, "int64")
+    before = xp.cumsum(ties) - ties  # equal keys before each element, counted from the start
+    rank = before - table.per_element(xp, xp.gather(before, table.start))  # ... from its segment's start
+    return (keys > threshold) | (equal & (rank < table.per_element(xp, need)))
+
+
+def uniform_draws(xp, counts: Sequence[int], infos, seed: int, like):
+    """Each segment's uniform draws, ``counts[s]`` from its own rank seed, as its per-tensor
+    compress draws them, in a row; and where each segment's draws start."""
+    drawn = [xp.uniform(count, info.rank_seed(seed), like=like) for count, info in zip(counts, infos)]
+    starts = [0, *itertools.accumulate(counts)][:-1]
+    return (drawn[0] if len(drawn) == 1 else xp.concat(drawn)), starts
+
+
+class SegmentedFrame:
+    """The frame of a bucket whose every segment sends pieces of fixed sizes: ``fields[j]`` is
+    (element count per segment, wire dtype per segment) of payload position j. The frame is
+    the one ``bucket.frame`` makes of the pieces in segment order (segment 0's payload, then
+    segment 1's...): pieces widest first, then the overflow flag, then padding."""
+
+    def __init__(self, xp, fields: Sequence[Tuple[Sequence[int], Sequence[str]]], flagged: bool, like):
+        segments = len(fields[0][0])
+        pieces = [(j, s) for s in range(segments) for j in range(len(fields))]
+        dtypes = [fields[j][1][s] for j, s in pieces]
+        counts = [int(fields[j][0][s]) for j, s in pieces]
+        self.field_sizes = [int(sum(c)) for c, _ in fields]
+        # what read() gives: a field's wire dtype, or int64 for indices sent at several widths
+        self.field_dtypes = [d[0] if len(set(d)) == 1 else "int64" for _, d in fields]
+        field_starts = [np.concatenate([[0], np.cumsum(c)[:-1]]).astype(np.int64) for c, _ in fields]
+        self.flagged = flagged
+        # per element width: the positions of the frame's words in each field, in frame order
+        self.widths: List[int] = []
+        self.sources: dict = {}  # width -> [(field, positions in the field)] in frame order
+        for i in _order(dtypes):
+            j, s = pieces[i]
+            width = ITEMSIZE[dtypes[i]]
+            if width not in self.sources:
+                self.widths.append(width)
+                self.sources[width] = []
+            self.sources[width].append((j, field_starts[j][s] + np.arange(counts[i], dtype=np.int64)))
+        self.words = {w: sum(len(p) for _, p in self.sources[w]) for w in self.widths}
+        size = sum(w * n for w, n in self.words.items()) + flagged
+        self.pad = -size % ALIGN
+        self.size = size + self.pad
+        # writing: the class's words gathered from its fields' elements, laid end to end
+        self._write = {}
+        for w in self.widths:
+            fields_in = sorted({j for j, _ in self.sources[w]})
+            base = dict(zip(fields_in, np.cumsum([0] + [self.field_sizes[j] for j in fields_in[:-1]])))
+            gather = np.concatenate([base[j] + p for j, p in self.sources[w]])
+            self._write[w] = (fields_in, xp.asarray(gather, like=like))
+        self._read: dict = {}
+        self._like = like
+
+    def write(self, xp, fields: Sequence, flag=None):
+        """This rank's frame from its ``fields`` (1-d, in segment order; integer fields are
+        cast to each segment's wire dtype, floats keep theirs)."""
+        parts = []
+        for w in self.widths:
+            fields_in, gather = self._write[w]
+            source = [_as_words(xp, fields[j], w) for j in fields_in]
+            parts.append(xp.to_bytes(xp.gather(source[0] if len(source) == 1 else xp.concat(source), gather)))
+        if self.flagged:
+            parts.append(xp.cast(flag, "uint8"))
+        if self.pad:
+            parts.append(xp.zeros(self.pad, "uint8", like=self._like))
+        return xp.concat(parts) if len(parts) > 1 else parts[0]
+
+    def read(self, xp, received, ranks: int):
+        """The fields of ``ranks`` frames laid end to end, as (ranks, field size) tensors (of the
+        wire dtype; int64 for indices sent at several widths), and each rank's overflow flag
+        (uint8) or None."""
+        if ranks not in self._read:
+            self._read[ranks] = self._reader(xp, ranks)
+        rows = xp.reshape(received, (ranks, self.size))
+        words, offset = {}, 0
+        for w in self.widths:
+            end = offset + w * self.words[w]
+            words[w] = xp.from_bytes(xp.flatten(rows[:, offset:end]), _WORD[w])
+            offset = end
+        flags = xp.flatten(rows[:, offset:offset + 1]) if self.flagged else None
+        out = []
+        for j, dtype in enumerate(self.field_dtypes):
+            parts, order = self._read[ranks][j]
+            if len(parts) == 1 and order is None:  # one width, in field order: the words as they are
+                (w, positions), = parts
+                values = xp.from_bytes(xp.to_bytes(xp.gather(words[w], positions)), dtype)
+            else:
+                pieces = [xp.cast(xp.gather(words[w], positions), "int64") for w, positions in parts]
+                values = pieces[0] if len(pieces) == 1 else xp.concat(pieces)
+                values = values if order is None else xp.gather(values, order)
+            out.append(xp.reshape(values, (ranks, self.field_sizes[j])))
+        return out, flags
+
+    def _reader(self, xp, ranks: int):
+        """Per field: [(width, positions in that width's words of all ranks)] and, where the
+        parts are not already the field in order (an integer field sent at several widths),
+        the gather that puts their concatenation in (rank, field position) order; else None."""
+        per_field: dict = {}
+        for w in self.widths:
+            position = 0
+            for j, p in self.sources[w]:
+                per_field.setdefault(j, []).append((w, position + np.arange(len(p)), p))
+                position += len(p)
+        readers = []
+        for j, size in enumerate(self.field_sizes):
+            parts, where = [], []
+            for w in dict.fromkeys(w for w, _, _ in per_field[j]):
+                pos = np.concatenate([pos for ww, pos, _ in per_field[j] if ww == w])
+                parts.append((w, xp.asarray((np.arange(ranks)[:, None] * self.words[w] + pos).reshape(-1),
+                                            like=self._like)))
+                where.append(np.concatenate([p for ww, _, p in per_field[j] if ww == w]))
+            order = None
+            if len(parts) > 1 or not np.array_equal(where[0], np.arange(size)):
+                # element (rank r, i) of part w lies at offset_w + r * len(w) + i of the concatenation
+                order = np.empty(ranks * size, dtype=np.int64)
+                offset = 0
+                for w in where:
+                    order[(np.arange(ranks)[:, None] * size + w).reshape(-1)] = offset + np.arange(ranks * len(w))
+                    offset += ranks * len(w)
+                order = xp.asarray(order, like=self._like)
+            readers.append((parts, order))
+        return readers
+
+
+_WORD = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _as_words(xp, field, width: int):
+    """A field as integers of ``width`` bytes: floats bit for bit, integers cast (the segments
+    that send this width hold values that fit)."""
+    dtype = xp.dtype(field)
+    if dtype in ("float16", "bfloat16", "float32", "float64"):
+        assert ITEMSIZE[dtype] == width
+        return xp.from_bytes(xp.to_bytes(field), _WORD[width])
+    return xp.cast(field, _WORD[width])
+

@@ -1,0 +1,197 @@
+"""Segment-wise buckets (grace.core.segments): on an accelerator a segmented method compresses a
+bucket's gradients in one pass, and the per-tensor exchange stays the oracle, bit for bit.
+
+Here the backend is told it is on an accelerator; with GRACE_TEST_DEVICE=cuda the torch
+tensors really are."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import grace
+from grace.core import segments
+from grace.core.communicator import ReplicaCommunicator
+from tests.unit.conftest import METHODS, to_backend
+from tests.unit.test_buckets import assert_same, with_buckets
+
+# every size of index on the wire (uint8, int16, int32), a scalar, an empty tensor, ties
+SHAPES = {"head": (10, 12), "bias": (10,), "scale": (), "unused": (0,), "embed": (300, 8), "wide": (3, 11000),
+          "tied": (50,), "one": (1,)}
+SEGMENTED = [label for label, make in METHODS.items() if make().compressor.segmented]
+
+
+def gradients(xp, step: int, bad=None) -> dict:
+    rng = np.random.default_rng(step)
+    grads = {name: rng.standard_normal(shape) for name, shape in reversed(SHAPES.items())}
+    grads["tied"][:] = 0.25  # every element ties with the k-th largest
+    grads["embed"][:200] = 0.0  # unused rows
+    if bad is not None:
+        grads["head"].flat[7] = bad
+    return {name: to_backend(xp, g) for name, g in grads.items()}
+
+
+@pytest.fixture
+def accelerator(xp, monkeypatch):
+    """The backend told that its tensors are on an accelerator."""
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
+    return xp
+
+
+def run(xp, compression, steps=3, exchange=None, first_step=0, bad_step=None):
+    exchange = exchange or grace.Exchange(compression, ReplicaCommunicator(3))
+    outs = [exchange.exchange(gradients(xp, s, np.inf if s == bad_step else None))
+            for s in range(first_step, first_step + steps)]
+    return exchange, outs
+
+
+def assert_runs_equal(xp, want, got, what):
+    (a, a_outs), (b, b_outs) = want, got
+    for w, g in zip(a_outs, b_outs):
+        for name in w:
+            assert_same(xp, w[name], g[name], f"{what}: {name}")
+    for table in ("memory", "steps"):
+        state_a, state_b = a.state_dict()[table], b.state_dict()[table]
+        assert sorted(state_a) == sorted(state_b), f"{what}: {table}"
+        for name in state_a:
+            assert_same(xp, state_a[name], state_b[name], f"{what}: {table} {name}")
+    assert a.stats.bytes_sent == b.stats.bytes_sent, what
+
+
+def test_the_catalogue_has_segmented_methods():
+    assert "topk" in SEGMENTED
+
+
+# each method on its own collective, and the allgather ones also by broadcasts
+COLLECTIVES = [(label, None) for label in SEGMENTED] + [
+    (label, "broadcast") for label in SEGMENTED if METHODS[label]().collective.value != "allreduce"]
+
+
+@pytest.mark.parametrize("bucket_mb", [25, 0.002], ids=["one-bucket", "several-buckets"])
+@pytest.mark.parametrize("method, communicator", COLLECTIVES)
+def test_segmented_equals_per_tensor_bit_for_bit(xp, method, communicator, bucket_mb, monkeypatch):
+    make = lambda mb: grace.GradientCompression(  # noqa: E731
+        METHODS[method]().compressor, METHODS[method]().memory, communicator, bucket_mb=mb)
+    units = run(xp, make(bucket_mb))  # on a CPU: gradient by gradient (also the dense fallback)
+    per_tensor = run(xp, make(0))
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
+    segmented = run(xp, make(bucket_mb))
+    assert segmented[0]._segmented and set(segmented[0]._whole_of.values()) == {True}
+    assert_runs_equal(xp, units, segmented, f"{method} {communicator}")
+    if not any(frame.size > 4 * table.numel + 8 for table, frame in segmented[0]._segmented.values()):
+        # nothing went dense: the per-tensor exchange's results, with its bytes less the padding
+        for w, g in zip(per_tensor[1], segmented[1]):
+            for name in w:
+                assert_same(xp, w[name], g[name], f"{method}: {name}")
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.2, 0.6, 1.0])
+def test_segmented_top_k_follows_the_native_rule_for_ties(xp, ratio):
+    """The k largest magnitudes of each segment; among those equal to the k-th, the first ones
+    (the rule of grace.native's selection), checked against a stable sort."""
+    rng = np.random.default_rng(1)
+    numels = [1, 7, 50, 256, 257, 1000, 40000]
+    values = rng.choice(np.float32([0, 0.5, -0.5, 1, 2, -2, np.inf]), sum(numels)).astype(np.float32)
+    values[: 300] = rng.standard_normal(300)
+    x = to_backend(xp, values)
+    table = segments.SegmentTable.build(xp, numels, x)
+    k = [min(d, max(1, int(np.ceil(ratio * d)))) for d in numels]
+    mask = xp.to_numpy(segments.top_mask(xp, segments.magnitude_keys(xp, x), table, xp.asarray(k, like=x)))
+    for start, d, kk in zip(table.starts, numels, k):
+        part = np.abs(values[start:start + d])
+        want = np.zeros(d, bool)
+        want[np.argsort(-part, kind="stable")[:kk]] = True
+        np.testing.assert_array_equal(mask[start:start + d], want, err_msg=f"segment of {d}, k={kk}")
+
+
+@pytest.mark.parametrize("method", SEGMENTED)
+def test_an_overflow_costs_one_segmented_step(accelerator, method, monkeypatch):
+    """An inf in one step: NaN gradients in its bucket that step and every state as before it,
+    as gradient by gradient."""
+    xp = accelerator
+    segmented = run(xp, with_buckets(METHODS[method], 0.002), steps=4, bad_step=1)
+    assert segmented[0]._segmented
+    assert np.isnan(xp.to_numpy(segmented[1][1]["head"])).all()
+    monkeypatch.undo()
+    units = run(xp, with_buckets(METHODS[method], 0.002), steps=4, bad_step=1)
+    assert not units[0]._segmented
+    assert_runs_equal(xp, units, segmented, method)
+
+
+@pytest.mark.parametrize("before, after", [(25, 0), (0, 25), (25, 0.002)])
+@pytest.mark.parametrize("method", SEGMENTED)
+def test_segmented_checkpoints_load_under_another_bucket_size(accelerator, method, before, after):
+    xp = accelerator
+    _, straight = run(xp, with_buckets(METHODS[method], before), steps=4)
+    first, _ = run(xp, with_buckets(METHODS[method], before), steps=2)
+    second = grace.Exchange(with_buckets(METHODS[method], after), ReplicaCommunicator(3))
+    second.load_state_dict(first.state_dict())
+    _, resumed = run(xp, None, steps=2, exchange=second, first_step=2)
+    for w, g in zip(straight[2:], resumed):
+        for name in w:
+            assert_same(xp, w[name], g[name], f"{method} {before} -> {after}: {name}")
+
+
+def test_one_collective_per_segmented_bucket(accelerator):
+    names = []
+
+    class Counting(ReplicaCommunicator):
+        def allgather_async(self, tensor, name):
+            names.append(name)
+            return super().allgather_async(tensor, name)
+
+    exchange = grace.Exchange(grace.topk(0.1, bucket_mb=0.002), Counting(2))
+    for step in range(2):
+        names.clear()
+        exchange.exchange(gradients(accelerator, step))
+        sent = [n for n in names if n != "grace.agreement"]
+        assert len(sent) == len(exchange._buckets) == len(exchange._segmented) == len(set(sent))
+
+
+def test_float16_buckets_go_gradient_by_gradient(accelerator):
+    """Segment-wise compression reads float32 keys; other dtypes keep the per-gradient path."""
+    grads = {name: accelerator.cast(g, "float16") for name, g in gradients(accelerator, 0).items()}
+    exchange = grace.Exchange(grace.topk(0.1), ReplicaCommunicator(2))
+    exchange.exchange(grads)
+    assert not exchange._segmented
+
+
+def test_a_flat_bucket_buffer_as_ddp_hands_it(accelerator):
+    """DDP gives the bucket as one flat buffer with the gradients as views of it."""
+    xp = accelerator
+    by_exchange = grace.Exchange(grace.topk(0.1), ReplicaCommunicator(2))
+    by_buffer = grace.Exchange(grace.topk(0.1), ReplicaCommunicator(2))
+    for step in range(3):
+        grads = {n: g for n, g in gradients(xp, step).items() if xp.numel(g)}
+        want = by_exchange.exchange(grads)
+        (bucket,) = by_buffer.plan([(n, xp.shape(g), xp.dtype(g), xp.device(g)) for n, g in grads.items()])
+        flat = xp.concat([xp.flatten(grads[n]) for n in bucket.names])
+        views = [xp.reshape(flat[s.offset:s.offset + s.numel], s.shape) for s in bucket.segments]
+        got = by_buffer.finish_bucket(by_buffer.start_bucket(bucket, views, flat=flat))
+        by_buffer.end_step()
+        assert by_buffer._segmented
+        for name, value in zip(bucket.names, got):
+            assert_same(xp, want[name], value, f"step {step}: {name}")
+
+
+def test_the_segmented_ops_run_on_tensorflow_too():
+    """TensorFlow buckets go gradient by gradient (its tensors cannot be written in place), but
+    its backend has the segmented ops: the selection and the frames agree with NumPy's."""
+    pytest.importorskip("tensorflow")
+    from grace.backends import get_backend
+
+    results = []
+    for name in ("numpy", "tensorflow"):
+        xp = get_backend(name)
+        values = np.random.default_rng(3).standard_normal(3000).astype(np.float32)
+        x = xp.cast(values, "float32")
+        table = segments.SegmentTable.build(xp, [100, 900, 2000], x)
+        k = xp.asarray([3, 9, 20], like=x)
+        mask = segments.top_mask(xp, segments.magnitude_keys(xp, x), table, k)
+        layout = segments.SegmentedFrame(xp, grace.topk(0.01).compressor.segment_fields(table.numels, "float32"),
+                                         True, x)
+        fields, _, _ = grace.topk(0.01).compressor.compress_segments(xp, x, table, [None] * 3)
+        frame = layout.write(xp, fields, xp.zeros(1, "uint8", like=x))
+        read, flags = layout.read(xp, xp.concat([frame, frame]), 2)
+        results.append([xp.to_numpy(t) for t in (mask, frame, *read, flags)])
+    for want, got in zip(*results):
+        np.testing.assert_array_equal(want, got)
