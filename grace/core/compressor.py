@@ -152,6 +152,11 @@ class Compressor:
                     for start, n, info in zip(table.starts, table.numels, infos)]
         return [xp.concat(list(field)) for field in zip(*payloads)], None, None
 
+    def compress_segments_with_residual(self, xp, g, residual, beta: float, gamma: float, table, infos):
+        """Segmented methods: residual memory's step for every segment in one go (the segmented
+        ``compress_with_residual``): (fields, ctx, new residual), or None."""
+        return None
+
     def decompress_segments(self, xp, fields, ctx, table):
         """Segmented methods: every segment's decompress, flat (allreduce methods: of the
         summed fields). By default each segment's own ``decompress``, in turn."""

@@ -570,21 +570,29 @@ class Exchange:
             pending.flag = xp.nonfinite([g])
         table, layout = pending.segmented
         infos = [TensorInfo(name=name, step=step, world_size=comm.size, rank=comm.rank) for name in bucket.names]
-        p = memory.compensate(xp, g, e)
-        fields, pending.segment_ctx, p_hat = compressor.compress_segments(xp, p, table, infos)
+        fused = memory.fused_segments(xp, compressor, g, e, table, infos)
+        if fused is not None:  # compensate, compress and the new memory in one go
+            fields, pending.segment_ctx, e_new = fused
+            p = p_hat = None
+        else:
+            p = memory.compensate(xp, g, e)
+            fields, pending.segment_ctx, p_hat = compressor.compress_segments(xp, p, table, infos)
         if compressor.collective is Collective.ALLREDUCE:  # (fixed sizes: never more than dense)
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag)
         else:
             frame = layout.write(xp, fields, pending.flag)
             nbytes = None
             if layout.size > frames.frame_size([bucket.numel], [bucket.dtype], False, self._guarded):
-                pending.sent_dense, p_hat = True, p  # every rank decides alike: the sizes are fixed
+                p = memory.compensate(xp, g, e) if p is None else p
+                pending.sent_dense, p_hat, fused = True, p, None  # every rank decides alike: fixed sizes
                 frame = frames.frame(xp, [p], False, g, pending.flag)
         if memory.needs_feedback:
             with self._phase("feedback"):
-                if p_hat is None:
-                    p_hat = compressor.decompress_segments(xp, fields, pending.segment_ctx, table)
-                self._set("memory", bucket.key, memory.update(xp, p, p_hat, e))
+                if fused is None:
+                    if p_hat is None:
+                        p_hat = compressor.decompress_segments(xp, fields, pending.segment_ctx, table)
+                    e_new = memory.update(xp, p, p_hat, e)
+                self._set("memory", bucket.key, e_new)
         if compressor.collective is not Collective.ALLREDUCE:
             nbytes = self._send_frame(pending, frame, variable=False)
         self.stats.add(nbytes, 0)

@@ -42,6 +42,11 @@ class Memory:
         """``update`` written into ``out``, for a ``p`` that ``compensate_into`` gave."""
         return self.update(xp, p, p_hat, state)
 
+    def fused_segments(self, xp, compressor, g, state: Optional[Any], table, infos):
+        """``fused_step`` for every segment of a flat bucket (``Compressor.segmented``):
+        (fields, ctx, new state), or None."""
+        return None
+
     def fused_step(self, xp, compressor, g, state: Optional[Any], info, out=None):
         """compensate, compress and update in one go where the compressor has a kernel for it:
         (payload, ctx, new state), or None. ``out``: where the kernel may write the new state."""

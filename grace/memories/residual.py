@@ -35,5 +35,8 @@ class ResidualMemory(Memory):
     def update_into(self, xp, p, p_hat, residual, out):
         return xp.subtract_into(p, p_hat, out)
 
+    def fused_segments(self, xp, compressor, g, residual, table, infos):
+        return compressor.compress_segments_with_residual(xp, g, residual, self.beta, self.gamma, table, infos)
+
     def fused_step(self, xp, compressor, g, residual, info, out=None):
         return compressor.compress_with_residual(xp, g, residual, self.beta, self.gamma, info, out)

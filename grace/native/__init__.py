@@ -34,7 +34,8 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     efsignsgd_compress_segments(x, starts, numels), efsignsgd_decompress_segments(packed, scale, numels)
     onebit_compress_segments(x, starts, numels), onebit_decompress_segments(packed, means, numels)
     terngrad_, qsgd_, natural_compress_segments(x, u, starts, numels, draw_starts, ...) and their
-    _decompress_segments(..., numels, ...)
+    _decompress_segments(..., numels, ...); topk_compress_segments(x, starts, numels, ks),
+    topk_ef_step_segments(g, residual, starts, numels, ks, beta, gamma, out)
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ __all__ = [
     "scatter_add_many", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
     "supports", "terngrad_compress", "terngrad_compress_segments", "terngrad_decompress",
     "terngrad_decompress_segments", "threshold_compress", "threshold_ef_step", "threshold_indices",
-    "topk_compress", "topk_ef_step", "topk_indices", "unpack",
+    "topk_compress", "topk_compress_segments", "topk_ef_step", "topk_ef_step_segments", "topk_indices", "unpack",
 ]
 
 _FLOATS = ("float16", "bfloat16", "float32")
@@ -474,6 +475,38 @@ def natural_decompress(signs, codes, numel: int):
     return _wrap(kind, out)
 
 
+# --- top-k, segment by segment ----------------------------------------------------------------
+def topk_compress_segments(x, starts, numels, ks):
+    """topk_compress of each segment (k = ks[s]) of the flat float32 ``x``: (every segment's
+    values in a row, its indices in the segment (int64) in a row)."""
+    kind = kind_of(x)
+    b = _float32(kind, x, ("float32",))
+    values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
+    at = 0
+    for start, n, k in zip(starts, numels, ks):
+        got = call(kind, "topk", b.ptr + 4 * start, 0, n, k, 1, idx.ptr + 8 * at, INDEX_CODES["int64"],
+                   values.ptr + 4 * at)
+        if got != k:
+            raise RuntimeError(f"native top-k returned {got} of {k}")
+        at += k
+    return _wrap(kind, values, idx)
+
+
+def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, gamma: float = 1.0, out=None):
+    """topk_ef_step of each segment: (values in a row, indices in the segment (int64) in a row,
+    the new residual of the whole buffer)."""
+    kind, gb, rb, ob = _ef_inputs(g, residual, out)
+    values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
+    at, flags = 0, _ef_flags(beta, gamma)
+    for start, n, k in zip(starts, numels, ks):
+        got = call(kind, "topk_ef", gb.ptr + 4 * start, rb.ptr + 4 * start, n, k, float(beta), float(gamma), flags,
+                   values.ptr + 4 * at, idx.ptr + 8 * at, INDEX_CODES["int64"], ob.ptr + 4 * start)
+        if got != k:
+            raise RuntimeError(f"native top-k step returned {got} of {k}")
+        at += k
+    return _wrap(kind, values, idx, ob)
+
+
 # --- the random quantizers, segment by segment (draws: each segment's own, in a row) -------------
 def _segment_inputs(x, u):
     kind = kind_of(x)
@@ -639,6 +672,8 @@ FUSED: Dict[str, Kernel] = {
     "efsignsgd_decompress_segments": Kernel(efsignsgd_decompress_segments, ("sign_decode",), ("float32",)),
     "onebit_compress_segments": Kernel(onebit_compress_segments, ("onebit_compress",), ("uint8", "float32")),
     "onebit_decompress_segments": Kernel(onebit_decompress_segments, ("onebit_decode",), ("float32",)),
+    "topk_compress_segments": Kernel(topk_compress_segments, ("topk",), ("float32", "int64")),
+    "topk_ef_step_segments": Kernel(topk_ef_step_segments, ("topk_ef",), ("float32", "int64", "float32")),
     "terngrad_compress_segments": Kernel(terngrad_compress_segments, ("maxabs", "terngrad_compress"),
                                          ("uint8", "float32")),
     "terngrad_decompress_segments": Kernel(terngrad_decompress_segments, ("terngrad_decode",), ("float32",)),

@@ -71,10 +71,12 @@ COLLECTIVES = [(label, None) for label in SEGMENTED] + [
 def test_segmented_equals_per_tensor_bit_for_bit(xp, method, communicator, bucket_mb, monkeypatch):
     make = lambda mb: grace.GradientCompression(  # noqa: E731
         METHODS[method]().compressor, METHODS[method]().memory, communicator, bucket_mb=mb)
-    units = run(xp, make(bucket_mb))  # on a CPU: gradient by gradient (also the dense fallback)
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)
+    units = run(xp, make(bucket_mb))  # gradient by gradient (also the dense fallback)
     per_tensor = run(xp, make(0))
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
     segmented = run(xp, make(bucket_mb))
+    assert not units[0]._segmented
     assert segmented[0]._segmented and set(segmented[0]._whole_of.values()) == {True}
     assert_runs_equal(xp, units, segmented, f"{method} {communicator}")
     if not any(frame.size > 4 * table.numel + 8 for table, frame in segmented[0]._segmented.values()):
@@ -111,7 +113,7 @@ def test_an_overflow_costs_one_segmented_step(accelerator, method, monkeypatch):
     segmented = run(xp, with_buckets(METHODS[method], 0.002), steps=4, bad_step=1)
     assert segmented[0]._segmented
     assert np.isnan(xp.to_numpy(segmented[1][1]["head"])).all()
-    monkeypatch.undo()
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)  # (a real GPU too)
     units = run(xp, with_buckets(METHODS[method], 0.002), steps=4, bad_step=1)
     assert not units[0]._segmented
     assert_runs_equal(xp, units, segmented, method)
@@ -195,3 +197,17 @@ def test_the_segmented_ops_run_on_tensorflow_too():
         results.append([xp.to_numpy(t) for t in (mask, frame, *read, flags)])
     for want, got in zip(*results):
         np.testing.assert_array_equal(want, got)
+
+
+@pytest.mark.parametrize("memory", ["none", "residual"])
+def test_segmented_top_k_with_and_without_memory(xp, memory, monkeypatch):
+    """With residual memory a bucket runs the fused error-feedback kernel segment by segment,
+    without it the selection alone (or, with no native library, the radix selection here)."""
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)
+    per_tensor = run(xp, grace.topk(0.05, memory=memory, bucket_mb=0))
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
+    segmented = run(xp, grace.topk(0.05, memory=memory, bucket_mb=0.002))
+    assert segmented[0]._segmented
+    for w, g in zip(per_tensor[1], segmented[1]):
+        for name in w:
+            assert_same(xp, w[name], g[name], f"{memory}: {name}")
