@@ -16,7 +16,7 @@ from grace.memories import EFSignSGDMemory, make_memory
 
 
 class EFSignSGD(SignBits):
-    kernel = "efsignsgd"
+    segment_kernel = "efsignsgd"
 
     def __init__(self, lr: float):
         self.lr = check_number(lr, "lr", strict=True, note=" (the optimizer's learning rate)")

@@ -7,7 +7,7 @@ Each element is a sign bit (packed 8 to a byte) and an 8-bit exponent code: code
 2^(c - 127), code 0 is zero. Below 2^-126 the two neighbours are 0 and 2^-126, so the
 rounding stays unbiased there too.
 """
-from grace.core import bits, segments
+from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape
 from grace.core.floats import floor_log2
@@ -47,21 +47,14 @@ class Natural(Compressor):
 
     # --- a bucket at once: every segment's own draws, one native call ---------------------
     segmented = True
+    segment_kernel = "natural"
 
     def segment_fields(self, numels, dtype):
         count = len(numels)
         return [([packed_size(n, 1) for n in numels], ["uint8"] * count), (list(numels), ["uint8"] * count)]
 
-    def compress_segments(self, xp, p, table, infos):
-        fused = xp.fused("natural_compress_segments", p, xp.dtype(p))
-        if not fused:
-            return super().compress_segments(xp, p, table, infos)
-        u, drawn = segments.uniform_draws(xp, table.numels, infos, self.seed, p)
-        return fused(p, u, table.starts, table.numels, drawn), None, None
-
-    def decompress_segments(self, xp, fields, ctx, table):
-        fused = xp.fused("natural_decompress_segments", fields[0], "float32")
-        return fused(*fields, table.numels) if fused else super().decompress_segments(xp, fields, ctx, table)
+    def segment_draws(self, numels):
+        return list(numels)
 
     def decompress(self, xp, payload, ctx):
         negative, codes = payload

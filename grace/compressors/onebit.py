@@ -13,7 +13,7 @@ from grace.memories import make_memory
 
 class OneBit(SignBits):
     scalars = 2  # mu0, mu1
-    kernel = "onebit"
+    segment_kernel = "onebit"
 
     def compress(self, xp, x, info):
         fused = xp.fused("onebit_compress", x, xp.dtype(x))  # one pass, when built

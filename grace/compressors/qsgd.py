@@ -9,7 +9,7 @@ the norm (one float32 per bucket of ``bucket_size`` elements, or per tensor) tra
 """
 import math
 
-from grace.core import bits, segments
+from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape
 from grace.core.registry import example, register
@@ -62,6 +62,7 @@ class QSGD(Compressor):
 
     # --- a bucket at once: every segment's own draws and norms, one native call -----------
     segmented = True
+    segment_kernel = "qsgd"
 
     def _rows(self, d: int) -> int:
         return -(-d // self.bucket_size) if self.bucket_size else 1
@@ -71,19 +72,11 @@ class QSGD(Compressor):
         return [([bits.packed_size(n, self.bits) for n in numels], ["uint8"] * count),
                 ([self._rows(n) for n in numels], ["float32"] * count)]
 
-    def compress_segments(self, xp, p, table, infos):
-        fused = xp.fused("qsgd_compress_segments", p, xp.dtype(p))
-        if not fused:
-            return super().compress_segments(xp, p, table, infos)
-        padded = [self._rows(n) * (self.bucket_size or n) for n in table.numels]  # as compress draws
-        u, drawn = segments.uniform_draws(xp, padded, infos, self.seed, p)
-        return fused(p, u, table.starts, table.numels, drawn, self.levels, self.bucket_size), None, None
+    def segment_draws(self, numels):
+        return [self._rows(n) * (self.bucket_size or n) for n in numels]  # as compress draws
 
-    def decompress_segments(self, xp, fields, ctx, table):
-        fused = xp.fused("qsgd_decompress_segments", fields[0], "float32")
-        if not fused:
-            return super().decompress_segments(xp, fields, ctx, table)
-        return fused(*fields, table.numels, self.levels, self.bucket_size)
+    def segment_arguments(self):
+        return self.levels, self.bucket_size
 
     def decompress(self, xp, payload, ctx):
         packed, norms = payload

@@ -11,6 +11,9 @@ class Sparsifier(Compressor):
     collective = Collective.ALLGATHER
     #: grace.native's one-pass residual step (compensate, select, new residual), if it has one
     residual_kernel = None
+    #: grace.native's selection with values, if it has one (segmented buckets run
+    #: "<kernel>_segments": the per-tensor kernel on each segment; so does the residual step)
+    select_kernel = None
 
     def select(self, xp, flat, info):
         """Indices of the elements of the 1-d ``flat`` to send."""
@@ -57,16 +60,32 @@ class Sparsifier(Compressor):
         """A mask of the elements of the flat ``p`` that each segment sends."""
         raise NotImplementedError
 
+    def _ks(self, table):
+        return table.cached("k", lambda: [self.kernel_argument(d) for d in table.numels])
+
     def _sent_starts(self, xp, table, like):
         """Each sent element's segment start (k_i of each segment, in order)."""
-        return table.cached("sent starts", lambda: xp.asarray(
-            np.repeat(table.starts, [self.kernel_argument(d) for d in table.numels]), like=like))
+        return table.cached("sent starts", lambda: xp.asarray(np.repeat(table.starts, self._ks(table)), like=like))
 
     def compress_segments(self, xp, p, table, infos):
+        fused = xp.fused(f"{self.select_kernel}_segments", p, xp.dtype(p)) if self.select_kernel else None
+        if fused:  # the per-tensor kernel on each segment
+            return fused(p, table.starts, table.numels, self._ks(table)), None, None
         take = self.select_segments(xp, p, table)
         starts = self._sent_starts(xp, table, p)
         indices = xp.nonzero(take, size=xp.numel(starts))  # ascending: k_i per segment, in order
         return (xp.gather(p, indices), indices - starts), None, xp.where(take, p, 0.0)
+
+    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
+        fused = xp.fused(f"{self.residual_kernel}_segments", g, xp.dtype(g)) if self.residual_kernel else None
+        if not fused:
+            return None
+        values, local, residual = fused(g, residual, table.starts, table.numels, self._ks(table), beta, gamma)
+        return (values, local), None, residual
+
+    def decompress_segments(self, xp, fields, ctx, table):
+        values, local = fields
+        return xp.scatter_add(local + self._sent_starts(xp, table, values), values, table.numel)
 
     def aggregate_segments(self, xp, fields, ctx, table, ranks):
         values, local = fields

@@ -5,7 +5,7 @@
 
 Codes 0 (zero), 1 (+s), 2 (-s) at 2 bits; s travels as one float32.
 """
-from grace.core import bits, segments
+from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape
 from grace.core.registry import register
@@ -37,20 +37,13 @@ class TernGrad(Compressor):
 
     # --- a bucket at once: every segment's own draws and scale, one native call -----------
     segmented = True
+    segment_kernel = "terngrad"
 
     def segment_fields(self, numels, dtype):
         return [([packed_size(n, 2) for n in numels], ["uint8"] * len(numels)), ([1] * len(numels), ["float32"] * len(numels))]
 
-    def compress_segments(self, xp, p, table, infos):
-        fused = xp.fused("terngrad_compress_segments", p, xp.dtype(p))
-        if not fused:
-            return super().compress_segments(xp, p, table, infos)
-        u, drawn = segments.uniform_draws(xp, table.numels, infos, self.seed, p)
-        return fused(p, u, table.starts, table.numels, drawn), None, None
-
-    def decompress_segments(self, xp, fields, ctx, table):
-        fused = xp.fused("terngrad_decompress_segments", fields[0], "float32")
-        return fused(*fields, table.numels) if fused else super().decompress_segments(xp, fields, ctx, table)
+    def segment_draws(self, numels):
+        return list(numels)
 
     def decompress(self, xp, payload, ctx):
         packed, scale = payload

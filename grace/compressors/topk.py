@@ -14,6 +14,7 @@ from grace.memories import make_memory
 
 class TopK(Sparsifier):
     residual_kernel = "topk_ef_step"
+    select_kernel = "topk_compress"
 
     def __init__(self, ratio: float):
         self.ratio = check_ratio(ratio)

@@ -142,12 +142,31 @@ class Compressor:
         segment) of what each segment of ``numels`` elements would send alone."""
         raise NotImplementedError
 
+    #: segmented methods with kernels in grace.native: "<name>_compress_segments" and
+    #: "<name>_decompress_segments" run the per-tensor kernels on every segment in one call
+    segment_kernel: str = ""
+
+    def segment_arguments(self) -> tuple:
+        """What the segment kernels take after the segments (and the draws): the method's
+        parameters (QSGD: levels, bucket size)."""
+        return ()
+
+    def segment_draws(self, numels: Sequence[int]):
+        """Random methods: how many uniform draws ``compress`` makes for tensors of ``numels``
+        elements, from ``info.rank_seed(self.seed)``; None: it draws none."""
+        return None
+
     def compress_segments(self, xp, p, table, infos: Sequence[TensorInfo]):
         """Segmented methods: every segment of the flat ``p`` compressed, as (fields, ctx,
         p_hat): field j holds all segments' j-th payload tensors in a row; p_hat is what ``p``
         becomes (each segment's own payload decompressed; None: the caller asks
-        ``decompress_segments``). ``infos``: each segment's TensorInfo. By default each
-        segment's own ``compress``, in turn (a method overrides it with one pass)."""
+        ``decompress_segments``). ``infos``: each segment's TensorInfo. By default the segment
+        kernels where built, else each segment's own ``compress`` in turn."""
+        fused = xp.fused(f"{self.segment_kernel}_compress_segments", p, xp.dtype(p)) if self.segment_kernel else None
+        if fused:
+            counts = self.segment_draws(table.numels)
+            draws = () if counts is None else uniform_draws(xp, counts, infos, self.seed, p)
+            return fused(p, table.starts, table.numels, *draws, *self.segment_arguments()), None, None
         payloads = [self.compress(xp, p[start:start + n], info)[0]
                     for start, n, info in zip(table.starts, table.numels, infos)]
         return [xp.concat(list(field)) for field in zip(*payloads)], None, None
@@ -159,7 +178,12 @@ class Compressor:
 
     def decompress_segments(self, xp, fields, ctx, table):
         """Segmented methods: every segment's decompress, flat (allreduce methods: of the
-        summed fields). By default each segment's own ``decompress``, in turn."""
+        summed fields). By default the segment kernel where built, else each segment's own
+        ``decompress`` in turn."""
+        fused = xp.fused(f"{self.segment_kernel}_decompress_segments", fields[0], "float32") \
+            if self.segment_kernel else None
+        if fused:
+            return fused(*fields, table.numels, *self.segment_arguments())
         offsets = table.cached("field offsets", lambda: [
             [0, *itertools.accumulate(counts)] for counts, _ in self.segment_fields(table.numels, "float32")])
         return xp.concat([
@@ -193,6 +217,13 @@ class Compressor:
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"
+
+
+def uniform_draws(xp, counts: Sequence[int], infos: Sequence[TensorInfo], seed: int, like):
+    """Each segment's uniform draws, ``counts[s]`` from its own rank seed, as its per-tensor
+    compress draws them, in a row; and where each segment's draws start."""
+    drawn = [xp.uniform(count, info.rank_seed(seed), like=like) for count, info in zip(counts, infos)]
+    return (drawn[0] if len(drawn) == 1 else xp.concat(drawn)), [0, *itertools.accumulate(counts)][:-1]
 
 
 def check_ratio(ratio: float, name: str = "ratio") -> float:

@@ -13,7 +13,6 @@ that the segments' own payloads make.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, List, Sequence, Tuple
 
@@ -97,14 +96,6 @@ def top_mask(xp, keys, table: SegmentTable, k):
     before = xp.cumsum(ties) - ties  # equal keys before each element, counted from the start
     rank = before - table.per_element(xp, xp.gather(before, table.start))  # ... from its segment's start
     return (keys > threshold) | (equal & (rank < table.per_element(xp, need)))
-
-
-def uniform_draws(xp, counts: Sequence[int], infos, seed: int, like):
-    """Each segment's uniform draws, ``counts[s]`` from its own rank seed, as its per-tensor
-    compress draws them, in a row; and where each segment's draws start."""
-    drawn = [xp.uniform(count, info.rank_seed(seed), like=like) for count, info in zip(counts, infos)]
-    starts = [0, *itertools.accumulate(counts)][:-1]
-    return (drawn[0] if len(drawn) == 1 else xp.concat(drawn)), starts
 
 
 class SegmentedFrame:

@@ -33,7 +33,7 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     segment by segment (a bucket's flat buffer; the per-tensor kernels for each segment):
     efsignsgd_compress_segments(x, starts, numels), efsignsgd_decompress_segments(packed, scale, numels)
     onebit_compress_segments(x, starts, numels), onebit_decompress_segments(packed, means, numels)
-    terngrad_, qsgd_, natural_compress_segments(x, u, starts, numels, draw_starts, ...) and their
+    terngrad_, qsgd_, natural_compress_segments(x, starts, numels, u, draw_starts, ...) and their
     _decompress_segments(..., numels, ...); topk_compress_segments(x, starts, numels, ks),
     topk_ef_step_segments(g, residual, starts, numels, ks, beta, gamma, out)
 """
@@ -513,7 +513,7 @@ def _segment_inputs(x, u):
     return kind, _float32(kind, x, ("float32",)), _same_kind(kind, u, "float32")
 
 
-def terngrad_compress_segments(x, u, starts, numels, draw_starts):
+def terngrad_compress_segments(x, starts, numels, u, draw_starts):
     """terngrad_compress of each segment of the flat float32 ``x``, with the draws of segment s
     at ``u[draw_starts[s]:]``: (every segment's codes in a row, one scale per segment)."""
     kind, b, ub = _segment_inputs(x, u)
@@ -542,7 +542,7 @@ def _qsgd_rows(n: int, bucket_size: int) -> int:
     return -(-n // (int(bucket_size) or n))
 
 
-def qsgd_compress_segments(x, u, starts, numels, draw_starts, levels: int, bucket_size: int = 0):
+def qsgd_compress_segments(x, starts, numels, u, draw_starts, levels: int, bucket_size: int = 0):
     """qsgd_compress of each segment: (every segment's codes in a row, its norms in a row)."""
     kind, b, ub = _segment_inputs(x, u)
     bits = code_width(2 * (levels + 1))
@@ -571,7 +571,7 @@ def qsgd_decompress_segments(packed, norms, numels, levels: int, bucket_size: in
     return _wrap(kind, out)
 
 
-def natural_compress_segments(x, u, starts, numels, draw_starts):
+def natural_compress_segments(x, starts, numels, u, draw_starts):
     """natural_compress of each segment: (every segment's sign bits in a row, its codes in a row)."""
     kind, b, ub = _segment_inputs(x, u)
     signs = kind.empty(sum(packed_size(n, 1) for n in numels), "uint8")

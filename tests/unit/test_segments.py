@@ -12,6 +12,7 @@ import grace
 from grace.core import segments
 from grace.core.communicator import ReplicaCommunicator
 from tests.unit.conftest import METHODS, to_backend
+from tests.unit import test_buckets
 from tests.unit.test_buckets import assert_same, with_buckets
 
 # every size of index on the wire (uint8, int16, int32), a scalar, an empty tensor, ties
@@ -122,15 +123,8 @@ def test_an_overflow_costs_one_segmented_step(accelerator, method, monkeypatch):
 @pytest.mark.parametrize("before, after", [(25, 0), (0, 25), (25, 0.002)])
 @pytest.mark.parametrize("method", SEGMENTED)
 def test_segmented_checkpoints_load_under_another_bucket_size(accelerator, method, before, after):
-    xp = accelerator
-    _, straight = run(xp, with_buckets(METHODS[method], before), steps=4)
-    first, _ = run(xp, with_buckets(METHODS[method], before), steps=2)
-    second = grace.Exchange(with_buckets(METHODS[method], after), ReplicaCommunicator(3))
-    second.load_state_dict(first.state_dict())
-    _, resumed = run(xp, None, steps=2, exchange=second, first_step=2)
-    for w, g in zip(straight[2:], resumed):
-        for name in w:
-            assert_same(xp, w[name], g[name], f"{method} {before} -> {after}: {name}")
+    """The per-gradient test, with segment-wise buckets: their flat memory saved per name."""
+    test_buckets.test_checkpoints_load_under_another_bucket_size(accelerator, method, before, after)
 
 
 def test_one_collective_per_segmented_bucket(accelerator):
