@@ -186,6 +186,19 @@ class NumpyBackend:
         """Running sum of ``x`` along ``axis``, in its dtype."""
         return np.cumsum(x, axis=axis, dtype=x.dtype)
 
+    def divide_cast(self, x, divisor, dtype: str):
+        """``x / divisor`` computed in x's precision and rounded once to ``dtype``, with no
+        temporary in x's precision."""
+        out = np.empty(x.shape, dtype=self.cast(np.zeros(0), dtype).dtype)
+        return np.divide(x, divisor, out=out, casting="same_kind")
+
+    def cast_multiply(self, x, dtype: str, factor):
+        """``x`` cast to ``dtype`` (a new tensor, also where the dtype is x's), then multiplied
+        by ``factor`` in place of that copy."""
+        out = np.asarray(x).astype(self.cast(np.zeros(0), dtype).dtype, copy=True)
+        out *= factor
+        return out
+
     # --- segmented ops (grace.core.segments) ---------------------------------------------
     segmented = True  # has the ops below
 

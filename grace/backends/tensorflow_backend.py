@@ -435,6 +435,12 @@ class TensorflowBackend:
         """Running sum of ``x`` along ``axis``, in its dtype."""
         return tf.math.cumsum(_to_tensor(x), axis=axis)
 
+    def divide_cast(self, x, divisor, dtype: str):
+        return tf.cast(_to_tensor(x) / divisor, _tf_dtype(dtype))
+
+    def cast_multiply(self, x, dtype: str, factor):
+        return tf.cast(_to_tensor(x), _tf_dtype(dtype)) * factor
+
     # --- segmented ops (grace.core.segments; Exchange does not segment TensorFlow buckets) --
     def shift_right(self, x, bits: int):
         x = _to_tensor(x)

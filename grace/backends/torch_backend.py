@@ -148,8 +148,14 @@ class TorchBackend:
         """A one-element float32 flag: 1 where any of the tensors ``xs`` holds an inf or a NaN.
         One summing pass each, on the device, with no read back to the host (half precision
         sums in float32, which cannot overflow)."""
-        sums = [x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32) for x in xs]
-        total = sums[0] if len(sums) == 1 else torch.stack([s.double() for s in sums]).sum()
+        xs = list(xs)
+        if len(xs) > 1 and all(x.dtype in (torch.float16, torch.bfloat16, torch.float32) for x in xs):
+            # every tensor's L1 norm by one multi-tensor kernel (a few launches, not one per
+            # tensor): an inf or a NaN anywhere makes it non-finite, as it does the sum
+            total = torch.stack(torch._foreach_norm(xs, 1, dtype=torch.float32)).sum()
+        else:
+            sums = [x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32) for x in xs]
+            total = sums[0] if len(sums) == 1 else torch.stack([s.double() for s in sums]).sum()
         return (~torch.isfinite(total)).to(torch.float32).reshape(1)
 
     def max(self, x, axis=None):
@@ -219,6 +225,13 @@ class TorchBackend:
                 return out
         out = torch.zeros(int(numel), dtype=values.dtype, device=values.device)
         return out.index_add_(0, idx.long(), values)
+
+    def divide_cast(self, x, divisor, dtype: str):
+        # one kernel, computed in x's precision and stored in dtype: no full-size temporary
+        return torch.div(x, divisor, out=torch.empty(x.shape, dtype=_dtype(dtype), device=x.device))
+
+    def cast_multiply(self, x, dtype: str, factor):
+        return x.to(_dtype(dtype), copy=True).mul_(factor)  # (a copy even in x's dtype: x is not ours)
 
     # --- segmented ops (grace.core.segments) ---------------------------------------------
     segmented = True

@@ -129,6 +129,10 @@ def cases(n: int, device: str):
 
         out[f"pack {width}-bit"] = (fallback(pure), None, native, 2 * n + 2 * packed_bytes)
 
+    c = grace.fp16().compressor
+    out["fp16 (vs plain torch)"] = (lambda: (x / INFO.world_size).half().float() * INFO.world_size, None,
+                                    compressor_roundtrip(c, x), f4 + 2 * n + 2 * n + f4)
+
     sign_bytes = f4 + n // 8 + n // 8 + f4
 
     c = grace.signsgd().compressor
