@@ -19,7 +19,9 @@ memory (the same k, scales and draws as alone), and sends every payload in one f
 one collective; ``finish_bucket`` decodes each rank's frame and aggregates per gradient.
 With ``scope='bucket'``, and for methods that treat elements independently
 (``Compressor.elementwise``) on an accelerator, the bucket is copied into one flat tensor
-with one flat memory and compressed at once. A bucket whose encoding would be larger than
+with one flat memory and compressed at once. Methods that can (``Compressor.segmented``)
+compress an accelerator's bucket segment-wise: one flat buffer and memory, each gradient with
+its per-tensor result (``grace.core.segments``). A bucket whose encoding would be larger than
 the dense gradient is sent dense, and its memory records all of it as sent. Step counters
 (and flat memories) are kept per bucket and saved per gradient name, so a checkpoint loads
 under any bucket size.
@@ -842,13 +844,14 @@ class Exchange:
     def _compresses_segmented(self, bucket: Bucket, xp, like) -> bool:
         """Whether a bucket is compressed segment-wise (one pass for all its gradients, each
         with its per-tensor result): for methods that can (``Compressor.segmented``: fixed-size
-        payloads), with a memory that treats elements alone
-        (none, residual), on an accelerator, where launches per gradient cost more than the
-        arithmetic. On a CPU the per-gradient kernels are faster."""
-        compressor = self.compression.compressor
-        return (compressor.segmented and self.compression.scope != "bucket"
-                and (self.compression.collective is Collective.ALLREDUCE) == (compressor.collective is Collective.ALLREDUCE)
-                and self.compression.memory.elementwise and bucket.dtype == "float32"
+        payloads), on their own kind of collective, with a memory that treats elements alone
+        (none, residual), float32, on an accelerator, where launches per gradient cost more
+        than the arithmetic. On a CPU the per-gradient kernels are faster."""
+        compression, compressor = self.compression, self.compression.compressor
+        allreduce = compressor.collective is Collective.ALLREDUCE
+        return (compressor.segmented and compression.scope != "bucket"
+                and (compression.collective is Collective.ALLREDUCE) == allreduce
+                and compression.memory.elementwise and bucket.dtype == "float32"
                 and getattr(xp, "segmented", False) and xp.on_accelerator(like))
 
     def _adopt(self, bucket: Bucket, xp, like) -> None:

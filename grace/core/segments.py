@@ -1,11 +1,13 @@
 """Segmented operations: all gradients of a bucket in one pass over its flat buffer.
 
 A bucket's gradients lie one after another in a flat buffer. A ``SegmentTable`` says where
-(each segment's offset and size, and the segment of every element), on the bucket's device,
-built once per bucket. The operations here give each segment exactly what the per-tensor code
-gives it alone (the per-tensor path is their oracle, bit for bit), with a number of kernel
-launches and Python calls that does not grow with the number of segments: what a GPU needs,
-where a launch costs more than a small gradient's arithmetic.
+(each segment's offset and size, on the bucket's device), built once per bucket. The
+operations here give each segment exactly what the per-tensor code gives it alone (the
+per-tensor path is their oracle, bit for bit), with a number of kernel launches and Python
+calls that does not grow with the number of segments: what a GPU needs, where a launch costs
+more than a small gradient's arithmetic. (Methods with native kernels run those per segment
+instead, from one call: ``Compressor.segment_kernel``; the radix selection here is top-k's
+tensor-op fallback.)
 
 ``SegmentedFrame`` writes and reads a bucket's frame (``grace.core.bucket``) from whole
 fields (one per payload position, every segment's piece in a row), byte for byte the frame

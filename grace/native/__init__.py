@@ -341,9 +341,17 @@ def onebit_decompress(packed, means, numel: int):
 # Each segment goes through the very kernels of the per-tensor functions above (its bits packed
 # from a byte of its own, its own scale), so the results are the per-tensor ones, with one
 # Python call per bucket instead of several per gradient.
+def _check_segments(n: int, starts, numels, what: str = "elements") -> None:
+    """Every segment inside the buffer of ``n`` elements (the kernels write through pointers)."""
+    if len(starts) != len(numels) or any(s < 0 or c < 0 or s + c > n for s, c in zip(starts, numels)):
+        raise ValueError(f"segments (starts {list(starts)[:4]}..., sizes {list(numels)[:4]}...) "
+                         f"do not fit in {n} {what}")
+
+
 def _sign_segments(symbol: str, scalars: int, x, starts, numels):
     kind = kind_of(x)
     b = _float32(kind, x, ("float32",))
+    _check_segments(b.n, starts, numels)
     out = kind.empty(sum(packed_size(n, 1) for n in numels), "uint8")
     scale = kind.empty(scalars * len(numels), "float32")
     at = 0
@@ -481,6 +489,7 @@ def topk_compress_segments(x, starts, numels, ks):
     values in a row, its indices in the segment (int64) in a row)."""
     kind = kind_of(x)
     b = _float32(kind, x, ("float32",))
+    _check_segments(b.n, starts, numels)
     values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
     at = 0
     for start, n, k in zip(starts, numels, ks):
@@ -496,6 +505,7 @@ def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, ga
     """topk_ef_step of each segment: (values in a row, indices in the segment (int64) in a row,
     the new residual of the whole buffer)."""
     kind, gb, rb, ob = _ef_inputs(g, residual, out)
+    _check_segments(gb.n, starts, numels)
     values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
     at, flags = 0, _ef_flags(beta, gamma)
     for start, n, k in zip(starts, numels, ks):
@@ -508,15 +518,20 @@ def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, ga
 
 
 # --- the random quantizers, segment by segment (draws: each segment's own, in a row) -------------
-def _segment_inputs(x, u):
+def _segment_inputs(x, u, starts, numels, draw_starts, draws):
+    """The flat float32 ``x`` and draws ``u``, checked: every segment in x, and its ``draws``
+    (per segment) in u from its draw start."""
     kind = kind_of(x)
-    return kind, _float32(kind, x, ("float32",)), _same_kind(kind, u, "float32")
+    b, ub = _float32(kind, x, ("float32",)), _same_kind(kind, u, "float32")
+    _check_segments(b.n, starts, numels)
+    _check_segments(ub.n, draw_starts, draws, "draws")
+    return kind, b, ub
 
 
 def terngrad_compress_segments(x, starts, numels, u, draw_starts):
     """terngrad_compress of each segment of the flat float32 ``x``, with the draws of segment s
     at ``u[draw_starts[s]:]``: (every segment's codes in a row, one scale per segment)."""
-    kind, b, ub = _segment_inputs(x, u)
+    kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, numels)
     out = kind.empty(sum(packed_size(n, 2) for n in numels), "uint8")
     scale = kind.empty(len(numels), "float32")
     at = 0
@@ -527,9 +542,16 @@ def terngrad_compress_segments(x, starts, numels, u, draw_starts):
     return _wrap(kind, out, scale)
 
 
+def _check_payload(buf, want: int, what: str) -> None:
+    if buf.n != want:
+        raise ValueError(f"{buf.n} {what} where the segments need {want}")
+
+
 def terngrad_decompress_segments(packed, scale, numels):
     kind = kind_of(packed)
     p, sc = kind.flat(packed), _same_kind(kind, scale, "float32")
+    _check_payload(p, sum(packed_size(n, 2) for n in numels), "packed bytes")
+    _check_payload(sc, len(numels), "scales")
     out = _decode_out(kind, sum(numels))
     at, start = 0, 0
     for s, n in enumerate(numels):
@@ -543,8 +565,10 @@ def _qsgd_rows(n: int, bucket_size: int) -> int:
 
 
 def qsgd_compress_segments(x, starts, numels, u, draw_starts, levels: int, bucket_size: int = 0):
-    """qsgd_compress of each segment: (every segment's codes in a row, its norms in a row)."""
-    kind, b, ub = _segment_inputs(x, u)
+    """qsgd_compress of each segment: (every segment's codes in a row, its norms in a row);
+    segment s draws one per element of its whole buckets of ``bucket_size``."""
+    padded = [_qsgd_rows(n, bucket_size) * (int(bucket_size) or n) for n in numels]
+    kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, padded)
     bits = code_width(2 * (levels + 1))
     out = kind.empty(sum(packed_size(n, bits) for n in numels), "uint8")
     norms = kind.empty(sum(_qsgd_rows(n, bucket_size) for n in numels), "float32")
@@ -562,6 +586,8 @@ def qsgd_decompress_segments(packed, norms, numels, levels: int, bucket_size: in
     kind = kind_of(packed)
     p, nb = kind.flat(packed), _same_kind(kind, norms, "float32")
     bits = code_width(2 * (levels + 1))
+    _check_payload(p, sum(packed_size(n, bits) for n in numels), "packed bytes")
+    _check_payload(nb, sum(_qsgd_rows(n, bucket_size) for n in numels), "norms")
     out = _decode_out(kind, sum(numels))
     at, row, start = 0, 0, 0
     for n in numels:
@@ -573,7 +599,7 @@ def qsgd_decompress_segments(packed, norms, numels, levels: int, bucket_size: in
 
 def natural_compress_segments(x, starts, numels, u, draw_starts):
     """natural_compress of each segment: (every segment's sign bits in a row, its codes in a row)."""
-    kind, b, ub = _segment_inputs(x, u)
+    kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, numels)
     signs = kind.empty(sum(packed_size(n, 1) for n in numels), "uint8")
     codes = kind.empty(sum(numels), "uint8")
     at = 0
@@ -586,6 +612,8 @@ def natural_compress_segments(x, starts, numels, u, draw_starts):
 def natural_decompress_segments(signs, codes, numels):
     kind = kind_of(signs)
     s, c = kind.flat(signs), _same_kind(kind, codes)
+    _check_payload(s, sum(packed_size(n, 1) for n in numels), "sign bytes")
+    _check_payload(c, sum(numels), "codes")
     out = _decode_out(kind, sum(numels))
     at, start = 0, 0
     for n in numels:

@@ -205,3 +205,23 @@ def test_segmented_top_k_with_and_without_memory(xp, memory, monkeypatch):
     for w, g in zip(per_tensor[1], segmented[1]):
         for name in w:
             assert_same(xp, w[name], g[name], f"{memory}: {name}")
+
+
+def test_native_segment_calls_refuse_segments_outside_their_buffers():
+    """The native loops write through pointers: segments that do not fit are an error, not a
+    write past the end."""
+    torch = pytest.importorskip("torch")
+    import grace.native as gn
+
+    if not gn.available("cpu"):
+        pytest.skip("no native CPU library")
+    x, u = torch.randn(100), torch.rand(100)
+    with pytest.raises(ValueError, match="do not fit in 100 elements"):
+        gn.onebit_compress_segments(x, [0, 60], [60, 41])
+    with pytest.raises(ValueError, match="do not fit in 100 draws"):
+        gn.terngrad_compress_segments(x, [0, 50], [50, 50], u, [0, 60])
+    with pytest.raises(ValueError, match="do not fit"):
+        gn.topk_ef_step_segments(x, torch.zeros(100), [0, 90], [90, 20], [1, 1])
+    packed, scale = gn.efsignsgd_compress_segments(x, [0, 50], [50, 50])
+    with pytest.raises(ValueError):
+        gn.efsignsgd_decompress_segments(packed[:-1], scale, [50, 50])
