@@ -214,10 +214,11 @@ class NumpyBackend:
         """int64 counts of each value in [0, length) among the integers ``idx``."""
         return np.bincount(idx, minlength=int(length)).astype(np.int64, copy=False)
 
-    def scatter_add_rows(self, out, idx_rows, value_rows):
-        """``out`` (1-d) with each row of values added at its row of indices (distinct within a
-        row), row after row: the additions of ``scatter_add`` over the rows' concatenation.
-        (Where tensors are mutable, ``out`` itself.)"""
+    def scatter_add_rows(self, idx_rows, value_rows, numel: int):
+        """``numel`` zeros with each row of values added at its row of indices, row after row:
+        the additions of ``scatter_add`` over the rows' concatenation, in that order on every
+        backend and device."""
+        out = np.zeros(int(numel), dtype=value_rows[0].dtype)
         for idx, values in zip(idx_rows, value_rows):
             np.add.at(out, idx, values)
         return out

@@ -453,8 +453,8 @@ class TensorflowBackend:
     def repeat(self, x, counts, total: int):
         return tf.repeat(_to_tensor(x), _to_tensor(counts, "int64"))
 
-    def scatter_add_rows(self, out, idx_rows, value_rows):
-        out = _to_tensor(out)
+    def scatter_add_rows(self, idx_rows, value_rows, numel: int):
+        out = tf.zeros((int(numel),), _to_tensor(value_rows[0]).dtype)
         for idx, values in zip(idx_rows, value_rows):
             out = tf.tensor_scatter_nd_add(out, tf.reshape(_to_tensor(idx, "int64"), (-1, 1)), _to_tensor(values))
         return out

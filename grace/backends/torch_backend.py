@@ -248,8 +248,12 @@ class TorchBackend:
         ones = torch.ones(1, dtype=torch.int64, device=idx.device).expand(idx.numel())
         return torch.zeros(int(length), dtype=torch.int64, device=idx.device).index_add_(0, idx, ones)
 
-    def scatter_add_rows(self, out, idx_rows, value_rows):
-        for idx, values in zip(idx_rows, value_rows):  # a gather, an add and a put: exact, in order
+    def scatter_add_rows(self, idx_rows, value_rows, numel: int):
+        out = _native.try_scatter_add_many(list(zip(value_rows, idx_rows)), numel)  # row after row
+        if out is not None:
+            return out
+        out = torch.zeros(int(numel), dtype=value_rows[0].dtype, device=value_rows[0].device)
+        for idx, values in zip(idx_rows, value_rows):  # index_add_'s atomics would add in any order
             idx = idx.long()
             out.index_put_((idx,), out[idx] + values)
         return out

@@ -45,11 +45,13 @@ class Sparsifier(Compressor):
         return xp.reshape(xp.scatter_add(indices, values, ctx.numel), ctx.shape)
 
     def aggregate(self, xp, payloads, ctx):
-        # One scatter of everybody's values, each divided by n first (n k elements, not d),
-        # instead of n dense decompressions.
-        values = xp.concat([p[0] for p in payloads]) / len(payloads)
-        indices = xp.concat([xp.cast(p[1], "int64") for p in payloads])
-        return xp.reshape(xp.scatter_add(indices, values, ctx.numel), ctx.shape)
+        # Everybody's values, each divided by n first (n k elements, not d), scattered payload
+        # after payload instead of n dense decompressions: the same additions in the same
+        # order on every rank and run (one scatter of them all would add a GPU's colliding
+        # indices in any order, and replicas could drift apart)
+        n = len(payloads)
+        return xp.reshape(xp.scatter_add_rows([p[1] for p in payloads], [p[0] / n for p in payloads], ctx.numel),
+                          ctx.shape)
 
     # --- a bucket at once (segmented methods: a fixed k per segment) ----------------------
     def segment_fields(self, numels, dtype):
@@ -90,6 +92,5 @@ class Sparsifier(Compressor):
     def aggregate_segments(self, xp, fields, ctx, table, ranks):
         values, local = fields
         starts = self._sent_starts(xp, table, values)
-        out = xp.zeros(table.numel, xp.dtype(values), like=values)
-        rows = range(ranks)  # payload after payload, as scatter_add adds the concatenation
-        return xp.scatter_add_rows(out, [local[r] + starts for r in rows], [values[r] / ranks for r in rows])
+        rows = range(ranks)  # payload after payload, as aggregate adds them
+        return xp.scatter_add_rows([local[r] + starts for r in rows], [values[r] / ranks for r in rows], table.numel)

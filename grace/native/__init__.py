@@ -761,3 +761,7 @@ def try_nonzero(mask):
 
 def try_scatter_add(indices, values, numel: int):
     return _unless_unavailable(scatter_add, indices, values, numel)
+
+
+def try_scatter_add_many(payloads, numel: int):
+    return _unless_unavailable(scatter_add_many, payloads, numel)
