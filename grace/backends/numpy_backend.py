@@ -6,6 +6,15 @@ import numpy as np
 from grace.core import bits as bits_
 
 
+def _np_dtype(name: str):
+    """The NumPy dtype of a dtype name; NumPy has no bfloat16, ml_dtypes (a TensorFlow/JAX
+    dependency) does."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
 class NumpyBackend:
     name = "numpy"
     #: tensors can be written in place (``concat_into``, ``assign``), so buffers can be reused
@@ -38,11 +47,7 @@ class NumpyBackend:
         return np.asarray(x)
 
     def cast(self, x, dtype: str):
-        if dtype == "bfloat16":  # NumPy has no bfloat16; ml_dtypes (a TensorFlow/JAX dependency) does
-            import ml_dtypes
-
-            dtype = ml_dtypes.bfloat16
-        return np.asarray(x).astype(dtype, copy=False)
+        return np.asarray(x).astype(_np_dtype(dtype), copy=False)
 
     def flatten(self, x):
         return np.reshape(x, -1)
@@ -62,7 +67,7 @@ class NumpyBackend:
 
     def from_bytes(self, b, dtype: str):
         """uint8 bytes read as a 1-d tensor of ``dtype`` (their count a multiple of its size)."""
-        return np.ascontiguousarray(b).view(self.cast(np.zeros(0), dtype).dtype)
+        return np.ascontiguousarray(b).view(_np_dtype(dtype))
 
     def concat_into(self, xs, out):
         """concat into the preallocated ``out`` (backends whose tensors are mutable)."""
@@ -189,13 +194,13 @@ class NumpyBackend:
     def divide_cast(self, x, divisor, dtype: str):
         """``x / divisor`` computed in x's precision and rounded once to ``dtype``, with no
         temporary in x's precision."""
-        out = np.empty(x.shape, dtype=self.cast(np.zeros(0), dtype).dtype)
+        out = np.empty(x.shape, dtype=_np_dtype(dtype))
         return np.divide(x, divisor, out=out, casting="same_kind")
 
     def cast_multiply(self, x, dtype: str, factor):
         """``x`` cast to ``dtype`` (a new tensor, also where the dtype is x's), then multiplied
         by ``factor`` in place of that copy."""
-        out = np.asarray(x).astype(self.cast(np.zeros(0), dtype).dtype, copy=True)
+        out = np.asarray(x).astype(_np_dtype(dtype), copy=True)
         out *= factor
         return out
 

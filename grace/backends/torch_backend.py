@@ -146,8 +146,8 @@ class TorchBackend:
 
     def nonfinite(self, xs):
         """A one-element float32 flag: 1 where any of the tensors ``xs`` holds an inf or a NaN.
-        One summing pass each, on the device, with no read back to the host (half precision
-        sums in float32, which cannot overflow)."""
+        One pass over them on the device, with no read back to the host (half precision summed
+        in float32, which cannot overflow)."""
         xs = list(xs)
         if len(xs) > 1 and all(x.dtype in (torch.float16, torch.bfloat16, torch.float32) for x in xs):
             # every tensor's L1 norm by one multi-tensor kernel (a few launches, not one per

@@ -4,11 +4,9 @@ All ranks draw the same indices from a seed shared for this (tensor, step), so o
 values travel and they are summed by allreduce.
 With ``scale=True`` the values are multiplied by d/k, which makes the estimate unbiased.
 """
-import math
-
 import numpy as np
 
-from grace.core.compressor import Collective, Compressor, Shape, check_ratio
+from grace.core.compressor import Collective, Compressor, Shape, check_ratio, sent_count
 from grace.core.compression import GradientCompression
 from grace.core.registry import example, register
 from grace.memories import make_memory
@@ -32,7 +30,7 @@ class RandomK(Compressor):
     def compress(self, xp, x, info):
         flat = xp.flatten(x)
         d = xp.numel(flat)
-        k = self._k(d)
+        k = sent_count(self.ratio, d)
         indices = xp.random_indices(d, k, info.seed(self.seed), like=flat)
         values = xp.gather(flat, indices)
         if self.scale and k:
@@ -49,14 +47,11 @@ class RandomK(Compressor):
     # --- a bucket at once: each segment's own draw, one gather and one scatter -------------
     segmented = True
 
-    def _k(self, d: int) -> int:
-        return min(d, max(1, math.ceil(self.ratio * d)))
-
     def segment_fields(self, numels, dtype):
-        return [([self._k(d) for d in numels], [dtype] * len(numels))]
+        return [([sent_count(self.ratio, d) for d in numels], [dtype] * len(numels))]
 
     def compress_segments(self, xp, p, table, infos):
-        ks = [self._k(d) for d in table.numels]
+        ks = [sent_count(self.ratio, d) for d in table.numels]
         starts = table.cached("sent starts", lambda: xp.asarray(np.repeat(table.starts, ks), like=p))
         drawn = [xp.random_indices(d, k, info.seed(self.seed), like=p) for d, k, info in zip(table.numels, ks, infos)]
         indices = xp.concat(drawn) + starts  # in the flat buffer

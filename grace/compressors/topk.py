@@ -2,11 +2,9 @@
 
 Indices are sent sorted. Every rank sends the same k, so allgather needs no lengths.
 """
-import math
-
 from grace.compressors.sparse import Sparsifier
 from grace.core import segments
-from grace.core.compressor import check_ratio
+from grace.core.compressor import check_ratio, sent_count
 from grace.core.compression import GradientCompression
 from grace.core.registry import example, register
 from grace.memories import make_memory
@@ -20,7 +18,7 @@ class TopK(Sparsifier):
         self.ratio = check_ratio(ratio)
 
     def kernel_argument(self, d: int) -> int:
-        return min(d, max(1, math.ceil(self.ratio * d)))  # k
+        return sent_count(self.ratio, d)  # k
 
     def select(self, xp, flat, info):
         return xp.sort(xp.topk_indices(xp.abs(flat), self.kernel_argument(xp.numel(flat))))

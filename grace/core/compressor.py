@@ -111,6 +111,9 @@ class Compressor:
     #: bucket's gradients are compressed in one pass over its flat buffer, each with the
     #: per-tensor result (grace.core.segments)
     segmented: bool = False
+    #: segmented methods with kernels in grace.native: "<name>_compress_segments" and
+    #: "<name>_decompress_segments" run the per-tensor kernels on every segment in one call
+    segment_kernel: str = ""
 
     def compress(self, xp, x, info: TensorInfo) -> Tuple[Payload, Any]:
         raise NotImplementedError
@@ -141,10 +144,6 @@ class Compressor:
         """Segmented methods: per payload position, (element count per segment, wire dtype per
         segment) of what each segment of ``numels`` elements would send alone."""
         raise NotImplementedError
-
-    #: segmented methods with kernels in grace.native: "<name>_compress_segments" and
-    #: "<name>_decompress_segments" run the per-tensor kernels on every segment in one call
-    segment_kernel: str = ""
 
     def segment_arguments(self) -> tuple:
         """What the segment kernels take after the segments (and the draws): the method's
@@ -224,6 +223,11 @@ def uniform_draws(xp, counts: Sequence[int], infos: Sequence[TensorInfo], seed: 
     compress draws them, in a row; and where each segment's draws start."""
     drawn = [xp.uniform(count, info.rank_seed(seed), like=like) for count, info in zip(counts, infos)]
     return (drawn[0] if len(drawn) == 1 else xp.concat(drawn)), [0, *itertools.accumulate(counts)][:-1]
+
+
+def sent_count(ratio: float, d: int) -> int:
+    """k = max(1, ceil(ratio * d)), at most d: how many of a tensor's d elements a ratio keeps."""
+    return min(d, max(1, math.ceil(ratio * d)))
 
 
 def check_ratio(ratio: float, name: str = "ratio") -> float:

@@ -126,15 +126,22 @@ def test_a_state_dict_is_a_copy_of_the_reused_buffers(xp):
         np.testing.assert_array_equal(xp.to_numpy(value), kept[name])
 
 
+class NamingReplica(ReplicaCommunicator):
+    """A world of ranks that all send what this one sends; the names of its allgathers."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.names = []
+
+    def allgather_async(self, tensor, name):
+        self.names.append(name)
+        return super().allgather_async(tensor, name)
+
+
 def test_one_collective_per_bucket():
-    counts = []
-
-    class Counting(ReplicaCommunicator):
-        def allgather_async(self, tensor, name):
-            counts.append(name)
-            return super().allgather_async(tensor, name)
-
-    exchange = grace.Exchange(grace.topk(0.1, bucket_mb=0.002), Counting(2))
+    comm = NamingReplica(2)
+    counts = comm.names
+    exchange = grace.Exchange(grace.topk(0.1, bucket_mb=0.002), comm)
     exchange.exchange(gradients(get_backend("numpy"), 0))
     assert counts.pop(0) == "grace.agreement"  # the ranks' first-step check, once
     assert len(counts) == len(exchange._buckets) == len(set(counts))

@@ -128,14 +128,9 @@ def test_segmented_checkpoints_load_under_another_bucket_size(accelerator, metho
 
 
 def test_one_collective_per_segmented_bucket(accelerator):
-    names = []
-
-    class Counting(ReplicaCommunicator):
-        def allgather_async(self, tensor, name):
-            names.append(name)
-            return super().allgather_async(tensor, name)
-
-    exchange = grace.Exchange(grace.topk(0.1, bucket_mb=0.002), Counting(2))
+    comm = test_buckets.NamingReplica(2)
+    names = comm.names
+    exchange = grace.Exchange(grace.topk(0.1, bucket_mb=0.002), comm)
     for step in range(2):
         names.clear()
         exchange.exchange(gradients(accelerator, step))
