@@ -84,6 +84,9 @@ class NumpyBackend:
     def subtract_into(self, a, b, out):
         return np.subtract(a, b, out=out)
 
+    def divide_into(self, a, b, out):
+        return np.divide(a, b, out=out)
+
     def copy(self, x):
         return np.array(x, copy=True)
 

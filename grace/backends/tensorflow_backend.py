@@ -25,9 +25,9 @@ import numpy as np
 import tensorflow as tf
 
 from grace import native as _native
-from grace.formats import index_dtype
 from grace.backends.numpy_backend import NumpyBackend
 from grace.core import bits as bits_
+from grace.tensorflow.graph_kernels import device_of as _device, graph_fused, on_gpu as _on_gpu
 
 _NUMPY = NumpyBackend()  # the host draws: uniform and random_indices off the GPU
 
@@ -84,22 +84,6 @@ def _to_tensor(x, dtype: str | None = None):
     return x
 
 
-def _device(like) -> str:
-    device = getattr(like, "device", None) if like is not None else None
-    return device or ""
-
-
-def _on_gpu(like) -> bool:
-    """Whether ops next to ``like`` run on a GPU (inside tf.function, with no device pinned:
-    whether TensorFlow will place them on one)."""
-    device = _device(like)
-    if device:
-        return "GPU" in device.upper()
-    if tf.executing_eagerly():
-        return False  # eager tensors always know their device; no tensor: the host
-    return bool(tf.config.list_logical_devices("GPU"))
-
-
 def _stateless_seed(seed):
     """A (key, step) seed as the shape-(2,) int64 seed of TensorFlow's stateless generators."""
     key, step = seed
@@ -115,50 +99,6 @@ def _host_draw(draw, seed, shape, dtype, like):
             return tf.constant(draw((key, int(step))), dtype=dtype)
         out = tf.numpy_function(lambda s: draw((key, int(s))), [step], dtype, stateful=False)
         return tf.ensure_shape(out, shape)
-
-
-def _static_shapes(kernel, args, count: int) -> list:
-    """The kernel's output shapes for inputs of these static shapes, from running it once,
-    eagerly, on zeros (every kernel returns flat arrays); [None] each where a shape is unknown."""
-    tensors = [a for a in args if _is_tensor(a)]
-    if not all(t.shape.is_fully_defined() for t in tensors):
-        return [[None]] * count
-    with tf.init_scope():  # out of the graph being traced
-        out = kernel(*[tf.zeros(a.shape, a.dtype) if _is_tensor(a) else a for a in args])
-    return [list(t.shape) for t in (out if isinstance(out, tuple) else (out,))]
-
-
-def _graph_fused(name: str, like):
-    """``name`` as a tf.py_function node of the graph being traced, or None."""
-    spec = _native.FUSED[name]
-    if not _is_tensor(like):
-        return None
-    device = "cuda" if _on_gpu(like) else "cpu"
-    if device not in spec.devices or not _native.available(device):
-        return None
-    numel = like.shape.num_elements()
-    if "index" in spec.outputs and numel is None:  # the index type depends on the length
-        return None
-    tout = [_tf_dtype(index_dtype(numel) if n == "index" else n) for n in spec.outputs]
-    kernel = spec.function
-
-    def call(*args):
-        at = [i for i, a in enumerate(args) if _is_tensor(a)]
-
-        def run(*tensors):  # eager tensors, when the step runs
-            full = list(args)
-            for i, t in zip(at, tensors):
-                full[i] = t
-            out = kernel(*full)
-            return list(out) if isinstance(out, tuple) else [out]
-
-        with tf.device(_device(like)):
-            out = tf.py_function(run, [args[i] for i in at], tout, name=name)
-        for j, (t, shape) in enumerate(zip(out, _static_shapes(kernel, args, len(out)))):
-            t.set_shape([None] if j in spec.variable else shape)
-        return tuple(out) if len(out) > 1 else out[0]
-
-    return call
 
 
 class TensorflowBackend:
@@ -258,6 +198,9 @@ class TensorflowBackend:
 
     def subtract_into(self, a, b, out):
         return a - b
+
+    def divide_into(self, a, b, out):
+        return a / b
 
     def host_ints(self, x, count: int):
         """The ``count`` values of a 1-d integer tensor as Python ints; inside a trace, as
@@ -479,7 +422,7 @@ class TensorflowBackend:
             return None
         if tf.executing_eagerly():
             return _native.fused(name, like) if hasattr(like, "numpy") else None
-        return _graph_fused(name, like)
+        return graph_fused(name, like)
 
     def pack(self, codes, bits: int):
         return bits_.pack_codes(self, codes, bits)

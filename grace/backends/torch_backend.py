@@ -94,6 +94,9 @@ class TorchBackend:
     def subtract_into(self, a, b, out):
         return torch.sub(a, b, out=out)
 
+    def divide_into(self, a, b, out):
+        return torch.div(a, b, out=out)
+
     def copy(self, x):
         return x.clone()
 

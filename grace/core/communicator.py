@@ -3,7 +3,8 @@
 A toolkit adapter (Horovod for PyTorch or TensorFlow, mpi4py for NumPy) implements only the
 primitives, each asynchronous (it returns a zero-argument ``wait`` callable):
 
-    allreduce_async(tensor, name)        elementwise sum over ranks
+    allreduce_async(tensor, name)        elementwise sum over ranks: the tensor given, summed in
+                                         place, or a new tensor (then the caller's own)
     allgather_async(tensor, name)        1-d tensors, lengths may differ; concatenated in rank order
     broadcast_async(tensor, root, name)  the root's tensor, on every rank (a receiver's tensor
                                          gives only the size and dtype; it is not written to)

@@ -122,6 +122,12 @@ class BucketPending:
     segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
 
 
+def _divided(xp, x, n: int, in_place: bool):
+    """x / n, written over ``x`` where ``in_place`` (x is the exchange's own, a collective's
+    new output or made from it) and the backend's tensors are mutable."""
+    return xp.divide_into(x, n, x) if in_place and xp.mutable_tensors else x / n
+
+
 def _check_float(xp, name: str, g) -> None:
     if xp.dtype(g) not in FLOAT_DTYPES:
         raise TypeError(f"grace compresses floating-point gradients; {name!r} has dtype {xp.dtype(g)}")
@@ -605,7 +611,7 @@ class Exchange:
         xp, bucket, n = pending.xp, pending.bucket, self.communicator.size
         compressor, (table, layout), flagged = self.compression.compressor, pending.segmented, pending.flag is not None
         if compressor.collective is Collective.ALLREDUCE:
-            (summed,), overflow = pending.wait()  # (its waits are timed inside)
+            (summed,), overflow, _ = pending.wait()  # (its waits are timed inside)
             return compressor.decompress_segments(xp, summed, pending.segment_ctx, table) / n, overflow
         received = self._wait(pending.wait)
         if isinstance(received, list):  # broadcasts: one frame per rank
@@ -634,8 +640,10 @@ class Exchange:
             elif pending.rounds is not None:
                 g_hat, overflow = self._finish_bucket_rounds(pending)
             elif self.compression.collective is Collective.ALLREDUCE:
-                summed, overflow = pending.wait()  # (its allreduce waits are timed inside)
-                g_hat = [compressor.decompress(xp, payload, ctx) / n for payload, ctx in zip(summed, pending.ctxs)]
+                summed, overflow, fresh = pending.wait()  # (its allreduce waits are timed inside)
+                # A new sum is the exchange's own: averaged in place, no gradient-sized allocation
+                g_hat = [_divided(xp, compressor.decompress(xp, payload, ctx), n, fresh)
+                         for payload, ctx in zip(summed, pending.ctxs)]
             else:
                 g_hat, overflow = self._aggregate_frames(pending)
             if len(pending.units) == 1 and pending.units[0].name == pending.bucket.key:  # the whole bucket
@@ -677,7 +685,8 @@ class Exchange:
         """One allreduce per payload dtype (one, unless a method mixes them) of all units'
         payloads, and of this rank's overflow ``flag`` where given (as one more element of the
         first dtype); (wait for (the summed payloads per unit, how many ranks flagged an
-        overflow or None), bytes sent)."""
+        overflow or None, whether the sums are new tensors: not the buffers sent, summed in
+        place), bytes sent)."""
         shapes = [xp.shape(t) for payload in payloads for t in payload]
         pieces = [xp.flatten(t) for payload in payloads for t in payload]
         structure = [len(payload) for payload in payloads]
@@ -686,20 +695,21 @@ class Exchange:
             pieces.append(xp.cast(flag, xp.dtype(pieces[0])))
         dtypes = [xp.dtype(t) for t in pieces]
         counts = [xp.numel(t) for t in pieces]
-        waits = {}
+        waits, sent = {}, {}
         for dtype in dict.fromkeys(dtypes):
             group = [t for t, d in zip(pieces, dtypes) if d == dtype]
             name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
-            joined = self._joined(xp, name, group)
+            sent[dtype] = self._joined(xp, name, group)
             with self._phase("collective"):
-                waits[dtype] = self.communicator.allreduce_async(joined, name)
+                waits[dtype] = self.communicator.allreduce_async(sent[dtype], name)
 
         def wait():
-            summed = {d: xp.split(self._wait(w), [c for c, dd in zip(counts, dtypes) if dd == d])
-                      for d, w in waits.items()}
+            outputs = {d: self._wait(w) for d, w in waits.items()}
+            summed = {d: xp.split(out, [c for c, dd in zip(counts, dtypes) if dd == d]) for d, out in outputs.items()}
             ordered = [xp.reshape(summed[d].pop(0), shape) for d, shape in zip(dtypes, shapes)]
             overflow = self._overflow(xp, [ordered.pop()]) if flag is not None else None
-            return frames.split_payloads(ordered, structure), overflow
+            fresh = all(out is not sent[d] for d, out in outputs.items())
+            return frames.split_payloads(ordered, structure), overflow, fresh
 
         return wait, sum(xp.nbytes(t) for t in pieces)
 
@@ -787,7 +797,7 @@ class Exchange:
 
     def _finish_bucket_rounds(self, pending: "BucketPending") -> List[Any]:
         xp, memory, key = pending.xp, self.compression.memory, pending.bucket.key
-        (summed, overflow), results, r = pending.wait(), [None] * len(pending.units), 0
+        (summed, overflow, _), results, r = pending.wait(), [None] * len(pending.units), 0
         running = list(range(len(pending.units)))
         while running:
             payloads, still = [], []
@@ -805,7 +815,7 @@ class Exchange:
                 r += 1
                 wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads)
                 self.stats.add(nbytes, 0)
-                summed, _ = wait()
+                summed, _, _ = wait()
         g_hat = []
         for u, (g_u, p_hat, state), p_u, e in zip(pending.units, results, pending.p, pending.old):
             self._set("state", u.name, state)

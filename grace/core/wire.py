@@ -16,7 +16,6 @@ import numpy as np
 from grace.backends import get_backend
 from grace.core.communicator import LocalCommunicator
 from grace.core.compression import GradientCompression
-from grace.core.compressor import TensorInfo
 from grace.core.exchange import Exchange
 
 
@@ -42,30 +41,34 @@ class WireReport:
         return 8 * self.payload_bytes / self.ideal_bits - 1
 
 
-def run_local(compressor, xp, x, info: TensorInfo):
-    """(payload, decompressed) in a world of one. Multi-round methods: the payloads of all
-    rounds in order, and the result after the last round."""
-    if not compressor.multi_round:
-        payload, ctx = compressor.compress(xp, x, info)
-        return payload, compressor.decompress(xp, payload, ctx), ctx
-    rounds, sent = compressor.rounds(xp, x, info, compressor.init_state(xp, x, info)), []
-    payload = next(rounds)
-    while True:
-        sent.extend(payload)
-        try:
-            payload = rounds.send(payload)  # the sum over one rank
-        except StopIteration as done:
-            return tuple(sent), done.value[0], None
+class _Recorder(LocalCommunicator):
+    """A world of one that keeps every payload it is handed, one tuple per collective call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def exchange(self, collective, xp, payload, name, equal_lengths):
+        self.calls.append(tuple(payload))
+        return super().exchange(collective, xp, payload, name, equal_lengths)
 
 
 def wire_report(compression: GradientCompression, shape: Tuple[int, ...], seed: int = 0) -> WireReport:
-    """One step of ``compression`` on a standard-normal float32 tensor of ``shape``."""
+    """One step of ``compression`` on a standard-normal float32 tensor of ``shape``: the bytes
+    of its bucketed exchange, and the ideal bits of the payload its per-tensor exchange sends
+    (multi-round methods: all rounds' payloads)."""
     xp = get_backend("numpy")
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     exchange = Exchange(compression, LocalCommunicator())
     exchange.exchange({"wire": x})
-    compressor = compression.compressor
-    payload, _, ctx = run_local(compressor, xp, x, TensorInfo("wire", 0, 1))
-    return WireReport(method=repr(compressor), numel=x.size, ideal_bits=compressor.ideal_bits(xp, payload, ctx),
+
+    compressor, recorder = compression.compressor, _Recorder()
+    per_tensor = Exchange(GradientCompression(compressor, compression.memory, compression.collective, bucket_mb=0),
+                          recorder)
+    pending = per_tensor.start("wire", x)
+    per_tensor.finish(pending)
+    if pending.flagged:  # the first call's payload ends with the overflow flag
+        recorder.calls[0] = recorder.calls[0][:-1]
+    payload = tuple(t for call in recorder.calls for t in call)
+    return WireReport(method=repr(compressor), numel=x.size, ideal_bits=compressor.ideal_bits(xp, payload, pending.ctx),
                       sent_bytes=exchange.stats.last_step_bytes,
                       payload_bytes=sum(xp.nbytes(t) for t in payload))

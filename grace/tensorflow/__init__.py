@@ -1,6 +1,16 @@
 """The Horovod TensorFlow adapter: ``hvd.DistributedGradientTape`` and Keras's
-``DistributedOptimizer`` carrying grace methods. Imports horovod.tensorflow, never horovod.torch."""
-from grace.tensorflow.gradients import GradientExchange, exchange_for
-from grace.tensorflow.state import VariableStore, VariableWireStats
+``DistributedOptimizer`` carrying grace methods. Imports horovod.tensorflow, never horovod.torch.
 
-__all__ = ["GradientExchange", "VariableStore", "VariableWireStats", "exchange_for"]
+The adapter's names load on first use, so that the TensorFlow backend can import
+``grace.tensorflow.graph_kernels`` without importing Horovod."""
+import importlib
+
+_EXPORTS = {"GradientExchange": "gradients", "exchange_for": "gradients",
+            "VariableStore": "state", "VariableWireStats": "state"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'grace.tensorflow' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"grace.tensorflow.{_EXPORTS[name]}"), name)

@@ -27,6 +27,7 @@ from grace.core.bucket import Bucket, Segment, bucket_key
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Compressor
 from grace.core.exchange import Exchange
+from grace.torch.parameters import gradient_specs
 from grace.torch.process_group import ProcessGroupCommunicator
 
 __all__ = ["GraceState", "hook", "register"]
@@ -57,8 +58,7 @@ class GraceState:
                  if p.requires_grad and name not in ignored]
         self._names: Dict[int, str] = {id(p): name for name, p in named}
         self._parameters = [p for _, p in named]  # keeps the ids above valid
-        self.exchange.expect([(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), str(p.device))
-                              for name, p in named])
+        self.exchange.expect(gradient_specs(named))
         self._buckets: Dict[tuple, Bucket] = {}
         self._lock = threading.Lock()
         self._open = 0  # buckets launched and not finished in this step

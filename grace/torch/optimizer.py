@@ -18,6 +18,7 @@ from grace.horovod_common import check_horovod_arguments
 from grace.core.exchange import Exchange
 from grace.core.ready import ReadyBuckets
 from grace.torch.communicator import HorovodCommunicator
+from grace.torch.parameters import gradient_specs
 
 
 #: every grace optimizer alive in this process (hvd.join checks their collectives)
@@ -36,8 +37,7 @@ class _GraceOptimizer:
         LIVE.add(self)
         self._grace_buckets = None
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        specs = [(self._parameter_names[p], tuple(p.shape), str(p.dtype).removeprefix("torch."), str(p.device))
-                 for p in reversed(params)]
+        specs = gradient_specs((self._parameter_names[p], p) for p in reversed(params))
         if compression.bucket_mb:  # planned in backward order: the last parameters first
             self._grace_buckets = ReadyBuckets(self._grace, self._grace.plan(specs))
         else:

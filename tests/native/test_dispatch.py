@@ -8,7 +8,7 @@ import pytest
 import grace.native as gn
 from grace.core import bits
 from grace.core.compressor import TensorInfo
-from grace.core.wire import run_local
+from tests.fixtures.round_trip import run_local
 from tests.native.conftest import TX, device, gradient, host, on, same_bytes, torch  # noqa: F401
 from tests.unit.conftest import METHODS
 

@@ -11,7 +11,7 @@ import pytest
 
 from grace.backends import get_backend
 from grace.core import registry
-from grace.core.wire import run_local
+from tests.fixtures.round_trip import run_local
 import tests.fixtures.methods  # noqa: F401  (registers the fixture methods)
 
 BACKENDS = ["numpy", "torch"]

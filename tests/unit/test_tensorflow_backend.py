@@ -13,7 +13,7 @@ tf = pytest.importorskip("tensorflow")
 from grace.backends import backend_for, get_backend  # noqa: E402
 from grace.core import bits  # noqa: E402
 from grace.core.compressor import TensorInfo  # noqa: E402
-from grace.core.wire import run_local  # noqa: E402
+from tests.fixtures.round_trip import run_local  # noqa: E402
 from tests.native.conftest import count_calls  # noqa: E402
 from tests.unit.conftest import METHODS  # noqa: E402
 
