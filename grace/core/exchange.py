@@ -146,10 +146,15 @@ def _state_view(value, segment):
     return _view(backend_for(value[0] if isinstance(value, tuple) else value), value, segment)
 
 
+def _copied(value):
+    """A copy of a state (a tensor or a tuple of them)."""
+    xp = backend_for(value[0] if isinstance(value, tuple) else value)
+    return tuple(xp.copy(t) for t in value) if isinstance(value, tuple) else xp.copy(value)
+
+
 def _state_copy(value, segment):
     xp = backend_for(value[0] if isinstance(value, tuple) else value)
-    view = _view(xp, value, segment)
-    return tuple(xp.copy(t) for t in view) if isinstance(view, tuple) else xp.copy(view)
+    return _copied(_view(xp, value, segment))
 
 
 def _assign(xp, dst, src) -> None:
@@ -212,7 +217,7 @@ class Exchange:
         self._whole_of: Dict[str, bool] = {}  # per bucket in use: one flat memory (whole or segmented)
         self._segmented: Dict[str, Any] = {}  # per bucket compressed segment-wise: (table, frame layout)
         self._buffers: Dict[str, Any] = {}  # reused per name: flat gradients, joined payloads
-        self._spares: Dict[str, Any] = {}  # per bucket: where the next flat memory is written
+        self._spares: Dict[str, Any] = {}  # per unit (bucket or gradient): where its next memory is written
         self._guarded = compression.flags_overflow
         self._journal: Dict[tuple, Any] = {}  # (table, key): its value before this step
         self._overflows: List[Any] = []  # per exchange of this step: how many ranks flagged one
@@ -515,11 +520,12 @@ class Exchange:
             self.stats.add(nbytes, 0)
             return pending
 
-        # A whole bucket's new memory goes into its spare buffer, where the backend's tensors
-        # are mutable: no step allocates (and page-faults) a bucket-sized buffer.
-        spare = self._spare_memory(bucket.key, xp, old[0]) if whole and memory.needs_feedback else None
-        payloads, new_memory = [], []
+        # New memories go into spare buffers where the backend's tensors are mutable (a whole
+        # bucket's always, a gradient's where a fused kernel writes it there): no step
+        # allocates (and page-faults) gradient-sized buffers.
+        payloads, new_memory, spares = [], [], []
         for u, g_u, info, state, e in zip(units, g_units, infos, states, old):
+            spare = self._spare_memory(u.name, xp, e) if memory.needs_feedback else None
             out = spare if spare is not None and not isinstance(spare, tuple) else None
             fused = memory.fused_step(xp, compressor, g_u, e, info, out=out)
             if fused is not None:
@@ -533,9 +539,12 @@ class Exchange:
                 if memory.needs_feedback:
                     with self._phase("feedback"):
                         e_new = memory.update(xp, p_u, compressor.decompress(xp, payload, ctx), e)
+            if spare is not None and e_new is not spare and not whole:  # a copy would cost a pass
+                self._spares[u.name], spare = spare, None
             payloads.append(payload)
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
+            spares.append(spare)
 
         if self.compression.collective is Collective.ALLREDUCE:
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, pending.flag)
@@ -552,11 +561,12 @@ class Exchange:
                     new_memory = [memory.update(xp, p_u, p_u, e) for p_u, e in zip(compensated, old)]
             elif pending.sent_dense:
                 new_memory = [None] * len(old)
-        if spare is not None:
-            if new_memory[0] is not spare:
-                _assign(xp, spare, new_memory[0])
-            self._spares[bucket.key] = old[0]  # the old memory is the next step's spare
-            new_memory = [spare]
+        for i, (u, spare) in enumerate(zip(units, spares)):
+            if spare is not None:
+                if new_memory[i] is not spare:
+                    _assign(xp, spare, new_memory[i])
+                self._spares[u.name] = old[i]  # the old memory is the next step's spare
+                new_memory[i] = spare
         for u, e_new in zip(units, new_memory):
             if memory.needs_feedback:
                 self._set("memory", u.name, e_new)
@@ -894,6 +904,8 @@ class Exchange:
             self._adopted.discard(key)
             for per_bucket in (self._whole_of, self._segmented, self._spares, self._buckets):
                 per_bucket.pop(key, None)
+            for s in old.segments:
+                self._spares.pop(s.name, None)
             for name in [n for n in self._buffers if n == key or n.startswith(key + ".")]:
                 del self._buffers[name]
 
@@ -940,8 +952,8 @@ class Exchange:
         gradients' own (copies: the bucket's buffers are reused), so the state loads under any
         bucket size. ``origin`` records the rank and world size the memory belongs to."""
         state = self.store.state_dict()
-        for table in ("steps", "memory"):
-            state[table] = self._by_name(table, state[table], _state_copy)
+        for table in ("steps", "memory"):  # (memories are copies: their buffers are written again later)
+            state[table] = self._by_name(table, state[table], _state_copy, copy=table == "memory")
         state["origin"] = self._origin()
         return state
 
@@ -987,13 +999,14 @@ class Exchange:
             warnings.warn(f"grace: this checkpoint was saved in a world of {size} ranks, this one has "
                           f"{self.communicator.size}; its memory is loaded as it is", RuntimeWarning, stacklevel=3)
 
-    def _by_name(self, table: str, values: Dict[str, Any], part) -> Dict[str, Any]:
-        """``values`` with each bucket's entry split into its gradients' (``part`` cuts one)."""
+    def _by_name(self, table: str, values: Dict[str, Any], part, copy: bool = False) -> Dict[str, Any]:
+        """``values`` with each bucket's entry split into its gradients' (``part`` cuts one);
+        ``copy``: a gradient's own entry copied too."""
         out = {}
         for key, value in values.items():
             bucket = self._buckets.get(key)
             if bucket is None:
-                out[key] = value
+                out[key] = _copied(value) if copy and value is not None else value
             else:
                 out.update((s.name, value if table == "steps" else part(value, s)) for s in bucket.segments)
         return out
