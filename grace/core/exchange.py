@@ -589,6 +589,7 @@ class Exchange:
         table, layout = pending.segmented
         infos = [TensorInfo(name=name, step=step, world_size=comm.size, rank=comm.rank) for name in bucket.names]
         fused = memory.fused_segments(xp, compressor, g, e, table, infos)
+        e_new = None  # the new memory where a fused kernel made it and it stands
         if fused is not None:  # compensate, compress and the new memory in one go
             fields, pending.segment_ctx, e_new = fused
             p = p_hat = None
@@ -602,11 +603,11 @@ class Exchange:
             nbytes = None
             if layout.size > frames.frame_size([bucket.numel], [bucket.dtype], False, self._guarded):
                 p = memory.compensate(xp, g, e) if p is None else p
-                pending.sent_dense, p_hat, fused = True, p, None  # every rank decides alike: fixed sizes
+                pending.sent_dense, p_hat, e_new = True, p, None  # every rank decides alike: fixed sizes
                 frame = frames.frame(xp, [p], False, g, pending.flag)
         if memory.needs_feedback:
             with self._phase("feedback"):
-                if fused is None:
+                if e_new is None:  # from p and p_hat
                     if p_hat is None:
                         p_hat = compressor.decompress_segments(xp, fields, pending.segment_ctx, table)
                     e_new = memory.update(xp, p, p_hat, e)
