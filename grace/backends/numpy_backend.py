@@ -15,6 +15,11 @@ def _np_dtype(name: str):
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
+
+def _joined(parts, dtype):
+    """1-d arrays in a row (an empty one of ``dtype`` for none)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dtype)
+
 class NumpyBackend:
     name = "numpy"
     #: tensors can be written in place (``concat_into``, ``assign``), so buffers can be reused
@@ -158,6 +163,14 @@ class NumpyBackend:
     def random_indices(self, numel: int, k: int, seed, like=None):
         """k distinct indices below ``numel``, drawn from ``seed``, sorted (int64)."""
         return np.sort(np.random.default_rng(list(seed)).choice(numel, size=k, replace=False))
+
+    def uniform_segments(self, counts, seeds, like=None):
+        """``uniform(counts[s], seeds[s])`` for every s, in a row."""
+        return _joined([self.uniform(c, seed) for c, seed in zip(counts, seeds)], np.float32)
+
+    def random_indices_segments(self, numels, ks, seeds, like=None):
+        """``random_indices(numels[s], ks[s], seeds[s])`` for every s, in a row."""
+        return _joined([self.random_indices(d, k, seed) for d, k, seed in zip(numels, ks, seeds)], np.int64)
 
     def arange(self, n: int, like=None):
         return np.arange(int(n), dtype=np.int64)

@@ -334,6 +334,14 @@ class TensorflowBackend:
         return _host_draw(lambda s: _NUMPY.random_indices(numel, k, s).astype(np.int64, copy=False),
                           seed, (k,), tf.int64, like)
 
+    def uniform_segments(self, counts, seeds, like=None):
+        """``uniform(counts[s], seeds[s])`` for every s, in a row."""
+        return self.concat([self.uniform(c, seed, like) for c, seed in zip(counts, seeds)])
+
+    def random_indices_segments(self, numels, ks, seeds, like=None):
+        """``random_indices(numels[s], ks[s], seeds[s])`` for every s, in a row."""
+        return self.concat([self.random_indices(d, k, seed, like) for d, k, seed in zip(numels, ks, seeds)])
+
     def arange(self, n: int, like=None):
         with tf.device(_device(like)):
             return tf.range(tf.cast(n, tf.int64) if _is_tensor(n) else int(n), dtype=tf.int64)

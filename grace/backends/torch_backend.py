@@ -14,9 +14,54 @@ from grace.backends.numpy_backend import NumpyBackend
 _numpy_backend = NumpyBackend()
 
 
-def _generator(seed, device) -> torch.Generator:
+# --- draws on an accelerator: counter-based -------------------------------------------------
+# Draw j of a (key, step) seed is a hash of (j, seed): any number of tensors' draws come from a
+# few whole-buffer ops, with no generator per tensor, and a bucket's segments draw exactly what
+# each of its tensors draws alone. The arithmetic stays in int64 below 2**49 (no overflow).
+_M32 = 0xFFFFFFFF
+
+
+def _seed_words(seed) -> tuple:
+    """The (key, step) seed mixed into two 32-bit words (splitmix64's finalizer)."""
     key, step = seed
-    return torch.Generator(device=device).manual_seed((key * 1_000_003 + int(step)) % 2**63)
+    m = (int(key) * 0x9E3779B97F4A7C15 + (int(step) + 1) * 0xD1B54A32D192ED03) % 2**64
+    m = ((m ^ (m >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    m = ((m ^ (m >> 27)) * 0x94D049BB133111EB) % 2**64
+    m ^= m >> 31
+    return m & _M32, m >> 32
+
+
+def _mul32(x, c: int):
+    """x * c mod 2**32, for int64 tensors of values below 2**32."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finalizer: a bijection in which every input bit moves every output bit."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _counter_hashes(counts, seeds, device):
+    """(32-bit hashes of draws 0 .. counts[s] - 1 of each seed, in a row (int64); each draw's
+    segment). One set of whole-buffer ops, however many segments."""
+    words = torch.tensor([_seed_words(seed) for seed in seeds], dtype=torch.int64).to(device, non_blocking=True)
+    total = sum(counts)
+    sizes = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+    segment = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes, output_size=total)
+    starts = torch.cumsum(sizes, 0) - sizes
+    j = torch.arange(total, device=device) - starts[segment]  # each draw's number within its seed
+    s0, s1 = words[:, 0][segment], words[:, 1][segment]
+    return _fmix32(_fmix32(_mul32(j, 0x9E3779B1) ^ s0) ^ s1), segment
+
+
+def _counter_draws(device) -> bool:
+    """Whether draws on ``device`` are counter-based (accelerators; on a CPU they are NumPy's,
+    equal to the NumPy backend's)."""
+    return device.type != "cpu"
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -174,17 +219,37 @@ class TorchBackend:
 
     def uniform(self, numel: int, seed, like=None):
         """float32 draws in [0, 1). On the CPU they come from NumPy's generator, so they equal
-        the NumPy backend's; on a GPU from torch's, without leaving the device."""
+        the NumPy backend's; on a GPU they are counter-based (see ``uniform_segments``)."""
+        return self.uniform_segments([int(numel)], [seed], like)
+
+    def uniform_segments(self, counts, seeds, like=None):
+        """``uniform(counts[s], seeds[s])`` for every s, in a row. On a GPU draw j of a seed is
+        (hash(j, seed) >> 8) / 2**24, for all segments at once."""
         device = like.device if like is not None else torch.device("cpu")
-        if device.type == "cpu":
-            return torch.from_numpy(_numpy_backend.uniform(numel, seed))
-        return torch.rand(numel, generator=_generator(seed, device), device=device)
+        if not _counter_draws(device):
+            return torch.from_numpy(_numpy_backend.uniform_segments(counts, seeds))
+        hashes, _ = _counter_hashes(counts, seeds, device)
+        return (hashes >> 8).to(torch.float32) * 2.0**-24
 
     def random_indices(self, numel: int, k: int, seed, like=None):
+        return self.random_indices_segments([int(numel)], [int(k)], [seed], like)
+
+    def random_indices_segments(self, numels, ks, seeds, like=None):
+        """``random_indices(numels[s], ks[s], seeds[s])`` for every s, in a row. On a GPU a
+        segment's indices are those of its ks[s] smallest hashes (ties: the lowest index),
+        from one stable sort of (segment, hash) over all segments."""
         device = like.device if like is not None else torch.device("cpu")
-        if device.type == "cpu":
-            return torch.from_numpy(_numpy_backend.random_indices(numel, k, seed))
-        return torch.sort(torch.randperm(numel, generator=_generator(seed, device), device=device)[:k]).values
+        if not _counter_draws(device):
+            return torch.from_numpy(_numpy_backend.random_indices_segments(numels, ks, seeds))
+        hashes, segment = _counter_hashes(numels, seeds, device)
+        order = torch.sort((segment << 32) | hashes, stable=True).indices  # each segment's elements, in a row
+        taken = torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
+        starts = torch.tensor(np.cumsum([0, *numels[:-1]]), dtype=torch.int64).to(device, non_blocking=True)
+        total = sum(ks)
+        first = torch.repeat_interleave(starts, taken, output_size=total)  # each taken index's segment start
+        rank = torch.arange(total, device=device) - torch.repeat_interleave(torch.cumsum(taken, 0) - taken, taken,
+                                                                             output_size=total)
+        return torch.sort(order[first + rank]).values - first  # ascending within each segment
 
     def arange(self, n: int, like=None):
         return torch.arange(int(n), device=like.device if like is not None else None)

@@ -53,8 +53,8 @@ class RandomK(Compressor):
     def compress_segments(self, xp, p, table, infos):
         ks = [sent_count(self.ratio, d) for d in table.numels]
         starts = table.cached("sent starts", lambda: xp.asarray(np.repeat(table.starts, ks), like=p))
-        drawn = [xp.random_indices(d, k, info.seed(self.seed), like=p) for d, k, info in zip(table.numels, ks, infos)]
-        indices = xp.concat(drawn) + starts  # in the flat buffer
+        drawn = xp.random_indices_segments(table.numels, ks, [info.seed(self.seed) for info in infos], like=p)
+        indices = drawn + starts  # in the flat buffer
         values = xp.gather(p, indices)
         if self.scale:  # d / k per segment, as the per-tensor multiply rounds it
             values = values * table.cached("scale", lambda: xp.cast(

@@ -221,8 +221,8 @@ class Compressor:
 def uniform_draws(xp, counts: Sequence[int], infos: Sequence[TensorInfo], seed: int, like):
     """Each segment's uniform draws, ``counts[s]`` from its own rank seed, as its per-tensor
     compress draws them, in a row; and where each segment's draws start."""
-    drawn = [xp.uniform(count, info.rank_seed(seed), like=like) for count, info in zip(counts, infos)]
-    return (drawn[0] if len(drawn) == 1 else xp.concat(drawn)), [0, *itertools.accumulate(counts)][:-1]
+    drawn = xp.uniform_segments(counts, [info.rank_seed(seed) for info in infos], like=like)
+    return drawn, [0, *itertools.accumulate(counts)][:-1]
 
 
 def sent_count(ratio: float, d: int) -> int:

@@ -220,3 +220,22 @@ def test_native_segment_calls_refuse_segments_outside_their_buffers():
     packed, scale = gn.efsignsgd_compress_segments(x, [0, 50], [50, 50])
     with pytest.raises(ValueError):
         gn.efsignsgd_decompress_segments(packed[:-1], scale, [50, 50])
+
+
+RANDOM = [label for label in SEGMENTED if hasattr(METHODS[label]().compressor, "seed")]
+
+
+@pytest.mark.parametrize("method", RANDOM)
+def test_counter_draws_give_each_segment_its_tensors_own_draws(method, monkeypatch):
+    """The GPU's counter-based draws (forced here on the CPU): a segment-wise bucket draws for
+    each gradient what the gradient draws alone, so it equals the per-gradient exchange."""
+    torch_backend = pytest.importorskip("grace.backends.torch_backend")
+    monkeypatch.setattr(torch_backend, "_counter_draws", lambda device: True)
+    xp = torch_backend.TorchBackend()
+    make = lambda: with_buckets(METHODS[method], 25)  # noqa: E731
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)
+    units = run(xp, make())
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
+    segmented = run(xp, make())
+    assert segmented[0]._segmented
+    assert_runs_equal(xp, units, segmented, method)

@@ -1,0 +1,81 @@
+"""Random draws: NumPy's generator on a CPU (every backend alike), counter-based on a GPU.
+
+The counter-based draws are forced here on torch CPU tensors; with GRACE_TEST_DEVICE=cuda the
+tensors are on the GPU, where they are the default."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from grace.backends import get_backend
+from tests.unit.conftest import TORCH_DEVICE
+
+torch = pytest.importorskip("torch")
+torch_backend = pytest.importorskip("grace.backends.torch_backend")
+
+
+@pytest.fixture
+def xp(monkeypatch):
+    monkeypatch.setattr(torch_backend, "_counter_draws", lambda device: True)
+    return get_backend("torch")
+
+
+LIKE = torch.zeros(1, device=TORCH_DEVICE)
+SEED = (123456789, 7)
+
+
+def host(t):
+    return t.cpu().numpy()
+
+
+def test_uniform_draws_are_float32_in_0_1_and_fixed_by_their_seed(xp):
+    u = host(xp.uniform(200_000, SEED, like=LIKE))
+    assert u.dtype == np.float32 and u.shape == (200_000,)
+    assert u.min() >= 0 and u.max() < 1
+    np.testing.assert_array_equal(u, host(xp.uniform(200_000, SEED, like=LIKE)))
+    for other in [(SEED[0], SEED[1] + 1), (SEED[0] + 1, SEED[1]), (SEED[0] | 1 << 56, SEED[1])]:
+        assert np.mean(u == host(xp.uniform(200_000, other, like=LIKE))) < 1e-3, other
+    # 16 equal bins of 12,500 expected each: a binomial standard deviation of about 108
+    counts = np.bincount((u * 16).astype(np.int64), minlength=16)
+    assert np.all(np.abs(counts - 12_500) < 6 * 108), counts
+    # neighbours are independent: the correlation of draw j and draw j + 1
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.01
+
+
+def test_uniform_segments_draw_what_each_seed_draws_alone(xp):
+    counts, seeds = [5, 0, 1000, 3], [(1, 0), (2, 0), (3, 9), (1, 1)]
+    together = host(xp.uniform_segments(counts, seeds, like=LIKE))
+    alone = np.concatenate([host(xp.uniform(c, s, like=LIKE)) for c, s in zip(counts, seeds)])
+    np.testing.assert_array_equal(together, alone)
+
+
+@pytest.mark.parametrize("numel, k", [(1, 1), (10, 10), (1000, 1), (5000, 50), (70_000, 700)])
+def test_random_indices_are_k_distinct_sorted_indices(xp, numel, k):
+    idx = host(xp.random_indices(numel, k, SEED, like=LIKE))
+    assert idx.dtype == np.int64 and len(idx) == k
+    assert np.all(np.diff(idx) > 0) and idx[0] >= 0 and idx[-1] < numel
+    np.testing.assert_array_equal(idx, host(xp.random_indices(numel, k, SEED, like=LIKE)))
+
+
+def test_random_indices_pick_every_index_alike(xp):
+    # 2,000 draws of 10 of 100 indices: each index 200 times expected, standard deviation 13.4
+    hits = np.zeros(100, np.int64)
+    for step in range(2000):
+        hits[host(xp.random_indices(100, 10, (99, step), like=LIKE))] += 1
+    assert np.all(np.abs(hits - 200) < 6 * 13.4), hits
+
+
+def test_random_indices_segments_draw_what_each_seed_draws_alone(xp):
+    numels, ks, seeds = [300, 1, 4000, 7], [3, 1, 40, 7], [(5, 0), (6, 0), (7, 3), (5, 1)]
+    together = host(xp.random_indices_segments(numels, ks, seeds, like=LIKE))
+    alone = np.concatenate([host(xp.random_indices(d, k, s, like=LIKE)) for d, k, s in zip(numels, ks, seeds)])
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_off_an_accelerator_every_backend_draws_numpys(monkeypatch):
+    monkeypatch.setattr(torch_backend, "_counter_draws", lambda device: False)
+    numpy, torch_xp = get_backend("numpy"), get_backend("torch")
+    np.testing.assert_array_equal(numpy.uniform_segments([3, 4], [(1, 2), (3, 4)]),
+                                  host(torch_xp.uniform_segments([3, 4], [(1, 2), (3, 4)])))
+    np.testing.assert_array_equal(numpy.random_indices_segments([30, 40], [3, 4], [(1, 2), (3, 4)]),
+                                  host(torch_xp.random_indices_segments([30, 40], [3, 4], [(1, 2), (3, 4)])))
