@@ -45,17 +45,23 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
+def _int64s(values, device):
+    """Host ints as an int64 tensor on ``device``; to a GPU from pinned memory, so that the
+    copy is queued on the stream without waiting for it."""
+    return torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 def _counter_hashes(counts, seeds, device):
     """(32-bit hashes of draws 0 .. counts[s] - 1 of each seed, in a row (int64); each draw's
-    segment). One set of whole-buffer ops, however many segments."""
-    words = torch.tensor([_seed_words(seed) for seed in seeds], dtype=torch.int64).to(device, non_blocking=True)
+    segment; each segment's start). One set of whole-buffer ops, however many segments."""
+    words = _int64s([_seed_words(seed) for seed in seeds], device)
     total = sum(counts)
-    sizes = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+    sizes = _int64s(list(counts), device)
     segment = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes, output_size=total)
     starts = torch.cumsum(sizes, 0) - sizes
     j = torch.arange(total, device=device) - starts[segment]  # each draw's number within its seed
     s0, s1 = words[:, 0][segment], words[:, 1][segment]
-    return _fmix32(_fmix32(_mul32(j, 0x9E3779B1) ^ s0) ^ s1), segment
+    return _fmix32(_fmix32(_mul32(j, 0x9E3779B1) ^ s0) ^ s1), segment, starts
 
 
 def _counter_draws(device) -> bool:
@@ -228,7 +234,7 @@ class TorchBackend:
         device = like.device if like is not None else torch.device("cpu")
         if not _counter_draws(device):
             return torch.from_numpy(_numpy_backend.uniform_segments(counts, seeds))
-        hashes, _ = _counter_hashes(counts, seeds, device)
+        hashes, _, _ = _counter_hashes(counts, seeds, device)
         return (hashes >> 8).to(torch.float32) * 2.0**-24
 
     def random_indices(self, numel: int, k: int, seed, like=None):
@@ -241,10 +247,9 @@ class TorchBackend:
         device = like.device if like is not None else torch.device("cpu")
         if not _counter_draws(device):
             return torch.from_numpy(_numpy_backend.random_indices_segments(numels, ks, seeds))
-        hashes, segment = _counter_hashes(numels, seeds, device)
+        hashes, segment, starts = _counter_hashes(numels, seeds, device)
         order = torch.sort((segment << 32) | hashes, stable=True).indices  # each segment's elements, in a row
-        taken = torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
-        starts = torch.tensor(np.cumsum([0, *numels[:-1]]), dtype=torch.int64).to(device, non_blocking=True)
+        taken = _int64s(list(ks), device)
         total = sum(ks)
         first = torch.repeat_interleave(starts, taken, output_size=total)  # each taken index's segment start
         rank = torch.arange(total, device=device) - torch.repeat_interleave(torch.cumsum(taken, 0) - taken, taken,
