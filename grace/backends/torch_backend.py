@@ -17,7 +17,7 @@ _numpy_backend = NumpyBackend()
 # --- draws on an accelerator: counter-based -------------------------------------------------
 # Draw j of a (key, step) seed is a hash of (j, seed): any number of tensors' draws come from a
 # few whole-buffer ops, with no generator per tensor, and a bucket's segments draw exactly what
-# each of its tensors draws alone. The arithmetic stays in int64 below 2**49 (no overflow).
+# each of its tensors draws alone. The arithmetic stays in int64 below 2**63 (no overflow).
 _M32 = 0xFFFFFFFF
 
 
@@ -31,18 +31,15 @@ def _seed_words(seed) -> tuple:
     return m & _M32, m >> 32
 
 
-def _mul32(x, c: int):
-    """x * c mod 2**32, for int64 tensors of values below 2**32."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(h):
-    """MurmurHash3's 32-bit finalizer: a bijection in which every input bit moves every output bit."""
+def _hash32(h):
+    """A 32-bit integer hash (a bijection in which every input bit moves every output bit;
+    constants from C. Wellons' hash prospector, below 2**31 so that products of 32-bit values
+    stay in int64: two ops per multiplication)."""
     h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
+    h = (h * 0x21F0AAAD) & _M32
+    h = h ^ (h >> 15)
+    h = (h * 0x735A2D97) & _M32
+    return h ^ (h >> 15)
 
 
 def _int64s(values, device):
@@ -61,7 +58,7 @@ def _counter_hashes(counts, seeds, device):
     starts = torch.cumsum(sizes, 0) - sizes
     j = torch.arange(total, device=device) - starts[segment]  # each draw's number within its seed
     s0, s1 = words[:, 0][segment], words[:, 1][segment]
-    return _fmix32(_fmix32(_mul32(j, 0x9E3779B1) ^ s0) ^ s1), segment, starts
+    return _hash32(_hash32(j ^ s0) ^ s1), segment, starts
 
 
 def _counter_draws(device) -> bool:
