@@ -92,6 +92,14 @@ class NumpyBackend:
     def divide_into(self, a, b, out):
         return np.divide(a, b, out=out)
 
+    def multiply_into(self, a, b, out):
+        return np.multiply(a, b, out=out)
+
+    def put(self, x, idx, values):
+        """x[idx] = values, in place; returns x."""
+        x[idx.astype(np.int64, copy=False)] = values
+        return x
+
     def copy(self, x):
         return np.array(x, copy=True)
 

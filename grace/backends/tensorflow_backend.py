@@ -202,6 +202,12 @@ class TensorflowBackend:
     def divide_into(self, a, b, out):
         return a / b
 
+    def multiply_into(self, a, b, out):
+        return a * b
+
+    def put(self, x, idx, values):  # a new tensor: TensorFlow's cannot be written in place
+        return tf.tensor_scatter_nd_update(_to_tensor(x), tf.reshape(_to_tensor(idx, "int64"), (-1, 1)), values)
+
     def host_ints(self, x, count: int):
         """The ``count`` values of a 1-d integer tensor as Python ints; inside a trace, as
         scalar tensors."""

@@ -145,6 +145,12 @@ class TorchBackend:
     def divide_into(self, a, b, out):
         return torch.div(a, b, out=out)
 
+    def multiply_into(self, a, b, out):
+        return torch.mul(a, b, out=out)
+
+    def put(self, x, idx, values):
+        return x.index_put_((idx.long(),), values)
+
     def copy(self, x):
         return x.clone()
 

@@ -9,6 +9,7 @@ from grace.core.compressor import Collective, Compressor, Shape, index_bits, ind
 
 class Sparsifier(Compressor):
     collective = Collective.ALLGATHER
+    sparse = True
     #: grace.native's one-pass residual step (compensate, select, new residual), if it has one
     residual_kernel = None
     #: grace.native's selection with values, if it has one (segmented buckets run

@@ -526,11 +526,10 @@ class Exchange:
         payloads, new_memory, spares = [], [], []
         for u, g_u, info, state, e in zip(units, g_units, infos, states, old):
             spare = self._spare_memory(u.name, xp, e) if memory.needs_feedback else None
-            out = spare if spare is not None and not isinstance(spare, tuple) else None
-            fused = memory.fused_step(xp, compressor, g_u, e, info, out=out)
+            fused = memory.fused_step(xp, compressor, g_u, e, info, out=spare)
             if fused is not None:
                 payload, ctx, e_new = fused
-                e_new = spare if out is not None else e_new  # the kernel wrote it there
+                e_new = spare if spare is not None else e_new  # the kernel wrote it there
             else:
                 p_u = memory.compensate(xp, g_u, e)
                 payload, ctx, state = compressor.step(xp, p_u, info, state)

@@ -24,14 +24,37 @@ class DGCMemory(Memory):
     def init(self, xp, g):
         return xp.zeros_like(g), xp.zeros_like(g)
 
+    def _clipped(self, xp, g):
+        if not self.clip_norm:
+            return g
+        norm = xp.norm(g)
+        return g * xp.cast(self.clip_norm / xp.clip_min(norm, self.clip_norm), xp.dtype(g))
+
     def compensate(self, xp, g, state):
-        if self.clip_norm:
-            norm = xp.norm(g)
-            g = g * xp.cast(self.clip_norm / xp.clip_min(norm, self.clip_norm), xp.dtype(g))
         u, v = state
-        return v + (self.momentum * u + g)
+        return v + (self.momentum * u + self._clipped(xp, g))
 
     def update(self, xp, p, p_hat, state):
         u = p - state[1]  # p = v_old + u_new
         sent = p_hat != 0
         return xp.where(sent, u * 0, u), p - p_hat
+
+    def fused_step(self, xp, compressor, g, state, info, out=None):
+        """The same step with the new (u, v) written into ``out`` (buffers like the state, where
+        the backend's tensors are mutable): p in v's buffer, u = p - v_old in u's, and only the
+        sent elements changed after (their p_hat is 0 + p, so they need no dense decompression).
+        Four passes over memory and no gradient-sized allocation."""
+        if out is None or not xp.mutable_tensors or not compressor.sparse:
+            return None
+        (u, v), (u_out, v_out) = state, out
+        t = xp.add_into(xp.multiply_into(u, self.momentum, u_out), self._clipped(xp, g), u_out)  # m u + g
+        p = xp.add_into(v, t, v_out)
+        payload, ctx = compressor.compress(xp, p, info)
+        values, indices = payload
+        u_new = xp.subtract_into(p, v, u_out)
+        indices = xp.cast(indices, "int64")
+        p_hat = values + 0.0  # the decompressed payload at the sent elements
+        sent_u = xp.gather(xp.flatten(u_new), indices)
+        xp.put(xp.flatten(u_new), indices, xp.where(p_hat != 0, sent_u * 0, sent_u))
+        xp.put(xp.flatten(p), indices, values - p_hat)  # v = p - p_hat
+        return payload, ctx, (u_out, v_out)

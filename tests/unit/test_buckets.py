@@ -8,6 +8,7 @@ import grace
 from grace.backends import get_backend
 from grace.core import bucket as frames
 from grace.core.communicator import ReplicaCommunicator
+from grace.memories import DGCMemory
 from tests.unit.conftest import METHODS, TORCH_DEVICE, to_backend
 
 # a model's worth of shapes: matrices, vectors, a scalar, an empty one, one larger tensor
@@ -234,3 +235,26 @@ def test_bucket_arguments_come_through_the_grace_parameter_dictionary():
                                      "scope": "bucket"})
     assert (compression.bucket_mb, compression.scope) == (4.0, "bucket")
     assert grace.topk(0.01).bucket_mb == 25.0 and "bucket_mb=25" in repr(grace.topk(0.01))
+
+
+@pytest.mark.parametrize("method", ["dgc", "dgc_warmup"])
+def test_dgc_memory_steps_in_place_as_its_formula(xp, method, monkeypatch):
+    """Bucketed on a CPU, DGC's memory writes the new (u, v) into spare buffers and changes
+    only the sent elements after selecting: the same outputs and memories as its formula."""
+    taken, fused_step = [], DGCMemory.fused_step
+
+    def spy(self, *args, **kwargs):
+        result = fused_step(self, *args, **kwargs)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(DGCMemory, "fused_step", spy)
+    in_place = run(xp, with_buckets(METHODS[method], 25), steps=4)
+    assert taken and all(taken), "the in-place step was not taken"
+    monkeypatch.setattr(DGCMemory, "fused_step", lambda *args, **kwargs: None)
+    formula = run(xp, with_buckets(METHODS[method], 25), steps=4)
+    for a, b in zip(formula[1], in_place[1]):
+        for name in a:
+            assert_same(xp, a[name], b[name], name)
+    for name, state in formula[0].memory.items():
+        assert_same(xp, state, in_place[0].memory[name], name)
