@@ -531,13 +531,15 @@ class Exchange:
                 payload, ctx, e_new = fused
                 e_new = spare if spare is not None else e_new  # the kernel wrote it there
             else:
-                p_u = memory.compensate(xp, g_u, e)
+                p_u = memory.compensate(xp, g_u, e)  # (new: the payload may be a view of it)
                 payload, ctx, state = compressor.step(xp, p_u, info, state)
                 self._set("state", u.name, state)
                 e_new = None
                 if memory.needs_feedback:
                     with self._phase("feedback"):
-                        e_new = memory.update(xp, p_u, compressor.decompress(xp, payload, ctx), e)
+                        p_hat = compressor.decompress(xp, payload, ctx)
+                        e_new = (memory.update_into(xp, p_u, p_hat, e, spare)
+                                 if spare is not None and not isinstance(spare, tuple) else memory.update(xp, p_u, p_hat, e))
             if spare is not None and e_new is not spare and not whole:  # a copy would cost a pass
                 self._spares[u.name], spare = spare, None
             payloads.append(payload)
