@@ -1022,6 +1022,8 @@ class Exchange:
         state = {table: dict(values) for table, values in state.items() if table in TABLES}
         for table in TABLES:
             state.setdefault(table, {})
+        # copies: the exchange writes its memory buffers again in later steps (spares)
+        state["memory"] = {name: value if value is None else _copied(value) for name, value in state["memory"].items()}
         self._check_origin(origin, state)
         like = next((v[0] if isinstance(v, tuple) else v for v in state["memory"].values()), None)
         xp = backend_for(like) if like is not None else None

@@ -258,3 +258,19 @@ def test_dgc_memory_steps_in_place_as_its_formula(xp, method, monkeypatch):
             assert_same(xp, a[name], b[name], name)
     for name, state in formula[0].memory.items():
         assert_same(xp, state, in_place[0].memory[name], name)
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "dgc"])
+def test_a_loaded_state_is_never_written_by_later_steps(xp, method):
+    """Memory buffers are reused as spares; a state handed to load_state_dict stays the
+    caller's (Horovod's elastic state, for one, restores the same dict again)."""
+    exchange, _ = run(xp, with_buckets(METHODS[method], 25), steps=2)
+    saved = exchange.state_dict()
+    kept = {name: [np.array(xp.to_numpy(t)) for t in (v if isinstance(v, tuple) else (v,))]
+            for name, v in saved["memory"].items()}
+    for _ in range(3):
+        exchange.load_state_dict(saved)
+        run(xp, None, steps=3, exchange=exchange, first_step=2)
+    for name, value in saved["memory"].items():
+        for t, k in zip(value if isinstance(value, tuple) else (value,), kept[name]):
+            np.testing.assert_array_equal(xp.to_numpy(t), k, err_msg=name)
