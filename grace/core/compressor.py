@@ -97,8 +97,9 @@ class Compressor:
     variable_length: bool = False
     #: compression needs several allreduce rounds (see ``rounds``)
     multi_round: bool = False
-    #: the payload is (values, indices) of some elements, and decompress adds them into zeros
-    #: (grace.compressors.sparse): a memory can apply a payload to the few elements it names
+    #: the payload is (values, indices) of some elements, new tensors (gathered, not views of
+    #: the input), and decompress adds them into zeros (grace.compressors.sparse): a memory can
+    #: apply a payload to the few elements it names
     sparse: bool = False
     #: every element is compressed on its own, with no statistic, draw or state of its tensor,
     #: so a bucket of tensors compresses as one flat tensor with the same result
