@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import grace
-from grace.backends import get_backend
+from grace.backends import backend_for, get_backend
 from grace.core import bucket as frames
 from grace.core.communicator import ReplicaCommunicator
 from grace.memories import DGCMemory
@@ -274,3 +274,25 @@ def test_a_loaded_state_is_never_written_by_later_steps(xp, method):
     for name, value in saved["memory"].items():
         for t, k in zip(value if isinstance(value, tuple) else (value,), kept[name]):
             np.testing.assert_array_equal(xp.to_numpy(t), k, err_msg=name)
+
+
+class SummingInPlace(ReplicaCommunicator):
+    """Replicas whose allreduce sums into the tensor it is given, as torch.distributed does."""
+
+    def allreduce_async(self, tensor, name):
+        backend_for(tensor).multiply_into(tensor, self.size, tensor)
+        return lambda: tensor
+
+
+@pytest.mark.parametrize("method", ["none", "fp16", "randomk"])
+def test_averages_are_never_views_of_buffers_the_exchange_reuses(xp, method):
+    """A bucket's sums are averaged in place only in a collective's new output: where the
+    collective summed the exchange's own send buffer, a step's results survive the next."""
+    make = lambda communicator: grace.Exchange(with_buckets(METHODS[method], 25), communicator)  # noqa: E731
+    first = make(SummingInPlace(3)).exchange(gradients(xp, 0))
+    kept = {name: np.array(xp.to_numpy(t)) for name, t in first.items()}
+    exchange = make(SummingInPlace(3))
+    out = exchange.exchange(gradients(xp, 0))
+    exchange.exchange(gradients(xp, 1))
+    for name, value in out.items():
+        np.testing.assert_array_equal(xp.to_numpy(value), kept[name], err_msg=name)
