@@ -14,6 +14,7 @@ the hook's own cost per step is ``step - DDP step``. Models and inputs: grace.be
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 
 import torch
@@ -85,6 +86,8 @@ def worker(rank: int, args) -> None:
                              {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                              methods=METHODS)
         print(f"\nwrote {path}")
+    gc.collect()  # the DDP models sit in reference cycles: free them while the process group lives
+    dist.barrier()
     dist.destroy_process_group()
 
 

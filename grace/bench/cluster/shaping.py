@@ -155,10 +155,12 @@ class ShapingMixin:
 
     def _calibrate_delay_lines(self, probes: int = 30):
         """A delay line adds its own wake-up and netlink round trip (40-120 us here) to what it
-        holds: measure the one-way latency once, idle, and hold each packet that much less."""
+        holds: measure the one-way latency once, idle, and hold each packet that much less. The
+        fastest round trip tells that overhead; a median taken while other jobs load the machine
+        would take their noise for it and hold packets too short once the machine is quiet."""
         if self.n < 2:
             return
-        excess = self.measure_latency(0, 1, count=probes)["one_way_median"] - self.latency
+        excess = self.measure_latency(0, 1, count=probes)["rtt_min"] / 2 - self.latency
         if excess <= 0:
             return
         self.delay_hold = max(0.0, self.latency - excess)
