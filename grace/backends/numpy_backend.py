@@ -20,6 +20,7 @@ def _joined(parts, dtype):
     """1-d arrays in a row (an empty one of ``dtype`` for none)."""
     return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dtype)
 
+
 class NumpyBackend:
     name = "numpy"
     #: tensors can be written in place (``concat_into``, ``assign``), so buffers can be reused

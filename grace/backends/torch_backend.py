@@ -48,15 +48,20 @@ def _int64s(values, device):
     return torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
+def _segments(counts, device):
+    """For segments of ``counts`` elements in a row: (each element's segment, each segment's
+    start, each element's position in its segment), as int64 tensors on ``device``."""
+    total, sizes = sum(counts), _int64s(list(counts), device)
+    segment = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes, output_size=total)
+    starts = torch.cumsum(sizes, 0) - sizes
+    return segment, starts, torch.arange(total, device=device) - starts[segment]
+
+
 def _counter_hashes(counts, seeds, device):
     """(32-bit hashes of draws 0 .. counts[s] - 1 of each seed, in a row (int64); each draw's
     segment; each segment's start). One set of whole-buffer ops, however many segments."""
     words = _int64s([_seed_words(seed) for seed in seeds], device)
-    total = sum(counts)
-    sizes = _int64s(list(counts), device)
-    segment = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes, output_size=total)
-    starts = torch.cumsum(sizes, 0) - sizes
-    j = torch.arange(total, device=device) - starts[segment]  # each draw's number within its seed
+    segment, starts, j = _segments(counts, device)  # j: each draw's number within its seed
     s0, s1 = words[:, 0][segment], words[:, 1][segment]
     return _hash32(_hash32(j ^ s0) ^ s1), segment, starts
 
@@ -252,11 +257,8 @@ class TorchBackend:
             return torch.from_numpy(_numpy_backend.random_indices_segments(numels, ks, seeds))
         hashes, segment, starts = _counter_hashes(numels, seeds, device)
         order = torch.sort((segment << 32) | hashes, stable=True).indices  # each segment's elements, in a row
-        taken = _int64s(list(ks), device)
-        total = sum(ks)
-        first = torch.repeat_interleave(starts, taken, output_size=total)  # each taken index's segment start
-        rank = torch.arange(total, device=device) - torch.repeat_interleave(torch.cumsum(taken, 0) - taken, taken,
-                                                                             output_size=total)
+        taken_segment, _, rank = _segments(ks, device)  # the taken: each one's segment and rank in it
+        first = starts[taken_segment]  # each taken index's segment start
         return torch.sort(order[first + rank]).values - first  # ascending within each segment
 
     def arange(self, n: int, like=None):

@@ -147,14 +147,15 @@ def _state_view(value, segment):
 
 
 def _copied(value):
-    """A copy of a state (a tensor or a tuple of them)."""
+    """A copy of a state (a tensor, a tuple of them, or None)."""
+    if value is None:
+        return None
     xp = backend_for(value[0] if isinstance(value, tuple) else value)
     return tuple(xp.copy(t) for t in value) if isinstance(value, tuple) else xp.copy(value)
 
 
 def _state_copy(value, segment):
-    xp = backend_for(value[0] if isinstance(value, tuple) else value)
-    return _copied(_view(xp, value, segment))
+    return _copied(_state_view(value, segment))
 
 
 def _assign(xp, dst, src) -> None:
@@ -521,8 +522,8 @@ class Exchange:
             return pending
 
         # New memories go into spare buffers where the backend's tensors are mutable (a whole
-        # bucket's always, a gradient's where a fused kernel writes it there): no step
-        # allocates (and page-faults) gradient-sized buffers.
+        # bucket's always, a gradient's where its step writes there: a fused kernel or
+        # update_into): no step allocates (and page-faults) gradient-sized buffers.
         payloads, new_memory, spares = [], [], []
         for u, g_u, info, state, e in zip(units, g_units, infos, states, old):
             spare = self._spare_memory(u.name, xp, e) if memory.needs_feedback else None
@@ -538,8 +539,10 @@ class Exchange:
                 if memory.needs_feedback:
                     with self._phase("feedback"):
                         p_hat = compressor.decompress(xp, payload, ctx)
-                        e_new = (memory.update_into(xp, p_u, p_hat, e, spare)
-                                 if spare is not None and not isinstance(spare, tuple) else memory.update(xp, p_u, p_hat, e))
+                        if spare is not None and not isinstance(spare, tuple):
+                            e_new = memory.update_into(xp, p_u, p_hat, e, spare)
+                        else:
+                            e_new = memory.update(xp, p_u, p_hat, e)
             if spare is not None and e_new is not spare and not whole:  # a copy would cost a pass
                 self._spares[u.name], spare = spare, None
             payloads.append(payload)
@@ -623,8 +626,9 @@ class Exchange:
         xp, bucket, n = pending.xp, pending.bucket, self.communicator.size
         compressor, (table, layout), flagged = self.compression.compressor, pending.segmented, pending.flag is not None
         if compressor.collective is Collective.ALLREDUCE:
-            (summed,), overflow, _ = pending.wait()  # (its waits are timed inside)
-            return compressor.decompress_segments(xp, summed, pending.segment_ctx, table) / n, overflow
+            (summed,), overflow, fresh = pending.wait()  # (its waits are timed inside)
+            return _divided(xp, compressor.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
+                overflow
         received = self._wait(pending.wait)
         if isinstance(received, list):  # broadcasts: one frame per rank
             received = xp.concat(received)
@@ -954,8 +958,10 @@ class Exchange:
         gradients' own (copies: the bucket's buffers are reused), so the state loads under any
         bucket size. ``origin`` records the rank and world size the memory belongs to."""
         state = self.store.state_dict()
-        for table in ("steps", "memory"):  # (memories are copies: their buffers are written again later)
-            state[table] = self._by_name(table, state[table], _state_copy, copy=table == "memory")
+        state["steps"] = self._by_name("steps", state["steps"], _state_view)
+        # copies: memory buffers are written again in later steps (spares)
+        memory = self._by_name("memory", state["memory"], _state_view)
+        state["memory"] = {name: _copied(value) for name, value in memory.items()}
         state["origin"] = self._origin()
         return state
 
@@ -1001,14 +1007,13 @@ class Exchange:
             warnings.warn(f"grace: this checkpoint was saved in a world of {size} ranks, this one has "
                           f"{self.communicator.size}; its memory is loaded as it is", RuntimeWarning, stacklevel=3)
 
-    def _by_name(self, table: str, values: Dict[str, Any], part, copy: bool = False) -> Dict[str, Any]:
-        """``values`` with each bucket's entry split into its gradients' (``part`` cuts one);
-        ``copy``: a gradient's own entry copied too."""
+    def _by_name(self, table: str, values: Dict[str, Any], part) -> Dict[str, Any]:
+        """``values`` with each bucket's entry split into its gradients' (``part`` cuts one)."""
         out = {}
         for key, value in values.items():
             bucket = self._buckets.get(key)
             if bucket is None:
-                out[key] = _copied(value) if copy and value is not None else value
+                out[key] = value
             else:
                 out.update((s.name, value if table == "steps" else part(value, s)) for s in bucket.segments)
         return out
@@ -1023,7 +1028,7 @@ class Exchange:
         for table in TABLES:
             state.setdefault(table, {})
         # copies: the exchange writes its memory buffers again in later steps (spares)
-        state["memory"] = {name: value if value is None else _copied(value) for name, value in state["memory"].items()}
+        state["memory"] = {name: _copied(value) for name, value in state["memory"].items()}
         self._check_origin(origin, state)
         like = next((v[0] if isinstance(v, tuple) else v for v in state["memory"].values()), None)
         xp = backend_for(like) if like is not None else None
