@@ -451,6 +451,7 @@ inline F8 floor8(F8 x) { return {_mm256_floor_ps(x.a)}; }
 inline F8 ge8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_GE_OQ)}; }
 inline F8 lt8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_LT_OQ)}; }
 inline F8 gt8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_GT_OQ)}; }
+inline F8 nlt8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_NLT_UQ)}; }  // !(x < y): NaN too
 inline F8 and8(F8 m, F8 x) { return {_mm256_and_ps(m.a, x.a)}; }
 inline F8 sel8(F8 m, F8 x, F8 y) { return {_mm256_blendv_ps(y.a, x.a, m.a)}; }  // m ? x : y
 inline int mask8(F8 m) { return _mm256_movemask_ps(m.a); }
@@ -482,6 +483,7 @@ inline F8 floor8(F8 x) { return {_mm_floor_ps(x.a), _mm_floor_ps(x.b)}; }
 inline F8 ge8(F8 x, F8 y) { return {_mm_cmpge_ps(x.a, y.a), _mm_cmpge_ps(x.b, y.b)}; }
 inline F8 lt8(F8 x, F8 y) { return {_mm_cmplt_ps(x.a, y.a), _mm_cmplt_ps(x.b, y.b)}; }
 inline F8 gt8(F8 x, F8 y) { return {_mm_cmpgt_ps(x.a, y.a), _mm_cmpgt_ps(x.b, y.b)}; }
+inline F8 nlt8(F8 x, F8 y) { return {_mm_cmpnlt_ps(x.a, y.a), _mm_cmpnlt_ps(x.b, y.b)}; }  // !(x < y): NaN too
 inline F8 and8(F8 m, F8 x) { return {_mm_and_ps(m.a, x.a), _mm_and_ps(m.b, x.b)}; }
 inline F8 sel8(F8 m, F8 x, F8 y) { return {_mm_blendv_ps(y.a, x.a, m.a), _mm_blendv_ps(y.b, x.b, m.b)}; }  // m ? x : y
 inline int mask8(F8 m) { return _mm_movemask_ps(m.a) | _mm_movemask_ps(m.b) << 4; }
@@ -1286,6 +1288,29 @@ size_t idx_size(int t) { return t == GRACE_U8 ? 1 : t == GRACE_I16 ? 2 : t == GR
 // more: topk_ef computes and stores p there). key(i): element i's order-preserving key.
 // Pass 2 sends each chunk's elements above the boundary bin to their final place and the
 // bin's own elements to a candidate list, resolved with nth_element and merged in order.
+// The `need` largest of the candidates (indices ascending, with their keys), ties to the
+// lowest index; indices ascending into `chosen`.
+template <class K>
+void choose_largest(const std::vector<int64_t>& cand, const std::vector<K>& cand_key, int64_t need,
+                    std::vector<int64_t>& chosen) {
+  const int64_t n_cand = (int64_t)cand.size();
+  chosen.clear();
+  chosen.reserve(need);
+  if (need == n_cand) {
+    chosen = cand;
+    return;
+  }
+  std::vector<K> tmp(cand_key);
+  std::nth_element(tmp.begin(), tmp.begin() + (need - 1), tmp.end(), std::greater<K>());
+  const K T = tmp[need - 1];
+  int64_t greater = 0;
+  for (int64_t j = 0; j < n_cand; ++j) greater += cand_key[j] > T;
+  int64_t ties = need - greater;
+  for (int64_t j = 0; j < n_cand; ++j) {
+    if (cand_key[j] > T || (cand_key[j] == T && ties-- > 0)) chosen.push_back(cand[j]);
+  }
+}
+
 template <class K, class Hist1, class KeyAt>
 void topk_select(int64_t n, int64_t k, int key_bits, const Hist1& hist1, const KeyAt& key, std::vector<int64_t>& out) {
   const int shift = key_bits - kRadixBits;
@@ -1326,22 +1351,8 @@ void topk_select(int64_t n, int64_t k, int key_bits, const Hist1& hist1, const K
       }
     }
   });
-  int64_t need = k - above;
   std::vector<int64_t> chosen;
-  chosen.reserve(need);
-  if (need == n_cand) {
-    chosen = cand;
-  } else {
-    std::vector<K> tmp(cand_key);
-    std::nth_element(tmp.begin(), tmp.begin() + (need - 1), tmp.end(), std::greater<K>());
-    const K T = tmp[need - 1];
-    int64_t greater = 0;
-    for (int64_t j = 0; j < n_cand; ++j) greater += cand_key[j] > T;
-    int64_t ties = need - greater;
-    for (int64_t j = 0; j < n_cand; ++j) {
-      if (cand_key[j] > T || (cand_key[j] == T && ties-- > 0)) chosen.push_back(cand[j]);
-    }
-  }
+  choose_largest(cand, cand_key, k - above, chosen);
   out.resize(k);
   std::merge(sure.begin(), sure.end(), chosen.begin(), chosen.end(), out.begin());
 }
@@ -1521,12 +1532,99 @@ API int64_t grace_cpu_nonzero(const uint8_t* mask, int64_t n, void* idx, int idx
 
 // p = g*gamma + r*beta into new_r (first pass, with the histogram of |p|), select from it,
 // then values = p[idx] and new_r[idx] = p - (0 + p): exactly p - decompress(compress(p)).
+namespace {
+constexpr int64_t kLine = 16;         // floats per sampled cache line
+constexpr int64_t kSampleEvery = 16;  // one line in this many
+constexpr int64_t kSampledFrom = kLine * kSampleEvery * 64;
+
+// Top-k of p = compensate(g, r) with p stored in new_r, in one pass over memory for most
+// tensors: a sample of whole cache lines (1 in 16) gives a bound t that the k-th largest |p| is
+// above with near certainty (k's share of the sample, plus four standard deviations); the pass
+// computes and stores p and collects the elements with |p| >= t, of which the k largest are
+// chosen. Where the sample misled (fewer than k collected, or far more than expected) the exact
+// histogram path runs on the stored p. (new_r may be r itself: each element is read before
+// it is written, and never read again once written.)
+enum class Sampled { kNotTried, kStored, kChosen };
+Sampled topk_ef_sampled(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma, int flags,
+                        float* new_r, std::vector<int64_t>& sel) {
+  if (n < kSampledFrom) return Sampled::kNotTried;
+  // the sample's histogram of |p| (its top bits: an eighth of an octave per bin)
+  constexpr int kShift = 32 - kRadixBits;
+  std::vector<int64_t> hist(kBins, 0);
+  int64_t m = 0;
+  for (int64_t line = 0; line + kLine <= n; line += kLine * kSampleEvery, m += kLine)
+    for (int64_t i = line; i < line + kLine; ++i)
+      hist[KeyOf<float>::key(compensate(g[i], r[i], beta, gamma, flags), true) >> kShift]++;
+  const double expected = (double)k * m / n;
+  const int64_t rank = std::min<int64_t>(m, (int64_t)std::ceil(expected + 4.0 * std::sqrt(expected) + 16.0));
+  int B = kBins - 1;
+  for (int64_t above = 0; B > 0 && (above += hist[B]) < rank;) --B;
+  const uint32_t bound = (uint32_t)B << kShift;  // the lower edge of the bin the rank falls in
+  if (bound == 0) return Sampled::kNotTried;  // (zeros would all be candidates)
+  float t;
+  std::memcpy(&t, &bound, 4);
+  const int64_t cap = std::min<int64_t>(n, 4 * (int64_t)((double)rank * n / m) + 1024);
+  const int nc = threads_for(n);
+  std::vector<std::vector<int64_t>> found(nc);
+  std::atomic<bool> over{false};
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    std::vector<int64_t>& mine = found[c];
+    mine.reserve(cap / nc + 64);
+    const int64_t limit = cap / nc + 64;
+    int64_t i = lo;
+#ifdef GRACE_SIMD
+    const F8 vt = set8(t), vb = set8(beta), vg = set8(gamma);
+    for (; i + 8 <= hi; i += 8) {
+      F8 a = ld8(g + i), b = ld8(r + i);
+      F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
+      st8(new_r + i, p);
+      int bits = mask8(nlt8(abs8(p), vt));
+      while (bits) {
+        mine.push_back(i + __builtin_ctz(bits));
+        bits &= bits - 1;
+      }
+      if ((int64_t)mine.size() > limit) {
+        i += 8;
+        over = true;
+        break;
+      }
+    }
+#endif
+    for (; i < hi && !over; ++i) {
+      float p = compensate(g[i], r[i], beta, gamma, flags);
+      new_r[i] = p;
+      if (!(std::fabs(p) < t)) mine.push_back(i);
+      if ((int64_t)mine.size() > limit) over = true;
+    }
+    if (over)  // too many: the bound is far too low; store p and leave the choice to the exact path
+      for (; i < hi; ++i) new_r[i] = compensate(g[i], r[i], beta, gamma, flags);
+  });
+  if (over) return Sampled::kStored;
+  std::vector<int64_t> cand;
+  for (auto& f : found) cand.insert(cand.end(), f.begin(), f.end());
+  if ((int64_t)cand.size() < k) return Sampled::kStored;
+  std::vector<uint32_t> cand_key(cand.size());
+  for (size_t j = 0; j < cand.size(); ++j) cand_key[j] = KeyOf<float>::key(new_r[cand[j]], true);
+  choose_largest(cand, cand_key, k, sel);
+  return Sampled::kChosen;
+}
+}  // namespace
+
 API int64_t grace_cpu_topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma,
                               int flags, float* values, void* idx, int idx_type, float* new_r) {
   if (!idx_type_ok(idx_type) || n < 0) return -1;
   std::vector<int64_t> sel;
   auto key = [&](int64_t i) { return KeyOf<float>::key(new_r[i], true); };
-  if (k >= n || k <= 0) {
+  const Sampled sampled = k > 0 && k < n ? topk_ef_sampled(g, r, n, k, beta, gamma, flags, new_r, sel)
+                                          : Sampled::kNotTried;
+  if (sampled == Sampled::kChosen) {
+    // chosen in one pass
+  } else if (sampled == Sampled::kStored) {  // p is in new_r: the exact path on it
+    auto hist1 = [&](int, int64_t lo, int64_t hi, int64_t* h, int shift) {
+      for (int64_t i = lo; i < hi; ++i) h[key(i) >> shift]++;
+    };
+    topk_select<uint32_t>(n, k, 32, hist1, key, sel);
+  } else if (k >= n || k <= 0) {
     for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) new_r[i] = compensate(g[i], r[i], beta, gamma, flags);
     });

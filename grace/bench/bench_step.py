@@ -9,7 +9,8 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
   work         one rank's compression work per step in a world of ``--world`` ranks, without a
                network: memory compensation, compression, error feedback, decoding the world's
                payloads and aggregating them (``Exchange`` over ``ReplicaCommunicator``: every
-               rank sends what this one sends). Once exchanging each gradient alone
+               rank sends what this one sends), writing results over the gradients as the
+               adapters do (``in_place``). Once exchanging each gradient alone
                (``bucket_mb=0``) and once in buckets. The stand-in collectives (the sum or the
                copies of this rank's payload that a network would deliver) are timed apart, with
                ``grace.core.phases``, and left out: exchange = work + collective.
@@ -147,11 +148,13 @@ def _sync(device: str):
     return torch.cuda.synchronize if device != "cpu" else (lambda: None)
 
 
-def timed(fn, device: str, iters: int, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup``."""
+def timed(fn, device: str, iters: int, warmup: int = 2, setup=lambda: None) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup``, each after ``setup()``
+    (not timed)."""
     sync = _sync(device)
     times = []
     for i in range(warmup + iters):
+        setup()
         sync()
         start = time.perf_counter()
         fn()
@@ -193,18 +196,27 @@ def launches(fn, device: str) -> dict:
 
 def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int) -> dict:
     comm = CountingReplica(world)
-    exchange = grace.Exchange(grace.create(method, **METHODS[method], bucket_mb=bucket_mb), comm)
+    # as the adapters run it: results written over the gradients handed over (on a CPU), so
+    # each step gets this step's gradients again first, as backward would write them
+    exchange = grace.Exchange(grace.create(method, **METHODS[method], bucket_mb=bucket_mb), comm, in_place=True)
+    inputs = {name: g.clone() for name, g in grads.items()}
+
+    def backward():
+        for name, g in inputs.items():
+            g.copy_(grads[name])
+
     # The stand-in collectives (sums and copies of this rank's payload) are the network's part of
     # a step, not grace's: timed phase by phase in the same steps, they are left out of work.
     sync = _sync(device)
     exchange.phases = clock = PhaseClock(sync)
     steps, collectives = [], []
     for i in range(2 + iters):
+        backward()
         calls_before = comm.calls
         clock.reset()
         sync()
         start = time.perf_counter()
-        exchange.exchange(grads)
+        exchange.exchange(inputs)
         sync()
         if i >= 2:
             steps.append(time.perf_counter() - start)
@@ -213,10 +225,11 @@ def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str,
     work = statistics.median(s - c for s, c in zip(steps, collectives))
     calls, nbytes = comm.calls - calls_before, exchange.stats.last_step_bytes
     exchange.phases = None
-    free = timed(lambda: exchange.exchange(grads), device, iters, warmup=0)
+    free = timed(lambda: exchange.exchange(inputs), device, iters, warmup=0, setup=backward)
+    backward()
     return {"work_ms": 1e3 * work, "exchange_ms": 1e3 * seconds, "collective_ms": 1e3 * collective,
             "exchange_free_ms": 1e3 * free, "calls": calls, "bytes": nbytes,
-            **launches(lambda: exchange.exchange(grads), device)}
+            **launches(lambda: exchange.exchange(inputs), device)}
 
 
 def main():

@@ -100,6 +100,7 @@ class Pending:
     p: Any = None  # multi-round methods: the compensated gradient, for the memory update
     rounds: Any = None  # multi-round methods: the protocol, suspended between rounds
     memory_state: Any = None  # multi-round methods: the memory before this step
+    out: Any = None  # where the result is written (the input gradient), or None: a new tensor
 
 
 @dataclass
@@ -120,12 +121,21 @@ class BucketPending:
     rounds: Any = None  # multi-round methods: one suspended protocol per unit
     segmented: Any = None  # segment-wise buckets: (SegmentTable, SegmentedFrame)
     segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
+    outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None
 
 
 def _divided(xp, x, n: int, in_place: bool):
     """x / n, written over ``x`` where ``in_place`` (x is the exchange's own, a collective's
     new output or made from it) and the backend's tensors are mutable."""
     return xp.divide_into(x, n, x) if in_place and xp.mutable_tensors else x / n
+
+
+def _into(xp, x, out):
+    """``x``, written over ``out`` where given."""
+    if out is None or x is out:
+        return x
+    xp.assign(out, x)
+    return out
 
 
 def _check_float(xp, name: str, g) -> None:
@@ -171,14 +181,14 @@ def _layout(xp, value):
     return [(xp.shape(t), xp.dtype(t), xp.device(t)) for t in (value if isinstance(value, tuple) else (value,))]
 
 
-def _poisoned(xp, tensors, overflow):
+def _poisoned(xp, t, overflow):
     """NaN everywhere when any rank flagged an overflow (``overflow``: how many did, an int or
     a traced tensor; None: not guarded), so that a loss scaler sees it and skips the step."""
     if overflow is None or (isinstance(overflow, int) and not overflow):
-        return tensors
+        return t
     if isinstance(overflow, int):
-        return [t * float("nan") for t in tensors]
-    return [xp.where(overflow > 0, float("nan"), t) for t in tensors]
+        return t * float("nan")
+    return xp.where(overflow > 0, float("nan"), t)
 
 
 def _on_host(value):
@@ -200,8 +210,14 @@ def _concat(xp, tensors):
 class Exchange:
     def __init__(self, compression: GradientCompression, communicator: Communicator,
                  average: bool = True, store: Optional[StateStore] = None, stats=None,
-                 shared_state_from_rank_0: bool = False):
-        """``shared_state_from_rank_0``: where only the ranks' step counters differ at the
+                 shared_state_from_rank_0: bool = False, in_place: bool = False):
+        """``in_place``: the caller no longer needs the gradients it hands over, and the exchange
+        writes each result over its input gradient where that saves work: on a CPU, where every
+        new gradient-sized result held until the step ends costs fresh pages, mapped and zeroed
+        by the kernel (Horovod's optimizer allreduces in place too). On an accelerator (the
+        caching allocator reuses memory; a copy per gradient would be a launch) results are new.
+
+        ``shared_state_from_rank_0``: where only the ranks' step counters differ at the
         first step (a checkpoint loaded on rank 0 alone), every rank takes rank 0's shared state
         then, instead of raising: the rule for toolkits whose resume recipe broadcasts after
         the first step (TensorFlow's ``hvd.broadcast_variables`` at the first batch)."""
@@ -225,6 +241,7 @@ class Exchange:
         self._tensors: set = set()  # (name, shape, dtype) of every gradient expected or planned
         self._agreed_in = None  # (rank, size) of the world the ranks last compared configurations in
         self.shared_state_from_rank_0 = shared_state_from_rank_0
+        self.in_place = in_place
         self.phases: Optional[PhaseClock] = None  # a benchmark's clock (grace.core.phases)
 
     def _phase(self, name: str):
@@ -243,7 +260,27 @@ class Exchange:
         if xp.numel(g) == 0:  # nothing to send, nothing to remember
             return Pending(name, xp, _EMPTY, Handle(lambda: g, 0))
         with self._phase("compress"):
-            return self._compress(name, xp, g)
+            pending = self._compress(name, xp, g)
+        pending.out = g if self._writes_over(xp, g) else None
+        return pending
+
+    def _writes_over(self, xp, g) -> bool:
+        """Whether results are written over the input gradients (see ``in_place``)."""
+        return self.in_place and xp.mutable_tensors and not xp.on_accelerator(g)
+
+    def _delivered(self, xp, g_hat, overflow, out):
+        """A gradient's result: NaN where a rank flagged an overflow, times n for a sum, written
+        over ``out`` where given."""
+        g_hat = _poisoned(xp, g_hat, overflow)
+        if self.average:
+            return _into(xp, g_hat, out)
+        n = self.communicator.size
+        return g_hat * n if out is None else xp.multiply_into(g_hat, n, out)
+
+    def _averaged(self, xp, summed, fresh: bool, out):
+        """A decompressed sum over n: into ``out`` where given, else in place where it is new."""
+        n = self.communicator.size
+        return _divided(xp, summed, n, fresh) if out is None else xp.divide_into(summed, n, out)
 
     def _compress(self, name: str, xp, g) -> Pending:
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
@@ -277,7 +314,7 @@ class Exchange:
         return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
 
     def finish(self, pending: Pending):
-        xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
+        xp, compressor = pending.xp, self.compression.compressor
         if pending.ctx is _EMPTY:
             return pending.handle.wait()
         with self._phase("decompress"):
@@ -285,12 +322,11 @@ class Exchange:
                 g_hat, overflow = self._finish_rounds(pending)
             elif self.compression.collective is Collective.ALLREDUCE:
                 summed, overflow = self._unflagged(pending, self._wait(pending.handle.wait))
-                g_hat = compressor.decompress(xp, summed, pending.ctx) / n
+                g_hat = self._averaged(xp, compressor.decompress(xp, summed, pending.ctx), False, pending.out)
             else:
                 gathered, overflow = self._unflagged(pending, self._wait(pending.handle.wait))
                 g_hat = compressor.aggregate(xp, gathered, pending.ctx)
-            [g_hat] = _poisoned(xp, [g_hat], overflow)
-            return g_hat if self.average else g_hat * n
+            return self._delivered(xp, g_hat, overflow, pending.out)
 
     def _unflagged(self, pending: Pending, received):
         """The received payloads without their overflow flags; how many ranks flagged one."""
@@ -477,7 +513,9 @@ class Exchange:
         if self._agreed_in != self._world():
             self._agree(xp, grads[0])
         with self._phase("compress"):
-            return self._compress_bucket(bucket, xp, grads, flat)
+            pending = self._compress_bucket(bucket, xp, grads, flat)
+        pending.outs = list(grads) if self._writes_over(xp, grads[0]) else None
+        return pending
 
     def _compress_bucket(self, bucket: Bucket, xp, grads: Sequence, flat) -> "BucketPending":
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
@@ -648,7 +686,12 @@ class Exchange:
 
     def finish_bucket(self, pending: "BucketPending") -> List[Any]:
         """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order."""
-        xp, compressor, n = pending.xp, self.compression.compressor, self.communicator.size
+        xp, compressor = pending.xp, self.compression.compressor
+        whole = len(pending.units) == 1 and pending.units[0].name == pending.bucket.key
+        outs = pending.outs or [None] * len(pending.bucket.segments)
+        # Per-gradient units write each result where it goes at once: a transient is freed
+        # before the next is made, so its memory serves again instead of fresh pages.
+        unit_outs = [None] if whole else outs
         with self._phase("decompress"):
             if pending.segmented is not None:
                 flat, overflow = self._aggregate_segments(pending)
@@ -658,15 +701,14 @@ class Exchange:
             elif self.compression.collective is Collective.ALLREDUCE:
                 summed, overflow, fresh = pending.wait()  # (its allreduce waits are timed inside)
                 # A new sum is the exchange's own: averaged in place, no gradient-sized allocation
-                g_hat = [_divided(xp, compressor.decompress(xp, payload, ctx), n, fresh)
-                         for payload, ctx in zip(summed, pending.ctxs)]
+                g_hat = [self._averaged(xp, compressor.decompress(xp, payload, ctx), fresh, out)
+                         for payload, ctx, out in zip(summed, pending.ctxs, unit_outs)]
             else:
-                g_hat, overflow = self._aggregate_frames(pending)
-            if len(pending.units) == 1 and pending.units[0].name == pending.bucket.key:  # the whole bucket
+                g_hat, overflow = self._aggregate_frames(pending, unit_outs)
+            if whole:
                 flat = xp.flatten(g_hat[0])
                 g_hat = [_view(xp, flat, s) for s in pending.bucket.segments]
-            g_hat = _poisoned(xp, g_hat, overflow)
-            return g_hat if self.average else [t * n for t in g_hat]
+            return [self._delivered(xp, t, overflow, out) for t, out in zip(g_hat, outs)]
 
     def _flat_gradient(self, bucket: Bucket, xp, grads):
         """The bucket's gradients as one flat tensor, copied into a buffer kept per bucket
@@ -773,7 +815,7 @@ class Exchange:
         pending.wait = lambda: [w() for w in waits]
         return nbytes
 
-    def _aggregate_frames(self, pending: "BucketPending") -> List[Any]:
+    def _aggregate_frames(self, pending: "BucketPending", outs) -> List[Any]:
         xp, bucket, compressor, n = pending.xp, pending.bucket, self.compression.compressor, self.communicator.size
         variable, flagged = compressor.variable_length, pending.flag is not None
         received = self._wait(pending.wait)
@@ -800,7 +842,7 @@ class Exchange:
         dense = [f.values for f in read if isinstance(f, Dense)]
         encoded = [frames.split_payloads(f, pending.structure) for f in read if not isinstance(f, Dense)]
         out = []
-        for i, (u, ctx) in enumerate(zip(pending.units, pending.ctxs)):
+        for i, (u, ctx, into) in enumerate(zip(pending.units, pending.ctxs, outs)):
             g_hat = compressor.aggregate(xp, [payloads[i] for payloads in encoded], ctx) if encoded else None
             if dense:  # aggregate is a mean over the payloads it gets: weigh it, add the dense ones
                 total = dense[0][u.offset:u.offset + u.numel]
@@ -808,7 +850,7 @@ class Exchange:
                     total = total + values[u.offset:u.offset + u.numel]
                 total = xp.reshape(total, u.shape)
                 g_hat = total / n if g_hat is None else (g_hat * len(encoded) + total) / n
-            out.append(g_hat)
+            out.append(_into(xp, g_hat, into))
         return out, self._overflow(xp, list(flags)) if flagged else None
 
     def _finish_bucket_rounds(self, pending: "BucketPending") -> List[Any]:

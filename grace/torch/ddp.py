@@ -42,7 +42,8 @@ class GraceState:
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"grace.torch.ddp needs a DistributedDataParallel model, got {type(model).__name__}")
         group = process_group if process_group is not None else model.process_group
-        self.exchange = Exchange(compression, ProcessGroupCommunicator(group))  # (refuses a non-grace compression)
+        # (refuses a non-grace compression); results are written into DDP's buffer where it saves work
+        self.exchange = Exchange(compression, ProcessGroupCommunicator(group), in_place=True)
         if not compression.bucket_mb:
             raise ValueError("grace.torch.ddp exchanges DDP's own buckets; bucket_mb=0 (one exchange per "
                              "tensor) cannot apply. Size them with DistributedDataParallel(bucket_cap_mb=...)")
@@ -100,12 +101,14 @@ class GraceState:
             lambda _: self._finish(pending, buffer))
 
     def _finish(self, pending, buffer: torch.Tensor) -> torch.Tensor:
-        flat = [g.reshape(-1) for g in self.exchange.finish_bucket(pending)]
-        storage = buffer.untyped_storage().data_ptr()
-        if any(g.untyped_storage().data_ptr() == storage for g in flat):  # a result that is DDP's buffer
-            buffer.copy_(torch.cat(flat))
-        else:  # written straight into DDP's buffer: no bucket-sized temporary
-            torch.cat(flat, out=buffer)
+        results = self.exchange.finish_bucket(pending)
+        if pending.outs is None or any(r is not g for r, g in zip(results, pending.outs)):  # not in place
+            flat = [g.reshape(-1) for g in results]
+            storage = buffer.untyped_storage().data_ptr()
+            if any(g.untyped_storage().data_ptr() == storage for g in flat):  # a result that is DDP's buffer
+                buffer.copy_(torch.cat(flat))
+            else:  # written straight into DDP's buffer: no bucket-sized temporary
+                torch.cat(flat, out=buffer)
         with self._lock:
             self._open -= 1
             if self._last_launched and not self._open:  # the step's last bucket

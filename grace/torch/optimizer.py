@@ -33,7 +33,8 @@ class _GraceOptimizer:
         # Horovod's own hook sees Compression.none: grace's handle returns the final gradient.
         _HorovodOptimizer.__init__(self, params, named_parameters, Compression.none,
                                    backward_passes_per_step, op, 1.0, None, sparse_as_dense, process_set)
-        self._grace = Exchange(compression, HorovodCommunicator(process_set), average=op == Average)
+        # in place, as Horovod's own allreduce: Horovod sets p.grad to the result
+        self._grace = Exchange(compression, HorovodCommunicator(process_set), average=op == Average, in_place=True)
         LIVE.add(self)
         self._grace_buckets = None
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]

@@ -79,3 +79,47 @@ def test_ef_step_keeps_negative_zero_as_the_pipeline(device):
         same_bytes(want_i, i)
         same_bytes(want_v, v)
         same_bytes(want_e, new_e)
+
+
+def _topk_ef_reference(g, e, k):
+    """p = g + e; the k largest |p|, ties to the lowest index, ascending; p with them zeroed."""
+    p = g + e
+    key = np.abs(p).view(np.uint32) & np.uint32(0x7FFFFFFF)  # NaN above every number, as the kernel orders
+    idx = np.sort(np.lexsort((np.arange(p.size), -key.astype(np.int64)))[:k])
+    new_e = p.copy()
+    new_e[idx] = p[idx] - (np.float32(0) + p[idx])
+    return p[idx], idx, new_e
+
+
+def _misleading_samples(n):
+    """Gradients on which a sample of whole cache lines (one in 16) misjudges the k-th largest."""
+    rng = np.random.default_rng(3)
+    sampled = (np.arange(n) % 256) < 16  # the lines the kernel samples
+    noise = rng.standard_normal(n).astype(np.float32)
+    big_where_sampled = np.where(sampled, 100 * noise, noise * 1e-3).astype(np.float32)
+    big_elsewhere = np.where(sampled, noise * 1e-3, 100 * noise).astype(np.float32)
+    sparse = np.zeros(n, np.float32)
+    sparse[rng.choice(n, 40, replace=False)] = rng.standard_normal(40)
+    ties = np.round(noise * 4).astype(np.float32)  # few magnitudes: long ties at the boundary
+    with_nan = noise.copy()
+    with_nan[[5, n // 3, n - 1]] = np.nan
+    return {"big where sampled": big_where_sampled, "big elsewhere": big_elsewhere, "sparse": sparse,
+            "ties": ties, "nan": with_nan, "gaussian": noise}
+
+
+@pytest.mark.parametrize("case", list(_misleading_samples(256)))
+@pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
+def test_topk_ef_step_is_exact_where_a_sample_misleads(case, in_place):
+    """The CPU kernel bounds the k-th largest from a sample; wherever the sample misleads, the
+    result is still exactly the k largest, ties to the lowest index (and in place too)."""
+    n = 2**16 + 3
+    g = _misleading_samples(n)[case]
+    e = np.random.default_rng(9).standard_normal(n).astype(np.float32) * np.float32(1e-4)
+    for k in (1, 656, 5000):
+        want = _topk_ef_reference(g, e, k)
+        r = e.copy()
+        got = gn.topk_ef_step(g, r, k, out=r if in_place else None)
+        if in_place:
+            assert np.shares_memory(got[2], r)
+        for what, a, b in zip(("values", "indices", "new residual"), want, got):
+            np.testing.assert_array_equal(np.asarray(a).astype(np.asarray(b).dtype), b, err_msg=f"{case} k={k} {what}")

@@ -61,6 +61,31 @@ def test_bucketed_equals_per_tensor_bit_for_bit(xp, method, bucket_mb):
             assert_same(xp, mine[name], theirs[name], f"{method} {table} {name}")
 
 
+@pytest.mark.parametrize("average", [True, False], ids=["average", "sum"])
+@pytest.mark.parametrize("bucket_mb", [25, 0.002, 0], ids=["one-bucket", "several-buckets", "per-tensor"])
+@pytest.mark.parametrize("method", METHODS)
+def test_results_written_over_the_gradients_are_the_new_results_bit_for_bit(xp, method, bucket_mb, average):
+    """``in_place``: on a CPU each result is written over the gradient handed over (no new
+    gradient-sized tensor per step), with the very values of new results."""
+    compression = with_buckets(METHODS[method], bucket_mb)
+    fresh = grace.Exchange(compression, ReplicaCommunicator(3), average=average)
+    overwriting = grace.Exchange(compression, ReplicaCommunicator(3), average=average, in_place=True)
+    on_cpu = TORCH_DEVICE == "cpu" or xp.name != "torch"
+    for step in range(STEPS):
+        want = fresh.exchange(gradients(xp, step))
+        grads = gradients(xp, step)
+        got = overwriting.exchange(grads)
+        assert list(got) == list(want)
+        for name in want:
+            assert_same(xp, want[name], got[name], f"{method} step {step} {name}")
+            if on_cpu and xp.numel(grads[name]):
+                assert got[name] is grads[name], name
+    for table in ("memory", "state", "steps"):
+        mine, theirs = fresh.state_dict()[table], overwriting.state_dict()[table]
+        for name in mine:
+            assert_same(xp, mine[name], theirs[name], f"{method} {table} {name}")
+
+
 @pytest.mark.parametrize("method", ["none", "fp16", "bf16", "signsgd", "signsgd_mean"])
 def test_elementwise_methods_compress_whole_buckets_on_an_accelerator_alike(xp, method, monkeypatch):
     """On a GPU these compress each bucket as one flat tensor (here the backend is told it is

@@ -38,12 +38,13 @@ def assert_same_state(xp, a, b, tables, what):
             assert_same(xp, a[table][name], b[table][name], f"{what}: {table} {name}")
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["new-results", "in-place"])
 @pytest.mark.parametrize("bad", [np.inf, np.nan], ids=["inf", "nan"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_an_overflow_costs_one_step(xp, variant, bad):
+def test_an_overflow_costs_one_step(xp, variant, bad, in_place):
     make, options = VARIANTS[variant]
     compression = configured(make, options)
-    faulty = grace.Exchange(compression, ReplicaCommunicator(3))
+    faulty = grace.Exchange(compression, ReplicaCommunicator(3), in_place=in_place)
     clean = grace.Exchange(configured(make, options), ReplicaCommunicator(3))
 
     faulty.exchange(gradients(xp, 0))
