@@ -452,6 +452,10 @@ inline F8 ge8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_GE_OQ)}; }
 inline F8 lt8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_LT_OQ)}; }
 inline F8 gt8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_GT_OQ)}; }
 inline F8 nlt8(F8 x, F8 y) { return {_mm256_cmp_ps(x.a, y.a, _CMP_NLT_UQ)}; }  // !(x < y): NaN too
+inline F8 bits8(uint8_t b) {  // lane j: all ones where bit j of b is set
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return {_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(b), sel), sel))};
+}
 inline F8 and8(F8 m, F8 x) { return {_mm256_and_ps(m.a, x.a)}; }
 inline F8 sel8(F8 m, F8 x, F8 y) { return {_mm256_blendv_ps(y.a, x.a, m.a)}; }  // m ? x : y
 inline int mask8(F8 m) { return _mm256_movemask_ps(m.a); }
@@ -484,6 +488,12 @@ inline F8 ge8(F8 x, F8 y) { return {_mm_cmpge_ps(x.a, y.a), _mm_cmpge_ps(x.b, y.
 inline F8 lt8(F8 x, F8 y) { return {_mm_cmplt_ps(x.a, y.a), _mm_cmplt_ps(x.b, y.b)}; }
 inline F8 gt8(F8 x, F8 y) { return {_mm_cmpgt_ps(x.a, y.a), _mm_cmpgt_ps(x.b, y.b)}; }
 inline F8 nlt8(F8 x, F8 y) { return {_mm_cmpnlt_ps(x.a, y.a), _mm_cmpnlt_ps(x.b, y.b)}; }  // !(x < y): NaN too
+inline F8 bits8(uint8_t b) {  // lane j: all ones where bit j of b is set
+  const __m128i sel0 = _mm_setr_epi32(1, 2, 4, 8), sel1 = _mm_setr_epi32(16, 32, 64, 128);
+  const __m128i bb = _mm_set1_epi32(b);
+  return {_mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(bb, sel0), sel0)),
+          _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(bb, sel1), sel1))};
+}
 inline F8 and8(F8 m, F8 x) { return {_mm_and_ps(m.a, x.a), _mm_and_ps(m.b, x.b)}; }
 inline F8 sel8(F8 m, F8 x, F8 y) { return {_mm_blendv_ps(y.a, x.a, m.a), _mm_blendv_ps(y.b, x.b, m.b)}; }  // m ? x : y
 inline int mask8(F8 m) { return _mm_movemask_ps(m.a) | _mm_movemask_ps(m.b) << 4; }
@@ -1090,6 +1100,60 @@ API void grace_cpu_onebit_decode(const uint8_t* packed, int64_t n, const float* 
   decode_bits(packed, n, mu0 + 0.0f * d, mu0 + 1.0f * d, out);
 }
 
+namespace {
+// A row's two decoded values, as its decoder computes them.
+inline void row_values(const float* scalars, int mode, int64_t j, float& lo, float& hi) {
+  if (mode == 2) {
+    const float mu0 = scalars[2 * j], d = scalars[2 * j + 1] - mu0;
+    lo = mu0 + 0.0f * d;
+    hi = mu0 + 1.0f * d;
+  } else {
+    const float s = mode == 1 ? scalars[j] : 1.0f;
+    lo = -1.0f * s;
+    hi = 1.0f * s;
+  }
+}
+}  // namespace
+
+// Every rank's row of bits decoded and added in one pass: the aggregate of the sign family
+// without a decoded tensor per rank.
+API void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode,
+                            float* out) {
+  if (n <= 0 || count <= 0) return;
+  const int64_t row = (n + 7) / 8, full = n / 8;
+  std::vector<float> lo(count), hi(count);
+  for (int64_t j = 0; j < count; ++j) row_values(scalars, mode, j, lo[j], hi[j]);
+  for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+#ifdef GRACE_SIMD
+    std::vector<F8> vlo(count), vhi(count);
+    for (int64_t j = 0; j < count; ++j) vlo[j] = set8(lo[j]), vhi[j] = set8(hi[j]);
+    for (int64_t g = g0; g < g1; ++g) {
+      F8 acc = sel8(bits8(packed[g]), vhi[0], vlo[0]);
+      for (int64_t j = 1; j < count; ++j) acc = acc + sel8(bits8(packed[j * row + g]), vhi[j], vlo[j]);
+      st8(out + 8 * g, acc);
+    }
+#else
+    alignas(32) float acc[8], v[8];
+    for (int64_t g = g0; g < g1; ++g) {
+      select8(packed[g], lo[0], hi[0], acc, false);
+      for (int64_t j = 1; j < count; ++j) {
+        select8(packed[j * row + g], lo[j], hi[j], v, false);
+        for (int e = 0; e < 8; ++e) acc[e] += v[e];
+      }
+      std::memcpy(out + 8 * g, acc, sizeof acc);
+    }
+#endif
+  });
+  for (int64_t i = 8 * full; i < n; ++i) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < count; ++j) {
+      const float v = ((packed[j * row + full] >> (i - 8 * full)) & 1) ? hi[j] : lo[j];
+      acc = j ? acc + v : v;
+    }
+    out[i] = acc;
+  }
+}
+
 API void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
   const float s = scale[0];
   const float val[4] = {0.0f * s, 1.0f * s, -1.0f * s, -1.0f * s};
@@ -1568,36 +1632,42 @@ Sampled topk_ef_sampled(const float* g, const float* r, int64_t n, int64_t k, fl
   std::vector<std::vector<int64_t>> found(nc);
   std::atomic<bool> over{false};
   for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
-    std::vector<int64_t>& mine = found[c];
-    mine.reserve(cap / nc + 64);
+    // locals, not captured references: the vector stores may alias anything captured
+    const float* const G = g;
+    const float* const R = r;
+    float* const P = new_r;
+    const int F = flags;
+    const float B = beta, C = gamma, bound_value = t;
     const int64_t limit = cap / nc + 64;
+    std::vector<int64_t> mine;
+    mine.reserve(limit);
+    bool too_many = false;
     int64_t i = lo;
 #ifdef GRACE_SIMD
-    const F8 vt = set8(t), vb = set8(beta), vg = set8(gamma);
-    for (; i + 8 <= hi; i += 8) {
-      F8 a = ld8(g + i), b = ld8(r + i);
-      F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
-      st8(new_r + i, p);
+    const F8 vt = set8(bound_value), vb = set8(B), vg = set8(C);
+    for (; i + 8 <= hi && !too_many; i += 8) {
+      F8 a = ld8(G + i), b = ld8(R + i);
+      F8 p = ((F & 1) ? a * vg : a) + ((F & 2) ? b * vb : b);
+      st8(P + i, p);
       int bits = mask8(nlt8(abs8(p), vt));
       while (bits) {
         mine.push_back(i + __builtin_ctz(bits));
         bits &= bits - 1;
       }
-      if ((int64_t)mine.size() > limit) {
-        i += 8;
-        over = true;
-        break;
-      }
+      too_many = (int64_t)mine.size() > limit;
     }
 #endif
-    for (; i < hi && !over; ++i) {
-      float p = compensate(g[i], r[i], beta, gamma, flags);
-      new_r[i] = p;
-      if (!(std::fabs(p) < t)) mine.push_back(i);
-      if ((int64_t)mine.size() > limit) over = true;
+    for (; i < hi && !too_many; ++i) {
+      float p = compensate(G[i], R[i], B, C, F);
+      P[i] = p;
+      if (!(std::fabs(p) < bound_value)) mine.push_back(i);
+      too_many = (int64_t)mine.size() > limit;
     }
-    if (over)  // too many: the bound is far too low; store p and leave the choice to the exact path
-      for (; i < hi; ++i) new_r[i] = compensate(g[i], r[i], beta, gamma, flags);
+    if (too_many) {  // the bound is far too low: store p and leave the choice to the exact path
+      over = true;
+      for (; i < hi; ++i) P[i] = compensate(G[i], R[i], B, C, F);
+    }
+    found[c] = std::move(mine);
   });
   if (over) return Sampled::kStored;
   std::vector<int64_t> cand;
@@ -1716,15 +1786,11 @@ inline int64_t read_index(const void* idx, int t, int64_t j) {
   }
 }
 
-template <class T>
-int scatter_add_typed(int count, const void* const* idx, const int* types, const void* const* values,
-                      const int64_t* lengths, int64_t numel, T* dense) {
-  int64_t m = 0;
-  for (int p = 0; p < count; ++p) {
-    if (!idx_type_ok(types[p]) || lengths[p] < 0) return -1;
-    m += lengths[p];
-  }
-  // bounds first, so that a bad index leaves no partial sums behind a successful return
+// Whether every index of the payloads is in [0, numel) (checked before anything is written, so
+// that a bad index leaves no partial sums behind).
+bool scatter_in_bounds(int count, const void* const* idx, const int* types, const int64_t* lengths, int64_t numel) {
+  for (int p = 0; p < count; ++p)
+    if (!idx_type_ok(types[p]) || lengths[p] < 0) return false;
   std::atomic<int> bad{0};
   for (int p = 0; p < count; ++p) {
     const int64_t len = lengths[p];
@@ -1736,7 +1802,18 @@ int scatter_add_typed(int count, const void* const* idx, const int* types, const
       if (i < 0 || i >= numel) bad.store(1, std::memory_order_relaxed);
     }
   }
-  if (bad.load()) return -1;
+  return !bad.load();
+}
+
+// dense = zeros, then each payload's values (each divided by `divisor` where it is not 1) added
+// at its indices, payload after payload. The indices are in bounds.
+template <class T>
+void scatter_add_apply(int count, const void* const* idx, const int* types, const void* const* values,
+                       const int64_t* lengths, int64_t numel, T divisor, T* dense) {
+  int64_t m = 0;
+  for (int p = 0; p < count; ++p) m += lengths[p];
+  const bool divide = divisor != T(1);
+  auto value = [&](const T* v, int64_t j) { return divide ? v[j] / divisor : v[j]; };
   const int nc = threads_for(numel + m);
   if (nc > 1 && m >= kGrain) {
     // each thread owns a range of the output and applies, in order, the updates that fall in it
@@ -1746,7 +1823,7 @@ int scatter_add_typed(int count, const void* const* idx, const int* types, const
         const T* v = (const T*)values[p];
         for (int64_t j = 0; j < lengths[p]; ++j) {
           int64_t i = read_index(idx[p], types[p], j);
-          if (i >= lo && i < hi) dense[i] += v[j];
+          if (i >= lo && i < hi) dense[i] += value(v, j);
         }
       }
     });
@@ -1755,9 +1832,16 @@ int scatter_add_typed(int count, const void* const* idx, const int* types, const
     for (int p = 0; p < count; ++p) {
       const T* v = (const T*)values[p];
       const int t = types[p];
-      for (int64_t j = 0; j < lengths[p]; ++j) dense[read_index(idx[p], t, j)] += v[j];
+      for (int64_t j = 0; j < lengths[p]; ++j) dense[read_index(idx[p], t, j)] += value(v, j);
     }
   }
+}
+
+template <class T>
+int scatter_add_typed(int count, const void* const* idx, const int* types, const void* const* values,
+                      const int64_t* lengths, int64_t numel, T* dense) {
+  if (!scatter_in_bounds(count, idx, types, lengths, numel)) return -1;
+  scatter_add_apply(count, idx, types, values, lengths, numel, T(1), dense);
   return 0;
 }
 }  // namespace
@@ -1768,4 +1852,38 @@ API int grace_cpu_scatter_add(int count, const void* const* idx, const int* idx_
   if (val_type == GRACE_F32) return scatter_add_typed(count, idx, idx_types, values, lengths, numel, (float*)dense);
   if (val_type == GRACE_F64) return scatter_add_typed(count, idx, idx_types, values, lengths, numel, (double*)dense);
   return -1;
+}
+
+// ---- a bucket of gradients in one call: segment s at its own pointers --------------------------
+// The per-tensor kernels on every segment, for the CPU's bucketed exchange: one call per bucket
+// instead of several per gradient (the gradients stay where they are; no flat copy).
+
+// grace_cpu_topk_ef on each segment s: g[s], r[s], new_r[s] of n[s] elements, k[s] selected
+// into values[s] and idx[s] (type idx_types[s]). 0, or -1 on bad arguments.
+API int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                               const int64_t* n, const int64_t* k, float beta, float gamma, int flags,
+                               float* const* values, void* const* idx, const int* idx_types) {
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t ks = std::max<int64_t>(0, std::min(k[s], n[s]));
+    if (grace_cpu_topk_ef(g[s], r[s], n[s], ks, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s]) != ks)
+      return -1;
+  }
+  return 0;
+}
+
+// For each segment s: dense[s] (numels[s] elements) = zeros, then each rank's payload of it
+// (values and indices [s * ranks + r], lengths[s * ranks + r]) divided by `divisor` and added,
+// rank after rank: every gradient's sparse aggregate. 0, or -1 (nothing written) on an index
+// out of range.
+API int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* const* idx, const int* idx_types,
+                                       const void* const* values, const int64_t* lengths, float divisor,
+                                       const int64_t* numels, float* const* dense) {
+  if (segments < 0 || ranks < 0) return -1;
+  for (int64_t s = 0; s < segments; ++s)
+    if (numels[s] < 0 || !scatter_in_bounds(ranks, idx + s * ranks, idx_types + s * ranks, lengths + s * ranks, numels[s]))
+      return -1;
+  for (int64_t s = 0; s < segments; ++s)
+    scatter_add_apply(ranks, idx + s * ranks, idx_types + s * ranks, values + s * ranks, lengths + s * ranks,
+                      numels[s], divisor, dense[s]);
+  return 0;
 }

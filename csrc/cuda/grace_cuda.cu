@@ -802,6 +802,36 @@ API int grace_cuda_onebit_decode(const uint8_t* packed, int64_t n, const float* 
   return status();
 }
 
+__global__ void k_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode,
+                           float* out) {
+  const int64_t row = (n + 7) / 8;
+  GRID_STRIDE(i, n) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < count; ++j) {
+      float lo, hi;
+      if (mode == 2) {
+        const float mu0 = scalars[2 * j], d = __fsub_rn(scalars[2 * j + 1], mu0);
+        lo = __fadd_rn(mu0, __fmul_rn(0.0f, d));
+        hi = __fadd_rn(mu0, __fmul_rn(1.0f, d));
+      } else {
+        const float s = mode == 1 ? scalars[j] : 1.0f;
+        lo = __fmul_rn(-1.0f, s);
+        hi = __fmul_rn(1.0f, s);
+      }
+      const float v = (packed[j * row + (i >> 3)] >> (i & 7)) & 1 ? hi : lo;
+      acc = j ? __fadd_rn(acc, v) : v;
+    }
+    out[i] = acc;
+  }
+}
+
+API int grace_cuda_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode,
+                            float* out, void* stream) {
+  if (n <= 0 || count <= 0) return n < 0 || count < 0 ? -1 : 0;
+  k_bits_sum<<<grid_for(n), kThreads, 0, as_stream(stream)>>>(packed, count, n, scalars, mode, out);
+  return status();
+}
+
 API int grace_cuda_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out, void* stream) {
   if (n <= 0) return n < 0 ? -1 : 0;
   k_terngrad_decode<<<grid_for(n), kThreads, 0, as_stream(stream)>>>(packed, n, scale, out);

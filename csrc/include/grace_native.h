@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 3
+#define GRACE_NATIVE_ABI 4
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -61,6 +61,10 @@ void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float* sc
 int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,
                           const float* norms, float* out);
 void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out);
+/* the sum of `count` decoded rows of bits (row j: ceil(n/8) bytes at packed + j*ceil(n/8)), row
+ * after row in float32: mode 0 signSGD (+-1), 1 scaled sign (scalars[j] each), 2 1-bit SGD
+ * (scalars[2j], scalars[2j+1]: the two means), each decoded as its decoder above does */
+void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode, float* out);
 
 /* selection. topk: the k largest (by value, or by magnitude when by_abs), ties to the lowest
  * index, indices ascending. Returns the count written, < 0 on bad arguments. */
@@ -84,6 +88,14 @@ int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, float 
  * Returns 0, or -1 if an index is out of [0, numel) (dense is then unspecified). */
 int grace_cpu_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,
                           const int64_t* lengths, int val_type, int64_t numel, void* dense);
+/* a bucket in one call (segment s at its own pointers): grace_cpu_topk_ef on every segment, and
+ * every segment's sparse aggregate over `ranks` payloads ([s * ranks + r]) divided by `divisor` */
+int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                           const int64_t* n, const int64_t* k, float beta, float gamma, int flags,
+                           float* const* values, void* const* idx, const int* idx_types);
+int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* const* idx, const int* idx_types,
+                                   const void* const* values, const int64_t* lengths, float divisor,
+                                   const int64_t* numels, float* const* dense);
 
 /* ---- CUDA (device pointers; stream is a cudaStream_t) ---------------------------------- */
 int grace_cuda_abi(void);
@@ -104,6 +116,8 @@ int grace_cuda_natural_compress(const float* x, const float* u, int64_t n, uint8
                                 void* stream);
 int grace_cuda_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out, void* stream);
 int grace_cuda_onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out, void* stream);
+int grace_cuda_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode, float* out,
+                        void* stream);
 int grace_cuda_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out, void* stream);
 int grace_cuda_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,
                            const float* norms, float* out, void* stream);

@@ -83,18 +83,19 @@ class NumpyBackend:
         """Write ``src`` into the tensor (or view) ``dst``."""
         dst[...] = src
 
+    # (0-d arithmetic gives NumPy scalars, which nothing can be written into: a new result then)
     def add_into(self, a, b, out):
         """a + b written into the preallocated ``out`` (backends whose tensors are mutable)."""
-        return np.add(a, b, out=out)
+        return np.add(a, b, out=out) if isinstance(out, np.ndarray) else a + b
 
     def subtract_into(self, a, b, out):
-        return np.subtract(a, b, out=out)
+        return np.subtract(a, b, out=out) if isinstance(out, np.ndarray) else a - b
 
     def divide_into(self, a, b, out):
-        return np.divide(a, b, out=out)
+        return np.divide(a, b, out=out) if isinstance(out, np.ndarray) else a / b
 
     def multiply_into(self, a, b, out):
-        return np.multiply(a, b, out=out)
+        return np.multiply(a, b, out=out) if isinstance(out, np.ndarray) else a * b
 
     def put(self, x, idx, values):
         """x[idx] = values, in place; returns x."""

@@ -10,13 +10,14 @@
 from grace.compressors.sign_bits import SignBits
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Shape, check_number
+from grace.core.compressor import Shape, check_number, divided
 from grace.core.registry import example, register
 from grace.memories import EFSignSGDMemory, make_memory
 
 
 class EFSignSGD(SignBits):
     segment_kernel = "efsignsgd"
+    sum_kernel = "efsignsgd_decompress_sum"
 
     def __init__(self, lr: float):
         self.lr = check_number(lr, "lr", strict=True, note=" (the optimizer's learning rate)")
@@ -41,7 +42,7 @@ class EFSignSGD(SignBits):
         return xp.reshape(xp.cast(signs * scale[0], ctx.dtype), ctx.shape)
 
     def aggregate(self, xp, payloads, ctx):
-        return super().aggregate(xp, payloads, ctx) / self.lr
+        return divided(xp, super().aggregate(xp, payloads, ctx), self.lr, True)  # (a new mean)
 
     def aggregate_segments(self, xp, fields, ctx, table, ranks):
         return super().aggregate_segments(xp, fields, ctx, table, ranks) / self.lr

@@ -14,6 +14,7 @@ from grace.memories import make_memory
 class OneBit(SignBits):
     scalars = 2  # mu0, mu1
     segment_kernel = "onebit"
+    sum_kernel = "onebit_decompress_sum"
 
     def compress(self, xp, x, info):
         fused = xp.fused("onebit_compress", x, xp.dtype(x))  # one pass, when built

@@ -14,6 +14,7 @@ from grace.memories import make_memory
 class SignSGD(Compressor):
     collective = Collective.ALLGATHER
     elementwise = True
+    sum_kernel = "signsgd_decompress_sum"
 
     def __init__(self, aggregate: str = "majority"):
         if aggregate not in ("majority", "mean"):
@@ -36,8 +37,9 @@ class SignSGD(Compressor):
         return xp.reshape(signs, ctx.shape)
 
     def aggregate(self, xp, payloads, ctx):
-        mean = super().aggregate(xp, payloads, ctx)
-        return mean if self.aggregate_by == "mean" else xp.sign(mean)  # sign of mean = sign of sum
+        if self.aggregate_by == "mean":
+            return super().aggregate(xp, payloads, ctx)
+        return xp.sign(self.decompressed_sum(xp, payloads, ctx))  # (a sum of +-1: the mean's sign)
 
 
 @register("signsgd", aggregate="aggregate", examples=dict(signsgd=example(), signsgd_mean=example("mean")))

@@ -5,6 +5,7 @@ Payload: (values in the gradient's dtype, indices in the smallest integer type t
 import numpy as np
 
 from grace.core.compressor import Collective, Compressor, Shape, index_bits, index_dtype
+from grace.native import NativeUnavailable
 
 
 class Sparsifier(Compressor):
@@ -12,6 +13,8 @@ class Sparsifier(Compressor):
     sparse = True
     #: grace.native's one-pass residual step (compensate, select, new residual), if it has one
     residual_kernel = None
+    #: grace.native's residual step for a whole bucket in one call (CPU), if it has one
+    residual_kernel_many = None
     #: grace.native's selection with values, if it has one (segmented buckets run
     #: "<kernel>_segments": the per-tensor kernel on each segment; so does the residual step)
     select_kernel = None
@@ -31,6 +34,18 @@ class Sparsifier(Compressor):
         where = {} if out is None else {"out": out}
         values, indices, residual = fused(g, residual, self.kernel_argument(xp.numel(g)), beta, gamma, **where)
         return (values, indices), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(residual, xp.shape(g))
+
+    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs):
+        fused = xp.fused(self.residual_kernel_many, gs[0], xp.dtype(gs[0])) if self.residual_kernel_many else None
+        if not fused:
+            return None
+        try:
+            values, indices, new = fused(gs, residuals, [self.kernel_argument(xp.numel(g)) for g in gs], beta, gamma,
+                                         outs=outs)
+        except NativeUnavailable:  # (a gradient of another dtype or device, an output not contiguous)
+            return None
+        return [((v, i), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(r, xp.shape(g)))
+                for v, i, r, g in zip(values, indices, new, gs)]
 
     def compress(self, xp, x, info):
         flat = xp.flatten(x)
@@ -53,6 +68,15 @@ class Sparsifier(Compressor):
         n = len(payloads)
         return xp.reshape(xp.scatter_add_rows([p[1] for p in payloads], [p[0] / n for p in payloads], ctx.numel),
                           ctx.shape)
+
+    def aggregate_many(self, xp, payloads, ctxs, outs):
+        fused = xp.fused("scatter_add_segments_into", outs[0], xp.dtype(outs[0]))
+        if not fused:
+            return None
+        try:  # each rank's values divided by n, added payload after payload: as aggregate
+            return fused([[(p[0], p[1]) for p in rows] for rows in payloads], outs, len(payloads[0]))
+        except NativeUnavailable:
+            return None
 
     # --- a bucket at once (segmented methods: a fixed k per segment) ----------------------
     def segment_fields(self, numels, dtype):

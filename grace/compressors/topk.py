@@ -12,6 +12,7 @@ from grace.memories import make_memory
 
 class TopK(Sparsifier):
     residual_kernel = "topk_ef_step"
+    residual_kernel_many = "topk_ef_step_many"
     select_kernel = "topk_compress"
 
     def __init__(self, ratio: float):

@@ -118,6 +118,9 @@ class Compressor:
     #: segmented methods with kernels in grace.native: "<name>_compress_segments" and
     #: "<name>_decompress_segments" run the per-tensor kernels on every segment in one call
     segment_kernel: str = ""
+    #: grace.native's kernel that decodes every rank's payload of a tensor and adds them in one
+    #: pass (each payload tensor of all ranks concatenated), where it has one
+    sum_kernel: str = ""
 
     def compress(self, xp, x, info: TensorInfo) -> Tuple[Payload, Any]:
         raise NotImplementedError
@@ -174,6 +177,11 @@ class Compressor:
                     for start, n, info in zip(table.starts, table.numels, infos)]
         return [xp.concat(list(field)) for field in zip(*payloads)], None, None
 
+    def compress_many_with_residual(self, xp, gs, residuals, beta: float, gamma: float, infos, outs):
+        """``compress_with_residual`` of every gradient of a bucket in one native call, the new
+        residuals written into ``outs``: a list of (payload, ctx, new residual), or None."""
+        return None
+
     def compress_segments_with_residual(self, xp, g, residual, beta: float, gamma: float, table, infos):
         """Segmented methods: residual memory's step for every segment in one go (the segmented
         ``compress_with_residual``): (fields, ctx, new residual), or None."""
@@ -212,14 +220,37 @@ class Compressor:
 
     def aggregate(self, xp, payloads: Sequence[Payload], ctx) -> Any:
         """Combine all ranks' payloads into the averaged gradient (default: mean)."""
+        return divided(xp, self.decompressed_sum(xp, payloads, ctx), len(payloads), len(payloads) > 1)
+
+    def aggregate_many(self, xp, payloads: Sequence[Sequence[Payload]], ctxs, outs) -> Any:
+        """``aggregate`` of every gradient of a bucket (``payloads[i]``: the ranks' payloads of
+        gradient i), written into ``outs`` in one native call where the method has one: the
+        list of ``outs``, else None (the exchange then aggregates gradient by gradient)."""
+        return None
+
+    def decompressed_sum(self, xp, payloads: Sequence[Payload], ctx) -> Any:
+        """The sum of the payloads' decompressions, payload after payload (a new tensor where
+        there are several)."""
+        fused = xp.fused(self.sum_kernel, payloads[0][0], ctx.dtype) if self.sum_kernel else None
+        if fused:
+            rows = [xp.concat([xp.flatten(p[i]) for p in payloads]) for i in range(len(payloads[0]))]
+            return xp.reshape(fused(*rows, ctx.numel), ctx.shape)
         total = self.decompress(xp, payloads[0], ctx)
-        for payload in payloads[1:]:
-            total = total + self.decompress(xp, payload, ctx)
-        return total / len(payloads)
+        for i, payload in enumerate(payloads[1:]):
+            x = self.decompress(xp, payload, ctx)
+            # the first sum is a new tensor: the later ones are added into it
+            total = xp.add_into(total, x, total) if i and xp.mutable_tensors else total + x
+        return total
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"
+
+
+def divided(xp, x, d, in_place: bool):
+    """x / d, written over ``x`` where ``in_place`` (x is a new tensor of the caller's) and the
+    backend's tensors are mutable."""
+    return xp.divide_into(x, d, x) if in_place and xp.mutable_tensors else x / d
 
 
 def uniform_draws(xp, counts: Sequence[int], infos: Sequence[TensorInfo], seed: int, like):

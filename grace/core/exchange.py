@@ -52,7 +52,7 @@ from grace.core import segments
 from grace.core.bucket import Bucket, Dense, Segment
 from grace.core.communicator import Communicator, Handle, _lengths
 from grace.core.compression import GradientCompression
-from grace.core.compressor import FLOAT_DTYPES, Collective, TensorInfo
+from grace.core.compressor import FLOAT_DTYPES, Collective, TensorInfo, divided
 from grace.core.phases import NO_CLOCK, PhaseClock
 from grace.core.state import TABLES, StateStore
 
@@ -122,12 +122,6 @@ class BucketPending:
     segmented: Any = None  # segment-wise buckets: (SegmentTable, SegmentedFrame)
     segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
     outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None
-
-
-def _divided(xp, x, n: int, in_place: bool):
-    """x / n, written over ``x`` where ``in_place`` (x is the exchange's own, a collective's
-    new output or made from it) and the backend's tensors are mutable."""
-    return xp.divide_into(x, n, x) if in_place and xp.mutable_tensors else x / n
 
 
 def _into(xp, x, out):
@@ -280,7 +274,7 @@ class Exchange:
     def _averaged(self, xp, summed, fresh: bool, out):
         """A decompressed sum over n: into ``out`` where given, else in place where it is new."""
         n = self.communicator.size
-        return _divided(xp, summed, n, fresh) if out is None else xp.divide_into(summed, n, out)
+        return divided(xp, summed, n, fresh) if out is None else xp.divide_into(summed, n, out)
 
     def _compress(self, name: str, xp, g) -> Pending:
         compressor, memory, store = self.compression.compressor, self.compression.memory, self.store
@@ -562,10 +556,14 @@ class Exchange:
         # New memories go into spare buffers where the backend's tensors are mutable (a whole
         # bucket's always, a gradient's where its step writes there: a fused kernel or
         # update_into): no step allocates (and page-faults) gradient-sized buffers.
-        payloads, new_memory, spares = [], [], []
-        for u, g_u, info, state, e in zip(units, g_units, infos, states, old):
-            spare = self._spare_memory(u.name, xp, e) if memory.needs_feedback else None
-            fused = memory.fused_step(xp, compressor, g_u, e, info, out=spare)
+        spares = [self._spare_memory(u.name, xp, e) if memory.needs_feedback else None for u, e in zip(units, old)]
+        # one native call for all the bucket's gradients where there is one (a CPU's top-k)
+        steps = memory.fused_steps(xp, compressor, g_units, old, infos, spares) \
+            if len(units) > 1 and all(s is not None and not isinstance(s, tuple) for s in spares) else None
+        payloads, new_memory = [], []
+        for i, (u, g_u, info, state, e) in enumerate(zip(units, g_units, infos, states, old)):
+            spare = spares[i]
+            fused = steps[i] if steps is not None else memory.fused_step(xp, compressor, g_u, e, info, out=spare)
             if fused is not None:
                 payload, ctx, e_new = fused
                 e_new = spare if spare is not None else e_new  # the kernel wrote it there
@@ -582,11 +580,10 @@ class Exchange:
                         else:
                             e_new = memory.update(xp, p_u, p_hat, e)
             if spare is not None and e_new is not spare and not whole:  # a copy would cost a pass
-                self._spares[u.name], spare = spare, None
+                self._spares[u.name], spares[i] = spare, None
             payloads.append(payload)
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
-            spares.append(spare)
 
         if self.compression.collective is Collective.ALLREDUCE:
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, pending.flag)
@@ -665,7 +662,7 @@ class Exchange:
         compressor, (table, layout), flagged = self.compression.compressor, pending.segmented, pending.flag is not None
         if compressor.collective is Collective.ALLREDUCE:
             (summed,), overflow, fresh = pending.wait()  # (its waits are timed inside)
-            return _divided(xp, compressor.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
+            return divided(xp, compressor.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
                 overflow
         received = self._wait(pending.wait)
         if isinstance(received, list):  # broadcasts: one frame per rank
@@ -841,6 +838,12 @@ class Exchange:
             read = [Dense(pieces[0]) for pieces in read]
         dense = [f.values for f in read if isinstance(f, Dense)]
         encoded = [frames.split_payloads(f, pending.structure) for f in read if not isinstance(f, Dense)]
+        overflow = self._overflow(xp, list(flags)) if flagged else None
+        if encoded and not dense and all(o is not None for o in outs):  # one native call, where there is one
+            done = compressor.aggregate_many(xp, [[payloads[i] for payloads in encoded] for i in range(len(outs))],
+                                             pending.ctxs, outs)
+            if done is not None:
+                return done, overflow
         out = []
         for i, (u, ctx, into) in enumerate(zip(pending.units, pending.ctxs, outs)):
             g_hat = compressor.aggregate(xp, [payloads[i] for payloads in encoded], ctx) if encoded else None
@@ -851,7 +854,7 @@ class Exchange:
                 total = xp.reshape(total, u.shape)
                 g_hat = total / n if g_hat is None else (g_hat * len(encoded) + total) / n
             out.append(_into(xp, g_hat, into))
-        return out, self._overflow(xp, list(flags)) if flagged else None
+        return out, overflow
 
     def _finish_bucket_rounds(self, pending: "BucketPending") -> List[Any]:
         xp, memory, key = pending.xp, self.compression.memory, pending.bucket.key

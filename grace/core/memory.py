@@ -47,6 +47,11 @@ class Memory:
         (fields, ctx, new state), or None."""
         return None
 
+    def fused_steps(self, xp, compressor, gs, states, infos, outs):
+        """``fused_step`` of every gradient of a bucket in one call, the new states written
+        into ``outs``: a list of (payload, ctx, new state), or None."""
+        return None
+
     def fused_step(self, xp, compressor, g, state: Optional[Any], info, out=None):
         """compensate, compress and update in one go where the compressor has a kernel for it:
         (payload, ctx, new state), or None. ``out``: where the kernel may write the new state."""

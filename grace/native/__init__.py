@@ -33,9 +33,14 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     segment by segment (a bucket's flat buffer; the per-tensor kernels for each segment):
     efsignsgd_compress_segments(x, starts, numels), efsignsgd_decompress_segments(packed, scale, numels)
     onebit_compress_segments(x, starts, numels), onebit_decompress_segments(packed, means, numels)
+    every rank's payload of one tensor decoded and summed (the rows concatenated):
+    signsgd_decompress_sum(packed_rows, numel), efsignsgd_decompress_sum(packed_rows, scales, numel),
+    onebit_decompress_sum(packed_rows, means, numel)
     terngrad_, qsgd_, natural_compress_segments(x, starts, numels, u, draw_starts, ...) and their
     _decompress_segments(..., numels, ...); topk_compress_segments(x, starts, numels, ks),
     topk_ef_step_segments(g, residual, starts, numels, ks, beta, gamma, out)
+    a bucket in one call on the CPU, each gradient at its own pointers (lists in, lists out):
+    topk_ef_step_many(gs, residuals, ks, beta, gamma, outs), scatter_add_segments_into(payloads, outs, divisor)
 """
 from __future__ import annotations
 
@@ -51,14 +56,15 @@ from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library,
 __all__ = [
     "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info",
     "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
-    "efsignsgd_decompress_segments", "enabled", "fused", "load_error", "natural_compress",
-    "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "nonzero",
-    "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments", "pack",
-    "qsgd_compress", "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments", "scatter_add",
-    "scatter_add_many", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
-    "supports", "terngrad_compress", "terngrad_compress_segments", "terngrad_decompress",
-    "terngrad_decompress_segments", "threshold_compress", "threshold_ef_step", "threshold_indices",
-    "topk_compress", "topk_compress_segments", "topk_ef_step", "topk_ef_step_segments", "topk_indices", "unpack",
+    "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "enabled", "fused", "load_error",
+    "natural_compress", "natural_compress_segments", "natural_decompress", "natural_decompress_segments",
+    "nonzero", "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
+    "onebit_decompress_sum", "pack", "qsgd_compress", "qsgd_compress_segments", "qsgd_decompress",
+    "qsgd_decompress_segments", "scatter_add", "scatter_add_many", "scatter_add_segments_into", "set_enabled",
+    "set_num_threads", "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "supports",
+    "terngrad_compress", "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",
+    "threshold_compress", "threshold_ef_step", "threshold_indices", "topk_compress", "topk_compress_segments",
+    "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "unpack",
 ]
 
 _FLOATS = ("float16", "bfloat16", "float32")
@@ -335,6 +341,39 @@ def onebit_decompress(packed, means, numel: int):
     out = _decode_out(kind, numel)
     call(kind, "onebit_decode", p.ptr, out.n, m.ptr, out.ptr)
     return _wrap(kind, out)
+
+
+# --- the sign family's aggregate: every rank's bits decoded and added in one pass -------------
+def _bits_sum(mode: int, per_row: int, packed_rows, scalars, numel: int):
+    kind = kind_of(packed_rows)
+    p = kind.flat(packed_rows)
+    out = _decode_out(kind, numel)
+    if numel <= 0:
+        return _wrap(kind, out)
+    row = packed_size(numel, 1)
+    count = p.n // row
+    s = _same_kind(kind, scalars, "float32") if per_row else None
+    if p.dtype != "uint8" or count < 1 or p.n != count * row or (s is not None and s.n != per_row * count):
+        raise ValueError(f"{p.n} packed bytes ({p.dtype}) and {s.n if s else 0} scalars are not rows of "
+                         f"{numel} bits with {per_row} scalars each")
+    call(kind, "bits_sum", p.ptr, count, int(numel), s.ptr if s is not None else None, mode, out.ptr)
+    return _wrap(kind, out)
+
+
+def signsgd_decompress_sum(packed_rows, numel: int):
+    """The sum, row after row in float32, of signsgd_decompress of each row of ``packed_rows``
+    (every rank's packed bits of one tensor, concatenated)."""
+    return _bits_sum(0, 0, packed_rows, None, numel)
+
+
+def efsignsgd_decompress_sum(packed_rows, scales, numel: int):
+    """The sum, row after row, of efsignsgd_decompress of each row with its scale."""
+    return _bits_sum(1, 1, packed_rows, scales, numel)
+
+
+def onebit_decompress_sum(packed_rows, means, numel: int):
+    """The sum, row after row, of onebit_decompress of each row with its two means."""
+    return _bits_sum(2, 2, packed_rows, means, numel)
 
 
 # --- the sign family, segment by segment: a bucket's gradients in one call ------------------
@@ -673,6 +712,79 @@ def threshold_ef_step(g, residual, threshold: float, beta: float = 1.0, gamma: f
     return _wrap(kind, _head(kind, values, count), _head(kind, idx, count), ob)
 
 
+# --- a bucket in one call on the CPU: each gradient at its own pointers -------------------------
+def _pointers(bufs):
+    return (ctypes.c_void_p * len(bufs))(*[b.ptr for b in bufs])
+
+
+def _int64s(values):
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _in_place(kind, x, dtype: str) -> Buf:
+    """``x`` as a buffer the kernel writes into: x's own memory, contiguous, of ``dtype``."""
+    b = _same_kind(kind, x)
+    if b.dtype != dtype or b.obj is not x and (kind.name != "torch" or b.ptr != x.data_ptr()):
+        raise NativeUnavailable(f"cannot write into a {b.dtype} or non-contiguous tensor in place")
+    return b
+
+
+def _cpu_kind(x):
+    kind = kind_of(x)
+    if kind.lib.kind != "cpu":
+        raise NativeUnavailable("the bucket-at-once entry points are the CPU's")
+    return kind
+
+
+def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, outs=None):
+    """topk_ef_step of every gradient of a bucket, in one call (CPU): lists of values, indices
+    and new residuals, per gradient (the new residuals written into ``outs`` where given)."""
+    kind = _cpu_kind(gs[0])
+    gb = [_same_kind(kind, g) for g in gs]
+    rb = [_same_kind(kind, r) for r in residuals]
+    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else [_in_place(kind, o, "float32") for o in outs]
+    if any(b.dtype != "float32" for b in gb + rb):
+        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
+    if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
+        raise ValueError("every gradient, residual and output of a bucket must have the same size")
+    ks = [max(0, min(int(k), b.n)) for k, b in zip(ks, gb)]
+    dtypes = [index_dtype(b.n) for b in gb]
+    values = kind.empty(sum(ks), "float32")
+    starts = [0]
+    for k in ks[:-1]:
+        starts.append(starts[-1] + k)
+    idx = [kind.empty(k, d) for k, d in zip(ks, dtypes)]
+    value_ptrs = (ctypes.c_void_p * len(ks))(*[values.ptr + 4 * s for s in starts])
+    rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
+              _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), value_ptrs, _pointers(idx),
+              (ctypes.c_int * len(ks))(*[INDEX_CODES[d] for d in dtypes]))
+    if rc != 0:
+        raise RuntimeError("native top-k steps failed")
+    flat = values.obj
+    return ([flat[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx], [o.obj for o in ob])
+
+
+def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
+    """Every gradient's sparse aggregate in one call (CPU): ``outs[s]`` = zeros, then each
+    rank's (values, indices) in ``payloads[s]`` divided by ``divisor`` and added, rank after
+    rank (as scatter_add_many of the divided values). Returns ``outs``."""
+    kind = _cpu_kind(outs[0])
+    ranks = len(payloads[0])
+    ob = [_in_place(kind, o, "float32") for o in outs]
+    vals = [_same_kind(kind, v) for rows in payloads for v, _ in rows]
+    idxs = [_index_buf(kind, i) for rows in payloads for _, i in rows]
+    if any(len(rows) != ranks for rows in payloads) or any(v.dtype != "float32" for v in vals):
+        raise NativeUnavailable("scatter_add_segments_into takes float32 values, as many per gradient")
+    if any(v.n != i.n for v, i in zip(vals, idxs)):
+        raise ValueError("as many values as indices, per payload")
+    rc = call(kind, "scatter_add_segments", len(ob), ranks, _pointers(idxs),
+              (ctypes.c_int * len(idxs))(*[INDEX_CODES[i.dtype] for i in idxs]), _pointers(vals),
+              _int64s([v.n for v in vals]), float(divisor), _int64s([o.n for o in ob]), _pointers(ob))
+    if rc != 0:
+        raise IndexError("an index is out of range for its gradient")
+    return outs
+
+
 # --- the kernel table: what a backend may ask for, and what each function returns ----------------
 @dataclass(frozen=True)
 class Kernel:
@@ -696,6 +808,9 @@ FUSED: Dict[str, Kernel] = {
     "efsignsgd_decompress": Kernel(efsignsgd_decompress, ("sign_decode",), ("float32",)),
     "onebit_compress": Kernel(onebit_compress, ("onebit_compress",), ("uint8", "float32")),
     "onebit_decompress": Kernel(onebit_decompress, ("onebit_decode",), ("float32",)),
+    "signsgd_decompress_sum": Kernel(signsgd_decompress_sum, ("bits_sum",), ("float32",)),
+    "efsignsgd_decompress_sum": Kernel(efsignsgd_decompress_sum, ("bits_sum",), ("float32",)),
+    "onebit_decompress_sum": Kernel(onebit_decompress_sum, ("bits_sum",), ("float32",)),
     "efsignsgd_compress_segments": Kernel(efsignsgd_compress_segments, ("efsign_compress",), ("uint8", "float32")),
     "efsignsgd_decompress_segments": Kernel(efsignsgd_decompress_segments, ("sign_decode",), ("float32",)),
     "onebit_compress_segments": Kernel(onebit_compress_segments, ("onebit_compress",), ("uint8", "float32")),
@@ -718,6 +833,11 @@ FUSED: Dict[str, Kernel] = {
     "topk_ef_step": Kernel(topk_ef_step, ("topk_ef",), ("float32", "index", "float32")),
     "threshold_ef_step": Kernel(threshold_ef_step, ("threshold_ef",), ("float32", "index", "float32"),
                                 variable=(0, 1)),
+    # a bucket in one call (lists in, lists out; eager CPU tensors only)
+    "topk_ef_step_many": Kernel(topk_ef_step_many, ("topk_ef_many",), ("float32", "index", "float32"),
+                                devices=("cpu",)),
+    "scatter_add_segments_into": Kernel(scatter_add_segments_into, ("scatter_add_segments",), ("float32",),
+                                        devices=("cpu",)),
 }
 
 

@@ -19,7 +19,7 @@ from ctypes import c_double, c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
-ABI = 3
+ABI = 4
 ISAS = ("x86-64-v3", "x86-64-v2")  # the builds on x86-64, best first
 
 _P, _I, _L, _F, _D = c_void_p, c_int, c_int64, c_float, c_double
@@ -38,6 +38,7 @@ SYMBOLS = {
     "natural_compress": (None, [_P, _P, _L, _P, _P]),
     "sign_decode": (None, [_P, _L, _P, _P]),
     "onebit_decode": (None, [_P, _L, _P, _P]),
+    "bits_sum": (None, [_P, _L, _L, _P, _I, _P]),
     "terngrad_decode": (None, [_P, _L, _P, _P]),
     "qsgd_decode": (_I, [_P, _L, _I, _L, _I, _P, _P]),
     "natural_decode": (None, [_P, _P, _L, _P]),
@@ -47,7 +48,11 @@ SYMBOLS = {
     "topk_ef": (_L, [_P, _P, _L, _L, _F, _F, _I, _P, _P, _I, _P]),
     "threshold_ef": (_L, [_P, _P, _L, _F, _F, _F, _I, _P, _P, _I, _P]),
     "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P]),
+    "topk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
+    "scatter_add_segments": (_I, [_L, _I, _P, _P, _P, _P, _F, _P, _P]),
 }
+#: the CPU's bucket-at-once entry points (a GPU compresses a bucket segment-wise instead)
+CPU_ONLY = {"topk_ef_many", "scatter_add_segments"}
 # CUDA functions return a status (or a count) where the CPU ones return nothing
 _CUDA_RESTYPE = {name: (_I if res is None else res) for name, (res, _) in SYMBOLS.items()}
 
@@ -65,6 +70,8 @@ class _Lib:
         if abi() != ABI:
             raise OSError(f"{path} has ABI {abi()}, this grace expects {ABI}: rebuild (python csrc/build.py)")
         for name, (res, args) in SYMBOLS.items():
+            if kind == "cuda" and name in CPU_ONLY:
+                continue
             fn = getattr(self._dll, prefix + name)
             if kind == "cuda":
                 fn.restype, fn.argtypes = _CUDA_RESTYPE[name], [*args, _P]

@@ -123,3 +123,37 @@ def test_topk_ef_step_is_exact_where_a_sample_misleads(case, in_place):
             assert np.shares_memory(got[2], r)
         for what, a, b in zip(("values", "indices", "new residual"), want, got):
             np.testing.assert_array_equal(np.asarray(a).astype(np.asarray(b).dtype), b, err_msg=f"{case} k={k} {what}")
+
+
+def test_a_bucket_in_one_call_equals_each_gradient_alone():
+    """The CPU's bucket-at-once entry points: topk_ef_step_many is topk_ef_step on each
+    gradient (new residuals written into the given outputs), scatter_add_segments_into is
+    each gradient's scatter_add_many of the values divided by the number of ranks."""
+    sizes = [1, 9, 300, 40000, 2**16 + 3]
+    gs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
+    rs = [torch.from_numpy(gradient(n, seed=n + 1)) * 0.3 for n in sizes]
+    ks = [max(1, n // 100) for n in sizes]
+    outs = [torch.empty(n) for n in sizes]
+    values, indices, new = gn.topk_ef_step_many(gs, rs, ks, beta=0.9, outs=outs)
+    for g, r, k, v, i, e, o in zip(gs, rs, ks, values, indices, new, outs):
+        want = gn.topk_ef_step(g, r, k, beta=0.9)
+        assert e.data_ptr() == o.data_ptr()
+        for a, b in zip(want, (v, i, e)):
+            same_bytes(a, b)
+    ranks = 3
+    payloads = [[(values[s] * (r + 1), indices[s]) for r in range(ranks)] for s in range(len(sizes))]
+    dense = [torch.full((n,), 7.0) for n in sizes]
+    assert gn.scatter_add_segments_into(payloads, dense, ranks) is dense
+    for rows, d, n in zip(payloads, dense, sizes):
+        same_bytes(gn.scatter_add_many([(v / ranks, i) for v, i in rows], n), d)
+
+
+def test_a_bucket_in_one_call_refuses_what_it_cannot_write():
+    g = torch.zeros(40)
+    with pytest.raises(gn.NativeUnavailable, match="in place"):
+        gn.topk_ef_step_many([g], [g], [2], outs=[torch.zeros(80)[::2]])
+    dense = [torch.full((5,), 7.0), torch.full((3,), 7.0)]
+    bad = [[(torch.ones(1), torch.tensor([4]))], [(torch.ones(1), torch.tensor([3]))]]  # 3 is out of range for 3
+    with pytest.raises(IndexError, match="out of range"):
+        gn.scatter_add_segments_into(bad, dense, 1)
+    assert all((d == 7).all() for d in dense)  # nothing written

@@ -15,6 +15,8 @@ from tests.native.conftest import count_calls, device, gradient, host, on, torch
 METHODS = {"topk": lambda: grace.topk(0.01), "threshold": lambda: grace.threshold(1.5),
            "topk_scaled": lambda: grace.topk(0.05, memory=grace.memories.ResidualMemory(beta=0.9, gamma=0.5))}
 KERNEL = {"topk": "topk_ef_step", "threshold": "threshold_ef_step", "topk_scaled": "topk_ef_step"}
+# a bucket's gradients in one call: each gradient at its own pointers (CPU), or segment-wise (GPU)
+WHOLE_BUCKET = {"topk_ef_step": ("topk_ef_step_many", "topk_ef_step_segments"), "threshold_ef_step": ()}
 
 
 def run(method, device, steps=3):
@@ -30,9 +32,11 @@ def run(method, device, steps=3):
 def test_fused_residual_step_equals_the_separate_steps(device, method, monkeypatch):
     with gn.disabled():
         want = run(method, device)
-    calls = count_calls(monkeypatch, KERNEL[method])
+    per_gradient = count_calls(monkeypatch, KERNEL[method])
+    per_bucket = [count_calls(monkeypatch, name) for name in WHOLE_BUCKET[KERNEL[method]]]
     got = run(method, device)
-    assert len(calls) == 6, "the exchange did not take the fused kernel"
+    # 3 steps of a bucket of 2 gradients, each through a fused kernel
+    assert len(per_gradient) + 2 * sum(map(len, per_bucket)) == 6, "the exchange did not take the fused kernel"
     for a, b in zip(want[0], got[0]):
         for key in a:
             np.testing.assert_array_equal(a[key], b[key])

@@ -13,10 +13,14 @@ import pytest
 
 import grace
 import grace.native as gn
-from grace.core.compressor import TensorInfo
-from tests.native.conftest import BIG, NX, SIZES, draws, gradient, host, on, same_bytes, torch
+from grace.core.compressor import Shape, TensorInfo
+from tests.native.conftest import BIG, NX, SIZES, device, draws, gradient, host, on, same_bytes, torch  # noqa: F401
 
 INFO = TensorInfo("layer.weight", 3, 1)
+
+
+def shape_of(n):
+    return Shape((n,), "float32")
 
 
 def oracle(compressor, x: np.ndarray, u, monkeypatch):
@@ -134,6 +138,39 @@ def test_cuda_codes_and_values_equal_the_oracle(name, n, monkeypatch):
     y = decompress(tuple(on("cuda", np.asarray(p)) for p in want_payload), n)
     assert y.device.type == "cuda"
     same_bytes(want_y.reshape(-1), y, "decompressed")
+
+
+SUMMED = {"signsgd": gn.signsgd_decompress_sum, "efsignsgd": gn.efsignsgd_decompress_sum,
+          "onebit": gn.onebit_decompress_sum}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 5])
+@pytest.mark.parametrize("n", [1, 7, 9, 1001, 2**16 + 3])
+@pytest.mark.parametrize("name", SUMMED)
+def test_decoded_sums_equal_the_oracles_sum_of_decompressions(device, name, n, ranks):
+    """Every rank's payload of one tensor decoded and added row after row in one pass: the
+    bytes of the NumPy decompressions added in order (signed zeros from an all-zero rank too)."""
+    compressor = METHODS[name][0]()
+    xs = [gradient(n, seed=n + r) for r in range(ranks)]
+    xs[0][: n // 2] = 0.0  # a rank whose first half is zeros (its means and scale -0.0 or 0.0)
+    if ranks > 2:
+        xs[2][:] = -0.0
+    payloads = [compressor.compress(NX, x, INFO)[0] for x in xs]
+    want = compressor.decompress(NX, payloads[0], shape_of(n))
+    for p in payloads[1:]:
+        want = want + compressor.decompress(NX, p, shape_of(n))
+    rows = [on(device, np.concatenate([np.asarray(p[i]).reshape(-1) for p in payloads]))
+            for i in range(len(payloads[0]))]
+    got = SUMMED[name](*rows, n)
+    assert got.device.type == device
+    same_bytes(np.asarray(want).reshape(-1), got, f"{name} over {ranks} ranks")
+
+
+def test_decoded_sums_refuse_rows_that_do_not_fit():
+    with pytest.raises(ValueError, match="rows"):
+        gn.signsgd_decompress_sum(np.zeros(4, np.uint8), 17)  # rows of 17 bits are 3 bytes
+    with pytest.raises(ValueError, match="rows"):
+        gn.efsignsgd_decompress_sum(np.zeros(6, np.uint8), np.ones(3, np.float32), 17)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

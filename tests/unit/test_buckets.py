@@ -321,3 +321,26 @@ def test_averages_are_never_views_of_buffers_the_exchange_reuses(xp, method):
     exchange.exchange(gradients(xp, 1))
     for name, value in out.items():
         np.testing.assert_array_equal(xp.to_numpy(value), kept[name], err_msg=name)
+
+
+@pytest.mark.parametrize("method", ["topk", "threshold", "signsgd", "efsignsgd", "none"])
+def test_results_are_written_over_gradients_that_are_not_contiguous(method):
+    """A transposed gradient cannot take a kernel's output in place: it gets the result by
+    a copy, with the same values."""
+    torch = pytest.importorskip("torch")
+    xp = get_backend("torch")
+
+    def grads(step):
+        rng = np.random.default_rng(step)
+        return {"w": torch.from_numpy(rng.standard_normal((40, 30)).astype(np.float32)).t(),
+                "b": torch.from_numpy(rng.standard_normal(30).astype(np.float32))}
+
+    compression = with_buckets(METHODS[method], 25)
+    fresh = grace.Exchange(compression, ReplicaCommunicator(3))
+    overwriting = grace.Exchange(compression, ReplicaCommunicator(3), in_place=True)
+    for step in range(STEPS):
+        given = grads(step)
+        want, got = fresh.exchange(grads(step)), overwriting.exchange(given)
+        for name in want:
+            assert got[name] is given[name]
+            assert_same(xp, want[name], got[name], f"{method} step {step} {name}")
