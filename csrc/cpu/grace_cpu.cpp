@@ -1101,43 +1101,38 @@ API void grace_cpu_onebit_decode(const uint8_t* packed, int64_t n, const float* 
 }
 
 namespace {
-// A row's two decoded values, as its decoder computes them.
-inline void row_values(const float* scalars, int mode, int64_t j, float& lo, float& hi) {
+// A row's two decoded values, as its decoder computes them from its scalars (mode 0 signSGD:
+// none; 1 scaled sign: the scale; 2 1-bit SGD: the two means).
+inline void row_values(const float* scalars, int mode, float& lo, float& hi) {
   if (mode == 2) {
-    const float mu0 = scalars[2 * j], d = scalars[2 * j + 1] - mu0;
+    const float mu0 = scalars[0], d = scalars[1] - mu0;
     lo = mu0 + 0.0f * d;
     hi = mu0 + 1.0f * d;
   } else {
-    const float s = mode == 1 ? scalars[j] : 1.0f;
+    const float s = mode == 1 ? scalars[0] : 1.0f;
     lo = -1.0f * s;
     hi = 1.0f * s;
   }
 }
-}  // namespace
 
-// Every rank's row of bits decoded and added in one pass: the aggregate of the sign family
-// without a decoded tensor per rank.
-API void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode,
-                            float* out) {
-  if (n <= 0 || count <= 0) return;
-  const int64_t row = (n + 7) / 8, full = n / 8;
-  std::vector<float> lo(count), hi(count);
-  for (int64_t j = 0; j < count; ++j) row_values(scalars, mode, j, lo[j], hi[j]);
+// out = the sum, row after row in float32, of the rows of n bits decoded to lo[j] / hi[j].
+void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi, int64_t count, int64_t n, float* out) {
+  const int64_t full = n / 8;
   for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
 #ifdef GRACE_SIMD
     std::vector<F8> vlo(count), vhi(count);
     for (int64_t j = 0; j < count; ++j) vlo[j] = set8(lo[j]), vhi[j] = set8(hi[j]);
     for (int64_t g = g0; g < g1; ++g) {
-      F8 acc = sel8(bits8(packed[g]), vhi[0], vlo[0]);
-      for (int64_t j = 1; j < count; ++j) acc = acc + sel8(bits8(packed[j * row + g]), vhi[j], vlo[j]);
+      F8 acc = sel8(bits8(rows[0][g]), vhi[0], vlo[0]);
+      for (int64_t j = 1; j < count; ++j) acc = acc + sel8(bits8(rows[j][g]), vhi[j], vlo[j]);
       st8(out + 8 * g, acc);
     }
 #else
     alignas(32) float acc[8], v[8];
     for (int64_t g = g0; g < g1; ++g) {
-      select8(packed[g], lo[0], hi[0], acc, false);
+      select8(rows[0][g], lo[0], hi[0], acc, false);
       for (int64_t j = 1; j < count; ++j) {
-        select8(packed[j * row + g], lo[j], hi[j], v, false);
+        select8(rows[j][g], lo[j], hi[j], v, false);
         for (int e = 0; e < 8; ++e) acc[e] += v[e];
       }
       std::memcpy(out + 8 * g, acc, sizeof acc);
@@ -1147,11 +1142,59 @@ API void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, con
   for (int64_t i = 8 * full; i < n; ++i) {
     float acc = 0.0f;
     for (int64_t j = 0; j < count; ++j) {
-      const float v = ((packed[j * row + full] >> (i - 8 * full)) & 1) ? hi[j] : lo[j];
+      const float v = ((rows[j][full] >> (i - 8 * full)) & 1) ? hi[j] : lo[j];
       acc = j ? acc + v : v;
     }
     out[i] = acc;
   }
+}
+}  // namespace
+
+// Every rank's row of bits decoded and added in one pass: the aggregate of the sign family
+// without a decoded tensor per rank.
+API void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode,
+                            float* out) {
+  if (n <= 0 || count <= 0) return;
+  const int per = mode == 2 ? 2 : 1;
+  std::vector<const uint8_t*> rows(count);
+  std::vector<float> lo(count), hi(count);
+  for (int64_t j = 0; j < count; ++j) {
+    rows[j] = packed + j * ((n + 7) / 8);
+    row_values(scalars ? scalars + per * j : nullptr, mode, lo[j], hi[j]);
+  }
+  bits_sum_rows(rows.data(), lo.data(), hi.data(), count, n, out);
+}
+
+// grace_cpu_bits_sum of each segment s of a bucket: the ranks' rows packed[s * ranks + r] with
+// their scalars scalars[s * ranks + r] (NULL for signSGD), summed into out[s] (numels[s]).
+API void grace_cpu_bits_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed,
+                                     const float* const* scalars, int mode, const int64_t* numels, float* const* out) {
+  std::vector<float> lo(ranks), hi(ranks);
+  for (int64_t s = 0; s < segments; ++s) {
+    if (numels[s] <= 0 || ranks <= 0) continue;
+    for (int r = 0; r < ranks; ++r) row_values(mode ? scalars[s * ranks + r] : nullptr, mode, lo[r], hi[r]);
+    bits_sum_rows(packed + s * ranks, lo.data(), hi.data(), ranks, numels[s], out[s]);
+  }
+}
+
+// out = p - decode(bits): the new residual of a sign-family payload in one pass (out may be p).
+API void grace_cpu_bits_residual(const float* p, const uint8_t* packed, int64_t n, const float* scalars, int mode,
+                                 float* out) {
+  if (n <= 0) return;
+  float lo, hi;
+  row_values(scalars, mode, lo, hi);
+  const int64_t full = n / 8;
+  for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    const float* const P = p;
+    float* const O = out;
+#ifdef GRACE_SIMD
+    const F8 vlo = set8(lo), vhi = set8(hi);
+    for (int64_t g = g0; g < g1; ++g) st8(O + 8 * g, ld8(P + 8 * g) - sel8(bits8(packed[g]), vhi, vlo));
+#else
+    for (int64_t i = 8 * g0; i < 8 * g1; ++i) O[i] = P[i] - (((packed[i >> 3] >> (i & 7)) & 1) ? hi : lo);
+#endif
+  });
+  for (int64_t i = 8 * full; i < n; ++i) out[i] = p[i] - (((packed[full] >> (i - 8 * full)) & 1) ? hi : lo);
 }
 
 API void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {

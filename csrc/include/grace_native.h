@@ -65,6 +65,13 @@ void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_
  * after row in float32: mode 0 signSGD (+-1), 1 scaled sign (scalars[j] each), 2 1-bit SGD
  * (scalars[2j], scalars[2j+1]: the two means), each decoded as its decoder above does */
 void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode, float* out);
+/* out = p - the decoded bits (mode as bits_sum; out may be p): a sign-family residual in one pass */
+void grace_cpu_bits_residual(const float* p, const uint8_t* packed, int64_t n, const float* scalars, int mode,
+                             float* out);
+/* grace_cpu_bits_sum of each segment s of a bucket, rank r's row at packed[s * ranks + r] and its
+ * scalars at scalars[s * ranks + r] (NULL for mode 0), into out[s] (numels[s] elements) */
+void grace_cpu_bits_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed,
+                                 const float* const* scalars, int mode, const int64_t* numels, float* const* out);
 
 /* selection. topk: the k largest (by value, or by magnitude when by_abs), ties to the lowest
  * index, indices ascending. Returns the count written, < 0 on bad arguments. */

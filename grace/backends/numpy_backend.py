@@ -97,6 +97,9 @@ class NumpyBackend:
     def multiply_into(self, a, b, out):
         return np.multiply(a, b, out=out) if isinstance(out, np.ndarray) else a * b
 
+    def sign_into(self, x, out):
+        return np.sign(x, out=out) if isinstance(out, np.ndarray) else np.sign(x)
+
     def put(self, x, idx, values):
         """x[idx] = values, in place; returns x."""
         x[idx.astype(np.int64, copy=False)] = values

@@ -205,6 +205,9 @@ class TensorflowBackend:
     def multiply_into(self, a, b, out):
         return a * b
 
+    def sign_into(self, x, out):
+        return tf.sign(_to_tensor(x))
+
     def put(self, x, idx, values):  # a new tensor: TensorFlow's cannot be written in place
         return tf.tensor_scatter_nd_update(_to_tensor(x), tf.reshape(_to_tensor(idx, "int64"), (-1, 1)), values)
 

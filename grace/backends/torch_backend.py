@@ -153,6 +153,9 @@ class TorchBackend:
     def multiply_into(self, a, b, out):
         return torch.mul(a, b, out=out)
 
+    def sign_into(self, x, out):
+        return torch.sign(x, out=out)
+
     def put(self, x, idx, values):
         return x.index_put_((idx.long(),), values)
 

@@ -41,8 +41,8 @@ class EFSignSGD(SignBits):
         signs = xp.cast(bits.unpack(xp, packed, 1, ctx.numel), "float32") * 2 - 1
         return xp.reshape(xp.cast(signs * scale[0], ctx.dtype), ctx.shape)
 
-    def aggregate(self, xp, payloads, ctx):
-        return divided(xp, super().aggregate(xp, payloads, ctx), self.lr, True)  # (a new mean)
+    def from_sum(self, xp, total, n, fresh):
+        return divided(xp, super().from_sum(xp, total, n, fresh), self.lr, True)  # (a new mean, or total's)
 
     def aggregate_segments(self, xp, fields, ctx, table, ranks):
         return super().aggregate_segments(xp, fields, ctx, table, ranks) / self.lr

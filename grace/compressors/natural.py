@@ -22,6 +22,7 @@ _TOP = 254  # 2^127: the largest power of two a float32 holds
 class Natural(Compressor):
     collective = Collective.ALLGATHER
     unbiased = True
+    new_payload = True
 
     def __init__(self, seed: int = 0):
         self.seed = seed

@@ -19,6 +19,7 @@ from grace.memories import make_memory
 class QSGD(Compressor):
     collective = Collective.ALLGATHER
     unbiased = True
+    new_payload = True
 
     def __init__(self, levels: int = 127, bucket_size: int = 0, seed: int = 0):
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:

@@ -15,6 +15,7 @@ from grace.memories import make_memory
 class RandomK(Compressor):
     collective = Collective.ALLREDUCE
     supports_allreduce = True
+    new_payload = True
 
     def __init__(self, ratio: float, scale: bool = False, seed: int = 0):
         self.ratio = check_ratio(ratio)

@@ -7,13 +7,24 @@ every gradient keeps its own scale and the results are the per-tensor ones.
 """
 from grace.core.compressor import Collective, Compressor
 from grace.formats import packed_size
+from grace.native import NativeUnavailable
 
 
 class SignBits(Compressor):
     collective = Collective.ALLGATHER
     segmented = True
+    new_payload = True
     #: float32 values per tensor beside the bits
     scalars: int = 1
+
+    def residual_into(self, xp, p, payload, ctx, out):
+        fused = xp.fused(f"{self.segment_kernel}_residual_into", p, xp.dtype(p))
+        if not fused:
+            return None
+        try:
+            return fused(p, payload[0], payload[1], out)
+        except NativeUnavailable:  # (an output that cannot be written in place)
+            return None
 
     def segment_fields(self, numels, dtype):
         count = len(numels)

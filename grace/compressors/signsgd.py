@@ -14,6 +14,7 @@ from grace.memories import make_memory
 class SignSGD(Compressor):
     collective = Collective.ALLGATHER
     elementwise = True
+    new_payload = True
     sum_kernel = "signsgd_decompress_sum"
 
     def __init__(self, aggregate: str = "majority"):
@@ -36,10 +37,11 @@ class SignSGD(Compressor):
         signs = xp.cast(bits.unpack(xp, payload[0], 1, ctx.numel), ctx.dtype) * 2 - 1
         return xp.reshape(signs, ctx.shape)
 
-    def aggregate(self, xp, payloads, ctx):
+    def from_sum(self, xp, total, n, fresh):
         if self.aggregate_by == "mean":
-            return super().aggregate(xp, payloads, ctx)
-        return xp.sign(self.decompressed_sum(xp, payloads, ctx))  # (a sum of +-1: the mean's sign)
+            return super().from_sum(xp, total, n, fresh)
+        # (a sum of +-1, never -0.0: the mean's sign)
+        return xp.sign_into(total, total) if fresh else xp.sign(total)
 
 
 @register("signsgd", aggregate="aggregate", examples=dict(signsgd=example(), signsgd_mean=example("mean")))

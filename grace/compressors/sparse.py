@@ -11,6 +11,7 @@ from grace.native import NativeUnavailable
 class Sparsifier(Compressor):
     collective = Collective.ALLGATHER
     sparse = True
+    new_payload = True
     #: grace.native's one-pass residual step (compensate, select, new residual), if it has one
     residual_kernel = None
     #: grace.native's residual step for a whole bucket in one call (CPU), if it has one

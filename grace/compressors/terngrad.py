@@ -16,6 +16,7 @@ from grace.memories import make_memory
 class TernGrad(Compressor):
     collective = Collective.ALLGATHER
     unbiased = True
+    new_payload = True
 
     def __init__(self, seed: int = 0):
         self.seed = seed

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Tuple
 
 from grace.formats import index_dtype  # noqa: F401  (re-exported: methods import it from here)
+from grace.native import NativeUnavailable
 
 Payload = Tuple[Any, ...]
 
@@ -118,6 +119,9 @@ class Compressor:
     #: segmented methods with kernels in grace.native: "<name>_compress_segments" and
     #: "<name>_decompress_segments" run the per-tensor kernels on every segment in one call
     segment_kernel: str = ""
+    #: compress returns new tensors, never views of its input: an exchange may compensate into
+    #: a buffer that the step writes again (the new memory over p) before the payload is sent
+    new_payload: bool = False
     #: grace.native's kernel that decodes every rank's payload of a tensor and adds them in one
     #: pass (each payload tensor of all ranks concatenated), where it has one
     sum_kernel: str = ""
@@ -220,13 +224,31 @@ class Compressor:
 
     def aggregate(self, xp, payloads: Sequence[Payload], ctx) -> Any:
         """Combine all ranks' payloads into the averaged gradient (default: mean)."""
-        return divided(xp, self.decompressed_sum(xp, payloads, ctx), len(payloads), len(payloads) > 1)
+        return self.from_sum(xp, self.decompressed_sum(xp, payloads, ctx), len(payloads), len(payloads) > 1)
+
+    def from_sum(self, xp, total, n: int, fresh: bool):
+        """The aggregate from the sum of the n ranks' decompressions (default: their mean),
+        written over ``total`` where it is ``fresh`` (a new tensor of the caller's)."""
+        return divided(xp, total, n, fresh)
+
+    def residual_into(self, xp, p, payload: Payload, ctx, out):
+        """p - decompress(payload) written into ``out`` (which may be ``p``) in one native pass,
+        where the method has one; None otherwise."""
+        return None
 
     def aggregate_many(self, xp, payloads: Sequence[Sequence[Payload]], ctxs, outs) -> Any:
         """``aggregate`` of every gradient of a bucket (``payloads[i]``: the ranks' payloads of
         gradient i), written into ``outs`` in one native call where the method has one: the
         list of ``outs``, else None (the exchange then aggregates gradient by gradient)."""
-        return None
+        fused = xp.fused(f"{self.sum_kernel}_into", outs[0], xp.dtype(outs[0])) if self.sum_kernel else None
+        if not fused:
+            return None
+        try:
+            fused(payloads, outs)
+        except NativeUnavailable:  # (an output that is not contiguous float32)
+            return None
+        n = len(payloads[0])
+        return [_into(xp, self.from_sum(xp, total, n, True), total) for total in outs]
 
     def decompressed_sum(self, xp, payloads: Sequence[Payload], ctx) -> Any:
         """The sum of the payloads' decompressions, payload after payload (a new tensor where
@@ -245,6 +267,12 @@ class Compressor:
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"
+
+
+def _into(xp, x, out):
+    if x is not out:
+        xp.assign(out, x)
+    return out
 
 
 def divided(xp, x, d, in_place: bool):

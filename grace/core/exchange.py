@@ -568,17 +568,20 @@ class Exchange:
                 payload, ctx, e_new = fused
                 e_new = spare if spare is not None else e_new  # the kernel wrote it there
             else:
-                p_u = memory.compensate(xp, g_u, e)  # (new: the payload may be a view of it)
+                # p goes into the spare buffer (the new memory is then written over it) where the
+                # payload cannot be a view of p; else a new tensor
+                p_u = memory.compensate_into(xp, g_u, e, spare) \
+                    if compressor.new_payload and spare is not None and not isinstance(spare, tuple) else None
+                p_u = memory.compensate(xp, g_u, e) if p_u is None else p_u
                 payload, ctx, state = compressor.step(xp, p_u, info, state)
                 self._set("state", u.name, state)
                 e_new = None
                 if memory.needs_feedback:
                     with self._phase("feedback"):
-                        p_hat = compressor.decompress(xp, payload, ctx)
                         if spare is not None and not isinstance(spare, tuple):
-                            e_new = memory.update_into(xp, p_u, p_hat, e, spare)
+                            e_new = memory.feedback_into(xp, compressor, p_u, payload, ctx, e, spare)
                         else:
-                            e_new = memory.update(xp, p_u, p_hat, e)
+                            e_new = memory.update(xp, p_u, compressor.decompress(xp, payload, ctx), e)
             if spare is not None and e_new is not spare and not whole:  # a copy would cost a pass
                 self._spares[u.name], spares[i] = spare, None
             payloads.append(payload)

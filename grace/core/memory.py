@@ -42,6 +42,10 @@ class Memory:
         """``update`` written into ``out``, for a ``p`` that ``compensate_into`` gave."""
         return self.update(xp, p, p_hat, state)
 
+    def feedback_into(self, xp, compressor, p, payload, ctx, state: Optional[Any], out):
+        """``update`` with this rank's decompressed payload, written into ``out``."""
+        return self.update_into(xp, p, compressor.decompress(xp, payload, ctx), state, out)
+
     def fused_segments(self, xp, compressor, g, state: Optional[Any], table, infos):
         """``fused_step`` for every segment of a flat bucket (``Compressor.segmented``):
         (fields, ctx, new state), or None."""

@@ -28,12 +28,17 @@ class ResidualMemory(Memory):
         return p - p_hat
 
     def compensate_into(self, xp, g, residual, out):
-        if residual is None or self.beta != 1.0 or self.gamma != 1.0:
+        if residual is None or self.beta != 1.0:
             return None
-        return xp.add_into(g, residual, out)
+        scaled = g if self.gamma == 1.0 else xp.multiply_into(g, self.gamma, out)  # (g * gamma, as compensate)
+        return xp.add_into(scaled, residual, out)
 
     def update_into(self, xp, p, p_hat, residual, out):
         return xp.subtract_into(p, p_hat, out)
+
+    def feedback_into(self, xp, compressor, p, payload, ctx, residual, out):
+        fused = compressor.residual_into(xp, p, payload, ctx, out)  # p - p_hat in one pass, where it can
+        return super().feedback_into(xp, compressor, p, payload, ctx, residual, out) if fused is None else fused
 
     def fused_segments(self, xp, compressor, g, residual, table, infos):
         return compressor.compress_segments_with_residual(xp, g, residual, self.beta, self.gamma, table, infos)

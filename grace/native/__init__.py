@@ -40,7 +40,8 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     _decompress_segments(..., numels, ...); topk_compress_segments(x, starts, numels, ks),
     topk_ef_step_segments(g, residual, starts, numels, ks, beta, gamma, out)
     a bucket in one call on the CPU, each gradient at its own pointers (lists in, lists out):
-    topk_ef_step_many(gs, residuals, ks, beta, gamma, outs), scatter_add_segments_into(payloads, outs, divisor)
+    topk_ef_step_many(gs, residuals, ks, beta, gamma, outs), scatter_add_segments_into(payloads, outs, divisor),
+    signsgd_, efsignsgd_, onebit_decompress_sum_into(payloads, outs); efsignsgd_, onebit_residual_into(p, ..., out)
 """
 from __future__ import annotations
 
@@ -56,12 +57,12 @@ from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library,
 __all__ = [
     "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info",
     "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
-    "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "enabled", "fused", "load_error",
+    "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into", "efsignsgd_residual_into", "enabled", "fused", "load_error",
     "natural_compress", "natural_compress_segments", "natural_decompress", "natural_decompress_segments",
     "nonzero", "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
-    "onebit_decompress_sum", "pack", "qsgd_compress", "qsgd_compress_segments", "qsgd_decompress",
+    "onebit_decompress_sum", "onebit_decompress_sum_into", "onebit_residual_into", "pack", "qsgd_compress", "qsgd_compress_segments", "qsgd_decompress",
     "qsgd_decompress_segments", "scatter_add", "scatter_add_many", "scatter_add_segments_into", "set_enabled",
-    "set_num_threads", "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "supports",
+    "set_num_threads", "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports",
     "terngrad_compress", "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",
     "threshold_compress", "threshold_ef_step", "threshold_indices", "topk_compress", "topk_compress_segments",
     "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "unpack",
@@ -764,6 +765,60 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     return ([flat[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx], [o.obj for o in ob])
 
 
+def _bits_sum_into(mode: int, per_row: int, payloads, outs):
+    kind = _cpu_kind(outs[0])
+    ranks = len(payloads[0])
+    ob = [_in_place(kind, o, "float32") for o in outs]
+    packed = [_same_kind(kind, p[0]) for rows in payloads for p in rows]
+    scalars = [_same_kind(kind, p[1], "float32") for rows in payloads for p in rows] if per_row else None
+    sizes = [packed_size(o.n, 1) for o in ob for _ in range(ranks)]
+    if any(len(rows) != ranks for rows in payloads) or any(p.dtype != "uint8" or p.n != n for p, n in zip(packed, sizes)) \
+            or (scalars is not None and any(s.n != per_row for s in scalars)):
+        raise ValueError(f"each gradient needs {ranks} rows of its bits, with {per_row} scalars each")
+    call(kind, "bits_sum_segments", len(ob), ranks, _pointers(packed), _pointers(scalars) if scalars else None, mode,
+         _int64s([o.n for o in ob]), _pointers(ob))
+    return outs
+
+
+def _bits_residual(mode: int, per_row: int, p, packed, scalars, out):
+    kind = _cpu_kind(p)
+    pb, bits = _same_kind(kind, p), _same_kind(kind, packed)
+    ob = _in_place(kind, out, "float32")
+    sb = _same_kind(kind, scalars, "float32") if per_row else None
+    if pb.dtype != "float32" or pb.n != ob.n or bits.dtype != "uint8" or bits.n != packed_size(pb.n, 1) \
+            or (sb is not None and sb.n != per_row):
+        raise ValueError(f"{pb.n} float32 elements need {packed_size(pb.n, 1)} bytes of bits, {per_row} scalars "
+                         "and an output of their size")
+    call(kind, "bits_residual", pb.ptr, bits.ptr, pb.n, sb.ptr if sb is not None else None, mode, ob.ptr)
+    return out
+
+
+def efsignsgd_residual_into(p, packed, scale, out):
+    """p - efsignsgd_decompress(packed, scale), written into ``out`` (CPU; may be ``p``)."""
+    return _bits_residual(1, 1, p, packed, scale, out)
+
+
+def onebit_residual_into(p, packed, means, out):
+    """p - onebit_decompress(packed, means), written into ``out`` (CPU; may be ``p``)."""
+    return _bits_residual(2, 2, p, packed, means, out)
+
+
+def signsgd_decompress_sum_into(payloads, outs):
+    """signsgd_decompress_sum of every gradient of a bucket in one call (CPU), written into
+    ``outs``: ``payloads[s]`` holds each rank's payload of gradient s (its packed bits)."""
+    return _bits_sum_into(0, 0, payloads, outs)
+
+
+def efsignsgd_decompress_sum_into(payloads, outs):
+    """efsignsgd_decompress_sum of every gradient of a bucket in one call: payloads (bits, scale)."""
+    return _bits_sum_into(1, 1, payloads, outs)
+
+
+def onebit_decompress_sum_into(payloads, outs):
+    """onebit_decompress_sum of every gradient of a bucket in one call: payloads (bits, means)."""
+    return _bits_sum_into(2, 2, payloads, outs)
+
+
 def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
     """Every gradient's sparse aggregate in one call (CPU): ``outs[s]`` = zeros, then each
     rank's (values, indices) in ``payloads[s]`` divided by ``divisor`` and added, rank after
@@ -838,6 +893,11 @@ FUSED: Dict[str, Kernel] = {
                                 devices=("cpu",)),
     "scatter_add_segments_into": Kernel(scatter_add_segments_into, ("scatter_add_segments",), ("float32",),
                                         devices=("cpu",)),
+    "efsignsgd_residual_into": Kernel(efsignsgd_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
+    "onebit_residual_into": Kernel(onebit_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
+    **{f"{method}_decompress_sum_into": Kernel(function, ("bits_sum_segments",), ("float32",), devices=("cpu",))
+       for method, function in (("signsgd", signsgd_decompress_sum_into), ("efsignsgd", efsignsgd_decompress_sum_into),
+                                ("onebit", onebit_decompress_sum_into))},
 }
 
 

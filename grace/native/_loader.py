@@ -50,9 +50,11 @@ SYMBOLS = {
     "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P]),
     "topk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
     "scatter_add_segments": (_I, [_L, _I, _P, _P, _P, _P, _F, _P, _P]),
+    "bits_sum_segments": (None, [_L, _I, _P, _P, _I, _P, _P]),
+    "bits_residual": (None, [_P, _P, _L, _P, _I, _P]),
 }
 #: the CPU's bucket-at-once entry points (a GPU compresses a bucket segment-wise instead)
-CPU_ONLY = {"topk_ef_many", "scatter_add_segments"}
+CPU_ONLY = {"topk_ef_many", "scatter_add_segments", "bits_sum_segments", "bits_residual"}
 # CUDA functions return a status (or a count) where the CPU ones return nothing
 _CUDA_RESTYPE = {name: (_I if res is None else res) for name, (res, _) in SYMBOLS.items()}
 

@@ -166,6 +166,23 @@ def test_decoded_sums_equal_the_oracles_sum_of_decompressions(device, name, n, r
     same_bytes(np.asarray(want).reshape(-1), got, f"{name} over {ranks} ranks")
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
+@pytest.mark.parametrize("n", [1, 7, 9, 1001, 2**16 + 3])
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
+def test_residuals_of_sign_bits_equal_p_minus_the_decompression(name, n, in_place):
+    """The CPU's one-pass feedback of the sign family: p - decompress(payload), into ``out``."""
+    compressor = METHODS[name][0]()
+    p = gradient(n, seed=n)
+    p[: n // 3] = -0.0
+    payload = compressor.compress(NX, p, INFO)[0]
+    want = p - compressor.decompress(NX, payload, shape_of(n))
+    tp = torch.from_numpy(p.copy())
+    out = tp if in_place else torch.empty(n)
+    got = getattr(gn, f"{name}_residual_into")(tp, *(torch.from_numpy(np.asarray(t)) for t in payload), out)
+    assert got is out
+    same_bytes(want, got, f"{name} residual")
+
+
 def test_decoded_sums_refuse_rows_that_do_not_fit():
     with pytest.raises(ValueError, match="rows"):
         gn.signsgd_decompress_sum(np.zeros(4, np.uint8), 17)  # rows of 17 bits are 3 bytes

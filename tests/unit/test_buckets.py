@@ -344,3 +344,19 @@ def test_results_are_written_over_gradients_that_are_not_contiguous(method):
         for name in want:
             assert got[name] is given[name]
             assert_same(xp, want[name], got[name], f"{method} step {step} {name}")
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m]().compressor.new_payload])
+def test_new_payloads_never_share_memory_with_the_input(method):
+    """``Compressor.new_payload`` lets the exchange compensate into a buffer it overwrites with
+    the new memory before the payload is framed: it must hold for every path of compress."""
+    compressor = METHODS[method]().compressor
+    if compressor.multi_round:
+        pytest.skip("multi-round methods compress in rounds")
+    xp = get_backend("numpy")
+    x = np.random.default_rng(0).standard_normal((30, 20)).astype(np.float32)
+    info = grace.core.compressor.TensorInfo("w", 1, 2)
+    state = compressor.init_state(xp, x, info)
+    payload, _, _ = compressor.step(xp, x, info, state)
+    for t in payload:
+        assert not np.shares_memory(np.asarray(t), x), method
