@@ -248,7 +248,7 @@ class Compressor:
         except NativeUnavailable:  # (an output that is not contiguous float32)
             return None
         n = len(payloads[0])
-        return [_into(xp, self.from_sum(xp, total, n, True), total) for total in outs]
+        return [written(xp, self.from_sum(xp, total, n, True), total) for total in outs]
 
     def decompressed_sum(self, xp, payloads: Sequence[Payload], ctx) -> Any:
         """The sum of the payloads' decompressions, payload after payload (a new tensor where
@@ -269,9 +269,11 @@ class Compressor:
         return f"{type(self).__name__}({params})"
 
 
-def _into(xp, x, out):
-    if x is not out:
-        xp.assign(out, x)
+def written(xp, x, out):
+    """``x``, written over ``out`` where given (a tensor of a mutable backend)."""
+    if out is None or x is out:
+        return x
+    xp.assign(out, x)
     return out
 
 

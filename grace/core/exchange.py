@@ -52,7 +52,7 @@ from grace.core import segments
 from grace.core.bucket import Bucket, Dense, Segment
 from grace.core.communicator import Communicator, Handle, _lengths
 from grace.core.compression import GradientCompression
-from grace.core.compressor import FLOAT_DTYPES, Collective, TensorInfo, divided
+from grace.core.compressor import FLOAT_DTYPES, Collective, TensorInfo, divided, written
 from grace.core.phases import NO_CLOCK, PhaseClock
 from grace.core.state import TABLES, StateStore
 
@@ -122,14 +122,6 @@ class BucketPending:
     segmented: Any = None  # segment-wise buckets: (SegmentTable, SegmentedFrame)
     segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
     outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None
-
-
-def _into(xp, x, out):
-    """``x``, written over ``out`` where given."""
-    if out is None or x is out:
-        return x
-    xp.assign(out, x)
-    return out
 
 
 def _check_float(xp, name: str, g) -> None:
@@ -267,7 +259,7 @@ class Exchange:
         over ``out`` where given."""
         g_hat = _poisoned(xp, g_hat, overflow)
         if self.average:
-            return _into(xp, g_hat, out)
+            return written(xp, g_hat, out)
         n = self.communicator.size
         return g_hat * n if out is None else xp.multiply_into(g_hat, n, out)
 
@@ -856,7 +848,7 @@ class Exchange:
                     total = total + values[u.offset:u.offset + u.numel]
                 total = xp.reshape(total, u.shape)
                 g_hat = total / n if g_hat is None else (g_hat * len(encoded) + total) / n
-            out.append(_into(xp, g_hat, into))
+            out.append(written(xp, g_hat, into))
         return out, overflow
 
     def _finish_bucket_rounds(self, pending: "BucketPending") -> List[Any]:
