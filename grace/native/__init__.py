@@ -46,6 +46,7 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
 from __future__ import annotations
 
 import ctypes
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
@@ -57,15 +58,17 @@ from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library,
 __all__ = [
     "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info",
     "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
-    "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into", "efsignsgd_residual_into", "enabled", "fused", "load_error",
-    "natural_compress", "natural_compress_segments", "natural_decompress", "natural_decompress_segments",
-    "nonzero", "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
-    "onebit_decompress_sum", "onebit_decompress_sum_into", "onebit_residual_into", "pack", "qsgd_compress", "qsgd_compress_segments", "qsgd_decompress",
-    "qsgd_decompress_segments", "scatter_add", "scatter_add_many", "scatter_add_segments_into", "set_enabled",
-    "set_num_threads", "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports",
-    "terngrad_compress", "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",
-    "threshold_compress", "threshold_ef_step", "threshold_indices", "topk_compress", "topk_compress_segments",
-    "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "unpack",
+    "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into",
+    "efsignsgd_residual_into", "enabled", "fused", "load_error", "natural_compress",
+    "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "nonzero",
+    "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
+    "onebit_decompress_sum", "onebit_decompress_sum_into", "onebit_residual_into", "pack", "qsgd_compress",
+    "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments", "scatter_add", "scatter_add_many",
+    "scatter_add_segments_into", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
+    "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports", "terngrad_compress",
+    "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments", "threshold_compress",
+    "threshold_ef_step", "threshold_indices", "topk_compress", "topk_compress_segments", "topk_ef_step",
+    "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "unpack",
 ]
 
 _FLOATS = ("float16", "bfloat16", "float32")
@@ -129,6 +132,20 @@ def _wrap(kind, *results):
     kind.sync()
     out = tuple(kind.wrap(r.obj if isinstance(r, Buf) else r) for r in results)
     return out[0] if len(out) == 1 else out
+
+
+def _pointers(bufs):
+    """A C array of the buffers' pointers."""
+    return (ctypes.c_void_p * len(bufs))(*[b.ptr for b in bufs])
+
+
+def _int64s(values):
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _index_codes(dtypes):
+    """A C array of the index types' codes (INDEX_CODES)."""
+    return (ctypes.c_int * len(dtypes))(*[INDEX_CODES[d] for d in dtypes])
 
 
 def _index_buf(kind, idx) -> Buf:
@@ -269,10 +286,8 @@ def scatter_add_many(payloads, numel: int):
             raise ValueError(f"{v.n} values for {i.n} indices")
     count = len(payloads)
     out = kind.empty(int(numel), dtype)
-    rc = call(kind, "scatter_add", count, (ctypes.c_void_p * count)(*[i.ptr for i in idxs]),
-              (ctypes.c_int * count)(*[INDEX_CODES[i.dtype] for i in idxs]),
-              (ctypes.c_void_p * count)(*[v.ptr for v in vals]), (ctypes.c_int64 * count)(*[v.n for v in vals]),
-              DTYPE_CODES[dtype], int(numel), out.ptr)
+    rc = call(kind, "scatter_add", count, _pointers(idxs), _index_codes([i.dtype for i in idxs]), _pointers(vals),
+              _int64s([v.n for v in vals]), DTYPE_CODES[dtype], int(numel), out.ptr)
     if rc != 0:
         raise IndexError(f"an index is out of range for {numel} elements")
     return _wrap(kind, out)
@@ -345,7 +360,13 @@ def onebit_decompress(packed, means, numel: int):
 
 
 # --- the sign family's aggregate: every rank's bits decoded and added in one pass -------------
-def _bits_sum(mode: int, per_row: int, packed_rows, scalars, numel: int):
+# the kernels' modes (as the C code's row_values) and the float32 scalars each row carries
+_SIGNSGD, _EFSIGNSGD, _ONEBIT = 0, 1, 2
+_SCALARS = {_SIGNSGD: 0, _EFSIGNSGD: 1, _ONEBIT: 2}  # none, a scale, two means
+
+
+def _bits_sum(mode: int, packed_rows, scalars, numel: int):
+    per_row = _SCALARS[mode]
     kind = kind_of(packed_rows)
     p = kind.flat(packed_rows)
     out = _decode_out(kind, numel)
@@ -364,17 +385,17 @@ def _bits_sum(mode: int, per_row: int, packed_rows, scalars, numel: int):
 def signsgd_decompress_sum(packed_rows, numel: int):
     """The sum, row after row in float32, of signsgd_decompress of each row of ``packed_rows``
     (every rank's packed bits of one tensor, concatenated)."""
-    return _bits_sum(0, 0, packed_rows, None, numel)
+    return _bits_sum(_SIGNSGD, packed_rows, None, numel)
 
 
 def efsignsgd_decompress_sum(packed_rows, scales, numel: int):
     """The sum, row after row, of efsignsgd_decompress of each row with its scale."""
-    return _bits_sum(1, 1, packed_rows, scales, numel)
+    return _bits_sum(_EFSIGNSGD, packed_rows, scales, numel)
 
 
 def onebit_decompress_sum(packed_rows, means, numel: int):
     """The sum, row after row, of onebit_decompress of each row with its two means."""
-    return _bits_sum(2, 2, packed_rows, means, numel)
+    return _bits_sum(_ONEBIT, packed_rows, means, numel)
 
 
 # --- the sign family, segment by segment: a bucket's gradients in one call ------------------
@@ -714,14 +735,6 @@ def threshold_ef_step(g, residual, threshold: float, beta: float = 1.0, gamma: f
 
 
 # --- a bucket in one call on the CPU: each gradient at its own pointers -------------------------
-def _pointers(bufs):
-    return (ctypes.c_void_p * len(bufs))(*[b.ptr for b in bufs])
-
-
-def _int64s(values):
-    return (ctypes.c_int64 * len(values))(*values)
-
-
 def _in_place(kind, x, dtype: str) -> Buf:
     """``x`` as a buffer the kernel writes into: x's own memory, contiguous, of ``dtype``."""
     b = _same_kind(kind, x)
@@ -751,28 +764,28 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     ks = [max(0, min(int(k), b.n)) for k, b in zip(ks, gb)]
     dtypes = [index_dtype(b.n) for b in gb]
     values = kind.empty(sum(ks), "float32")
-    starts = [0]
-    for k in ks[:-1]:
-        starts.append(starts[-1] + k)
+    starts = [0, *itertools.accumulate(ks[:-1])]  # each gradient's values in a row
     idx = [kind.empty(k, d) for k, d in zip(ks, dtypes)]
     value_ptrs = (ctypes.c_void_p * len(ks))(*[values.ptr + 4 * s for s in starts])
     rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
               _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), value_ptrs, _pointers(idx),
-              (ctypes.c_int * len(ks))(*[INDEX_CODES[d] for d in dtypes]))
+              _index_codes(dtypes))
     if rc != 0:
         raise RuntimeError("native top-k steps failed")
     flat = values.obj
     return ([flat[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx], [o.obj for o in ob])
 
 
-def _bits_sum_into(mode: int, per_row: int, payloads, outs):
+def _bits_sum_into(mode: int, payloads, outs):
+    per_row = _SCALARS[mode]
     kind = _cpu_kind(outs[0])
     ranks = len(payloads[0])
     ob = [_in_place(kind, o, "float32") for o in outs]
     packed = [_same_kind(kind, p[0]) for rows in payloads for p in rows]
     scalars = [_same_kind(kind, p[1], "float32") for rows in payloads for p in rows] if per_row else None
     sizes = [packed_size(o.n, 1) for o in ob for _ in range(ranks)]
-    if any(len(rows) != ranks for rows in payloads) or any(p.dtype != "uint8" or p.n != n for p, n in zip(packed, sizes)) \
+    if any(len(rows) != ranks for rows in payloads) \
+            or any(p.dtype != "uint8" or p.n != n for p, n in zip(packed, sizes)) \
             or (scalars is not None and any(s.n != per_row for s in scalars)):
         raise ValueError(f"each gradient needs {ranks} rows of its bits, with {per_row} scalars each")
     call(kind, "bits_sum_segments", len(ob), ranks, _pointers(packed), _pointers(scalars) if scalars else None, mode,
@@ -780,7 +793,8 @@ def _bits_sum_into(mode: int, per_row: int, payloads, outs):
     return outs
 
 
-def _bits_residual(mode: int, per_row: int, p, packed, scalars, out):
+def _bits_residual(mode: int, p, packed, scalars, out):
+    per_row = _SCALARS[mode]
     kind = _cpu_kind(p)
     pb, bits = _same_kind(kind, p), _same_kind(kind, packed)
     ob = _in_place(kind, out, "float32")
@@ -795,28 +809,28 @@ def _bits_residual(mode: int, per_row: int, p, packed, scalars, out):
 
 def efsignsgd_residual_into(p, packed, scale, out):
     """p - efsignsgd_decompress(packed, scale), written into ``out`` (CPU; may be ``p``)."""
-    return _bits_residual(1, 1, p, packed, scale, out)
+    return _bits_residual(_EFSIGNSGD, p, packed, scale, out)
 
 
 def onebit_residual_into(p, packed, means, out):
     """p - onebit_decompress(packed, means), written into ``out`` (CPU; may be ``p``)."""
-    return _bits_residual(2, 2, p, packed, means, out)
+    return _bits_residual(_ONEBIT, p, packed, means, out)
 
 
 def signsgd_decompress_sum_into(payloads, outs):
     """signsgd_decompress_sum of every gradient of a bucket in one call (CPU), written into
     ``outs``: ``payloads[s]`` holds each rank's payload of gradient s (its packed bits)."""
-    return _bits_sum_into(0, 0, payloads, outs)
+    return _bits_sum_into(_SIGNSGD, payloads, outs)
 
 
 def efsignsgd_decompress_sum_into(payloads, outs):
     """efsignsgd_decompress_sum of every gradient of a bucket in one call: payloads (bits, scale)."""
-    return _bits_sum_into(1, 1, payloads, outs)
+    return _bits_sum_into(_EFSIGNSGD, payloads, outs)
 
 
 def onebit_decompress_sum_into(payloads, outs):
     """onebit_decompress_sum of every gradient of a bucket in one call: payloads (bits, means)."""
-    return _bits_sum_into(2, 2, payloads, outs)
+    return _bits_sum_into(_ONEBIT, payloads, outs)
 
 
 def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
@@ -832,8 +846,8 @@ def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
         raise NativeUnavailable("scatter_add_segments_into takes float32 values, as many per gradient")
     if any(v.n != i.n for v, i in zip(vals, idxs)):
         raise ValueError("as many values as indices, per payload")
-    rc = call(kind, "scatter_add_segments", len(ob), ranks, _pointers(idxs),
-              (ctypes.c_int * len(idxs))(*[INDEX_CODES[i.dtype] for i in idxs]), _pointers(vals),
+    rc = call(kind, "scatter_add_segments", len(ob), ranks, _pointers(idxs), _index_codes([i.dtype for i in idxs]),
+              _pointers(vals),
               _int64s([v.n for v in vals]), float(divisor), _int64s([o.n for o in ob]), _pointers(ob))
     if rc != 0:
         raise IndexError("an index is out of range for its gradient")
