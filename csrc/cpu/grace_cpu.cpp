@@ -1148,32 +1148,87 @@ void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi,
     out[i] = acc;
   }
 }
+constexpr int kTernGrad = 3;  // the mode of 2-bit TernGrad codes: 0, +s, -s (and 3: -s)
+
+// out = the sum, row after row in float32, of rows of n TernGrad codes (4 to a byte), row j
+// decoded with its scale scale[j] as grace_cpu_terngrad_decode does: by a table of each
+// byte's four values per row.
+void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t count, int64_t n, float* out) {
+  std::vector<float> table((size_t)count * 256 * 4);
+  std::vector<float> val((size_t)count * 4);
+  for (int64_t j = 0; j < count; ++j) {
+    const float s = scale[j];
+    float* v = val.data() + 4 * j;
+    v[0] = 0.0f * s, v[1] = 1.0f * s, v[2] = -1.0f * s, v[3] = -1.0f * s;
+    for (int b = 0; b < 256; ++b)
+      for (int e = 0; e < 4; ++e) table[((size_t)j * 256 + b) * 4 + e] = v[(b >> (2 * e)) & 3];
+  }
+  const float* const T = table.data();
+  const int64_t full = n / 4;
+  for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+#if defined(__SSE2__)
+      __m128 acc = _mm_loadu_ps(T + 4 * rows[0][g]);
+      for (int64_t j = 1; j < count; ++j) acc = _mm_add_ps(acc, _mm_loadu_ps(T + ((size_t)j * 256 + rows[j][g]) * 4));
+      _mm_storeu_ps(out + 4 * g, acc);
+#else
+      float acc[4];
+      std::memcpy(acc, T + 4 * rows[0][g], sizeof acc);
+      for (int64_t j = 1; j < count; ++j)
+        for (int e = 0; e < 4; ++e) acc[e] += T[((size_t)j * 256 + rows[j][g]) * 4 + e];
+      std::memcpy(out + 4 * g, acc, sizeof acc);
+#endif
+    }
+  });
+  for (int64_t i = 4 * full; i < n; ++i) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < count; ++j) {
+      const float v = val[4 * j + ((rows[j][full] >> (2 * (i - 4 * full))) & 3)];
+      acc = j ? acc + v : v;
+    }
+    out[i] = acc;
+  }
+}
+
+// The sum of `count` rows of one gradient's codes; row j at rows[j], its scalars at scalars[j]
+// (mode as in grace_native.h).
+void codes_sum_rows(const uint8_t* const* rows, const float* const* scalars, int mode, int64_t count, int64_t n,
+                    float* out) {
+  if (mode == kTernGrad) {
+    std::vector<float> scale(count);
+    for (int64_t j = 0; j < count; ++j) scale[j] = scalars[j][0];
+    terngrad_sum_rows(rows, scale.data(), count, n, out);
+    return;
+  }
+  std::vector<float> lo(count), hi(count);
+  for (int64_t j = 0; j < count; ++j) row_values(mode ? scalars[j] : nullptr, mode, lo[j], hi[j]);
+  bits_sum_rows(rows, lo.data(), hi.data(), count, n, out);
+}
 }  // namespace
 
-// Every rank's row of bits decoded and added in one pass: the aggregate of the sign family
-// without a decoded tensor per rank.
+// Every rank's row of codes decoded and added in one pass: the aggregate of the sign family
+// and TernGrad without a decoded tensor per rank.
 API void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode,
                             float* out) {
   if (n <= 0 || count <= 0) return;
-  const int per = mode == 2 ? 2 : 1;
+  const int per = mode == 2 ? 2 : 1, bits = mode == kTernGrad ? 2 : 1;
   std::vector<const uint8_t*> rows(count);
-  std::vector<float> lo(count), hi(count);
+  std::vector<const float*> row_scalars(count);
   for (int64_t j = 0; j < count; ++j) {
-    rows[j] = packed + j * ((n + 7) / 8);
-    row_values(scalars ? scalars + per * j : nullptr, mode, lo[j], hi[j]);
+    rows[j] = packed + j * ((n * bits + 7) / 8);
+    row_scalars[j] = scalars ? scalars + per * j : nullptr;
   }
-  bits_sum_rows(rows.data(), lo.data(), hi.data(), count, n, out);
+  codes_sum_rows(rows.data(), row_scalars.data(), mode, count, n, out);
 }
 
 // grace_cpu_bits_sum of each segment s of a bucket: the ranks' rows packed[s * ranks + r] with
 // their scalars scalars[s * ranks + r] (NULL for signSGD), summed into out[s] (numels[s]).
 API void grace_cpu_bits_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed,
                                      const float* const* scalars, int mode, const int64_t* numels, float* const* out) {
-  std::vector<float> lo(ranks), hi(ranks);
+  std::vector<const float*> none(ranks, nullptr);
   for (int64_t s = 0; s < segments; ++s) {
     if (numels[s] <= 0 || ranks <= 0) continue;
-    for (int r = 0; r < ranks; ++r) row_values(mode ? scalars[s * ranks + r] : nullptr, mode, lo[r], hi[r]);
-    bits_sum_rows(packed + s * ranks, lo.data(), hi.data(), ranks, numels[s], out[s]);
+    codes_sum_rows(packed + s * ranks, mode ? scalars + s * ranks : none.data(), mode, ranks, numels[s], out[s]);
   }
 }
 
@@ -1286,14 +1341,16 @@ struct PlaneLut {
 };
 #endif
 
-// values of elements [g0*8, g1*8) ∩ [0, n): lut[code] * the norm of its bucket, bucket by bucket
+// values of elements [g0*8, g1*8) ∩ [0, n): lut[code] * the norm of its bucket, bucket by bucket,
+// element i written to out[i - base] (streamed where allowed and the output is large)
 template <int B>
 void qsgd_decode_groups(const uint8_t* packed, int64_t n, int64_t b, const float* lut, const float* norms, float* out,
-                        int64_t g0, int64_t g1, int levels) {
+                        int64_t g0, int64_t g1, int levels, int64_t base = 0, bool may_stream = true) {
   const int64_t nbytes = (n * B + 7) / 8;
+  out -= base;  // (out + i is element i's place; out[i] is only ever written for i >= base)
 #ifdef GRACE_SIMD
   const __m128 vlev = _mm_set1_ps((float)levels);
-  const bool stream = streams(out, 4 * n);
+  const bool stream = may_stream && streams(out + base, 4 * n);
 #endif
   int64_t g = g0;
   while (g < g1) {
@@ -1323,19 +1380,23 @@ void qsgd_decode_groups(const uint8_t* packed, int64_t n, int64_t b, const float
   fence_streams(stream);
 #endif
 }
-}  // namespace
 
-API int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,
-                              const float* norms, float* out) {
-  if (bits < 1 || bits > 8 || levels < 1) return -1;
-  // value of code c before the norm: (sign * level) / levels, as qsgd.py's decompress
-  float lut[256];
+// the value of each code c before the norm: (sign * level) / levels, as qsgd.py's decompress
+void qsgd_code_values(int levels, float* lut) {
   for (int c = 0; c < 256; ++c) {
     float fc = (float)c;
     float level = std::floor(fc / 2.0f);
     float sign = 1.0f - 2.0f * (fc - 2.0f * level);
     lut[c] = sign * level / (float)levels;
   }
+}
+}  // namespace
+
+API int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,
+                              const float* norms, float* out) {
+  if (bits < 1 || bits > 8 || levels < 1) return -1;
+  float lut[256];
+  qsgd_code_values(levels, lut);
   const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
   const int64_t groups = (n + 7) / 8;
   with_width(bits, [&](auto w) {
@@ -1346,41 +1407,121 @@ API int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int6
   return 0;
 }
 
-API void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out) {
-  const int64_t full = n / 8;
-  auto one = [](uint32_t c, bool neg) {
-    float mag;
-    uint32_t b = c << 23;  // 2**(c - 127) for c >= 1 (255: inf, as exp2(128) in float32)
-    std::memcpy(&mag, &b, 4);
-    return (neg ? -1.0f : 1.0f) * mag;
-  };
-  const bool stream = streams(out, 4 * n);
-  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t s = signs[g];
-      const int64_t i0 = 8 * g;
+namespace {
+inline float natural_one(uint32_t c, bool neg) {
+  float mag;
+  uint32_t b = c << 23;  // 2**(c - 127) for c >= 1 (255: inf, as exp2(128) in float32)
+  std::memcpy(&mag, &b, 4);
+  return (neg ? -1.0f : 1.0f) * mag;
+}
+
+// groups [g0, g1) of 8 elements of a natural-compression payload, decoded into dst (dst[0]:
+// element 8 g0)
+void natural_decode_groups(const uint8_t* signs, const uint8_t* codes, int64_t g0, int64_t g1, float* dst,
+                           bool stream) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t s = signs[g];
+    const int64_t i0 = 8 * g;
+    float* const o = dst + 8 * (g - g0);
 #ifdef GRACE_SIMD
-      // sign * magnitude, exactly: the code as exponent bits, the sign bit on top
-      __m128i c = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(uint32_t)load_u64(codes + i0)));
-      __m128i c1 = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(uint32_t)(load_u64(codes + i0) >> 32)));
-      const __m128i sel0 = _mm_setr_epi32(1, 2, 4, 8), sel1 = _mm_setr_epi32(16, 32, 64, 128);
-      const __m128i bb = _mm_set1_epi32(s), sign = _mm_set1_epi32((int)0x80000000u);
-      __m128i s0 = _mm_and_si128(_mm_cmpeq_epi32(_mm_and_si128(bb, sel0), sel0), sign);
-      __m128i s1 = _mm_and_si128(_mm_cmpeq_epi32(_mm_and_si128(bb, sel1), sel1), sign);
-      store4(out + i0, _mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(c, 23), s0)), stream);
-      store4(out + i0 + 4, _mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(c1, 23), s1)), stream);
+    // sign * magnitude, exactly: the code as exponent bits, the sign bit on top
+    __m128i c = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(uint32_t)load_u64(codes + i0)));
+    __m128i c1 = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(uint32_t)(load_u64(codes + i0) >> 32)));
+    const __m128i sel0 = _mm_setr_epi32(1, 2, 4, 8), sel1 = _mm_setr_epi32(16, 32, 64, 128);
+    const __m128i bb = _mm_set1_epi32(s), sign = _mm_set1_epi32((int)0x80000000u);
+    __m128i s0 = _mm_and_si128(_mm_cmpeq_epi32(_mm_and_si128(bb, sel0), sel0), sign);
+    __m128i s1 = _mm_and_si128(_mm_cmpeq_epi32(_mm_and_si128(bb, sel1), sel1), sign);
+    store4(o, _mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(c, 23), s0)), stream);
+    store4(o + 4, _mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(c1, 23), s1)), stream);
 #else
-      for (int j = 0; j < 8; ++j) {
-        uint32_t b = (uint32_t)codes[i0 + j] << 23 | (uint32_t)((s >> j) & 1) << 31;
-        float v;
-        std::memcpy(&v, &b, 4);  // sign * magnitude: exact, the sign bit set on +-2**e and 0
-        out[i0 + j] = v;
-      }
+    (void)stream;
+    for (int j = 0; j < 8; ++j) {
+      uint32_t b = (uint32_t)codes[i0 + j] << 23 | (uint32_t)((s >> j) & 1) << 31;
+      float v;
+      std::memcpy(&v, &b, 4);  // sign * magnitude: exact, the sign bit set on +-2**e and 0
+      o[j] = v;
+    }
 #endif
+  }
+}
+
+// elements [lo, hi) of a natural-compression payload of n elements into dst (lo a multiple of 8)
+void natural_decode_range(const uint8_t* signs, const uint8_t* codes, int64_t lo, int64_t hi, float* dst, bool stream) {
+  const int64_t full = hi / 8;
+  natural_decode_groups(signs, codes, lo / 8, full, dst, stream);
+  for (int64_t i = std::max(lo, 8 * full); i < hi; ++i)
+    dst[i - lo] = natural_one(codes[i], (signs[i / 8] >> (i % 8)) & 1);
+}
+}  // namespace
+
+API void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out) {
+  const bool stream = streams(out, 4 * n);
+  for_chunks(n / 8, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    natural_decode_groups(signs, codes, g0, g1, out + 8 * g0, stream);
+  });
+  natural_decode_range(signs, codes, 8 * (n / 8), n, out + 8 * (n / 8), false);
+  fence_streams(stream);
+}
+
+// ---- decoded sums: every rank's payload of a gradient decoded and added in one pass ----------
+namespace {
+// out = the sum, row after row in float32, of `count` rows decoded by decode(j, lo, hi, dst)
+// (row j's elements [lo, hi) into dst[0, hi - lo)): block by block, row 0 decoded into out and
+// every further row into a buffer in L1, then added.
+template <class Decode>
+void decoded_sum(int64_t count, int64_t n, float* out, const Decode& decode) {
+  constexpr int64_t kBlock = 2048;
+  for_chunks(n, kBlock, threads_for(n), [&](int, int64_t lo, int64_t hi) {
+    alignas(32) float buf[kBlock];
+    for (int64_t b = lo; b < hi; b += kBlock) {
+      const int64_t e = std::min(hi, b + kBlock), m = e - b;
+      float* const o = out + b;
+      decode(0, b, e, o);
+      for (int64_t j = 1; j < count; ++j) {
+        decode(j, b, e, buf);
+        int64_t i = 0;
+#ifdef GRACE_SIMD
+        for (; i + 8 <= m; i += 8) st8(o + i, ld8(o + i) + ld8(buf + i));
+#endif
+        for (; i < m; ++i) o[i] += buf[i];
+      }
     }
   });
-  for (int64_t i = 8 * full; i < n; ++i) out[i] = one(codes[i], (signs[full] >> (i - 8 * full)) & 1);
-  fence_streams(stream);
+}
+}  // namespace
+
+// Segment s of a bucket: the ranks' payloads (signs[s * ranks + r], codes[...]) decoded and added
+// into out[s] (numels[s] elements).
+API void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8_t* const* signs,
+                                        const uint8_t* const* codes, const int64_t* numels, float* const* out) {
+  for (int64_t s = 0; s < segments; ++s) {
+    const uint8_t* const* S = signs + s * ranks;
+    const uint8_t* const* C = codes + s * ranks;
+    decoded_sum(ranks, numels[s], out[s], [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+      natural_decode_range(S[j], C[j], lo, hi, dst, false);
+    });
+  }
+}
+
+// Segment s of a bucket: the ranks' QSGD payloads (packed[s * ranks + r], norms[...]) decoded and
+// added into out[s] (numels[s] elements). Returns < 0 on bad parameters.
+API int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed,
+                                    const float* const* norms, const int64_t* numels, int levels, int64_t bucket,
+                                    int bits, float* const* out) {
+  if (bits < 1 || bits > 8 || levels < 1) return -1;
+  float lut[256];
+  qsgd_code_values(levels, lut);
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t n = numels[s], b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+    const uint8_t* const* P = packed + s * ranks;
+    const float* const* N = norms + s * ranks;
+    with_width(bits, [&](auto w) {
+      decoded_sum(ranks, n, out[s], [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+        qsgd_decode_groups<decltype(w)::value>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, levels, lo, false);
+      });
+    });
+  }
+  return 0;
 }
 
 // ---- selection -------------------------------------------------------------------------------
@@ -1641,83 +1782,138 @@ API int64_t grace_cpu_nonzero(const uint8_t* mask, int64_t n, void* idx, int idx
 // then values = p[idx] and new_r[idx] = p - (0 + p): exactly p - decompress(compress(p)).
 namespace {
 constexpr int64_t kLine = 16;         // floats per sampled cache line
-constexpr int64_t kSampleEvery = 16;  // one line in this many
+constexpr int64_t kSampleEvery = 17;  // one line in this many
 constexpr int64_t kSampledFrom = kLine * kSampleEvery * 64;
 
 // Top-k of p = compensate(g, r) with p stored in new_r, in one pass over memory for most
 // tensors: a sample of whole cache lines (1 in 16) gives a bound t that the k-th largest |p| is
-// above with near certainty (k's share of the sample, plus four standard deviations); the pass
-// computes and stores p and collects the elements with |p| >= t, of which the k largest are
-// chosen. Where the sample misled (fewer than k collected, or far more than expected) the exact
-// histogram path runs on the stored p. (new_r may be r itself: each element is read before
-// it is written, and never read again once written.)
+// above with near certainty (k's share of the sample, plus four standard deviations, rounded
+// down to a 1/64 octave); the pass computes and stores p and collects the elements with
+// |p| >= t (and their p), of which the k largest are chosen. Where the sample misled (fewer
+// than k collected, or far more than expected) the exact histogram path runs on the stored p.
+// (new_r may be r itself: each element is read before it is written, and never read again
+// once written.)
 enum class Sampled { kNotTried, kStored, kChosen };
+
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+// kLanes[m]: the lanes set in the 8-bit mask m, packed to the front, one byte each: a
+// compress-store of 8 lanes without a branch (most masks are empty, at random).
+struct Lanes {
+  uint64_t v[256];
+  constexpr Lanes() : v() {
+    for (int m = 0; m < 256; ++m) {
+      uint64_t packed = 0;
+      int q = 0;
+      for (int j = 0; j < 8; ++j)
+        if (m >> j & 1) packed |= (uint64_t)j << (8 * q++);
+      v[m] = packed;
+    }
+  }
+};
+constexpr Lanes kLanes;
+#endif
+
+// Elements [lo, hi) of the candidate pass: p stored, those with !(|p| < t) appended to
+// at/val from position 0; stops early (returning false) once more than `limit` are found,
+// with p still stored everywhere. GAMMA/BETA: whether g and r are scaled (x * 1 is exact,
+// but the loop without the multiply is the common one).
+template <bool GAMMA, bool BETA>
+bool collect_candidates(const float* g, const float* r, float* p_out, int64_t lo, int64_t hi, float beta,
+                        float gamma, float t, int64_t limit, std::vector<int64_t>& at, std::vector<float>& val) {
+  constexpr int64_t kBlock = 1024;  // elements between checks of the count
+  at.resize(limit + kBlock + 8);
+  val.resize(limit + kBlock + 8);
+  int64_t* const A = at.data();
+  float* const V = val.data();
+  int64_t q = 0, i = lo;
+  auto scalar = [&](int64_t j) {
+    float p = (GAMMA ? g[j] * gamma : g[j]) + (BETA ? r[j] * beta : r[j]);
+    p_out[j] = p;
+    A[q] = j;
+    V[q] = p;
+    q += !(std::fabs(p) < t);
+  };
+  while (i < hi && q <= limit) {
+    const int64_t end = std::min(hi, i + kBlock);
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+    const __m256 vt = _mm256_set1_ps(t), vb = _mm256_set1_ps(beta), vg = _mm256_set1_ps(gamma);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; i + 8 <= end; i += 8) {
+      __m256 a = _mm256_loadu_ps(g + i), b = _mm256_loadu_ps(r + i);
+      if (GAMMA) a = _mm256_mul_ps(a, vg);
+      if (BETA) b = _mm256_mul_ps(b, vb);
+      const __m256 p = _mm256_add_ps(a, b);
+      _mm256_storeu_ps(p_out + i, p);
+      const int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(p, sign), vt, _CMP_NLT_UQ));
+      const __m128i lanes = _mm_cvtsi64_si128((long long)kLanes.v[bits]);
+      const __m256i base = _mm256_set1_epi64x(i);
+      _mm256_storeu_si256((__m256i*)(A + q), _mm256_add_epi64(base, _mm256_cvtepu8_epi64(lanes)));
+      _mm256_storeu_si256((__m256i*)(A + q + 4),
+                          _mm256_add_epi64(base, _mm256_cvtepu8_epi64(_mm_srli_si128(lanes, 4))));
+      _mm256_storeu_ps(V + q, _mm256_permutevar8x32_ps(p, _mm256_cvtepu8_epi32(lanes)));
+      q += __builtin_popcount(bits);
+    }
+#endif
+    for (; i < end; ++i) scalar(i);
+  }
+  for (int64_t j = i; j < hi; ++j)  // (too many: the rest of p only)
+    p_out[j] = (GAMMA ? g[j] * gamma : g[j]) + (BETA ? r[j] * beta : r[j]);
+  at.resize(q);
+  val.resize(q);
+  return q <= limit;
+}
+
 Sampled topk_ef_sampled(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma, int flags,
                         float* new_r, std::vector<int64_t>& sel) {
   if (n < kSampledFrom) return Sampled::kNotTried;
-  // the sample's histogram of |p| (its top bits: an eighth of an octave per bin)
-  constexpr int kShift = 32 - kRadixBits;
-  std::vector<int64_t> hist(kBins, 0);
-  int64_t m = 0;
-  for (int64_t line = 0; line + kLine <= n; line += kLine * kSampleEvery, m += kLine)
+  // the sample's histogram of |p|'s top bits: 8 of the exponent, 6 of the mantissa
+  constexpr int kFineBits = 14, kFineShift = 31 - kFineBits;
+  std::vector<uint32_t> hist(1 << kFineBits, 0);
+  // Every kSampleEvery-th line: a prime stride, so that the sample sees every column of a
+  // matrix (a stride that divides the rows would see the same few columns of every row).
+  const int64_t lines = (n - kLine) / (kLine * kSampleEvery) + 1;
+  constexpr int64_t kAhead = 8 * kLine * kSampleEvery;  // (the hardware may not see the stride)
+  for (int64_t line = 0; line + kLine <= n; line += kLine * kSampleEvery) {
+    if (line + kAhead < n) {
+      __builtin_prefetch(g + line + kAhead);
+      __builtin_prefetch(r + line + kAhead);
+    }
     for (int64_t i = line; i < line + kLine; ++i)
-      hist[KeyOf<float>::key(compensate(g[i], r[i], beta, gamma, flags), true) >> kShift]++;
+      hist[KeyOf<float>::key(compensate(g[i], r[i], beta, gamma, flags), true) >> kFineShift]++;
+  }
+  const int64_t m = lines * kLine;
   const double expected = (double)k * m / n;
   const int64_t rank = std::min<int64_t>(m, (int64_t)std::ceil(expected + 4.0 * std::sqrt(expected) + 16.0));
-  int B = kBins - 1;
+  int B = (1 << kFineBits) - 1;
   for (int64_t above = 0; B > 0 && (above += hist[B]) < rank;) --B;
-  const uint32_t bound = (uint32_t)B << kShift;  // the lower edge of the bin the rank falls in
+  const uint32_t bound = (uint32_t)B << kFineShift;  // the lower edge of the bin the rank falls in
   if (bound == 0) return Sampled::kNotTried;  // (zeros would all be candidates)
   float t;
   std::memcpy(&t, &bound, 4);
   const int64_t cap = std::min<int64_t>(n, 4 * (int64_t)((double)rank * n / m) + 1024);
   const int nc = threads_for(n);
-  std::vector<std::vector<int64_t>> found(nc);
+  std::vector<std::vector<int64_t>> at(nc);
+  std::vector<std::vector<float>> val(nc);
   std::atomic<bool> over{false};
   for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
-    // locals, not captured references: the vector stores may alias anything captured
-    const float* const G = g;
-    const float* const R = r;
-    float* const P = new_r;
-    const int F = flags;
-    const float B = beta, C = gamma, bound_value = t;
     const int64_t limit = cap / nc + 64;
-    std::vector<int64_t> mine;
-    mine.reserve(limit);
-    bool too_many = false;
-    int64_t i = lo;
-#ifdef GRACE_SIMD
-    const F8 vt = set8(bound_value), vb = set8(B), vg = set8(C);
-    for (; i + 8 <= hi && !too_many; i += 8) {
-      F8 a = ld8(G + i), b = ld8(R + i);
-      F8 p = ((F & 1) ? a * vg : a) + ((F & 2) ? b * vb : b);
-      st8(P + i, p);
-      int bits = mask8(nlt8(abs8(p), vt));
-      while (bits) {
-        mine.push_back(i + __builtin_ctz(bits));
-        bits &= bits - 1;
-      }
-      too_many = (int64_t)mine.size() > limit;
+    bool ok;
+    switch (flags & 3) {
+      case 0: ok = collect_candidates<false, false>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]); break;
+      case 1: ok = collect_candidates<true, false>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]); break;
+      case 2: ok = collect_candidates<false, true>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]); break;
+      default: ok = collect_candidates<true, true>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]);
     }
-#endif
-    for (; i < hi && !too_many; ++i) {
-      float p = compensate(G[i], R[i], B, C, F);
-      P[i] = p;
-      if (!(std::fabs(p) < bound_value)) mine.push_back(i);
-      too_many = (int64_t)mine.size() > limit;
-    }
-    if (too_many) {  // the bound is far too low: store p and leave the choice to the exact path
-      over = true;
-      for (; i < hi; ++i) P[i] = compensate(G[i], R[i], B, C, F);
-    }
-    found[c] = std::move(mine);
+    if (!ok) over = true;
   });
   if (over) return Sampled::kStored;
   std::vector<int64_t> cand;
-  for (auto& f : found) cand.insert(cand.end(), f.begin(), f.end());
+  std::vector<uint32_t> cand_key;
+  for (int c = 0; c < nc; ++c) {
+    cand.insert(cand.end(), at[c].begin(), at[c].end());
+    for (float v : val[c]) cand_key.push_back(KeyOf<float>::key(v, true));
+  }
   if ((int64_t)cand.size() < k) return Sampled::kStored;
-  std::vector<uint32_t> cand_key(cand.size());
-  for (size_t j = 0; j < cand.size(); ++j) cand_key[j] = KeyOf<float>::key(new_r[cand[j]], true);
   choose_largest(cand, cand_key, k, sel);
   return Sampled::kChosen;
 }
@@ -1929,4 +2125,50 @@ API int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* 
     scatter_add_apply(ranks, idx + s * ranks, idx_types + s * ranks, values + s * ranks, lengths + s * ranks,
                       numels[s], divisor, dense[s]);
   return 0;
+}
+
+// ---- counter-based uniform draws --------------------------------------------------------------
+namespace {
+// grace/core/draws.py's hash32 of a value below 2**64: the first xor-shift sees all 64 bits,
+// every later step only the low 32 (its products are taken mod 2**32)
+inline uint32_t hash32(uint64_t h) {
+  h ^= h >> 16;
+  uint32_t x = (uint32_t)h * 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  return x ^ (x >> 15);
+}
+
+void uniform_range(int64_t lo, int64_t hi, uint32_t s0, uint32_t s1, float* out) {
+  int64_t j = lo;
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), c1 = _mm256_set1_epi32(0x21F0AAAD),
+                c2 = _mm256_set1_epi32(0x735A2D97), w0 = _mm256_set1_epi32((int)s0), w1 = _mm256_set1_epi32((int)s1);
+  const __m256 unit = _mm256_set1_ps(1.0f / 16777216.0f);
+  auto h8 = [&](__m256i h) {
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, c1);
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+    h = _mm256_mullo_epi32(h, c2);
+    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+  };
+  const int64_t simd_end = std::min<int64_t>(hi, (int64_t)1 << 32);  // (j in 32 bits)
+  for (; j + 8 <= simd_end; j += 8) {
+    const __m256i jj = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)j), lane);
+    const __m256i h = h8(_mm256_xor_si256(h8(_mm256_xor_si256(jj, w0)), w1));
+    _mm256_storeu_ps(out + j - lo, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit));
+  }
+#endif
+  for (; j < hi; ++j) out[j - lo] = (float)(hash32(hash32((uint64_t)j ^ s0) ^ s1) >> 8) * (1.0f / 16777216.0f);
+}
+}  // namespace
+
+API void grace_cpu_uniform_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
+                                    float* out) {
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t n = numels[s];
+    for_chunks(n, 64, threads_for(n),
+               [&](int, int64_t lo, int64_t hi) { uniform_range(lo, hi, s0[s], s1[s], out + lo); });
+    out += n;
+  }
 }

@@ -804,11 +804,18 @@ API int grace_cuda_onebit_decode(const uint8_t* packed, int64_t n, const float* 
 
 __global__ void k_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode,
                            float* out) {
-  const int64_t row = (n + 7) / 8;
+  const int64_t row = mode == 3 ? (2 * n + 7) / 8 : (n + 7) / 8;
   GRID_STRIDE(i, n) {
     float acc = 0.0f;
     for (int64_t j = 0; j < count; ++j) {
       float lo, hi;
+      if (mode == 3) {  // TernGrad: 2-bit codes 0, +s, -s, -s
+        const float s = scalars[j];
+        const int code = (packed[j * row + (i >> 2)] >> (2 * (i & 3))) & 3;
+        const float v = code == 0 ? __fmul_rn(0.0f, s) : code == 1 ? __fmul_rn(1.0f, s) : __fmul_rn(-1.0f, s);
+        acc = j ? __fadd_rn(acc, v) : v;
+        continue;
+      }
       if (mode == 2) {
         const float mu0 = scalars[2 * j], d = __fsub_rn(scalars[2 * j + 1], mu0);
         lo = __fadd_rn(mu0, __fmul_rn(0.0f, d));

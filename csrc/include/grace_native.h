@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 4
+#define GRACE_NATIVE_ABI 5
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -61,9 +61,10 @@ void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float* sc
 int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,
                           const float* norms, float* out);
 void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out);
-/* the sum of `count` decoded rows of bits (row j: ceil(n/8) bytes at packed + j*ceil(n/8)), row
- * after row in float32: mode 0 signSGD (+-1), 1 scaled sign (scalars[j] each), 2 1-bit SGD
- * (scalars[2j], scalars[2j+1]: the two means), each decoded as its decoder above does */
+/* the sum of `count` decoded rows of codes (row j: ceil(n*b/8) bytes at packed + j*ceil(n*b/8)),
+ * row after row in float32: mode 0 signSGD (+-1), 1 scaled sign (scalars[j] each), 2 1-bit SGD
+ * (scalars[2j], scalars[2j+1]: the two means), all of b = 1 bit; 3 TernGrad (b = 2 bits, its
+ * scale scalars[j]); each decoded as its decoder above does */
 void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const float* scalars, int mode, float* out);
 /* out = p - the decoded bits (mode as bits_sum; out may be p): a sign-family residual in one pass */
 void grace_cpu_bits_residual(const float* p, const uint8_t* packed, int64_t n, const float* scalars, int mode,
@@ -72,6 +73,19 @@ void grace_cpu_bits_residual(const float* p, const uint8_t* packed, int64_t n, c
  * scalars at scalars[s * ranks + r] (NULL for mode 0), into out[s] (numels[s] elements) */
 void grace_cpu_bits_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed,
                                  const float* const* scalars, int mode, const int64_t* numels, float* const* out);
+
+/* decoded sums of a bucket: segment s's ranks' payloads (rank r's at [s * ranks + r]) decoded as
+ * their decoders above do and added row after row in float32, into out[s] (numels[s] elements) */
+int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed, const float* const* norms,
+                                const int64_t* numels, int levels, int64_t bucket, int bits, float* const* out);
+void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8_t* const* signs,
+                                    const uint8_t* const* codes, const int64_t* numels, float* const* out);
+
+/* counter-based uniform draws: draw j (0 <= j < numels[s]) of segment s is
+ * (h(h(j ^ s0[s]) ^ s1[s]) >> 8) * 2^-24, h a 32-bit integer hash (grace/core/draws.py), written
+ * in a row into out (the segments one after another) */
+void grace_cpu_uniform_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
+                                float* out);
 
 /* selection. topk: the k largest (by value, or by magnitude when by_abs), ties to the lowest
  * index, indices ascending. Returns the count written, < 0 on bad arguments. */

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from grace.core import bits as bits_
+from grace.core import draws
 
 
 def _np_dtype(name: str):
@@ -170,8 +171,8 @@ class NumpyBackend:
         return np.sqrt(np.sum(np.square(x, dtype=np.promote_types(x.dtype, np.float32)), axis=axis))
 
     def uniform(self, numel: int, seed, like=None):
-        """float32 draws in [0, 1) from the (key, step) ``seed``, by NumPy's generator."""
-        return np.random.default_rng(list(seed)).random(numel, dtype=np.float32)
+        """float32 draws in [0, 1) from the (key, step) ``seed``: counter-based (grace.core.draws)."""
+        return draws.uniform_numpy([numel], [seed])
 
     def random_indices(self, numel: int, k: int, seed, like=None):
         """k distinct indices below ``numel``, drawn from ``seed``, sorted (int64)."""
@@ -179,7 +180,7 @@ class NumpyBackend:
 
     def uniform_segments(self, counts, seeds, like=None):
         """``uniform(counts[s], seeds[s])`` for every s, in a row."""
-        return _joined([self.uniform(c, seed) for c, seed in zip(counts, seeds)], np.float32)
+        return draws.uniform_numpy(counts, seeds) if len(counts) else np.zeros(0, np.float32)
 
     def random_indices_segments(self, numels, ks, seeds, like=None):
         """``random_indices(numels[s], ks[s], seeds[s])`` for every s, in a row."""

@@ -27,6 +27,7 @@ import tensorflow as tf
 from grace import native as _native
 from grace.backends.numpy_backend import NumpyBackend
 from grace.core import bits as bits_
+from grace.core import draws
 from grace.tensorflow.graph_kernels import device_of as _device, graph_fused, on_gpu as _on_gpu
 
 _NUMPY = NumpyBackend()  # the host draws: uniform and random_indices off the GPU
@@ -325,13 +326,14 @@ class TensorflowBackend:
         return tf.sqrt(tf.reduce_sum(tf.square(tf.cast(x, acc)), axis=axis))
 
     def uniform(self, numel: int, seed, like=None):
-        """float32 draws in [0, 1) from the (key, step) ``seed``. Off the GPU they are NumPy's,
-        equal to the NumPy backend's (a graph constant inside tf.function, or a host call
-        when the step is a tensor there); on a GPU a stateless TensorFlow generator's."""
+        """float32 draws in [0, 1) from the (key, step) ``seed``. Off the GPU they are the
+        counter-based draws of every backend (grace.core.draws; a graph constant inside
+        tf.function, or a host call when the step is a tensor there); on a GPU a stateless
+        TensorFlow generator's."""
         if _on_gpu(like):
             with tf.device(_device(like)):
                 return tf.random.stateless_uniform((numel,), seed=_stateless_seed(seed), dtype=tf.float32)
-        return _host_draw(lambda s: _NUMPY.uniform(numel, s), seed, (numel,), tf.float32, like)
+        return _host_draw(lambda s: draws.uniform_host([numel], [s]), seed, (numel,), tf.float32, like)
 
     def random_indices(self, numel: int, k: int, seed, like=None):
         """k distinct indices below ``numel``, drawn from ``seed``, sorted (int64): NumPy's off

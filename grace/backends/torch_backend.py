@@ -8,40 +8,14 @@ import torch
 
 from grace import native as _native
 from grace.core import bits as bits_
+from grace.core import draws
 from grace.backends.numpy_backend import NumpyBackend
 
 
 _numpy_backend = NumpyBackend()
 
 
-# --- draws on an accelerator: counter-based -------------------------------------------------
-# Draw j of a (key, step) seed is a hash of (j, seed): any number of tensors' draws come from a
-# few whole-buffer ops, with no generator per tensor, and a bucket's segments draw exactly what
-# each of its tensors draws alone. The arithmetic stays in int64 below 2**63 (no overflow).
-_M32 = 0xFFFFFFFF
-
-
-def _seed_words(seed) -> tuple:
-    """The (key, step) seed mixed into two 32-bit words (splitmix64's finalizer)."""
-    key, step = seed
-    m = (int(key) * 0x9E3779B97F4A7C15 + (int(step) + 1) * 0xD1B54A32D192ED03) % 2**64
-    m = ((m ^ (m >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    m = ((m ^ (m >> 27)) * 0x94D049BB133111EB) % 2**64
-    m ^= m >> 31
-    return m & _M32, m >> 32
-
-
-def _hash32(h):
-    """A 32-bit integer hash (a bijection in which every input bit moves every output bit;
-    constants from C. Wellons' hash prospector, below 2**31 so that products of 32-bit values
-    stay in int64: two ops per multiplication)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x21F0AAAD) & _M32
-    h = h ^ (h >> 15)
-    h = (h * 0x735A2D97) & _M32
-    return h ^ (h >> 15)
-
-
+# --- draws: counter-based (grace.core.draws) -------------------------------------------------
 def _int64s(values, device):
     """Host ints as an int64 tensor on ``device``; to a GPU from pinned memory, so that the
     copy is queued on the stream without waiting for it."""
@@ -60,15 +34,14 @@ def _segments(counts, device):
 def _counter_hashes(counts, seeds, device):
     """(32-bit hashes of draws 0 .. counts[s] - 1 of each seed, in a row (int64); each draw's
     segment; each segment's start). One set of whole-buffer ops, however many segments."""
-    words = _int64s([_seed_words(seed) for seed in seeds], device)
+    words = _int64s([draws.seed_words(seed) for seed in seeds], device)
     segment, starts, j = _segments(counts, device)  # j: each draw's number within its seed
-    s0, s1 = words[:, 0][segment], words[:, 1][segment]
-    return _hash32(_hash32(j ^ s0) ^ s1), segment, starts
+    return draws.draw_hashes(j, (words[:, 0][segment], words[:, 1][segment])), segment, starts
 
 
-def _counter_draws(device) -> bool:
-    """Whether draws on ``device`` are counter-based (accelerators; on a CPU they are NumPy's,
-    equal to the NumPy backend's)."""
+def _counter_indices(device) -> bool:
+    """Whether random indices on ``device`` come from the counter-based draws (accelerators; on
+    a CPU they are NumPy's generator's, equal to the NumPy backend's)."""
     return device.type != "cpu"
 
 
@@ -235,18 +208,17 @@ class TorchBackend:
         return torch.linalg.vector_norm(x) if axis is None else torch.linalg.vector_norm(x, dim=axis)
 
     def uniform(self, numel: int, seed, like=None):
-        """float32 draws in [0, 1). On the CPU they come from NumPy's generator, so they equal
-        the NumPy backend's; on a GPU they are counter-based (see ``uniform_segments``)."""
+        """float32 draws in [0, 1), counter-based (grace.core.draws): every backend's."""
         return self.uniform_segments([int(numel)], [seed], like)
 
     def uniform_segments(self, counts, seeds, like=None):
-        """``uniform(counts[s], seeds[s])`` for every s, in a row. On a GPU draw j of a seed is
-        (hash(j, seed) >> 8) / 2**24, for all segments at once."""
+        """``uniform(counts[s], seeds[s])`` for every s, in a row: on a CPU by one native call
+        where built, elsewhere by whole-buffer ops for all segments at once."""
         device = like.device if like is not None else torch.device("cpu")
-        if not _counter_draws(device):
-            return torch.from_numpy(_numpy_backend.uniform_segments(counts, seeds))
+        if device.type == "cpu":
+            return torch.from_numpy(draws.uniform_host(counts, seeds))
         hashes, _, _ = _counter_hashes(counts, seeds, device)
-        return (hashes >> 8).to(torch.float32) * 2.0**-24
+        return (hashes >> 8).to(torch.float32) * draws.UNIT
 
     def random_indices(self, numel: int, k: int, seed, like=None):
         return self.random_indices_segments([int(numel)], [int(k)], [seed], like)
@@ -256,7 +228,7 @@ class TorchBackend:
         segment's indices are those of its ks[s] smallest hashes (ties: the lowest index),
         from one stable sort of (segment, hash) over all segments."""
         device = like.device if like is not None else torch.device("cpu")
-        if not _counter_draws(device):
+        if not _counter_indices(device):
             return torch.from_numpy(_numpy_backend.random_indices_segments(numels, ks, seeds))
         hashes, segment, starts = _counter_hashes(numels, seeds, device)
         order = torch.sort((segment << 32) | hashes, stable=True).indices  # each segment's elements, in a row

@@ -23,6 +23,7 @@ class Natural(Compressor):
     collective = Collective.ALLGATHER
     unbiased = True
     new_payload = True
+    sum_kernel = "natural_decompress_sum"
 
     def __init__(self, seed: int = 0):
         self.seed = seed

@@ -7,6 +7,7 @@ With ``scale=True`` the values are multiplied by d/k, which makes the estimate u
 import numpy as np
 
 from grace.core.compressor import Collective, Compressor, Shape, check_ratio, sent_count
+from grace.native import NativeUnavailable
 from grace.core.compression import GradientCompression
 from grace.core.registry import example, register
 from grace.memories import make_memory
@@ -44,6 +45,28 @@ class RandomK(Compressor):
     def decompress(self, xp, payload, ctx):
         shape, indices = ctx
         return xp.reshape(xp.scatter_add(indices, payload[0], shape.numel), shape.shape)
+
+    def residual_into(self, xp, p, payload, ctx, out):
+        """p - decompress(payload) is p, but p - (0 + sent value) at the sent indices: written
+        into ``out`` (a mutable backend's buffer, p itself where it can) without a dense
+        decompression."""
+        if out is not p:
+            xp.assign(out, p)
+        flat = xp.flatten(out)
+        indices = ctx[1]
+        xp.put(flat, indices, xp.gather(flat, indices) - (payload[0] + 0.0))
+        return out
+
+    def averaged_many(self, xp, summed, ctxs, n: int, outs):
+        """Every gradient's summed values, decompressed and divided by n, written into ``outs``
+        in one native call (0 + v / n, which is (0 + v) / n to the bit)."""
+        fused = xp.fused("scatter_add_segments_into", outs[0], xp.dtype(outs[0]))
+        if not fused:
+            return None
+        try:
+            return fused([[(payload[0], ctx[1])] for payload, ctx in zip(summed, ctxs)], outs, n)
+        except NativeUnavailable:
+            return None
 
     # --- a bucket at once: each segment's own draw, one gather and one scatter -------------
     segmented = True

@@ -17,6 +17,7 @@ class TernGrad(Compressor):
     collective = Collective.ALLGATHER
     unbiased = True
     new_payload = True
+    sum_kernel = "terngrad_decompress_sum"
 
     def __init__(self, seed: int = 0):
         self.seed = seed

@@ -103,10 +103,11 @@ def _order(dtypes: Sequence[str]) -> List[int]:
     return sorted(range(len(dtypes)), key=lambda i: -ITEMSIZE[dtypes[i]])  # stable
 
 
-def frame(xp, pieces: Sequence, with_header: bool, like, flag=None) -> Any:
+def frame(xp, pieces: Sequence, with_header: bool, like, flag=None, concat=None) -> Any:
     """One rank's frame for the payload tensors ``pieces`` (all units' payloads, in order),
-    with the overflow ``flag`` (a one-element tensor) where given. Under a TensorFlow trace a
-    variable length is a tensor: the frame is built with ops."""
+    with the overflow ``flag`` (a one-element tensor) where given; ``concat`` joins its byte
+    parts (default ``xp.concat``; the exchange's joins into a reused buffer). Under a
+    TensorFlow trace a variable length is a tensor: the frame is built with ops."""
     flat = [xp.flatten(t) for t in pieces]
     parts = []
     if with_header:
@@ -117,23 +118,23 @@ def frame(xp, pieces: Sequence, with_header: bool, like, flag=None) -> Any:
             header = _lengths(xp, flat)
         parts.append(xp.to_bytes(header))
     parts.extend(xp.to_bytes(flat[i]) for i in _order([xp.dtype(t) for t in flat]))
-    return _padded(xp, parts, like, flag)
+    return _padded(xp, parts, like, flag, concat)
 
 
-def dense_frame(xp, flat, pieces: int, like, flag=None) -> Any:
+def dense_frame(xp, flat, pieces: int, like, flag=None, concat=None) -> Any:
     """A variable-length frame that carries the bucket's dense values instead of its encoding."""
     header = xp.cast(xp.asarray([DENSE] + [0] * (pieces - 1), like=like), "int64")
-    return _padded(xp, [xp.to_bytes(header), xp.to_bytes(flat)], like, flag)
+    return _padded(xp, [xp.to_bytes(header), xp.to_bytes(flat)], like, flag, concat)
 
 
-def _padded(xp, parts, like, flag=None):
+def _padded(xp, parts, like, flag=None, concat=None):
     if flag is not None:
         parts = [*parts, xp.cast(flag, "uint8")]
     size = sum(xp.numel(p) for p in parts)
     pad = -size % ALIGN
     if not isinstance(pad, int) or pad:
         parts = [*parts, xp.zeros(pad, "uint8", like=like)]
-    return xp.concat(parts) if len(parts) > 1 else parts[0]
+    return (concat or xp.concat)(parts) if len(parts) > 1 else parts[0]
 
 
 def frame_size(counts: Sequence, dtypes: Sequence[str], with_header: bool, flagged: bool = False):

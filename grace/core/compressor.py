@@ -108,6 +108,10 @@ class Compressor:
     #: an inf or NaN in the input reaches every rank's result by itself, and the method keeps
     #: no state: with no memory either, the exchange need not flag overflows
     passes_nonfinite: bool = False
+    #: the payload's first tensor holds an inf or a NaN wherever the input does (top-k: they rank
+    #: above every number, and k >= 1): the overflow flag is read from the few values sent
+    #: instead of from a pass over the gradient
+    selects_nonfinite: bool = False
     #: the per-tensor state is the same on every rank (PowerSGD's Q), not the rank's own
     shared_state: bool = False
     #: E[decompress(compress(x))] = x: its rounding or scaling is right on average
@@ -123,7 +127,8 @@ class Compressor:
     #: a buffer that the step writes again (the new memory over p) before the payload is sent
     new_payload: bool = False
     #: grace.native's kernel that decodes every rank's payload of a tensor and adds them in one
-    #: pass (each payload tensor of all ranks concatenated), where it has one
+    #: pass (each payload tensor of all ranks concatenated; then ``segment_arguments``), where
+    #: it has one
     sum_kernel: str = ""
 
     def compress(self, xp, x, info: TensorInfo) -> Tuple[Payload, Any]:
@@ -232,8 +237,9 @@ class Compressor:
         return divided(xp, total, n, fresh)
 
     def residual_into(self, xp, p, payload: Payload, ctx, out):
-        """p - decompress(payload) written into ``out`` (which may be ``p``) in one native pass,
-        where the method has one; None otherwise."""
+        """p - decompress(payload) written into ``out`` (which may be ``p``) without a dense
+        decompression (one native pass, or a write at the sent elements), where the method
+        has a way; None otherwise."""
         return None
 
     def aggregate_many(self, xp, payloads: Sequence[Sequence[Payload]], ctxs, outs) -> Any:
@@ -244,11 +250,17 @@ class Compressor:
         if not fused:
             return None
         try:
-            fused(payloads, outs)
+            fused(payloads, outs, *self.segment_arguments())
         except NativeUnavailable:  # (an output that is not contiguous float32)
             return None
         n = len(payloads[0])
         return [written(xp, self.from_sum(xp, total, n, True), total) for total in outs]
+
+    def averaged_many(self, xp, summed: Sequence[Payload], ctxs, n: int, outs) -> Any:
+        """Allreduce methods: ``decompress`` of every gradient's summed payload divided by n, to
+        the bit, written into ``outs`` in one native call where the method has one: the list
+        of ``outs``, else None (the exchange then decompresses gradient by gradient)."""
+        return None
 
     def decompressed_sum(self, xp, payloads: Sequence[Payload], ctx) -> Any:
         """The sum of the payloads' decompressions, payload after payload (a new tensor where
@@ -256,7 +268,7 @@ class Compressor:
         fused = xp.fused(self.sum_kernel, payloads[0][0], ctx.dtype) if self.sum_kernel else None
         if fused:
             rows = [xp.concat([xp.flatten(p[i]) for p in payloads]) for i in range(len(payloads[0]))]
-            return xp.reshape(fused(*rows, ctx.numel), ctx.shape)
+            return xp.reshape(fused(*rows, ctx.numel, *self.segment_arguments()), ctx.shape)
         total = self.decompress(xp, payloads[0], ctx)
         for i, payload in enumerate(payloads[1:]):
             x = self.decompress(xp, payload, ctx)

@@ -35,6 +35,8 @@ through by themselves (``none``, ``fp16`` without memory) send no flag.
 """
 from __future__ import annotations
 
+import functools
+
 import os
 import pickle
 import socket
@@ -222,6 +224,10 @@ class Exchange:
         self._buffers: Dict[str, Any] = {}  # reused per name: flat gradients, joined payloads
         self._spares: Dict[str, Any] = {}  # per unit (bucket or gradient): where its next memory is written
         self._guarded = compression.flags_overflow
+        # the flag read from the payload where p = compensate(g) keeps g's infs and NaNs (an
+        # elementwise memory: sums and products of each element)
+        self._flag_from_payload = self._guarded and compression.compressor.selects_nonfinite \
+            and compression.memory.elementwise
         self._journal: Dict[tuple, Any] = {}  # (table, key): its value before this step
         self._overflows: List[Any] = []  # per exchange of this step: how many ranks flagged one
         self._tensors: set = set()  # (name, shape, dtype) of every gradient expected or planned
@@ -273,7 +279,7 @@ class Exchange:
         step = self._next_step(name, g)
         info = TensorInfo(name=name, step=step, world_size=self.communicator.size,
                           rank=self.communicator.rank)
-        flag = xp.nonfinite([g]) if self._guarded else None
+        flag = xp.nonfinite([g]) if self._guarded and not self._flag_from_payload else None
         self.stats.add(0, 4 * xp.numel(g))
 
         memory_state = store.get("memory", name, lambda t: memory.init(xp, t), g)
@@ -284,6 +290,7 @@ class Exchange:
             if fused is not None:
                 payload, ctx, memory_state = fused
                 self._set("memory", name, memory_state)
+                flag = xp.nonfinite(payload[:1]) if self._flag_from_payload else flag
                 return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
         p = memory.compensate(xp, g, memory_state)
         if compressor.multi_round:
@@ -293,6 +300,7 @@ class Exchange:
 
         payload, ctx, state = compressor.step(xp, p, info, state)
         self._set("state", name, state)
+        flag = xp.nonfinite(payload[:1]) if self._flag_from_payload else flag
         if memory.needs_feedback:
             with self._phase("feedback"):
                 p_hat = compressor.decompress(xp, payload, ctx)
@@ -533,7 +541,7 @@ class Exchange:
             states.append(store.get("state", u.name, lambda t: compressor.init_state(xp, t, first), g_u))
             old.append(store.get("memory", u.name, lambda t: memory.init(xp, t), g_u))
         pending = BucketPending(bucket, xp, units, g, old)
-        if self._guarded:
+        if self._guarded and not self._flag_from_payload:
             pending.flag = xp.nonfinite(g_units)
 
         if compressor.multi_round:
@@ -579,6 +587,8 @@ class Exchange:
             payloads.append(payload)
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
+        if self._flag_from_payload:
+            pending.flag = xp.nonfinite([payload[0] for payload in payloads])
 
         if self.compression.collective is Collective.ALLREDUCE:
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, pending.flag)
@@ -692,9 +702,11 @@ class Exchange:
                 g_hat, overflow = self._finish_bucket_rounds(pending)
             elif self.compression.collective is Collective.ALLREDUCE:
                 summed, overflow, fresh = pending.wait()  # (its allreduce waits are timed inside)
+                g_hat = compressor.averaged_many(xp, summed, pending.ctxs, self.communicator.size, unit_outs) \
+                    if all(o is not None for o in unit_outs) else None
                 # A new sum is the exchange's own: averaged in place, no gradient-sized allocation
-                g_hat = [self._averaged(xp, compressor.decompress(xp, payload, ctx), fresh, out)
-                         for payload, ctx, out in zip(summed, pending.ctxs, unit_outs)]
+                g_hat = g_hat or [self._averaged(xp, compressor.decompress(xp, payload, ctx), fresh, out)
+                                  for payload, ctx, out in zip(summed, pending.ctxs, unit_outs)]
             else:
                 g_hat, overflow = self._aggregate_frames(pending, unit_outs)
             if whole:
@@ -709,17 +721,20 @@ class Exchange:
 
     def _joined(self, xp, name: str, tensors):
         """1-d ``tensors`` as one, in a buffer kept per ``name`` where the backend's tensors
-        are mutable (it is free again once the step's collective has been awaited)."""
+        are mutable (it is free again once the step's collective has been awaited): no step
+        maps and faults in fresh pages for it. A buffer outgrown (a variable-length frame) is
+        replaced by one an eighth larger than needed."""
         if len(tensors) == 1:
             return tensors[0]
         if not xp.mutable_tensors:
             return xp.concat(tensors)
         numel, dtype = sum(xp.numel(t) for t in tensors), xp.dtype(tensors[0])
         buffer = self._buffers.get(name)
-        if buffer is None or xp.numel(buffer) != numel or xp.dtype(buffer) != dtype \
+        if buffer is None or xp.numel(buffer) < numel or xp.dtype(buffer) != dtype \
                 or xp.device(buffer) != xp.device(tensors[0]):
-            buffer = self._buffers[name] = xp.zeros(numel, dtype, like=tensors[0])
-        return xp.concat_into(tensors, buffer)
+            grown = numel if buffer is None else numel + numel // 8
+            buffer = self._buffers[name] = xp.zeros(grown, dtype, like=tensors[0])
+        return xp.concat_into(tensors, buffer if xp.numel(buffer) == numel else buffer[:numel])
 
     def _spare_memory(self, key: str, xp, current):
         """``key``'s spare memory buffer (taken out), like ``current``, to write a new value into;
@@ -773,7 +788,8 @@ class Exchange:
         pending.dtypes = [xp.dtype(t) for t in pieces]
         pending.counts = [xp.numel(t) for t in pieces]
         flag, flagged = pending.flag, pending.flag is not None
-        frame = frames.frame(xp, pieces, variable, g, flag)
+        join = functools.partial(self._joined, xp, f"{bucket.key}.frame")
+        frame = frames.frame(xp, pieces, variable, g, flag, join)
         header = 8 * len(pieces) if variable else 0
         dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False, flagged) + header
         # Fixed-length methods: every rank decides alike. A length known only when a traced
@@ -781,8 +797,8 @@ class Exchange:
         if isinstance(xp.numel(frame), int) and xp.numel(frame) > dense_size:
             pending.sent_dense = True
             p = _concat(xp, compensated())
-            frame = (frames.dense_frame(xp, p, len(pieces), g, flag) if variable
-                     else frames.frame(xp, [p], False, g, flag))
+            frame = (frames.dense_frame(xp, p, len(pieces), g, flag, join) if variable
+                     else frames.frame(xp, [p], False, g, flag, join))
         return self._send_frame(pending, frame, variable)
 
     def _send_frame(self, pending: "BucketPending", frame, variable: bool) -> int:

@@ -60,15 +60,18 @@ __all__ = [
     "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
     "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into",
     "efsignsgd_residual_into", "enabled", "fused", "load_error", "natural_compress",
-    "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "nonzero",
+    "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "natural_decompress_sum",
+    "natural_decompress_sum_into", "nonzero",
     "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
     "onebit_decompress_sum", "onebit_decompress_sum_into", "onebit_residual_into", "pack", "qsgd_compress",
-    "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments", "scatter_add", "scatter_add_many",
+    "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments", "qsgd_decompress_sum",
+    "qsgd_decompress_sum_into", "scatter_add", "scatter_add_many",
     "scatter_add_segments_into", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
     "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports", "terngrad_compress",
-    "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments", "threshold_compress",
+    "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",
+    "terngrad_decompress_sum", "terngrad_decompress_sum_into", "threshold_compress",
     "threshold_ef_step", "threshold_indices", "topk_compress", "topk_compress_segments", "topk_ef_step",
-    "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "unpack",
+    "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack",
 ]
 
 _FLOATS = ("float16", "bfloat16", "float32")
@@ -361,8 +364,9 @@ def onebit_decompress(packed, means, numel: int):
 
 # --- the sign family's aggregate: every rank's bits decoded and added in one pass -------------
 # the kernels' modes (as the C code's row_values) and the float32 scalars each row carries
-_SIGNSGD, _EFSIGNSGD, _ONEBIT = 0, 1, 2
-_SCALARS = {_SIGNSGD: 0, _EFSIGNSGD: 1, _ONEBIT: 2}  # none, a scale, two means
+_SIGNSGD, _EFSIGNSGD, _ONEBIT, _TERNGRAD = 0, 1, 2, 3
+_SCALARS = {_SIGNSGD: 0, _EFSIGNSGD: 1, _ONEBIT: 2, _TERNGRAD: 1}  # none, a scale, two means, a scale
+_CODE_BITS = {_SIGNSGD: 1, _EFSIGNSGD: 1, _ONEBIT: 1, _TERNGRAD: 2}
 
 
 def _bits_sum(mode: int, packed_rows, scalars, numel: int):
@@ -372,12 +376,12 @@ def _bits_sum(mode: int, packed_rows, scalars, numel: int):
     out = _decode_out(kind, numel)
     if numel <= 0:
         return _wrap(kind, out)
-    row = packed_size(numel, 1)
+    row = packed_size(numel, _CODE_BITS[mode])
     count = p.n // row
     s = _same_kind(kind, scalars, "float32") if per_row else None
     if p.dtype != "uint8" or count < 1 or p.n != count * row or (s is not None and s.n != per_row * count):
         raise ValueError(f"{p.n} packed bytes ({p.dtype}) and {s.n if s else 0} scalars are not rows of "
-                         f"{numel} bits with {per_row} scalars each")
+                         f"{numel} {_CODE_BITS[mode]}-bit codes with {per_row} scalars each")
     call(kind, "bits_sum", p.ptr, count, int(numel), s.ptr if s is not None else None, mode, out.ptr)
     return _wrap(kind, out)
 
@@ -542,6 +546,90 @@ def natural_decompress(signs, codes, numel: int):
     out = _decode_out(kind, numel)
     call(kind, "natural_decode", s.ptr, c.ptr, out.n, out.ptr)
     return _wrap(kind, out)
+
+
+# --- decoded sums: every rank's payload of a gradient decoded and added in one pass (CPU) ---------
+def _rows(buf: Buf, count: int, itemsize: int, per_row: int):
+    """A C array of the pointers to ``count`` rows of ``per_row`` items in a row in ``buf``."""
+    return (ctypes.c_void_p * count)(*[buf.ptr + j * per_row * itemsize for j in range(count)])
+
+
+def _check_sums(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"the payloads are not rows of {what}")
+
+
+def qsgd_decompress_sum(packed_rows, norms_rows, numel: int, levels: int, bucket_size: int = 0):
+    """The sum, row after row in float32, of qsgd_decompress of each rank's row (its packed
+    codes and norms, every rank's concatenated)."""
+    kind = _cpu_kind(packed_rows)
+    p, nb = kind.flat(packed_rows), _same_kind(kind, norms_rows, "float32")
+    out = _decode_out(kind, numel)
+    if numel <= 0:
+        return _wrap(kind, out)
+    bits, rows = code_width(2 * (levels + 1)), _qsgd_rows(numel, bucket_size)
+    size = packed_size(numel, bits)
+    count = p.n // size
+    _check_sums(p.dtype == "uint8" and count >= 1 and p.n == count * size and nb.n == count * rows,
+                f"{numel} {bits}-bit codes with {rows} norms each")
+    rc = call(kind, "qsgd_sum_segments", 1, count, _rows(p, count, 1, size), _rows(nb, count, 4, rows),
+              _int64s([numel]), int(levels), int(bucket_size), bits, _pointers([out]))
+    if rc != 0:
+        raise ValueError(f"bad QSGD parameters: levels={levels}")
+    return _wrap(kind, out)
+
+
+def qsgd_decompress_sum_into(payloads, outs, levels: int, bucket_size: int = 0):
+    """qsgd_decompress_sum of every gradient of a bucket in one call (CPU), written into
+    ``outs``: ``payloads[s]`` holds each rank's payload (codes, norms) of gradient s."""
+    kind = _cpu_kind(outs[0])
+    ranks, bits = len(payloads[0]), code_width(2 * (levels + 1))
+    ob = [_in_place(kind, o, "float32") for o in outs]
+    packed = [_same_kind(kind, p[0]) for rows in payloads for p in rows]
+    norms = [_same_kind(kind, p[1], "float32") for rows in payloads for p in rows]
+    sizes = [(packed_size(o.n, bits), _qsgd_rows(o.n, bucket_size)) for o in ob for _ in range(ranks)]
+    _check_sums(all(len(rows) == ranks for rows in payloads)
+                and all(p.dtype == "uint8" and p.n == size and q.n == rows
+                        for p, q, (size, rows) in zip(packed, norms, sizes)), f"{bits}-bit codes with their norms")
+    rc = call(kind, "qsgd_sum_segments", len(ob), ranks, _pointers(packed), _pointers(norms),
+              _int64s([o.n for o in ob]), int(levels), int(bucket_size), bits, _pointers(ob))
+    if rc != 0:
+        raise ValueError(f"bad QSGD parameters: levels={levels}")
+    return outs
+
+
+def natural_decompress_sum(signs_rows, codes_rows, numel: int):
+    """The sum, row after row in float32, of natural_decompress of each rank's row (its sign
+    bits and exponent codes, every rank's concatenated)."""
+    kind = _cpu_kind(signs_rows)
+    sb, cb = kind.flat(signs_rows), _same_kind(kind, codes_rows)
+    out = _decode_out(kind, numel)
+    if numel <= 0:
+        return _wrap(kind, out)
+    size = packed_size(numel, 1)
+    count = sb.n // size
+    _check_sums(sb.dtype == cb.dtype == "uint8" and count >= 1 and sb.n == count * size and cb.n == count * numel,
+                f"{numel} sign bits and exponent codes")
+    call(kind, "natural_sum_segments", 1, count, _rows(sb, count, 1, size), _rows(cb, count, 1, numel),
+         _int64s([numel]), _pointers([out]))
+    return _wrap(kind, out)
+
+
+def natural_decompress_sum_into(payloads, outs):
+    """natural_decompress_sum of every gradient of a bucket in one call (CPU), written into
+    ``outs``: ``payloads[s]`` holds each rank's payload (sign bits, codes) of gradient s."""
+    kind = _cpu_kind(outs[0])
+    ranks = len(payloads[0])
+    ob = [_in_place(kind, o, "float32") for o in outs]
+    signs = [_same_kind(kind, p[0]) for rows in payloads for p in rows]
+    codes = [_same_kind(kind, p[1]) for rows in payloads for p in rows]
+    numels = [o.n for o in ob for _ in range(ranks)]
+    _check_sums(all(len(rows) == ranks for rows in payloads)
+                and all(a.dtype == b.dtype == "uint8" and a.n == packed_size(n, 1) and b.n == n
+                        for a, b, n in zip(signs, codes, numels)), "sign bits and exponent codes")
+    call(kind, "natural_sum_segments", len(ob), ranks, _pointers(signs), _pointers(codes), _int64s([o.n for o in ob]),
+         _pointers(ob))
+    return outs
 
 
 # --- top-k, segment by segment ----------------------------------------------------------------
@@ -738,7 +826,8 @@ def threshold_ef_step(g, residual, threshold: float, beta: float = 1.0, gamma: f
 def _in_place(kind, x, dtype: str) -> Buf:
     """``x`` as a buffer the kernel writes into: x's own memory, contiguous, of ``dtype``."""
     b = _same_kind(kind, x)
-    if b.dtype != dtype or b.obj is not x and (kind.name != "torch" or b.ptr != x.data_ptr()):
+    own = x.data_ptr() if kind.name == "torch" else getattr(getattr(x, "ctypes", None), "data", None)
+    if b.dtype != dtype or b.obj is not x and b.ptr != own:
         raise NativeUnavailable(f"cannot write into a {b.dtype} or non-contiguous tensor in place")
     return b
 
@@ -783,7 +872,7 @@ def _bits_sum_into(mode: int, payloads, outs):
     ob = [_in_place(kind, o, "float32") for o in outs]
     packed = [_same_kind(kind, p[0]) for rows in payloads for p in rows]
     scalars = [_same_kind(kind, p[1], "float32") for rows in payloads for p in rows] if per_row else None
-    sizes = [packed_size(o.n, 1) for o in ob for _ in range(ranks)]
+    sizes = [packed_size(o.n, _CODE_BITS[mode]) for o in ob for _ in range(ranks)]
     if any(len(rows) != ranks for rows in payloads) \
             or any(p.dtype != "uint8" or p.n != n for p, n in zip(packed, sizes)) \
             or (scalars is not None and any(s.n != per_row for s in scalars)):
@@ -817,6 +906,16 @@ def onebit_residual_into(p, packed, means, out):
     return _bits_residual(_ONEBIT, p, packed, means, out)
 
 
+def terngrad_decompress_sum(packed_rows, scales, numel: int):
+    """The sum, row after row, of terngrad_decompress of each row (2-bit codes) with its scale."""
+    return _bits_sum(_TERNGRAD, packed_rows, scales, numel)
+
+
+def terngrad_decompress_sum_into(payloads, outs):
+    """terngrad_decompress_sum of every gradient of a bucket in one call: payloads (codes, scale)."""
+    return _bits_sum_into(_TERNGRAD, payloads, outs)
+
+
 def signsgd_decompress_sum_into(payloads, outs):
     """signsgd_decompress_sum of every gradient of a bucket in one call (CPU), written into
     ``outs``: ``payloads[s]`` holds each rank's payload of gradient s (its packed bits)."""
@@ -831,6 +930,18 @@ def efsignsgd_decompress_sum_into(payloads, outs):
 def onebit_decompress_sum_into(payloads, outs):
     """onebit_decompress_sum of every gradient of a bucket in one call: payloads (bits, means)."""
     return _bits_sum_into(_ONEBIT, payloads, outs)
+
+
+def uniform_segments(counts, words, out):
+    """Counter-based uniform draws (grace.core.draws) on the CPU: ``counts[s]`` draws of the
+    seed words ``words[s]`` (two 32-bit ints), in a row, written into the float32 ``out``."""
+    kind = _cpu_kind(out)
+    ob = _in_place(kind, out, "float32")
+    if ob.n != sum(counts):
+        raise ValueError(f"out has {ob.n} elements for {sum(counts)} draws")
+    s0, s1 = ((ctypes.c_uint32 * len(words))(*[w[i] for w in words]) for i in (0, 1))
+    call(kind, "uniform_segments", len(counts), _int64s(counts), s0, s1, ob.ptr)
+    return out
 
 
 def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
@@ -880,6 +991,14 @@ FUSED: Dict[str, Kernel] = {
     "signsgd_decompress_sum": Kernel(signsgd_decompress_sum, ("bits_sum",), ("float32",)),
     "efsignsgd_decompress_sum": Kernel(efsignsgd_decompress_sum, ("bits_sum",), ("float32",)),
     "onebit_decompress_sum": Kernel(onebit_decompress_sum, ("bits_sum",), ("float32",)),
+    "terngrad_decompress_sum": Kernel(terngrad_decompress_sum, ("bits_sum",), ("float32",)),
+    "qsgd_decompress_sum": Kernel(qsgd_decompress_sum, ("qsgd_sum_segments",), ("float32",), devices=("cpu",)),
+    "natural_decompress_sum": Kernel(natural_decompress_sum, ("natural_sum_segments",), ("float32",),
+                                     devices=("cpu",)),
+    "qsgd_decompress_sum_into": Kernel(qsgd_decompress_sum_into, ("qsgd_sum_segments",), ("float32",),
+                                       devices=("cpu",)),
+    "natural_decompress_sum_into": Kernel(natural_decompress_sum_into, ("natural_sum_segments",), ("float32",),
+                                          devices=("cpu",)),
     "efsignsgd_compress_segments": Kernel(efsignsgd_compress_segments, ("efsign_compress",), ("uint8", "float32")),
     "efsignsgd_decompress_segments": Kernel(efsignsgd_decompress_segments, ("sign_decode",), ("float32",)),
     "onebit_compress_segments": Kernel(onebit_compress_segments, ("onebit_compress",), ("uint8", "float32")),
@@ -911,7 +1030,7 @@ FUSED: Dict[str, Kernel] = {
     "onebit_residual_into": Kernel(onebit_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
     **{f"{method}_decompress_sum_into": Kernel(function, ("bits_sum_segments",), ("float32",), devices=("cpu",))
        for method, function in (("signsgd", signsgd_decompress_sum_into), ("efsignsgd", efsignsgd_decompress_sum_into),
-                                ("onebit", onebit_decompress_sum_into))},
+                                ("onebit", onebit_decompress_sum_into), ("terngrad", terngrad_decompress_sum_into))},
 }
 
 

@@ -81,9 +81,10 @@ def test_ef_step_keeps_negative_zero_as_the_pipeline(device):
         same_bytes(want_e, new_e)
 
 
-def _topk_ef_reference(g, e, k):
-    """p = g + e; the k largest |p|, ties to the lowest index, ascending; p with them zeroed."""
-    p = g + e
+def _topk_ef_reference(g, e, k, beta=1.0, gamma=1.0):
+    """p = gamma g + beta e; the k largest |p|, ties to the lowest index, ascending; p with them
+    zeroed."""
+    p = (g if gamma == 1 else g * np.float32(gamma)) + (e if beta == 1 else e * np.float32(beta))
     key = np.abs(p).view(np.uint32) & np.uint32(0x7FFFFFFF)  # NaN above every number, as the kernel orders
     idx = np.sort(np.lexsort((np.arange(p.size), -key.astype(np.int64)))[:k])
     new_e = p.copy()
@@ -92,9 +93,9 @@ def _topk_ef_reference(g, e, k):
 
 
 def _misleading_samples(n):
-    """Gradients on which a sample of whole cache lines (one in 16) misjudges the k-th largest."""
+    """Gradients on which a sample of whole cache lines (one in 17) misjudges the k-th largest."""
     rng = np.random.default_rng(3)
-    sampled = (np.arange(n) % 256) < 16  # the lines the kernel samples
+    sampled = (np.arange(n) // 16) % 17 == 0  # the lines the kernel samples
     noise = rng.standard_normal(n).astype(np.float32)
     big_where_sampled = np.where(sampled, 100 * noise, noise * 1e-3).astype(np.float32)
     big_elsewhere = np.where(sampled, noise * 1e-3, 100 * noise).astype(np.float32)
@@ -103,8 +104,12 @@ def _misleading_samples(n):
     ties = np.round(noise * 4).astype(np.float32)  # few magnitudes: long ties at the boundary
     with_nan = noise.copy()
     with_nan[[5, n // 3, n - 1]] = np.nan
+    # rows of 512 (a multiple of 16 lines) where a few columns carry the large values: a
+    # sample at a fixed offset in each run of 16 lines would see the same columns in every row
+    columns = noise * np.float32(1e-3)
+    columns[np.arange(n) % 512 % 61 == 7] *= 1e5
     return {"big where sampled": big_where_sampled, "big elsewhere": big_elsewhere, "sparse": sparse,
-            "ties": ties, "nan": with_nan, "gaussian": noise}
+            "ties": ties, "nan": with_nan, "gaussian": noise, "columns": columns}
 
 
 @pytest.mark.parametrize("case", list(_misleading_samples(256)))
@@ -123,6 +128,20 @@ def test_topk_ef_step_is_exact_where_a_sample_misleads(case, in_place):
             assert np.shares_memory(got[2], r)
         for what, a, b in zip(("values", "indices", "new residual"), want, got):
             np.testing.assert_array_equal(np.asarray(a).astype(np.asarray(b).dtype), b, err_msg=f"{case} k={k} {what}")
+
+
+@pytest.mark.parametrize("beta,gamma", [(0.9, 1.0), (1.0, 0.5), (0.9, 0.5)])
+def test_topk_ef_step_scales_both_terms_on_every_path(beta, gamma):
+    """p = gamma g + beta e on the sampled path (large tensors) and the exact one (small)."""
+    for n in (5000, 2**16 + 3):
+        g = _misleading_samples(n)["gaussian"]
+        e = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+        for k in (1, n // 100):
+            want = _topk_ef_reference(g, e, k, beta, gamma)
+            got = gn.topk_ef_step(g, e, k, beta=beta, gamma=gamma)
+            for what, a, b in zip(("values", "indices", "new residual"), want, got):
+                np.testing.assert_array_equal(np.asarray(a).astype(np.asarray(b).dtype), b,
+                                              err_msg=f"n={n} k={k} {what}")
 
 
 def test_a_bucket_in_one_call_equals_each_gradient_alone():

@@ -140,8 +140,13 @@ def test_cuda_codes_and_values_equal_the_oracle(name, n, monkeypatch):
     same_bytes(want_y.reshape(-1), y, "decompressed")
 
 
+#: the bucket-at-once QSGD sums take (levels, bucket size) after the outputs
+ARGUMENTS = {"qsgd1_b0": (1, 0), "qsgd127_b0": (127, 0), "qsgd127_b64": (127, 64), "qsgd5_b1000": (5, 1000),
+             "qsgd7_b4097": (7, 4097)}
 SUMMED = {"signsgd": gn.signsgd_decompress_sum, "efsignsgd": gn.efsignsgd_decompress_sum,
-          "onebit": gn.onebit_decompress_sum}
+          "onebit": gn.onebit_decompress_sum, "terngrad": gn.terngrad_decompress_sum,
+          "natural": gn.natural_decompress_sum,
+          **{name: (lambda p, q, n, a=a: gn.qsgd_decompress_sum(p, q, n, *a)) for name, a in ARGUMENTS.items()}}
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4, 5])
@@ -150,6 +155,8 @@ SUMMED = {"signsgd": gn.signsgd_decompress_sum, "efsignsgd": gn.efsignsgd_decomp
 def test_decoded_sums_equal_the_oracles_sum_of_decompressions(device, name, n, ranks):
     """Every rank's payload of one tensor decoded and added row after row in one pass: the
     bytes of the NumPy decompressions added in order (signed zeros from an all-zero rank too)."""
+    if device == "cuda" and "cuda" not in gn.FUSED[f"{'qsgd' if name in ARGUMENTS else name}_decompress_sum"].devices:
+        pytest.skip(f"{name}'s decoded sum is the CPU's")
     compressor = METHODS[name][0]()
     xs = [gradient(n, seed=n + r) for r in range(ranks)]
     xs[0][: n // 2] = 0.0  # a rank whose first half is zeros (its means and scale -0.0 or 0.0)
@@ -164,6 +171,23 @@ def test_decoded_sums_equal_the_oracles_sum_of_decompressions(device, name, n, r
     got = SUMMED[name](*rows, n)
     assert got.device.type == device
     same_bytes(np.asarray(want).reshape(-1), got, f"{name} over {ranks} ranks")
+
+
+@pytest.mark.parametrize("name", SUMMED)
+def test_a_buckets_decoded_sums_in_one_call_equal_each_gradients(name):
+    """The CPU's bucket-at-once decoded sums (written into each gradient) equal the decoded
+    sum of each gradient alone, byte for byte."""
+    compressor, ranks = METHODS[name][0](), 3
+    sizes = [1, 9, 1001, 2**16 + 3]
+    payloads = [[compressor.compress(NX, gradient(n, seed=n + r), INFO)[0] for r in range(ranks)] for n in sizes]
+    outs = [torch.full((n,), 7.0) for n in sizes]
+    into = getattr(gn, f"{'qsgd' if name in ARGUMENTS else name}_decompress_sum_into")
+    assert into([[tuple(torch.from_numpy(np.asarray(t)) for t in p) for p in rows] for rows in payloads], outs,
+                *ARGUMENTS.get(name, ())) is outs
+    for n, rows, out in zip(sizes, payloads, outs):
+        alone = SUMMED[name](*(np.concatenate([np.asarray(p[i]).reshape(-1) for p in rows])
+                               for i in range(len(rows[0]))), n)
+        same_bytes(alone, out, f"{name}, {n} elements")
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
@@ -188,6 +212,8 @@ def test_decoded_sums_refuse_rows_that_do_not_fit():
         gn.signsgd_decompress_sum(np.zeros(4, np.uint8), 17)  # rows of 17 bits are 3 bytes
     with pytest.raises(ValueError, match="rows"):
         gn.efsignsgd_decompress_sum(np.zeros(6, np.uint8), np.ones(3, np.float32), 17)
+    with pytest.raises(ValueError, match="rows"):  # 17 2-bit codes are 5 bytes
+        gn.terngrad_decompress_sum(np.zeros(6, np.uint8), np.ones(2, np.float32), 17)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -1,8 +1,12 @@
-"""Random draws: NumPy's generator on a CPU (every backend alike), counter-based on a GPU.
+"""Random draws. Uniform draws are counter-based on every backend and device (grace.core.draws);
+random indices are NumPy's generator's on a CPU (every backend alike) and come from the
+counter-based draws on a GPU.
 
-The counter-based draws are forced here on torch CPU tensors; with GRACE_TEST_DEVICE=cuda the
+The counter-based indices are forced here on torch CPU tensors; with GRACE_TEST_DEVICE=cuda the
 tensors are on the GPU, where they are the default."""
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -16,7 +20,7 @@ torch_backend = pytest.importorskip("grace.backends.torch_backend")
 
 @pytest.fixture
 def xp(monkeypatch):
-    monkeypatch.setattr(torch_backend, "_counter_draws", lambda device: True)
+    monkeypatch.setattr(torch_backend, "_counter_indices", lambda device: True)
     return get_backend("torch")
 
 
@@ -72,10 +76,26 @@ def test_random_indices_segments_draw_what_each_seed_draws_alone(xp):
     np.testing.assert_array_equal(together, alone)
 
 
-def test_off_an_accelerator_every_backend_draws_numpys(monkeypatch):
-    monkeypatch.setattr(torch_backend, "_counter_draws", lambda device: False)
+@pytest.mark.parametrize("native", [True, False], ids=["native", "tensor ops"])
+def test_every_backend_draws_the_same_uniforms(native):
+    """NumPy's formula (the reference), the CPU kernel, and torch's whole-buffer ops (a GPU's
+    path, run here on whatever device the tests use) give the same float32 draws."""
+    from grace import native as grace_native
+    from grace.core import draws
+
+    counts, seeds = [3, 0, 4097, 1, 70_001], [(1, 2), (3, 4), (2**40 + 5, 9), (7, 0), (11, 2**20)]
+    want = draws.uniform_numpy(counts, seeds)
+    assert want.dtype == np.float32 and want.shape == (sum(counts),)
+    with (contextlib.nullcontext() if native else grace_native.disabled()):
+        np.testing.assert_array_equal(want, draws.uniform_host(counts, seeds))
+        np.testing.assert_array_equal(want, get_backend("numpy").uniform_segments(counts, seeds))
+        np.testing.assert_array_equal(want, host(get_backend("torch").uniform_segments(counts, seeds, like=LIKE)))
+    hashes, _, _ = torch_backend._counter_hashes(counts, seeds, torch.device("cpu"))
+    np.testing.assert_array_equal(want, ((hashes >> 8).to(torch.float32) * draws.UNIT).numpy())
+
+
+def test_off_an_accelerator_every_backend_draws_numpys_indices(monkeypatch):
+    monkeypatch.setattr(torch_backend, "_counter_indices", lambda device: False)
     numpy, torch_xp = get_backend("numpy"), get_backend("torch")
-    np.testing.assert_array_equal(numpy.uniform_segments([3, 4], [(1, 2), (3, 4)]),
-                                  host(torch_xp.uniform_segments([3, 4], [(1, 2), (3, 4)])))
     np.testing.assert_array_equal(numpy.random_indices_segments([30, 40], [3, 4], [(1, 2), (3, 4)]),
                                   host(torch_xp.random_indices_segments([30, 40], [3, 4], [(1, 2), (3, 4)])))

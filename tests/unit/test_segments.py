@@ -227,10 +227,11 @@ RANDOM = [label for label in SEGMENTED if hasattr(METHODS[label]().compressor, "
 
 @pytest.mark.parametrize("method", RANDOM)
 def test_counter_draws_give_each_segment_its_tensors_own_draws(method, monkeypatch):
-    """The GPU's counter-based draws (forced here on the CPU): a segment-wise bucket draws for
-    each gradient what the gradient draws alone, so it equals the per-gradient exchange."""
+    """The counter-based draws (and the GPU's counter-based random indices, forced here on the
+    CPU): a segment-wise bucket draws for each gradient what the gradient draws alone, so it
+    equals the per-gradient exchange."""
     torch_backend = pytest.importorskip("grace.backends.torch_backend")
-    monkeypatch.setattr(torch_backend, "_counter_draws", lambda device: True)
+    monkeypatch.setattr(torch_backend, "_counter_indices", lambda device: True)
     xp = torch_backend.TorchBackend()
     make = lambda: with_buckets(METHODS[method], 25)  # noqa: E731
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)

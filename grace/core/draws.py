@@ -1,0 +1,74 @@
+"""Counter-based uniform draws: draw j of a (key, step) seed is a hash of (j, seed).
+
+Every backend and device draws the same numbers (NumPy, PyTorch on a CPU or a GPU, TensorFlow
+off the GPU), any number of tensors' draws come from a few whole-buffer operations (or one
+native call) with no generator per tensor, and a bucket's segments draw exactly what each of
+its tensors draws alone:
+
+    (s0, s1) = seed_words(key, step)
+    u_j      = (hash32(hash32(j ^ s0) ^ s1) >> 8) / 2**24       float32 in [0, 1)
+
+The functions below take Python ints or int64 arrays (NumPy, torch): the arithmetic stays
+below 2**63, so int64 tensors never overflow; NumPy's uint32 arrays wrap where the masks
+cut. grace.native's ``uniform_segments`` computes the same in C.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from grace import native
+
+M32 = 0xFFFFFFFF
+
+
+def seed_words(seed) -> tuple:
+    """The (key, step) seed mixed into two 32-bit words (splitmix64's finalizer)."""
+    key, step = seed
+    m = (int(key) * 0x9E3779B97F4A7C15 + (int(step) + 1) * 0xD1B54A32D192ED03) % 2**64
+    m = ((m ^ (m >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    m = ((m ^ (m >> 27)) * 0x94D049BB133111EB) % 2**64
+    m ^= m >> 31
+    return m & M32, m >> 32
+
+
+def hash32(h):
+    """A 32-bit integer hash (a bijection in which every input bit moves every output bit;
+    constants from C. Wellons' hash prospector, below 2**31 so that products of 32-bit values
+    stay in int64: two ops per multiplication)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x21F0AAAD) & M32
+    h = h ^ (h >> 15)
+    h = (h * 0x735A2D97) & M32
+    return h ^ (h >> 15)
+
+
+def draw_hashes(j, words):
+    """The 32-bit hashes of draws ``j`` (an int64 array) of the seed ``words``."""
+    s0, s1 = words
+    return hash32(hash32(j ^ s0) ^ s1)
+
+
+#: the scale of the 24 bits a draw keeps: u = (hash >> 8) * UNIT
+UNIT = 2.0**-24
+
+
+def uniform_numpy(counts: Sequence[int], seeds: Sequence) -> np.ndarray:
+    """``counts[s]`` draws of each seed ``seeds[s]``, in a row, by NumPy operations (the
+    reference: 32-bit arithmetic, whose products wrap as the masks above ask)."""
+    parts = []
+    for count, seed in zip(counts, seeds):
+        s0, s1 = seed_words(seed)
+        j = np.arange(int(count), dtype=np.uint32 if count <= 2**32 else np.uint64)
+        parts.append(((draw_hashes(j, (s0, s1)) >> 8).astype(np.float32) * np.float32(UNIT)))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def uniform_host(counts: Sequence[int], seeds: Sequence) -> np.ndarray:
+    """``uniform_numpy``'s draws, by one native call where the CPU kernels are built."""
+    counts = [int(c) for c in counts]
+    try:
+        return native.uniform_segments(counts, [seed_words(s) for s in seeds], np.empty(sum(counts), np.float32))
+    except native.NativeUnavailable:
+        return uniform_numpy(counts, seeds)
