@@ -2172,3 +2172,31 @@ API void grace_cpu_uniform_segments(int64_t segments, const int64_t* numels, con
     out += n;
   }
 }
+
+// ---- DGC's momentum correction -----------------------------------------------------------------
+// p = v + (m * u + g) into v_out and u_new = p - v into u_out, in one pass (each rounding as the
+// tensor ops make it: a product, then two sums; outputs may be their inputs)
+API void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g, int64_t n, float m, float* u_out,
+                                  float* v_out) {
+  for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
+    const float* const U = u;
+    const float* const V = v;
+    const float* const G = g;
+    float* const UO = u_out;
+    float* const VO = v_out;
+    int64_t i = lo;
+#ifdef GRACE_SIMD
+    const F8 vm = set8(m);
+    for (; i + 8 <= hi; i += 8) {
+      const F8 vv = ld8(V + i), p = vv + (vm * ld8(U + i) + ld8(G + i));
+      st8(UO + i, p - vv);
+      st8(VO + i, p);
+    }
+#endif
+    for (; i < hi; ++i) {
+      const float vv = V[i], p = vv + (m * U[i] + G[i]);
+      UO[i] = p - vv;
+      VO[i] = p;
+    }
+  });
+}

@@ -81,6 +81,10 @@ int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* cons
 void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8_t* const* signs,
                                     const uint8_t* const* codes, const int64_t* numels, float* const* out);
 
+/* DGC's momentum correction: p = v + (m * u + g) into v_out, p - v into u_out (one pass) */
+void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g, int64_t n, float m, float* u_out,
+                              float* v_out);
+
 /* counter-based uniform draws: draw j (0 <= j < numels[s]) of segment s is
  * (h(h(j ^ s0[s]) ^ s1[s]) >> 8) * 2^-24, h a 32-bit integer hash (grace/core/draws.py), written
  * in a row into out (the segments one after another) */

@@ -214,6 +214,10 @@ class NumpyBackend:
         where the caller knows it)."""
         return np.flatnonzero(mask).astype(np.int64)
 
+    def indices_abs_at_least(self, x, threshold):
+        """Indices (int64, ascending) of the elements of the 1-d ``x`` with |x| >= threshold."""
+        return self.nonzero(np.abs(x) >= threshold)
+
     def gather(self, x, idx):
         return x[idx.astype(np.int64, copy=False)]
 

@@ -390,6 +390,11 @@ class TensorflowBackend:
             mask = tf.not_equal(mask, tf.zeros((), mask.dtype))
         return tf.reshape(tf.where(mask), (-1,))  # tf.where(mask) is (n, 1) int64
 
+    def indices_abs_at_least(self, x, threshold):
+        """Indices (int64, ascending) of the elements of the 1-d ``x`` with |x| >= threshold."""
+        x = _to_tensor(x)
+        return self.nonzero(tf.abs(x) >= tf.cast(threshold, x.dtype))
+
     def gather(self, x, idx):
         return tf.gather(_to_tensor(x), _to_tensor(idx, "int64"))
 

@@ -267,6 +267,15 @@ class TorchBackend:
                 return idx
         return torch.nonzero(mask, as_tuple=True)[0]
 
+    def indices_abs_at_least(self, x, threshold):
+        """Indices (int64, ascending) of the elements of the 1-d ``x`` with |x| >= threshold:
+        on a CPU one native pass, with no |x| or mask tensor."""
+        if not x.is_cuda:
+            idx = _native.try_threshold_indices(x, float(threshold))
+            if idx is not None:
+                return idx
+        return self.nonzero(x.abs() >= threshold)
+
     def gather(self, x, idx):
         return x[idx.long()]
 

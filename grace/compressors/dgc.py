@@ -36,21 +36,20 @@ class DGC(Sparsifier):
 
     def select(self, xp, flat, info):
         d = xp.numel(flat)
-        magnitude = xp.abs(flat)
         if d == 0:
-            return xp.nonzero(magnitude > 0)
+            return xp.nonzero(xp.abs(flat) > 0)
         ratio = self.ratio_at(xp, info.step)
         k = xp.clip_min(xp.ceil(ratio * d), 1)  # <= d, as ratio <= 1
         s = min(d, max(1, math.ceil(self.sample_ratio * d)))
         if s == d:
-            sample = magnitude
+            sample = xp.abs(flat)
         else:
             u = xp.uniform(s, info.rank_seed(self.seed), like=flat)
-            sample = xp.gather(magnitude, xp.cast(xp.floor(u * d), "int64"))
+            sample = xp.abs(xp.gather(flat, xp.cast(xp.floor(u * d), "int64")))
         threshold = xp.sort(sample)[xp.cast(s - xp.clip_min(xp.ceil(ratio * s), 1), "int64")]
-        selected = xp.nonzero(magnitude >= threshold)
+        selected = xp.indices_abs_at_least(flat, threshold)  # (no |v| of the whole tensor)
         # if the sample underestimated the threshold, the k largest of those selected
-        candidates = xp.gather(magnitude, selected)
+        candidates = xp.abs(xp.gather(flat, selected))
         return xp.sort(xp.gather(selected, xp.topk_indices(candidates, k)))
 
 

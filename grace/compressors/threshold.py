@@ -23,7 +23,7 @@ class Threshold(Sparsifier):
         return self.threshold
 
     def select(self, xp, flat, info):
-        return xp.nonzero(xp.abs(flat) >= self.threshold)
+        return xp.indices_abs_at_least(flat, self.threshold)
 
 
 @register("threshold", threshold="threshold", examples=dict(threshold=example(0.5)))

@@ -9,6 +9,7 @@ State per tensor: (u, v). Use it with an optimizer without momentum: this is the
 """
 from grace.core.compressor import check_number
 from grace.core.memory import Memory
+from grace.native import NativeUnavailable
 
 
 class DGCMemory(Memory):
@@ -43,15 +44,23 @@ class DGCMemory(Memory):
         """The same step with the new (u, v) written into ``out`` (buffers like the state, where
         the backend's tensors are mutable): p in v's buffer, u = p - v_old in u's, and only the
         sent elements changed after (their p_hat is 0 + p, so they need no dense decompression).
-        Four passes over memory and no gradient-sized allocation."""
+        One pass over memory for the sums on a CPU (a native kernel; four of tensor ops
+        elsewhere), and no gradient-sized allocation."""
         if out is None or not xp.mutable_tensors or not compressor.sparse:
             return None
         (u, v), (u_out, v_out) = state, out
-        t = xp.add_into(xp.multiply_into(u, self.momentum, u_out), self._clipped(xp, g), u_out)  # m u + g
-        p = xp.add_into(v, t, v_out)
+        g = self._clipped(xp, g)
+        fused = xp.fused("dgc_compensate_into", g, xp.dtype(g))  # the three sums in one pass, where built
+        try:
+            u_new, p = fused(u, v, g, self.momentum, u_out, v_out) if fused else (None, None)
+        except NativeUnavailable:
+            u_new = p = None
+        if p is None:
+            t = xp.add_into(xp.multiply_into(u, self.momentum, u_out), g, u_out)  # m u + g
+            p = xp.add_into(v, t, v_out)
         payload, ctx = compressor.compress(xp, p, info)
         values, indices = payload
-        u_new = xp.subtract_into(p, v, u_out)
+        u_new = xp.subtract_into(p, v, u_out) if u_new is None else u_new
         indices = xp.cast(indices, "int64")
         p_hat = values + 0.0  # the decompressed payload at the sent elements
         sent_u = xp.gather(xp.flatten(u_new), indices)

@@ -56,7 +56,8 @@ from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailab
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library, load_error, set_enabled
 
 __all__ = [
-    "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "disabled", "dlpack_info",
+    "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "dgc_compensate_into", "disabled",
+    "dlpack_info",
     "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
     "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into",
     "efsignsgd_residual_into", "enabled", "fused", "load_error", "natural_compress",
@@ -548,6 +549,22 @@ def natural_decompress(signs, codes, numel: int):
     return _wrap(kind, out)
 
 
+# --- DGC -------------------------------------------------------------------------------------------
+def dgc_compensate_into(u, v, g, momentum: float, u_out, v_out):
+    """DGC's momentum correction in one pass (CPU): p = v + (momentum * u + g) written into
+    ``v_out`` and p - v into ``u_out`` (float32, all of one size; outputs may be inputs).
+    Returns (u_out, v_out)."""
+    kind = _cpu_kind(u)
+    ub, vb, gb = (_same_kind(kind, t) for t in (u, v, g))
+    uo, vo = _in_place(kind, u_out, "float32"), _in_place(kind, v_out, "float32")
+    if any(b.dtype != "float32" for b in (ub, vb, gb)):
+        raise NativeUnavailable("dgc_compensate_into takes float32 tensors")
+    if not ub.n == vb.n == gb.n == uo.n == vo.n:
+        raise ValueError("u, v, g and the outputs must have one size")
+    call(kind, "dgc_compensate", ub.ptr, vb.ptr, gb.ptr, ub.n, float(momentum), uo.ptr, vo.ptr)
+    return u_out, v_out
+
+
 # --- decoded sums: every rank's payload of a gradient decoded and added in one pass (CPU) ---------
 def _rows(buf: Buf, count: int, itemsize: int, per_row: int):
     """A C array of the pointers to ``count`` rows of ``per_row`` items in a row in ``buf``."""
@@ -1026,6 +1043,8 @@ FUSED: Dict[str, Kernel] = {
                                 devices=("cpu",)),
     "scatter_add_segments_into": Kernel(scatter_add_segments_into, ("scatter_add_segments",), ("float32",),
                                         devices=("cpu",)),
+    "dgc_compensate_into": Kernel(dgc_compensate_into, ("dgc_compensate",), ("float32", "float32"),
+                                  devices=("cpu",)),
     "efsignsgd_residual_into": Kernel(efsignsgd_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
     "onebit_residual_into": Kernel(onebit_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
     **{f"{method}_decompress_sum_into": Kernel(function, ("bits_sum_segments",), ("float32",), devices=("cpu",))
@@ -1070,6 +1089,10 @@ def try_topk_indices(x, k: int):
 
 def try_nonzero(mask):
     return _unless_unavailable(nonzero, mask)
+
+
+def try_threshold_indices(x, threshold: float):
+    return _unless_unavailable(threshold_indices, x, threshold)
 
 
 def try_scatter_add(indices, values, numel: int):

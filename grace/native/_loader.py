@@ -55,11 +55,13 @@ SYMBOLS = {
     "uniform_segments": (None, [_L, _P, _P, _P, _P]),
     "qsgd_sum_segments": (_I, [_L, _I, _P, _P, _P, _I, _L, _I, _P]),
     "natural_sum_segments": (None, [_L, _I, _P, _P, _P, _P]),
+    "dgc_compensate": (None, [_P, _P, _P, _L, _F, _P, _P]),
 }
 #: CPU-only: the bucket-at-once entry points (a GPU compresses a bucket segment-wise instead),
-#: the decoded sums of QSGD and natural compression, and the draws (a GPU draws with tensor ops)
+#: the decoded sums of QSGD and natural compression, DGC's momentum correction, and the draws
+#: (a GPU draws with tensor ops)
 CPU_ONLY = {"topk_ef_many", "scatter_add_segments", "bits_sum_segments", "bits_residual",
-            "qsgd_sum_segments", "natural_sum_segments", "uniform_segments"}
+            "qsgd_sum_segments", "natural_sum_segments", "uniform_segments", "dgc_compensate"}
 # CUDA functions return a status (or a count) where the CPU ones return nothing
 _CUDA_RESTYPE = {name: (_I if res is None else res) for name, (res, _) in SYMBOLS.items()}
 

@@ -176,3 +176,20 @@ def test_a_bucket_in_one_call_refuses_what_it_cannot_write():
     with pytest.raises(IndexError, match="out of range"):
         gn.scatter_add_segments_into(bad, dense, 1)
     assert all((d == 7).all() for d in dense)  # nothing written
+
+
+@pytest.mark.parametrize("n", [1, 9, 1001, 2**16 + 3])
+@pytest.mark.parametrize("aliased", [False, True], ids=["new", "in-place"])
+def test_dgc_compensation_equals_the_tensor_ops(n, aliased):
+    """DGC's momentum correction in one pass: p = v + (m u + g) and u = p - v, each rounding as
+    NumPy's float32 operations make it (and written over the inputs too)."""
+    u, v, g = (gradient(n, seed=n + i) for i in range(3))
+    u[: n // 4], v[n // 4: n // 2] = -0.0, np.float32(3e38)  # signed zeros; sums that overflow
+    want_p = v + (u * np.float32(0.9) + g)
+    want_u = want_p - v
+    tu, tv, tg = (torch.from_numpy(t.copy()) for t in (u, v, g))
+    u_out, v_out = (tu, tv) if aliased else (torch.empty(n), torch.empty(n))
+    got_u, got_p = gn.dgc_compensate_into(tu, tv, tg, 0.9, u_out, v_out)
+    assert got_u is u_out and got_p is v_out
+    same_bytes(want_p, got_p, "p")
+    same_bytes(want_u, got_u, "u")
