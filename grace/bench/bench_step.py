@@ -135,6 +135,10 @@ class CountingReplica(ReplicaCommunicator):
         self.calls += 1
         return super().allreduce_async(tensor, name)
 
+    def grouped_allreduce_async(self, tensors, name):
+        self.calls += 1
+        return super().grouped_allreduce_async(tensors, name)
+
     def allgather_async(self, tensor, name):
         self.calls += 1
         return super().allgather_async(tensor, name)

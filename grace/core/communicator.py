@@ -48,6 +48,18 @@ class Communicator:
         whose allgather needs equal lengths then skips exchanging them)."""
         return self.allgather_async(tensor, name)
 
+    def grouped_allreduce(self, dtype: str) -> bool:
+        """Whether ``grouped_allreduce_async`` is the toolkit's own for tensors of ``dtype``:
+        one collective for several tensors, joined by the toolkit (else the exchange joins
+        them into one buffer and calls ``allreduce_async``)."""
+        return False
+
+    def grouped_allreduce_async(self, tensors: Sequence, name: str) -> Callable[[], Any]:
+        """The elementwise sums over ranks of several tensors of one dtype, in one collective:
+        ``wait()`` gives the list of sums, new tensors (the tensors given may be views of the
+        caller's gradients: they are never written)."""
+        raise NotImplementedError
+
     # --- payload-level collectives -------------------------------------------------------
     def exchange(self, collective: Collective, xp, payload: Payload, name: str,
                  equal_lengths: bool) -> Handle:
@@ -150,7 +162,9 @@ class LocalCommunicator(Communicator):
 
 class ReplicaCommunicator(Communicator):
     """A world of ``size`` ranks that all send what this one sends, without a network: the
-    local work of an n-rank step (n payloads to decode), for measuring compression cost."""
+    local work of an n-rank step (n payloads to decode), for measuring compression cost. Each
+    collective's result is made when it is launched, as a network delivers it while the step
+    goes on (made only when awaited, a result would still be in the cache when read)."""
 
     rank = 0
 
@@ -158,11 +172,19 @@ class ReplicaCommunicator(Communicator):
         self.size = size
 
     def allreduce_async(self, tensor, name):
-        return lambda: tensor * self.size
+        out = tensor * self.size
+        return lambda: out
+
+    def grouped_allreduce(self, dtype):
+        return True  # (each tensor's sum: what a toolkit's grouped allreduce hands back)
+
+    def grouped_allreduce_async(self, tensors, name):
+        out = [t * self.size for t in tensors]
+        return lambda: out
 
     def allgather_async(self, tensor, name):
-        xp = backend_for(tensor)
-        return lambda: xp.concat([tensor] * self.size)
+        out = backend_for(tensor).concat([tensor] * self.size)
+        return lambda: out
 
     def broadcast_async(self, tensor, root, name):
         return lambda: tensor

@@ -751,7 +751,9 @@ class Exchange:
         payloads, and of this rank's overflow ``flag`` where given (as one more element of the
         first dtype); (wait for (the summed payloads per unit, how many ranks flagged an
         overflow or None, whether the sums are new tensors: not the buffers sent, summed in
-        place), bytes sent)."""
+        place), bytes sent). Where the communicator has a grouped allreduce of its own
+        (Horovod's, joined in its fusion buffer off this thread) the payloads go as they are;
+        else joined into one buffer here."""
         shapes = [xp.shape(t) for payload in payloads for t in payload]
         pieces = [xp.flatten(t) for payload in payloads for t in payload]
         structure = [len(payload) for payload in payloads]
@@ -761,19 +763,24 @@ class Exchange:
         dtypes = [xp.dtype(t) for t in pieces]
         counts = [xp.numel(t) for t in pieces]
         waits, sent = {}, {}
+        comm = self.communicator
         for dtype in dict.fromkeys(dtypes):
             group = [t for t, d in zip(pieces, dtypes) if d == dtype]
             name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
-            sent[dtype] = self._joined(xp, name, group)
+            grouped = len(group) > 1 and comm.grouped_allreduce(dtype)
+            sent[dtype] = group if grouped else self._joined(xp, name, group)
             with self._phase("collective"):
-                waits[dtype] = self.communicator.allreduce_async(sent[dtype], name)
+                waits[dtype] = comm.grouped_allreduce_async(group, name) if grouped \
+                    else comm.allreduce_async(sent[dtype], name)
 
         def wait():
             outputs = {d: self._wait(w) for d, w in waits.items()}
-            summed = {d: xp.split(out, [c for c, dd in zip(counts, dtypes) if dd == d]) for d, out in outputs.items()}
+            summed = {d: list(out) if isinstance(out, (list, tuple))
+                      else xp.split(out, [c for c, dd in zip(counts, dtypes) if dd == d]) for d, out in outputs.items()}
             ordered = [xp.reshape(summed[d].pop(0), shape) for d, shape in zip(dtypes, shapes)]
             overflow = self._overflow(xp, [ordered.pop()]) if flag is not None else None
-            fresh = all(out is not sent[d] for d, out in outputs.items())
+            fresh = all(o is not s for d, out in outputs.items()
+                        for o, s in (zip(out, sent[d]) if isinstance(out, (list, tuple)) else [(out, sent[d])]))
             return frames.split_payloads(ordered, structure), overflow, fresh
 
         return wait, sum(xp.nbytes(t) for t in pieces)

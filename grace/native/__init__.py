@@ -53,6 +53,7 @@ from typing import Callable, Dict, Tuple
 from grace.formats import code_width, index_dtype, packed_size
 from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, dlpack_info, kind_of,
                                   same_device)
+from grace.native import _arrays
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library, load_error, set_enabled
 
 __all__ = [
@@ -122,6 +123,23 @@ def _same_kind(kind, x, dtype=None) -> Buf:
     if not same_device(kind, other):
         raise NativeUnavailable("inputs are on different devices")
     return other.flat(x, dtype)
+
+
+def _same_kind_all(kind, xs, dtype=None) -> list:
+    """``_same_kind`` of each of ``xs``: a bucket's many tensors. Contiguous CPU torch tensors
+    of the dtype wanted (the pieces of a received frame, a bucket's gradients) take a short
+    path: the per-tensor checks cost more than the kernels on small tensors."""
+    if kind.name == "torch" and kind.lib.kind == "cpu":
+        tensor, names, bufs = kind.torch.Tensor, _arrays._TORCH_NAMES, []
+        for x in xs:
+            name = names.get(x.dtype) if type(x) is tensor else None
+            if name is None or (dtype is not None and name != dtype) or x.device.type != "cpu" \
+                    or x.requires_grad or not x.is_contiguous():
+                bufs.append(_same_kind(kind, x, dtype))
+            else:
+                bufs.append(Buf(x if x.dim() == 1 else x.view(-1), x.data_ptr(), x.numel(), name))
+        return bufs
+    return [_same_kind(kind, x, dtype) for x in xs]
 
 
 def _head(kind, buf: Buf, count: int):
@@ -601,9 +619,9 @@ def qsgd_decompress_sum_into(payloads, outs, levels: int, bucket_size: int = 0):
     ``outs``: ``payloads[s]`` holds each rank's payload (codes, norms) of gradient s."""
     kind = _cpu_kind(outs[0])
     ranks, bits = len(payloads[0]), code_width(2 * (levels + 1))
-    ob = [_in_place(kind, o, "float32") for o in outs]
-    packed = [_same_kind(kind, p[0]) for rows in payloads for p in rows]
-    norms = [_same_kind(kind, p[1], "float32") for rows in payloads for p in rows]
+    ob = _in_place_all(kind, outs, "float32")
+    packed = _same_kind_all(kind, [p[0] for rows in payloads for p in rows])
+    norms = _same_kind_all(kind, [p[1] for rows in payloads for p in rows], "float32")
     sizes = [(packed_size(o.n, bits), _qsgd_rows(o.n, bucket_size)) for o in ob for _ in range(ranks)]
     _check_sums(all(len(rows) == ranks for rows in payloads)
                 and all(p.dtype == "uint8" and p.n == size and q.n == rows
@@ -637,9 +655,9 @@ def natural_decompress_sum_into(payloads, outs):
     ``outs``: ``payloads[s]`` holds each rank's payload (sign bits, codes) of gradient s."""
     kind = _cpu_kind(outs[0])
     ranks = len(payloads[0])
-    ob = [_in_place(kind, o, "float32") for o in outs]
-    signs = [_same_kind(kind, p[0]) for rows in payloads for p in rows]
-    codes = [_same_kind(kind, p[1]) for rows in payloads for p in rows]
+    ob = _in_place_all(kind, outs, "float32")
+    signs = _same_kind_all(kind, [p[0] for rows in payloads for p in rows])
+    codes = _same_kind_all(kind, [p[1] for rows in payloads for p in rows])
     numels = [o.n for o in ob for _ in range(ranks)]
     _check_sums(all(len(rows) == ranks for rows in payloads)
                 and all(a.dtype == b.dtype == "uint8" and a.n == packed_size(n, 1) and b.n == n
@@ -840,13 +858,18 @@ def threshold_ef_step(g, residual, threshold: float, beta: float = 1.0, gamma: f
 
 
 # --- a bucket in one call on the CPU: each gradient at its own pointers -------------------------
-def _in_place(kind, x, dtype: str) -> Buf:
-    """``x`` as a buffer the kernel writes into: x's own memory, contiguous, of ``dtype``."""
-    b = _same_kind(kind, x)
+def _in_place(kind, x, dtype: str, b: Buf = None) -> Buf:
+    """``x`` as a buffer the kernel writes into: x's own memory, contiguous, of ``dtype``
+    (``b``: ``_same_kind``'s buffer of x, where made already)."""
+    b = _same_kind(kind, x) if b is None else b
     own = x.data_ptr() if kind.name == "torch" else getattr(getattr(x, "ctypes", None), "data", None)
     if b.dtype != dtype or b.obj is not x and b.ptr != own:
         raise NativeUnavailable(f"cannot write into a {b.dtype} or non-contiguous tensor in place")
     return b
+
+
+def _in_place_all(kind, xs, dtype: str) -> list:
+    return [_in_place(kind, x, dtype, b) for x, b in zip(xs, _same_kind_all(kind, xs))]
 
 
 def _cpu_kind(x):
@@ -860,9 +883,8 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     """topk_ef_step of every gradient of a bucket, in one call (CPU): lists of values, indices
     and new residuals, per gradient (the new residuals written into ``outs`` where given)."""
     kind = _cpu_kind(gs[0])
-    gb = [_same_kind(kind, g) for g in gs]
-    rb = [_same_kind(kind, r) for r in residuals]
-    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else [_in_place(kind, o, "float32") for o in outs]
+    gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
+    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
     if any(b.dtype != "float32" for b in gb + rb):
         raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
     if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
@@ -886,9 +908,9 @@ def _bits_sum_into(mode: int, payloads, outs):
     per_row = _SCALARS[mode]
     kind = _cpu_kind(outs[0])
     ranks = len(payloads[0])
-    ob = [_in_place(kind, o, "float32") for o in outs]
-    packed = [_same_kind(kind, p[0]) for rows in payloads for p in rows]
-    scalars = [_same_kind(kind, p[1], "float32") for rows in payloads for p in rows] if per_row else None
+    ob = _in_place_all(kind, outs, "float32")
+    packed = _same_kind_all(kind, [p[0] for rows in payloads for p in rows])
+    scalars = _same_kind_all(kind, [p[1] for rows in payloads for p in rows], "float32") if per_row else None
     sizes = [packed_size(o.n, _CODE_BITS[mode]) for o in ob for _ in range(ranks)]
     if any(len(rows) != ranks for rows in payloads) \
             or any(p.dtype != "uint8" or p.n != n for p, n in zip(packed, sizes)) \
@@ -967,9 +989,10 @@ def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
     rank (as scatter_add_many of the divided values). Returns ``outs``."""
     kind = _cpu_kind(outs[0])
     ranks = len(payloads[0])
-    ob = [_in_place(kind, o, "float32") for o in outs]
-    vals = [_same_kind(kind, v) for rows in payloads for v, _ in rows]
-    idxs = [_index_buf(kind, i) for rows in payloads for _, i in rows]
+    ob = _in_place_all(kind, outs, "float32")
+    vals = _same_kind_all(kind, [v for rows in payloads for v, _ in rows])
+    idxs = [b if b.dtype in INDEX_CODES else _same_kind(kind, b.obj, "int64")
+            for b in _same_kind_all(kind, [i for rows in payloads for _, i in rows])]
     if any(len(rows) != ranks for rows in payloads) or any(v.dtype != "float32" for v in vals):
         raise NativeUnavailable("scatter_add_segments_into takes float32 values, as many per gradient")
     if any(v.n != i.n for v, i in zip(vals, idxs)):

@@ -17,6 +17,15 @@ class HorovodCommunicator(ProcessSetCommunicator):
         handle = mpi_ops.allreduce_async(tensor, name=name, op=mpi_ops.Sum, process_set=self.process_set)
         return lambda: mpi_ops.synchronize(handle)
 
+    def grouped_allreduce(self, dtype):
+        return dtype != "bfloat16"
+
+    def grouped_allreduce_async(self, tensors, name):
+        """Horovod's grouped allreduce: one request, the tensors joined in its fusion buffer."""
+        handle = mpi_ops.grouped_allreduce_async(list(tensors), name=name, op=mpi_ops.Sum,
+                                                 process_set=self.process_set)
+        return lambda: mpi_ops.synchronize(handle)
+
     def allgather_async(self, tensor, name):
         if tensor.dtype == torch.bfloat16:
             handle = mpi_ops.allgather_async(tensor.view(torch.int16), name=name, process_set=self.process_set)

@@ -20,6 +20,7 @@ import numpy as np
 
 from grace.backends import get_backend
 from grace.compressors import EFSignSGD, Signum
+from grace.core import draws
 from grace.core.compressor import Collective, TensorInfo
 from grace.memories import DGCMemory, PowerSGDMemory, ResidualMemory
 
@@ -212,7 +213,7 @@ def powersgd(compressor, p, states, name, step):
     q = states.get((0, name))
     if q is None:  # shared seed of the tensor's first step (all ranks draw the same)
         r = min(compressor.rank, rows, cols)
-        draw = np.random.default_rng(TensorInfo(name, 0, n).seed(compressor.seed)).random(cols * r, dtype=np.float32)
+        draw = draws.uniform_numpy([cols * r], [TensorInfo(name, 0, n).seed(compressor.seed)])
         q = draw.reshape(cols, r) - 0.5
     basis, triangle = np.linalg.qr(sum(mi @ q for mi in m))
     basis = basis * np.where(np.diagonal(triangle) < 0, -1, 1)

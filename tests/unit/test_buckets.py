@@ -302,7 +302,11 @@ def test_a_loaded_state_is_never_written_by_later_steps(xp, method):
 
 
 class SummingInPlace(ReplicaCommunicator):
-    """Replicas whose allreduce sums into the tensor it is given, as torch.distributed does."""
+    """Replicas whose allreduce sums into the tensor it is given, as torch.distributed does
+    (which has no grouped allreduce: every bucket's payloads are joined into one buffer)."""
+
+    def grouped_allreduce(self, dtype):
+        return False
 
     def allreduce_async(self, tensor, name):
         backend_for(tensor).multiply_into(tensor, self.size, tensor)

@@ -22,7 +22,7 @@ def counted(collective):
     return call
 
 
-for _name in ("allreduce_async", "allgather_async", "broadcast_async"):
+for _name in ("allreduce_async", "grouped_allreduce_async", "allgather_async", "broadcast_async"):
     setattr(mpi_ops, _name, counted(getattr(mpi_ops, _name)))
 
 
