@@ -1115,17 +1115,57 @@ inline void row_values(const float* scalars, int mode, float& lo, float& hi) {
   }
 }
 
-// out = the sum, row after row in float32, of the rows of n bits decoded to lo[j] / hi[j].
-void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi, int64_t count, int64_t n, float* out) {
+// How an aggregate follows from the sum of the ranks' decoded payloads, element by element (the
+// compressor's from_sum): its sign where `vote` (a majority vote), then divided by each divisor
+// in turn; each step rounds as the tensor ops do.
+struct Finish {
+  bool vote = false;
+  int count = 0;
+  float div[4] = {};
+  Finish() = default;
+  Finish(int vote_, const float* divisors, int n) : vote(vote_ != 0), count(std::min(n, 4)) {
+    for (int i = 0; i < count; ++i) div[i] = divisors[i];
+  }
+  bool none() const { return !vote && !count; }
+  float apply(float a) const {
+    if (vote) a = a > 0.0f ? 1.0f : a < 0.0f ? -1.0f : a;  // (0 and NaN stay)
+    for (int i = 0; i < count; ++i) a = a / div[i];
+    return a;
+  }
+#ifdef GRACE_SIMD
+  F8 apply8(F8 a) const {
+    if (vote) {
+      const F8 zero = set8(0.0f);
+      a = sel8(gt8(a, zero), set8(1.0f), sel8(lt8(a, zero), set8(-1.0f), a));
+    }
+    for (int i = 0; i < count; ++i) a = a / set8(div[i]);
+    return a;
+  }
+#endif
+  void range(float* o, int64_t m) const {  // o[0, m) in place
+    if (none()) return;
+    int64_t i = 0;
+#ifdef GRACE_SIMD
+    for (; i + 8 <= m; i += 8) st8(o + i, apply8(ld8(o + i)));
+#endif
+    for (; i < m; ++i) o[i] = apply(o[i]);
+  }
+};
+
+// out = the sum, row after row in float32, of the rows of n bits decoded to lo[j] / hi[j]
+// (then finished).
+void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi, int64_t count, int64_t n, float* out,
+                   const Finish& finish = Finish()) {
   const int64_t full = n / 8;
   for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
 #ifdef GRACE_SIMD
     std::vector<F8> vlo(count), vhi(count);
     for (int64_t j = 0; j < count; ++j) vlo[j] = set8(lo[j]), vhi[j] = set8(hi[j]);
+    const bool plain = finish.none();
     for (int64_t g = g0; g < g1; ++g) {
       F8 acc = sel8(bits8(rows[0][g]), vhi[0], vlo[0]);
       for (int64_t j = 1; j < count; ++j) acc = acc + sel8(bits8(rows[j][g]), vhi[j], vlo[j]);
-      st8(out + 8 * g, acc);
+      st8(out + 8 * g, plain ? acc : finish.apply8(acc));
     }
 #else
     alignas(32) float acc[8], v[8];
@@ -1135,6 +1175,7 @@ void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi,
         select8(rows[j][g], lo[j], hi[j], v, false);
         for (int e = 0; e < 8; ++e) acc[e] += v[e];
       }
+      for (int e = 0; e < 8; ++e) acc[e] = finish.apply(acc[e]);
       std::memcpy(out + 8 * g, acc, sizeof acc);
     }
 #endif
@@ -1145,7 +1186,7 @@ void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi,
       const float v = ((rows[j][full] >> (i - 8 * full)) & 1) ? hi[j] : lo[j];
       acc = j ? acc + v : v;
     }
-    out[i] = acc;
+    out[i] = finish.apply(acc);
   }
 }
 constexpr int kTernGrad = 3;  // the mode of 2-bit TernGrad codes: 0, +s, -s (and 3: -s)
@@ -1153,7 +1194,8 @@ constexpr int kTernGrad = 3;  // the mode of 2-bit TernGrad codes: 0, +s, -s (an
 // out = the sum, row after row in float32, of rows of n TernGrad codes (4 to a byte), row j
 // decoded with its scale scale[j] as grace_cpu_terngrad_decode does: by a table of each
 // byte's four values per row.
-void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t count, int64_t n, float* out) {
+void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t count, int64_t n, float* out,
+                       const Finish& finish = Finish()) {
   std::vector<float> table((size_t)count * 256 * 4);
   std::vector<float> val((size_t)count * 4);
   for (int64_t j = 0; j < count; ++j) {
@@ -1167,6 +1209,7 @@ void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t c
   const int64_t full = n / 4;
   for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
+      if (g > g0 && (g - g0) % 512 == 0) finish.range(out + 4 * (g - 512), 4 * 512);  // (in L1 still)
 #if defined(__SSE2__)
       __m128 acc = _mm_loadu_ps(T + 4 * rows[0][g]);
       for (int64_t j = 1; j < count; ++j) acc = _mm_add_ps(acc, _mm_loadu_ps(T + ((size_t)j * 256 + rows[j][g]) * 4));
@@ -1179,6 +1222,10 @@ void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t c
       std::memcpy(out + 4 * g, acc, sizeof acc);
 #endif
     }
+    if (g1 > g0) {
+      const int64_t last = g0 + (g1 - g0 - 1) / 512 * 512;  // the last block's first group
+      finish.range(out + 4 * last, 4 * (g1 - last));
+    }
   });
   for (int64_t i = 4 * full; i < n; ++i) {
     float acc = 0.0f;
@@ -1186,23 +1233,23 @@ void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t c
       const float v = val[4 * j + ((rows[j][full] >> (2 * (i - 4 * full))) & 3)];
       acc = j ? acc + v : v;
     }
-    out[i] = acc;
+    out[i] = finish.apply(acc);
   }
 }
 
 // The sum of `count` rows of one gradient's codes; row j at rows[j], its scalars at scalars[j]
 // (mode as in grace_native.h).
 void codes_sum_rows(const uint8_t* const* rows, const float* const* scalars, int mode, int64_t count, int64_t n,
-                    float* out) {
+                    float* out, const Finish& finish = Finish()) {
   if (mode == kTernGrad) {
     std::vector<float> scale(count);
     for (int64_t j = 0; j < count; ++j) scale[j] = scalars[j][0];
-    terngrad_sum_rows(rows, scale.data(), count, n, out);
+    terngrad_sum_rows(rows, scale.data(), count, n, out, finish);
     return;
   }
   std::vector<float> lo(count), hi(count);
   for (int64_t j = 0; j < count; ++j) row_values(mode ? scalars[j] : nullptr, mode, lo[j], hi[j]);
-  bits_sum_rows(rows, lo.data(), hi.data(), count, n, out);
+  bits_sum_rows(rows, lo.data(), hi.data(), count, n, out, finish);
 }
 }  // namespace
 
@@ -1222,13 +1269,16 @@ API void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, con
 }
 
 // grace_cpu_bits_sum of each segment s of a bucket: the ranks' rows packed[s * ranks + r] with
-// their scalars scalars[s * ranks + r] (NULL for signSGD), summed into out[s] (numels[s]).
+// their scalars scalars[s * ranks + r] (NULL for signSGD), summed and finished into out[s].
 API void grace_cpu_bits_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed,
-                                     const float* const* scalars, int mode, const int64_t* numels, float* const* out) {
+                                     const float* const* scalars, int mode, const int64_t* numels, int vote,
+                                     const float* divisors, int ndiv, float* const* out) {
   std::vector<const float*> none(ranks, nullptr);
+  const Finish finish(vote, divisors, ndiv);
   for (int64_t s = 0; s < segments; ++s) {
     if (numels[s] <= 0 || ranks <= 0) continue;
-    codes_sum_rows(packed + s * ranks, mode ? scalars + s * ranks : none.data(), mode, ranks, numels[s], out[s]);
+    codes_sum_rows(packed + s * ranks, mode ? scalars + s * ranks : none.data(), mode, ranks, numels[s], out[s],
+                   finish);
   }
 }
 
@@ -1469,7 +1519,7 @@ namespace {
 // (row j's elements [lo, hi) into dst[0, hi - lo)): block by block, row 0 decoded into out and
 // every further row into a buffer in L1, then added.
 template <class Decode>
-void decoded_sum(int64_t count, int64_t n, float* out, const Decode& decode) {
+void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, const Decode& decode) {
   constexpr int64_t kBlock = 2048;
   for_chunks(n, kBlock, threads_for(n), [&](int, int64_t lo, int64_t hi) {
     alignas(32) float buf[kBlock];
@@ -1485,6 +1535,7 @@ void decoded_sum(int64_t count, int64_t n, float* out, const Decode& decode) {
 #endif
         for (; i < m; ++i) o[i] += buf[i];
       }
+      finish.range(o, m);
     }
   });
 }
@@ -1493,11 +1544,13 @@ void decoded_sum(int64_t count, int64_t n, float* out, const Decode& decode) {
 // Segment s of a bucket: the ranks' payloads (signs[s * ranks + r], codes[...]) decoded and added
 // into out[s] (numels[s] elements).
 API void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8_t* const* signs,
-                                        const uint8_t* const* codes, const int64_t* numels, float* const* out) {
+                                        const uint8_t* const* codes, const int64_t* numels, int vote,
+                                        const float* divisors, int ndiv, float* const* out) {
+  const Finish finish(vote, divisors, ndiv);
   for (int64_t s = 0; s < segments; ++s) {
     const uint8_t* const* S = signs + s * ranks;
     const uint8_t* const* C = codes + s * ranks;
-    decoded_sum(ranks, numels[s], out[s], [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+    decoded_sum(ranks, numels[s], out[s], finish, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
       natural_decode_range(S[j], C[j], lo, hi, dst, false);
     });
   }
@@ -1507,16 +1560,17 @@ API void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8
 // added into out[s] (numels[s] elements). Returns < 0 on bad parameters.
 API int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed,
                                     const float* const* norms, const int64_t* numels, int levels, int64_t bucket,
-                                    int bits, float* const* out) {
+                                    int bits, int vote, const float* divisors, int ndiv, float* const* out) {
   if (bits < 1 || bits > 8 || levels < 1) return -1;
   float lut[256];
   qsgd_code_values(levels, lut);
+  const Finish finish(vote, divisors, ndiv);
   for (int64_t s = 0; s < segments; ++s) {
     const int64_t n = numels[s], b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
     const uint8_t* const* P = packed + s * ranks;
     const float* const* N = norms + s * ranks;
     with_width(bits, [&](auto w) {
-      decoded_sum(ranks, n, out[s], [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+      decoded_sum(ranks, n, out[s], finish, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
         qsgd_decode_groups<decltype(w)::value>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, levels, lo, false);
       });
     });

@@ -70,16 +70,21 @@ void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, const f
 void grace_cpu_bits_residual(const float* p, const uint8_t* packed, int64_t n, const float* scalars, int mode,
                              float* out);
 /* grace_cpu_bits_sum of each segment s of a bucket, rank r's row at packed[s * ranks + r] and its
- * scalars at scalars[s * ranks + r] (NULL for mode 0), into out[s] (numels[s] elements) */
+ * scalars at scalars[s * ranks + r] (NULL for mode 0), into out[s] (numels[s] elements), each sum
+ * finished elementwise: its sign where vote, then divided by divisors[0 .. ndiv) in turn (ndiv <= 4) */
 void grace_cpu_bits_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed,
-                                 const float* const* scalars, int mode, const int64_t* numels, float* const* out);
+                                 const float* const* scalars, int mode, const int64_t* numels, int vote,
+                                 const float* divisors, int ndiv, float* const* out);
 
 /* decoded sums of a bucket: segment s's ranks' payloads (rank r's at [s * ranks + r]) decoded as
- * their decoders above do and added row after row in float32, into out[s] (numels[s] elements) */
+ * their decoders above do and added row after row in float32, into out[s] (numels[s] elements),
+ * finished as in grace_cpu_bits_sum_segments */
 int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed, const float* const* norms,
-                                const int64_t* numels, int levels, int64_t bucket, int bits, float* const* out);
+                                const int64_t* numels, int levels, int64_t bucket, int bits, int vote,
+                                const float* divisors, int ndiv, float* const* out);
 void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8_t* const* signs,
-                                    const uint8_t* const* codes, const int64_t* numels, float* const* out);
+                                    const uint8_t* const* codes, const int64_t* numels, int vote, const float* divisors,
+                                    int ndiv, float* const* out);
 
 /* DGC's momentum correction: p = v + (m * u + g) into v_out, p - v into u_out (one pass) */
 void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g, int64_t n, float m, float* u_out,

@@ -10,7 +10,7 @@
 from grace.compressors.sign_bits import SignBits
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Shape, check_number, divided
+from grace.core.compressor import Shape, check_number
 from grace.core.registry import example, register
 from grace.memories import EFSignSGDMemory, make_memory
 
@@ -41,8 +41,8 @@ class EFSignSGD(SignBits):
         signs = xp.cast(bits.unpack(xp, packed, 1, ctx.numel), "float32") * 2 - 1
         return xp.reshape(xp.cast(signs * scale[0], ctx.dtype), ctx.shape)
 
-    def from_sum(self, xp, total, n, fresh):
-        return divided(xp, super().from_sum(xp, total, n, fresh), self.lr, True)  # (a new mean, or total's)
+    def finish(self, n):
+        return False, (n, self.lr)  # the mean, over lr
 
     def aggregate_segments(self, xp, fields, ctx, table, ranks):
         return super().aggregate_segments(xp, fields, ctx, table, ranks) / self.lr

@@ -37,11 +37,9 @@ class SignSGD(Compressor):
         signs = xp.cast(bits.unpack(xp, payload[0], 1, ctx.numel), ctx.dtype) * 2 - 1
         return xp.reshape(signs, ctx.shape)
 
-    def from_sum(self, xp, total, n, fresh):
-        if self.aggregate_by == "mean":
-            return super().from_sum(xp, total, n, fresh)
-        # (a sum of +-1, never -0.0: the mean's sign)
-        return xp.sign_into(total, total) if fresh else xp.sign(total)
+    def finish(self, n):
+        # the majority: the sign of a sum of +-1 (never -0.0), which is the mean's sign
+        return (False, (n,)) if self.aggregate_by == "mean" else (True, ())
 
 
 @register("signsgd", aggregate="aggregate", examples=dict(signsgd=example(), signsgd_mean=example("mean")))

@@ -231,10 +231,21 @@ class Compressor:
         """Combine all ranks' payloads into the averaged gradient (default: mean)."""
         return self.from_sum(xp, self.decompressed_sum(xp, payloads, ctx), len(payloads), len(payloads) > 1)
 
+    def finish(self, n: int) -> Tuple[bool, Tuple[float, ...]]:
+        """How the aggregate follows from the sum of the n ranks' decompressions, element by
+        element: (take its sign, the divisors it is then divided by in turn). Default: the mean.
+        ``from_sum`` applies it with tensor ops; the decoded-sum kernels as they store."""
+        return False, (n,)
+
     def from_sum(self, xp, total, n: int, fresh: bool):
-        """The aggregate from the sum of the n ranks' decompressions (default: their mean),
-        written over ``total`` where it is ``fresh`` (a new tensor of the caller's)."""
-        return divided(xp, total, n, fresh)
+        """The aggregate from the sum of the n ranks' decompressions (``finish``), written over
+        ``total`` where it is ``fresh`` (a new tensor of the caller's)."""
+        vote, divisors = self.finish(n)
+        if vote:
+            total, fresh = (xp.sign_into(total, total) if fresh else xp.sign(total)), True
+        for d in divisors:
+            total, fresh = divided(xp, total, d, fresh), True
+        return total
 
     def residual_into(self, xp, p, payload: Payload, ctx, out):
         """p - decompress(payload) written into ``out`` (which may be ``p``) without a dense
@@ -249,12 +260,10 @@ class Compressor:
         fused = xp.fused(f"{self.sum_kernel}_into", outs[0], xp.dtype(outs[0])) if self.sum_kernel else None
         if not fused:
             return None
-        try:
-            fused(payloads, outs, *self.segment_arguments())
+        try:  # each sum finished (the mean, ...) as the kernel stores it
+            return fused(payloads, outs, *self.segment_arguments(), finish=self.finish(len(payloads[0])))
         except NativeUnavailable:  # (an output that is not contiguous float32)
             return None
-        n = len(payloads[0])
-        return [written(xp, self.from_sum(xp, total, n, True), total) for total in outs]
 
     def averaged_many(self, xp, summed: Sequence[Payload], ctxs, n: int, outs) -> Any:
         """Allreduce methods: ``decompress`` of every gradient's summed payload divided by n, to

@@ -608,15 +608,16 @@ def qsgd_decompress_sum(packed_rows, norms_rows, numel: int, levels: int, bucket
     _check_sums(p.dtype == "uint8" and count >= 1 and p.n == count * size and nb.n == count * rows,
                 f"{numel} {bits}-bit codes with {rows} norms each")
     rc = call(kind, "qsgd_sum_segments", 1, count, _rows(p, count, 1, size), _rows(nb, count, 4, rows),
-              _int64s([numel]), int(levels), int(bucket_size), bits, _pointers([out]))
+              _int64s([numel]), int(levels), int(bucket_size), bits, *_finish_args(None), _pointers([out]))
     if rc != 0:
         raise ValueError(f"bad QSGD parameters: levels={levels}")
     return _wrap(kind, out)
 
 
-def qsgd_decompress_sum_into(payloads, outs, levels: int, bucket_size: int = 0):
+def qsgd_decompress_sum_into(payloads, outs, levels: int, bucket_size: int = 0, finish=None):
     """qsgd_decompress_sum of every gradient of a bucket in one call (CPU), written into
-    ``outs``: ``payloads[s]`` holds each rank's payload (codes, norms) of gradient s."""
+    ``outs``: ``payloads[s]`` holds each rank's payload (codes, norms) of gradient s; each sum
+    then finished as ``finish`` says ((vote, divisors): Compressor.finish)."""
     kind = _cpu_kind(outs[0])
     ranks, bits = len(payloads[0]), code_width(2 * (levels + 1))
     ob = _in_place_all(kind, outs, "float32")
@@ -627,7 +628,7 @@ def qsgd_decompress_sum_into(payloads, outs, levels: int, bucket_size: int = 0):
                 and all(p.dtype == "uint8" and p.n == size and q.n == rows
                         for p, q, (size, rows) in zip(packed, norms, sizes)), f"{bits}-bit codes with their norms")
     rc = call(kind, "qsgd_sum_segments", len(ob), ranks, _pointers(packed), _pointers(norms),
-              _int64s([o.n for o in ob]), int(levels), int(bucket_size), bits, _pointers(ob))
+              _int64s([o.n for o in ob]), int(levels), int(bucket_size), bits, *_finish_args(finish), _pointers(ob))
     if rc != 0:
         raise ValueError(f"bad QSGD parameters: levels={levels}")
     return outs
@@ -646,13 +647,14 @@ def natural_decompress_sum(signs_rows, codes_rows, numel: int):
     _check_sums(sb.dtype == cb.dtype == "uint8" and count >= 1 and sb.n == count * size and cb.n == count * numel,
                 f"{numel} sign bits and exponent codes")
     call(kind, "natural_sum_segments", 1, count, _rows(sb, count, 1, size), _rows(cb, count, 1, numel),
-         _int64s([numel]), _pointers([out]))
+         _int64s([numel]), *_finish_args(None), _pointers([out]))
     return _wrap(kind, out)
 
 
-def natural_decompress_sum_into(payloads, outs):
+def natural_decompress_sum_into(payloads, outs, finish=None):
     """natural_decompress_sum of every gradient of a bucket in one call (CPU), written into
-    ``outs``: ``payloads[s]`` holds each rank's payload (sign bits, codes) of gradient s."""
+    ``outs``: ``payloads[s]`` holds each rank's payload (sign bits, codes) of gradient s; each
+    sum then finished as ``finish`` says."""
     kind = _cpu_kind(outs[0])
     ranks = len(payloads[0])
     ob = _in_place_all(kind, outs, "float32")
@@ -663,7 +665,7 @@ def natural_decompress_sum_into(payloads, outs):
                 and all(a.dtype == b.dtype == "uint8" and a.n == packed_size(n, 1) and b.n == n
                         for a, b, n in zip(signs, codes, numels)), "sign bits and exponent codes")
     call(kind, "natural_sum_segments", len(ob), ranks, _pointers(signs), _pointers(codes), _int64s([o.n for o in ob]),
-         _pointers(ob))
+         *_finish_args(finish), _pointers(ob))
     return outs
 
 
@@ -904,7 +906,15 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     return ([flat[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx], [o.obj for o in ob])
 
 
-def _bits_sum_into(mode: int, payloads, outs):
+def _finish_args(finish):
+    """A decoded sum's finish, (vote, divisors) (see Compressor.finish), as the C arguments."""
+    vote, divisors = finish if finish is not None else (False, ())
+    if len(divisors) > 4:
+        raise ValueError("at most 4 divisors")
+    return int(bool(vote)), (ctypes.c_float * max(1, len(divisors)))(*divisors), len(divisors)
+
+
+def _bits_sum_into(mode: int, payloads, outs, finish=None):
     per_row = _SCALARS[mode]
     kind = _cpu_kind(outs[0])
     ranks = len(payloads[0])
@@ -917,7 +927,7 @@ def _bits_sum_into(mode: int, payloads, outs):
             or (scalars is not None and any(s.n != per_row for s in scalars)):
         raise ValueError(f"each gradient needs {ranks} rows of its bits, with {per_row} scalars each")
     call(kind, "bits_sum_segments", len(ob), ranks, _pointers(packed), _pointers(scalars) if scalars else None, mode,
-         _int64s([o.n for o in ob]), _pointers(ob))
+         _int64s([o.n for o in ob]), *_finish_args(finish), _pointers(ob))
     return outs
 
 
@@ -950,25 +960,26 @@ def terngrad_decompress_sum(packed_rows, scales, numel: int):
     return _bits_sum(_TERNGRAD, packed_rows, scales, numel)
 
 
-def terngrad_decompress_sum_into(payloads, outs):
+def terngrad_decompress_sum_into(payloads, outs, finish=None):
     """terngrad_decompress_sum of every gradient of a bucket in one call: payloads (codes, scale)."""
-    return _bits_sum_into(_TERNGRAD, payloads, outs)
+    return _bits_sum_into(_TERNGRAD, payloads, outs, finish)
 
 
-def signsgd_decompress_sum_into(payloads, outs):
+def signsgd_decompress_sum_into(payloads, outs, finish=None):
     """signsgd_decompress_sum of every gradient of a bucket in one call (CPU), written into
-    ``outs``: ``payloads[s]`` holds each rank's payload of gradient s (its packed bits)."""
-    return _bits_sum_into(_SIGNSGD, payloads, outs)
+    ``outs``: ``payloads[s]`` holds each rank's payload of gradient s (its packed bits); each
+    sum then finished as ``finish`` says ((vote, divisors): Compressor.finish)."""
+    return _bits_sum_into(_SIGNSGD, payloads, outs, finish)
 
 
-def efsignsgd_decompress_sum_into(payloads, outs):
+def efsignsgd_decompress_sum_into(payloads, outs, finish=None):
     """efsignsgd_decompress_sum of every gradient of a bucket in one call: payloads (bits, scale)."""
-    return _bits_sum_into(_EFSIGNSGD, payloads, outs)
+    return _bits_sum_into(_EFSIGNSGD, payloads, outs, finish)
 
 
-def onebit_decompress_sum_into(payloads, outs):
+def onebit_decompress_sum_into(payloads, outs, finish=None):
     """onebit_decompress_sum of every gradient of a bucket in one call: payloads (bits, means)."""
-    return _bits_sum_into(_ONEBIT, payloads, outs)
+    return _bits_sum_into(_ONEBIT, payloads, outs, finish)
 
 
 def uniform_segments(counts, words, out):

@@ -173,21 +173,28 @@ def test_decoded_sums_equal_the_oracles_sum_of_decompressions(device, name, n, r
     same_bytes(np.asarray(want).reshape(-1), got, f"{name} over {ranks} ranks")
 
 
+@pytest.mark.parametrize("finish", [None, (False, (3, 0.1)), (True, ())], ids=["sum", "divided", "sign"])
 @pytest.mark.parametrize("name", SUMMED)
-def test_a_buckets_decoded_sums_in_one_call_equal_each_gradients(name):
+def test_a_buckets_decoded_sums_in_one_call_equal_each_gradients(name, finish):
     """The CPU's bucket-at-once decoded sums (written into each gradient) equal the decoded
-    sum of each gradient alone, byte for byte."""
+    sum of each gradient alone, byte for byte, then finished (Compressor.finish) as NumPy's
+    operations would: its sign, or divided in turn."""
     compressor, ranks = METHODS[name][0](), 3
     sizes = [1, 9, 1001, 2**16 + 3]
     payloads = [[compressor.compress(NX, gradient(n, seed=n + r), INFO)[0] for r in range(ranks)] for n in sizes]
     outs = [torch.full((n,), 7.0) for n in sizes]
     into = getattr(gn, f"{'qsgd' if name in ARGUMENTS else name}_decompress_sum_into")
     assert into([[tuple(torch.from_numpy(np.asarray(t)) for t in p) for p in rows] for rows in payloads], outs,
-                *ARGUMENTS.get(name, ())) is outs
+                *ARGUMENTS.get(name, ()), finish=finish) is outs
     for n, rows, out in zip(sizes, payloads, outs):
-        alone = SUMMED[name](*(np.concatenate([np.asarray(p[i]).reshape(-1) for p in rows])
-                               for i in range(len(rows[0]))), n)
-        same_bytes(alone, out, f"{name}, {n} elements")
+        want = np.asarray(SUMMED[name](*(np.concatenate([np.asarray(p[i]).reshape(-1) for p in rows])
+                                         for i in range(len(rows[0]))), n))
+        vote, divisors = finish or (False, ())
+        if vote:
+            want = np.where(want > 0, np.float32(1), np.where(want < 0, np.float32(-1), want))
+        for d in divisors:
+            want = want / d
+        same_bytes(want, out, f"{name}, {n} elements, {finish}")
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
