@@ -6,11 +6,11 @@ With ``scale=True`` the values are multiplied by d/k, which makes the estimate u
 """
 import numpy as np
 
-from grace.core.compressor import Collective, Compressor, Shape, check_ratio, sent_count
-from grace.native import NativeUnavailable
 from grace.core.compression import GradientCompression
+from grace.core.compressor import Collective, Compressor, Shape, check_ratio, sent_count
 from grace.core.registry import example, register
 from grace.memories import make_memory
+from grace.native import NativeUnavailable
 
 
 class RandomK(Compressor):

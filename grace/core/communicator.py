@@ -9,7 +9,9 @@ primitives, each asynchronous (it returns a zero-argument ``wait`` callable):
     broadcast_async(tensor, root, name)  the root's tensor, on every rank (a receiver's tensor
                                          gives only the size and dtype; it is not written to)
 
-and, where it pays, ``allgather_equal_async`` (the same when all lengths are equal).
+and, where it pays, ``allgather_equal_async`` (the same when all lengths are equal) and
+``grouped_allreduce_async`` (several tensors summed by one collective of the toolkit's own,
+which joins them itself: Horovod's grouped allreduce).
 
 On top of them this class exchanges whole payloads (tuples of tensors) and reports the bytes
 this rank handed to the collectives, headers included.

@@ -36,7 +36,6 @@ through by themselves (``none``, ``fp16`` without memory) send no flag.
 from __future__ import annotations
 
 import functools
-
 import os
 import pickle
 import socket
@@ -774,13 +773,17 @@ class Exchange:
                     else comm.allreduce_async(sent[dtype], name)
 
         def wait():
-            outputs = {d: self._wait(w) for d, w in waits.items()}
-            summed = {d: list(out) if isinstance(out, (list, tuple))
-                      else xp.split(out, [c for c, dd in zip(counts, dtypes) if dd == d]) for d, out in outputs.items()}
+            summed, fresh = {}, True
+            for d, w in waits.items():
+                out = self._wait(w)
+                if isinstance(out, (list, tuple)):  # a grouped allreduce's sums, one by one
+                    summed[d] = list(out)
+                    fresh = fresh and all(o is not s for o, s in zip(out, sent[d]))
+                else:
+                    summed[d] = xp.split(out, [c for c, dd in zip(counts, dtypes) if dd == d])
+                    fresh = fresh and out is not sent[d]
             ordered = [xp.reshape(summed[d].pop(0), shape) for d, shape in zip(dtypes, shapes)]
             overflow = self._overflow(xp, [ordered.pop()]) if flag is not None else None
-            fresh = all(o is not s for d, out in outputs.items()
-                        for o, s in (zip(out, sent[d]) if isinstance(out, (list, tuple)) else [(out, sent[d])]))
             return frames.split_payloads(ordered, structure), overflow, fresh
 
         return wait, sum(xp.nbytes(t) for t in pieces)
