@@ -2217,6 +2217,35 @@ void uniform_range(int64_t lo, int64_t hi, uint32_t s0, uint32_t s1, float* out)
 }
 }  // namespace
 
+// Segment s: the first ks[s] distinct of the index draws floor(hash_j * n / 2^32), j = 0, 1, ...,
+// ascending, into out (the segments one after another): a bitmap of the n indices marks those
+// drawn, and a scan of it writes them in order. Returns -1 where k > n or n > 2^32.
+API int grace_cpu_random_indices_segments(int64_t segments, const int64_t* numels, const int64_t* ks,
+                                          const uint32_t* s0, const uint32_t* s1, int64_t* out) {
+  for (int64_t s = 0; s < segments; ++s)
+    if (ks[s] < 0 || ks[s] > numels[s] || numels[s] > ((int64_t)1 << 32)) return -1;
+  std::vector<uint64_t> taken;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t n = numels[s], k = ks[s];
+    if (k == n) {
+      for (int64_t i = 0; i < n; ++i) out[i] = i;
+    } else if (k > 0) {
+      taken.assign((n + 63) / 64, 0);
+      for (int64_t j = 0, got = 0; got < k; ++j) {
+        const uint64_t i = ((uint64_t)hash32(hash32((uint64_t)j ^ s0[s]) ^ s1[s]) * (uint64_t)n) >> 32;
+        const uint64_t bit = (uint64_t)1 << (i & 63);
+        got += !(taken[i >> 6] & bit);
+        taken[i >> 6] |= bit;
+      }
+      int64_t q = 0;
+      for (int64_t w = 0; w < (int64_t)taken.size(); ++w)
+        for (uint64_t word = taken[w]; word; word &= word - 1) out[q++] = 64 * w + __builtin_ctzll(word);
+    }
+    out += k;
+  }
+  return 0;
+}
+
 API void grace_cpu_uniform_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                     float* out) {
   for (int64_t s = 0; s < segments; ++s) {

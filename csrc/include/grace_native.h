@@ -95,6 +95,10 @@ void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g, in
  * in a row into out (the segments one after another) */
 void grace_cpu_uniform_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                 float* out);
+/* random indices of segment s: the first ks[s] distinct of floor(h_j * numels[s] / 2^32), h_j the
+ * hash of draw j as above, ascending, in a row into out; -1 where a k > n or an n > 2^32 */
+int grace_cpu_random_indices_segments(int64_t segments, const int64_t* numels, const int64_t* ks, const uint32_t* s0,
+                                      const uint32_t* s1, int64_t* out);
 
 /* selection. topk: the k largest (by value, or by magnitude when by_abs), ties to the lowest
  * index, indices ascending. Returns the count written, < 0 on bad arguments. */

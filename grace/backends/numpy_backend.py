@@ -175,8 +175,9 @@ class NumpyBackend:
         return draws.uniform_numpy([numel], [seed])
 
     def random_indices(self, numel: int, k: int, seed, like=None):
-        """k distinct indices below ``numel``, drawn from ``seed``, sorted (int64)."""
-        return np.sort(np.random.default_rng(list(seed)).choice(numel, size=k, replace=False))
+        """k distinct indices below ``numel``, drawn from ``seed``, sorted (int64): counter-based
+        (grace.core.draws)."""
+        return draws.random_indices_numpy(numel, k, seed)
 
     def uniform_segments(self, counts, seeds, like=None):
         """``uniform(counts[s], seeds[s])`` for every s, in a row."""

@@ -2,8 +2,8 @@
 
 Every operation is a TensorFlow op (no ``.numpy()``), so that the methods also run inside
 ``tf.function``; the exceptions are the random draws off the GPU (``uniform``, ``random_indices``),
-which are NumPy's so that they equal the NumPy backend's: a constant of the graph, or a
-``tf.numpy_function`` host call when the step is a tensor. On a GPU they come from TensorFlow's
+made on the host so that they equal the NumPy backend's (grace.core.draws): a constant of the
+graph, or a ``tf.numpy_function`` host call when the step is a tensor. On a GPU they come from TensorFlow's
 stateless generators, keyed by the same (key, step) seed, and stay on the device. Shapes are static ones: ``shape`` and ``numel`` are
 Python ints whenever TensorFlow knows them (``numel`` falls back to a scalar int64 tensor).
 
@@ -25,12 +25,10 @@ import numpy as np
 import tensorflow as tf
 
 from grace import native as _native
-from grace.backends.numpy_backend import NumpyBackend
 from grace.core import bits as bits_
 from grace.core import draws
 from grace.tensorflow.graph_kernels import device_of as _device, graph_fused, on_gpu as _on_gpu
 
-_NUMPY = NumpyBackend()  # the host draws: uniform and random_indices off the GPU
 
 
 # --- dtypes: names <-> TensorFlow <-> NumPy ------------------------------------------------
@@ -92,7 +90,7 @@ def _stateless_seed(seed):
 
 
 def _host_draw(draw, seed, shape, dtype, like):
-    """``draw((key, step))``, NumPy's, as a tensor: a constant when the step is a Python int;
+    """``draw((key, step))``, made on the host, as a tensor: a constant when the step is a Python int;
     a host call (tf.numpy_function) when it is a tensor, as under tf.function."""
     key, step = seed
     with tf.device(_device(like)):
@@ -336,14 +334,14 @@ class TensorflowBackend:
         return _host_draw(lambda s: draws.uniform_host([numel], [s]), seed, (numel,), tf.float32, like)
 
     def random_indices(self, numel: int, k: int, seed, like=None):
-        """k distinct indices below ``numel``, drawn from ``seed``, sorted (int64): NumPy's off
-        the GPU, like ``uniform``; on a GPU the k largest of stateless uniform draws."""
+        """k distinct indices below ``numel``, drawn from ``seed``, sorted (int64): off the GPU
+        the NumPy backend's (grace.core.draws), like ``uniform``; on a GPU the k largest of
+        stateless uniform draws."""
         if _on_gpu(like):
             with tf.device(_device(like)):
-                draws = tf.random.stateless_uniform((numel,), seed=_stateless_seed(seed), dtype=tf.float32)
-                return tf.sort(tf.cast(tf.math.top_k(draws, k, sorted=False).indices, tf.int64))
-        return _host_draw(lambda s: _NUMPY.random_indices(numel, k, s).astype(np.int64, copy=False),
-                          seed, (k,), tf.int64, like)
+                u = tf.random.stateless_uniform((numel,), seed=_stateless_seed(seed), dtype=tf.float32)
+                return tf.sort(tf.cast(tf.math.top_k(u, k, sorted=False).indices, tf.int64))
+        return _host_draw(lambda s: draws.random_indices_host([numel], [k], [s]), seed, (k,), tf.int64, like)
 
     def uniform_segments(self, counts, seeds, like=None):
         """``uniform(counts[s], seeds[s])`` for every s, in a row."""

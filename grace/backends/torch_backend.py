@@ -9,13 +9,9 @@ import torch
 from grace import native as _native
 from grace.core import bits as bits_
 from grace.core import draws
-from grace.backends.numpy_backend import NumpyBackend
 
 
-_numpy_backend = NumpyBackend()
-
-
-# --- draws: counter-based (grace.core.draws) -------------------------------------------------
+# --- draws on an accelerator: counter-based (grace.core.draws), by whole-buffer ops -----------
 def _int64s(values, device):
     """Host ints as an int64 tensor on ``device``; to a GPU from pinned memory, so that the
     copy is queued on the stream without waiting for it."""
@@ -40,8 +36,9 @@ def _counter_hashes(counts, seeds, device):
 
 
 def _counter_indices(device) -> bool:
-    """Whether random indices on ``device`` come from the counter-based draws (accelerators; on
-    a CPU they are NumPy's generator's, equal to the NumPy backend's)."""
+    """Whether random indices on ``device`` are the k smallest hashes (accelerators: one sort
+    over a bucket); on a CPU they are the first k distinct index draws, the NumPy backend's
+    (grace.core.draws)."""
     return device.type != "cpu"
 
 
@@ -229,7 +226,7 @@ class TorchBackend:
         from one stable sort of (segment, hash) over all segments."""
         device = like.device if like is not None else torch.device("cpu")
         if not _counter_indices(device):
-            return torch.from_numpy(_numpy_backend.random_indices_segments(numels, ks, seeds))
+            return torch.from_numpy(draws.random_indices_host(numels, ks, seeds))
         hashes, segment, starts = _counter_hashes(numels, seeds, device)
         order = torch.sort((segment << 32) | hashes, stable=True).indices  # each segment's elements, in a row
         taken_segment, _, rank = _segments(ks, device)  # the taken: each one's segment and rank in it

@@ -1,4 +1,4 @@
-"""Counter-based uniform draws: draw j of a (key, step) seed is a hash of (j, seed).
+"""Counter-based draws: draw j of a (key, step) seed is a hash of (j, seed).
 
 Every backend and device draws the same numbers (NumPy, PyTorch on a CPU or a GPU, TensorFlow
 off the GPU), any number of tensors' draws come from a few whole-buffer operations (or one
@@ -8,9 +8,12 @@ its tensors draws alone:
     (s0, s1) = seed_words(key, step)
     u_j      = (hash32(hash32(j ^ s0) ^ s1) >> 8) / 2**24       float32 in [0, 1)
 
-The functions below take Python ints or int64 arrays (NumPy, torch): the arithmetic stays
+Random indices on a CPU (random-k's) are the first k distinct of the index draws
+floor(hash_j * d / 2**32); on a GPU the torch backend takes the k smallest hashes instead.
+
+The hash functions take Python ints or int64 arrays (NumPy, torch): the arithmetic stays
 below 2**63, so int64 tensors never overflow; NumPy's uint32 arrays wrap where the masks
-cut. grace.native's ``uniform_segments`` computes the same in C.
+cut. grace.native's ``uniform_segments`` and ``random_indices_segments`` compute the same in C.
 """
 from __future__ import annotations
 
@@ -72,3 +75,37 @@ def uniform_host(counts: Sequence[int], seeds: Sequence) -> np.ndarray:
         return native.uniform_segments(counts, [seed_words(s) for s in seeds], np.empty(sum(counts), np.float32))
     except native.NativeUnavailable:
         return uniform_numpy(counts, seeds)
+
+
+def _index_draws(j, numel: int, words):
+    """Draws ``j`` as indices below ``numel``: floor(hash * numel / 2**32)."""
+    return (draw_hashes(j, words).astype(np.uint64) * np.uint64(numel)) >> np.uint64(32)
+
+
+def random_indices_numpy(numel: int, k: int, seed) -> np.ndarray:
+    """k distinct indices below ``numel`` from the (key, step) ``seed``, ascending (int64): the
+    first k distinct ones of the index draws floor(hash_j * numel / 2**32), j = 0, 1, ...
+    (a uniformly random k-subset). NumPy operations: enough draws at once, then more."""
+    numel, k = int(numel), int(k)
+    if not 0 <= k <= numel <= 2**32:
+        raise ValueError(f"cannot draw {k} distinct indices below {numel}")
+    if k == numel:
+        return np.arange(numel, dtype=np.int64)
+    words, m = seed_words(seed), k + k // 2 + 16
+    while True:
+        drawn = _index_draws(np.arange(m, dtype=np.uint64), numel, words)
+        _, first = np.unique(drawn, return_index=True)  # where each index is drawn first
+        if len(first) >= k:
+            return np.sort(drawn[np.sort(first)[:k]]).astype(np.int64)
+        m *= 2
+
+
+def random_indices_host(numels: Sequence[int], ks: Sequence[int], seeds: Sequence) -> np.ndarray:
+    """``random_indices_numpy`` of every segment in a row, by one native call where built."""
+    numels, ks = [int(d) for d in numels], [int(k) for k in ks]
+    try:
+        return native.random_indices_segments(numels, ks, [seed_words(s) for s in seeds],
+                                              np.empty(sum(ks), np.int64))
+    except native.NativeUnavailable:
+        parts = [random_indices_numpy(d, k, s) for d, k, s in zip(numels, ks, seeds)]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)

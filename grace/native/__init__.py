@@ -74,6 +74,7 @@ __all__ = [
     "terngrad_decompress_sum", "terngrad_decompress_sum_into", "threshold_compress",
     "threshold_ef_step", "threshold_indices", "topk_compress", "topk_compress_segments", "topk_ef_step",
     "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack",
+    "random_indices_segments",
 ]
 
 _FLOATS = ("float16", "bfloat16", "float32")
@@ -991,6 +992,20 @@ def uniform_segments(counts, words, out):
         raise ValueError(f"out has {ob.n} elements for {sum(counts)} draws")
     s0, s1 = ((ctypes.c_uint32 * len(words))(*[w[i] for w in words]) for i in (0, 1))
     call(kind, "uniform_segments", len(counts), _int64s(counts), s0, s1, ob.ptr)
+    return out
+
+
+def random_indices_segments(numels, ks, words, out):
+    """Counter-based random indices (grace.core.draws) on the CPU: for each segment, the first
+    ``ks[s]`` distinct index draws below ``numels[s]`` from the seed words ``words[s]``,
+    ascending, in a row, written into the int64 ``out``."""
+    kind = _cpu_kind(out)
+    ob = _in_place(kind, out, "int64")
+    if ob.n != sum(ks):
+        raise ValueError(f"out has {ob.n} elements for {sum(ks)} indices")
+    s0, s1 = ((ctypes.c_uint32 * len(words))(*[w[i] for w in words]) for i in (0, 1))
+    if call(kind, "random_indices_segments", len(ks), _int64s(numels), _int64s(ks), s0, s1, ob.ptr) != 0:
+        raise ValueError("every k must be at most its segment's size (and the size at most 2**32)")
     return out
 
 

@@ -53,6 +53,7 @@ SYMBOLS = {
     "bits_sum_segments": (None, [_L, _I, _P, _P, _I, _P, _I, _P, _I, _P]),
     "bits_residual": (None, [_P, _P, _L, _P, _I, _P]),
     "uniform_segments": (None, [_L, _P, _P, _P, _P]),
+    "random_indices_segments": (_I, [_L, _P, _P, _P, _P, _P]),
     "qsgd_sum_segments": (_I, [_L, _I, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P]),
     "natural_sum_segments": (None, [_L, _I, _P, _P, _P, _I, _P, _I, _P]),
     "dgc_compensate": (None, [_P, _P, _P, _L, _F, _P, _P]),
@@ -61,7 +62,8 @@ SYMBOLS = {
 #: the decoded sums of QSGD and natural compression, DGC's momentum correction, and the draws
 #: (a GPU draws with tensor ops)
 CPU_ONLY = {"topk_ef_many", "scatter_add_segments", "bits_sum_segments", "bits_residual",
-            "qsgd_sum_segments", "natural_sum_segments", "uniform_segments", "dgc_compensate"}
+            "qsgd_sum_segments", "natural_sum_segments", "uniform_segments", "random_indices_segments",
+            "dgc_compensate"}
 # CUDA functions return a status (or a count) where the CPU ones return nothing
 _CUDA_RESTYPE = {name: (_I if res is None else res) for name, (res, _) in SYMBOLS.items()}
 

@@ -94,8 +94,42 @@ def test_every_backend_draws_the_same_uniforms(native):
     np.testing.assert_array_equal(want, ((hashes >> 8).to(torch.float32) * draws.UNIT).numpy())
 
 
-def test_off_an_accelerator_every_backend_draws_numpys_indices(monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+def test_off_an_accelerator_every_backend_draws_the_same_indices(monkeypatch, native):
+    """Random indices on a CPU: the first k distinct index draws, by NumPy operations (the
+    reference) and by the CPU kernel, for the NumPy and torch backends alike."""
+    from grace import native as grace_native
+    from grace.core import draws
+
     monkeypatch.setattr(torch_backend, "_counter_indices", lambda device: False)
-    numpy, torch_xp = get_backend("numpy"), get_backend("torch")
-    np.testing.assert_array_equal(numpy.random_indices_segments([30, 40], [3, 4], [(1, 2), (3, 4)]),
-                                  host(torch_xp.random_indices_segments([30, 40], [3, 4], [(1, 2), (3, 4)])))
+    numels, ks = [30, 40, 1, 7, 70_000, 5], [3, 4, 1, 7, 700, 0]
+    seeds = [(1, 2), (3, 4), (5, 6), (7, 8), (2**40 + 9, 11), (1, 1)]
+    want = np.concatenate([draws.random_indices_numpy(d, k, s) for d, k, s in zip(numels, ks, seeds)])
+    with (contextlib.nullcontext() if native else grace_native.disabled()):
+        np.testing.assert_array_equal(want, draws.random_indices_host(numels, ks, seeds))
+        np.testing.assert_array_equal(want, get_backend("numpy").random_indices_segments(numels, ks, seeds))
+        np.testing.assert_array_equal(want, host(get_backend("torch").random_indices_segments(numels, ks, seeds)))
+    at = 0
+    for d, k in zip(numels, ks):  # k distinct indices below d, ascending
+        idx = want[at:at + k]
+        at += k
+        assert len(idx) == k and np.all(np.diff(idx) > 0) and (k == 0 or (idx[0] >= 0 and idx[-1] < d))
+
+
+def test_cpu_random_indices_pick_every_index_alike():
+    from grace.core import draws
+
+    # 2,000 draws of 10 of 100 indices: each index 200 times expected, standard deviation 13.4
+    hits = np.zeros(100, np.int64)
+    for step in range(2000):
+        hits[draws.random_indices_host([100], [10], [(99, step)])] += 1
+    assert np.all(np.abs(hits - 200) < 6 * 13.4), hits
+
+
+def test_random_indices_refuse_more_than_there_are():
+    from grace.core import draws
+
+    with pytest.raises(ValueError, match="distinct"):
+        draws.random_indices_numpy(5, 6, (1, 2))
+    with pytest.raises(ValueError, match="at most"):
+        draws.random_indices_host([5], [6], [(1, 2)])
