@@ -1057,7 +1057,8 @@ FUSED: Dict[str, Kernel] = {
     "signsgd_decompress_sum": Kernel(signsgd_decompress_sum, ("bits_sum",), ("float32",)),
     "efsignsgd_decompress_sum": Kernel(efsignsgd_decompress_sum, ("bits_sum",), ("float32",)),
     "onebit_decompress_sum": Kernel(onebit_decompress_sum, ("bits_sum",), ("float32",)),
-    "terngrad_decompress_sum": Kernel(terngrad_decompress_sum, ("bits_sum",), ("float32",)),
+    # (the CUDA kernel has TernGrad's mode too; taken on a GPU once a device run has checked it)
+    "terngrad_decompress_sum": Kernel(terngrad_decompress_sum, ("bits_sum",), ("float32",), devices=("cpu",)),
     "qsgd_decompress_sum": Kernel(qsgd_decompress_sum, ("qsgd_sum_segments",), ("float32",), devices=("cpu",)),
     "natural_decompress_sum": Kernel(natural_decompress_sum, ("natural_sum_segments",), ("float32",),
                                      devices=("cpu",)),

@@ -155,7 +155,7 @@ SUMMED = {"signsgd": gn.signsgd_decompress_sum, "efsignsgd": gn.efsignsgd_decomp
 def test_decoded_sums_equal_the_oracles_sum_of_decompressions(device, name, n, ranks):
     """Every rank's payload of one tensor decoded and added row after row in one pass: the
     bytes of the NumPy decompressions added in order (signed zeros from an all-zero rank too)."""
-    if device == "cuda" and "cuda" not in gn.FUSED[f"{'qsgd' if name in ARGUMENTS else name}_decompress_sum"].devices:
+    if device == "cuda" and (name in ARGUMENTS or name == "natural"):
         pytest.skip(f"{name}'s decoded sum is the CPU's")
     compressor = METHODS[name][0]()
     xs = [gradient(n, seed=n + r) for r in range(ranks)]
