@@ -7,10 +7,9 @@ With ``scale=True`` the values are multiplied by d/k, which makes the estimate u
 import numpy as np
 
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, check_ratio, sent_count
+from grace.core.compressor import Collective, Compressor, Shape, check_ratio, native_or_none, sent_count
 from grace.core.registry import example, register
 from grace.memories import make_memory
-from grace.native import NativeUnavailable
 
 
 class RandomK(Compressor):
@@ -60,13 +59,8 @@ class RandomK(Compressor):
     def averaged_many(self, xp, summed, ctxs, n: int, outs):
         """Every gradient's summed values, decompressed and divided by n, written into ``outs``
         in one native call (0 + v / n, which is (0 + v) / n to the bit)."""
-        fused = xp.fused("scatter_add_segments_into", outs[0], xp.dtype(outs[0]))
-        if not fused:
-            return None
-        try:
-            return fused([[(payload[0], ctx[1])] for payload, ctx in zip(summed, ctxs)], outs, n)
-        except NativeUnavailable:
-            return None
+        return native_or_none(xp, "scatter_add_segments_into", outs[0],
+                              [[(payload[0], ctx[1])] for payload, ctx in zip(summed, ctxs)], outs, n)
 
     # --- a bucket at once: each segment's own draw, one gather and one scatter -------------
     segmented = True

@@ -5,9 +5,8 @@ On an accelerator a bucket of such tensors is compressed segment by segment in o
 (``Compressor.segmented``; grace.native runs each segment through the per-tensor kernels), so
 every gradient keeps its own scale and the results are the per-tensor ones.
 """
-from grace.core.compressor import Collective, Compressor
+from grace.core.compressor import Collective, Compressor, native_or_none
 from grace.formats import packed_size
-from grace.native import NativeUnavailable
 
 
 class SignBits(Compressor):
@@ -18,13 +17,7 @@ class SignBits(Compressor):
     scalars: int = 1
 
     def residual_into(self, xp, p, payload, ctx, out):
-        fused = xp.fused(f"{self.segment_kernel}_residual_into", p, xp.dtype(p))
-        if not fused:
-            return None
-        try:
-            return fused(p, payload[0], payload[1], out)
-        except NativeUnavailable:  # (an output that cannot be written in place)
-            return None
+        return native_or_none(xp, f"{self.segment_kernel}_residual_into", p, p, payload[0], payload[1], out)
 
     def segment_fields(self, numels, dtype):
         count = len(numels)

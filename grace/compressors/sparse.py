@@ -4,8 +4,7 @@ Payload: (values in the gradient's dtype, indices in the smallest integer type t
 """
 import numpy as np
 
-from grace.core.compressor import Collective, Compressor, Shape, index_bits, index_dtype
-from grace.native import NativeUnavailable
+from grace.core.compressor import Collective, Compressor, Shape, index_bits, index_dtype, native_or_none
 
 
 class Sparsifier(Compressor):
@@ -37,16 +36,11 @@ class Sparsifier(Compressor):
         return (values, indices), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(residual, xp.shape(g))
 
     def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs):
-        fused = xp.fused(self.residual_kernel_many, gs[0], xp.dtype(gs[0])) if self.residual_kernel_many else None
-        if not fused:
+        done = native_or_none(xp, self.residual_kernel_many, gs[0], gs, residuals,
+                              [self.kernel_argument(xp.numel(g)) for g in gs], beta, gamma, outs=outs)
+        if done is None:
             return None
-        try:
-            values, indices, new = fused(gs, residuals, [self.kernel_argument(xp.numel(g)) for g in gs], beta, gamma,
-                                         outs=outs)
-        except NativeUnavailable:  # (a gradient of another dtype or device, an output not contiguous)
-            return None
-        return [((v, i), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(r, xp.shape(g)))
-                for v, i, r, g in zip(values, indices, new, gs)]
+        return [((v, i), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(r, xp.shape(g))) for v, i, r, g in zip(*done, gs)]
 
     def compress(self, xp, x, info):
         flat = xp.flatten(x)
@@ -71,13 +65,9 @@ class Sparsifier(Compressor):
                           ctx.shape)
 
     def aggregate_many(self, xp, payloads, ctxs, outs):
-        fused = xp.fused("scatter_add_segments_into", outs[0], xp.dtype(outs[0]))
-        if not fused:
-            return None
-        try:  # each rank's values divided by n, added payload after payload: as aggregate
-            return fused([[(p[0], p[1]) for p in rows] for rows in payloads], outs, len(payloads[0]))
-        except NativeUnavailable:
-            return None
+        # each rank's values divided by n, added payload after payload: as aggregate
+        return native_or_none(xp, "scatter_add_segments_into", outs[0],
+                              [[(p[0], p[1]) for p in rows] for rows in payloads], outs, len(payloads[0]))
 
     # --- a bucket at once (segmented methods: a fixed k per segment) ----------------------
     def segment_fields(self, numels, dtype):

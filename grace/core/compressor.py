@@ -257,13 +257,9 @@ class Compressor:
         """``aggregate`` of every gradient of a bucket (``payloads[i]``: the ranks' payloads of
         gradient i), written into ``outs`` in one native call where the method has one: the
         list of ``outs``, else None (the exchange then aggregates gradient by gradient)."""
-        fused = xp.fused(f"{self.sum_kernel}_into", outs[0], xp.dtype(outs[0])) if self.sum_kernel else None
-        if not fused:
-            return None
-        try:  # each sum finished (the mean, ...) as the kernel stores it
-            return fused(payloads, outs, *self.segment_arguments(), finish=self.finish(len(payloads[0])))
-        except NativeUnavailable:  # (an output that is not contiguous float32)
-            return None
+        # each sum finished (the mean, ...) as the kernel stores it
+        return native_or_none(xp, self.sum_kernel and f"{self.sum_kernel}_into", outs[0], payloads, outs,
+                              *self.segment_arguments(), finish=self.finish(len(payloads[0])))
 
     def averaged_many(self, xp, summed: Sequence[Payload], ctxs, n: int, outs) -> Any:
         """Allreduce methods: ``decompress`` of every gradient's summed payload divided by n, to
@@ -288,6 +284,20 @@ class Compressor:
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"
+
+
+def native_or_none(xp, name: str, like, *args, **kwargs):
+    """grace.native's function ``name`` (``xp.fused``: built, for like's device and dtype) called
+    with ``args``: its result, or None where it is not there or cannot take these tensors
+    (another dtype or device, an output it cannot write in place), for the caller's tensor-op
+    path."""
+    fused = xp.fused(name, like, xp.dtype(like)) if name else None
+    if not fused:
+        return None
+    try:
+        return fused(*args, **kwargs)
+    except NativeUnavailable:
+        return None
 
 
 def written(xp, x, out):

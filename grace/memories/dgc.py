@@ -7,9 +7,8 @@
 With ``clip_norm``, g is first scaled to norm at most clip_norm (DGC's local clipping).
 State per tensor: (u, v). Use it with an optimizer without momentum: this is the momentum.
 """
-from grace.core.compressor import check_number
+from grace.core.compressor import check_number, native_or_none
 from grace.core.memory import Memory
-from grace.native import NativeUnavailable
 
 
 class DGCMemory(Memory):
@@ -50,11 +49,8 @@ class DGCMemory(Memory):
             return None
         (u, v), (u_out, v_out) = state, out
         g = self._clipped(xp, g)
-        fused = xp.fused("dgc_compensate_into", g, xp.dtype(g))  # the three sums in one pass, where built
-        try:
-            u_new, p = fused(u, v, g, self.momentum, u_out, v_out) if fused else (None, None)
-        except NativeUnavailable:
-            u_new = p = None
+        # the three sums in one pass, where built
+        u_new, p = native_or_none(xp, "dgc_compensate_into", g, u, v, g, self.momentum, u_out, v_out) or (None, None)
         if p is None:
             t = xp.add_into(xp.multiply_into(u, self.momentum, u_out), g, u_out)  # m u + g
             p = xp.add_into(v, t, v_out)

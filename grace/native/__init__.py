@@ -171,8 +171,15 @@ def _index_codes(dtypes):
     return (ctypes.c_int * len(dtypes))(*[INDEX_CODES[d] for d in dtypes])
 
 
-def _index_buf(kind, idx) -> Buf:
-    b = _same_kind(kind, idx)
+def _seed_word_arrays(words):
+    """Seeds' two 32-bit words (grace.core.draws.seed_words) as two C arrays."""
+    return ((ctypes.c_uint32 * len(words))(*[w[i] for w in words]) for i in (0, 1))
+
+
+def _index_buf(kind, idx, b: Buf = None) -> Buf:
+    """Indices as a buffer of an index type the kernels take (int64 otherwise); ``b``:
+    ``_same_kind``'s buffer of idx, where made already."""
+    b = _same_kind(kind, idx) if b is None else b
     if b.dtype not in INDEX_CODES:
         b = _same_kind(kind, b.obj, "int64")
     return b
@@ -990,7 +997,7 @@ def uniform_segments(counts, words, out):
     ob = _in_place(kind, out, "float32")
     if ob.n != sum(counts):
         raise ValueError(f"out has {ob.n} elements for {sum(counts)} draws")
-    s0, s1 = ((ctypes.c_uint32 * len(words))(*[w[i] for w in words]) for i in (0, 1))
+    s0, s1 = _seed_word_arrays(words)
     call(kind, "uniform_segments", len(counts), _int64s(counts), s0, s1, ob.ptr)
     return out
 
@@ -1003,7 +1010,7 @@ def random_indices_segments(numels, ks, words, out):
     ob = _in_place(kind, out, "int64")
     if ob.n != sum(ks):
         raise ValueError(f"out has {ob.n} elements for {sum(ks)} indices")
-    s0, s1 = ((ctypes.c_uint32 * len(words))(*[w[i] for w in words]) for i in (0, 1))
+    s0, s1 = _seed_word_arrays(words)
     if call(kind, "random_indices_segments", len(ks), _int64s(numels), _int64s(ks), s0, s1, ob.ptr) != 0:
         raise ValueError("every k must be at most its segment's size (and the size at most 2**32)")
     return out
@@ -1017,8 +1024,8 @@ def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
     ranks = len(payloads[0])
     ob = _in_place_all(kind, outs, "float32")
     vals = _same_kind_all(kind, [v for rows in payloads for v, _ in rows])
-    idxs = [b if b.dtype in INDEX_CODES else _same_kind(kind, b.obj, "int64")
-            for b in _same_kind_all(kind, [i for rows in payloads for _, i in rows])]
+    indices = [i for rows in payloads for _, i in rows]
+    idxs = [_index_buf(kind, i, b) for i, b in zip(indices, _same_kind_all(kind, indices))]
     if any(len(rows) != ranks for rows in payloads) or any(v.dtype != "float32" for v in vals):
         raise NativeUnavailable("scatter_add_segments_into takes float32 values, as many per gradient")
     if any(v.n != i.n for v, i in zip(vals, idxs)):
