@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 5
+#define GRACE_NATIVE_ABI 6
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -130,6 +130,13 @@ int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float* co
 int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* const* idx, const int* idx_types,
                                    const void* const* values, const int64_t* lengths, float divisor,
                                    const int64_t* numels, float* const* dense);
+
+/* fp16's payload, a bucket at a time (segment s at its own pointers): outs[s][i] = xs[s][i] / divisor
+ * rounded to IEEE half (nearest even), and its decode outs[s][i] = (float(halves[s][i]) * factor) / divisor */
+void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,
+                                uint16_t* const* outs);
+void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves, const int64_t* numels, float factor,
+                                float divisor, float* const* outs);
 
 /* ---- CUDA (device pointers; stream is a cudaStream_t) ---------------------------------- */
 int grace_cuda_abi(void);

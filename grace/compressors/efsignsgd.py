@@ -18,6 +18,7 @@ from grace.memories import EFSignSGDMemory, make_memory
 class EFSignSGD(SignBits):
     segment_kernel = "efsignsgd"
     sum_kernel = "efsignsgd_decompress_sum"
+    nonfinite_field = 1  # the scale
 
     def __init__(self, lr: float):
         self.lr = check_number(lr, "lr", strict=True, note=" (the optimizer's learning rate)")

@@ -15,6 +15,7 @@ class OneBit(SignBits):
     scalars = 2  # mu0, mu1
     segment_kernel = "onebit"
     sum_kernel = "onebit_decompress_sum"
+    nonfinite_field = 1  # the means
 
     def compress(self, xp, x, info):
         fused = xp.fused("onebit_compress", x, xp.dtype(x))  # one pass, when built

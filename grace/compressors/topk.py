@@ -14,7 +14,7 @@ class TopK(Sparsifier):
     residual_kernel = "topk_ef_step"
     residual_kernel_many = "topk_ef_step_many"
     select_kernel = "topk_compress"
-    selects_nonfinite = True
+    nonfinite_field = 0
 
     def __init__(self, ratio: float):
         self.ratio = check_ratio(ratio)

@@ -28,7 +28,7 @@ import itertools
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from grace.formats import index_dtype  # noqa: F401  (re-exported: methods import it from here)
 from grace.native import NativeUnavailable
@@ -108,10 +108,12 @@ class Compressor:
     #: an inf or NaN in the input reaches every rank's result by itself, and the method keeps
     #: no state: with no memory either, the exchange need not flag overflows
     passes_nonfinite: bool = False
-    #: the payload's first tensor holds an inf or a NaN wherever the input does (top-k: they rank
-    #: above every number, and k >= 1): the overflow flag is read from the few values sent
-    #: instead of from a pass over the gradient
-    selects_nonfinite: bool = False
+    #: the payload tensor that holds an inf or a NaN wherever the input does, on every backend:
+    #: top-k's values (0: they rank above every number, and k >= 1), EF-signSGD's and 1-bit
+    #: SGD's means and QSGD's norms (1: sums of |x|, x and x^2, which also flag a sum that
+    #: overflows). The overflow flag is read from those few numbers instead of from a pass
+    #: over the gradient. (Not TernGrad's max|x|: a GPU's max may drop a NaN.)
+    nonfinite_field: Optional[int] = None
     #: the per-tensor state is the same on every rank (PowerSGD's Q), not the rank's own
     shared_state: bool = False
     #: E[decompress(compress(x))] = x: its rounding or scaling is right on average
@@ -260,6 +262,13 @@ class Compressor:
         # each sum finished (the mean, ...) as the kernel stores it
         return native_or_none(xp, self.sum_kernel and f"{self.sum_kernel}_into", outs[0], payloads, outs,
                               *self.segment_arguments(), finish=self.finish(len(payloads[0])))
+
+    def compress_many_into(self, xp, gs, infos: Sequence[TensorInfo], buffer) -> Any:
+        """Allreduce methods with no memory: every gradient of a bucket compressed in one native
+        call into one flat buffer that the exchange keeps from step to step (``buffer(dtype,
+        numel)``), which then travels as it is: the list of (payload, ctx), each payload a view
+        of the buffer, or None (the exchange then compresses gradient by gradient)."""
+        return None
 
     def averaged_many(self, xp, summed: Sequence[Payload], ctxs, n: int, outs) -> Any:
         """Allreduce methods: ``decompress`` of every gradient's summed payload divided by n, to

@@ -225,7 +225,7 @@ class Exchange:
         self._guarded = compression.flags_overflow
         # the flag read from the payload where p = compensate(g) keeps g's infs and NaNs (an
         # elementwise memory: sums and products of each element)
-        self._flag_from_payload = self._guarded and compression.compressor.selects_nonfinite \
+        self._flag_from_payload = self._guarded and compression.compressor.nonfinite_field is not None \
             and compression.memory.elementwise
         self._journal: Dict[tuple, Any] = {}  # (table, key): its value before this step
         self._overflows: List[Any] = []  # per exchange of this step: how many ranks flagged one
@@ -289,7 +289,7 @@ class Exchange:
             if fused is not None:
                 payload, ctx, memory_state = fused
                 self._set("memory", name, memory_state)
-                flag = xp.nonfinite(payload[:1]) if self._flag_from_payload else flag
+                flag = self._payload_flag(xp, [payload]) if self._flag_from_payload else flag
                 return Pending(name, xp, ctx, self._send(name, xp, payload, 0, flag), flag is not None)
         p = memory.compensate(xp, g, memory_state)
         if compressor.multi_round:
@@ -299,7 +299,7 @@ class Exchange:
 
         payload, ctx, state = compressor.step(xp, p, info, state)
         self._set("state", name, state)
-        flag = xp.nonfinite(payload[:1]) if self._flag_from_payload else flag
+        flag = self._payload_flag(xp, [payload]) if self._flag_from_payload else flag
         if memory.needs_feedback:
             with self._phase("feedback"):
                 p_hat = compressor.decompress(xp, payload, ctx)
@@ -417,6 +417,11 @@ class Exchange:
         if self._guarded and (table, key) not in self._journal:
             self._journal[table, key] = self.store.value(table, key)
         self.store.set(table, key, value)
+
+    def _payload_flag(self, xp, payloads):
+        """This rank's overflow flag read from its payloads (``Compressor.nonfinite_field``)."""
+        field = self.compression.compressor.nonfinite_field
+        return xp.nonfinite([payload[field] for payload in payloads])
 
     def _overflow(self, xp, flags) -> Any:
         """How many ranks flagged an overflow (summed flags, or each rank's), noted for ``end_step``."""
@@ -552,6 +557,19 @@ class Exchange:
             self.stats.add(nbytes, 0)
             return pending
 
+        if self.compression.collective is Collective.ALLREDUCE and memory.passes_gradient and pending.flag is None \
+                and not self._flag_from_payload and len(units) > 1 and xp.mutable_tensors:
+            # one native call into a buffer kept per bucket, sent as it is (fp16 on a CPU)
+            made = []
+            many = compressor.compress_many_into(xp, g_units, infos, lambda dtype, numel: made.append(
+                self._reused(xp, f"{bucket.key}.payload", dtype, numel, g)) or made[-1])
+            if many is not None:
+                pending.ctxs = [ctx for _, ctx in many]
+                pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [payload for payload, _ in many],
+                                                             joined=made[0])
+                self.stats.add(nbytes, 0)
+                return pending
+
         # New memories go into spare buffers where the backend's tensors are mutable (a whole
         # bucket's always, a gradient's where its step writes there: a fused kernel or
         # update_into): no step allocates (and page-faults) gradient-sized buffers.
@@ -587,7 +605,7 @@ class Exchange:
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
         if self._flag_from_payload:
-            pending.flag = xp.nonfinite([payload[0] for payload in payloads])
+            pending.flag = self._payload_flag(xp, payloads)
 
         if self.compression.collective is Collective.ALLREDUCE:
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, pending.flag)
@@ -698,7 +716,7 @@ class Exchange:
                 flat, overflow = self._aggregate_segments(pending)
                 g_hat = [flat]
             elif pending.rounds is not None:
-                g_hat, overflow = self._finish_bucket_rounds(pending)
+                return self._finish_bucket_rounds(pending, outs)
             elif self.compression.collective is Collective.ALLREDUCE:
                 summed, overflow, fresh = pending.wait()  # (its allreduce waits are timed inside)
                 g_hat = compressor.averaged_many(xp, summed, pending.ctxs, self.communicator.size, unit_outs) \
@@ -720,20 +738,25 @@ class Exchange:
 
     def _joined(self, xp, name: str, tensors):
         """1-d ``tensors`` as one, in a buffer kept per ``name`` where the backend's tensors
-        are mutable (it is free again once the step's collective has been awaited): no step
-        maps and faults in fresh pages for it. A buffer outgrown (a variable-length frame) is
-        replaced by one an eighth larger than needed."""
+        are mutable (``_reused``)."""
         if len(tensors) == 1:
             return tensors[0]
         if not xp.mutable_tensors:
             return xp.concat(tensors)
         numel, dtype = sum(xp.numel(t) for t in tensors), xp.dtype(tensors[0])
+        return xp.concat_into(tensors, self._reused(xp, name, dtype, numel, tensors[0]))
+
+    def _reused(self, xp, name: str, dtype: str, numel: int, like):
+        """A flat buffer of ``numel`` elements kept per ``name`` (a mutable backend's; it is free
+        again once the step's collective has been awaited): no step maps and faults in fresh
+        pages for it. A buffer outgrown (a variable-length frame) is replaced by one an eighth
+        larger than needed."""
         buffer = self._buffers.get(name)
         if buffer is None or xp.numel(buffer) < numel or xp.dtype(buffer) != dtype \
-                or xp.device(buffer) != xp.device(tensors[0]):
+                or xp.device(buffer) != xp.device(like):
             grown = numel if buffer is None else numel + numel // 8
-            buffer = self._buffers[name] = xp.zeros(grown, dtype, like=tensors[0])
-        return xp.concat_into(tensors, buffer if xp.numel(buffer) == numel else buffer[:numel])
+            buffer = self._buffers[name] = xp.zeros(grown, dtype, like=like)
+        return buffer if xp.numel(buffer) == numel else buffer[:numel]
 
     def _spare_memory(self, key: str, xp, current):
         """``key``'s spare memory buffer (taken out), like ``current``, to write a new value into;
@@ -745,14 +768,15 @@ class Exchange:
             spare = tuple(xp.zeros_like(t) for t in current) if isinstance(current, tuple) else xp.zeros_like(current)
         return spare
 
-    def _allreduce_units(self, xp, key: str, payloads, flag=None):
+    def _allreduce_units(self, xp, key: str, payloads, flag=None, joined=None):
         """One allreduce per payload dtype (one, unless a method mixes them) of all units'
         payloads, and of this rank's overflow ``flag`` where given (as one more element of the
         first dtype); (wait for (the summed payloads per unit, how many ranks flagged an
         overflow or None, whether the sums are new tensors: not the buffers sent, summed in
         place), bytes sent). Where the communicator has a grouped allreduce of its own
         (Horovod's, joined in its fusion buffer off this thread) the payloads go as they are;
-        else joined into one buffer here."""
+        else joined into one buffer here. ``joined``: the payloads' one flat buffer, where they
+        were written there (one dtype, no flag), sent as it is."""
         shapes = [xp.shape(t) for payload in payloads for t in payload]
         pieces = [xp.flatten(t) for payload in payloads for t in payload]
         structure = [len(payload) for payload in payloads]
@@ -766,8 +790,8 @@ class Exchange:
         for dtype in dict.fromkeys(dtypes):
             group = [t for t, d in zip(pieces, dtypes) if d == dtype]
             name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
-            grouped = len(group) > 1 and comm.grouped_allreduce(dtype)
-            sent[dtype] = group if grouped else self._joined(xp, name, group)
+            grouped = joined is None and len(group) > 1 and comm.grouped_allreduce(dtype)
+            sent[dtype] = group if grouped else joined if joined is not None else self._joined(xp, name, group)
             with self._phase("collective"):
                 waits[dtype] = comm.grouped_allreduce_async(group, name) if grouped \
                     else comm.allreduce_async(sent[dtype], name)
@@ -877,9 +901,25 @@ class Exchange:
             out.append(written(xp, g_hat, into))
         return out, overflow
 
-    def _finish_bucket_rounds(self, pending: "BucketPending") -> List[Any]:
+    def _finish_bucket_rounds(self, pending: "BucketPending", outs) -> List[Any]:
+        """The later rounds of a multi-round method's bucket; each gradient's result delivered
+        (over its ``outs`` entry, where given) as soon as its last round is done, after its new
+        memory: a transient is freed before the next is made (no fresh pages per step)."""
         xp, memory, key = pending.xp, self.compression.memory, pending.bucket.key
-        (summed, overflow, _), results, r = pending.wait(), [None] * len(pending.units), 0
+        (summed, overflow, _), delivered, r = pending.wait(), [None] * len(pending.units), 0
+
+        def finished(i, g_u, p_hat, state):
+            u, p_u, e = pending.units[i], pending.p[i], pending.old[i]
+            self._set("state", u.name, state)
+            if memory.needs_feedback:
+                with self._phase("feedback"):
+                    if p_u is self._spares.get(u.name):  # p is the spare buffer: the new memory goes there too
+                        self._set("memory", u.name, memory.update_into(xp, p_u, p_hat, e, p_u))
+                        self._spares[u.name] = e  # and the old memory is the next step's spare
+                    else:
+                        self._set("memory", u.name, memory.update(xp, p_u, p_hat, e))
+            delivered[i] = self._delivered(xp, g_u, overflow, outs[i])
+
         running = list(range(len(pending.units)))
         while running:
             payloads, still = [], []
@@ -891,26 +931,14 @@ class Exchange:
                     except StopIteration as done:
                         if mark:
                             mark[0] = "decompress"  # the last round's work: the decompression
-                        results[i] = done.value
+                        finished(i, *done.value)
             running = still
             if running:
                 r += 1
                 wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads)
                 self.stats.add(nbytes, 0)
                 summed, _, _ = wait()
-        g_hat = []
-        for u, (g_u, p_hat, state), p_u, e in zip(pending.units, results, pending.p, pending.old):
-            self._set("state", u.name, state)
-            g_hat.append(g_u)
-            if not memory.needs_feedback:
-                continue
-            with self._phase("feedback"):
-                if p_u is self._spares.get(u.name):  # p is the spare buffer: the new memory goes there too
-                    self._set("memory", u.name, memory.update_into(xp, p_u, p_hat, e, p_u))
-                    self._spares[u.name] = e  # and the old memory is the next step's spare
-                else:
-                    self._set("memory", u.name, memory.update(xp, p_u, p_hat, e))
-        return g_hat, overflow
+        return delivered
 
     def _compensated(self, xp, key: str, g, e):
         """``memory.compensate`` for a multi-round method, written into ``key``'s spare buffer

@@ -21,6 +21,8 @@ class Memory:
     #: each element's state depends on that element alone (a bucket's memories can be one
     #: flat tensor updated at once)
     elementwise: bool = False
+    #: p = g and nothing is kept: a compressor may read the gradients as they are
+    passes_gradient: bool = False
 
     def init(self, xp, g) -> Optional[Any]:
         """The state before the first step (None: this memory keeps none for ``g``)."""

@@ -5,3 +5,4 @@ from grace.core.memory import Memory
 class NoMemory(Memory):
     """phi(g) = g; psi keeps nothing."""
     elementwise = True
+    passes_gradient = True

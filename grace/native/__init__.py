@@ -41,7 +41,8 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     topk_ef_step_segments(g, residual, starts, numels, ks, beta, gamma, out)
     a bucket in one call on the CPU, each gradient at its own pointers (lists in, lists out):
     topk_ef_step_many(gs, residuals, ks, beta, gamma, outs), scatter_add_segments_into(payloads, outs, divisor),
-    signsgd_, efsignsgd_, onebit_decompress_sum_into(payloads, outs); efsignsgd_, onebit_residual_into(p, ..., out)
+    signsgd_, efsignsgd_, onebit_decompress_sum_into(payloads, outs); efsignsgd_, onebit_residual_into(p, ..., out);
+    fp16_compress_many_into(xs, divisor, outs), fp16_decompress_many_into(halves, factor, divisor, outs)
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ __all__ = [
     "dlpack_info",
     "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
     "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into",
-    "efsignsgd_residual_into", "enabled", "fused", "load_error", "natural_compress",
+    "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "fused", "load_error", "natural_compress",
     "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "natural_decompress_sum",
     "natural_decompress_sum_into", "nonzero",
     "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
@@ -1038,6 +1039,34 @@ def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
     return outs
 
 
+def fp16_compress_many_into(xs, divisor: float, outs):
+    """fp16's payload of every gradient of a bucket in one call (CPU): ``outs[s]`` (float16, as
+    many elements as ``xs[s]``) = ``xs[s] / divisor`` rounded to half precision, nearest even, as
+    torch's and NumPy's casts round (a NaN's payload bits aside). Returns ``outs``."""
+    kind = _cpu_kind(outs[0])
+    xb, ob = _same_kind_all(kind, xs), _in_place_all(kind, outs, "float16")
+    if any(b.dtype != "float32" for b in xb):
+        raise NativeUnavailable("fp16_compress_many_into takes float32 gradients")
+    if len(xb) != len(ob) or any(x.n != o.n for x, o in zip(xb, ob)):
+        raise ValueError("one output of the same size per gradient")
+    call(kind, "half_encode_many", len(xb), _pointers(xb), _int64s([b.n for b in xb]), float(divisor), _pointers(ob))
+    return outs
+
+
+def fp16_decompress_many_into(halves, factor: float, divisor: float, outs):
+    """``outs[s]`` (float32) = ``(float(halves[s]) * factor) / divisor`` for every gradient of a
+    bucket in one call (CPU): fp16's decompressed sums, averaged. Returns ``outs``."""
+    kind = _cpu_kind(outs[0])
+    hb, ob = _same_kind_all(kind, halves), _in_place_all(kind, outs, "float32")
+    if any(b.dtype != "float16" for b in hb):
+        raise NativeUnavailable("fp16_decompress_many_into takes float16 payloads")
+    if len(hb) != len(ob) or any(h.n != o.n for h, o in zip(hb, ob)):
+        raise ValueError("one output of the same size per payload")
+    call(kind, "half_decode_many", len(hb), _pointers(hb), _int64s([b.n for b in hb]), float(factor), float(divisor),
+         _pointers(ob))
+    return outs
+
+
 # --- the kernel table: what a backend may ask for, and what each function returns ----------------
 @dataclass(frozen=True)
 class Kernel:
@@ -1102,6 +1131,9 @@ FUSED: Dict[str, Kernel] = {
                                         devices=("cpu",)),
     "dgc_compensate_into": Kernel(dgc_compensate_into, ("dgc_compensate",), ("float32", "float32"),
                                   devices=("cpu",)),
+    "fp16_compress_many_into": Kernel(fp16_compress_many_into, ("half_encode_many",), ("float16",), devices=("cpu",)),
+    "fp16_decompress_many_into": Kernel(fp16_decompress_many_into, ("half_decode_many",), ("float32",),
+                                        devices=("cpu",)),
     "efsignsgd_residual_into": Kernel(efsignsgd_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
     "onebit_residual_into": Kernel(onebit_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
     **{f"{method}_decompress_sum_into": Kernel(function, ("bits_sum_segments",), ("float32",), devices=("cpu",))

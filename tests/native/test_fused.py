@@ -173,12 +173,13 @@ def test_decoded_sums_equal_the_oracles_sum_of_decompressions(device, name, n, r
     same_bytes(np.asarray(want).reshape(-1), got, f"{name} over {ranks} ranks")
 
 
-@pytest.mark.parametrize("finish", [None, (False, (3, 0.1)), (True, ())], ids=["sum", "divided", "sign"])
+@pytest.mark.parametrize("finish", [None, (False, (3, 0.1)), (False, (4, 2.0**-3)), (True, ())],
+                         ids=["sum", "divided", "divided-by-powers-of-two", "sign"])
 @pytest.mark.parametrize("name", SUMMED)
 def test_a_buckets_decoded_sums_in_one_call_equal_each_gradients(name, finish):
     """The CPU's bucket-at-once decoded sums (written into each gradient) equal the decoded
     sum of each gradient alone, byte for byte, then finished (Compressor.finish) as NumPy's
-    operations would: its sign, or divided in turn."""
+    operations would: its sign, or divided in turn (a power of two as a product, to the bit)."""
     compressor, ranks = METHODS[name][0](), 3
     sizes = [1, 9, 1001, 2**16 + 3]
     payloads = [[compressor.compress(NX, gradient(n, seed=n + r), INFO)[0] for r in range(ranks)] for n in sizes]
@@ -195,6 +196,40 @@ def test_a_buckets_decoded_sums_in_one_call_equal_each_gradients(name, finish):
         for d in divisors:
             want = want / d
         same_bytes(want, out, f"{name}, {n} elements, {finish}")
+
+
+HALF_SPECIALS = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 65504, 65519, 65520, -65520, 1e6, 6e-8,
+                          2.9e-8, 3e-8, 5.96e-8, -1e-45, 6.1e-5, 6.1035e-5, 1.0, -3.0, 1 / 3], np.float32)
+
+
+@pytest.mark.parametrize("world", [1, 3, 4, 6])
+def test_a_buckets_half_precision_payloads_equal_the_oracles(world):
+    """fp16's bucket-at-once kernels (CPU): each gradient's payload x / n rounded to half as
+    NumPy's cast rounds it (to nearest even; overflow to inf, subnormals, signed zeros, inf and
+    NaN), and its averaged decompression (float(h) * n) / world, byte for byte; a power-of-two
+    divisor is taken as a product, which must not change a bit."""
+    compressor = grace.fp16().compressor
+    sizes = [1, 9, 1001, 2**16 + 3]
+    xs = [gradient(n, seed=n) * np.float32(scale) for n, scale in zip(sizes, [1, 1e-6, 1e4, 3e4])] + [HALF_SPECIALS]
+    info = TensorInfo("w", 0, world)
+    halves = [torch.full((x.size,), 7.0, dtype=torch.float16) for x in xs]
+    assert gn.fp16_compress_many_into([torch.from_numpy(x) for x in xs], world, halves) is halves
+    outs = [torch.full((x.size,), 7.0) for x in xs]
+    assert gn.fp16_decompress_many_into(halves, world, world, outs) is outs
+    for x, half, out in zip(xs, halves, outs):
+        payload, ctx = compressor.compress(NX, x, info)
+        same_bytes(payload[0], half, f"{x.size} elements over {world}")
+        same_bytes(compressor.decompress(NX, payload, ctx) / np.float32(world), out, f"{x.size} elements")
+
+
+def test_half_precision_kernels_refuse_what_they_cannot_write():
+    x = torch.ones(10)
+    with pytest.raises(gn.NativeUnavailable):
+        gn.fp16_compress_many_into([x], 2, [torch.empty(10, dtype=torch.bfloat16)])
+    with pytest.raises(gn.NativeUnavailable):
+        gn.fp16_decompress_many_into([x], 2, 2, [torch.empty(10)])  # float32 payloads
+    with pytest.raises(ValueError, match="same size"):
+        gn.fp16_compress_many_into([x], 2, [torch.empty(9, dtype=torch.float16)])
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])

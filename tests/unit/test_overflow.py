@@ -106,3 +106,28 @@ def test_the_flag_sees_every_inf_and_nan_and_no_large_finite_sum(backend, dtype)
         values = np.arange(10, dtype=np.float32)
         values[4] = bad
         assert xp.to_numpy(xp.nonfinite([large, xp.cast(xp.asarray(values), dtype)])).tolist() == [1.0]
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m]().compressor.nonfinite_field is not None])
+def test_the_payload_tensor_the_flag_is_read_from_holds_every_inf_and_nan(xp, method):
+    """``Compressor.nonfinite_field``: where the flag is read from the payload instead of a pass
+    over the gradient, that payload tensor is non-finite for an inf, a -inf or a NaN anywhere
+    (native kernels and tensor ops alike), and finite otherwise."""
+    from grace.core.compressor import TensorInfo
+    from tests.unit.conftest import to_backend
+
+    compressor = METHODS[method]().compressor
+    info = TensorInfo("w", 0, 3)
+    rng = np.random.default_rng(0)
+
+    def sent(values):
+        x = to_backend(xp, values)
+        payload = compressor.step(xp, x, info, compressor.init_state(xp, x, info))[0]
+        return xp.to_numpy(payload[compressor.nonfinite_field])
+
+    assert np.isfinite(sent(rng.standard_normal(1000))).all()
+    for bad in (np.inf, -np.inf, np.nan):
+        for where in (0, 517, 999):
+            values = rng.standard_normal(1000)
+            values[where] = bad
+            assert not np.isfinite(sent(values)).all(), f"{method}: {bad} at {where}"
