@@ -34,7 +34,8 @@ def counted(collective):
     return call
 
 
-for _module, _names in ((mpi_ops, ("allreduce_async", "grouped_allreduce_async", "allgather_async", "broadcast_async")),
+for _module, _names in ((mpi_ops, ("allreduce_async", "grouped_allreduce_async", "allreduce_async_",
+                                   "grouped_allreduce_async_", "allgather_async", "broadcast_async")),
                         (horovod_optimizer, ("allreduce_async_", "grouped_allreduce_async_"))):
     for _name in _names:
         setattr(_module, _name, counted(getattr(_module, _name)))

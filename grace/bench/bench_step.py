@@ -139,6 +139,14 @@ class CountingReplica(ReplicaCommunicator):
         self.calls += 1
         return super().grouped_allreduce_async(tensors, name)
 
+    def allreduce_async_(self, tensor, name):
+        self.calls += 1
+        return super().allreduce_async_(tensor, name)
+
+    def grouped_allreduce_async_(self, tensors, name):
+        self.calls += 1
+        return super().grouped_allreduce_async_(tensors, name)
+
     def allgather_async(self, tensor, name):
         self.calls += 1
         return super().allgather_async(tensor, name)

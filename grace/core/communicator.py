@@ -9,9 +9,11 @@ primitives, each asynchronous (it returns a zero-argument ``wait`` callable):
     broadcast_async(tensor, root, name)  the root's tensor, on every rank (a receiver's tensor
                                          gives only the size and dtype; it is not written to)
 
-and, where it pays, ``allgather_equal_async`` (the same when all lengths are equal) and
+and, where it pays, ``allgather_equal_async`` (the same when all lengths are equal),
 ``grouped_allreduce_async`` (several tensors summed by one collective of the toolkit's own,
-which joins them itself: Horovod's grouped allreduce).
+which joins them itself: Horovod's grouped allreduce) and ``allreduce_async_`` /
+``grouped_allreduce_async_`` (the sums written into the tensors given, which the caller owns:
+no output allocated per step).
 
 On top of them this class exchanges whole payloads (tuples of tensors) and reports the bytes
 this rank handed to the collectives, headers included.
@@ -60,6 +62,21 @@ class Communicator:
         """The elementwise sums over ranks of several tensors of one dtype, in one collective:
         ``wait()`` gives the list of sums, new tensors (the tensors given may be views of the
         caller's gradients: they are never written)."""
+        raise NotImplementedError
+
+    def sums_in_place(self, tensor) -> bool:
+        """Whether ``allreduce_async_`` and ``grouped_allreduce_async_`` take tensors like
+        ``tensor`` (else the caller uses the out-of-place primitives)."""
+        return False
+
+    def allreduce_async_(self, tensor, name: str) -> Callable[[], Any]:
+        """``allreduce_async`` with the sum written into ``tensor`` (the caller's own, free to
+        be overwritten): ``wait()`` gives ``tensor``."""
+        raise NotImplementedError
+
+    def grouped_allreduce_async_(self, tensors: Sequence, name: str) -> Callable[[], Any]:
+        """``grouped_allreduce_async`` with each sum written into its tensor (the caller's own):
+        ``wait()`` gives the tensors given."""
         raise NotImplementedError
 
     # --- payload-level collectives -------------------------------------------------------
@@ -183,6 +200,18 @@ class ReplicaCommunicator(Communicator):
     def grouped_allreduce_async(self, tensors, name):
         out = [t * self.size for t in tensors]
         return lambda: out
+
+    def sums_in_place(self, tensor):
+        return backend_for(tensor).mutable_tensors
+
+    def allreduce_async_(self, tensor, name):
+        backend_for(tensor).multiply_into(tensor, self.size, tensor)
+        return lambda: tensor
+
+    def grouped_allreduce_async_(self, tensors, name):
+        for t in tensors:
+            backend_for(t).multiply_into(t, self.size, t)
+        return lambda: list(tensors)
 
     def allgather_async(self, tensor, name):
         out = backend_for(tensor).concat([tensor] * self.size)

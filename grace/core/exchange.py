@@ -608,7 +608,10 @@ class Exchange:
             pending.flag = self._payload_flag(xp, payloads)
 
         if self.compression.collective is Collective.ALLREDUCE:
-            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, pending.flag)
+            # payloads free to be summed in place: nothing reads them (or the gradients, which
+            # they may be views of) once sent, and the results are written over the gradients
+            owned = memory.passes_gradient and self._writes_over(xp, g)
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, pending.flag, owned=owned)
         else:
             compensated = []
 
@@ -768,7 +771,7 @@ class Exchange:
             spare = tuple(xp.zeros_like(t) for t in current) if isinstance(current, tuple) else xp.zeros_like(current)
         return spare
 
-    def _allreduce_units(self, xp, key: str, payloads, flag=None, joined=None):
+    def _allreduce_units(self, xp, key: str, payloads, flag=None, joined=None, owned=False):
         """One allreduce per payload dtype (one, unless a method mixes them) of all units'
         payloads, and of this rank's overflow ``flag`` where given (as one more element of the
         first dtype); (wait for (the summed payloads per unit, how many ranks flagged an
@@ -776,7 +779,9 @@ class Exchange:
         place), bytes sent). Where the communicator has a grouped allreduce of its own
         (Horovod's, joined in its fusion buffer off this thread) the payloads go as they are;
         else joined into one buffer here. ``joined``: the payloads' one flat buffer, where they
-        were written there (one dtype, no flag), sent as it is."""
+        were written there (one dtype, no flag), sent as it is. The exchange's own buffers, and
+        the payloads where ``owned``, are summed in place where the communicator can: no
+        output allocated (and faulted in) per step."""
         shapes = [xp.shape(t) for payload in payloads for t in payload]
         pieces = [xp.flatten(t) for payload in payloads for t in payload]
         structure = [len(payload) for payload in payloads]
@@ -792,9 +797,14 @@ class Exchange:
             name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
             grouped = joined is None and len(group) > 1 and comm.grouped_allreduce(dtype)
             sent[dtype] = group if grouped else joined if joined is not None else self._joined(xp, name, group)
+            ours = joined is not None or (not grouped and len(group) > 1 and xp.mutable_tensors)  # a buffer of ours
+            in_place = (ours or owned) and comm.sums_in_place(group[0])
             with self._phase("collective"):
-                waits[dtype] = comm.grouped_allreduce_async(group, name) if grouped \
-                    else comm.allreduce_async(sent[dtype], name)
+                if grouped:
+                    launch = comm.grouped_allreduce_async_ if in_place else comm.grouped_allreduce_async
+                else:
+                    launch = comm.allreduce_async_ if in_place else comm.allreduce_async
+                waits[dtype] = launch(sent[dtype], name)
 
         def wait():
             summed, fresh = {}, True

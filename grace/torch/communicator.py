@@ -26,6 +26,18 @@ class HorovodCommunicator(ProcessSetCommunicator):
                                                  process_set=self.process_set)
         return lambda: mpi_ops.synchronize(handle)
 
+    def sums_in_place(self, tensor):
+        return tensor.dtype != torch.bfloat16
+
+    def allreduce_async_(self, tensor, name):
+        handle = mpi_ops.allreduce_async_(tensor, name=name, op=mpi_ops.Sum, process_set=self.process_set)
+        return lambda: mpi_ops.synchronize(handle)
+
+    def grouped_allreduce_async_(self, tensors, name):
+        handle = mpi_ops.grouped_allreduce_async_(list(tensors), name=name, op=mpi_ops.Sum,
+                                                  process_set=self.process_set)
+        return lambda: mpi_ops.synchronize(handle)
+
     def allgather_async(self, tensor, name):
         if tensor.dtype == torch.bfloat16:
             handle = mpi_ops.allgather_async(tensor.view(torch.int16), name=name, process_set=self.process_set)

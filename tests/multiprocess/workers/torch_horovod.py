@@ -22,7 +22,8 @@ def counted(collective):
     return call
 
 
-for _name in ("allreduce_async", "grouped_allreduce_async", "allgather_async", "broadcast_async"):
+for _name in ("allreduce_async", "grouped_allreduce_async", "allreduce_async_", "grouped_allreduce_async_",
+              "allgather_async", "broadcast_async"):
     setattr(mpi_ops, _name, counted(getattr(mpi_ops, _name)))
 
 
