@@ -189,6 +189,11 @@ def _on_host(value):
     return backend_for(value).to_numpy(value)
 
 
+def _any_flag(xp, flags):
+    """One overflow flag (1 where any is) from several."""
+    return flags[0] if len(flags) == 1 else xp.reshape(xp.max(xp.concat(flags)), (1,))
+
+
 def _concat(xp, tensors):
     flat = [xp.flatten(t) for t in tensors]
     return flat[0] if len(flat) == 1 else xp.concat(flat)
@@ -545,20 +550,28 @@ class Exchange:
             states.append(store.get("state", u.name, lambda t: compressor.init_state(xp, t, first), g_u))
             old.append(store.get("memory", u.name, lambda t: memory.init(xp, t), g_u))
         pending = BucketPending(bucket, xp, units, g, old)
-        if self._guarded and not self._flag_from_payload:
-            pending.flag = xp.nonfinite(g_units)
+        # The overflow flag from a pass over the gradients: on a CPU gradient by gradient, each
+        # just before its compression reads it again from the cache; on an accelerator at once.
+        flags = [] if self._guarded and not self._flag_from_payload else None
+        if flags is not None and xp.on_accelerator(g):
+            pending.flag, flags = xp.nonfinite(g_units), None
 
         if compressor.multi_round:
-            pending.p = [self._compensated(xp, u.name, g_u, e) for u, g_u, e in zip(units, g_units, old)]
-            pending.rounds = [compressor.rounds(xp, p_u, info, state)
-                              for p_u, info, state in zip(pending.p, infos, states)]
-            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [next(r) for r in pending.rounds],
-                                                         pending.flag)
+            firsts, pending.p, pending.rounds = [], [], []
+            for u, g_u, e, info, state in zip(units, g_units, old, infos, states):
+                if flags is not None:
+                    flags.append(xp.nonfinite([g_u]))
+                # each gradient's first round right after its compensation, which is still in the cache
+                pending.p.append(self._compensated(xp, u.name, g_u, e))
+                pending.rounds.append(compressor.rounds(xp, pending.p[-1], info, state))
+                firsts.append(next(pending.rounds[-1]))
+            pending.flag = pending.flag if flags is None else _any_flag(xp, flags)
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, firsts, pending.flag)
             self.stats.add(nbytes, 0)
             return pending
 
-        if self.compression.collective is Collective.ALLREDUCE and memory.passes_gradient and pending.flag is None \
-                and not self._flag_from_payload and len(units) > 1 and xp.mutable_tensors:
+        if self.compression.collective is Collective.ALLREDUCE and memory.passes_gradient and not self._guarded \
+                and len(units) > 1 and xp.mutable_tensors:
             # one native call into a buffer kept per bucket, sent as it is (fp16 on a CPU)
             made = []
             many = compressor.compress_many_into(xp, g_units, infos, lambda dtype, numel: made.append(
@@ -579,6 +592,8 @@ class Exchange:
             if len(units) > 1 and all(s is not None and not isinstance(s, tuple) for s in spares) else None
         payloads, new_memory = [], []
         for i, (u, g_u, info, state, e) in enumerate(zip(units, g_units, infos, states, old)):
+            if flags is not None:
+                flags.append(xp.nonfinite([g_u]))
             spare = spares[i]
             fused = steps[i] if steps is not None else memory.fused_step(xp, compressor, g_u, e, info, out=spare)
             if fused is not None:
@@ -606,6 +621,8 @@ class Exchange:
             new_memory.append(e_new)
         if self._flag_from_payload:
             pending.flag = self._payload_flag(xp, payloads)
+        elif flags is not None:
+            pending.flag = _any_flag(xp, flags)
 
         if self.compression.collective is Collective.ALLREDUCE:
             # payloads free to be summed in place: nothing reads them (or the gradients, which
