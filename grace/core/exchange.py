@@ -550,10 +550,12 @@ class Exchange:
             states.append(store.get("state", u.name, lambda t: compressor.init_state(xp, t, first), g_u))
             old.append(store.get("memory", u.name, lambda t: memory.init(xp, t), g_u))
         pending = BucketPending(bucket, xp, units, g, old)
-        # The overflow flag from a pass over the gradients: on a CPU gradient by gradient, each
-        # just before its compression reads it again from the cache; on an accelerator at once.
+        # The overflow flag from a pass over the gradients, at once (one kernel on an accelerator,
+        # one sum per gradient on a CPU); a multi-round method's on a CPU gradient by gradient,
+        # each just before its first round (that pass leaves it in the cache: the round's
+        # products read it from there)
         flags = [] if self._guarded and not self._flag_from_payload else None
-        if flags is not None and xp.on_accelerator(g):
+        if flags is not None and not (compressor.multi_round and not xp.on_accelerator(g)):
             pending.flag, flags = xp.nonfinite(g_units), None
 
         if compressor.multi_round:
@@ -592,8 +594,6 @@ class Exchange:
             if len(units) > 1 and all(s is not None and not isinstance(s, tuple) for s in spares) else None
         payloads, new_memory = [], []
         for i, (u, g_u, info, state, e) in enumerate(zip(units, g_units, infos, states, old)):
-            if flags is not None:
-                flags.append(xp.nonfinite([g_u]))
             spare = spares[i]
             fused = steps[i] if steps is not None else memory.fused_step(xp, compressor, g_u, e, info, out=spare)
             if fused is not None:
@@ -621,8 +621,6 @@ class Exchange:
             new_memory.append(e_new)
         if self._flag_from_payload:
             pending.flag = self._payload_flag(xp, payloads)
-        elif flags is not None:
-            pending.flag = _any_flag(xp, flags)
 
         if self.compression.collective is Collective.ALLREDUCE:
             # payloads free to be summed in place: nothing reads them (or the gradients, which
