@@ -1039,32 +1039,30 @@ def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
     return outs
 
 
+def _elementwise_many(symbol: str, ins, in_dtype: str, outs, out_dtype: str, *scalars):
+    """``grace_cpu_<symbol>`` over a bucket: each of ``ins`` (of ``in_dtype``) into the output
+    of the same size in ``outs`` (written in place, ``out_dtype``), then ``scalars``."""
+    kind = _cpu_kind(outs[0])
+    ib, ob = _same_kind_all(kind, ins), _in_place_all(kind, outs, out_dtype)
+    if any(b.dtype != in_dtype for b in ib):
+        raise NativeUnavailable(f"{symbol} takes {in_dtype} inputs")
+    if len(ib) != len(ob) or any(i.n != o.n for i, o in zip(ib, ob)):
+        raise ValueError("one output of the same size per input")
+    call(kind, symbol, len(ib), _pointers(ib), _int64s([b.n for b in ib]), *map(float, scalars), _pointers(ob))
+    return outs
+
+
 def fp16_compress_many_into(xs, divisor: float, outs):
     """fp16's payload of every gradient of a bucket in one call (CPU): ``outs[s]`` (float16, as
     many elements as ``xs[s]``) = ``xs[s] / divisor`` rounded to half precision, nearest even, as
     torch's and NumPy's casts round (a NaN's payload bits aside). Returns ``outs``."""
-    kind = _cpu_kind(outs[0])
-    xb, ob = _same_kind_all(kind, xs), _in_place_all(kind, outs, "float16")
-    if any(b.dtype != "float32" for b in xb):
-        raise NativeUnavailable("fp16_compress_many_into takes float32 gradients")
-    if len(xb) != len(ob) or any(x.n != o.n for x, o in zip(xb, ob)):
-        raise ValueError("one output of the same size per gradient")
-    call(kind, "half_encode_many", len(xb), _pointers(xb), _int64s([b.n for b in xb]), float(divisor), _pointers(ob))
-    return outs
+    return _elementwise_many("half_encode_many", xs, "float32", outs, "float16", divisor)
 
 
 def fp16_decompress_many_into(halves, factor: float, divisor: float, outs):
     """``outs[s]`` (float32) = ``(float(halves[s]) * factor) / divisor`` for every gradient of a
     bucket in one call (CPU): fp16's decompressed sums, averaged. Returns ``outs``."""
-    kind = _cpu_kind(outs[0])
-    hb, ob = _same_kind_all(kind, halves), _in_place_all(kind, outs, "float32")
-    if any(b.dtype != "float16" for b in hb):
-        raise NativeUnavailable("fp16_decompress_many_into takes float16 payloads")
-    if len(hb) != len(ob) or any(h.n != o.n for h, o in zip(hb, ob)):
-        raise ValueError("one output of the same size per payload")
-    call(kind, "half_decode_many", len(hb), _pointers(hb), _int64s([b.n for b in hb]), float(factor), float(divisor),
-         _pointers(ob))
-    return outs
+    return _elementwise_many("half_decode_many", halves, "float16", outs, "float32", factor, divisor)
 
 
 # --- the kernel table: what a backend may ask for, and what each function returns ----------------
