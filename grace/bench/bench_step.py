@@ -127,33 +127,21 @@ def build(model: str, device: str):
 class CountingReplica(ReplicaCommunicator):
     """A world of ranks that all send what this one sends; counts the collectives launched."""
 
+    PRIMITIVES = ("allreduce_async", "grouped_allreduce_async", "allreduce_async_", "grouped_allreduce_async_",
+                  "allgather_async", "broadcast_async")
+
     def __init__(self, size: int):
         super().__init__(size)
         self.calls = 0
+        for name in self.PRIMITIVES:
+            setattr(self, name, self._counted(getattr(self, name)))
 
-    def allreduce_async(self, tensor, name):
-        self.calls += 1
-        return super().allreduce_async(tensor, name)
+    def _counted(self, primitive):
+        def launch(*args):
+            self.calls += 1
+            return primitive(*args)
 
-    def grouped_allreduce_async(self, tensors, name):
-        self.calls += 1
-        return super().grouped_allreduce_async(tensors, name)
-
-    def allreduce_async_(self, tensor, name):
-        self.calls += 1
-        return super().allreduce_async_(tensor, name)
-
-    def grouped_allreduce_async_(self, tensors, name):
-        self.calls += 1
-        return super().grouped_allreduce_async_(tensors, name)
-
-    def allgather_async(self, tensor, name):
-        self.calls += 1
-        return super().allgather_async(tensor, name)
-
-    def broadcast_async(self, tensor, root, name):
-        self.calls += 1
-        return super().broadcast_async(tensor, root, name)
+        return launch
 
 
 def _sync(device: str):
