@@ -1014,9 +1014,12 @@ inline uint8_t natural_code(float v, float u) {
 }
 }  // namespace
 
-API void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes) {
-  int64_t groups = (n + 7) / 8;
-  for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+namespace {
+// groups [g0, g1) (8 elements each) of natural_compress; element i's draw is u[i - ubase]
+void natural_groups(const float* x, const float* u, int64_t ubase, int64_t n, int64_t g0, int64_t g1,
+                    uint8_t* signs, uint8_t* codes) {
+  u -= ubase;  // (u + i is element i's draw; only [8 * g0, min(n, 8 * g1)) is read)
+  {
     for (int64_t g = g0; g < g1; ++g) {
       int64_t i0 = 8 * g;
       if (i0 + 8 <= n) {
@@ -1058,6 +1061,13 @@ API void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, u
         signs[g] = m;
       }
     }
+  }
+}
+}  // namespace
+
+API void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes) {
+  for_chunks((n + 7) / 8, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    natural_groups(x, u, 0, n, g0, g1, signs, codes);
   });
 }
 
@@ -2353,4 +2363,20 @@ API void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves
     for_chunks(numels[s], 64, threads_for(numels[s]), [&](int, int64_t lo, int64_t hi) {
       (reciprocal ? half_decode<true> : half_decode<false>)(halves[s] + lo, hi - lo, factor, divisor, outs[s] + lo);
     });
+}
+
+// ---- draws made where they are used ----------------------------------------------------------
+// natural_compress with the counter-based draws of seed words (s0, s1) (grace_cpu_uniform_segments'
+// draw i for element i), made block by block in L1 instead of read from a tensor of n draws
+API void grace_cpu_natural_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, uint8_t* signs,
+                                          uint8_t* codes) {
+  constexpr int64_t kGroups = 256;  // draws of 2048 elements at a time
+  for_chunks((n + 7) / 8, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    alignas(32) float u[8 * kGroups];
+    for (int64_t g = g0; g < g1; g += kGroups) {
+      const int64_t ge = std::min(g1, g + kGroups);
+      uniform_range(8 * g, std::min(n, 8 * ge), s0, s1, u);
+      natural_groups(x, u, 8 * g, n, g, ge, signs, codes);
+    }
+  });
 }

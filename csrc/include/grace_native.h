@@ -131,6 +131,10 @@ int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* cons
                                    const void* const* values, const int64_t* lengths, float divisor,
                                    const int64_t* numels, float* const* dense);
 
+/* natural_compress with counter-based draws of seed words (s0, s1) (draw i of grace_cpu_uniform_segments
+ * for element i), made where they are used */
+void grace_cpu_natural_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, uint8_t* signs,
+                                      uint8_t* codes);
 /* fp16's payload, a bucket at a time (segment s at its own pointers): outs[s][i] = xs[s][i] / divisor
  * rounded to IEEE half (nearest even), and its decode outs[s][i] = (float(halves[s][i]) * factor) / divisor */
 void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,

@@ -29,6 +29,7 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     topk_ef_step(g, r, k, ...)              -> (packed, norms)
     threshold_ef_step(g, r, thr, ...)     qsgd_decompress(packed, norms, numel, levels, bucket_size=0)
                                           natural_compress(x, u) -> (signs, codes)
+                                          natural_compress_drawn(x, words): u made inside (CPU)
                                           natural_decompress(signs, codes, numel)
     segment by segment (a bucket's flat buffer; the per-tensor kernels for each segment):
     efsignsgd_compress_segments(x, starts, numels), efsignsgd_decompress_segments(packed, scale, numels)
@@ -63,6 +64,7 @@ __all__ = [
     "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
     "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into",
     "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "fused", "load_error", "natural_compress",
+    "natural_compress_drawn",
     "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "natural_decompress_sum",
     "natural_decompress_sum_into", "nonzero",
     "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
@@ -564,6 +566,18 @@ def natural_compress(x, u):
     signs = kind.empty(packed_size(b.n, 1), "uint8")
     codes = kind.empty(b.n, "uint8")
     call(kind, "natural_compress", b.ptr, ub.ptr, b.n, signs.ptr, codes.ptr)
+    return _wrap(kind, signs, codes)
+
+
+def natural_compress_drawn(x, words):
+    """``natural_compress(x, u)`` with u the counter-based draws of the seed words ``words``
+    (grace.core.draws: draw i for element i), made where they are used (CPU): no tensor of
+    draws written and read back."""
+    kind = _cpu_kind(x)
+    b = _float32(kind, x)
+    signs = kind.empty(packed_size(b.n, 1), "uint8")
+    codes = kind.empty(b.n, "uint8")
+    call(kind, "natural_compress_drawn", b.ptr, b.n, int(words[0]), int(words[1]), signs.ptr, codes.ptr)
     return _wrap(kind, signs, codes)
 
 
@@ -1118,6 +1132,8 @@ FUSED: Dict[str, Kernel] = {
     "qsgd_compress": Kernel(qsgd_compress, ("qsgd_norms", "qsgd_compress"), ("uint8", "float32")),
     "qsgd_decompress": Kernel(qsgd_decompress, ("qsgd_decode",), ("float32",)),
     "natural_compress": Kernel(natural_compress, ("natural_compress",), ("uint8", "uint8")),
+    "natural_compress_drawn": Kernel(natural_compress_drawn, ("natural_compress_drawn",), ("uint8", "uint8"),
+                                     devices=("cpu",)),
     "natural_decompress": Kernel(natural_decompress, ("natural_decode",), ("float32",)),
     "topk_ef_step": Kernel(topk_ef_step, ("topk_ef",), ("float32", "index", "float32")),
     "threshold_ef_step": Kernel(threshold_ef_step, ("threshold_ef",), ("float32", "index", "float32"),
