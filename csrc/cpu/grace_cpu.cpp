@@ -1018,48 +1018,46 @@ namespace {
 // groups [g0, g1) (8 elements each) of natural_compress; element i's draw is u[i - ubase]
 void natural_groups(const float* x, const float* u, int64_t ubase, int64_t n, int64_t g0, int64_t g1,
                     uint8_t* signs, uint8_t* codes) {
-  u -= ubase;  // (u + i is element i's draw; only [8 * g0, min(n, 8 * g1)) is read)
-  {
-    for (int64_t g = g0; g < g1; ++g) {
-      int64_t i0 = 8 * g;
-      if (i0 + 8 <= n) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t i0 = 8 * g;
+    const float* const ug = u + (i0 - ubase);  // element i0's draw and the next ones
+    if (i0 + 8 <= n) {
 #ifdef GRACE_SIMD
-        if (!(g & 1)) {  // two input streams: one line of each every 16 elements
-          prefetch(x + i0);
-          prefetch(u + i0);
-        }
-        // e = biased exponent; + (u < mantissa fraction), except e >= 254: 254
-        const __m128i ff = _mm_set1_epi32(0xff), mm = _mm_set1_epi32(0x7fffff), top = _mm_set1_epi32(254);
-        const __m128 scale = _mm_set1_ps(0x1p-23f);
-        __m128i c2[2];
-        int neg = 0;
-        for (int h = 0; h < 2; ++h) {
-          __m128 v = _mm_loadu_ps(x + i0 + 4 * h);
-          __m128i b = _mm_castps_si128(v);
-          __m128i e = _mm_and_si128(_mm_srli_epi32(b, 23), ff);
-          __m128 frac = _mm_mul_ps(_mm_cvtepi32_ps(_mm_and_si128(b, mm)), scale);
-          __m128i up = _mm_castps_si128(_mm_cmplt_ps(_mm_loadu_ps(u + i0 + 4 * h), frac));
-          __m128i c = _mm_sub_epi32(e, up);  // up is -1 where true
-          c2[h] = _mm_min_epi32(c, top);     // e >= 254: 254 (e = 254 never rounds up)
-          c2[h] = _mm_blendv_epi8(c2[h], top, _mm_cmpgt_epi32(e, _mm_set1_epi32(253)));
-          neg |= _mm_movemask_ps(_mm_cmplt_ps(v, _mm_setzero_ps())) << (4 * h);
-        }
-        __m128i p16 = _mm_packus_epi32(c2[0], c2[1]);
-        uint64_t w = (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(p16, p16));
-        std::memcpy(codes + i0, &w, 8);
-        signs[g] = (uint8_t)neg;
-#else
-        signs[g] = sign_byte(x + i0, true);
-        for (int j = 0; j < 8; ++j) codes[i0 + j] = natural_code(x[i0 + j], u[i0 + j]);
-#endif
-      } else {
-        uint8_t m = 0;
-        for (int64_t j = 0; i0 + j < n; ++j) {
-          m |= (uint8_t)((x[i0 + j] < 0.0f) << j);
-          codes[i0 + j] = natural_code(x[i0 + j], u[i0 + j]);
-        }
-        signs[g] = m;
+      if (!(g & 1)) {  // two input streams: one line of each every 16 elements
+        prefetch(x + i0);
+        prefetch(ug);
       }
+      // e = biased exponent; + (u < mantissa fraction), except e >= 254: 254
+      const __m128i ff = _mm_set1_epi32(0xff), mm = _mm_set1_epi32(0x7fffff), top = _mm_set1_epi32(254);
+      const __m128 scale = _mm_set1_ps(0x1p-23f);
+      __m128i c2[2];
+      int neg = 0;
+      for (int h = 0; h < 2; ++h) {
+        __m128 v = _mm_loadu_ps(x + i0 + 4 * h);
+        __m128i b = _mm_castps_si128(v);
+        __m128i e = _mm_and_si128(_mm_srli_epi32(b, 23), ff);
+        __m128 frac = _mm_mul_ps(_mm_cvtepi32_ps(_mm_and_si128(b, mm)), scale);
+        __m128i up = _mm_castps_si128(_mm_cmplt_ps(_mm_loadu_ps(ug + 4 * h), frac));
+        __m128i c = _mm_sub_epi32(e, up);  // up is -1 where true
+        c2[h] = _mm_min_epi32(c, top);     // e >= 254: 254 (e = 254 never rounds up)
+        c2[h] = _mm_blendv_epi8(c2[h], top, _mm_cmpgt_epi32(e, _mm_set1_epi32(253)));
+        neg |= _mm_movemask_ps(_mm_cmplt_ps(v, _mm_setzero_ps())) << (4 * h);
+      }
+      __m128i p16 = _mm_packus_epi32(c2[0], c2[1]);
+      uint64_t w = (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(p16, p16));
+      std::memcpy(codes + i0, &w, 8);
+      signs[g] = (uint8_t)neg;
+#else
+      signs[g] = sign_byte(x + i0, true);
+      for (int j = 0; j < 8; ++j) codes[i0 + j] = natural_code(x[i0 + j], ug[j]);
+#endif
+    } else {
+      uint8_t m = 0;
+      for (int64_t j = 0; i0 + j < n; ++j) {
+        m |= (uint8_t)((x[i0 + j] < 0.0f) << j);
+        codes[i0 + j] = natural_code(x[i0 + j], ug[j]);
+      }
+      signs[g] = m;
     }
   }
 }
@@ -1401,7 +1399,7 @@ struct PlaneLut {
 // element i written to out[i - base] (streamed where allowed and the output is large)
 template <int B>
 void qsgd_decode_groups(const uint8_t* packed, int64_t n, int64_t b, const float* lut, const float* norms, float* out,
-                        int64_t g0, int64_t g1, int levels, int64_t base = 0, bool may_stream = true) {
+                        int64_t g0, int64_t g1, int64_t base = 0, bool may_stream = true) {
   const int64_t nbytes = (n * B + 7) / 8;
   out -= base;  // (out + i is element i's place; out[i] is only ever written for i >= base)
 #ifdef GRACE_SIMD
@@ -1453,7 +1451,7 @@ API int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int6
   const int64_t groups = (n + 7) / 8;
   with_width(bits, [&](auto w) {
     for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-      qsgd_decode_groups<decltype(w)::value>(packed, n, b, lut, norms, out, g0, g1, levels);
+      qsgd_decode_groups<decltype(w)::value>(packed, n, b, lut, norms, out, g0, g1);
     });
   });
   return 0;
@@ -1573,7 +1571,7 @@ API int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* 
     const float* const* N = norms + s * ranks;
     with_width(bits, [&](auto w) {
       decoded_sum(ranks, n, out[s], finish, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
-        qsgd_decode_groups<decltype(w)::value>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, levels, lo, false);
+        qsgd_decode_groups<decltype(w)::value>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, lo, false);
       });
     });
   }

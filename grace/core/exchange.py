@@ -554,20 +554,22 @@ class Exchange:
         # one sum per gradient on a CPU); a multi-round method's on a CPU gradient by gradient,
         # each just before its first round (that pass leaves it in the cache: the round's
         # products read it from there)
-        flags = [] if self._guarded and not self._flag_from_payload else None
-        if flags is not None and not (compressor.multi_round and not xp.on_accelerator(g)):
-            pending.flag, flags = xp.nonfinite(g_units), None
+        flagged = self._guarded and not self._flag_from_payload
+        per_gradient = flagged and compressor.multi_round and not xp.on_accelerator(g)
+        if flagged and not per_gradient:
+            pending.flag = xp.nonfinite(g_units)
 
         if compressor.multi_round:
-            firsts, pending.p, pending.rounds = [], [], []
+            firsts, flags, pending.p, pending.rounds = [], [], [], []
             for u, g_u, e, info, state in zip(units, g_units, old, infos, states):
-                if flags is not None:
+                if per_gradient:
                     flags.append(xp.nonfinite([g_u]))
                 # each gradient's first round right after its compensation, which is still in the cache
                 pending.p.append(self._compensated(xp, u.name, g_u, e))
                 pending.rounds.append(compressor.rounds(xp, pending.p[-1], info, state))
                 firsts.append(next(pending.rounds[-1]))
-            pending.flag = pending.flag if flags is None else _any_flag(xp, flags)
+            if per_gradient:
+                pending.flag = _any_flag(xp, flags)
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, firsts, pending.flag)
             self.stats.add(nbytes, 0)
             return pending
@@ -576,8 +578,12 @@ class Exchange:
                 and len(units) > 1 and xp.mutable_tensors:
             # one native call into a buffer kept per bucket, sent as it is (fp16 on a CPU)
             made = []
-            many = compressor.compress_many_into(xp, g_units, infos, lambda dtype, numel: made.append(
-                self._reused(xp, f"{bucket.key}.payload", dtype, numel, g)) or made[-1])
+
+            def buffer(dtype, numel):
+                made.append(self._reused(xp, f"{bucket.key}.payload", dtype, numel, g))
+                return made[-1]
+
+            many = compressor.compress_many_into(xp, g_units, infos, buffer)
             if many is not None:
                 pending.ctxs = [ctx for _, ctx in many]
                 pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [payload for payload, _ in many],
