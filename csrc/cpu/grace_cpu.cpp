@@ -744,7 +744,64 @@ API void grace_cpu_onebit_compress(const float* x, int64_t n, uint8_t* out, floa
   means[0] = (total - sum_pos) / d0;
 }
 
+// ---- counter-based uniform draws --------------------------------------------------------------
+namespace {
+// grace/core/draws.py's hash32 of a value below 2**64: the first xor-shift sees all 64 bits,
+// every later step only the low 32 (its products are taken mod 2**32)
+inline uint32_t hash32(uint64_t h) {
+  h ^= h >> 16;
+  uint32_t x = (uint32_t)h * 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  return x ^ (x >> 15);
+}
+
+void uniform_range(int64_t lo, int64_t hi, uint32_t s0, uint32_t s1, float* out) {
+  int64_t j = lo;
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), c1 = _mm256_set1_epi32(0x21F0AAAD),
+                c2 = _mm256_set1_epi32(0x735A2D97), w0 = _mm256_set1_epi32((int)s0), w1 = _mm256_set1_epi32((int)s1);
+  const __m256 unit = _mm256_set1_ps(1.0f / 16777216.0f);
+  auto h8 = [&](__m256i h) {
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, c1);
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+    h = _mm256_mullo_epi32(h, c2);
+    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+  };
+  const int64_t simd_end = std::min<int64_t>(hi, (int64_t)1 << 32);  // (j in 32 bits)
+  for (; j + 8 <= simd_end; j += 8) {
+    const __m256i jj = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)j), lane);
+    const __m256i h = h8(_mm256_xor_si256(h8(_mm256_xor_si256(jj, w0)), w1));
+    _mm256_storeu_ps(out + j - lo, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit));
+  }
+#endif
+  for (; j < hi; ++j) out[j - lo] = (float)(hash32(hash32((uint64_t)j ^ s0) ^ s1) >> 8) * (1.0f / 16777216.0f);
+}
+
+// f(u, ubase, g, ge) on groups [g0, g1) of 8 elements, a block at a time, u holding the draws of
+// seed words (s0, s1) for elements [8 g, min(n, 8 ge)): element i's draw (draw i) is u[i - ubase].
+// Made in L1 where they are used: no tensor of n draws written and read back.
+template <class F>
+void with_draws(int64_t n, int64_t g0, int64_t g1, uint32_t s0, uint32_t s1, const F& f) {
+  constexpr int64_t kGroups = 256;  // draws of 2048 elements at a time
+  alignas(32) float u[8 * kGroups];
+  for (int64_t g = g0; g < g1; g += kGroups) {
+    const int64_t ge = std::min(g1, g + kGroups);
+    uniform_range(8 * g, std::min(n, 8 * ge), s0, s1, u);
+    f(u, 8 * g, g, ge);
+  }
+}
+}  // namespace
+
 // ---- terngrad --------------------------------------------------------------------------------
+namespace {
+// code 1 (+s) or 2 (-s) where u < |v| / s, else 0
+inline uint32_t terngrad_code(float v, float u, float safe) {
+  return u < std::fabs(v) / safe ? (v < 0.0f ? 2u : 1u) : 0u;
+}
+}  // namespace
+
 // max |x| as np.max: NaN if any element is NaN, 0 for an empty tensor. The magnitude bits,
 // compared as unsigned integers, order the floats with NaN above inf.
 API void grace_cpu_maxabs(const float* x, int64_t n, float* out) {
@@ -777,55 +834,63 @@ API void grace_cpu_maxabs(const float* x, int64_t n, float* out) {
   std::memcpy(out, &m, 4);
 }
 
-API void grace_cpu_terngrad_compress(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out) {
-  const float s = scale[0];
-  const float safe = s > 0.0f ? s : s + 1.0f;
-  auto code = [&](int64_t i) -> uint32_t {
-    float v = x[i];
-    bool keep = u[i] < std::fabs(v) / safe;
-    return keep ? (v < 0.0f ? 2u : 1u) : 0u;
-  };
-  int64_t full = n / 8, rem = n % 8;
-  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+namespace {
+// groups [g0, g1) (8 whole elements each) of terngrad_compress with the bound s > 0 (or s + 1);
+// element i's draw is u[i - ubase]
+void terngrad_groups(const float* x, const float* u, int64_t ubase, float safe, int64_t g0, int64_t g1,
+                     uint8_t* out) {
 #ifdef GRACE_SIMD
-    // u < |v| / s decided by the product q = |v| (1/s) where u is clearly away from it: 1/s
-    // and q are each rounded once, so q lies within 2^-22 q of the quotient while 1/s is a
-    // normal float; the margin is 2^-21 q + 2^-100 (the floor covers products that lost bits
-    // to underflow). Close calls, NaN and inf take the division itself.
-    const F8 vsafe = set8(safe), vinv = set8(1.0f / safe), zero = set8(0.0f);
-    const F8 margin = set8(0x1p-21f), floor_eps = set8(0x1p-100f);
-    const bool exact_only = !(safe >= 0x1p-100f && safe <= 0x1p100f);  // 1/s must be a normal float
-    for (int64_t g = g0; g < g1; ++g) {
-      if (!(g & 1)) {  // two input streams: one line of each every 16 elements
-        prefetch(x + 8 * g);
-        prefetch(u + 8 * g);
-      }
-      F8 v = ld8(x + 8 * g), uu = ld8(u + 8 * g), a = abs8(v);
-      F8 q = a * vinv, eps = q * margin + floor_eps;
-      F8 keep = lt8(uu, q);
-      if (exact_only || mask8(gt8(abs8(uu - q), eps)) != 0xff) keep = lt8(uu, a / vsafe);
-      int k = mask8(keep), neg = mask8(lt8(v, zero));
-      // code 1 (bit 2j) for kept non-negatives, 2 (bit 2j+1) for kept negatives
-      uint16_t w16 = (uint16_t)(kSpread[k & ~neg] | kSpread[k & neg] << 1);
-      std::memcpy(out + 2 * g, &w16, 2);
+  // u < |v| / s decided by the product q = |v| (1/s) where u is clearly away from it: 1/s
+  // and q are each rounded once, so q lies within 2^-22 q of the quotient while 1/s is a
+  // normal float; the margin is 2^-21 q + 2^-100 (the floor covers products that lost bits
+  // to underflow). Close calls, NaN and inf take the division itself.
+  const F8 vsafe = set8(safe), vinv = set8(1.0f / safe), zero = set8(0.0f);
+  const F8 margin = set8(0x1p-21f), floor_eps = set8(0x1p-100f);
+  const bool exact_only = !(safe >= 0x1p-100f && safe <= 0x1p100f);  // 1/s must be a normal float
+  for (int64_t g = g0; g < g1; ++g) {
+    const float* const ug = u + (8 * g - ubase);
+    if (!(g & 1)) {  // two input streams: one line of each every 16 elements
+      prefetch(x + 8 * g);
+      prefetch(ug);
     }
-    return;
-#endif
-    for (int64_t g = g0; g < g1; ++g) {
-      uint32_t c[8];
-      for (int j = 0; j < 8; ++j) c[j] = code(8 * g + j);
-      uint32_t w = 0;
-      for (int j = 0; j < 8; ++j) w |= c[j] << (2 * j);
-      uint16_t w16 = (uint16_t)w;
-      std::memcpy(out + 2 * g, &w16, 2);
-    }
-  });
-  if (rem) {
-    uint32_t w = 0;
-    for (int j = 0; j < rem; ++j) w |= code(8 * full + j) << (2 * j);
-    uint16_t w16 = (uint16_t)w;
-    std::memcpy(out + 2 * full, &w16, (rem * 2 + 7) / 8);
+    F8 v = ld8(x + 8 * g), uu = ld8(ug), a = abs8(v);
+    F8 q = a * vinv, eps = q * margin + floor_eps;
+    F8 keep = lt8(uu, q);
+    if (exact_only || mask8(gt8(abs8(uu - q), eps)) != 0xff) keep = lt8(uu, a / vsafe);
+    int k = mask8(keep), neg = mask8(lt8(v, zero));
+    // code 1 (bit 2j) for kept non-negatives, 2 (bit 2j+1) for kept negatives
+    uint16_t w16 = (uint16_t)(kSpread[k & ~neg] | kSpread[k & neg] << 1);
+    std::memcpy(out + 2 * g, &w16, 2);
   }
+#else
+  for (int64_t g = g0; g < g1; ++g) {
+    uint32_t w = 0;
+    for (int j = 0; j < 8; ++j) w |= terngrad_code(x[8 * g + j], u[8 * g + j - ubase], safe) << (2 * j);
+    uint16_t w16 = (uint16_t)w;
+    std::memcpy(out + 2 * g, &w16, 2);
+  }
+#endif
+}
+
+// the last n % 8 elements' codes (after `full` whole groups); element i's draw is u[i - ubase]
+void terngrad_tail(const float* x, const float* u, int64_t ubase, int64_t n, float safe, uint8_t* out) {
+  const int64_t full = n / 8, rem = n % 8;
+  if (!rem) return;
+  uint32_t w = 0;
+  for (int j = 0; j < rem; ++j) w |= terngrad_code(x[8 * full + j], u[8 * full + j - ubase], safe) << (2 * j);
+  uint16_t w16 = (uint16_t)w;
+  std::memcpy(out + 2 * full, &w16, (rem * 2 + 7) / 8);
+}
+
+inline float terngrad_bound(float s) { return s > 0.0f ? s : s + 1.0f; }
+}  // namespace
+
+API void grace_cpu_terngrad_compress(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out) {
+  const float safe = terngrad_bound(scale[0]);
+  for_chunks(n / 8, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    terngrad_groups(x, u, 0, safe, g0, g1, out);
+  });
+  terngrad_tail(x, u, 0, n, safe, out);
 }
 
 // ---- QSGD ------------------------------------------------------------------------------------
@@ -912,10 +977,11 @@ struct QsgdLanes {
 };
 #endif
 
-// codes of elements [g0*8, g1*8) ∩ [0, n) packed at B bits (group-aligned), bucket by bucket
+// codes of elements [g0*8, g1*8) ∩ [0, n) packed at B bits (group-aligned), bucket by bucket;
+// element i's draw is u[i - ubase]
 template <int B>
-void qsgd_pack_groups(const float* x, const float* u, int64_t n, int levels, int64_t b, const float* norms,
-                      uint8_t* out, int64_t g0, int64_t g1) {
+void qsgd_pack_groups(const float* x, const float* u, int64_t ubase, int64_t n, int levels, int64_t b,
+                      const float* norms, uint8_t* out, int64_t g0, int64_t g1) {
   const float flevels = (float)levels;
   const int64_t gw = std::min(g1, n / 8);  // whole groups (put_group stays within them)
   int64_t g = g0;
@@ -928,18 +994,19 @@ void qsgd_pack_groups(const float* x, const float* u, int64_t n, int levels, int
     for (; g + 2 <= whole; g += 2) {  // 16 codes at a time
       const int64_t i = 8 * g;
       prefetch(x + i);
-      prefetch(u + i);
-      put16<B>(out, g, gw, pack16<B>(_mm_packus_epi16(q.codes8(x + i, u + i), q.codes8(x + i + 8, u + i + 8))));
+      const float* const ui = u + (i - ubase);
+      prefetch(ui);
+      put16<B>(out, g, gw, pack16<B>(_mm_packus_epi16(q.codes8(x + i, ui), q.codes8(x + i + 8, ui + 8))));
     }
     if (g < whole) {
-      const __m128i c = _mm_packus_epi16(q.codes8(x + 8 * g, u + 8 * g), _mm_setzero_si128());
+      const __m128i c = _mm_packus_epi16(q.codes8(x + 8 * g, u + (8 * g - ubase)), _mm_setzero_si128());
       put_group<B>(out, g, gw, (uint64_t)_mm_cvtsi128_si64(pack16<B>(c)));
       ++g;
     }
 #else
     for (; g < whole; ++g) {
       uint8_t c[8];
-      for (int j = 0; j < 8; ++j) c[j] = qsgd_code(x[8 * g + j], u[8 * g + j], safe, flevels);
+      for (int j = 0; j < 8; ++j) c[j] = qsgd_code(x[8 * g + j], u[8 * g + j - ubase], safe, flevels);
       put_group<B>(out, g, gw, pack_word<B>(load_u64(c)));
     }
 #endif
@@ -947,7 +1014,8 @@ void qsgd_pack_groups(const float* x, const float* u, int64_t n, int levels, int
       const int64_t i0 = 8 * g;
       const int m = (int)std::min<int64_t>(8, n - i0);
       uint8_t c[8] = {0};
-      for (int j = 0; j < m; ++j) c[j] = qsgd_code(x[i0 + j], u[i0 + j], safe_norm(norms[(i0 + j) / b]), flevels);
+      for (int j = 0; j < m; ++j)
+        c[j] = qsgd_code(x[i0 + j], u[i0 + j - ubase], safe_norm(norms[(i0 + j) / b]), flevels);
       uint64_t w = pack_word<B>(load_u64(c));
       std::memcpy(out + g * B, &w, (m * B + 7) / 8);
       ++g;
@@ -969,11 +1037,12 @@ API void grace_cpu_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* 
   }
 }
 
-// u: one draw per element; norms: one per bucket, given (have_norms) or written here: bucket by
-// bucket in the same pass as its codes (the bucket still in cache) where buckets are short
-// and hold whole groups, else grace_cpu_qsgd_norms first
-API int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int levels, int64_t bucket, int bits,
-                                float* norms, int have_norms, uint8_t* out) {
+namespace {
+// grace_cpu_qsgd_compress with the draws of groups [g0, g1) handed over by
+// draws(g0, g1, f): f(u, ubase, g, ge) on pieces [g, ge), element i's draw at u[i - ubase]
+template <class Draws>
+int qsgd_compress(const float* x, int64_t n, int levels, int64_t bucket, int bits, float* norms, int have_norms,
+                  uint8_t* out, const Draws& draws) {
   if (bits < 1 || bits > 8 || levels < 1 || 2 * (levels + 1) > (1 << bits) + 1 || n < 0) return -1;
   if (n == 0) return 0;
   const int64_t b = bucket > 0 ? bucket : n;
@@ -983,20 +1052,31 @@ API int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int l
   if (!have_norms && !fused) grace_cpu_qsgd_norms(x, n, bucket, norms);
   with_width(bits, [&](auto w) {
     constexpr int B = decltype(w)::value;
+    auto pack = [&](const float* u, int64_t ubase, int64_t g0, int64_t g1) {
+      qsgd_pack_groups<B>(x, u, ubase, n, levels, b, norms, out, g0, g1);
+    };
     if (fused) {
       for_chunks(rows, 1, nt, [&](int, int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           norms[r] = bucket_norm(x, n, r * b, b);
-          qsgd_pack_groups<B>(x, u, n, levels, b, norms, out, r * (b / 8), std::min(groups, (r + 1) * (b / 8)));
+          draws(r * (b / 8), std::min(groups, (r + 1) * (b / 8)), pack);
         }
       });
     } else {
-      for_chunks(groups, 1, nt, [&](int, int64_t g0, int64_t g1) {
-        qsgd_pack_groups<B>(x, u, n, levels, b, norms, out, g0, g1);
-      });
+      for_chunks(groups, 1, nt, [&](int, int64_t g0, int64_t g1) { draws(g0, g1, pack); });
     }
   });
   return 0;
+}
+}  // namespace
+
+// u: one draw per element; norms: one per bucket, given (have_norms) or written here: bucket by
+// bucket in the same pass as its codes (the bucket still in cache) where buckets are short
+// and hold whole groups, else grace_cpu_qsgd_norms first
+API int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int levels, int64_t bucket, int bits,
+                                float* norms, int have_norms, uint8_t* out) {
+  return qsgd_compress(x, n, levels, bucket, bits, norms, have_norms, out,
+                       [&](int64_t g0, int64_t g1, const auto& f) { f(u, 0, g0, g1); });
 }
 
 // ---- natural compression ---------------------------------------------------------------------
@@ -2181,41 +2261,6 @@ API int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* 
   return 0;
 }
 
-// ---- counter-based uniform draws --------------------------------------------------------------
-namespace {
-// grace/core/draws.py's hash32 of a value below 2**64: the first xor-shift sees all 64 bits,
-// every later step only the low 32 (its products are taken mod 2**32)
-inline uint32_t hash32(uint64_t h) {
-  h ^= h >> 16;
-  uint32_t x = (uint32_t)h * 0x21F0AAADu;
-  x ^= x >> 15;
-  x *= 0x735A2D97u;
-  return x ^ (x >> 15);
-}
-
-void uniform_range(int64_t lo, int64_t hi, uint32_t s0, uint32_t s1, float* out) {
-  int64_t j = lo;
-#if defined(GRACE_SIMD) && defined(__AVX2__)
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), c1 = _mm256_set1_epi32(0x21F0AAAD),
-                c2 = _mm256_set1_epi32(0x735A2D97), w0 = _mm256_set1_epi32((int)s0), w1 = _mm256_set1_epi32((int)s1);
-  const __m256 unit = _mm256_set1_ps(1.0f / 16777216.0f);
-  auto h8 = [&](__m256i h) {
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-    h = _mm256_mullo_epi32(h, c1);
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
-    h = _mm256_mullo_epi32(h, c2);
-    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
-  };
-  const int64_t simd_end = std::min<int64_t>(hi, (int64_t)1 << 32);  // (j in 32 bits)
-  for (; j + 8 <= simd_end; j += 8) {
-    const __m256i jj = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)j), lane);
-    const __m256i h = h8(_mm256_xor_si256(h8(_mm256_xor_si256(jj, w0)), w1));
-    _mm256_storeu_ps(out + j - lo, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit));
-  }
-#endif
-  for (; j < hi; ++j) out[j - lo] = (float)(hash32(hash32((uint64_t)j ^ s0) ^ s1) >> 8) * (1.0f / 16777216.0f);
-}
-}  // namespace
 
 // Segment s: the first ks[s] distinct of the index draws floor(hash_j * n / 2^32), j = 0, 1, ...,
 // ascending, into out (the segments one after another): a bitmap of the n indices marks those
@@ -2368,13 +2413,33 @@ API void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves
 // draw i for element i), made block by block in L1 instead of read from a tensor of n draws
 API void grace_cpu_natural_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, uint8_t* signs,
                                           uint8_t* codes) {
-  constexpr int64_t kGroups = 256;  // draws of 2048 elements at a time
   for_chunks((n + 7) / 8, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    alignas(32) float u[8 * kGroups];
-    for (int64_t g = g0; g < g1; g += kGroups) {
-      const int64_t ge = std::min(g1, g + kGroups);
-      uniform_range(8 * g, std::min(n, 8 * ge), s0, s1, u);
-      natural_groups(x, u, 8 * g, n, g, ge, signs, codes);
-    }
+    with_draws(n, g0, g1, s0, s1, [&](const float* u, int64_t ubase, int64_t g, int64_t ge) {
+      natural_groups(x, u, ubase, n, g, ge, signs, codes);
+    });
+  });
+}
+
+// terngrad_compress with its scale (max |x|) found here and the draws of seed words (s0, s1)
+API void grace_cpu_terngrad_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, float* scale,
+                                           uint8_t* out) {
+  grace_cpu_maxabs(x, n, scale);
+  const float safe = terngrad_bound(scale[0]);
+  const int64_t full = n / 8;
+  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    with_draws(n, g0, g1, s0, s1, [&](const float* u, int64_t ubase, int64_t g, int64_t ge) {
+      terngrad_groups(x, u, ubase, safe, g, ge, out);
+    });
+  });
+  float u[8];
+  uniform_range(8 * full, n, s0, s1, u);
+  terngrad_tail(x, u, 8 * full, n, safe, out);
+}
+
+// qsgd_compress with the draws of seed words (s0, s1): draw i for element i
+API int grace_cpu_qsgd_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, int levels, int64_t bucket,
+                                      int bits, float* norms, uint8_t* out) {
+  return qsgd_compress(x, n, levels, bucket, bits, norms, 0, out, [&](int64_t g0, int64_t g1, const auto& f) {
+    with_draws(n, g0, g1, s0, s1, f);
   });
 }

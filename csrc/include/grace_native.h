@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 6
+#define GRACE_NATIVE_ABI 7
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -135,6 +135,11 @@ int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* cons
  * for element i), made where they are used */
 void grace_cpu_natural_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, uint8_t* signs,
                                       uint8_t* codes);
+/* the same for TernGrad (its scale, max |x|, written here) and QSGD (its norms written here) */
+void grace_cpu_terngrad_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, float* scale,
+                                       uint8_t* out);
+int grace_cpu_qsgd_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, int levels, int64_t bucket,
+                                  int bits, float* norms, uint8_t* out);
 /* fp16's payload, a bucket at a time (segment s at its own pointers): outs[s][i] = xs[s][i] / divisor
  * rounded to IEEE half (nearest even), and its decode outs[s][i] = (float(halves[s][i]) * factor) / divisor */
 void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,

@@ -7,11 +7,9 @@ Each element is a sign bit (packed 8 to a byte) and an 8-bit exponent code: code
 2^(c - 127), code 0 is zero. Below 2^-126 the two neighbours are 0 and 2^-126, so the
 rounding stays unbiased there too.
 """
-import numbers
-
-from grace.core import bits, draws
+from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compressor import Collective, Compressor, Shape, drawn_natively
 from grace.core.floats import floor_log2
 from grace.core.registry import register
 from grace.formats import packed_size
@@ -32,10 +30,9 @@ class Natural(Compressor):
 
     def compress(self, xp, x, info):
         seed = info.rank_seed(self.seed)
-        # the draws made inside the kernel, where built and the step is known (not traced)
-        drawn = xp.fused("natural_compress_drawn", x, xp.dtype(x)) if isinstance(info.step, numbers.Integral) else None
-        if drawn:
-            return drawn(x, draws.seed_words(seed)), Shape(xp.shape(x), xp.dtype(x))
+        drawn = drawn_natively(xp, "natural_compress_drawn", x, seed)
+        if drawn is not None:
+            return drawn, Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
         u = xp.uniform(xp.numel(flat), seed, like=flat)
         fused = xp.fused("natural_compress", x, xp.dtype(x))  # one pass, when built

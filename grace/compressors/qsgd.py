@@ -11,7 +11,7 @@ import math
 
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compressor import Collective, Compressor, Shape, drawn_natively
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
@@ -42,10 +42,14 @@ class QSGD(Compressor):
         return xp.reshape(flat, (-1, b))
 
     def compress(self, xp, x, info):
+        seed = info.rank_seed(self.seed)
+        drawn = drawn_natively(xp, "qsgd_compress_drawn", x, seed, self.levels, self.bucket_size)
+        if drawn is not None:
+            return drawn, Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
         d = xp.numel(flat)
         rows = self._buckets(xp, flat, d)
-        u = xp.uniform(xp.numel(rows), info.rank_seed(self.seed), like=flat)
+        u = xp.uniform(xp.numel(rows), seed, like=flat)
         fused = xp.fused("qsgd_compress", x, xp.dtype(x))  # one pass after the norms, when built
         if fused:
             return fused(x, u, self.levels, self.bucket_size), Shape(xp.shape(x), xp.dtype(x))

@@ -7,7 +7,7 @@ Codes 0 (zero), 1 (+s), 2 (-s) at 2 bits; s travels as one float32.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compressor import Collective, Compressor, Shape, drawn_natively
 from grace.core.registry import register
 from grace.formats import packed_size
 from grace.memories import make_memory
@@ -23,8 +23,12 @@ class TernGrad(Compressor):
         self.seed = seed
 
     def compress(self, xp, x, info):
+        seed = info.rank_seed(self.seed)
+        drawn = drawn_natively(xp, "terngrad_compress_drawn", x, seed)
+        if drawn is not None:
+            return drawn, Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
-        u = xp.uniform(xp.numel(flat), info.rank_seed(self.seed), like=flat)
+        u = xp.uniform(xp.numel(flat), seed, like=flat)
         fused = xp.fused("terngrad_compress", x, xp.dtype(x))  # one pass, when built
         if fused:
             return fused(x, u), Shape(xp.shape(x), xp.dtype(x))

@@ -26,10 +26,12 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import numbers
 import zlib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
+from grace.core import draws
 from grace.formats import index_dtype  # noqa: F401  (re-exported: methods import it from here)
 from grace.native import NativeUnavailable
 
@@ -307,6 +309,15 @@ def native_or_none(xp, name: str, like, *args, **kwargs):
         return fused(*args, **kwargs)
     except NativeUnavailable:
         return None
+
+
+def drawn_natively(xp, name: str, x, seed, *args):
+    """grace.native's kernel ``name`` that makes the counter-based draws of ``seed`` itself,
+    called on ``x`` (and ``args``): no tensor of draws written and read back (CPU). None where
+    it does not run here, or where the step is not a known int (a traced TensorFlow step)."""
+    if not isinstance(seed[1], numbers.Integral):
+        return None
+    return native_or_none(xp, name, x, x, draws.seed_words(seed), *args)
 
 
 def written(xp, x, out):

@@ -29,7 +29,8 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     topk_ef_step(g, r, k, ...)              -> (packed, norms)
     threshold_ef_step(g, r, thr, ...)     qsgd_decompress(packed, norms, numel, levels, bucket_size=0)
                                           natural_compress(x, u) -> (signs, codes)
-                                          natural_compress_drawn(x, words): u made inside (CPU)
+                                          natural_, terngrad_, qsgd_compress_drawn(x, words, ...): the
+                                            same with the draws made inside (CPU)
                                           natural_decompress(signs, codes, numel)
     segment by segment (a bucket's flat buffer; the per-tensor kernels for each segment):
     efsignsgd_compress_segments(x, starts, numels), efsignsgd_decompress_segments(packed, scale, numels)
@@ -64,7 +65,7 @@ __all__ = [
     "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
     "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into",
     "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "fused", "load_error", "natural_compress",
-    "natural_compress_drawn",
+    "natural_compress_drawn", "qsgd_compress_drawn", "terngrad_compress_drawn",
     "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "natural_decompress_sum",
     "natural_decompress_sum_into", "nonzero",
     "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
@@ -581,6 +582,33 @@ def natural_compress_drawn(x, words):
     return _wrap(kind, signs, codes)
 
 
+def terngrad_compress_drawn(x, words):
+    """``terngrad_compress(x, u)`` with u the counter-based draws of the seed words ``words``
+    (as ``natural_compress_drawn``), its scale found in the same call (CPU)."""
+    kind = _cpu_kind(x)
+    b = _float32(kind, x)
+    scale = kind.empty(1, "float32")
+    out = kind.empty(packed_size(b.n, 2), "uint8")
+    call(kind, "terngrad_compress_drawn", b.ptr, b.n, int(words[0]), int(words[1]), scale.ptr, out.ptr)
+    return _wrap(kind, out, scale)
+
+
+def qsgd_compress_drawn(x, words, levels: int, bucket_size: int = 0):
+    """``qsgd_compress(x, u, levels, bucket_size)`` with u the counter-based draws of the seed
+    words ``words`` (as ``natural_compress_drawn``; draw i for element i), the norms found in
+    the same call (CPU)."""
+    kind = _cpu_kind(x)
+    b = _float32(kind, x)
+    bits = code_width(2 * (levels + 1))
+    bucket = int(bucket_size) if bucket_size else max(b.n, 1)
+    norms = kind.empty(-(-b.n // bucket), "float32")
+    out = kind.empty(packed_size(b.n, bits), "uint8")
+    if call(kind, "qsgd_compress_drawn", b.ptr, b.n, int(words[0]), int(words[1]), int(levels), bucket, bits,
+            norms.ptr, out.ptr) != 0:
+        raise ValueError(f"bad QSGD parameters: levels={levels}, bits={bits}")
+    return _wrap(kind, out, norms)
+
+
 def natural_decompress(signs, codes, numel: int):
     """float32 (-1)^sign * 2^(code - 127) (0 for code 0)."""
     kind = kind_of(signs)
@@ -900,7 +928,7 @@ def _in_place_all(kind, xs, dtype: str) -> list:
 def _cpu_kind(x):
     kind = kind_of(x)
     if kind.lib.kind != "cpu":
-        raise NativeUnavailable("the bucket-at-once entry points are the CPU's")
+        raise NativeUnavailable("a CPU-only entry point (bucket at once, or draws made inside)")
     return kind
 
 
@@ -1134,6 +1162,10 @@ FUSED: Dict[str, Kernel] = {
     "natural_compress": Kernel(natural_compress, ("natural_compress",), ("uint8", "uint8")),
     "natural_compress_drawn": Kernel(natural_compress_drawn, ("natural_compress_drawn",), ("uint8", "uint8"),
                                      devices=("cpu",)),
+    "terngrad_compress_drawn": Kernel(terngrad_compress_drawn, ("terngrad_compress_drawn",), ("uint8", "float32"),
+                                      devices=("cpu",)),
+    "qsgd_compress_drawn": Kernel(qsgd_compress_drawn, ("qsgd_compress_drawn",), ("uint8", "float32"),
+                                  devices=("cpu",)),
     "natural_decompress": Kernel(natural_decompress, ("natural_decode",), ("float32",)),
     "topk_ef_step": Kernel(topk_ef_step, ("topk_ef",), ("float32", "index", "float32")),
     "threshold_ef_step": Kernel(threshold_ef_step, ("threshold_ef",), ("float32", "index", "float32"),

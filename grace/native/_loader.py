@@ -19,7 +19,7 @@ from ctypes import c_double, c_float, c_int, c_int64, c_uint32, c_void_p
 from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
-ABI = 6
+ABI = 7
 ISAS = ("x86-64-v3", "x86-64-v2")  # the builds on x86-64, best first
 
 _P, _I, _L, _F, _D = c_void_p, c_int, c_int64, c_float, c_double
@@ -58,6 +58,8 @@ SYMBOLS = {
     "natural_sum_segments": (None, [_L, _I, _P, _P, _P, _I, _P, _I, _P]),
     "dgc_compensate": (None, [_P, _P, _P, _L, _F, _P, _P]),
     "natural_compress_drawn": (None, [_P, _L, c_uint32, c_uint32, _P, _P]),
+    "terngrad_compress_drawn": (None, [_P, _L, c_uint32, c_uint32, _P, _P]),
+    "qsgd_compress_drawn": (_I, [_P, _L, c_uint32, c_uint32, _I, _L, _I, _P, _P]),
     "half_encode_many": (None, [_L, _P, _P, _F, _P]),
     "half_decode_many": (None, [_L, _P, _P, _F, _F, _P]),
 }
@@ -66,7 +68,8 @@ SYMBOLS = {
 #: (a GPU draws with tensor ops)
 CPU_ONLY = {"topk_ef_many", "scatter_add_segments", "bits_sum_segments", "bits_residual",
             "qsgd_sum_segments", "natural_sum_segments", "uniform_segments", "random_indices_segments",
-            "dgc_compensate", "natural_compress_drawn", "half_encode_many", "half_decode_many"}
+            "dgc_compensate", "natural_compress_drawn", "terngrad_compress_drawn", "qsgd_compress_drawn",
+            "half_encode_many", "half_decode_many"}
 # CUDA functions return a status (or a count) where the CPU ones return nothing
 _CUDA_RESTYPE = {name: (_I if res is None else res) for name, (res, _) in SYMBOLS.items()}
 

@@ -369,17 +369,28 @@ def test_wrong_inputs_raise():
         gn.unpack(np.zeros(3, np.uint8), 2, 100)
 
 
-@pytest.mark.parametrize("n", SIZES + [2047, 2048, 2049, BIG])
-def test_natural_compression_with_its_draws_made_inside_equals_it_given_them(n):
-    """``natural_compress_drawn`` (CPU): the counter-based draws made block by block inside the
+DRAWN = {  # kernel that makes its draws inside: (it given a tensor of the same draws, extra arguments)
+    "natural": (gn.natural_compress_drawn, gn.natural_compress, ()),
+    "terngrad": (gn.terngrad_compress_drawn, gn.terngrad_compress, ()),
+    "qsgd": (gn.qsgd_compress_drawn, gn.qsgd_compress, (127, 0)),
+    "qsgd 4-bit, buckets of 512": (gn.qsgd_compress_drawn, gn.qsgd_compress, (7, 512)),
+    "qsgd 2-bit, buckets of 100": (gn.qsgd_compress_drawn, gn.qsgd_compress, (1, 100)),
+}
+
+
+@pytest.mark.parametrize("method", sorted(DRAWN))
+@pytest.mark.parametrize("n", SIZES + [2047, 2048, 2049, 16383, BIG])
+def test_a_compression_with_its_draws_made_inside_equals_it_given_them(method, n):
+    """``*_compress_drawn`` (CPU): the counter-based draws made block by block inside the
     kernel give the payload that the same draws given as a tensor give, byte for byte."""
     from grace.core import draws
 
+    drawn, given, args = DRAWN[method]
     seed = (0xABCDEF, 11)
     x = gradient(n, seed=n)
     x[: min(n, 3)] = np.array([np.inf, -3e38, 1e-40], np.float32)[: min(n, 3)]
     u = draws.uniform_numpy([n], [seed])
-    want = gn.natural_compress(torch.from_numpy(x), torch.from_numpy(u))
-    got = gn.natural_compress_drawn(torch.from_numpy(x), draws.seed_words(seed))
+    want = given(torch.from_numpy(x), torch.from_numpy(u), *args)
+    got = drawn(torch.from_numpy(x), draws.seed_words(seed), *args)
     for a, b in zip(want, got):
-        same_bytes(a, b, f"natural, {n} elements")
+        same_bytes(a, b, f"{method}, {n} elements")

@@ -524,8 +524,8 @@ def test_ops_inside_tf_function():
 
 # --- native kernels: eager tensors reach them directly, traced ones through tf.py_function ---
 FUSED = {"signsgd": "signsgd_compress", "efsignsgd": "efsignsgd_compress", "onebit": "onebit_compress",
-         "terngrad": "terngrad_compress", "qsgd": "qsgd_compress",
-         "natural": "natural_compress_drawn"}  # (natural's draws made in the kernel where the step is known)
+         "terngrad": "terngrad_compress_drawn", "qsgd": "qsgd_compress_drawn",
+         "natural": "natural_compress_drawn"}  # (draws made in the kernel where the step is known)
 
 
 def native_case(method, seed, monkeypatch):
