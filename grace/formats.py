@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import math
 
+#: bytes per element of each dtype a payload may have
+ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "float16": 2, "bfloat16": 2, "int32": 4,
+            "float32": 4, "int64": 8, "float64": 8}
+
 
 def index_dtype(numel: int) -> str:
     """The smallest integer type that holds every index of a tensor of ``numel`` elements."""

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import grace
+import grace.native
 from grace.bench.common import write_results
 from grace.core.communicator import ReplicaCommunicator
 from grace.core.phases import PhaseClock
@@ -240,12 +241,14 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch's and grace's native threads on a CPU (0: their defaults)")
     parser.add_argument("--bucketed-only", action="store_true", help="skip the per-tensor exchange")
     parser.add_argument("--out", type=Path, default=Path("results/bench_step"))
     args = parser.parse_args()
-    if args.threads:
+    if args.threads:  # forward and backward, and the compression work, on as many threads
         torch.set_num_threads(args.threads)
+        grace.native.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = []
     for model in args.models:

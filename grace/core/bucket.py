@@ -25,11 +25,10 @@ from typing import Any, List, Sequence, Tuple
 
 from grace.core.communicator import _lengths
 from grace.core.compressor import FLOAT_DTYPES, Payload
+from grace.formats import ITEMSIZE
 
 ALIGN = 8
 DENSE = -1  # first header entry of a frame that carries the dense bucket
-ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "float16": 2, "bfloat16": 2, "int32": 4,
-            "float32": 4, "int64": 8, "float64": 8}
 
 
 @dataclass(frozen=True)
@@ -171,6 +170,17 @@ def read_frame(xp, data, start, dtypes: Sequence[str], counts: Sequence, variabl
         pos += nbytes
     flag = data[pos:pos + 1] if flagged else None
     return pieces, flag, start + frame_size(counts, dtypes, variable, flagged)
+
+
+def layout(dtypes: Sequence[str], counts: Sequence[int], with_header: bool, flagged: bool = False):
+    """Where a frame of pieces of ``counts`` elements puts them: (each piece's (byte offset,
+    count, dtype), in payload order; the flag's byte offset, or None; the frame's size)."""
+    pieces: List[Any] = [None] * len(dtypes)
+    pos = 8 * len(dtypes) if with_header else 0
+    for i in _order(dtypes):
+        pieces[i] = (pos, counts[i], dtypes[i])
+        pos += counts[i] * ITEMSIZE[dtypes[i]]
+    return pieces, pos if flagged else None, frame_size(counts, dtypes, with_header, flagged)
 
 
 def split_payloads(pieces: Sequence, structure: Sequence[int]) -> List[Payload]:

@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from grace import native
 from grace.backends import backend_for
 from grace.core import bucket as frames
 from grace.core import segments
@@ -905,6 +906,10 @@ class Exchange:
             if not variable and isinstance(xp.numel(received), int) and xp.numel(received) != expected:
                 raise RuntimeError(f"grace: ranks sent payloads of different lengths for {bucket.key!r} "
                                    "(are they configured differently?)")
+            if not (pending.sent_dense and not variable) and all(o is not None for o in outs):
+                done = self._aggregate_frames_natively(pending, received, outs)
+                if done is not None:
+                    return done
             for _ in range(n):
                 frame, flag, start = frames.read_frame(xp, received, start, dtypes, counts, variable,
                                                        bucket.numel, bucket.dtype, flagged)
@@ -931,6 +936,38 @@ class Exchange:
                 g_hat = total / n if g_hat is None else (g_hat * len(encoded) + total) / n
             out.append(written(xp, g_hat, into))
         return out, overflow
+
+    def _aggregate_frames_natively(self, pending: "BucketPending", received, outs):
+        """Every rank's frame, all in one tensor, handed to the method's bucket-at-once
+        aggregate as native buffers at their offsets (a tensor view per piece costs more than
+        the kernel on small gradients), the flags read in one gather: (the aggregates written
+        into ``outs``, the overflow count or None), or None where no such aggregate runs here
+        or a rank sent its dense bucket."""
+        xp, dtypes, flagged = pending.xp, pending.dtypes, pending.flag is not None
+        variable = self.compression.compressor.variable_length
+        starts, layouts, flags, start = [], [], [], 0
+        for _ in range(self.communicator.size):
+            counts = pending.counts
+            if variable:  # this rank's counts, from its frame's header
+                counts = xp.host_ints(xp.from_bytes(received[start:start + 8 * len(dtypes)], "int64"), len(dtypes))
+                if counts[0] == frames.DENSE:
+                    return None
+            pieces, flag_at, size = frames.layout(dtypes, counts, variable, flagged)
+            starts.append(start)
+            layouts.append(pieces)
+            flags.append(start + flag_at if flagged else None)
+            start += size
+        try:
+            rows = native.frame_pieces(received, starts, layouts)
+        except native.NativeUnavailable:
+            return None
+        encoded = [frames.split_payloads(row, pending.structure) for row in rows]
+        done = self.compression.compressor.aggregate_many(
+            xp, [[payloads[i] for payloads in encoded] for i in range(len(outs))], pending.ctxs, outs)
+        if done is None:
+            return None
+        overflow = self._overflow(xp, [xp.gather(received, xp.asarray(flags, like=received))]) if flagged else None
+        return done, overflow
 
     def _finish_bucket_rounds(self, pending: "BucketPending", outs) -> List[Any]:
         """The later rounds of a multi-round method's bucket; each gradient's result delivered

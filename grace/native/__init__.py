@@ -53,7 +53,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
-from grace.formats import code_width, index_dtype, packed_size
+from grace.formats import ITEMSIZE, code_width, index_dtype, packed_size
 from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, dlpack_info, kind_of,
                                   same_device)
 from grace.native import _arrays
@@ -64,7 +64,8 @@ __all__ = [
     "dlpack_info",
     "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
     "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into",
-    "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "fused", "load_error", "natural_compress",
+    "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces", "fused",
+    "load_error", "natural_compress",
     "natural_compress_drawn", "qsgd_compress_drawn", "terngrad_compress_drawn",
     "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "natural_decompress_sum",
     "natural_decompress_sum_into", "nonzero",
@@ -124,6 +125,10 @@ def _float32(kind, x, allow=_FLOATS + ("float64",)) -> Buf:
 
 def _same_kind(kind, x, dtype=None) -> Buf:
     """``x`` as a flat buffer for ``kind`` (same toolkit and device as the first input)."""
+    if type(x) is Buf:  # a frame's piece (frame_pieces): taken as it is
+        if dtype is not None and x.dtype != dtype:
+            raise NativeUnavailable(f"a frame's {x.dtype} piece where {dtype} is needed")
+        return x
     other = kind_of(x)
     if not same_device(kind, other):
         raise NativeUnavailable("inputs are on different devices")
@@ -145,6 +150,23 @@ def _same_kind_all(kind, xs, dtype=None) -> list:
                 bufs.append(Buf(x if x.dim() == 1 else x.view(-1), x.data_ptr(), x.numel(), name))
         return bufs
     return [_same_kind(kind, x, dtype) for x in xs]
+
+
+def frame_pieces(data, starts, layouts):
+    """The pieces of the frames in the contiguous uint8 tensor ``data`` (an allgather's result),
+    as buffers that the bucket-at-once entry points take in place of tensors: no tensor view
+    made per piece (CPU). Frame r starts at byte ``starts[r]``; ``layouts[r]`` gives each of its
+    pieces' (byte offset in the frame, element count, dtype). A list of pieces per frame."""
+    kind = _cpu_kind(data)
+    b = kind.flat(data)
+    if b.dtype != "uint8":
+        raise ValueError(f"frames are uint8, got {b.dtype}")
+    rows = []
+    for start, layout in zip(starts, layouts):
+        if any(start + offset + count * ITEMSIZE[dtype] > b.n for offset, count, dtype in layout):
+            raise ValueError(f"a piece past the end of {b.n} bytes of frames")
+        rows.append([Buf(None, b.ptr + start + offset, count, dtype, keep=data) for offset, count, dtype in layout])
+    return rows
 
 
 def _head(kind, buf: Buf, count: int):
@@ -184,6 +206,8 @@ def _index_buf(kind, idx, b: Buf = None) -> Buf:
     """Indices as a buffer of an index type the kernels take (int64 otherwise); ``b``:
     ``_same_kind``'s buffer of idx, where made already."""
     b = _same_kind(kind, idx) if b is None else b
+    if b.dtype not in INDEX_CODES and b.obj is None:
+        raise NativeUnavailable(f"a frame's {b.dtype} indices")
     if b.dtype not in INDEX_CODES:
         b = _same_kind(kind, b.obj, "int64")
     return b
