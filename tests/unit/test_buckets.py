@@ -235,6 +235,45 @@ def test_frames_round_trip_every_dtype_aligned(backend):
                 for p, q in zip(pieces, got):
                     assert xp.dtype(q) == xp.dtype(p)
                     np.testing.assert_array_equal(xp.to_numpy(q), xp.to_numpy(p))
+            # where the layout says the pieces and the flag lie
+            placed, flag_at, size = frames.layout(dtypes, counts, variable, flagged)
+            raw = xp.to_numpy(frame)
+            assert size == raw.size and (flag_at is None) == (not flagged)
+            if flagged:
+                assert raw[flag_at] == flag
+            for p, (offset, count, dtype) in zip(pieces, placed):
+                assert (count, dtype) == (xp.numel(p), xp.dtype(p))
+                np.testing.assert_array_equal(raw[offset:offset + count * frames.ITEMSIZE[dtype]],
+                                              xp.to_numpy(p).view(np.uint8).ravel())
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_frame_pieces_point_at_each_ranks_pieces(backend):
+    """``grace.native.frame_pieces``: the buffers handed to the bucket-at-once aggregates in
+    place of views point at each rank's pieces, frames of different layouts included; a piece
+    past the end, or of a dtype the kernel does not take, is refused."""
+    import ctypes
+
+    import grace.native as gn
+
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    xp = get_backend(backend)
+    ranks = [[np.arange(5, dtype=np.float32) + r, np.arange(r + 2, dtype=np.int16) * (r + 1)] for r in range(3)]
+    sent = [frames.frame(xp, [to_backend(xp, a, str(a.dtype)) for a in row], True, None) for row in ranks]
+    data = xp.concat(sent)
+    starts = np.cumsum([0] + [xp.numel(f) for f in sent[:-1]]).tolist()
+    layouts = [frames.layout(["float32", "int16"], [a.size for a in row], True)[0] for row in ranks]
+    rows = gn.frame_pieces(data, starts, layouts)
+    for row, want in zip(rows, ranks):
+        for buf, array in zip(row, want):
+            assert (buf.n, buf.dtype) == (array.size, str(array.dtype))
+            got = np.frombuffer((ctypes.c_char * array.nbytes).from_address(buf.ptr), array.dtype)
+            np.testing.assert_array_equal(got, array)
+    with pytest.raises(ValueError, match="past the end"):
+        gn.frame_pieces(data, [starts[-1] + 8], [layouts[-1]])
+    with pytest.raises(gn.NativeUnavailable, match="float32"):
+        gn._same_kind(None, rows[0][1], "float32")
 
 
 # --- arguments ---------------------------------------------------------------------------
