@@ -802,23 +802,39 @@ inline uint32_t terngrad_code(float v, float u, float safe) {
 }
 }  // namespace
 
-// max |x| as np.max: NaN if any element is NaN, 0 for an empty tensor. The magnitude bits,
-// compared as unsigned integers, order the floats with NaN above inf.
-API void grace_cpu_maxabs(const float* x, int64_t n, float* out) {
+namespace {
+// the largest magnitude's bits in x[0, n): compared as unsigned integers, the magnitude bits
+// order the floats, with inf above every number and NaN above inf
+uint32_t max_magnitude_bits(const float* x, int64_t n) {
   int nt = threads_for(n);
   std::vector<uint32_t> part(nt, 0);
   for_chunks(n, 64, nt, [&](int c, int64_t lo, int64_t hi) {
     uint32_t m = 0;
     int64_t i = lo;
-#ifdef GRACE_SIMD
-    __m128i vm = _mm_setzero_si128();
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+    // four running maxima: no chain of dependent max operations per load
+    const __m256i mag = _mm256_set1_epi32(0x7fffffff);
+    __m256i v0 = _mm256_setzero_si256(), v1 = v0, v2 = v0, v3 = v0;
+    auto at = [&](int64_t j) { return _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + j)), mag); };
+    for (; i + 32 <= hi; i += 32) {
+      v0 = _mm256_max_epu32(v0, at(i));
+      v1 = _mm256_max_epu32(v1, at(i + 8));
+      v2 = _mm256_max_epu32(v2, at(i + 16));
+      v3 = _mm256_max_epu32(v3, at(i + 24));
+    }
+    for (; i + 8 <= hi; i += 8) v0 = _mm256_max_epu32(v0, at(i));
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256((__m256i*)lanes, _mm256_max_epu32(_mm256_max_epu32(v0, v1), _mm256_max_epu32(v2, v3)));
+    for (int j = 0; j < 8; ++j) m = std::max(m, lanes[j]);
+#elif defined(GRACE_SIMD)
+    __m128i vm = _mm_setzero_si128(), vn = vm;
     const __m128i mag = _mm_set1_epi32(0x7fffffff);
     for (; i + 8 <= hi; i += 8) {
       vm = _mm_max_epu32(vm, _mm_and_si128(_mm_loadu_si128((const __m128i*)(x + i)), mag));
-      vm = _mm_max_epu32(vm, _mm_and_si128(_mm_loadu_si128((const __m128i*)(x + i + 4)), mag));
+      vn = _mm_max_epu32(vn, _mm_and_si128(_mm_loadu_si128((const __m128i*)(x + i + 4)), mag));
     }
     uint32_t lanes[4];
-    _mm_storeu_si128((__m128i*)lanes, vm);
+    _mm_storeu_si128((__m128i*)lanes, _mm_max_epu32(vm, vn));
     for (int j = 0; j < 4; ++j) m = std::max(m, lanes[j]);
 #endif
     for (; i < hi; ++i) {
@@ -830,6 +846,13 @@ API void grace_cpu_maxabs(const float* x, int64_t n, float* out) {
   });
   uint32_t m = 0;
   for (int c = 0; c < nt; ++c) m = std::max(m, part[c]);
+  return m;
+}
+}  // namespace
+
+// max |x| as np.max: NaN if any element is NaN, 0 for an empty tensor
+API void grace_cpu_maxabs(const float* x, int64_t n, float* out) {
+  uint32_t m = max_magnitude_bits(x, n);
   if (m > 0x7f800000u) m = 0x7fc00000u;  // NaN
   std::memcpy(out, &m, 4);
 }
