@@ -1695,6 +1695,48 @@ size_t idx_size(int t) { return t == GRACE_U8 ? 1 : t == GRACE_I16 ? 2 : t == GR
 // bin's own elements to a candidate list, resolved with nth_element and merged in order.
 // The `need` largest of the candidates (indices ascending, with their keys), ties to the
 // lowest index; indices ascending into `chosen`.
+// The need-th largest of the keys (1 <= need <= their number), by most-significant-digit radix
+// selection: a histogram of the 11 bits below the keys' common prefix finds the bin it lies in,
+// then the same on that bin's keys only (branch-free passes, where nth_element mispredicts).
+template <class K>
+K kth_largest(const std::vector<K>& keys, int64_t need) {
+  std::vector<K> live;
+  const K* cur = keys.data();
+  int64_t m = (int64_t)keys.size();
+  K lo = cur[0], hi = cur[0];
+  for (int64_t j = 1; j < m; ++j) {
+    lo = std::min(lo, cur[j]);
+    hi = std::max(hi, cur[j]);
+  }
+  int64_t hist[kBins];
+  while (lo != hi) {
+    const int top = 64 - __builtin_clzll((unsigned long long)(lo ^ hi));  // bits below the common prefix
+    const int shift = std::max(0, top - kRadixBits);
+    const K base = lo >> shift;
+    int b = (int)((hi >> shift) - base);  // < 2^(top - shift) <= kBins
+    std::fill(hist, hist + b + 1, 0);
+    for (int64_t j = 0; j < m; ++j) hist[(cur[j] >> shift) - base]++;
+    int64_t above = 0;
+    while (above + hist[b] < need) above += hist[b--];
+    need -= above;
+    const K bin = base + (K)b;
+    if (shift == 0) return bin;
+    std::vector<K> next;
+    next.reserve(hist[b]);
+    for (int64_t j = 0; j < m; ++j)
+      if ((cur[j] >> shift) == bin) next.push_back(cur[j]);
+    live.swap(next);
+    cur = live.data();
+    m = (int64_t)live.size();
+    lo = hi = cur[0];
+    for (int64_t j = 1; j < m; ++j) {
+      lo = std::min(lo, cur[j]);
+      hi = std::max(hi, cur[j]);
+    }
+  }
+  return lo;
+}
+
 template <class K>
 void choose_largest(const std::vector<int64_t>& cand, const std::vector<K>& cand_key, int64_t need,
                     std::vector<int64_t>& chosen) {
@@ -1705,9 +1747,7 @@ void choose_largest(const std::vector<int64_t>& cand, const std::vector<K>& cand
     chosen = cand;
     return;
   }
-  std::vector<K> tmp(cand_key);
-  std::nth_element(tmp.begin(), tmp.begin() + (need - 1), tmp.end(), std::greater<K>());
-  const K T = tmp[need - 1];
+  const K T = kth_largest(cand_key, need);
   int64_t greater = 0;
   for (int64_t j = 0; j < n_cand; ++j) greater += cand_key[j] > T;
   int64_t ties = need - greater;

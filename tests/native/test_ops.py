@@ -62,6 +62,21 @@ def test_topk_signed_and_float64(device, n):
         np.testing.assert_array_equal(host(gn.topk_indices(torch.from_numpy(x64), k)), reference_topk(x64, k, False))
 
 
+@pytest.mark.parametrize("n", [1001, 2**16 + 3, BIG])
+def test_topk_over_magnitudes_of_many_octaves(device, n):
+    """The k-th largest found by radix selection level after level (keys that differ in their
+    top bits and, within the bin found, only in their last ones), float32 and float64."""
+    rng = np.random.default_rng(n)
+    x = (rng.choice([-1.0, 1.0], n) * np.exp2(rng.uniform(-60, 60, n))).astype(np.float32)
+    x[: n // 4] = x[n // 2: n // 2 + n // 4]  # and pairs of equal magnitudes
+    x[n // 8: n // 8 + 64] = np.nextafter(np.float32(1.0), np.float32(2.0)) * np.arange(1, 65, dtype=np.float32)
+    for k in (1, 7, n // 100 + 1, n // 3, n - 1):
+        np.testing.assert_array_equal(host(gn.topk_indices(on(device, x), k, by_abs=True)), reference_topk(x, k, True))
+        if device == "cpu":
+            x64 = x.astype(np.float64)
+            np.testing.assert_array_equal(host(gn.topk_indices(torch.from_numpy(x64), k)), reference_topk(x64, k, False))
+
+
 @pytest.mark.parametrize("n", [10, 1001, 2**16 + 3])
 def test_topk_ties_go_to_the_lowest_indices(device, n):
     rng = np.random.default_rng(n)
