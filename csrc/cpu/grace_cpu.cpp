@@ -1688,13 +1688,6 @@ constexpr int kBins = 1 << kRadixBits;
 
 size_t idx_size(int t) { return t == GRACE_U8 ? 1 : t == GRACE_I16 ? 2 : t == GRACE_I32 ? 4 : 8; }
 
-// The k largest keys (1 <= k < n), ties to the lowest index; indices ascending into `out`.
-// hist1(c, lo, hi, hist): chunk c's histogram of key >> shift (the first pass, which may do
-// more: topk_ef computes and stores p there). key(i): element i's order-preserving key.
-// Pass 2 sends each chunk's elements above the boundary bin to their final place and the
-// bin's own elements to a candidate list, resolved with nth_element and merged in order.
-// The `need` largest of the candidates (indices ascending, with their keys), ties to the
-// lowest index; indices ascending into `chosen`.
 // The need-th largest of the keys (1 <= need <= their number), by most-significant-digit radix
 // selection: a histogram of the 11 bits below the keys' common prefix finds the bin it lies in,
 // then the same on that bin's keys only (branch-free passes, where nth_element mispredicts).
@@ -1737,6 +1730,8 @@ K kth_largest(const std::vector<K>& keys, int64_t need) {
   return lo;
 }
 
+// The `need` largest of the candidates (indices ascending, with their keys), ties to the
+// lowest index; indices ascending into `chosen`.
 template <class K>
 void choose_largest(const std::vector<int64_t>& cand, const std::vector<K>& cand_key, int64_t need,
                     std::vector<int64_t>& chosen) {
@@ -1756,6 +1751,11 @@ void choose_largest(const std::vector<int64_t>& cand, const std::vector<K>& cand
   }
 }
 
+// The k largest keys (1 <= k < n), ties to the lowest index; indices ascending into `out`.
+// hist1(c, lo, hi, hist): chunk c's histogram of key >> shift (the first pass, which may do
+// more: topk_ef computes and stores p there). key(i): element i's order-preserving key.
+// Pass 2 sends each chunk's elements above the boundary bin to their final place and the
+// bin's own elements to a candidate list, resolved by choose_largest and merged in order.
 template <class K, class Hist1, class KeyAt>
 void topk_select(int64_t n, int64_t k, int key_bits, const Hist1& hist1, const KeyAt& key, std::vector<int64_t>& out) {
   const int shift = key_bits - kRadixBits;
@@ -2350,6 +2350,35 @@ API int grace_cpu_random_indices_segments(int64_t segments, const int64_t* numel
         for (uint64_t word = taken[w]; word; word &= word - 1) out[q++] = 64 * w + __builtin_ctzll(word);
     }
     out += k;
+  }
+  return 0;
+}
+
+// Random-k's residual step for every gradient s of a bucket: p = compensate(g, r) written into
+// new_r[s] (may be r[s]); the k[s] indices of grace_cpu_random_indices_segments' draw for seed
+// words (s0[s], s1[s]) into idx[s], ascending; the values there, p (times scale[s] where scale is
+// given), into values[s]; and new_r at them p - (0 + value). -1 where a k or n is out of range.
+API int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                                  const int64_t* n, const int64_t* k, const uint32_t* s0, const uint32_t* s1,
+                                  float beta, float gamma, int flags, const float* scale, float* const* values,
+                                  int64_t* const* idx) {
+  for (int64_t s = 0; s < count; ++s) {
+    if (grace_cpu_random_indices_segments(1, n + s, k + s, s0 + s, s1 + s, idx[s]) != 0) return -1;
+    const float *gs = g[s], *rs = r[s];
+    float* const ps = new_r[s];
+    for_chunks(n[s], 64, threads_for(n[s]), [&](int, int64_t lo, int64_t hi) {
+      if (flags == 0) {  // (the common loop, without the multiplies)
+        for (int64_t i = lo; i < hi; ++i) ps[i] = gs[i] + rs[i];
+      } else {
+        for (int64_t i = lo; i < hi; ++i) ps[i] = compensate(gs[i], rs[i], beta, gamma, flags);
+      }
+    });
+    for (int64_t j = 0; j < k[s]; ++j) {
+      const int64_t i = idx[s][j];
+      const float p = ps[i], v = scale ? p * scale[s] : p;
+      values[s][j] = v;
+      ps[i] = p - (0.0f + v);
+    }
   }
   return 0;
 }

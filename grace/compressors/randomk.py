@@ -4,8 +4,11 @@ All ranks draw the same indices from a seed shared for this (tensor, step), so o
 values travel and they are summed by allreduce.
 With ``scale=True`` the values are multiplied by d/k, which makes the estimate unbiased.
 """
+import numbers
+
 import numpy as np
 
+from grace.core import draws
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape, check_ratio, native_or_none, sent_count
 from grace.core.registry import example, register
@@ -44,6 +47,21 @@ class RandomK(Compressor):
     def decompress(self, xp, payload, ctx):
         shape, indices = ctx
         return xp.reshape(xp.scatter_add(indices, payload[0], shape.numel), shape.shape)
+
+    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs):
+        """Residual memory's step for every gradient of a bucket in one native call (CPU):
+        compensate, draw, gather and the new memory (p, with p - (0 + v) at the sent indices)."""
+        if not isinstance(infos[0].step, numbers.Integral):  # (a traced step: no native call)
+            return None
+        ks = [sent_count(self.ratio, xp.numel(g)) for g in gs]
+        scales = [xp.numel(g) / k if k else 1.0 for g, k in zip(gs, ks)] if self.scale else None
+        words = [draws.seed_words(info.seed(self.seed)) for info in infos]
+        done = native_or_none(xp, "randomk_ef_step_many", gs[0], gs, residuals, ks, words, beta, gamma, scales,
+                              outs=outs)
+        if done is None:
+            return None
+        return [((v,), (Shape(xp.shape(g), xp.dtype(g)), i), xp.reshape(e, xp.shape(g)))
+                for v, i, e, g in zip(*done, gs)]
 
     def residual_into(self, xp, p, payload, ctx, out):
         """p - decompress(payload) is p, but p - (0 + sent value) at the sent indices: written

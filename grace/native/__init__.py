@@ -42,7 +42,8 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     _decompress_segments(..., numels, ...); topk_compress_segments(x, starts, numels, ks),
     topk_ef_step_segments(g, residual, starts, numels, ks, beta, gamma, out)
     a bucket in one call on the CPU, each gradient at its own pointers (lists in, lists out):
-    topk_ef_step_many(gs, residuals, ks, beta, gamma, outs), scatter_add_segments_into(payloads, outs, divisor),
+    topk_ef_step_many(gs, residuals, ks, beta, gamma, outs), randomk_ef_step_many(gs, residuals, ks, words, ...),
+    scatter_add_segments_into(payloads, outs, divisor),
     signsgd_, efsignsgd_, onebit_decompress_sum_into(payloads, outs); efsignsgd_, onebit_residual_into(p, ..., out);
     fp16_compress_many_into(xs, divisor, outs), fp16_decompress_many_into(halves, factor, divisor, outs)
 """
@@ -61,25 +62,21 @@ from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library,
 
 __all__ = [
     "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "dgc_compensate_into", "disabled",
-    "dlpack_info",
-    "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
+    "dlpack_info", "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
     "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into",
-    "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces", "fused",
-    "load_error", "natural_compress",
-    "natural_compress_drawn", "qsgd_compress_drawn", "terngrad_compress_drawn",
-    "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "natural_decompress_sum",
-    "natural_decompress_sum_into", "nonzero",
-    "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
+    "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces",
+    "fused", "load_error", "natural_compress", "natural_compress_drawn", "natural_compress_segments",
+    "natural_decompress", "natural_decompress_segments", "natural_decompress_sum", "natural_decompress_sum_into",
+    "nonzero", "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
     "onebit_decompress_sum", "onebit_decompress_sum_into", "onebit_residual_into", "pack", "qsgd_compress",
-    "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments", "qsgd_decompress_sum",
-    "qsgd_decompress_sum_into", "scatter_add", "scatter_add_many",
-    "scatter_add_segments_into", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
-    "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports", "terngrad_compress",
-    "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",
-    "terngrad_decompress_sum", "terngrad_decompress_sum_into", "threshold_compress",
+    "qsgd_compress_drawn", "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments",
+    "qsgd_decompress_sum", "qsgd_decompress_sum_into", "random_indices_segments", "randomk_ef_step_many",
+    "scatter_add", "scatter_add_many", "scatter_add_segments_into", "set_enabled", "set_num_threads",
+    "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports",
+    "terngrad_compress", "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress",
+    "terngrad_decompress_segments", "terngrad_decompress_sum", "terngrad_decompress_sum_into", "threshold_compress",
     "threshold_ef_step", "threshold_indices", "topk_compress", "topk_compress_segments", "topk_ef_step",
     "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack",
-    "random_indices_segments",
 ]
 
 _FLOATS = ("float16", "bfloat16", "float32")
@@ -981,6 +978,34 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     return ([flat[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx], [o.obj for o in ob])
 
 
+def randomk_ef_step_many(gs, residuals, ks, words, beta: float = 1.0, gamma: float = 1.0, scales=None, outs=None):
+    """Random-k's residual step for every gradient of a bucket in one call (CPU): p = g*gamma +
+    residual*beta (each factor applied only when != 1) written into ``outs`` where given, the
+    ``ks[s]`` indices drawn from the seed words ``words[s]`` (as ``random_indices_segments``),
+    the values of p there (times ``scales[s]``, where given), and the new residual, p with
+    p - (0 + value) there: lists of values, indices (int64), new residuals."""
+    kind = _cpu_kind(gs[0])
+    gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
+    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
+    if any(b.dtype != "float32" for b in gb + rb):
+        raise NativeUnavailable("random-k's residual step takes float32 gradients and residuals")
+    if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
+        raise ValueError("every gradient, residual and output of a bucket must have the same size")
+    ks = [int(k) for k in ks]
+    starts = [0, *itertools.accumulate(ks[:-1])]
+    values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
+    s0, s1 = _seed_word_arrays(words)
+    scale = None if scales is None else (ctypes.c_float * len(ks))(*scales)
+    rc = call(kind, "randomk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob),
+              _int64s([b.n for b in gb]), _int64s(ks), s0, s1, float(beta), float(gamma), _ef_flags(beta, gamma),
+              scale, (ctypes.c_void_p * len(ks))(*[values.ptr + 4 * s for s in starts]),
+              (ctypes.c_void_p * len(ks))(*[idx.ptr + 8 * s for s in starts]))
+    if rc != 0:
+        raise ValueError("every k must be at most its gradient's size (and the size at most 2**32)")
+    return ([values.obj[s:s + k] for s, k in zip(starts, ks)], [idx.obj[s:s + k] for s, k in zip(starts, ks)],
+            [o.obj for o in ob])
+
+
 def _finish_args(finish):
     """A decoded sum's finish, (vote, divisors) (see Compressor.finish), as the C arguments."""
     vote, divisors = finish if finish is not None else (False, ())
@@ -1197,6 +1222,8 @@ FUSED: Dict[str, Kernel] = {
     # a bucket in one call (lists in, lists out; eager CPU tensors only)
     "topk_ef_step_many": Kernel(topk_ef_step_many, ("topk_ef_many",), ("float32", "index", "float32"),
                                 devices=("cpu",)),
+    "randomk_ef_step_many": Kernel(randomk_ef_step_many, ("randomk_ef_many",), ("float32", "int64", "float32"),
+                                   devices=("cpu",)),
     "scatter_add_segments_into": Kernel(scatter_add_segments_into, ("scatter_add_segments",), ("float32",),
                                         devices=("cpu",)),
     "dgc_compensate_into": Kernel(dgc_compensate_into, ("dgc_compensate",), ("float32", "float32"),

@@ -167,6 +167,40 @@ def test_a_bucket_in_one_call_equals_each_gradient_alone():
         same_bytes(gn.scatter_add_many([(v / ranks, i) for v, i in rows], n), d)
 
 
+@pytest.mark.parametrize("beta, gamma", MEMORIES)
+@pytest.mark.parametrize("scale", [False, True], ids=["unscaled", "scaled"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
+def test_random_k_residual_steps_of_a_bucket_equal_the_pipeline(beta, gamma, scale, in_place):
+    """randomk_ef_step_many (CPU) against ResidualMemory + RandomK on NumPy, gradient by
+    gradient: the same indices (drawn from each gradient's seed), values (times d / k where
+    scaled) and new memories (p, with p - (0 + v) at the sent indices), bit for bit; negative
+    zeros, infs and NaNs included, and the new memories written over the old where asked."""
+    from grace.core import draws
+
+    sizes = [1, 9, 300, 40000, 2**16 + 3]
+    compression = grace.randomk(0.01, scale=scale, memory=residual_memory(beta, gamma))
+    gs = [gradient(n, seed=n) for n in sizes]
+    gs[2][:4] = [-0.0, np.inf, np.nan, -np.inf]
+    es = [gradient(n, seed=n + 1) * np.float32(0.3) for n in sizes]
+    infos = [TensorInfo(f"w{s}", 5, 1) for s in range(len(sizes))]
+    ks = [max(1, math.ceil(0.01 * n)) for n in sizes]
+    rs = [torch.from_numpy(e.copy()) for e in es]
+    outs = rs if in_place else [torch.empty(n) for n in sizes]
+    values, indices, new = gn.randomk_ef_step_many(
+        [torch.from_numpy(g) for g in gs], rs, ks, [draws.seed_words(info.seed()) for info in infos], beta, gamma,
+        [n / k for n, k in zip(sizes, ks)] if scale else None, outs=outs)
+    for g, e, info, v, i, e_new, out in zip(gs, es, infos, values, indices, new, outs):
+        memory, compressor = compression.memory, compression.compressor
+        p = memory.compensate(NX, g, e)
+        (want_v,), (_, want_i) = compressor.compress(NX, p, info)
+        want_e = p.copy()
+        compressor.residual_into(NX, p, (want_v,), (None, want_i), want_e)
+        np.testing.assert_array_equal(host(i), want_i)
+        same_bytes(want_v, v)
+        same_bytes(want_e, e_new)
+        assert e_new.data_ptr() == out.data_ptr()
+
+
 def test_a_bucket_in_one_call_refuses_what_it_cannot_write():
     g = torch.zeros(40)
     with pytest.raises(gn.NativeUnavailable, match="in place"):
