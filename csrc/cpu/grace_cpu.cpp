@@ -2307,6 +2307,18 @@ API int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float
   return 0;
 }
 
+// grace_cpu_threshold_ef on each segment s, the counts into counts[s] (values[s] and idx[s] hold
+// room for n[s]); -1 where one fails
+API int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                                    const int64_t* n, float thr, float beta, float gamma, int flags,
+                                    float* const* values, void* const* idx, const int* idx_types, int64_t* counts) {
+  for (int64_t s = 0; s < count; ++s)
+    if ((counts[s] = grace_cpu_threshold_ef(g[s], r[s], n[s], thr, beta, gamma, flags, values[s], idx[s], idx_types[s],
+                                            new_r[s])) < 0)
+      return -1;
+  return 0;
+}
+
 // For each segment s: dense[s] (numels[s] elements) = zeros, then each rank's payload of it
 // (values and indices [s * ranks + r], lengths[s * ranks + r]) divided by `divisor` and added,
 // rank after rank: every gradient's sparse aggregate. 0, or -1 (nothing written) on an index

@@ -127,6 +127,10 @@ int grace_cpu_scatter_add(int count, const void* const* idx, const int* idx_type
 int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                            const int64_t* n, const int64_t* k, float beta, float gamma, int flags,
                            float* const* values, void* const* idx, const int* idx_types);
+/* grace_cpu_threshold_ef on every segment, the counts into counts[s] (values[s], idx[s]: room for n[s]) */
+int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                                const int64_t* n, float thr, float beta, float gamma, int flags, float* const* values,
+                                void* const* idx, const int* idx_types, int64_t* counts);
 /* random-k's residual step for every segment: p = compensate(g, r) into new_r, k[s] indices drawn
  * from seed words (s0[s], s1[s]) as grace_cpu_random_indices_segments, the values there (times
  * scale[s] where scale is given), and new_r there p - (0 + value) */

@@ -15,6 +15,7 @@ from grace.memories import make_memory
 class Threshold(Sparsifier):
     variable_length = True
     residual_kernel = "threshold_ef_step"
+    residual_kernel_many = "threshold_ef_step_many"
 
     def __init__(self, threshold: float):
         self.threshold = check_number(threshold, "threshold")

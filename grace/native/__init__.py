@@ -43,6 +43,7 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     topk_ef_step_segments(g, residual, starts, numels, ks, beta, gamma, out)
     a bucket in one call on the CPU, each gradient at its own pointers (lists in, lists out):
     topk_ef_step_many(gs, residuals, ks, beta, gamma, outs), randomk_ef_step_many(gs, residuals, ks, words, ...),
+    threshold_ef_step_many(gs, residuals, thresholds, beta, gamma, outs),
     scatter_add_segments_into(payloads, outs, divisor),
     signsgd_, efsignsgd_, onebit_decompress_sum_into(payloads, outs); efsignsgd_, onebit_residual_into(p, ..., out);
     fp16_compress_many_into(xs, divisor, outs), fp16_decompress_many_into(halves, factor, divisor, outs)
@@ -75,8 +76,8 @@ __all__ = [
     "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports",
     "terngrad_compress", "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress",
     "terngrad_decompress_segments", "terngrad_decompress_sum", "terngrad_decompress_sum_into", "threshold_compress",
-    "threshold_ef_step", "threshold_indices", "topk_compress", "topk_compress_segments", "topk_ef_step",
-    "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack",
+    "threshold_ef_step", "threshold_ef_step_many", "threshold_indices", "topk_compress", "topk_compress_segments",
+    "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack",
 ]
 
 _FLOATS = ("float16", "bfloat16", "float32")
@@ -978,6 +979,39 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     return ([flat[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx], [o.obj for o in ob])
 
 
+def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: float = 1.0, outs=None):
+    """threshold_ef_step of every gradient of a bucket, in one call (CPU; one threshold for
+    all): lists of values, indices and new residuals, per gradient (the new residuals written
+    into ``outs`` where given). The values and indices are views of buffers with room for every
+    element, of which only the pages written are touched (the frame copies them at once)."""
+    kind = _cpu_kind(gs[0])
+    gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
+    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
+    if any(b.dtype != "float32" for b in gb + rb):
+        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
+    if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)) or len(set(map(float, thresholds))) > 1:
+        raise ValueError("every gradient, residual and output of a bucket must have the same size, one threshold")
+    numels, dtypes = [b.n for b in gb], [index_dtype(b.n) for b in gb]
+    starts = [0, *itertools.accumulate(numels[:-1])]
+    values = kind.empty(sum(numels), "float32")
+    indices = {d: kind.empty(sum(n for n, e in zip(numels, dtypes) if e == d), d) for d in set(dtypes)}
+    taken = dict.fromkeys(indices, 0)  # each gradient's room in the buffer of its index dtype
+    idx_starts = []
+    for n, d in zip(numels, dtypes):
+        idx_starts.append(taken[d])
+        taken[d] += n
+    counts = (ctypes.c_int64 * len(gb))()
+    rc = call(kind, "threshold_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s(numels),
+              float(thresholds[0]), float(beta), float(gamma), _ef_flags(beta, gamma),
+              (ctypes.c_void_p * len(gb))(*[values.ptr + 4 * s for s in starts]),
+              (ctypes.c_void_p * len(gb))(*[indices[d].ptr + ITEMSIZE[d] * s for d, s in zip(dtypes, idx_starts)]),
+              _index_codes(dtypes), counts)
+    if rc != 0:
+        raise RuntimeError("native threshold steps failed")
+    return ([values.obj[s:s + c] for s, c in zip(starts, counts)],
+            [indices[d].obj[s:s + c] for d, s, c in zip(dtypes, idx_starts, counts)], [o.obj for o in ob])
+
+
 def randomk_ef_step_many(gs, residuals, ks, words, beta: float = 1.0, gamma: float = 1.0, scales=None, outs=None):
     """Random-k's residual step for every gradient of a bucket in one call (CPU): p = g*gamma +
     residual*beta (each factor applied only when != 1) written into ``outs`` where given, the
@@ -1222,6 +1256,8 @@ FUSED: Dict[str, Kernel] = {
     # a bucket in one call (lists in, lists out; eager CPU tensors only)
     "topk_ef_step_many": Kernel(topk_ef_step_many, ("topk_ef_many",), ("float32", "index", "float32"),
                                 devices=("cpu",)),
+    "threshold_ef_step_many": Kernel(threshold_ef_step_many, ("threshold_ef_many",), ("float32", "index", "float32"),
+                                     devices=("cpu",), variable=(0, 1)),
     "randomk_ef_step_many": Kernel(randomk_ef_step_many, ("randomk_ef_many",), ("float32", "int64", "float32"),
                                    devices=("cpu",)),
     "scatter_add_segments_into": Kernel(scatter_add_segments_into, ("scatter_add_segments",), ("float32",),

@@ -145,8 +145,10 @@ def test_topk_ef_step_scales_both_terms_on_every_path(beta, gamma):
 
 
 def test_a_bucket_in_one_call_equals_each_gradient_alone():
-    """The CPU's bucket-at-once entry points: topk_ef_step_many is topk_ef_step on each
-    gradient (new residuals written into the given outputs), scatter_add_segments_into is
+    """The CPU's bucket-at-once entry points: topk_ef_step_many and threshold_ef_step_many are
+    topk_ef_step and threshold_ef_step on each gradient (new residuals written into the given
+    outputs; threshold's counts differ per gradient: the int16 indices of 300 and the int32
+    ones of the rest in their own buffers), scatter_add_segments_into is
     each gradient's scatter_add_many of the values divided by the number of ranks."""
     sizes = [1, 9, 300, 40000, 2**16 + 3]
     gs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
@@ -156,6 +158,13 @@ def test_a_bucket_in_one_call_equals_each_gradient_alone():
     values, indices, new = gn.topk_ef_step_many(gs, rs, ks, beta=0.9, outs=outs)
     for g, r, k, v, i, e, o in zip(gs, rs, ks, values, indices, new, outs):
         want = gn.topk_ef_step(g, r, k, beta=0.9)
+        assert e.data_ptr() == o.data_ptr()
+        for a, b in zip(want, (v, i, e)):
+            same_bytes(a, b)
+    outs = [torch.empty(n) for n in sizes]
+    values_t, indices_t, new_t = gn.threshold_ef_step_many(gs, rs, [0.8] * len(sizes), beta=0.9, outs=outs)
+    for g, r, v, i, e, o in zip(gs, rs, values_t, indices_t, new_t, outs):
+        want = gn.threshold_ef_step(g, r, 0.8, beta=0.9)
         assert e.data_ptr() == o.data_ptr()
         for a, b in zip(want, (v, i, e)):
             same_bytes(a, b)
