@@ -2307,6 +2307,26 @@ API int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float
   return 0;
 }
 
+// The residual step of EF-signSGD (mode 1) or 1-bit SGD (mode 2) for every segment s: p =
+// compensate(g, r) into new_r[s] (may be r[s]), its bits and scalars (grace_cpu_efsign_compress or
+// grace_cpu_onebit_compress of p) into packed[s] and scalars[s], then new_r[s] = p - decode(bits),
+// each gradient in turn (it stays in the cache between the passes); -1 for another mode
+API int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                               const int64_t* n, float beta, float gamma, int flags, int mode, uint8_t* const* packed,
+                               float* const* scalars) {
+  if (mode != 1 && mode != 2) return -1;
+  for (int64_t s = 0; s < count; ++s) {
+    const float *gs = g[s], *rs = r[s];
+    float* const ps = new_r[s];
+    for_chunks(n[s], 64, threads_for(n[s]), [&](int, int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) ps[i] = compensate(gs[i], rs[i], beta, gamma, flags);
+    });
+    (mode == 1 ? grace_cpu_efsign_compress : grace_cpu_onebit_compress)(ps, n[s], packed[s], scalars[s]);
+    grace_cpu_bits_residual(ps, packed[s], n[s], scalars[s], mode, ps);
+  }
+  return 0;
+}
+
 // grace_cpu_threshold_ef on each segment s, the counts into counts[s] (values[s] and idx[s] hold
 // room for n[s]); -1 where one fails
 API int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,

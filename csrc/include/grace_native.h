@@ -127,6 +127,11 @@ int grace_cpu_scatter_add(int count, const void* const* idx, const int* idx_type
 int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                            const int64_t* n, const int64_t* k, float beta, float gamma, int flags,
                            float* const* values, void* const* idx, const int* idx_types);
+/* EF-signSGD's (mode 1) or 1-bit SGD's (mode 2) residual step for every segment: p = compensate(g, r)
+ * into new_r, its bits and scalars into packed[s] and scalars[s], then new_r = p - decode(bits) */
+int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                           const int64_t* n, float beta, float gamma, int flags, int mode, uint8_t* const* packed,
+                           float* const* scalars);
 /* grace_cpu_threshold_ef on every segment, the counts into counts[s] (values[s], idx[s]: room for n[s]) */
 int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                                 const int64_t* n, float thr, float beta, float gamma, int flags, float* const* values,

@@ -46,6 +46,7 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     threshold_ef_step_many(gs, residuals, thresholds, beta, gamma, outs),
     scatter_add_segments_into(payloads, outs, divisor),
     signsgd_, efsignsgd_, onebit_decompress_sum_into(payloads, outs); efsignsgd_, onebit_residual_into(p, ..., out);
+    efsignsgd_, onebit_ef_step_many(gs, residuals, beta, gamma, outs);
     fp16_compress_many_into(xs, divisor, outs), fp16_decompress_many_into(halves, factor, divisor, outs)
 """
 from __future__ import annotations
@@ -65,11 +66,12 @@ __all__ = [
     "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "dgc_compensate_into", "disabled",
     "dlpack_info", "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
     "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into",
-    "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces",
-    "fused", "load_error", "natural_compress", "natural_compress_drawn", "natural_compress_segments",
-    "natural_decompress", "natural_decompress_segments", "natural_decompress_sum", "natural_decompress_sum_into",
-    "nonzero", "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
-    "onebit_decompress_sum", "onebit_decompress_sum_into", "onebit_residual_into", "pack", "qsgd_compress",
+    "efsignsgd_ef_step_many", "efsignsgd_residual_into", "enabled", "fp16_compress_many_into",
+    "fp16_decompress_many_into", "frame_pieces", "fused", "load_error", "natural_compress",
+    "natural_compress_drawn", "natural_compress_segments", "natural_decompress", "natural_decompress_segments",
+    "natural_decompress_sum", "natural_decompress_sum_into", "nonzero", "onebit_compress",
+    "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments", "onebit_decompress_sum",
+    "onebit_decompress_sum_into", "onebit_ef_step_many", "onebit_residual_into", "pack", "qsgd_compress",
     "qsgd_compress_drawn", "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments",
     "qsgd_decompress_sum", "qsgd_decompress_sum_into", "random_indices_segments", "randomk_ef_step_many",
     "scatter_add", "scatter_add_many", "scatter_add_segments_into", "set_enabled", "set_num_threads",
@@ -1079,6 +1081,38 @@ def _bits_residual(mode: int, p, packed, scalars, out):
     return out
 
 
+def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs):
+    kind = _cpu_kind(gs[0])
+    gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
+    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
+    if any(b.dtype != "float32" for b in gb + rb):
+        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
+    if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
+        raise ValueError("every gradient, residual and output of a bucket must have the same size")
+    sizes, per_row = [packed_size(b.n, 1) for b in gb], _SCALARS[mode]
+    packed, scalars = kind.empty(sum(sizes), "uint8"), kind.empty(per_row * len(gb), "float32")
+    starts = [0, *itertools.accumulate(sizes[:-1])]
+    call(kind, "bits_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
+         float(beta), float(gamma), _ef_flags(beta, gamma), mode,
+         (ctypes.c_void_p * len(gb))(*[packed.ptr + s for s in starts]),
+         (ctypes.c_void_p * len(gb))(*[scalars.ptr + 4 * per_row * s for s in range(len(gb))]))
+    return ([(packed.obj[s:s + n], scalars.obj[per_row * i:per_row * (i + 1)])
+             for i, (s, n) in enumerate(zip(starts, sizes))], [o.obj for o in ob])
+
+
+def efsignsgd_ef_step_many(gs, residuals, beta: float, gamma: float, outs):
+    """EF-signSGD's residual step for every gradient of a bucket in one call (CPU): p = g*gamma
+    + residual*beta written into ``outs`` (where given), its payload (sign bits, scale), then
+    p - decode over it: (the payloads, the new residuals)."""
+    return _bits_ef_many(_EFSIGNSGD, gs, residuals, beta, gamma, outs)
+
+
+def onebit_ef_step_many(gs, residuals, beta: float, gamma: float, outs):
+    """1-bit SGD's residual step for every gradient of a bucket in one call (CPU), as
+    ``efsignsgd_ef_step_many`` with its payload (bits, the two means)."""
+    return _bits_ef_many(_ONEBIT, gs, residuals, beta, gamma, outs)
+
+
 def efsignsgd_residual_into(p, packed, scale, out):
     """p - efsignsgd_decompress(packed, scale), written into ``out`` (CPU; may be ``p``)."""
     return _bits_residual(_EFSIGNSGD, p, packed, scale, out)
@@ -1267,6 +1301,10 @@ FUSED: Dict[str, Kernel] = {
     "fp16_compress_many_into": Kernel(fp16_compress_many_into, ("half_encode_many",), ("float16",), devices=("cpu",)),
     "fp16_decompress_many_into": Kernel(fp16_decompress_many_into, ("half_decode_many",), ("float32",),
                                         devices=("cpu",)),
+    "efsignsgd_ef_step_many": Kernel(efsignsgd_ef_step_many, ("bits_ef_many",), ("uint8", "float32", "float32"),
+                                     devices=("cpu",)),
+    "onebit_ef_step_many": Kernel(onebit_ef_step_many, ("bits_ef_many",), ("uint8", "float32", "float32"),
+                                  devices=("cpu",)),
     "efsignsgd_residual_into": Kernel(efsignsgd_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
     "onebit_residual_into": Kernel(onebit_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
     **{f"{method}_decompress_sum_into": Kernel(function, ("bits_sum_segments",), ("float32",), devices=("cpu",))

@@ -56,6 +56,7 @@ SYMBOLS = {
     "random_indices_segments": (_I, [_L, _P, _P, _P, _P, _P]),
     "randomk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
     "threshold_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _F, _I, _P, _P, _P, _P]),
+    "bits_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _I, _I, _P, _P]),
     "qsgd_sum_segments": (_I, [_L, _I, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P]),
     "natural_sum_segments": (None, [_L, _I, _P, _P, _P, _I, _P, _I, _P]),
     "dgc_compensate": (None, [_P, _P, _P, _L, _F, _P, _P]),
@@ -68,7 +69,7 @@ SYMBOLS = {
 #: CPU-only: the bucket-at-once entry points (a GPU compresses a bucket segment-wise instead),
 #: the decoded sums of QSGD and natural compression, DGC's momentum correction, and the draws
 #: (a GPU draws with tensor ops)
-CPU_ONLY = {"topk_ef_many", "randomk_ef_many", "threshold_ef_many", "scatter_add_segments", "bits_sum_segments", "bits_residual",
+CPU_ONLY = {"topk_ef_many", "randomk_ef_many", "threshold_ef_many", "bits_ef_many", "scatter_add_segments", "bits_sum_segments", "bits_residual",
             "qsgd_sum_segments", "natural_sum_segments", "uniform_segments", "random_indices_segments",
             "dgc_compensate", "natural_compress_drawn", "terngrad_compress_drawn", "qsgd_compress_drawn",
             "half_encode_many", "half_decode_many"}

@@ -210,6 +210,30 @@ def test_random_k_residual_steps_of_a_bucket_equal_the_pipeline(beta, gamma, sca
         assert e_new.data_ptr() == out.data_ptr()
 
 
+@pytest.mark.parametrize("method", ["efsignsgd", "onebit"])
+@pytest.mark.parametrize("beta, gamma", MEMORIES)
+def test_sign_family_residual_steps_of_a_bucket_equal_each_gradients_kernels(method, beta, gamma):
+    """efsignsgd_ef_step_many and onebit_ef_step_many (CPU): compensation, the payload and the
+    new residual of every gradient, bit for bit those of ResidualMemory.compensate, the
+    method's compress kernel and its residual kernel, gradient by gradient (specials too)."""
+    sizes = [1, 9, 300, 40000, 2**16 + 3]
+    many = getattr(gn, f"{method}_ef_step_many")
+    compress, residual = getattr(gn, f"{method}_compress"), getattr(gn, f"{method}_residual_into")
+    gs = [gradient(n, seed=n) for n in sizes]
+    gs[2][:4] = [-0.0, np.inf, np.nan, 3e38]
+    es = [gradient(n, seed=n + 1) * np.float32(0.3) for n in sizes]
+    outs = [torch.empty(n) for n in sizes]
+    payloads, news = many([torch.from_numpy(g) for g in gs], [torch.from_numpy(e) for e in es], beta, gamma, outs)
+    for g, e, payload, new, out in zip(gs, es, payloads, news, outs):
+        with np.errstate(over="ignore"):  # (3e38 * gamma)
+            p = torch.from_numpy(residual_memory(beta, gamma).compensate(NX, g, e))
+        want = compress(p)
+        for a, b in zip(want, payload):
+            same_bytes(a, b)
+        same_bytes(residual(p, *want, p.clone()), new)
+        assert new.data_ptr() == out.data_ptr()
+
+
 def test_a_bucket_in_one_call_refuses_what_it_cannot_write():
     g = torch.zeros(40)
     with pytest.raises(gn.NativeUnavailable, match="in place"):
