@@ -16,7 +16,8 @@ METHODS = {"topk": lambda: grace.topk(0.01), "threshold": lambda: grace.threshol
            "topk_scaled": lambda: grace.topk(0.05, memory=grace.memories.ResidualMemory(beta=0.9, gamma=0.5))}
 KERNEL = {"topk": "topk_ef_step", "threshold": "threshold_ef_step", "topk_scaled": "topk_ef_step"}
 # a bucket's gradients in one call: each gradient at its own pointers (CPU), or segment-wise (GPU)
-WHOLE_BUCKET = {"topk_ef_step": ("topk_ef_step_many", "topk_ef_step_segments"), "threshold_ef_step": ()}
+WHOLE_BUCKET = {"topk_ef_step": ("topk_ef_step_many", "topk_ef_step_segments"),
+                "threshold_ef_step": ("threshold_ef_step_many",)}
 
 
 def run(method, device, steps=3):
