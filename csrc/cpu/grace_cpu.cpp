@@ -2387,15 +2387,16 @@ API int grace_cpu_random_indices_segments(int64_t segments, const int64_t* numel
 }
 
 // Random-k's residual step for every gradient s of a bucket: p = compensate(g, r) written into
-// new_r[s] (may be r[s]); the k[s] indices of grace_cpu_random_indices_segments' draw for seed
-// words (s0[s], s1[s]) into idx[s], ascending; the values there, p (times scale[s] where scale is
-// given), into values[s]; and new_r at them p - (0 + value). -1 where a k or n is out of range.
+// new_r[s] (may be r[s]); the values at its k[s] distinct indices idx[s] (drawn by the caller), p
+// (times scale[s] where scale is given), into values[s]; and new_r there p - (0 + value). -1 (and
+// nothing written) where an index is out of range.
 API int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
-                                  const int64_t* n, const int64_t* k, const uint32_t* s0, const uint32_t* s1,
-                                  float beta, float gamma, int flags, const float* scale, float* const* values,
-                                  int64_t* const* idx) {
+                                  const int64_t* n, const int64_t* k, const int64_t* const* idx, float beta,
+                                  float gamma, int flags, const float* scale, float* const* values) {
+  for (int64_t s = 0; s < count; ++s)
+    for (int64_t j = 0; j < k[s]; ++j)
+      if (idx[s][j] < 0 || idx[s][j] >= n[s]) return -1;
   for (int64_t s = 0; s < count; ++s) {
-    if (grace_cpu_random_indices_segments(1, n + s, k + s, s0 + s, s1 + s, idx[s]) != 0) return -1;
     const float *gs = g[s], *rs = r[s];
     float* const ps = new_r[s];
     for_chunks(n[s], 64, threads_for(n[s]), [&](int, int64_t lo, int64_t hi) {

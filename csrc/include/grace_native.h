@@ -136,12 +136,11 @@ int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float* co
 int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                                 const int64_t* n, float thr, float beta, float gamma, int flags, float* const* values,
                                 void* const* idx, const int* idx_types, int64_t* counts);
-/* random-k's residual step for every segment: p = compensate(g, r) into new_r, k[s] indices drawn
- * from seed words (s0[s], s1[s]) as grace_cpu_random_indices_segments, the values there (times
- * scale[s] where scale is given), and new_r there p - (0 + value) */
+/* random-k's residual step for every segment: p = compensate(g, r) into new_r, the values at the k[s]
+ * distinct indices idx[s] (times scale[s] where scale is given), and new_r there p - (0 + value) */
 int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
-                              const int64_t* n, const int64_t* k, const uint32_t* s0, const uint32_t* s1, float beta,
-                              float gamma, int flags, const float* scale, float* const* values, int64_t* const* idx);
+                              const int64_t* n, const int64_t* k, const int64_t* const* idx, float beta, float gamma,
+                              int flags, const float* scale, float* const* values);
 int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* const* idx, const int* idx_types,
                                    const void* const* values, const int64_t* lengths, float divisor,
                                    const int64_t* numels, float* const* dense);

@@ -4,11 +4,8 @@ All ranks draw the same indices from a seed shared for this (tensor, step), so o
 values travel and they are summed by allreduce.
 With ``scale=True`` the values are multiplied by d/k, which makes the estimate unbiased.
 """
-import numbers
-
 import numpy as np
 
-from grace.core import draws
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape, check_ratio, native_or_none, sent_count
 from grace.core.registry import example, register
@@ -50,18 +47,21 @@ class RandomK(Compressor):
 
     def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs):
         """Residual memory's step for every gradient of a bucket in one native call (CPU):
-        compensate, draw, gather and the new memory (p, with p - (0 + v) at the sent indices)."""
-        if not isinstance(infos[0].step, numbers.Integral):  # (a traced step: no native call)
+        compensate, gather and the new memory (p, with p - (0 + v) at the sent indices), with
+        every gradient's indices drawn first by one call of the backend's draws."""
+        if not xp.fused("randomk_ef_step_many", gs[0], xp.dtype(gs[0])):
             return None
-        ks = [sent_count(self.ratio, xp.numel(g)) for g in gs]
-        scales = [xp.numel(g) / k if k else 1.0 for g, k in zip(gs, ks)] if self.scale else None
-        words = [draws.seed_words(info.seed(self.seed)) for info in infos]
-        done = native_or_none(xp, "randomk_ef_step_many", gs[0], gs, residuals, ks, words, beta, gamma, scales,
+        numels = [xp.numel(g) for g in gs]
+        ks = [sent_count(self.ratio, d) for d in numels]
+        indices = xp.split(xp.random_indices_segments(numels, ks, [info.seed(self.seed) for info in infos], like=gs[0]),
+                           ks)
+        scales = [d / k if k else 1.0 for d, k in zip(numels, ks)] if self.scale else None
+        done = native_or_none(xp, "randomk_ef_step_many", gs[0], gs, residuals, indices, beta, gamma, scales,
                               outs=outs)
         if done is None:
             return None
         return [((v,), (Shape(xp.shape(g), xp.dtype(g)), i), xp.reshape(e, xp.shape(g)))
-                for v, i, e, g in zip(*done, gs)]
+                for v, e, i, g in zip(*done, indices, gs)]
 
     def residual_into(self, xp, p, payload, ctx, out):
         """p - decompress(payload) is p, but p - (0 + sent value) at the sent indices: written

@@ -42,7 +42,7 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     _decompress_segments(..., numels, ...); topk_compress_segments(x, starts, numels, ks),
     topk_ef_step_segments(g, residual, starts, numels, ks, beta, gamma, out)
     a bucket in one call on the CPU, each gradient at its own pointers (lists in, lists out):
-    topk_ef_step_many(gs, residuals, ks, beta, gamma, outs), randomk_ef_step_many(gs, residuals, ks, words, ...),
+    topk_ef_step_many(gs, residuals, ks, beta, gamma, outs), randomk_ef_step_many(gs, residuals, indices, ...),
     threshold_ef_step_many(gs, residuals, thresholds, beta, gamma, outs),
     scatter_add_segments_into(payloads, outs, divisor),
     signsgd_, efsignsgd_, onebit_decompress_sum_into(payloads, outs); efsignsgd_, onebit_residual_into(p, ..., out);
@@ -1014,32 +1014,30 @@ def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: 
             [indices[d].obj[s:s + c] for d, s, c in zip(dtypes, idx_starts, counts)], [o.obj for o in ob])
 
 
-def randomk_ef_step_many(gs, residuals, ks, words, beta: float = 1.0, gamma: float = 1.0, scales=None, outs=None):
+def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float = 1.0, scales=None, outs=None):
     """Random-k's residual step for every gradient of a bucket in one call (CPU): p = g*gamma +
     residual*beta (each factor applied only when != 1) written into ``outs`` where given, the
-    ``ks[s]`` indices drawn from the seed words ``words[s]`` (as ``random_indices_segments``),
-    the values of p there (times ``scales[s]``, where given), and the new residual, p with
-    p - (0 + value) there: lists of values, indices (int64), new residuals."""
+    values of p at each gradient's distinct ``indices`` (int64, drawn by the caller; times
+    ``scales[s]``, where given), and the new residual, p with p - (0 + value) there: lists of
+    values and new residuals."""
     kind = _cpu_kind(gs[0])
     gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
+    ib = _same_kind_all(kind, indices, "int64")
     ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
     if any(b.dtype != "float32" for b in gb + rb):
         raise NativeUnavailable("random-k's residual step takes float32 gradients and residuals")
     if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
         raise ValueError("every gradient, residual and output of a bucket must have the same size")
-    ks = [int(k) for k in ks]
+    ks = [b.n for b in ib]
     starts = [0, *itertools.accumulate(ks[:-1])]
-    values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
-    s0, s1 = _seed_word_arrays(words)
+    values = kind.empty(sum(ks), "float32")
     scale = None if scales is None else (ctypes.c_float * len(ks))(*scales)
     rc = call(kind, "randomk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob),
-              _int64s([b.n for b in gb]), _int64s(ks), s0, s1, float(beta), float(gamma), _ef_flags(beta, gamma),
-              scale, (ctypes.c_void_p * len(ks))(*[values.ptr + 4 * s for s in starts]),
-              (ctypes.c_void_p * len(ks))(*[idx.ptr + 8 * s for s in starts]))
+              _int64s([b.n for b in gb]), _int64s(ks), _pointers(ib), float(beta), float(gamma),
+              _ef_flags(beta, gamma), scale, (ctypes.c_void_p * len(ks))(*[values.ptr + 4 * s for s in starts]))
     if rc != 0:
-        raise ValueError("every k must be at most its gradient's size (and the size at most 2**32)")
-    return ([values.obj[s:s + k] for s, k in zip(starts, ks)], [idx.obj[s:s + k] for s, k in zip(starts, ks)],
-            [o.obj for o in ob])
+        raise IndexError("an index is out of range for its gradient")
+    return [values.obj[s:s + k] for s, k in zip(starts, ks)], [o.obj for o in ob]
 
 
 def _finish_args(finish):
@@ -1292,7 +1290,7 @@ FUSED: Dict[str, Kernel] = {
                                 devices=("cpu",)),
     "threshold_ef_step_many": Kernel(threshold_ef_step_many, ("threshold_ef_many",), ("float32", "index", "float32"),
                                      devices=("cpu",), variable=(0, 1)),
-    "randomk_ef_step_many": Kernel(randomk_ef_step_many, ("randomk_ef_many",), ("float32", "int64", "float32"),
+    "randomk_ef_step_many": Kernel(randomk_ef_step_many, ("randomk_ef_many",), ("float32", "float32"),
                                    devices=("cpu",)),
     "scatter_add_segments_into": Kernel(scatter_add_segments_into, ("scatter_add_segments",), ("float32",),
                                         devices=("cpu",)),

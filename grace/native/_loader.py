@@ -54,7 +54,7 @@ SYMBOLS = {
     "bits_residual": (None, [_P, _P, _L, _P, _I, _P]),
     "uniform_segments": (None, [_L, _P, _P, _P, _P]),
     "random_indices_segments": (_I, [_L, _P, _P, _P, _P, _P]),
-    "randomk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
+    "randomk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P]),
     "threshold_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _F, _I, _P, _P, _P, _P]),
     "bits_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _I, _I, _P, _P]),
     "qsgd_sum_segments": (_I, [_L, _I, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P]),

@@ -181,9 +181,10 @@ def test_a_bucket_in_one_call_equals_each_gradient_alone():
 @pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
 def test_random_k_residual_steps_of_a_bucket_equal_the_pipeline(beta, gamma, scale, in_place):
     """randomk_ef_step_many (CPU) against ResidualMemory + RandomK on NumPy, gradient by
-    gradient: the same indices (drawn from each gradient's seed), values (times d / k where
-    scaled) and new memories (p, with p - (0 + v) at the sent indices), bit for bit; negative
-    zeros, infs and NaNs included, and the new memories written over the old where asked."""
+    gradient, at the indices each gradient draws from its seed: the same values (times d / k
+    where scaled) and new memories (p, with p - (0 + v) at the sent indices), bit for bit;
+    negative zeros, infs and NaNs included, and the new memories written over the old where
+    asked. An index out of range is refused with nothing written."""
     from grace.core import draws
 
     sizes = [1, 9, 300, 40000, 2**16 + 3]
@@ -195,9 +196,10 @@ def test_random_k_residual_steps_of_a_bucket_equal_the_pipeline(beta, gamma, sca
     ks = [max(1, math.ceil(0.01 * n)) for n in sizes]
     rs = [torch.from_numpy(e.copy()) for e in es]
     outs = rs if in_place else [torch.empty(n) for n in sizes]
-    values, indices, new = gn.randomk_ef_step_many(
-        [torch.from_numpy(g) for g in gs], rs, ks, [draws.seed_words(info.seed()) for info in infos], beta, gamma,
-        [n / k for n, k in zip(sizes, ks)] if scale else None, outs=outs)
+    indices = [torch.from_numpy(draws.random_indices_host([n], [k], [info.seed()]))
+               for n, k, info in zip(sizes, ks, infos)]
+    values, new = gn.randomk_ef_step_many([torch.from_numpy(g) for g in gs], rs, indices, beta, gamma,
+                                          [n / k for n, k in zip(sizes, ks)] if scale else None, outs=outs)
     for g, e, info, v, i, e_new, out in zip(gs, es, infos, values, indices, new, outs):
         memory, compressor = compression.memory, compression.compressor
         p = memory.compensate(NX, g, e)
@@ -208,6 +210,12 @@ def test_random_k_residual_steps_of_a_bucket_equal_the_pipeline(beta, gamma, sca
         same_bytes(want_v, v)
         same_bytes(want_e, e_new)
         assert e_new.data_ptr() == out.data_ptr()
+    before = [o.clone() for o in outs]
+    with pytest.raises(IndexError, match="out of range"):
+        gn.randomk_ef_step_many([torch.from_numpy(g) for g in gs], rs, [*indices[:-1], indices[-1] + sizes[-1]],
+                                beta, gamma, None, outs=outs)
+    for a, b in zip(before, outs):
+        same_bytes(a, b)  # (nothing written)
 
 
 @pytest.mark.parametrize("method", ["efsignsgd", "onebit"])
