@@ -956,9 +956,9 @@ def _cpu_kind(x):
     return kind
 
 
-def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, outs=None):
-    """topk_ef_step of every gradient of a bucket, in one call (CPU): lists of values, indices
-    and new residuals, per gradient (the new residuals written into ``outs`` where given)."""
+def _ef_many_inputs(gs, residuals, outs):
+    """A bucket's gradients, residuals and outputs (new ones where ``outs`` is None) as the
+    buffers of a bucket-at-once residual step (CPU): (kind, gradients, residuals, outputs)."""
     kind = _cpu_kind(gs[0])
     gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
     ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
@@ -966,6 +966,13 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
         raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
     if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
         raise ValueError("every gradient, residual and output of a bucket must have the same size")
+    return kind, gb, rb, ob
+
+
+def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, outs=None):
+    """topk_ef_step of every gradient of a bucket, in one call (CPU): lists of values, indices
+    and new residuals, per gradient (the new residuals written into ``outs`` where given)."""
+    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     ks = [max(0, min(int(k), b.n)) for k, b in zip(ks, gb)]
     dtypes = [index_dtype(b.n) for b in gb]
     values = kind.empty(sum(ks), "float32")
@@ -986,13 +993,9 @@ def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: 
     all): lists of values, indices and new residuals, per gradient (the new residuals written
     into ``outs`` where given). The values and indices are views of buffers with room for every
     element, of which only the pages written are touched (the frame copies them at once)."""
-    kind = _cpu_kind(gs[0])
-    gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
-    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
-    if any(b.dtype != "float32" for b in gb + rb):
-        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
-    if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)) or len(set(map(float, thresholds))) > 1:
-        raise ValueError("every gradient, residual and output of a bucket must have the same size, one threshold")
+    if len(set(map(float, thresholds))) > 1:
+        raise ValueError("one threshold for every gradient of a bucket")
+    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     numels, dtypes = [b.n for b in gb], [index_dtype(b.n) for b in gb]
     starts = [0, *itertools.accumulate(numels[:-1])]
     values = kind.empty(sum(numels), "float32")
@@ -1020,14 +1023,8 @@ def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float
     values of p at each gradient's distinct ``indices`` (int64, drawn by the caller; times
     ``scales[s]``, where given), and the new residual, p with p - (0 + value) there: lists of
     values and new residuals."""
-    kind = _cpu_kind(gs[0])
-    gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
+    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     ib = _same_kind_all(kind, indices, "int64")
-    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
-    if any(b.dtype != "float32" for b in gb + rb):
-        raise NativeUnavailable("random-k's residual step takes float32 gradients and residuals")
-    if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
-        raise ValueError("every gradient, residual and output of a bucket must have the same size")
     ks = [b.n for b in ib]
     starts = [0, *itertools.accumulate(ks[:-1])]
     values = kind.empty(sum(ks), "float32")
@@ -1080,13 +1077,7 @@ def _bits_residual(mode: int, p, packed, scalars, out):
 
 
 def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs):
-    kind = _cpu_kind(gs[0])
-    gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
-    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
-    if any(b.dtype != "float32" for b in gb + rb):
-        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
-    if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
-        raise ValueError("every gradient, residual and output of a bucket must have the same size")
+    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     sizes, per_row = [packed_size(b.n, 1) for b in gb], _SCALARS[mode]
     packed, scalars = kind.empty(sum(sizes), "uint8"), kind.empty(per_row * len(gb), "float32")
     starts = [0, *itertools.accumulate(sizes[:-1])]
