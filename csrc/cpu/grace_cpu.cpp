@@ -1926,6 +1926,17 @@ inline float compensate(float g, float r, float beta, float gamma, int flags) {
   float p = (flags & 1) ? g * gamma : g;
   return p + ((flags & 2) ? r * beta : r);
 }
+
+// p = compensate(g, r) of n elements into p (may be r), in parallel chunks
+void compensate_into(const float* g, const float* r, int64_t n, float beta, float gamma, int flags, float* p) {
+  for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
+    if (flags == 0) {  // (the common loop, without the multiplies)
+      for (int64_t i = lo; i < hi; ++i) p[i] = g[i] + r[i];
+    } else {
+      for (int64_t i = lo; i < hi; ++i) p[i] = compensate(g[i], r[i], beta, gamma, flags);
+    }
+  });
+}
 }  // namespace
 
 API int64_t grace_cpu_topk(const void* x, int val_type, int64_t n, int64_t k, int by_abs, void* idx, int idx_type,
@@ -2131,9 +2142,7 @@ API int64_t grace_cpu_topk_ef(const float* g, const float* r, int64_t n, int64_t
     };
     topk_select<uint32_t>(n, k, 32, hist1, key, sel);
   } else if (k >= n || k <= 0) {
-    for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) new_r[i] = compensate(g[i], r[i], beta, gamma, flags);
-    });
+    compensate_into(g, r, n, beta, gamma, flags, new_r);
     if (k > 0) {
       sel.resize(n);
       for (int64_t i = 0; i < n; ++i) sel[i] = i;
@@ -2316,11 +2325,8 @@ API int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float
                                float* const* scalars) {
   if (mode != 1 && mode != 2) return -1;
   for (int64_t s = 0; s < count; ++s) {
-    const float *gs = g[s], *rs = r[s];
     float* const ps = new_r[s];
-    for_chunks(n[s], 64, threads_for(n[s]), [&](int, int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) ps[i] = compensate(gs[i], rs[i], beta, gamma, flags);
-    });
+    compensate_into(g[s], r[s], n[s], beta, gamma, flags, ps);
     (mode == 1 ? grace_cpu_efsign_compress : grace_cpu_onebit_compress)(ps, n[s], packed[s], scalars[s]);
     grace_cpu_bits_residual(ps, packed[s], n[s], scalars[s], mode, ps);
   }
@@ -2397,15 +2403,8 @@ API int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const fl
     for (int64_t j = 0; j < k[s]; ++j)
       if (idx[s][j] < 0 || idx[s][j] >= n[s]) return -1;
   for (int64_t s = 0; s < count; ++s) {
-    const float *gs = g[s], *rs = r[s];
     float* const ps = new_r[s];
-    for_chunks(n[s], 64, threads_for(n[s]), [&](int, int64_t lo, int64_t hi) {
-      if (flags == 0) {  // (the common loop, without the multiplies)
-        for (int64_t i = lo; i < hi; ++i) ps[i] = gs[i] + rs[i];
-      } else {
-        for (int64_t i = lo; i < hi; ++i) ps[i] = compensate(gs[i], rs[i], beta, gamma, flags);
-      }
-    });
+    compensate_into(g[s], r[s], n[s], beta, gamma, flags, ps);
     for (int64_t j = 0; j < k[s]; ++j) {
       const int64_t i = idx[s][j];
       const float p = ps[i], v = scale ? p * scale[s] : p;

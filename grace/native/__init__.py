@@ -188,6 +188,12 @@ def _pointers(bufs):
     return (ctypes.c_void_p * len(bufs))(*[b.ptr for b in bufs])
 
 
+def _addresses(buf: Buf, byte_offsets):
+    """A C array of the addresses at ``byte_offsets`` in ``buf``: each gradient's place in an
+    output shared by a bucket."""
+    return (ctypes.c_void_p * len(byte_offsets))(*[buf.ptr + o for o in byte_offsets])
+
+
 def _int64s(values):
     return (ctypes.c_int64 * len(values))(*values)
 
@@ -978,7 +984,7 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     values = kind.empty(sum(ks), "float32")
     starts = [0, *itertools.accumulate(ks[:-1])]  # each gradient's values in a row
     idx = [kind.empty(k, d) for k, d in zip(ks, dtypes)]
-    value_ptrs = (ctypes.c_void_p * len(ks))(*[values.ptr + 4 * s for s in starts])
+    value_ptrs = _addresses(values, [4 * s for s in starts])
     rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
               _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), value_ptrs, _pointers(idx),
               _index_codes(dtypes))
@@ -1008,7 +1014,7 @@ def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: 
     counts = (ctypes.c_int64 * len(gb))()
     rc = call(kind, "threshold_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s(numels),
               float(thresholds[0]), float(beta), float(gamma), _ef_flags(beta, gamma),
-              (ctypes.c_void_p * len(gb))(*[values.ptr + 4 * s for s in starts]),
+              _addresses(values, [4 * s for s in starts]),
               (ctypes.c_void_p * len(gb))(*[indices[d].ptr + ITEMSIZE[d] * s for d, s in zip(dtypes, idx_starts)]),
               _index_codes(dtypes), counts)
     if rc != 0:
@@ -1031,7 +1037,7 @@ def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float
     scale = None if scales is None else (ctypes.c_float * len(ks))(*scales)
     rc = call(kind, "randomk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob),
               _int64s([b.n for b in gb]), _int64s(ks), _pointers(ib), float(beta), float(gamma),
-              _ef_flags(beta, gamma), scale, (ctypes.c_void_p * len(ks))(*[values.ptr + 4 * s for s in starts]))
+              _ef_flags(beta, gamma), scale, _addresses(values, [4 * s for s in starts]))
     if rc != 0:
         raise IndexError("an index is out of range for its gradient")
     return [values.obj[s:s + k] for s, k in zip(starts, ks)], [o.obj for o in ob]
@@ -1083,8 +1089,7 @@ def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs):
     starts = [0, *itertools.accumulate(sizes[:-1])]
     call(kind, "bits_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
          float(beta), float(gamma), _ef_flags(beta, gamma), mode,
-         (ctypes.c_void_p * len(gb))(*[packed.ptr + s for s in starts]),
-         (ctypes.c_void_p * len(gb))(*[scalars.ptr + 4 * per_row * s for s in range(len(gb))]))
+         _addresses(packed, starts), _addresses(scalars, [4 * per_row * s for s in range(len(gb))]))
     return ([(packed.obj[s:s + n], scalars.obj[per_row * i:per_row * (i + 1)])
              for i, (s, n) in enumerate(zip(starts, sizes))], [o.obj for o in ob])
 
