@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -1569,15 +1570,32 @@ inline float natural_one(uint32_t c, bool neg) {
 }
 
 // groups [g0, g1) of 8 elements of a natural-compression payload, decoded into dst (dst[0]:
-// element 8 g0)
+// element 8 g0); added to dst where kAdd (AVX2 builds)
+template <bool kAdd = false>
 void natural_decode_groups(const uint8_t* signs, const uint8_t* codes, int64_t g0, int64_t g1, float* dst,
                            bool stream) {
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+  // sign * magnitude, exactly: the code as exponent bits, the sign bit on top; 8 at a time
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int64_t g = g0; g < g1; ++g) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + 8 * g)));
+    const __m256i neg = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(signs[g]), sel), sel);
+    const __m256 v = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(c, 23), _mm256_slli_epi32(neg, 31)));
+    float* const o = dst + 8 * (g - g0);
+    if (kAdd) {
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), v));
+    } else {
+      store4(o, _mm256_castps256_ps128(v), stream);
+      store4(o + 4, _mm256_extractf128_ps(v, 1), stream);
+    }
+  }
+#else
+  static_assert(!kAdd, "adding as it decodes: AVX2 builds only");
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t s = signs[g];
     const int64_t i0 = 8 * g;
     float* const o = dst + 8 * (g - g0);
 #ifdef GRACE_SIMD
-    // sign * magnitude, exactly: the code as exponent bits, the sign bit on top
     __m128i c = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(uint32_t)load_u64(codes + i0)));
     __m128i c1 = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(uint32_t)(load_u64(codes + i0) >> 32)));
     const __m128i sel0 = _mm_setr_epi32(1, 2, 4, 8), sel1 = _mm_setr_epi32(16, 32, 64, 128);
@@ -1596,6 +1614,7 @@ void natural_decode_groups(const uint8_t* signs, const uint8_t* codes, int64_t g
     }
 #endif
   }
+#endif
 }
 
 // elements [lo, hi) of a natural-compression payload of n elements into dst (lo a multiple of 8)
@@ -1620,9 +1639,15 @@ API void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, in
 namespace {
 // out = the sum, row after row in float32, of `count` rows decoded by decode(j, lo, hi, dst)
 // (row j's elements [lo, hi) into dst[0, hi - lo)): block by block, row 0 decoded into out and
-// every further row into a buffer in L1, then added.
-template <class Decode>
-void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, const Decode& decode) {
+// every further row into a buffer in L1, then added; or added by add(j, lo, hi, dst) itself
+// where it can (it returns false where it cannot).
+struct NoAdd {
+  bool operator()(int64_t, int64_t, int64_t, float*) const { return false; }
+};
+
+template <class Decode, class Add = NoAdd>
+void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, const Decode& decode,
+                 const Add& add = Add()) {
   constexpr int64_t kBlock = 2048;
   for_chunks(n, kBlock, threads_for(n), [&](int, int64_t lo, int64_t hi) {
     alignas(32) float buf[kBlock];
@@ -1631,6 +1656,7 @@ void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, con
       float* const o = out + b;
       decode(0, b, e, o);
       for (int64_t j = 1; j < count; ++j) {
+        if (add(j, b, e, o)) continue;
         decode(j, b, e, buf);
         int64_t i = 0;
 #ifdef GRACE_SIMD
@@ -1645,7 +1671,8 @@ void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, con
 }  // namespace
 
 // Segment s of a bucket: the ranks' payloads (signs[s * ranks + r], codes[...]) decoded and added
-// into out[s] (numels[s] elements).
+// into out[s] (numels[s] elements). With AVX2 each further row is added as it is decoded (the
+// same sums, in the same order, without the row in a buffer).
 API void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8_t* const* signs,
                                         const uint8_t* const* codes, const int64_t* numels, int vote,
                                         const float* divisors, int ndiv, float* const* out) {
@@ -1655,6 +1682,16 @@ API void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8
     const uint8_t* const* C = codes + s * ranks;
     decoded_sum(ranks, numels[s], out[s], finish, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
       natural_decode_range(S[j], C[j], lo, hi, dst, false);
+    }, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+      natural_decode_groups<true>(S[j], C[j], lo / 8, hi / 8, dst, false);
+      for (int64_t i = std::max(lo, 8 * (hi / 8)); i < hi; ++i)
+        dst[i - lo] += natural_one(C[j][i], (S[j][i / 8] >> (i % 8)) & 1);
+      return true;
+#else
+      (void)j, (void)lo, (void)hi, (void)dst;
+      return false;
+#endif
     });
   }
 }
@@ -2426,31 +2463,151 @@ API void grace_cpu_uniform_segments(int64_t segments, const int64_t* numels, con
 }
 
 // ---- DGC's momentum correction -----------------------------------------------------------------
-// p = v + (m * u + g) into v_out and u_new = p - v into u_out, in one pass (each rounding as the
-// tensor ops make it: a product, then two sums; outputs may be their inputs)
+namespace {
+// DGC's momentum correction of elements [lo, hi): p = v + (m u + g) into v_out and p - v into
+// u_out (each rounding as the tensor ops make it: a product, then two sums; outputs may be their
+// inputs); where kSelect, the indices of those with |p| >= thr written from sel[q] on: the new q.
+// Selecting, the outputs are streamed where aligned (AVX2): later only the few elements sent are
+// read again, and streaming saves reading each output line before it is written (1.5 of 11 ms
+// for 48 steps of 1 MB).
+template <bool kSelect>
+int64_t dgc_range(const float* u, const float* v, const float* g, float m, float* u_out, float* v_out, int64_t lo,
+                  int64_t hi, float thr = 0.0f, int64_t* sel = nullptr, int64_t q = 0) {
+  int64_t i = lo;
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+  const bool nt = kSelect && (uintptr_t)(u_out + lo) % 32 == 0 && (uintptr_t)(v_out + lo) % 32 == 0;
+#endif
+#ifdef GRACE_SIMD
+  const F8 vm = set8(m), t = set8(thr);
+  for (; i + 8 <= hi; i += 8) {
+    const F8 vv = ld8(v + i), p = vv + (vm * ld8(u + i) + ld8(g + i));
+#if defined(__AVX2__)
+    if (nt) {
+      _mm256_stream_ps(u_out + i, (p - vv).a);
+      _mm256_stream_ps(v_out + i, p.a);
+    } else
+#endif
+    {
+      st8(u_out + i, p - vv);
+      st8(v_out + i, p);
+    }
+    if (kSelect)
+      for (int k = mask8(ge8(abs8(p), t)); k; k &= k - 1) sel[q++] = i + __builtin_ctz(k);
+  }
+#endif
+  for (; i < hi; ++i) {
+    const float vv = v[i], p = vv + (m * u[i] + g[i]);
+    u_out[i] = p - vv;
+    v_out[i] = p;
+    if (kSelect && std::fabs(p) >= thr) sel[q++] = i;
+  }
+  return q;
+}
+
+// The momentum correction of n elements and, in the same pass, the indices (ascending) of those
+// with |p| >= thr into sel (room for n; each chunk's at the start of its own range, then moved
+// together): their count.
+int64_t dgc_compensate_select(const float* u, const float* v, const float* g, int64_t n, float m, float thr,
+                              float* u_out, float* v_out, int64_t* sel) {
+  const int nc = threads_for(n);
+  std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    count[c] = dgc_range<true>(u, v, g, m, u_out, v_out, lo, hi, thr, sel, lo) - lo;
+    lo_of[c] = lo;
+  });
+  fence_streams(true);
+  int64_t pos = 0;
+  for (int c = 0; c < nc; ++c) {
+    if (count[c] && pos != lo_of[c]) std::memmove(sel + pos, sel + lo_of[c], count[c] * sizeof(int64_t));
+    pos += count[c];
+  }
+  return pos;
+}
+}  // namespace
+
+// p = v + (m u + g) into v_out and p - v into u_out, in one pass (outputs may be their inputs)
 API void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g, int64_t n, float m, float* u_out,
                                   float* v_out) {
-  for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
-    const float* const U = u;
-    const float* const V = v;
-    const float* const G = g;
-    float* const UO = u_out;
-    float* const VO = v_out;
-    int64_t i = lo;
-#ifdef GRACE_SIMD
-    const F8 vm = set8(m);
-    for (; i + 8 <= hi; i += 8) {
-      const F8 vv = ld8(V + i), p = vv + (vm * ld8(U + i) + ld8(G + i));
-      st8(UO + i, p - vv);
-      st8(VO + i, p);
+  for_chunks(n, 64, threads_for(n),
+             [&](int, int64_t lo, int64_t hi) { dgc_range<false>(u, v, g, m, u_out, v_out, lo, hi); });
+}
+
+// DGC's whole step for every gradient s of a bucket, as DGCMemory.fused_step and DGC.select make
+// it tensor by tensor: the momentum correction (grace_cpu_dgc_compensate: p into v_out[s], p - v
+// into u_out[s]); the threshold, the need-th largest |p| of S elements drawn at floor(u_j * d)
+// (u_j: the uniform draws of the seed words (s0[s], s1[s]); every element where S = d); the
+// elements with |p| >= threshold, ascending, cut to the k largest |p| of them (ties to the lowest
+// index) where there are more; their p into values[s] and indices into idx[s] (room for k), how
+// many into counts[s]; and momentum factor masking there: u = u * 0 where p + 0 != 0, v = p - (p + 0).
+// k = max(1, ceil(ratio d)), S = min(d, max(1, ceil(sample_ratio d))), need = max(1, ceil(ratio S)),
+// all at most d. Returns -1 (nothing written) on bad arguments.
+API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const float* const* u, const float* const* v,
+                                float* const* u_out, float* const* v_out, const int64_t* n, float m, double ratio,
+                                double sample_ratio, const uint32_t* s0, const uint32_t* s1, float* const* values,
+                                void* const* idx, const int* idx_types, int64_t* counts) {
+  if (count < 0 || !(ratio > 0 && ratio <= 1) || !(sample_ratio > 0 && sample_ratio <= 1)) return -1;
+  int64_t most = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    if (n[s] < 0 || !idx_type_ok(idx_types[s])) return -1;
+    most = std::max(most, n[s]);
+  }
+  auto at_most = [](double x, int64_t d) { return std::min(d, std::max<int64_t>(1, (int64_t)std::ceil(x))); };
+  std::unique_ptr<int64_t[]> sel(new int64_t[std::max<int64_t>(most, 1)]);  // (only the pages written are touched)
+  std::vector<float> drawn, cand;
+  std::vector<uint32_t> keys;
+  std::vector<int64_t> pick;
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t d = n[s];
+    counts[s] = 0;
+    float* const p = v_out[s];
+    float* const un = u_out[s];
+    const int64_t k = at_most(ratio * (double)d, d), S = at_most(sample_ratio * (double)d, d);
+    if (d == 0) continue;
+    // the threshold: the need-th largest of the sample's |p| as bits (NaN above inf, as sorts put it)
+    const int64_t need = at_most(ratio * (double)S, S);
+    auto threshold = [&]() {
+      const uint32_t t = kth_largest(keys, need);
+      float thr;
+      std::memcpy(&thr, &t, 4);
+      return thr;
+    };
+    keys.resize(S);
+    int64_t c;
+    if (S == d) {  // every element: compensate, then select
+      grace_cpu_dgc_compensate(u[s], v[s], g[s], d, m, un, p);
+      for (int64_t j = 0; j < d; ++j) keys[j] = KeyOf<float>::key(p[j], true);
+      c = threshold_f32(p, d, threshold(), true, sel.get(), GRACE_I64, nullptr);
+    } else {  // the sample's p first (the same sums as the pass makes), then compensate and select in one pass
+      drawn.resize(S);
+      uniform_range(0, S, s0[s], s1[s], drawn.data());
+      const float df = (float)d;  // (floor(u d) < d: u <= 1 - 2^-24, and the product never rounds up to d)
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t i = (int64_t)std::floor(drawn[j] * df);
+        keys[j] = KeyOf<float>::key(v[s][i] + (m * u[s][i] + g[s][i]), true);
+      }
+      c = dgc_compensate_select(u[s], v[s], g[s], d, m, threshold(), un, p, sel.get());
     }
-#endif
-    for (; i < hi; ++i) {
-      const float vv = V[i], p = vv + (m * U[i] + G[i]);
-      UO[i] = p - vv;
-      VO[i] = p;
+    const int64_t* chosen = sel.get();
+    if (c > k) {  // the sample underestimated the threshold: the k largest of those selected
+      cand.resize(c);
+      for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(p[sel[j]]);
+      pick.resize(k);
+      topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
+      for (int64_t j = 0; j < k; ++j) pick[j] = sel[pick[j]];
+      chosen = pick.data();
+      c = k;
     }
-  });
+    for (int64_t j = 0; j < c; ++j) {
+      const int64_t i = chosen[j];
+      const float value = p[i], sent = value + 0.0f;  // the decompressed payload there
+      values[s][j] = value;
+      write_index(idx[s], idx_types[s], j, i);
+      un[i] = sent != 0.0f ? un[i] * 0.0f : un[i];
+      p[i] = value - sent;
+    }
+    counts[s] = c;
+  }
+  return 0;
 }
 
 // ---- half precision: fp16's payload, a bucket at a time -----------------------------------------
@@ -2566,4 +2723,30 @@ API int grace_cpu_qsgd_compress_drawn(const float* x, int64_t n, uint32_t s0, ui
   return qsgd_compress(x, n, levels, bucket, bits, norms, 0, out, [&](int64_t g0, int64_t g1, const auto& f) {
     with_draws(n, g0, g1, s0, s1, f);
   });
+}
+
+// The payload of every gradient s of a bucket (x[s], n[s] elements) in one call, by the per-tensor
+// kernel of `method`: 0 signSGD (sign_pack: bits into out0), 1 TernGrad (codes into out0, scale
+// into out1), 2 QSGD (codes into out0, norms into out1; levels, bucket (0: the whole gradient) and
+// bits), 3 natural compression (signs into out0, codes into out1); the random ones with the draws
+// of seed words (s0[s], s1[s]). -1 on an unknown method or bad QSGD parameters.
+API int grace_cpu_compress_many(int method, int64_t count, const float* const* x, const int64_t* n, const uint32_t* s0,
+                                const uint32_t* s1, void* const* out0, void* const* out1, int levels, int64_t bucket,
+                                int bits) {
+  if (method < 0 || method > 3 || (method == 2 && (bits < 1 || bits > 8 || levels < 1))) return -1;
+  for (int64_t s = 0; s < count; ++s) {
+    uint8_t* const a = (uint8_t*)out0[s];
+    switch (method) {
+      case 0: grace_cpu_sign_pack(x[s], n[s], 0, a); break;
+      case 1: grace_cpu_terngrad_compress_drawn(x[s], n[s], s0[s], s1[s], (float*)out1[s], a); break;
+      case 2: {
+        const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n[s], 1);
+        if (grace_cpu_qsgd_compress_drawn(x[s], n[s], s0[s], s1[s], levels, b, bits, (float*)out1[s], a) != 0)
+          return -1;
+        break;
+      }
+      default: grace_cpu_natural_compress_drawn(x[s], n[s], s0[s], s1[s], a, (uint8_t*)out1[s]);
+    }
+  }
+  return 0;
 }

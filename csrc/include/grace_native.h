@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 7
+#define GRACE_NATIVE_ABI 8
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -89,6 +89,14 @@ void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8_t* 
 /* DGC's momentum correction: p = v + (m * u + g) into v_out, p - v into u_out (one pass) */
 void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g, int64_t n, float m, float* u_out,
                               float* v_out);
+/* DGC's whole step for each gradient s of a bucket: the momentum correction above, the threshold
+ * from a sample of |p| (counter-based draws of s0[s], s1[s]), the selection (at most k; counts[s]
+ * of them: values[s] and idx[s] of type idx_types[s]) and momentum factor masking; -1 on bad
+ * arguments */
+int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const float* const* u, const float* const* v,
+                            float* const* u_out, float* const* v_out, const int64_t* n, float m, double ratio,
+                            double sample_ratio, const uint32_t* s0, const uint32_t* s1, float* const* values,
+                            void* const* idx, const int* idx_types, int64_t* counts);
 
 /* counter-based uniform draws: draw j (0 <= j < numels[s]) of segment s is
  * (h(h(j ^ s0[s]) ^ s1[s]) >> 8) * 2^-24, h a 32-bit integer hash (grace/core/draws.py), written
@@ -154,6 +162,12 @@ void grace_cpu_terngrad_compress_drawn(const float* x, int64_t n, uint32_t s0, u
                                        uint8_t* out);
 int grace_cpu_qsgd_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, int levels, int64_t bucket,
                                   int bits, float* norms, uint8_t* out);
+/* the payloads of a bucket's gradients in one call (segment s at its own pointers), by method 0
+ * signSGD, 1 TernGrad, 2 QSGD, 3 natural compression (above; out0: the bits or codes, out1: the
+ * scalars or natural's codes); -1 on bad arguments */
+int grace_cpu_compress_many(int method, int64_t count, const float* const* x, const int64_t* n, const uint32_t* s0,
+                            const uint32_t* s1, void* const* out0, void* const* out1, int levels, int64_t bucket,
+                            int bits);
 /* fp16's payload, a bucket at a time (segment s at its own pointers): outs[s][i] = xs[s][i] / divisor
  * rounded to IEEE half (nearest even), and its decode outs[s][i] = (float(halves[s][i]) * factor) / divisor */
 void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,

@@ -9,10 +9,12 @@ Momentum correction and factor masking are the 'dgc' memory (grace/memories/dgc.
 selection here sees v. The sample is each rank's own, so lengths differ between ranks.
 """
 import math
+import numbers
 
 from grace.compressors.sparse import Sparsifier
+from grace.core import draws
 from grace.core.compression import GradientCompression
-from grace.core.compressor import check_ratio
+from grace.core.compressor import Shape, check_ratio, native_or_none
 from grace.core.registry import example, register
 from grace.memories import DGCMemory, make_memory
 
@@ -51,6 +53,22 @@ class DGC(Sparsifier):
         # if the sample underestimated the threshold, the k largest of those selected
         candidates = xp.abs(xp.gather(flat, selected))
         return xp.sort(xp.gather(selected, xp.topk_indices(candidates, k)))
+
+    def compress_many_with_momentum(self, xp, gs, states, momentum, infos, outs):
+        """DGCMemory's fused_step with this selection for every gradient of a bucket, in one
+        native call (CPU; new states written into ``outs``): [(payload, ctx, new state)], or
+        None where it does not run (or the step is not a known int: a traced TensorFlow step)."""
+        step = infos[0].step
+        if not isinstance(step, numbers.Integral):
+            return None
+        words = [draws.seed_words(info.rank_seed(self.seed)) for info in infos]
+        done = native_or_none(xp, "dgc_step_many", gs[0], gs, [u for u, _ in states], [v for _, v in states], momentum,
+                              self.ratio_at(xp, step), self.sample_ratio, words, [u for u, _ in outs],
+                              [v for _, v in outs])
+        if done is None:
+            return None
+        return [((values, indices), Shape(xp.shape(g), xp.dtype(g)), out)
+                for values, indices, g, out in zip(*done, gs, outs)]
 
 
 @register("dgc", compress_ratio="ratio", sample_ratio="sample_ratio", warmup_steps="warmup_steps",

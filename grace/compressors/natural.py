@@ -24,6 +24,7 @@ class Natural(Compressor):
     unbiased = True
     new_payload = True
     sum_kernel = "natural_decompress_sum"
+    many_kernel = "natural"
 
     def __init__(self, seed: int = 0):
         self.seed = seed

@@ -21,6 +21,7 @@ class QSGD(Compressor):
     unbiased = True
     new_payload = True
     sum_kernel = "qsgd_decompress_sum"
+    many_kernel = "qsgd"
     nonfinite_field = 1  # the norms
 
     def __init__(self, levels: int = 127, bucket_size: int = 0, seed: int = 0):

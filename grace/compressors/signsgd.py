@@ -16,6 +16,7 @@ class SignSGD(Compressor):
     elementwise = True
     new_payload = True
     sum_kernel = "signsgd_decompress_sum"
+    many_kernel = "signsgd"
 
     def __init__(self, aggregate: str = "majority"):
         if aggregate not in ("majority", "mean"):

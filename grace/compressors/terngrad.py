@@ -18,6 +18,7 @@ class TernGrad(Compressor):
     unbiased = True
     new_payload = True
     sum_kernel = "terngrad_decompress_sum"
+    many_kernel = "terngrad"
 
     def __init__(self, seed: int = 0):
         self.seed = seed

@@ -596,9 +596,12 @@ class Exchange:
         # bucket's always, a gradient's where its step writes there: a fused kernel or
         # update_into): no step allocates (and page-faults) gradient-sized buffers.
         spares = [self._spare_memory(u.name, xp, e) if memory.needs_feedback else None for u, e in zip(units, old)]
-        # one native call for all the bucket's gradients where there is one (a CPU's top-k)
+        # one native call for all the bucket's gradients where there is one (a CPU's top-k, DGC)
         steps = memory.fused_steps(xp, compressor, g_units, old, infos, spares) \
-            if len(units) > 1 and all(s is not None and not isinstance(s, tuple) for s in spares) else None
+            if len(units) > 1 and all(s is not None for s in spares) else None
+        if steps is None and memory.passes_gradient and len(units) > 1:  # no memory: the payloads alone
+            many = compressor.compress_many(xp, g_units, infos)
+            steps = None if many is None else [(payload, ctx, None) for payload, ctx in many]
         payloads, new_memory = [], []
         for i, (u, g_u, info, state, e) in enumerate(zip(units, g_units, infos, states, old)):
             spare = spares[i]

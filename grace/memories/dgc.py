@@ -39,6 +39,14 @@ class DGCMemory(Memory):
         sent = p_hat != 0
         return xp.where(sent, u * 0, u), p - p_hat
 
+    def fused_steps(self, xp, compressor, gs, states, infos, outs):
+        """fused_step of a whole bucket in one native call, where the compressor has one (DGC's
+        selection, on a CPU) and nothing is clipped (a norm per gradient first)."""
+        many = getattr(compressor, "compress_many_with_momentum", None)
+        if many is None or self.clip_norm or not xp.mutable_tensors:
+            return None
+        return many(xp, gs, states, self.momentum, infos, outs)
+
     def fused_step(self, xp, compressor, g, state, info, out=None):
         """The same step with the new (u, v) written into ``out`` (buffers like the state, where
         the backend's tensors are mutable): p in v's buffer, u = p - v_old in u's, and only the

@@ -44,6 +44,8 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     a bucket in one call on the CPU, each gradient at its own pointers (lists in, lists out):
     topk_ef_step_many(gs, residuals, ks, beta, gamma, outs), randomk_ef_step_many(gs, residuals, indices, ...),
     threshold_ef_step_many(gs, residuals, thresholds, beta, gamma, outs),
+    dgc_step_many(gs, us, vs, momentum, ratio, sample_ratio, words, u_outs, v_outs),
+    compress_many(method, xs, words, levels, bucket_size): signSGD's, TernGrad's, QSGD's, natural's payloads,
     scatter_add_segments_into(payloads, outs, divisor),
     signsgd_, efsignsgd_, onebit_decompress_sum_into(payloads, outs); efsignsgd_, onebit_residual_into(p, ..., out);
     efsignsgd_, onebit_ef_step_many(gs, residuals, beta, gamma, outs);
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
@@ -63,23 +66,23 @@ from grace.native import _arrays
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library, load_error, set_enabled
 
 __all__ = [
-    "FUSED", "Kernel", "NativeUnavailable", "available", "cpu_build", "cpu_isa", "dgc_compensate_into", "disabled",
-    "dlpack_info", "efsignsgd_compress", "efsignsgd_compress_segments", "efsignsgd_decompress",
-    "efsignsgd_decompress_segments", "efsignsgd_decompress_sum", "efsignsgd_decompress_sum_into",
-    "efsignsgd_ef_step_many", "efsignsgd_residual_into", "enabled", "fp16_compress_many_into",
-    "fp16_decompress_many_into", "frame_pieces", "fused", "load_error", "natural_compress",
+    "FUSED", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build", "cpu_isa",
+    "dgc_compensate_into", "dgc_step_many", "disabled", "dlpack_info", "efsignsgd_compress",
+    "efsignsgd_compress_segments", "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
+    "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_residual_into", "enabled",
+    "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces", "fused", "load_error", "natural_compress",
     "natural_compress_drawn", "natural_compress_segments", "natural_decompress", "natural_decompress_segments",
-    "natural_decompress_sum", "natural_decompress_sum_into", "nonzero", "onebit_compress",
-    "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments", "onebit_decompress_sum",
-    "onebit_decompress_sum_into", "onebit_ef_step_many", "onebit_residual_into", "pack", "qsgd_compress",
-    "qsgd_compress_drawn", "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments",
-    "qsgd_decompress_sum", "qsgd_decompress_sum_into", "random_indices_segments", "randomk_ef_step_many",
-    "scatter_add", "scatter_add_many", "scatter_add_segments_into", "set_enabled", "set_num_threads",
-    "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports",
-    "terngrad_compress", "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress",
-    "terngrad_decompress_segments", "terngrad_decompress_sum", "terngrad_decompress_sum_into", "threshold_compress",
-    "threshold_ef_step", "threshold_ef_step_many", "threshold_indices", "topk_compress", "topk_compress_segments",
-    "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack",
+    "natural_decompress_sum", "natural_decompress_sum_into", "nonzero", "onebit_compress", "onebit_compress_segments",
+    "onebit_decompress", "onebit_decompress_segments", "onebit_decompress_sum", "onebit_decompress_sum_into",
+    "onebit_ef_step_many", "onebit_residual_into", "pack", "qsgd_compress", "qsgd_compress_drawn",
+    "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments", "qsgd_decompress_sum",
+    "qsgd_decompress_sum_into", "random_indices_segments", "randomk_ef_step_many", "scatter_add", "scatter_add_many",
+    "scatter_add_segments_into", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
+    "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports", "terngrad_compress",
+    "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",
+    "terngrad_decompress_sum", "terngrad_decompress_sum_into", "threshold_compress", "threshold_ef_step",
+    "threshold_ef_step_many", "threshold_indices", "topk_compress", "topk_compress_segments", "topk_ef_step",
+    "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack",
 ]
 
 _FLOATS = ("float16", "bfloat16", "float32")
@@ -639,6 +642,37 @@ def qsgd_compress_drawn(x, words, levels: int, bucket_size: int = 0):
     return _wrap(kind, out, norms)
 
 
+_COMPRESS_MANY = {"signsgd": 0, "terngrad": 1, "qsgd": 2, "natural": 3}
+
+
+def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int = 0):
+    """The payloads of every gradient of a bucket in one call (CPU): signsgd_compress, or
+    terngrad_, qsgd_ or natural_compress_drawn with each gradient's seed words ``words[s]``, of
+    each of the float32 ``xs``. A list of payloads, each a tuple of views of one buffer per
+    payload tensor (the same tensors as the per-gradient functions return)."""
+    kind = _cpu_kind(xs[0])
+    xb = _same_kind_all(kind, xs)
+    if any(b.dtype != "float32" for b in xb):
+        raise NativeUnavailable("compress_many takes float32 gradients")
+    numels = [b.n for b in xb]
+    bits = code_width(2 * (levels + 1)) if method == "qsgd" else 0
+    fields = {  # each payload tensor: its dtype and size per gradient
+        "signsgd": [("uint8", [packed_size(n, 1) for n in numels])],
+        "terngrad": [("uint8", [packed_size(n, 2) for n in numels]), ("float32", [1] * len(numels))],
+        "qsgd": [("uint8", [packed_size(n, bits) for n in numels]),
+                 ("float32", [-(-n // (int(bucket_size) or max(n, 1))) for n in numels])],
+        "natural": [("uint8", [packed_size(n, 1) for n in numels]), ("uint8", numels)],
+    }[method]
+    buffers = [(kind.empty(sum(sizes), dtype), [0, *itertools.accumulate(sizes[:-1])], sizes)
+               for dtype, sizes in fields]
+    places = [_addresses(buf, [ITEMSIZE[buf.dtype] * s for s in starts]) for buf, starts, _ in buffers]
+    s0, s1 = _seed_word_arrays(words if words is not None else [(0, 0)] * len(xb))
+    if call(kind, "compress_many", _COMPRESS_MANY[method], len(xb), _pointers(xb), _int64s(numels), s0, s1, places[0],
+            places[-1] if len(places) > 1 else None, int(levels), int(bucket_size), bits) != 0:
+        raise ValueError(f"bad {method} parameters: levels={levels}, bits={bits}")
+    return list(zip(*[[buf.obj[s:s + n] for s, n in zip(starts, sizes)] for buf, starts, sizes in buffers]))
+
+
 def natural_decompress(signs, codes, numel: int):
     """float32 (-1)^sign * 2^(code - 127) (0 for code 0)."""
     kind = kind_of(signs)
@@ -662,6 +696,31 @@ def dgc_compensate_into(u, v, g, momentum: float, u_out, v_out):
         raise ValueError("u, v, g and the outputs must have one size")
     call(kind, "dgc_compensate", ub.ptr, vb.ptr, gb.ptr, ub.n, float(momentum), uo.ptr, vo.ptr)
     return u_out, v_out
+
+
+def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float, words, u_outs, v_outs):
+    """DGC's step for every gradient of a bucket in one call (CPU), as DGCMemory.fused_step with
+    DGC's selection makes it gradient by gradient: the momentum correction (p = v + (momentum * u
+    + g) into ``v_outs``, p - v into ``u_outs``; outputs may be inputs), the threshold from a
+    sample of |p| drawn from the gradient's seed words ``words[s]`` (grace.core.draws), the
+    elements at or above it (the k = max(1, ceil(ratio d)) largest where more) and momentum factor
+    masking. Lists of values and indices (in index_dtype(d)), per gradient."""
+    kind = _cpu_kind(gs[0])
+    gb, ub, vb = (_same_kind_all(kind, ts) for ts in (gs, us, vs))
+    uo, vo = _in_place_all(kind, u_outs, "float32"), _in_place_all(kind, v_outs, "float32")
+    if any(b.dtype != "float32" for b in gb + ub + vb):
+        raise NativeUnavailable("dgc_step_many takes float32 tensors")
+    if any(not (b[0].n == b[1].n == b[2].n == b[3].n == b[4].n) for b in zip(gb, ub, vb, uo, vo)):
+        raise ValueError("every gradient, state and output of a bucket must have one size")
+    if not (0 < ratio <= 1 and 0 < sample_ratio <= 1):
+        raise ValueError(f"ratio and sample_ratio must be in (0, 1], got {ratio!r}, {sample_ratio!r}")
+    numels = [b.n for b in gb]
+    rooms = _Rooms(kind, [min(d, max(1, math.ceil(ratio * d))) for d in numels], [index_dtype(d) for d in numels])
+    s0, s1 = _seed_word_arrays(words)
+    if call(kind, "dgc_step_many", len(gb), _pointers(gb), _pointers(ub), _pointers(vb), _pointers(uo), _pointers(vo),
+            _int64s(numels), float(momentum), float(ratio), float(sample_ratio), s0, s1, *rooms.arguments()) != 0:
+        raise RuntimeError("native DGC steps failed")
+    return rooms.payloads()
 
 
 # --- decoded sums: every rank's payload of a gradient decoded and added in one pass (CPU) ---------
@@ -994,6 +1053,34 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     return ([flat[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx], [o.obj for o in ob])
 
 
+class _Rooms:
+    """Room for up to ``sizes[s]`` values (float32) and indices (``dtypes[s]``) of each gradient
+    of a bucket, whose counts the kernel tells: one buffer for the values, one per index dtype."""
+
+    def __init__(self, kind, sizes, dtypes):
+        self.dtypes, self.starts = dtypes, [0, *itertools.accumulate(sizes[:-1])]
+        self.values = kind.empty(sum(sizes), "float32")
+        self.indices = {d: kind.empty(sum(n for n, e in zip(sizes, dtypes) if e == d), d) for d in set(dtypes)}
+        taken = dict.fromkeys(self.indices, 0)  # each gradient's room in the buffer of its index dtype
+        self.index_starts = []
+        for n, d in zip(sizes, dtypes):
+            self.index_starts.append(taken[d])
+            taken[d] += n
+        self.counts = (ctypes.c_int64 * len(sizes))()
+
+    def arguments(self):
+        """The C arguments: value and index addresses, index type codes, counts."""
+        return (_addresses(self.values, [4 * s for s in self.starts]),
+                (ctypes.c_void_p * len(self.dtypes))(*[self.indices[d].ptr + ITEMSIZE[d] * s
+                                                       for d, s in zip(self.dtypes, self.index_starts)]),
+                _index_codes(self.dtypes), self.counts)
+
+    def payloads(self):
+        """Each gradient's values and indices, as many as the kernel counted (views)."""
+        return ([self.values.obj[s:s + c] for s, c in zip(self.starts, self.counts)],
+                [self.indices[d].obj[s:s + c] for d, s, c in zip(self.dtypes, self.index_starts, self.counts)])
+
+
 def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: float = 1.0, outs=None):
     """threshold_ef_step of every gradient of a bucket, in one call (CPU; one threshold for
     all): lists of values, indices and new residuals, per gradient (the new residuals written
@@ -1002,25 +1089,13 @@ def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: 
     if len(set(map(float, thresholds))) > 1:
         raise ValueError("one threshold for every gradient of a bucket")
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
-    numels, dtypes = [b.n for b in gb], [index_dtype(b.n) for b in gb]
-    starts = [0, *itertools.accumulate(numels[:-1])]
-    values = kind.empty(sum(numels), "float32")
-    indices = {d: kind.empty(sum(n for n, e in zip(numels, dtypes) if e == d), d) for d in set(dtypes)}
-    taken = dict.fromkeys(indices, 0)  # each gradient's room in the buffer of its index dtype
-    idx_starts = []
-    for n, d in zip(numels, dtypes):
-        idx_starts.append(taken[d])
-        taken[d] += n
-    counts = (ctypes.c_int64 * len(gb))()
+    numels = [b.n for b in gb]
+    rooms = _Rooms(kind, numels, [index_dtype(n) for n in numels])
     rc = call(kind, "threshold_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s(numels),
-              float(thresholds[0]), float(beta), float(gamma), _ef_flags(beta, gamma),
-              _addresses(values, [4 * s for s in starts]),
-              (ctypes.c_void_p * len(gb))(*[indices[d].ptr + ITEMSIZE[d] * s for d, s in zip(dtypes, idx_starts)]),
-              _index_codes(dtypes), counts)
+              float(thresholds[0]), float(beta), float(gamma), _ef_flags(beta, gamma), *rooms.arguments())
     if rc != 0:
         raise RuntimeError("native threshold steps failed")
-    return ([values.obj[s:s + c] for s, c in zip(starts, counts)],
-            [indices[d].obj[s:s + c] for d, s, c in zip(dtypes, idx_starts, counts)], [o.obj for o in ob])
+    return (*rooms.payloads(), [o.obj for o in ob])
 
 
 def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float = 1.0, scales=None, outs=None):
@@ -1292,6 +1367,8 @@ FUSED: Dict[str, Kernel] = {
                                         devices=("cpu",)),
     "dgc_compensate_into": Kernel(dgc_compensate_into, ("dgc_compensate",), ("float32", "float32"),
                                   devices=("cpu",)),
+    "compress_many": Kernel(compress_many, ("compress_many",), ("uint8", "float32"), devices=("cpu",)),
+    "dgc_step_many": Kernel(dgc_step_many, ("dgc_step_many",), ("float32", "index"), devices=("cpu",), variable=(0, 1)),
     "fp16_compress_many_into": Kernel(fp16_compress_many_into, ("half_encode_many",), ("float16",), devices=("cpu",)),
     "fp16_decompress_many_into": Kernel(fp16_decompress_many_into, ("half_decode_many",), ("float32",),
                                         devices=("cpu",)),

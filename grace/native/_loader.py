@@ -19,7 +19,7 @@ from ctypes import c_double, c_float, c_int, c_int64, c_uint32, c_void_p
 from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
-ABI = 7
+ABI = 8
 ISAS = ("x86-64-v3", "x86-64-v2")  # the builds on x86-64, best first
 
 _P, _I, _L, _F, _D = c_void_p, c_int, c_int64, c_float, c_double
@@ -60,6 +60,8 @@ SYMBOLS = {
     "qsgd_sum_segments": (_I, [_L, _I, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P]),
     "natural_sum_segments": (None, [_L, _I, _P, _P, _P, _I, _P, _I, _P]),
     "dgc_compensate": (None, [_P, _P, _P, _L, _F, _P, _P]),
+    "dgc_step_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _D, _D, _P, _P, _P, _P, _P, _P]),
+    "compress_many": (_I, [_I, _L, _P, _P, _P, _P, _P, _P, _I, _L, _I]),
     "natural_compress_drawn": (None, [_P, _L, c_uint32, c_uint32, _P, _P]),
     "terngrad_compress_drawn": (None, [_P, _L, c_uint32, c_uint32, _P, _P]),
     "qsgd_compress_drawn": (_I, [_P, _L, c_uint32, c_uint32, _I, _L, _I, _P, _P]),
@@ -67,12 +69,12 @@ SYMBOLS = {
     "half_decode_many": (None, [_L, _P, _P, _F, _F, _P]),
 }
 #: CPU-only: the bucket-at-once entry points (a GPU compresses a bucket segment-wise instead),
-#: the decoded sums of QSGD and natural compression, DGC's momentum correction, and the draws
-#: (a GPU draws with tensor ops)
-CPU_ONLY = {"topk_ef_many", "randomk_ef_many", "threshold_ef_many", "bits_ef_many", "scatter_add_segments", "bits_sum_segments", "bits_residual",
-            "qsgd_sum_segments", "natural_sum_segments", "uniform_segments", "random_indices_segments",
-            "dgc_compensate", "natural_compress_drawn", "terngrad_compress_drawn", "qsgd_compress_drawn",
-            "half_encode_many", "half_decode_many"}
+#: the decoded sums of QSGD and natural compression, DGC's momentum correction and whole step, and
+#: the draws (a GPU draws with tensor ops)
+CPU_ONLY = {"topk_ef_many", "randomk_ef_many", "threshold_ef_many", "bits_ef_many", "scatter_add_segments",
+            "bits_sum_segments", "bits_residual", "qsgd_sum_segments", "natural_sum_segments", "uniform_segments",
+            "random_indices_segments", "dgc_compensate", "dgc_step_many", "compress_many", "natural_compress_drawn",
+            "terngrad_compress_drawn", "qsgd_compress_drawn", "half_encode_many", "half_decode_many"}
 # CUDA functions return a status (or a count) where the CPU ones return nothing
 _CUDA_RESTYPE = {name: (_I if res is None else res) for name, (res, _) in SYMBOLS.items()}
 

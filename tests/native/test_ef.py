@@ -268,3 +268,44 @@ def test_dgc_compensation_equals_the_tensor_ops(n, aliased):
     assert got_u is u_out and got_p is v_out
     same_bytes(want_p, got_p, "p")
     same_bytes(want_u, got_u, "u")
+
+
+@pytest.mark.parametrize("ratio, sample_ratio", [(0.01, 0.01), (0.3, 0.05), (0.1, 1.0), (1.0, 0.5)])
+@pytest.mark.parametrize("aliased", [False, True], ids=["new", "in-place"])
+def test_dgc_steps_of_a_bucket_equal_the_memory_and_selection_on_numpy(ratio, sample_ratio, aliased):
+    """dgc_step_many (CPU) against DGCMemory.fused_step with DGC's selection on NumPy, gradient
+    by gradient, each with its own rank seed: values, indices (in index_dtype), new u and v, bit
+    for bit. Sampled thresholds that select more than k (cut to the k largest, ties to the
+    lowest index: a gradient of few distinct magnitudes) or fewer; the whole tensor as the
+    sample (sample_ratio 1); signed zeros, infs, NaNs and overflowing sums."""
+    from grace.compressors.dgc import DGC
+    from grace.core import draws
+    from grace.memories import DGCMemory
+
+    sizes = [1, 2, 9, 300, 40000, 2**16 + 3]
+    gs = [gradient(n, seed=n) for n in sizes]
+    gs[3][:5] = [-0.0, np.inf, np.nan, -np.inf, 3e38]
+    gs[4] = np.round(gs[4] * 2).astype(np.float32) / 2  # few distinct magnitudes: ties at the cut
+    us = [gradient(n, seed=n + 1) * np.float32(0.3) for n in sizes]
+    vs = [gradient(n, seed=n + 2) for n in sizes]
+    vs[3][5] = np.float32(3e38)
+    infos = [TensorInfo(f"layer{s}.weight", 7, 4, rank=2) for s in range(len(sizes))]
+    memory, compressor = DGCMemory(0.9), DGC(ratio, sample_ratio, seed=3)
+    tus, tvs = [torch.from_numpy(u.copy()) for u in us], [torch.from_numpy(v.copy()) for v in vs]
+    u_outs, v_outs = (tus, tvs) if aliased else ([torch.empty(n) for n in sizes], [torch.empty(n) for n in sizes])
+    values, indices = gn.dgc_step_many([torch.from_numpy(g) for g in gs], tus, tvs, 0.9, ratio, sample_ratio,
+                                       [draws.seed_words(info.rank_seed(3)) for info in infos], u_outs, v_outs)
+    cut = 0
+    for g, u, v, info, got_v, got_i, u_out, v_out in zip(gs, us, vs, infos, values, indices, u_outs, v_outs):
+        with np.errstate(over="ignore", invalid="ignore"):
+            (want_v, want_i), _, (want_u, want_p) = memory.fused_step(NX, compressor, g, (u, v), info,
+                                                                     out=(np.empty_like(u), np.empty_like(v)))
+        same_bytes(want_v, got_v, "values")
+        same_bytes(want_i, got_i, "indices")
+        same_bytes(want_u, u_out, "u")
+        same_bytes(want_p, v_out, "v")
+        cut += len(want_i) == min(len(g), max(1, math.ceil(ratio * len(g)))) < len(g)
+    assert cut or ratio == 1, "no gradient had its selection cut to k"
+    with pytest.raises(ValueError, match="ratio"):
+        gn.dgc_step_many([torch.ones(3)], [torch.ones(3)], [torch.ones(3)], 0.9, 0.0, 0.1, [(1, 2)],
+                         [torch.ones(3)], [torch.ones(3)])

@@ -44,3 +44,39 @@ def test_fused_residual_step_equals_the_separate_steps(device, method, monkeypat
     for key in want[1]:
         np.testing.assert_array_equal(want[1][key], got[1][key])
     assert want[2] == got[2]
+
+
+# a CPU bucket's gradients in one call: the methods without memory, and DGC's whole step
+IN_ONE_CALL = {"signsgd": ("compress_many", "signsgd_compress"),
+               "terngrad": ("compress_many", "terngrad_compress_drawn"), "qsgd": ("compress_many", "qsgd_compress_drawn"), "natural": ("compress_many", "natural_compress_drawn"),
+               "dgc": ("dgc_step_many", "dgc_compensate_into")}
+
+
+@pytest.mark.parametrize("method", sorted(IN_ONE_CALL))
+def test_a_cpu_bucket_takes_one_native_call_with_the_per_tensor_results(method, monkeypatch):
+    """On a CPU a bucket of these methods is compressed by one native call a step (never the
+    per-gradient kernel): results and memories as the per-tensor exchange's, bit for bit."""
+    make = {"signsgd": grace.signsgd, "terngrad": grace.terngrad, "natural": grace.natural,
+            "qsgd": lambda **kw: grace.qsgd(127, **kw), "dgc": lambda **kw: grace.dgc(0.01, sample_ratio=0.1, **kw)}
+
+    def steps(bucket_mb):
+        exchange, outs = Exchange(make[method](bucket_mb=bucket_mb), ReplicaCommunicator(3)), []
+        for step in range(3):
+            grads = {"w": torch.from_numpy(gradient(4097 * 3, seed=step).reshape(3, 4097)),
+                     "b": torch.from_numpy(gradient(77, seed=9))}
+            outs.append({k: v.numpy().copy() for k, v in exchange.exchange(grads).items()})
+        memory = {k: [t.numpy().copy() for t in (v if isinstance(v, tuple) else (v,))]
+                  for k, v in exchange.memory.items()}
+        return outs, memory
+
+    want = steps(0)
+    per_bucket, per_gradient = (count_calls(monkeypatch, name) for name in IN_ONE_CALL[method])
+    got = steps(25)
+    assert (len(per_bucket), len(per_gradient)) == (3, 0)  # 3 steps of one bucket of 2 gradients
+    for a, b in zip(want[0], got[0]):
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    assert sorted(want[1]) == sorted(got[1])
+    for key in want[1]:
+        for x, y in zip(want[1][key], got[1][key]):
+            np.testing.assert_array_equal(x, y)

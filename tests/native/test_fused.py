@@ -173,6 +173,31 @@ def test_decoded_sums_equal_the_oracles_sum_of_decompressions(device, name, n, r
     same_bytes(np.asarray(want).reshape(-1), got, f"{name} over {ranks} ranks")
 
 
+@pytest.mark.parametrize("method, parameters", [("signsgd", ()), ("terngrad", ()), ("natural", ()), ("qsgd", (127, 0)),
+                                                ("qsgd", (5, 1000)), ("qsgd", (7, 4097)), ("qsgd", (1, 64))])
+def test_a_buckets_payloads_in_one_call_equal_each_gradients(method, parameters):
+    """compress_many (CPU): every gradient's payload, byte for byte the per-gradient kernel's
+    (signsgd_compress; terngrad_, qsgd_, natural_compress_drawn with the gradient's own seed
+    words): sizes across byte and bucket edges, specials included. Bad QSGD levels are refused."""
+    sizes = [1, 9, 1001, 2**16 + 3, 5000]
+    xs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
+    xs[2][:5] = torch.tensor([-0.0, float("inf"), float("nan"), float("-inf"), 3e38])
+    xs[4][:] = 0.0  # an all-zero gradient: its scale and norms 0
+    words = [(0x9E3779B9 * (s + 1) % 2**32, 12345 + s) for s in range(len(sizes))]
+    got = gn.compress_many(method, xs, None if method == "signsgd" else words, *parameters)
+    assert len(got) == len(sizes)
+    for x, w, payload in zip(xs, words, got):
+        want = gn.signsgd_compress(x) if method == "signsgd" else \
+            getattr(gn, f"{method}_compress_drawn")(x, w, *parameters)
+        want = want if isinstance(want, tuple) else (want,)
+        assert len(payload) == len(want)
+        for a, b in zip(want, payload):
+            same_bytes(a, b, f"{method} {x.numel()}")
+    if method == "qsgd":
+        with pytest.raises(ValueError, match="levels=0"):
+            gn.compress_many("qsgd", xs, words, 0, 0)
+
+
 @pytest.mark.parametrize("finish", [None, (False, (3, 0.1)), (False, (4, 2.0**-3)), (True, ())],
                          ids=["sum", "divided", "divided-by-powers-of-two", "sign"])
 @pytest.mark.parametrize("name", SUMMED)
