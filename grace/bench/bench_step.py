@@ -2,7 +2,7 @@
 
     python scripts/bench_step.py [--models mlp48 resnet50 transformer] [--methods topk dgc ...]
                                  [--device cpu|cuda] [--iters 10] [--world 4] [--bucket-mb 25]
-                                 [--bucketed-only] [--out results/bench_step]
+                                 [--bucketed-only] [--profile-top N] [--out results/bench_step]
 
 For each model (synthetic inputs; see MODELS) it measures, in one run:
   fwd+bwd      median time of forward + backward of one batch
@@ -178,9 +178,10 @@ def gradients(net, x, y, loss, device: str, iters: int):
     return seconds, dict(reversed(named))
 
 
-def launches(fn, device: str) -> dict:
+def launches(fn, device: str, top: int = 0) -> dict:
     """What one call of ``fn`` launches: {"ops": GPU kernels and copies, "syncs": host waits
-    for the GPU} on a GPU, {"ops": top-level torch ops} on a CPU."""
+    for the GPU} on a GPU, {"ops": top-level torch ops} on a CPU; with ``top``, also "top": the
+    profiler's table of the ``top`` ops that took the most time (the device's, on a GPU)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -188,14 +189,16 @@ def launches(fn, device: str) -> dict:
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
         fn()
     events = prof.events()
+    table = {"top": prof.key_averages().table(sort_by="self_device_time_total" if gpu else "self_cpu_time_total",
+                                              row_limit=top)} if top else {}
     if not gpu:
-        return {"ops": sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::"))}
+        return {"ops": sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")), **table}
     return {"ops": sum(1 for e in events if e.device_type == DeviceType.CUDA),
             "syncs": sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                         "cudaEventSynchronize", "cudaMemcpy"))}
+                                                         "cudaEventSynchronize", "cudaMemcpy")), **table}
 
 
-def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int) -> dict:
+def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int, top: int = 0) -> dict:
     comm = CountingReplica(world)
     # as the adapters run it: results written over the gradients handed over (on a CPU), so
     # each step gets this step's gradients again first, as backward would write them
@@ -230,7 +233,7 @@ def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str,
     backward()
     return {"work_ms": 1e3 * work, "exchange_ms": 1e3 * seconds, "collective_ms": 1e3 * collective,
             "exchange_free_ms": 1e3 * free, "calls": calls, "bytes": nbytes,
-            **launches(lambda: exchange.exchange(inputs), device)}
+            **launches(lambda: exchange.exchange(inputs), device, top)}
 
 
 def main():
@@ -245,12 +248,14 @@ def main():
                         help="torch's and grace's native threads on a CPU (0: their defaults)")
     parser.add_argument("--bucketed-only", action="store_true", help="skip the per-tensor exchange")
     parser.add_argument("--out", type=Path, default=Path("results/bench_step"))
+    parser.add_argument("--profile-top", type=int, default=0, metavar="N",
+                        help="after each model's table, the N ops of a bucketed step that took the most time")
     args = parser.parse_args()
     if args.threads:  # forward and backward, and the compression work, on as many threads
         torch.set_num_threads(args.threads)
         grace.native.set_num_threads(args.threads)
     torch.manual_seed(0)
-    rows = []
+    rows, profiles = [], []
     for model in args.models:
         net, x, y, loss = build(model, args.device)
         fwd_bwd, grads = gradients(net, x, y, loss, args.device, args.iters)
@@ -264,7 +269,10 @@ def main():
             skipped = {"work_ms": float("nan"), "calls": "-", "ops": "-"}
             per_tensor = skipped if args.bucketed_only else measure(grads, method, 0, args.world, args.device,
                                                                      args.iters)
-            bucketed = measure(grads, method, args.bucket_mb, args.world, args.device, args.iters)
+            bucketed = measure(grads, method, args.bucket_mb, args.world, args.device, args.iters,
+                               args.profile_top)
+            if "top" in bucketed:
+                profiles.append(f"{model}, {method}, bucketed:\n{bucketed.pop('top')}")
             row = {"model": model, "device": args.device, "method": method, "tensors": len(grads),
                    "parameters": params, "fwd_bwd_ms": 1e3 * fwd_bwd,
                    **{f"per_tensor_{k}": v for k, v in per_tensor.items()},
@@ -278,6 +286,8 @@ def main():
                   f"{row['bucketed_share']:>7.1%} {row['bucketed_calls']:>6} {row['bucketed_ops']:>6} "
                   f"{row['speedup']:>7.2f}x {row['bucketed_bytes']:>12} {row['bucketed_collective_ms']:>16.2f} "
                   f"{row['bucketed_exchange_free_ms']:>14.2f}", flush=True)
+        print(*profiles, sep="\n\n")
+        profiles.clear()
     path = write_results(rows, args.out, f"bench_step_{args.device}", vars(args) | {"out": str(args.out)},
                          methods=METHODS)
     print(f"\nwrote {path}")
