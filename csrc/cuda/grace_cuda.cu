@@ -33,6 +33,9 @@ inline int status() { return cudaGetLastError() == cudaSuccess ? 0 : -2; }
 
 #define GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+// the same over a virtual grid of nblocks blocks (a segment's share of a bucket's launch)
+#define BLOCK_STRIDE(i, n, block, nblocks)                                                  \
+  for (int64_t i = (block) * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)(nblocks) * blockDim.x)
 
 // The default pool returns freed memory to the driver at every synchronization (release
 // threshold 0), so each call's scratch would be mapped again: tens of microseconds per call.
@@ -139,9 +142,10 @@ __device__ __forceinline__ void write_ballot(unsigned bal, int64_t base, int64_t
   }
 }
 
-#define WARP_STRIDE(base, n)                                                            \
-  const int64_t warp_ = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;           \
-  const int64_t nwarps_ = ((int64_t)gridDim.x * blockDim.x) >> 5;                        \
+#define WARP_STRIDE(base, n) BLOCK_WARP_STRIDE(base, n, blockIdx.x, gridDim.x)
+#define BLOCK_WARP_STRIDE(base, n, block, nblocks)                                       \
+  const int64_t warp_ = ((block) * (int64_t)blockDim.x + threadIdx.x) >> 5;              \
+  const int64_t nwarps_ = ((int64_t)(nblocks) * blockDim.x) >> 5;                        \
   for (int64_t base = warp_ * 32; base < (n); base += nwarps_ * 32)
 
 __global__ void k_sign_pack(const float* x, int64_t n, int negative, uint8_t* out) {
@@ -162,13 +166,14 @@ constexpr int kRedBlocks = 1024;  // fixed grid of the reductions: the order of 
 inline int red_grid(int64_t n) { return grid_for(n, kThreads * 8, kRedBlocks); }
 
 // bits (x >= 0) and per-block partial sums: S = 1: |x|; S = 3: count(x >= 0), sum(x >= 0), sum
+// (block `block` of a grid of nblocks: partial[s * nblocks + block])
 template <int S>
-__global__ void k_sign_sums(const float* x, int64_t n, uint8_t* out, float* partial) {
+__device__ void sign_sums(const float* x, int64_t n, uint8_t* out, float* partial, int64_t block, int64_t nblocks) {
   __shared__ float smem[32];
   const int lane = threadIdx.x & 31;
   float acc[S];
   for (int s = 0; s < S; ++s) acc[s] = 0.0f;
-  WARP_STRIDE(base, n) {
+  BLOCK_WARP_STRIDE(base, n, block, nblocks) {
     int64_t i = base + lane;
     bool p = false;
     if (i < n) {
@@ -186,13 +191,18 @@ __global__ void k_sign_sums(const float* x, int64_t n, uint8_t* out, float* part
   }
   for (int s = 0; s < S; ++s) {
     float t = block_sum(acc[s], smem);
-    if (threadIdx.x == 0) partial[s * gridDim.x + blockIdx.x] = t;
+    if (threadIdx.x == 0) partial[s * nblocks + block] = t;
   }
+}
+
+template <int S>
+__global__ void k_sign_sums(const float* x, int64_t n, uint8_t* out, float* partial) {
+  sign_sums<S>(x, n, out, partial, blockIdx.x, gridDim.x);
 }
 
 // one block: the partials' sums, then the scalars
 template <int S>
-__global__ void k_sign_final(const float* partial, int nblocks, int64_t n, float* result) {
+__device__ void sign_final(const float* partial, int nblocks, int64_t n, float* result) {
   __shared__ float smem[32];
   float tot[S];
   for (int s = 0; s < S; ++s) {
@@ -212,11 +222,16 @@ __global__ void k_sign_final(const float* partial, int nblocks, int64_t n, float
   }
 }
 
+template <int S>
+__global__ void k_sign_final(const float* partial, int nblocks, int64_t n, float* result) {
+  sign_final<S>(partial, nblocks, n, result);
+}
+
 // ---- max |x| (NaN wins, as np.max) ------------------------------------------------------------
-__global__ void k_maxabs(const float* x, int64_t n, unsigned* out) {
+__device__ void maxabs(const float* x, int64_t n, unsigned* out, int64_t block, int64_t nblocks) {
   __shared__ unsigned smem[32];
   unsigned m = 0;
-  GRID_STRIDE(i, n) {
+  BLOCK_STRIDE(i, n, block, nblocks) {
     unsigned u = __float_as_uint(x[i]) & 0x7fffffffu;  // NaN > inf > finite as unsigned
     m = max(m, u);
   }
@@ -230,12 +245,15 @@ __global__ void k_maxabs(const float* x, int64_t n, unsigned* out) {
   }
 }
 
+__global__ void k_maxabs(const float* x, int64_t n, unsigned* out) { maxabs(x, n, out, blockIdx.x, gridDim.x); }
+
 // ---- terngrad, QSGD, natural: one thread per group of 8 elements ------------------------------
-__global__ void k_terngrad(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out) {
+__device__ void terngrad(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out, int64_t block,
+                         int64_t nblocks) {
   const float s = scale[0];
   const float safe = s > 0.0f ? s : s + 1.0f;
   const int64_t groups = (n + 7) / 8;
-  GRID_STRIDE(g, groups) {
+  BLOCK_STRIDE(g, groups, block, nblocks) {
     int64_t i0 = 8 * g;
     int cnt = (int)(n - i0 < 8 ? n - i0 : 8);
     uint32_t w = 0;
@@ -249,6 +267,10 @@ __global__ void k_terngrad(const float* x, const float* u, int64_t n, const floa
   }
 }
 
+__global__ void k_terngrad(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out) {
+  terngrad(x, u, n, scale, out, blockIdx.x, gridDim.x);
+}
+
 __device__ __forceinline__ uint8_t qsgd_code(float v, float u, float safe, float flevels) {
   float r = __fdiv_rn(__fmul_rn(fabsf(v), flevels), safe);
   float low = floorf(r);
@@ -258,10 +280,10 @@ __device__ __forceinline__ uint8_t qsgd_code(float v, float u, float safe, float
   return c == c ? (uint8_t)(int)c : (uint8_t)0;
 }
 
-__global__ void k_qsgd(const float* x, const float* u, int64_t n, float flevels, int64_t b, int bits,
-                       const float* norms, uint8_t* out) {
+__device__ void qsgd(const float* x, const float* u, int64_t n, float flevels, int64_t b, int bits, const float* norms,
+                     uint8_t* out, int64_t block, int64_t nblocks) {
   const int64_t groups = (n + 7) / 8;
-  GRID_STRIDE(g, groups) {
+  BLOCK_STRIDE(g, groups, block, nblocks) {
     int64_t i0 = 8 * g;
     int cnt = (int)(n - i0 < 8 ? n - i0 : 8);
     uint64_t w = 0;
@@ -276,11 +298,17 @@ __global__ void k_qsgd(const float* x, const float* u, int64_t n, float flevels,
   }
 }
 
+__global__ void k_qsgd(const float* x, const float* u, int64_t n, float flevels, int64_t b, int bits,
+                       const float* norms, uint8_t* out) {
+  qsgd(x, u, n, flevels, b, bits, norms, out, blockIdx.x, gridDim.x);
+}
+
 // norms of short buckets (b <= 4096): one warp each
-__global__ void k_norms_warp(const float* x, int64_t n, int64_t b, int64_t rows, float* norms) {
+__device__ void norms_warp(const float* x, int64_t n, int64_t b, int64_t rows, float* norms, int64_t block,
+                           int64_t nblocks) {
   const int lane = threadIdx.x & 31;
-  const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
-  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  const int64_t warp = (block * (int64_t)blockDim.x + threadIdx.x) >> 5;
+  const int64_t nwarps = (nblocks * blockDim.x) >> 5;
   for (int64_t r = warp; r < rows; r += nwarps) {
     int64_t start = r * b, end = start + b < n ? start + b : n;
     float acc = 0.0f;
@@ -290,12 +318,17 @@ __global__ void k_norms_warp(const float* x, int64_t n, int64_t b, int64_t rows,
   }
 }
 
+__global__ void k_norms_warp(const float* x, int64_t n, int64_t b, int64_t rows, float* norms) {
+  norms_warp(x, n, b, rows, norms, blockIdx.x, gridDim.x);
+}
+
 constexpr int64_t kSegChunk = kThreads * 16;
 
 // long buckets: block (r, c) sums chunk c of bucket r; then one block per bucket
-__global__ void k_norms_partial(const float* x, int64_t n, int64_t b, int64_t cpr, float* partial) {
+// (block v of rows * cpr: partial[v])
+__device__ void norms_partial(const float* x, int64_t n, int64_t b, int64_t cpr, float* partial, int64_t v) {
   __shared__ float smem[32];
-  const int64_t r = blockIdx.x / cpr, c = blockIdx.x % cpr;
+  const int64_t r = v / cpr, c = v % cpr;
   const int64_t start = r * b + c * kSegChunk;
   int64_t end = start + kSegChunk;
   if (end > r * b + b) end = r * b + b;
@@ -303,15 +336,24 @@ __global__ void k_norms_partial(const float* x, int64_t n, int64_t b, int64_t cp
   float acc = 0.0f;
   for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x) acc = __fadd_rn(acc, __fmul_rn(x[i], x[i]));
   acc = block_sum(acc, smem);
-  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+  if (threadIdx.x == 0) partial[v] = acc;
+}
+
+__global__ void k_norms_partial(const float* x, int64_t n, int64_t b, int64_t cpr, float* partial) {
+  norms_partial(x, n, b, cpr, partial, blockIdx.x);
+}
+
+// row r's norm from its cpr partials
+__device__ void norms_final(const float* partial, int64_t cpr, float* norms, int64_t r) {
+  __shared__ float smem[32];
+  float acc = 0.0f;
+  for (int64_t j = threadIdx.x; j < cpr; j += blockDim.x) acc += partial[r * cpr + j];
+  acc = block_sum(acc, smem);
+  if (threadIdx.x == 0) norms[r] = sqrtf(acc);
 }
 
 __global__ void k_norms_final(const float* partial, int64_t cpr, float* norms) {
-  __shared__ float smem[32];
-  float acc = 0.0f;
-  for (int64_t j = threadIdx.x; j < cpr; j += blockDim.x) acc += partial[blockIdx.x * cpr + j];
-  acc = block_sum(acc, smem);
-  if (threadIdx.x == 0) norms[blockIdx.x] = sqrtf(acc);
+  norms_final(partial, cpr, norms, blockIdx.x);
 }
 
 __device__ __forceinline__ uint8_t natural_code(float v, float u) {
@@ -322,9 +364,10 @@ __device__ __forceinline__ uint8_t natural_code(float v, float u) {
   return (uint8_t)(e + (u < frac ? 1 : 0));
 }
 
-__global__ void k_natural(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes) {
+__device__ void natural(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes, int64_t block,
+                        int64_t nblocks) {
   const int64_t groups = (n + 7) / 8;
-  GRID_STRIDE(g, groups) {
+  BLOCK_STRIDE(g, groups, block, nblocks) {
     int64_t i0 = 8 * g;
     int cnt = (int)(n - i0 < 8 ? n - i0 : 8);
     uint32_t m = 0;
@@ -337,33 +380,53 @@ __global__ void k_natural(const float* x, const float* u, int64_t n, uint8_t* si
   }
 }
 
-// ---- decoders ---------------------------------------------------------------------------------
-__global__ void k_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
-  const float s = scale ? scale[0] : 1.0f;
-  const float lo = __fmul_rn(-1.0f, s), hi = __fmul_rn(1.0f, s);
-  GRID_STRIDE(i, n) out[i] = (packed[i >> 3] >> (i & 7)) & 1 ? hi : lo;
+__global__ void k_natural(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes) {
+  natural(x, u, n, signs, codes, blockIdx.x, gridDim.x);
 }
 
-__global__ void k_onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out) {
+// ---- decoders ---------------------------------------------------------------------------------
+// Decoders: block `block` of a grid of nblocks (the per-tensor kernels: the launch's own grid)
+__device__ void sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out, int64_t block,
+                            int64_t nblocks) {
+  const float s = scale ? scale[0] : 1.0f;
+  const float lo = __fmul_rn(-1.0f, s), hi = __fmul_rn(1.0f, s);
+  BLOCK_STRIDE(i, n, block, nblocks) out[i] = (packed[i >> 3] >> (i & 7)) & 1 ? hi : lo;
+}
+
+__global__ void k_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
+  sign_decode(packed, n, scale, out, blockIdx.x, gridDim.x);
+}
+
+__device__ void onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out, int64_t block,
+                              int64_t nblocks) {
   const float mu0 = means[0], mu1 = means[1];
   const float d = __fsub_rn(mu1, mu0);
   const float v0 = __fadd_rn(mu0, __fmul_rn(0.0f, d)), v1 = __fadd_rn(mu0, __fmul_rn(1.0f, d));
-  GRID_STRIDE(i, n) out[i] = (packed[i >> 3] >> (i & 7)) & 1 ? v1 : v0;
+  BLOCK_STRIDE(i, n, block, nblocks) out[i] = (packed[i >> 3] >> (i & 7)) & 1 ? v1 : v0;
 }
 
-__global__ void k_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
+__global__ void k_onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out) {
+  onebit_decode(packed, n, means, out, blockIdx.x, gridDim.x);
+}
+
+__device__ void terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out, int64_t block,
+                                int64_t nblocks) {
   const float s = scale[0];
   const float z = __fmul_rn(0.0f, s), p = __fmul_rn(1.0f, s), m = __fmul_rn(-1.0f, s);
-  GRID_STRIDE(i, n) {
+  BLOCK_STRIDE(i, n, block, nblocks) {
     int c = (packed[i >> 2] >> (2 * (i & 3))) & 3;
     out[i] = c == 0 ? z : (c == 1 ? p : m);
   }
 }
 
-__global__ void k_qsgd_decode(const uint8_t* packed, int64_t n, float flevels, int64_t b, int bits,
-                              const float* norms, float* out) {
+__global__ void k_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
+  terngrad_decode(packed, n, scale, out, blockIdx.x, gridDim.x);
+}
+
+__device__ void qsgd_decode(const uint8_t* packed, int64_t n, float flevels, int64_t b, int bits, const float* norms,
+                            float* out, int64_t block, int64_t nblocks) {
   const uint32_t mask = (1u << bits) - 1;
-  GRID_STRIDE(i, n) {
+  BLOCK_STRIDE(i, n, block, nblocks) {
     int64_t bit = i * bits;
     uint32_t w = packed[bit >> 3];
     if ((bit & 7) + bits > 8) w |= (uint32_t)packed[(bit >> 3) + 1] << 8;
@@ -375,12 +438,22 @@ __global__ void k_qsgd_decode(const uint8_t* packed, int64_t n, float flevels, i
   }
 }
 
-__global__ void k_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out) {
-  GRID_STRIDE(i, n) {
+__global__ void k_qsgd_decode(const uint8_t* packed, int64_t n, float flevels, int64_t b, int bits,
+                              const float* norms, float* out) {
+  qsgd_decode(packed, n, flevels, b, bits, norms, out, blockIdx.x, gridDim.x);
+}
+
+__device__ void natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out, int64_t block,
+                               int64_t nblocks) {
+  BLOCK_STRIDE(i, n, block, nblocks) {
     float mag = __uint_as_float((uint32_t)codes[i] << 23);
     float sign = (signs[i >> 3] >> (i & 7)) & 1 ? -1.0f : 1.0f;
     out[i] = __fmul_rn(sign, mag);
   }
+}
+
+__global__ void k_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out) {
+  natural_decode(signs, codes, n, out, blockIdx.x, gridDim.x);
 }
 
 // ---- selection ----------------------------------------------------------------------------------
@@ -412,7 +485,8 @@ __global__ void k_init_state(SelState* st, long long need) {
 }
 
 template <class Key>
-__global__ void k_hist(Key key, int64_t n, const SelState* st, int shift, int nbins, unsigned long long* hist) {
+__device__ void hist(Key key, int64_t n, const SelState* st, int shift, int nbins, unsigned long long* hist,
+                     int64_t block, int64_t nblocks) {
   __shared__ unsigned sh[2048];
   for (int j = threadIdx.x; j < nbins; j += blockDim.x) sh[j] = 0;
   __syncthreads();
@@ -421,7 +495,7 @@ __global__ void k_hist(Key key, int64_t n, const SelState* st, int shift, int nb
   // shared-memory atomics, except where the whole warp falls in one bin (runs of zeros, or
   // the later passes where most keys match no prefix): one add for the warp. Aggregating
   // every warp with __match_any_sync costs more than the collisions it saves (H200).
-  WARP_STRIDE(base, n) {
+  BLOCK_WARP_STRIDE(base, n, block, nblocks) {
     int64_t i = base + lane;
     int bin = nbins;  // none
     if (i < n) {
@@ -439,8 +513,13 @@ __global__ void k_hist(Key key, int64_t n, const SelState* st, int shift, int nb
     if (sh[j]) atomicAdd(&hist[j], (unsigned long long)sh[j]);
 }
 
+template <class Key>
+__global__ void k_hist(Key key, int64_t n, const SelState* st, int shift, int nbins, unsigned long long* h) {
+  hist(key, n, st, shift, nbins, h, blockIdx.x, gridDim.x);
+}
+
 // one warp: the bin (from the top) where the count reaches `need`; narrow the state to it
-__global__ void k_find(const unsigned long long* hist, int nbins, int shift, SelState* st) {
+__device__ void find(const unsigned long long* hist, int nbins, int shift, SelState* st) {
   const int lane = threadIdx.x;
   const int per = nbins / 32;
   long long s = 0;
@@ -467,6 +546,10 @@ __global__ void k_find(const unsigned long long* hist, int nbins, int shift, Sel
     st->prefix |= (uint32_t)b << shift;
     st->mask |= (uint32_t)(nbins - 1) << shift;
   }
+}
+
+__global__ void k_find(const unsigned long long* hist, int nbins, int shift, SelState* st) {
+  find(hist, nbins, shift, st);
 }
 
 constexpr int kItems = 16;
@@ -502,11 +585,12 @@ struct MaskPred {
   }
 };
 
+// tile `tile`'s counts
 template <class Pred>
-__global__ void k_count(Pred pred, int64_t n, const SelState* st_, long long* cnt_gt, long long* cnt_eq) {
+__device__ void count(Pred pred, int64_t n, const SelState* st_, long long* cnt_gt, long long* cnt_eq, int64_t tile) {
   __shared__ long long smem[32];
   const SelState st = *st_;
-  const int64_t base = blockIdx.x * kTile;
+  const int64_t base = tile * kTile;
   long long gt_n = 0, eq_n = 0;
   for (int j = 0; j < kItems; ++j) {
     int64_t i = base + j * kThreads + threadIdx.x;
@@ -520,13 +604,18 @@ __global__ void k_count(Pred pred, int64_t n, const SelState* st_, long long* cn
   gt_n = block_sum(gt_n, smem);
   eq_n = block_sum(eq_n, smem);
   if (threadIdx.x == 0) {
-    cnt_gt[blockIdx.x] = gt_n;
-    cnt_eq[blockIdx.x] = eq_n;
+    cnt_gt[tile] = gt_n;
+    cnt_eq[tile] = eq_n;
   }
 }
 
+template <class Pred>
+__global__ void k_count(Pred pred, int64_t n, const SelState* st_, long long* cnt_gt, long long* cnt_eq) {
+  count(pred, n, st_, cnt_gt, cnt_eq, blockIdx.x);
+}
+
 // one block of 1024: exclusive scans of both count arrays; totals[0..1] their sums
-__global__ void k_scan2(long long* a, long long* b, int64_t m, long long* totals) {
+__device__ void scan2(long long* a, long long* b, int64_t m, long long* totals) {
   __shared__ long long sa[1024], sb[1024];
   const int t = threadIdx.x;
   long long ca = 0, cb = 0;
@@ -557,6 +646,8 @@ __global__ void k_scan2(long long* a, long long* b, int64_t m, long long* totals
   }
 }
 
+__global__ void k_scan2(long long* a, long long* b, int64_t m, long long* totals) { scan2(a, b, m, totals); }
+
 // Emit: what to write for a selected element i at output position pos.
 struct EmitIdx {
   void* idx;
@@ -578,13 +669,13 @@ struct EmitIdx {
 // block needs one synchronization (for the warps' counts); each warp keeps its ballots in
 // registers and writes in order with its own running offsets.
 template <class Pred>
-__global__ void k_write(Pred pred, int64_t n, const SelState* st_, const long long* off_gt, const long long* off_eq,
-                        EmitIdx emit) {
+__device__ void write(Pred pred, int64_t n, const SelState* st_, const long long* off_gt, const long long* off_eq,
+                      const EmitIdx& emit, int64_t tile) {
   __shared__ int wg[kThreads / 32], we[kThreads / 32];
   const SelState st = *st_;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const unsigned lt = (1u << lane) - 1;
-  const int64_t wbase = blockIdx.x * kTile + (int64_t)w * kItems * 32;
+  const int64_t wbase = tile * kTile + (int64_t)w * kItems * 32;
   unsigned bg[kItems], be[kItems];
   int count_g = 0, count_e = 0;
 #pragma unroll
@@ -602,7 +693,7 @@ __global__ void k_write(Pred pred, int64_t n, const SelState* st_, const long lo
     we[w] = count_e;
   }
   __syncthreads();
-  long long run_gt = off_gt[blockIdx.x], run_eq = off_eq[blockIdx.x];
+  long long run_gt = off_gt[tile], run_eq = off_eq[tile];
   for (int v = 0; v < w; ++v) {
     run_gt += wg[v];
     run_eq += we[v];
@@ -617,12 +708,23 @@ __global__ void k_write(Pred pred, int64_t n, const SelState* st_, const long lo
   }
 }
 
-__global__ void k_compensate(const float* g, const float* r, int64_t n, float beta, float gamma, int flags,
-                             float* p) {
-  GRID_STRIDE(i, n) {
+template <class Pred>
+__global__ void k_write(Pred pred, int64_t n, const SelState* st_, const long long* off_gt, const long long* off_eq,
+                        EmitIdx emit) {
+  write(pred, n, st_, off_gt, off_eq, emit, blockIdx.x);
+}
+
+__device__ void compensate(const float* g, const float* r, int64_t n, float beta, float gamma, int flags, float* p,
+                           int64_t block, int64_t nblocks) {
+  BLOCK_STRIDE(i, n, block, nblocks) {
     float a = (flags & 1) ? __fmul_rn(g[i], gamma) : g[i];
     p[i] = __fadd_rn(a, (flags & 2) ? __fmul_rn(r[i], beta) : r[i]);
   }
+}
+
+__global__ void k_compensate(const float* g, const float* r, int64_t n, float beta, float gamma, int flags,
+                             float* p) {
+  compensate(g, r, n, beta, gamma, flags, p, blockIdx.x, gridDim.x);
 }
 
 __global__ void k_take_all(int64_t n, EmitIdx emit) {
@@ -677,6 +779,220 @@ int threshold_state(SelState** st, Scratch& sc, cudaStream_t s) {
   return status();
 }
 
+
+// ---- a bucket's segments, one launch per kernel ---------------------------------------------------
+// A bucket's gradients lie one after another in a flat buffer. A batch of up to kSegBatch
+// segments travels as a kernel argument (no copy to the device, no host wait); blockIdx.y picks
+// the segment and blockIdx.x runs over its blocks. The reductions give each segment the grid
+// its per-tensor kernel launches (the same blocks summing in the same order), so a segment's
+// result is the per-tensor one bit for bit.
+constexpr int kSegBatch = 64;
+struct SegBatch {
+  int count;               // segments in this batch
+  int64_t n[kSegBatch];    // elements
+  int64_t x[kSegBatch];    // first element in the flat input (and the flat decoded output)
+  int64_t u[kSegBatch];    // first draw; the draws' kernels: the seed words s0 | s1 << 32
+  int64_t p[kSegBatch];    // first byte of its packed codes (natural compression: of its sign bits)
+  int64_t q[kSegBatch];    // first scalar (scale, means, norms); natural compression: first code
+  int64_t r[kSegBatch];    // first slot of its partial sums in the scratch
+};
+
+__host__ __device__ inline int64_t red_blocks(int64_t n) {  // red_grid's, on either side
+  int64_t b = (n + kThreads * 8 - 1) / (kThreads * 8);
+  return b < 1 ? 1 : (b > kRedBlocks ? kRedBlocks : b);
+}
+
+__device__ __forceinline__ uint32_t hash32(uint32_t h) {  // grace/core/draws.py's hash32
+  h ^= h >> 16;
+  h *= 0x21F0AAADu;
+  h ^= h >> 15;
+  h *= 0x735A2D97u;
+  return h ^ (h >> 15);
+}
+
+__device__ __forceinline__ uint32_t draw_hash(int64_t j, int64_t words) {
+  return hash32(hash32((uint32_t)j ^ (uint32_t)words) ^ (uint32_t)(words >> 32));
+}
+
+// counter-based draws: uniform floats, or the sort keys segment << 32 | hash (random indices)
+__global__ void k_uniform_seg(SegBatch t, float* out) {
+  const int s = blockIdx.y;
+  float* o = out + t.x[s];
+  GRID_STRIDE(j, t.n[s]) o[j] = (float)(draw_hash(j, t.u[s]) >> 8) * 0x1p-24f;
+}
+
+__global__ void k_hash_keys_seg(SegBatch t, int64_t first, int64_t* out) {
+  const int s = blockIdx.y;
+  int64_t* o = out + t.x[s];
+  const int64_t high = (first + s) << 32;
+  GRID_STRIDE(j, t.n[s]) o[j] = high | (int64_t)draw_hash(j, t.u[s]);
+}
+
+__global__ void k_maxabs_seg(SegBatch t, const float* x, unsigned* out) {
+  const int s = blockIdx.y;
+  maxabs(x + t.x[s], t.n[s], out + t.q[s], blockIdx.x, gridDim.x);
+}
+
+__global__ void k_terngrad_seg(SegBatch t, const float* x, const float* u, const float* scale, uint8_t* out) {
+  const int s = blockIdx.y;
+  terngrad(x + t.x[s], u + t.u[s], t.n[s], scale + t.q[s], out + t.p[s], blockIdx.x, gridDim.x);
+}
+
+__global__ void k_natural_seg(SegBatch t, const float* x, const float* u, uint8_t* signs, uint8_t* codes) {
+  const int s = blockIdx.y;
+  natural(x + t.x[s], u + t.u[s], t.n[s], signs + t.p[s], codes + t.q[s], blockIdx.x, gridDim.x);
+}
+
+// QSGD's norms: rows of b <= 4096 a warp each; longer rows by chunks (partials from t.r[s]), then
+// one block per row
+__global__ void k_norms_seg(SegBatch t, const float* x, int64_t bucket, float* norms, float* partial) {
+  const int s = blockIdx.y;
+  const int64_t n = t.n[s], b = bucket > 0 ? bucket : (n > 1 ? n : 1), rows = (n + b - 1) / b;
+  if (b <= 4096) {
+    norms_warp(x + t.x[s], n, b, rows, norms + t.q[s], blockIdx.x, gridDim.x);
+    return;
+  }
+  const int64_t cpr = (b + kSegChunk - 1) / kSegChunk;
+  for (int64_t v = blockIdx.x; v < rows * cpr; v += gridDim.x) {
+    norms_partial(x + t.x[s], n, b, cpr, partial + t.r[s], v);
+    __syncthreads();  // (block_sum's shared memory, again)
+  }
+}
+
+__global__ void k_norms_final_seg(SegBatch t, int64_t bucket, float* norms, const float* partial) {
+  const int s = blockIdx.y;
+  const int64_t n = t.n[s], b = bucket > 0 ? bucket : (n > 1 ? n : 1), rows = (n + b - 1) / b;
+  if (b <= 4096) return;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    norms_final(partial + t.r[s], (b + kSegChunk - 1) / kSegChunk, norms + t.q[s], r);
+    __syncthreads();
+  }
+}
+
+__global__ void k_qsgd_seg(SegBatch t, const float* x, const float* u, float flevels, int64_t bucket, int bits,
+                           const float* norms, uint8_t* out) {
+  const int s = blockIdx.y;
+  const int64_t n = t.n[s], b = bucket > 0 ? bucket : (n > 1 ? n : 1);
+  qsgd(x + t.x[s], u + t.u[s], n, flevels, b, bits, norms + t.q[s], out + t.p[s], blockIdx.x, gridDim.x);
+}
+
+// the sign family's bits and scalars: each segment on red_blocks(n) blocks, as alone
+template <int S>
+__global__ void k_sign_sums_seg(SegBatch t, const float* x, uint8_t* out, float* partial) {
+  const int s = blockIdx.y;
+  const int64_t nb = red_blocks(t.n[s]);
+  if (blockIdx.x >= nb) return;
+  sign_sums<S>(x + t.x[s], t.n[s], out + t.p[s], partial + t.r[s], blockIdx.x, nb);
+}
+
+template <int S>
+__global__ void k_sign_final_seg(SegBatch t, const float* partial, float* scalars) {
+  const int s = blockIdx.x;
+  sign_final<S>(partial + t.r[s], (int)red_blocks(t.n[s]), t.n[s], scalars + t.q[s]);
+}
+
+// every segment's decompression into the flat out (Method: 0 sign bits, scalars[q] the scale or
+// NULL (signSGD), 1 1-bit SGD, 2 TernGrad, 3 QSGD, 4 natural compression (b: its codes))
+template <int Method>
+__global__ void k_decode_seg(SegBatch t, const uint8_t* a, const void* b, float flevels, int64_t bucket, int bits,
+                             float* out) {
+  const int s = blockIdx.y;
+  const int64_t n = t.n[s];
+  const float* scalars = static_cast<const float*>(b);
+  float* o = out + t.x[s];
+  if constexpr (Method == 0) sign_decode(a + t.p[s], n, scalars ? scalars + t.q[s] : nullptr, o, blockIdx.x, gridDim.x);
+  if constexpr (Method == 1) onebit_decode(a + t.p[s], n, scalars + t.q[s], o, blockIdx.x, gridDim.x);
+  if constexpr (Method == 2) terngrad_decode(a + t.p[s], n, scalars + t.q[s], o, blockIdx.x, gridDim.x);
+  if constexpr (Method == 3)
+    qsgd_decode(a + t.p[s], n, flevels, bucket > 0 ? bucket : (n > 1 ? n : 1), bits, scalars + t.q[s], o, blockIdx.x,
+                gridDim.x);
+  if constexpr (Method == 4)
+    natural_decode(a + t.p[s], static_cast<const uint8_t*>(b) + t.q[s], n, o, blockIdx.x, gridDim.x);
+}
+
+// top-k with error feedback (grace_cuda_topk_ef) of every segment: t.u holds its k, t.p its first
+// value and index, t.q its first compaction tile; selection state s and histogram s per segment
+__device__ __forceinline__ bool selects(const SegBatch& t, int s) { return t.u[s] > 0 && t.u[s] < t.n[s]; }
+
+__device__ __forceinline__ int64_t tiles_of(int64_t n) { return (n + kTile - 1) / kTile; }
+
+constexpr int kHistBins = 2048;
+
+__global__ void k_compensate_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
+                                 float* p) {
+  const int s = blockIdx.y;
+  const int64_t o = t.x[s];
+  compensate(g + o, r + o, t.n[s], beta, gamma, flags, p + o, blockIdx.x, gridDim.x);
+}
+
+__global__ void k_topk_init_seg(SegBatch t, SelState* st) {
+  const int s = threadIdx.x;
+  if (s < t.count) st[s] = SelState{0u, 0u, (long long)t.u[s]};
+}
+
+__global__ void k_topk_hist_seg(SegBatch t, const float* p, const SelState* st, int shift, int nbins,
+                                unsigned long long* h) {
+  const int s = blockIdx.y;
+  if (!selects(t, s) || blockIdx.x * (int64_t)kThreads >= t.n[s]) return;  // (no element for this block)
+  hist(KeyAbs{p + t.x[s]}, t.n[s], st + s, shift, nbins, h + (int64_t)s * kHistBins, blockIdx.x, gridDim.x);
+}
+
+__global__ void k_topk_find_seg(SegBatch t, const unsigned long long* h, int nbins, int shift, SelState* st) {
+  const int s = blockIdx.x;
+  if (selects(t, s)) find(h + (int64_t)s * kHistBins, nbins, shift, st + s);
+}
+
+__global__ void k_topk_count_seg(SegBatch t, const float* p, const SelState* st, long long* cg, long long* ce) {
+  const int s = blockIdx.y;
+  if (!selects(t, s) || blockIdx.x >= tiles_of(t.n[s])) return;
+  count(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, t.n[s], st + s, cg + t.q[s], ce + t.q[s], blockIdx.x);
+}
+
+__global__ void k_topk_scan_seg(SegBatch t, long long* cg, long long* ce, long long* totals) {
+  const int s = blockIdx.x;
+  if (selects(t, s)) scan2(cg + t.q[s], ce + t.q[s], tiles_of(t.n[s]), totals + 2 * s);
+}
+
+__global__ void k_topk_write_seg(SegBatch t, float* p, const SelState* st, const long long* cg, const long long* ce,
+                                 int64_t* idx, float* values) {
+  const int s = blockIdx.y;
+  const int64_t n = t.n[s], k = t.u[s];
+  const EmitIdx emit{idx + t.p[s], GRACE_I64, p + t.x[s], values + t.p[s], p + t.x[s]};
+  if (k >= n) {  // every element (k_take_all)
+    BLOCK_STRIDE(i, n, blockIdx.x, gridDim.x) emit(i, i);
+    return;
+  }
+  if (k <= 0 || blockIdx.x >= tiles_of(n)) return;
+  write(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, n, st + s, cg + t.q[s], ce + t.q[s], emit, blockIdx.x);
+}
+
+// Runs launch(batch, first segment) on each batch of segments, fill(batch, k, segment) setting
+// batch slot k; the grid's x is what the largest segment of the batch needs (blocks(n)).
+template <class Fill, class Launch>
+int for_batches(int64_t segments, Fill fill, Launch launch) {
+  if (segments < 0) return -1;
+  for (int64_t first = 0; first < segments; first += kSegBatch) {
+    SegBatch t;
+    std::memset(&t, 0, sizeof(t));
+    t.count = (int)std::min<int64_t>(kSegBatch, segments - first);
+    for (int k = 0; k < t.count; ++k) fill(t, k, first + k);
+    const int rc = launch(t, first);
+    if (rc != 0) return rc;
+  }
+  return status();
+}
+
+inline int64_t largest(const SegBatch& t) {
+  int64_t m = 0;
+  for (int k = 0; k < t.count; ++k) m = std::max(m, t.n[k]);
+  return m;
+}
+
+inline dim3 seg_grid(int64_t blocks, const SegBatch& t) {
+  return dim3((unsigned)std::max<int64_t>(1, std::min<int64_t>(blocks, 1 << 16)), (unsigned)t.count);
+}
+
+inline int64_t packed_bytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
 }  // namespace
 
 // ===============================================================================================
@@ -986,4 +1302,276 @@ API int grace_cuda_scatter_add(int count, const void* const* idx, const int* idx
                                                                   lengths[p], numel, (double*)dense);
   }
   return status();
+}
+
+// ---- a bucket's segments (host arrays of segment sizes and offsets; device data) -----------------
+// launch(batch, first segment) for the batches of segment s's numels[s] draws of the seed words
+// (s0[s], s1[s]), the segments' draws in a row
+template <class Launch>
+static int draw_batches(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
+                        Launch launch) {
+  for (int64_t s = 0; s < segments; ++s)
+    if (numels[s] < 0 || numels[s] > (int64_t(1) << 32)) return -1;  // draw numbers are 32-bit
+  int64_t at = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        t.n[k] = numels[s];
+        t.x[k] = at;
+        t.u[k] = (int64_t)s0[s] | (int64_t)s1[s] << 32;
+        at += numels[s];
+      },
+      launch);
+}
+
+API int grace_cuda_uniform_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
+                                    float* out, void* stream) {
+  return draw_batches(segments, numels, s0, s1, [&](const SegBatch& t, int64_t) {
+    k_uniform_seg<<<seg_grid((largest(t) + kThreads - 1) / kThreads, t), kThreads, 0, as_stream(stream)>>>(t, out);
+    return 0;
+  });
+}
+
+// out[j] = segment << 32 | the hash of its draw j (segment draws in a row): random indices' sort keys
+API int grace_cuda_hash_keys_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
+                                      int64_t* out, void* stream) {
+  return draw_batches(segments, numels, s0, s1, [&](const SegBatch& t, int64_t first) {
+    k_hash_keys_seg<<<seg_grid((largest(t) + kThreads - 1) / kThreads, t), kThreads, 0, as_stream(stream)>>>(
+        t, first, out);
+    return 0;
+  });
+}
+
+// the segments' payloads in a row: codes (packed per segment, each from a byte boundary) and
+// the scalars, as terngrad_compress / qsgd_compress / natural_compress make them for each alone
+API int grace_cuda_terngrad_compress_segments(const float* x, int64_t segments, const int64_t* starts,
+                                              const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                              uint8_t* out, float* scale, void* stream) {
+  cudaStream_t st = as_stream(stream);
+  if (segments > 0) cudaMemsetAsync(scale, 0, segments * sizeof(float), st);
+  int64_t bytes = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        t.n[k] = numels[s];
+        t.x[k] = starts[s];
+        t.u[k] = draw_starts[s];
+        t.p[k] = bytes;
+        t.q[k] = s;
+        bytes += packed_bytes(numels[s], 2);
+      },
+      [&](const SegBatch& t, int64_t) {
+        const int64_t n = largest(t);
+        k_maxabs_seg<<<seg_grid(red_blocks(n), t), kThreads, 0, st>>>(t, x, reinterpret_cast<unsigned*>(scale));
+        k_terngrad_seg<<<seg_grid((n + 7) / 8 / kThreads + 1, t), kThreads, 0, st>>>(t, x, u, scale, out);
+        return 0;
+      });
+}
+
+API int grace_cuda_natural_compress_segments(const float* x, int64_t segments, const int64_t* starts,
+                                             const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                             uint8_t* signs, uint8_t* codes, void* stream) {
+  int64_t bytes = 0, at = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        t.n[k] = numels[s];
+        t.x[k] = starts[s];
+        t.u[k] = draw_starts[s];
+        t.p[k] = bytes;
+        t.q[k] = at;
+        bytes += packed_bytes(numels[s], 1);
+        at += numels[s];
+      },
+      [&](const SegBatch& t, int64_t) {
+        k_natural_seg<<<seg_grid((largest(t) + 7) / 8 / kThreads + 1, t), kThreads, 0, as_stream(stream)>>>(
+            t, x, u, signs, codes);
+        return 0;
+      });
+}
+
+API int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, const int64_t* starts,
+                                          const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                          int levels, int64_t bucket, int bits, uint8_t* out, float* norms,
+                                          void* stream) {
+  if (bits < 1 || bits > 8 || levels < 1 || bucket < 0) return -1;
+  for (int64_t s = 0; s < segments; ++s)
+    if (numels[s] < 1) return -1;
+  cudaStream_t st = as_stream(stream);
+  // scratch for the partial sums of the rows longer than 4096
+  int64_t slots = 0;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t b = bucket > 0 ? bucket : numels[s];
+    if (b > 4096) slots += (numels[s] + b - 1) / b * ((b + kSegChunk - 1) / kSegChunk);
+  }
+  Scratch sc(slots * sizeof(float), st);
+  if (!sc.p) return -3;
+  int64_t bytes = 0, row = 0, slot = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        const int64_t n = numels[s], b = bucket > 0 ? bucket : n, rows = (n + b - 1) / b;
+        t.n[k] = n;
+        t.x[k] = starts[s];
+        t.u[k] = draw_starts[s];
+        t.p[k] = bytes;
+        t.q[k] = row;
+        t.r[k] = slot;
+        bytes += packed_bytes(n, bits);
+        row += rows;
+        if (b > 4096) slot += rows * ((b + kSegChunk - 1) / kSegChunk);
+      },
+      [&](const SegBatch& t, int64_t) {
+        int64_t warps = 1, partial_blocks = 1, final_blocks = 1;
+        for (int k = 0; k < t.count; ++k) {
+          const int64_t n = t.n[k], b = bucket > 0 ? bucket : n, rows = (n + b - 1) / b;
+          if (b <= 4096) {
+            warps = std::max(warps, rows);
+          } else {
+            partial_blocks = std::max(partial_blocks, rows * ((b + kSegChunk - 1) / kSegChunk));
+            final_blocks = std::max(final_blocks, rows);
+          }
+        }
+        const int64_t norm_blocks = std::max((warps * 32 + kThreads - 1) / kThreads, partial_blocks);
+        float* partial = sc.at<float>(0);
+        k_norms_seg<<<seg_grid(norm_blocks, t), kThreads, 0, st>>>(t, x, bucket, norms, partial);
+        if (partial_blocks > 1)  // some rows longer than 4096
+          k_norms_final_seg<<<seg_grid(final_blocks, t), kThreads, 0, st>>>(t, bucket, norms, partial);
+        k_qsgd_seg<<<seg_grid((largest(t) + 7) / 8 / kThreads + 1, t), kThreads, 0, st>>>(
+            t, x, u, (float)levels, bucket, bits, norms, out);
+        return 0;
+      });
+}
+
+// EF-signSGD's (S = 1: the scale) and 1-bit SGD's (S = 3: the two means) bits and scalars of
+// every segment, as efsign_compress / onebit_compress make them for each alone
+template <int S>
+static int sign_compress_segments(const float* x, int64_t segments, const int64_t* starts, const int64_t* numels,
+                                  uint8_t* out, float* scalars, cudaStream_t st) {
+  int64_t slots = 0;
+  for (int64_t s = 0; s < segments; ++s) slots += S * red_blocks(numels[s]);
+  Scratch sc(slots * sizeof(float), st);
+  if (!sc.p) return -3;
+  int64_t bytes = 0, slot = 0;
+  constexpr int per = S == 1 ? 1 : 2;  // scalars per segment
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        t.n[k] = numels[s];
+        t.x[k] = starts[s];
+        t.p[k] = bytes;
+        t.q[k] = per * s;
+        t.r[k] = slot;
+        bytes += packed_bytes(numels[s], 1);
+        slot += S * red_blocks(numels[s]);
+      },
+      [&](const SegBatch& t, int64_t) {
+        k_sign_sums_seg<S><<<seg_grid(red_blocks(largest(t)), t), kThreads, 0, st>>>(t, x, out, sc.at<float>(0));
+        k_sign_final_seg<S><<<t.count, 1024, 0, st>>>(t, sc.at<float>(0), scalars);
+        return 0;
+      });
+}
+
+API int grace_cuda_efsign_compress_segments(const float* x, int64_t segments, const int64_t* starts,
+                                            const int64_t* numels, uint8_t* out, float* scale, void* stream) {
+  return sign_compress_segments<1>(x, segments, starts, numels, out, scale, as_stream(stream));
+}
+
+API int grace_cuda_onebit_compress_segments(const float* x, int64_t segments, const int64_t* starts,
+                                            const int64_t* numels, uint8_t* out, float* means, void* stream) {
+  return sign_compress_segments<3>(x, segments, starts, numels, out, means, as_stream(stream));
+}
+
+// every segment's payload decompressed into the flat out (segments in a row): method 0 sign
+// bits (b: a scale per segment, or NULL), 1 1-bit SGD (two means each), 2 TernGrad (a scale
+// each), 3 QSGD (its norms), 4 natural compression (a: sign bits, b: codes)
+API int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* numels, const uint8_t* a,
+                                   const void* b, int levels, int64_t bucket, int bits, float* out, void* stream) {
+  if (method < 0 || method > 4 || (method == 3 && (bits < 1 || bits > 8 || levels < 1 || bucket < 0))) return -1;
+  const int code_bits = method == 2 ? 2 : (method == 3 ? bits : 1);
+  auto rows = [&](int64_t n) {  // QSGD's norms per segment
+    const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+    return (n + b - 1) / b;
+  };
+  int64_t bytes = 0, at = 0, scalar = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        const int64_t n = numels[s];
+        t.n[k] = n;
+        t.x[k] = at;
+        t.p[k] = bytes;
+        t.q[k] = method == 4 ? at : scalar;
+        bytes += packed_bytes(n, code_bits);
+        at += n;
+        scalar += method == 1 ? 2 : (method == 3 ? rows(n) : 1);
+      },
+      [&](const SegBatch& t, int64_t) {
+        const dim3 grid = seg_grid((largest(t) + kThreads - 1) / kThreads, t);
+        cudaStream_t st = as_stream(stream);
+        const float fl = (float)levels;
+        switch (method) {
+          case 0: k_decode_seg<0><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
+          case 1: k_decode_seg<1><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
+          case 2: k_decode_seg<2><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
+          case 3: k_decode_seg<3><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
+          default: k_decode_seg<4><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
+        }
+        return 0;
+      });
+}
+
+// grace_cuda_topk_ef of every segment (0 <= ks[s] <= numels[s]): p = compensate(g, r) into new_r,
+// the ks[s] largest |p| (ties to the lowest index) into values and idx (int64, in the segment)
+// from the previous segments' ks on, new_r = 0 where sent; one launch per kernel per 64 segments
+API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                    const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
+                                    float* values, int64_t* idx, float* new_r, void* stream) {
+  int64_t most_tiles = 0;
+  for (int64_t s = 0; s < segments; ++s) {
+    if (numels[s] < 0 || ks[s] < 0 || ks[s] > numels[s]) return -1;
+    most_tiles += (numels[s] + kTile - 1) / kTile;
+  }
+  cudaStream_t st = as_stream(stream);
+  const size_t hist_bytes = align256((size_t)kSegBatch * kHistBins * sizeof(unsigned long long));
+  const size_t state_bytes = align256(kSegBatch * sizeof(SelState));
+  const size_t totals_bytes = align256(2 * kSegBatch * sizeof(long long));
+  Scratch sc(hist_bytes + state_bytes + totals_bytes + 2 * std::max<int64_t>(most_tiles, 1) * sizeof(long long), st);
+  if (!sc.p) return -3;
+  unsigned long long* h = sc.at<unsigned long long>(0);
+  SelState* state = sc.at<SelState>(hist_bytes);
+  long long* totals = sc.at<long long>(hist_bytes + state_bytes);
+  long long* cg = sc.at<long long>(hist_bytes + state_bytes + totals_bytes);
+  long long* ce = cg + std::max<int64_t>(most_tiles, 1);
+  int64_t sent = 0, tile = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        t.n[k] = numels[s];
+        t.x[k] = starts[s];
+        t.u[k] = ks[s];
+        t.p[k] = sent;
+        t.q[k] = tile;
+        sent += ks[s];
+        tile += (numels[s] + kTile - 1) / kTile;
+      },
+      [&](const SegBatch& t, int64_t) {
+        const int64_t n = largest(t);
+        k_compensate_seg<<<seg_grid((n + kThreads - 1) / kThreads, t), kThreads, 0, st>>>(t, g, r, beta, gamma, flags,
+                                                                                          new_r);
+        k_topk_init_seg<<<1, kSegBatch, 0, st>>>(t, state);
+        const int shifts[3] = {21, 10, 0}, bins[3] = {2048, 2048, 1024};
+        const dim3 hist_grid = seg_grid(grid_for(n, kThreads * 16, 2048), t);
+        for (int d = 0; d < 3; ++d) {
+          cudaMemsetAsync(h, 0, (size_t)t.count * kHistBins * sizeof(unsigned long long), st);
+          k_topk_hist_seg<<<hist_grid, kThreads, 0, st>>>(t, new_r, state, shifts[d], bins[d], h);
+          k_topk_find_seg<<<t.count, 32, 0, st>>>(t, h, bins[d], shifts[d], state);
+        }
+        const dim3 tile_grid = seg_grid((n + kTile - 1) / kTile, t);
+        k_topk_count_seg<<<tile_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce);
+        k_topk_scan_seg<<<t.count, 1024, 0, st>>>(t, cg, ce, totals);
+        k_topk_write_seg<<<seg_grid(std::max<int64_t>((n + kTile - 1) / kTile, (n + kThreads - 1) / kThreads), t),
+                           kThreads, 0, st>>>(t, new_r, state, cg, ce, idx, values);
+        return 0;
+      });
 }

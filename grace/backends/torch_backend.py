@@ -35,6 +35,15 @@ def _counter_hashes(counts, seeds, device):
     return draws.draw_hashes(j, (words[:, 0][segment], words[:, 1][segment])), segment, starts
 
 
+def _drawn_natively(fn, dtype, counts, seeds, device):
+    """grace.native's ``fn`` (uniform_segments, hash_keys_segments: one launch for all segments)
+    into a new tensor on a GPU, or None where it is not built."""
+    if device.type != "cuda" or not _native.available("cuda"):
+        return None
+    out = torch.empty(sum(counts), dtype=dtype, device=device)
+    return _native._unless_unavailable(fn, counts, [draws.seed_words(seed) for seed in seeds], out)
+
+
 def _counter_indices(device) -> bool:
     """Whether random indices on ``device`` are the k smallest hashes (accelerators: one sort
     over a bucket); on a CPU they are the first k distinct index draws, the NumPy backend's
@@ -209,11 +218,14 @@ class TorchBackend:
         return self.uniform_segments([int(numel)], [seed], like)
 
     def uniform_segments(self, counts, seeds, like=None):
-        """``uniform(counts[s], seeds[s])`` for every s, in a row: on a CPU by one native call
-        where built, elsewhere by whole-buffer ops for all segments at once."""
+        """``uniform(counts[s], seeds[s])`` for every s, in a row: by one native call where
+        built, elsewhere by whole-buffer ops for all segments at once."""
         device = like.device if like is not None else torch.device("cpu")
         if device.type == "cpu":
             return torch.from_numpy(draws.uniform_host(counts, seeds))
+        drawn = _drawn_natively(_native.uniform_segments, torch.float32, counts, seeds, device)
+        if drawn is not None:
+            return drawn
         hashes, _, _ = _counter_hashes(counts, seeds, device)
         return (hashes >> 8).to(torch.float32) * draws.UNIT
 
@@ -227,8 +239,13 @@ class TorchBackend:
         device = like.device if like is not None else torch.device("cpu")
         if not _counter_indices(device):
             return torch.from_numpy(draws.random_indices_host(numels, ks, seeds))
-        hashes, segment, starts = _counter_hashes(numels, seeds, device)
-        order = torch.sort((segment << 32) | hashes, stable=True).indices  # each segment's elements, in a row
+        keys = _drawn_natively(_native.hash_keys_segments, torch.int64, numels, seeds, device)
+        if keys is None:
+            hashes, segment, starts = _counter_hashes(numels, seeds, device)
+            keys = (segment << 32) | hashes
+        else:
+            starts = _int64s([0, *np.cumsum(numels)[:-1].tolist()], device)
+        order = torch.sort(keys, stable=True).indices  # each segment's elements, in a row
         taken_segment, _, rank = _segments(ks, device)  # the taken: each one's segment and rank in it
         first = starts[taken_segment]  # each taken index's segment start
         return torch.sort(order[first + rank]).values - first  # ascending within each segment

@@ -130,13 +130,15 @@ class SegmentedFrame:
         size = sum(w * n for w, n in self.words.items()) + flagged
         self.pad = -size % ALIGN
         self.size = size + self.pad
-        # writing: the class's words gathered from its fields' elements, laid end to end
+        # writing: the class's words gathered from its fields' elements, laid end to end (no
+        # gather where they are one field in order: a quantizer's codes, or its scalars)
         self._write = {}
         for w in self.widths:
             fields_in = sorted({j for j, _ in self.sources[w]})
             base = dict(zip(fields_in, np.cumsum([0] + [self.field_sizes[j] for j in fields_in[:-1]])))
             gather = np.concatenate([base[j] + p for j, p in self.sources[w]])
-            self._write[w] = (fields_in, xp.asarray(gather, like=like))
+            in_order = len(fields_in) == 1 and np.array_equal(gather, np.arange(self.field_sizes[fields_in[0]]))
+            self._write[w] = (fields_in, None if in_order else xp.asarray(gather, like=like))
         self._read: dict = {}
         self._like = like
 
@@ -147,7 +149,8 @@ class SegmentedFrame:
         for w in self.widths:
             fields_in, gather = self._write[w]
             source = [_as_words(xp, fields[j], w) for j in fields_in]
-            parts.append(xp.to_bytes(xp.gather(source[0] if len(source) == 1 else xp.concat(source), gather)))
+            words = source[0] if len(source) == 1 else xp.concat(source)
+            parts.append(xp.to_bytes(words if gather is None else xp.gather(words, gather)))
         if self.flagged:
             parts.append(xp.cast(flag, "uint8"))
         if self.pad:
@@ -172,9 +175,11 @@ class SegmentedFrame:
             parts, order = self._read[ranks][j]
             if len(parts) == 1 and order is None:  # one width, in field order: the words as they are
                 (w, positions), = parts
-                values = xp.from_bytes(xp.to_bytes(xp.gather(words[w], positions)), dtype)
+                taken = words[w] if positions is None else xp.gather(words[w], positions)
+                values = xp.from_bytes(xp.to_bytes(taken), dtype)
             else:
-                pieces = [xp.cast(xp.gather(words[w], positions), "int64") for w, positions in parts]
+                pieces = [xp.cast(words[w] if positions is None else xp.gather(words[w], positions), "int64")
+                          for w, positions in parts]
                 values = pieces[0] if len(pieces) == 1 else xp.concat(pieces)
                 values = values if order is None else xp.gather(values, order)
             out.append(xp.reshape(values, (ranks, self.field_sizes[j])))
@@ -195,8 +200,10 @@ class SegmentedFrame:
             parts, where = [], []
             for w in dict.fromkeys(w for w, _, _ in per_field[j]):
                 pos = np.concatenate([pos for ww, pos, _ in per_field[j] if ww == w])
-                parts.append((w, xp.asarray((np.arange(ranks)[:, None] * self.words[w] + pos).reshape(-1),
-                                            like=self._like)))
+                positions = (np.arange(ranks)[:, None] * self.words[w] + pos).reshape(-1)
+                # (None: the words of all ranks are this field's, in order)
+                parts.append((w, None if np.array_equal(positions, np.arange(ranks * self.words[w]))
+                              else xp.asarray(positions, like=self._like)))
                 where.append(np.concatenate([p for ww, _, p in per_field[j] if ww == w]))
             order = None
             if len(parts) > 1 or not np.array_equal(where[0], np.arange(size)):

@@ -70,7 +70,8 @@ __all__ = [
     "dgc_compensate_into", "dgc_step_many", "disabled", "dlpack_info", "efsignsgd_compress",
     "efsignsgd_compress_segments", "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
     "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_residual_into", "enabled",
-    "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces", "fused", "load_error", "natural_compress",
+    "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces", "fused", "hash_keys_segments",
+    "load_error", "natural_compress",
     "natural_compress_drawn", "natural_compress_segments", "natural_decompress", "natural_decompress_segments",
     "natural_decompress_sum", "natural_decompress_sum_into", "nonzero", "onebit_compress", "onebit_compress_segments",
     "onebit_decompress", "onebit_decompress_segments", "onebit_decompress_sum", "onebit_decompress_sum_into",
@@ -469,7 +470,23 @@ def onebit_decompress_sum(packed_rows, means, numel: int):
 # --- the sign family, segment by segment: a bucket's gradients in one call ------------------
 # Each segment goes through the very kernels of the per-tensor functions above (its bits packed
 # from a byte of its own, its own scale), so the results are the per-tensor ones, with one
-# Python call per bucket instead of several per gradient.
+# Python call per bucket instead of several per gradient. On a GPU one launch per kernel serves
+# all segments (grace_cuda_*_segments: the per-tensor kernels' code on each segment's blocks);
+# on a CPU (where buckets go gradient by gradient) the per-tensor kernels run segment by segment.
+def _on_gpu(kind) -> bool:
+    return kind.lib.kind == "cuda"
+
+
+_DECODE = {"sign_decode": 0, "onebit_decode": 1, "terngrad_decode": 2, "qsgd_decode": 3, "natural_decode": 4}
+
+
+def _decode_segments(kind, symbol: str, numels, a: Buf, b, out: Buf, levels: int = 0, bucket_size: int = 0,
+                     bits: int = 0):
+    """Every segment's ``symbol`` decompression into ``out``, in one call (GPU)."""
+    call(kind, "decode_segments", _DECODE[symbol], len(numels), _int64s(numels), a.ptr,
+         b.ptr if b is not None else None, int(levels), int(bucket_size), int(bits), out.ptr)
+
+
 def _check_segments(n: int, starts, numels, what: str = "elements") -> None:
     """Every segment inside the buffer of ``n`` elements (the kernels write through pointers)."""
     if len(starts) != len(numels) or any(s < 0 or c < 0 or s + c > n for s, c in zip(starts, numels)):
@@ -483,6 +500,9 @@ def _sign_segments(symbol: str, scalars: int, x, starts, numels):
     _check_segments(b.n, starts, numels)
     out = kind.empty(sum(packed_size(n, 1) for n in numels), "uint8")
     scale = kind.empty(scalars * len(numels), "float32")
+    if _on_gpu(kind):
+        call(kind, f"{symbol}_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), out.ptr, scale.ptr)
+        return _wrap(kind, out, scale)
     at = 0
     for s, (start, n) in enumerate(zip(starts, numels)):
         call(kind, symbol, b.ptr + 4 * start, n, out.ptr + at, scale.ptr + 4 * scalars * s)
@@ -496,6 +516,9 @@ def _sign_decode_segments(symbol: str, scalars: int, packed, scale, numels):
     if p.n != sum(packed_size(n, 1) for n in numels) or sc.n != scalars * len(numels):
         raise ValueError(f"{p.n} packed bytes and {sc.n} scales for segments of {list(numels)} elements")
     out = _decode_out(kind, sum(numels))
+    if _on_gpu(kind):
+        _decode_segments(kind, symbol, numels, p, sc, out)
+        return _wrap(kind, out)
     at, start = 0, 0
     for s, n in enumerate(numels):
         call(kind, symbol, p.ptr + at, n, sc.ptr + 4 * scalars * s, out.ptr + 4 * start)
@@ -834,6 +857,12 @@ def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, ga
     _check_segments(gb.n, starts, numels)
     values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
     at, flags = 0, _ef_flags(beta, gamma)
+    if _on_gpu(kind):
+        if any(not 0 <= k <= n for k, n in zip(ks, numels)):
+            raise ValueError("each segment's k must lie in [0, its size]")
+        call(kind, "topk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels), _int64s(ks),
+             float(beta), float(gamma), flags, values.ptr, idx.ptr, ob.ptr)
+        return _wrap(kind, values, idx, ob)
     for start, n, k in zip(starts, numels, ks):
         got = call(kind, "topk_ef", gb.ptr + 4 * start, rb.ptr + 4 * start, n, k, float(beta), float(gamma), flags,
                    values.ptr + 4 * at, idx.ptr + 8 * at, INDEX_CODES["int64"], ob.ptr + 4 * start)
@@ -860,6 +889,10 @@ def terngrad_compress_segments(x, starts, numels, u, draw_starts):
     kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, numels)
     out = kind.empty(sum(packed_size(n, 2) for n in numels), "uint8")
     scale = kind.empty(len(numels), "float32")
+    if _on_gpu(kind):
+        call(kind, "terngrad_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), ub.ptr,
+             _int64s(draw_starts), out.ptr, scale.ptr)
+        return _wrap(kind, out, scale)
     at = 0
     for s, (start, n, drawn) in enumerate(zip(starts, numels, draw_starts)):
         call(kind, "maxabs", b.ptr + 4 * start, n, scale.ptr + 4 * s)
@@ -879,6 +912,9 @@ def terngrad_decompress_segments(packed, scale, numels):
     _check_payload(p, sum(packed_size(n, 2) for n in numels), "packed bytes")
     _check_payload(sc, len(numels), "scales")
     out = _decode_out(kind, sum(numels))
+    if _on_gpu(kind):
+        _decode_segments(kind, "terngrad_decode", numels, p, sc, out)
+        return _wrap(kind, out)
     at, start = 0, 0
     for s, n in enumerate(numels):
         call(kind, "terngrad_decode", p.ptr + at, n, sc.ptr + 4 * s, out.ptr + 4 * start)
@@ -898,6 +934,10 @@ def qsgd_compress_segments(x, starts, numels, u, draw_starts, levels: int, bucke
     bits = code_width(2 * (levels + 1))
     out = kind.empty(sum(packed_size(n, bits) for n in numels), "uint8")
     norms = kind.empty(sum(_qsgd_rows(n, bucket_size) for n in numels), "float32")
+    if _on_gpu(kind):
+        call(kind, "qsgd_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), ub.ptr,
+             _int64s(draw_starts), int(levels), int(bucket_size), bits, out.ptr, norms.ptr)
+        return _wrap(kind, out, norms)
     at, row = 0, 0
     for start, n, drawn in zip(starts, numels, draw_starts):
         rc = call(kind, "qsgd_compress", b.ptr + 4 * start, ub.ptr + 4 * drawn, n, int(levels),
@@ -915,6 +955,9 @@ def qsgd_decompress_segments(packed, norms, numels, levels: int, bucket_size: in
     _check_payload(p, sum(packed_size(n, bits) for n in numels), "packed bytes")
     _check_payload(nb, sum(_qsgd_rows(n, bucket_size) for n in numels), "norms")
     out = _decode_out(kind, sum(numels))
+    if _on_gpu(kind):
+        _decode_segments(kind, "qsgd_decode", numels, p, nb, out, levels, bucket_size, bits)
+        return _wrap(kind, out)
     at, row, start = 0, 0, 0
     for n in numels:
         call(kind, "qsgd_decode", p.ptr + at, n, int(levels), int(bucket_size) or n, bits, nb.ptr + 4 * row,
@@ -928,10 +971,14 @@ def natural_compress_segments(x, starts, numels, u, draw_starts):
     kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, numels)
     signs = kind.empty(sum(packed_size(n, 1) for n in numels), "uint8")
     codes = kind.empty(sum(numels), "uint8")
-    at = 0
+    if _on_gpu(kind):
+        call(kind, "natural_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), ub.ptr,
+             _int64s(draw_starts), signs.ptr, codes.ptr)
+        return _wrap(kind, signs, codes)
+    at, code = 0, 0  # (the codes in a row: a segment's start in x may lie past its first code)
     for start, n, drawn in zip(starts, numels, draw_starts):
-        call(kind, "natural_compress", b.ptr + 4 * start, ub.ptr + 4 * drawn, n, signs.ptr + at, codes.ptr + start)
-        at += packed_size(n, 1)
+        call(kind, "natural_compress", b.ptr + 4 * start, ub.ptr + 4 * drawn, n, signs.ptr + at, codes.ptr + code)
+        at, code = at + packed_size(n, 1), code + n
     return _wrap(kind, signs, codes)
 
 
@@ -941,6 +988,9 @@ def natural_decompress_segments(signs, codes, numels):
     _check_payload(s, sum(packed_size(n, 1) for n in numels), "sign bytes")
     _check_payload(c, sum(numels), "codes")
     out = _decode_out(kind, sum(numels))
+    if _on_gpu(kind):
+        _decode_segments(kind, "natural_decode", numels, s, c, out)
+        return _wrap(kind, out)
     at, start = 0, 0
     for n in numels:
         call(kind, "natural_decode", s.ptr + at, c.ptr + start, n, out.ptr + 4 * start)
@@ -1219,16 +1269,36 @@ def onebit_decompress_sum_into(payloads, outs, finish=None):
     return _bits_sum_into(_ONEBIT, payloads, outs, finish)
 
 
-def uniform_segments(counts, words, out):
-    """Counter-based uniform draws (grace.core.draws) on the CPU: ``counts[s]`` draws of the
-    seed words ``words[s]`` (two 32-bit ints), in a row, written into the float32 ``out``."""
-    kind = _cpu_kind(out)
-    ob = _in_place(kind, out, "float32")
+def _check_draw_counts(counts) -> None:
+    if any(not 0 <= c <= 2**32 for c in counts):
+        raise ValueError("draw numbers are 32-bit: at most 2**32 draws per seed")
+
+
+def _draws_into(symbol: str, kind, counts, words, out, dtype: str):
+    """``symbol`` (uniform_segments, hash_keys_segments) of each segment's draws, into ``out``."""
+    _check_draw_counts(counts)
+    ob = _in_place(kind, out, dtype)
     if ob.n != sum(counts):
         raise ValueError(f"out has {ob.n} elements for {sum(counts)} draws")
     s0, s1 = _seed_word_arrays(words)
-    call(kind, "uniform_segments", len(counts), _int64s(counts), s0, s1, ob.ptr)
+    call(kind, symbol, len(counts), _int64s(counts), s0, s1, ob.ptr)
     return out
+
+
+def uniform_segments(counts, words, out):
+    """Counter-based uniform draws (grace.core.draws): ``counts[s]`` draws of the seed words
+    ``words[s]`` (two 32-bit ints), in a row, written into the float32 ``out``."""
+    return _draws_into("uniform_segments", kind_of(out), counts, words, out, "float32")
+
+
+def hash_keys_segments(counts, words, out):
+    """The sort keys of counter-based random indices on a GPU: for the draws of each segment s
+    in a row, s << 32 | the 32-bit hash of the draw (grace.core.draws.draw_hashes), written
+    into the int64 ``out``."""
+    kind = kind_of(out)
+    if not _on_gpu(kind):
+        raise NativeUnavailable("hash keys are made on a GPU")
+    return _draws_into("hash_keys_segments", kind, counts, words, out, "int64")
 
 
 def random_indices_segments(numels, ks, words, out):
@@ -1319,8 +1389,7 @@ FUSED: Dict[str, Kernel] = {
     "signsgd_decompress_sum": Kernel(signsgd_decompress_sum, ("bits_sum",), ("float32",)),
     "efsignsgd_decompress_sum": Kernel(efsignsgd_decompress_sum, ("bits_sum",), ("float32",)),
     "onebit_decompress_sum": Kernel(onebit_decompress_sum, ("bits_sum",), ("float32",)),
-    # (the CUDA kernel has TernGrad's mode too; taken on a GPU once a device run has checked it)
-    "terngrad_decompress_sum": Kernel(terngrad_decompress_sum, ("bits_sum",), ("float32",), devices=("cpu",)),
+    "terngrad_decompress_sum": Kernel(terngrad_decompress_sum, ("bits_sum",), ("float32",)),
     "qsgd_decompress_sum": Kernel(qsgd_decompress_sum, ("qsgd_sum_segments",), ("float32",), devices=("cpu",)),
     "natural_decompress_sum": Kernel(natural_decompress_sum, ("natural_sum_segments",), ("float32",),
                                      devices=("cpu",)),
@@ -1328,19 +1397,30 @@ FUSED: Dict[str, Kernel] = {
                                        devices=("cpu",)),
     "natural_decompress_sum_into": Kernel(natural_decompress_sum_into, ("natural_sum_segments",), ("float32",),
                                           devices=("cpu",)),
-    "efsignsgd_compress_segments": Kernel(efsignsgd_compress_segments, ("efsign_compress",), ("uint8", "float32")),
-    "efsignsgd_decompress_segments": Kernel(efsignsgd_decompress_segments, ("sign_decode",), ("float32",)),
-    "onebit_compress_segments": Kernel(onebit_compress_segments, ("onebit_compress",), ("uint8", "float32")),
-    "onebit_decompress_segments": Kernel(onebit_decompress_segments, ("onebit_decode",), ("float32",)),
+    # (on a GPU one launch per kernel for all segments: the *_segments and decode_segments symbols)
+    "efsignsgd_compress_segments": Kernel(efsignsgd_compress_segments, ("efsign_compress", "efsign_compress_segments"),
+                                          ("uint8", "float32")),
+    "efsignsgd_decompress_segments": Kernel(efsignsgd_decompress_segments, ("sign_decode", "decode_segments"),
+                                            ("float32",)),
+    "onebit_compress_segments": Kernel(onebit_compress_segments, ("onebit_compress", "onebit_compress_segments"),
+                                       ("uint8", "float32")),
+    "onebit_decompress_segments": Kernel(onebit_decompress_segments, ("onebit_decode", "decode_segments"),
+                                         ("float32",)),
     "topk_compress_segments": Kernel(topk_compress_segments, ("topk",), ("float32", "int64")),
-    "topk_ef_step_segments": Kernel(topk_ef_step_segments, ("topk_ef",), ("float32", "int64", "float32")),
-    "terngrad_compress_segments": Kernel(terngrad_compress_segments, ("maxabs", "terngrad_compress"),
+    "topk_ef_step_segments": Kernel(topk_ef_step_segments, ("topk_ef", "topk_ef_segments"),
+                                    ("float32", "int64", "float32")),
+    "terngrad_compress_segments": Kernel(terngrad_compress_segments,
+                                         ("maxabs", "terngrad_compress", "terngrad_compress_segments"),
                                          ("uint8", "float32")),
-    "terngrad_decompress_segments": Kernel(terngrad_decompress_segments, ("terngrad_decode",), ("float32",)),
-    "qsgd_compress_segments": Kernel(qsgd_compress_segments, ("qsgd_compress",), ("uint8", "float32")),
-    "qsgd_decompress_segments": Kernel(qsgd_decompress_segments, ("qsgd_decode",), ("float32",)),
-    "natural_compress_segments": Kernel(natural_compress_segments, ("natural_compress",), ("uint8", "uint8")),
-    "natural_decompress_segments": Kernel(natural_decompress_segments, ("natural_decode",), ("float32",)),
+    "terngrad_decompress_segments": Kernel(terngrad_decompress_segments, ("terngrad_decode", "decode_segments"),
+                                           ("float32",)),
+    "qsgd_compress_segments": Kernel(qsgd_compress_segments, ("qsgd_compress", "qsgd_compress_segments"),
+                                     ("uint8", "float32")),
+    "qsgd_decompress_segments": Kernel(qsgd_decompress_segments, ("qsgd_decode", "decode_segments"), ("float32",)),
+    "natural_compress_segments": Kernel(natural_compress_segments, ("natural_compress", "natural_compress_segments"),
+                                        ("uint8", "uint8")),
+    "natural_decompress_segments": Kernel(natural_decompress_segments, ("natural_decode", "decode_segments"),
+                                          ("float32",)),
     "terngrad_compress": Kernel(terngrad_compress, ("maxabs", "terngrad_compress"), ("uint8", "float32")),
     "terngrad_decompress": Kernel(terngrad_decompress, ("terngrad_decode",), ("float32",)),
     "qsgd_compress": Kernel(qsgd_compress, ("qsgd_norms", "qsgd_compress"), ("uint8", "float32")),

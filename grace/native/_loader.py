@@ -19,7 +19,7 @@ from ctypes import c_double, c_float, c_int, c_int64, c_uint32, c_void_p
 from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
-ABI = 8
+ABI = 9
 ISAS = ("x86-64-v3", "x86-64-v2")  # the builds on x86-64, best first
 
 _P, _I, _L, _F, _D = c_void_p, c_int, c_int64, c_float, c_double
@@ -67,14 +67,25 @@ SYMBOLS = {
     "qsgd_compress_drawn": (_I, [_P, _L, c_uint32, c_uint32, _I, _L, _I, _P, _P]),
     "half_encode_many": (None, [_L, _P, _P, _F, _P]),
     "half_decode_many": (None, [_L, _P, _P, _F, _F, _P]),
+    # CUDA only: a bucket's segments in one launch per kernel (the CPU runs them one by one)
+    "hash_keys_segments": (_I, [_L, _P, _P, _P, _P]),
+    "terngrad_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _P, _P]),
+    "natural_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _P, _P]),
+    "qsgd_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _I, _L, _I, _P, _P]),
+    "efsign_compress_segments": (_I, [_P, _L, _P, _P, _P, _P]),
+    "onebit_compress_segments": (_I, [_P, _L, _P, _P, _P, _P]),
+    "decode_segments": (_I, [_I, _L, _P, _P, _P, _I, _L, _I, _P]),
+    "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
 }
 #: CPU-only: the bucket-at-once entry points (a GPU compresses a bucket segment-wise instead),
 #: the decoded sums of QSGD and natural compression, DGC's momentum correction and whole step, and
-#: the draws (a GPU draws with tensor ops)
+#: the random indices (a GPU sorts hash keys)
 CPU_ONLY = {"topk_ef_many", "randomk_ef_many", "threshold_ef_many", "bits_ef_many", "scatter_add_segments",
-            "bits_sum_segments", "bits_residual", "qsgd_sum_segments", "natural_sum_segments", "uniform_segments",
+            "bits_sum_segments", "bits_residual", "qsgd_sum_segments", "natural_sum_segments",
             "random_indices_segments", "dgc_compensate", "dgc_step_many", "compress_many", "natural_compress_drawn",
             "terngrad_compress_drawn", "qsgd_compress_drawn", "half_encode_many", "half_decode_many"}
+CUDA_ONLY = {"hash_keys_segments", "terngrad_compress_segments", "natural_compress_segments", "qsgd_compress_segments",
+             "efsign_compress_segments", "onebit_compress_segments", "decode_segments", "topk_ef_segments"}
 # CUDA functions return a status (or a count) where the CPU ones return nothing
 _CUDA_RESTYPE = {name: (_I if res is None else res) for name, (res, _) in SYMBOLS.items()}
 
@@ -92,7 +103,7 @@ class _Lib:
         if abi() != ABI:
             raise OSError(f"{path} has ABI {abi()}, this grace expects {ABI}: rebuild (python csrc/build.py)")
         for name, (res, args) in SYMBOLS.items():
-            if kind == "cuda" and name in CPU_ONLY:
+            if name in (CPU_ONLY if kind == "cuda" else CUDA_ONLY):
                 continue
             fn = getattr(self._dll, prefix + name)
             if kind == "cuda":
