@@ -92,6 +92,14 @@ class NumpyBackend:
     def subtract_into(self, a, b, out):
         return np.subtract(a, b, out=out) if isinstance(out, np.ndarray) else a - b
 
+    def matmul_into(self, a, b, out):
+        """The matrix product a @ b written over ``out`` (of any shape with as many elements)."""
+        if out.flags.c_contiguous:  # (then the reshape is a view of out)
+            np.matmul(a, b, out=out.reshape(a.shape[0], b.shape[1]))
+        else:
+            out[...] = np.matmul(a, b).reshape(out.shape)
+        return out
+
     def divide_into(self, a, b, out):
         return np.divide(a, b, out=out) if isinstance(out, np.ndarray) else a / b
 

@@ -198,6 +198,9 @@ class TensorflowBackend:
     def subtract_into(self, a, b, out):
         return a - b
 
+    def matmul_into(self, a, b, out):
+        return tf.reshape(self.matmul(a, b), tf.shape(out))
+
     def divide_into(self, a, b, out):
         return a / b
 

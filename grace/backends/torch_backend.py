@@ -126,6 +126,14 @@ class TorchBackend:
     def subtract_into(self, a, b, out):
         return torch.sub(a, b, out=out)
 
+    def matmul_into(self, a, b, out):
+        """The matrix product a @ b written over ``out`` (of any shape with as many elements)."""
+        if out.is_contiguous():  # (then the view is out's memory)
+            torch.matmul(a, b, out=out.view(a.shape[0], b.shape[1]))
+        else:
+            out.copy_((a @ b).reshape(out.shape))
+        return out
+
     def divide_into(self, a, b, out):
         return torch.div(a, b, out=out)
 

@@ -38,7 +38,7 @@ class PowerSGD(Compressor):
         r = min(self.rank, rows, cols)
         return xp.reshape(xp.uniform(cols * r, info.seed(self.seed), like=x), (cols, r)) - 0.5
 
-    def rounds(self, xp, x, info, q):
+    def rounds(self, xp, x, info, q, out=None):
         n, shape = info.world_size, xp.shape(x)
         if len(shape) < 2:
             (summed,) = yield (x,)
@@ -48,8 +48,11 @@ class PowerSGD(Compressor):
         p = xp.orthonormalize(p)
         (q,) = yield (xp.matmul(xp.transpose(m), p),)
         q = q / n
-        out = xp.reshape(xp.cast(xp.matmul(p, xp.transpose(q)), xp.dtype(x)), shape)
-        return out, out, q
+        if out is not None and xp.dtype(x) == xp.dtype(out) == "float32":  # P Q^T straight into out: no copy
+            approx = xp.matmul_into(p, xp.transpose(q), out)
+        else:
+            approx = xp.reshape(xp.cast(xp.matmul(p, xp.transpose(q)), xp.dtype(x)), shape)
+        return approx, approx, q
 
 
 @register("powersgd", matrix_approximation_rank="rank", rank="rank", seed="seed",

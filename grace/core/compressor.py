@@ -16,10 +16,11 @@ Two extensions, each used by the methods that need it:
 * Per-tensor state (signum's momentum, PowerSGD's Q) is explicit, as in optax: ``step(xp, x,
   info, state) -> (payload, ctx, state)``. The caller keeps the state and checkpoints it.
 * A method whose compression itself needs a collective (PowerSGD: P must be summed before Q
-  is computed) sets ``multi_round`` and writes ``rounds(xp, x, info, state)``, a generator that
-  yields each payload to be summed by allreduce, receives the sum, and finally returns
-  ``(g_hat, p_hat, state)``: the mean over ranks, what this rank's input became (for the
-  memory: e = p - p_hat), and the new state.
+  is computed) sets ``multi_round`` and writes ``rounds(xp, x, info, state, out=None)``, a
+  generator that yields each payload to be summed by allreduce, receives the sum, and finally
+  returns ``(g_hat, p_hat, state)``: the mean over ranks, what this rank's input became (for
+  the memory: e = p - p_hat), and the new state. ``out`` (a tensor like x, where the result
+  will be written anyway: the gradient, for in-place adapters) may receive g_hat directly.
 """
 from __future__ import annotations
 
@@ -241,7 +242,7 @@ class Compressor:
             total = total + self.decompress_segments(xp, [f[r] for f in fields], ctx, table)
         return total / ranks
 
-    def rounds(self, xp, x, info: TensorInfo, state):
+    def rounds(self, xp, x, info: TensorInfo, state, out=None):
         """Multi-round methods only: a generator, see the module docstring."""
         raise NotImplementedError
 

@@ -567,7 +567,9 @@ class Exchange:
                     flags.append(xp.nonfinite([g_u]))
                 # each gradient's first round right after its compensation, which is still in the cache
                 pending.p.append(self._compensated(xp, u.name, g_u, e))
-                pending.rounds.append(compressor.rounds(xp, pending.p[-1], info, state))
+                # the result may go straight over the gradient, where it is written in the end anyway
+                out = g_u if not whole and self._writes_over(xp, g_u) else None
+                pending.rounds.append(compressor.rounds(xp, pending.p[-1], info, state, out=out))
                 firsts.append(next(pending.rounds[-1]))
             if per_gradient:
                 pending.flag = _any_flag(xp, flags)

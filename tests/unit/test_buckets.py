@@ -302,6 +302,29 @@ def test_bucket_arguments_come_through_the_grace_parameter_dictionary():
     assert grace.topk(0.01).bucket_mb == 25.0 and "bucket_mb=25" in repr(grace.topk(0.01))
 
 
+def test_powersgd_writes_its_approximations_straight_over_the_gradients(xp, monkeypatch):
+    """In place on a CPU, a bucket's PowerSGD rounds write each matrix's P Q^T over its gradient
+    with the product itself (no copy after): the results of a new-tensor exchange, bit for bit."""
+    if TORCH_DEVICE != "cpu" and xp.name == "torch":
+        pytest.skip("results are new tensors on a GPU")
+    written = []
+    real = type(xp).matmul_into
+    monkeypatch.setattr(type(xp), "matmul_into", lambda self, a, b, out: written.append(out) or real(self, a, b, out))
+    compression = with_buckets(METHODS["powersgd"], 25)
+    fresh = grace.Exchange(compression, ReplicaCommunicator(3))
+    overwriting = grace.Exchange(compression, ReplicaCommunicator(3), in_place=True)
+    for step in range(STEPS):
+        want = fresh.exchange(gradients(xp, step))
+        grads = gradients(xp, step)
+        written.clear()
+        got = overwriting.exchange(grads)
+        matrices = [name for name, g in grads.items() if len(xp.shape(g)) >= 2]
+        assert matrices and sorted(map(id, written)) == sorted(id(grads[name]) for name in matrices)
+        for name in want:
+            assert got[name] is grads[name]
+            assert_same(xp, want[name], got[name], f"step {step} {name}")
+
+
 @pytest.mark.parametrize("method", ["dgc", "dgc_warmup"])
 def test_dgc_memory_steps_in_place_as_its_formula(xp, method, monkeypatch):
     """Bucketed on a CPU, DGC's memory writes the new (u, v) into spare buffers and changes
