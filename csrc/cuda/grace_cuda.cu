@@ -966,8 +966,8 @@ __global__ void k_topk_write_seg(SegBatch t, float* p, const SelState* st, const
   write(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, n, st + s, cg + t.q[s], ce + t.q[s], emit, blockIdx.x);
 }
 
-// Runs launch(batch, first segment) on each batch of segments, fill(batch, k, segment) setting
-// batch slot k; the grid's x is what the largest segment of the batch needs (blocks(n)).
+// Runs launch(batch, its first segment) on each batch of up to kSegBatch segments, fill(batch,
+// k, segment) setting batch slot k; a launch's grid: seg_grid(what its largest segment needs).
 template <class Fill, class Launch>
 int for_batches(int64_t segments, Fill fill, Launch launch) {
   if (segments < 0) return -1;
@@ -993,6 +993,7 @@ inline dim3 seg_grid(int64_t blocks, const SegBatch& t) {
 }
 
 inline int64_t packed_bytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
+
 }  // namespace
 
 // ===============================================================================================
