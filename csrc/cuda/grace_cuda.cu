@@ -31,8 +31,7 @@ inline int grid_for(int64_t work, int per_block = kThreads, int cap = 1 << 16) {
 
 inline int status() { return cudaGetLastError() == cudaSuccess ? 0 : -2; }
 
-#define GRID_STRIDE(i, n) \
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+#define GRID_STRIDE(i, n) BLOCK_STRIDE(i, n, blockIdx.x, gridDim.x)
 // the same over a virtual grid of nblocks blocks (a segment's share of a bucket's launch)
 #define BLOCK_STRIDE(i, n, block, nblocks)                                                  \
   for (int64_t i = (block) * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)(nblocks) * blockDim.x)
@@ -163,7 +162,11 @@ __global__ void k_sign_pack(const float* x, int64_t n, int negative, uint8_t* ou
 
 constexpr int kRedBlocks = 1024;  // fixed grid of the reductions: the order of the sums is fixed
 
-inline int red_grid(int64_t n) { return grid_for(n, kThreads * 8, kRedBlocks); }
+// (grid_for(n, kThreads * 8, kRedBlocks), on either side: the segment kernels size themselves by it)
+__host__ __device__ inline int red_grid(int64_t n) {
+  const int64_t b = (n + kThreads * 8 - 1) / (kThreads * 8);
+  return (int)(b < 1 ? 1 : (b > kRedBlocks ? kRedBlocks : b));
+}
 
 // bits (x >= 0) and per-block partial sums: S = 1: |x|; S = 3: count(x >= 0), sum(x >= 0), sum
 // (block `block` of a grid of nblocks: partial[s * nblocks + block])
@@ -323,6 +326,12 @@ __global__ void k_norms_warp(const float* x, int64_t n, int64_t b, int64_t rows,
 }
 
 constexpr int64_t kSegChunk = kThreads * 16;
+
+// QSGD's rows: `bucket` elements each, or the whole tensor (bucket 0); their count; and the
+// chunks of a row longer than 4096 (summed apart, then per row)
+__host__ __device__ inline int64_t qsgd_row(int64_t n, int64_t bucket) { return bucket > 0 ? bucket : (n > 1 ? n : 1); }
+__host__ __device__ inline int64_t qsgd_rows(int64_t n, int64_t b) { return (n + b - 1) / b; }
+__host__ __device__ inline int64_t row_chunks(int64_t b) { return (b + kSegChunk - 1) / kSegChunk; }
 
 // long buckets: block (r, c) sums chunk c of bucket r; then one block per bucket
 // (block v of rows * cpr: partial[v])
@@ -555,6 +564,8 @@ __global__ void k_find(const unsigned long long* hist, int nbins, int shift, Sel
 constexpr int kItems = 16;
 constexpr int64_t kTile = (int64_t)kThreads * kItems;
 
+__host__ __device__ inline int64_t tiles_of(int64_t n) { return (n + kTile - 1) / kTile; }
+
 // The predicate of the compaction: gt(i) (always taken) and eq(i) (taken while rank < need).
 template <class Key>
 struct TopkPred {
@@ -736,7 +747,7 @@ __global__ void k_take_all(int64_t n, EmitIdx emit) {
 template <class Pred>
 int compact(Pred pred, int64_t n, const SelState* st_dev, const EmitIdx& emit, long long* total_host,
             cudaStream_t s) {
-  const int64_t tiles = (n + kTile - 1) / kTile;
+  const int64_t tiles = tiles_of(n);
   Scratch sc(align256(4 * tiles * sizeof(long long)) + 256, s);
   if (!sc.p) return -3;
   long long* cg = sc.at<long long>(0);
@@ -779,7 +790,6 @@ int threshold_state(SelState** st, Scratch& sc, cudaStream_t s) {
   return status();
 }
 
-
 // ---- a bucket's segments, one launch per kernel ---------------------------------------------------
 // A bucket's gradients lie one after another in a flat buffer. A batch of up to kSegBatch
 // segments travels as a kernel argument (no copy to the device, no host wait); blockIdx.y picks
@@ -796,11 +806,6 @@ struct SegBatch {
   int64_t q[kSegBatch];    // first scalar (scale, means, norms); natural compression: first code
   int64_t r[kSegBatch];    // first slot of its partial sums in the scratch
 };
-
-__host__ __device__ inline int64_t red_blocks(int64_t n) {  // red_grid's, on either side
-  int64_t b = (n + kThreads * 8 - 1) / (kThreads * 8);
-  return b < 1 ? 1 : (b > kRedBlocks ? kRedBlocks : b);
-}
 
 __device__ __forceinline__ uint32_t hash32(uint32_t h) {  // grace/core/draws.py's hash32
   h ^= h >> 16;
@@ -847,12 +852,12 @@ __global__ void k_natural_seg(SegBatch t, const float* x, const float* u, uint8_
 // one block per row
 __global__ void k_norms_seg(SegBatch t, const float* x, int64_t bucket, float* norms, float* partial) {
   const int s = blockIdx.y;
-  const int64_t n = t.n[s], b = bucket > 0 ? bucket : (n > 1 ? n : 1), rows = (n + b - 1) / b;
+  const int64_t n = t.n[s], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
   if (b <= 4096) {
     norms_warp(x + t.x[s], n, b, rows, norms + t.q[s], blockIdx.x, gridDim.x);
     return;
   }
-  const int64_t cpr = (b + kSegChunk - 1) / kSegChunk;
+  const int64_t cpr = row_chunks(b);
   for (int64_t v = blockIdx.x; v < rows * cpr; v += gridDim.x) {
     norms_partial(x + t.x[s], n, b, cpr, partial + t.r[s], v);
     __syncthreads();  // (block_sum's shared memory, again)
@@ -861,10 +866,10 @@ __global__ void k_norms_seg(SegBatch t, const float* x, int64_t bucket, float* n
 
 __global__ void k_norms_final_seg(SegBatch t, int64_t bucket, float* norms, const float* partial) {
   const int s = blockIdx.y;
-  const int64_t n = t.n[s], b = bucket > 0 ? bucket : (n > 1 ? n : 1), rows = (n + b - 1) / b;
+  const int64_t n = t.n[s], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
   if (b <= 4096) return;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    norms_final(partial + t.r[s], (b + kSegChunk - 1) / kSegChunk, norms + t.q[s], r);
+    norms_final(partial + t.r[s], row_chunks(b), norms + t.q[s], r);
     __syncthreads();
   }
 }
@@ -872,15 +877,15 @@ __global__ void k_norms_final_seg(SegBatch t, int64_t bucket, float* norms, cons
 __global__ void k_qsgd_seg(SegBatch t, const float* x, const float* u, float flevels, int64_t bucket, int bits,
                            const float* norms, uint8_t* out) {
   const int s = blockIdx.y;
-  const int64_t n = t.n[s], b = bucket > 0 ? bucket : (n > 1 ? n : 1);
+  const int64_t n = t.n[s], b = qsgd_row(n, bucket);
   qsgd(x + t.x[s], u + t.u[s], n, flevels, b, bits, norms + t.q[s], out + t.p[s], blockIdx.x, gridDim.x);
 }
 
-// the sign family's bits and scalars: each segment on red_blocks(n) blocks, as alone
+// the sign family's bits and scalars: each segment on red_grid(n) blocks, as alone
 template <int S>
 __global__ void k_sign_sums_seg(SegBatch t, const float* x, uint8_t* out, float* partial) {
   const int s = blockIdx.y;
-  const int64_t nb = red_blocks(t.n[s]);
+  const int64_t nb = red_grid(t.n[s]);
   if (blockIdx.x >= nb) return;
   sign_sums<S>(x + t.x[s], t.n[s], out + t.p[s], partial + t.r[s], blockIdx.x, nb);
 }
@@ -888,7 +893,7 @@ __global__ void k_sign_sums_seg(SegBatch t, const float* x, uint8_t* out, float*
 template <int S>
 __global__ void k_sign_final_seg(SegBatch t, const float* partial, float* scalars) {
   const int s = blockIdx.x;
-  sign_final<S>(partial + t.r[s], (int)red_blocks(t.n[s]), t.n[s], scalars + t.q[s]);
+  sign_final<S>(partial + t.r[s], red_grid(t.n[s]), t.n[s], scalars + t.q[s]);
 }
 
 // every segment's decompression into the flat out (Method: 0 sign bits, scalars[q] the scale or
@@ -904,8 +909,7 @@ __global__ void k_decode_seg(SegBatch t, const uint8_t* a, const void* b, float 
   if constexpr (Method == 1) onebit_decode(a + t.p[s], n, scalars + t.q[s], o, blockIdx.x, gridDim.x);
   if constexpr (Method == 2) terngrad_decode(a + t.p[s], n, scalars + t.q[s], o, blockIdx.x, gridDim.x);
   if constexpr (Method == 3)
-    qsgd_decode(a + t.p[s], n, flevels, bucket > 0 ? bucket : (n > 1 ? n : 1), bits, scalars + t.q[s], o, blockIdx.x,
-                gridDim.x);
+    qsgd_decode(a + t.p[s], n, flevels, qsgd_row(n, bucket), bits, scalars + t.q[s], o, blockIdx.x, gridDim.x);
   if constexpr (Method == 4)
     natural_decode(a + t.p[s], static_cast<const uint8_t*>(b) + t.q[s], n, o, blockIdx.x, gridDim.x);
 }
@@ -913,8 +917,6 @@ __global__ void k_decode_seg(SegBatch t, const uint8_t* a, const void* b, float 
 // top-k with error feedback (grace_cuda_topk_ef) of every segment: t.u holds its k, t.p its first
 // value and index, t.q its first compaction tile; selection state s and histogram s per segment
 __device__ __forceinline__ bool selects(const SegBatch& t, int s) { return t.u[s] > 0 && t.u[s] < t.n[s]; }
-
-__device__ __forceinline__ int64_t tiles_of(int64_t n) { return (n + kTile - 1) / kTile; }
 
 constexpr int kHistBins = 2048;
 
@@ -1068,8 +1070,8 @@ API int grace_cuda_terngrad_compress(const float* x, const float* u, int64_t n, 
 
 API int grace_cuda_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* norms, void* stream) {
   cudaStream_t s = as_stream(stream);
-  const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
-  const int64_t rows = n > 0 ? (n + b - 1) / b : 1;
+  const int64_t b = qsgd_row(n, bucket);
+  const int64_t rows = n > 0 ? qsgd_rows(n, b) : 1;
   if (n == 0) {
     cudaMemsetAsync(norms, 0, sizeof(float), s);
     return status();
@@ -1078,7 +1080,7 @@ API int grace_cuda_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* 
     k_norms_warp<<<grid_for(rows * 32), kThreads, 0, s>>>(x, n, b, rows, norms);
     return status();
   }
-  const int64_t cpr = (b + kSegChunk - 1) / kSegChunk;
+  const int64_t cpr = row_chunks(b);
   Scratch sc(rows * cpr * sizeof(float), s);
   if (!sc.p) return -3;
   k_norms_partial<<<(unsigned)(rows * cpr), kThreads, 0, s>>>(x, n, b, cpr, sc.at<float>(0));
@@ -1095,7 +1097,7 @@ API int grace_cuda_qsgd_compress(const float* x, const float* u, int64_t n, int 
     const int rc = grace_cuda_qsgd_norms(x, n, bucket, norms, stream);
     if (rc != 0) return rc;
   }
-  const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+  const int64_t b = qsgd_row(n, bucket);
   k_qsgd<<<grid_for((n + 7) / 8), kThreads, 0, as_stream(stream)>>>(x, u, n, (float)levels, b, bits, norms, out);
   return status();
 }
@@ -1166,7 +1168,7 @@ API int grace_cuda_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int
                                const float* norms, float* out, void* stream) {
   if (bits < 1 || bits > 8 || levels < 1 || n < 0) return -1;
   if (n == 0) return 0;
-  const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+  const int64_t b = qsgd_row(n, bucket);
   k_qsgd_decode<<<grid_for(n), kThreads, 0, as_stream(stream)>>>(packed, n, (float)levels, b, bits, norms, out);
   return status();
 }
@@ -1363,7 +1365,7 @@ API int grace_cuda_terngrad_compress_segments(const float* x, int64_t segments, 
       },
       [&](const SegBatch& t, int64_t) {
         const int64_t n = largest(t);
-        k_maxabs_seg<<<seg_grid(red_blocks(n), t), kThreads, 0, st>>>(t, x, reinterpret_cast<unsigned*>(scale));
+        k_maxabs_seg<<<seg_grid(red_grid(n), t), kThreads, 0, st>>>(t, x, reinterpret_cast<unsigned*>(scale));
         k_terngrad_seg<<<seg_grid((n + 7) / 8 / kThreads + 1, t), kThreads, 0, st>>>(t, x, u, scale, out);
         return 0;
       });
@@ -1402,8 +1404,8 @@ API int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, cons
   // scratch for the partial sums of the rows longer than 4096
   int64_t slots = 0;
   for (int64_t s = 0; s < segments; ++s) {
-    const int64_t b = bucket > 0 ? bucket : numels[s];
-    if (b > 4096) slots += (numels[s] + b - 1) / b * ((b + kSegChunk - 1) / kSegChunk);
+    const int64_t b = qsgd_row(numels[s], bucket);
+    if (b > 4096) slots += qsgd_rows(numels[s], b) * row_chunks(b);
   }
   Scratch sc(slots * sizeof(float), st);
   if (!sc.p) return -3;
@@ -1411,7 +1413,7 @@ API int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, cons
   return for_batches(
       segments,
       [&](SegBatch& t, int k, int64_t s) {
-        const int64_t n = numels[s], b = bucket > 0 ? bucket : n, rows = (n + b - 1) / b;
+        const int64_t n = numels[s], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
         t.n[k] = n;
         t.x[k] = starts[s];
         t.u[k] = draw_starts[s];
@@ -1420,16 +1422,16 @@ API int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, cons
         t.r[k] = slot;
         bytes += packed_bytes(n, bits);
         row += rows;
-        if (b > 4096) slot += rows * ((b + kSegChunk - 1) / kSegChunk);
+        if (b > 4096) slot += rows * row_chunks(b);
       },
       [&](const SegBatch& t, int64_t) {
         int64_t warps = 1, partial_blocks = 1, final_blocks = 1;
         for (int k = 0; k < t.count; ++k) {
-          const int64_t n = t.n[k], b = bucket > 0 ? bucket : n, rows = (n + b - 1) / b;
+          const int64_t n = t.n[k], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
           if (b <= 4096) {
             warps = std::max(warps, rows);
           } else {
-            partial_blocks = std::max(partial_blocks, rows * ((b + kSegChunk - 1) / kSegChunk));
+            partial_blocks = std::max(partial_blocks, rows * row_chunks(b));
             final_blocks = std::max(final_blocks, rows);
           }
         }
@@ -1450,7 +1452,7 @@ template <int S>
 static int sign_compress_segments(const float* x, int64_t segments, const int64_t* starts, const int64_t* numels,
                                   uint8_t* out, float* scalars, cudaStream_t st) {
   int64_t slots = 0;
-  for (int64_t s = 0; s < segments; ++s) slots += S * red_blocks(numels[s]);
+  for (int64_t s = 0; s < segments; ++s) slots += S * red_grid(numels[s]);
   Scratch sc(slots * sizeof(float), st);
   if (!sc.p) return -3;
   int64_t bytes = 0, slot = 0;
@@ -1464,10 +1466,10 @@ static int sign_compress_segments(const float* x, int64_t segments, const int64_
         t.q[k] = per * s;
         t.r[k] = slot;
         bytes += packed_bytes(numels[s], 1);
-        slot += S * red_blocks(numels[s]);
+        slot += S * red_grid(numels[s]);
       },
       [&](const SegBatch& t, int64_t) {
-        k_sign_sums_seg<S><<<seg_grid(red_blocks(largest(t)), t), kThreads, 0, st>>>(t, x, out, sc.at<float>(0));
+        k_sign_sums_seg<S><<<seg_grid(red_grid(largest(t)), t), kThreads, 0, st>>>(t, x, out, sc.at<float>(0));
         k_sign_final_seg<S><<<t.count, 1024, 0, st>>>(t, sc.at<float>(0), scalars);
         return 0;
       });
@@ -1490,10 +1492,6 @@ API int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* 
                                    const void* b, int levels, int64_t bucket, int bits, float* out, void* stream) {
   if (method < 0 || method > 4 || (method == 3 && (bits < 1 || bits > 8 || levels < 1 || bucket < 0))) return -1;
   const int code_bits = method == 2 ? 2 : (method == 3 ? bits : 1);
-  auto rows = [&](int64_t n) {  // QSGD's norms per segment
-    const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
-    return (n + b - 1) / b;
-  };
   int64_t bytes = 0, at = 0, scalar = 0;
   return for_batches(
       segments,
@@ -1505,7 +1503,7 @@ API int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* 
         t.q[k] = method == 4 ? at : scalar;
         bytes += packed_bytes(n, code_bits);
         at += n;
-        scalar += method == 1 ? 2 : (method == 3 ? rows(n) : 1);
+        scalar += method == 1 ? 2 : (method == 3 ? qsgd_rows(n, qsgd_row(n, bucket)) : 1);
       },
       [&](const SegBatch& t, int64_t) {
         const dim3 grid = seg_grid((largest(t) + kThreads - 1) / kThreads, t);
@@ -1531,7 +1529,7 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
   int64_t most_tiles = 0;
   for (int64_t s = 0; s < segments; ++s) {
     if (numels[s] < 0 || ks[s] < 0 || ks[s] > numels[s]) return -1;
-    most_tiles += (numels[s] + kTile - 1) / kTile;
+    most_tiles += tiles_of(numels[s]);
   }
   cudaStream_t st = as_stream(stream);
   const size_t hist_bytes = align256((size_t)kSegBatch * kHistBins * sizeof(unsigned long long));
@@ -1554,7 +1552,7 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
         t.p[k] = sent;
         t.q[k] = tile;
         sent += ks[s];
-        tile += (numels[s] + kTile - 1) / kTile;
+        tile += tiles_of(numels[s]);
       },
       [&](const SegBatch& t, int64_t) {
         const int64_t n = largest(t);
@@ -1568,11 +1566,11 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
           k_topk_hist_seg<<<hist_grid, kThreads, 0, st>>>(t, new_r, state, shifts[d], bins[d], h);
           k_topk_find_seg<<<t.count, 32, 0, st>>>(t, h, bins[d], shifts[d], state);
         }
-        const dim3 tile_grid = seg_grid((n + kTile - 1) / kTile, t);
+        const dim3 tile_grid = seg_grid(tiles_of(n), t);
         k_topk_count_seg<<<tile_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce);
         k_topk_scan_seg<<<t.count, 1024, 0, st>>>(t, cg, ce, totals);
-        k_topk_write_seg<<<seg_grid(std::max<int64_t>((n + kTile - 1) / kTile, (n + kThreads - 1) / kThreads), t),
-                           kThreads, 0, st>>>(t, new_r, state, cg, ce, idx, values);
+        k_topk_write_seg<<<seg_grid(std::max<int64_t>(tiles_of(n), (n + kThreads - 1) / kThreads), t), kThreads, 0,
+                           st>>>(t, new_r, state, cg, ce, idx, values);
         return 0;
       });
 }

@@ -562,14 +562,14 @@ class Exchange:
 
         if compressor.multi_round:
             firsts, flags, pending.p, pending.rounds = [], [], [], []
+            # each result may go straight over its gradient, where it is written in the end anyway
+            over = not whole and self._writes_over(xp, g)
             for u, g_u, e, info, state in zip(units, g_units, old, infos, states):
                 if per_gradient:
                     flags.append(xp.nonfinite([g_u]))
                 # each gradient's first round right after its compensation, which is still in the cache
                 pending.p.append(self._compensated(xp, u.name, g_u, e))
-                # the result may go straight over the gradient, where it is written in the end anyway
-                out = g_u if not whole and self._writes_over(xp, g_u) else None
-                pending.rounds.append(compressor.rounds(xp, pending.p[-1], info, state, out=out))
+                pending.rounds.append(compressor.rounds(xp, pending.p[-1], info, state, out=g_u if over else None))
                 firsts.append(next(pending.rounds[-1]))
             if per_gradient:
                 pending.flag = _any_flag(xp, flags)
