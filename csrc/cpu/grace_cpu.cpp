@@ -458,6 +458,7 @@ inline F8 bits8(uint8_t b) {  // lane j: all ones where bit j of b is set
   return {_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(b), sel), sel))};
 }
 inline F8 and8(F8 m, F8 x) { return {_mm256_and_ps(m.a, x.a)}; }
+inline F8 or8(F8 m, F8 x) { return {_mm256_or_ps(m.a, x.a)}; }
 inline F8 sel8(F8 m, F8 x, F8 y) { return {_mm256_blendv_ps(y.a, x.a, m.a)}; }  // m ? x : y
 inline int mask8(F8 m) { return _mm256_movemask_ps(m.a); }
 // 8 float codes in [0, 255] (or NaN: 0) -> 8 bytes in a word, as (uint8_t)(int)c
@@ -496,6 +497,7 @@ inline F8 bits8(uint8_t b) {  // lane j: all ones where bit j of b is set
           _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(bb, sel1), sel1))};
 }
 inline F8 and8(F8 m, F8 x) { return {_mm_and_ps(m.a, x.a), _mm_and_ps(m.b, x.b)}; }
+inline F8 or8(F8 m, F8 x) { return {_mm_or_ps(m.a, x.a), _mm_or_ps(m.b, x.b)}; }
 inline F8 sel8(F8 m, F8 x, F8 y) { return {_mm_blendv_ps(y.a, x.a, m.a), _mm_blendv_ps(y.b, x.b, m.b)}; }  // m ? x : y
 inline int mask8(F8 m) { return _mm_movemask_ps(m.a) | _mm_movemask_ps(m.b) << 4; }
 // 8 float codes in [0, 255] (or NaN: 0) -> 8 bytes in a word, as (uint8_t)(int)c
@@ -509,7 +511,77 @@ inline float combine8(F8 r) {  // ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), NumPy's o
   st8(v, r);
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
+inline F8 f8(__m128 lo, __m128 hi) {  // lanes 0-3, then 4-7
+#if defined(__AVX2__)
+  return {_mm256_set_m128(hi, lo)};
+#else
+  return {lo, hi};
 #endif
+}
+// 8 floats at p (16-byte aligned when stream), streamed or stored
+inline void put8(float* p, F8 x, bool stream) {
+  if (!stream) return st8(p, x);
+#if defined(__AVX2__)
+  _mm_stream_ps(p, _mm256_castps256_ps128(x.a));
+  _mm_stream_ps(p + 4, _mm256_extractf128_ps(x.a, 1));
+#else
+  _mm_stream_ps(p, x.a);
+  _mm_stream_ps(p + 4, x.b);
+#endif
+}
+#endif
+
+// ---- the overflow check, folded into a kernel's own pass over its input ------------------------
+// x - x is +0 for every finite x and NaN for an inf or a NaN: OR-ed over the elements a kernel
+// reads, in its own loop, it tells whether any was not finite at the cost of two instructions per
+// 8 elements, where a pass of its own would read the gradient from memory once more (a check of
+// each block just after the kernel had read it, from the L1 cache, still cost half the kernel).
+class FiniteCheck {
+ public:
+#ifdef GRACE_SIMD
+  void add8(F8 x) { lanes_ = or8(lanes_, x - x); }
+#endif
+  void add(float x) {
+    const float d = x - x;
+    uint32_t u;
+    std::memcpy(&u, &d, 4);
+    one_ |= u;
+  }
+  void range(const float* x, int64_t lo, int64_t hi) {
+    int64_t i = lo;
+#ifdef GRACE_SIMD
+    F8 acc = lanes_;  // (in a register: a store to lanes_ might alias x, as far as the compiler knows)
+    for (; i + 8 <= hi; i += 8) {
+      const F8 v = ld8(x + i);
+      acc = or8(acc, v - v);
+    }
+    lanes_ = acc;
+#endif
+    for (; i < hi; ++i) add(x[i]);
+  }
+  void merge(const FiniteCheck& other) {
+#ifdef GRACE_SIMD
+    lanes_ = or8(lanes_, other.lanes_);
+#endif
+    one_ |= other.one_;
+  }
+  bool bad() const {
+#ifdef GRACE_SIMD
+    if (mask8(ge8(lanes_, lanes_)) != 0xff) return true;  // (NaN lanes compare false)
+#endif
+    return one_ != 0;
+  }
+
+ private:
+#ifdef GRACE_SIMD
+  F8 lanes_ = set8(0.0f);
+#endif
+  uint32_t one_ = 0;
+};
+// a chunk's check, told to `bad` where the caller asks (any thread may tell it)
+inline void report(const FiniteCheck& c, std::atomic<bool>* bad) {
+  if (bad && c.bad()) bad->store(true, std::memory_order_relaxed);
+}
 
 // ---- the blocks of a pairwise sum -----------------------------------------------------------
 // Terms give a kernel's S summands: terms(i, float t[S]) of element i and, with SIMD,
@@ -665,12 +737,30 @@ API int grace_cpu_unpack(const uint8_t* packed, int64_t n, int bits, uint8_t* co
 }
 
 // ---- sign family -----------------------------------------------------------------------------
-API void grace_cpu_sign_pack(const float* x, int64_t n, int negative, uint8_t* out) {
+namespace {
+// grace_cpu_sign_pack, telling `bad` (where given) whether x holds an inf or a NaN
+void sign_pack(const float* x, int64_t n, int negative, uint8_t* out, std::atomic<bool>* bad) {
   int64_t full = n / 8, rem = n % 8;
   for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) out[g] = sign_byte(x + 8 * g, negative != 0);
+    FiniteCheck check;
+    if (bad) {
+      for (int64_t g = g0; g < g1; ++g) {
+#ifdef GRACE_SIMD
+        check.add8(ld8(x + 8 * g));  // (the same load as sign_byte's)
+#else
+        check.range(x, 8 * g, 8 * g + 8);
+#endif
+        out[g] = sign_byte(x + 8 * g, negative != 0);
+      }
+    } else {
+      for (int64_t g = g0; g < g1; ++g) out[g] = sign_byte(x + 8 * g, negative != 0);
+    }
+    report(check, bad);
   });
   if (rem) {
+    FiniteCheck check;
+    check.range(x, 8 * full, n);
+    report(check, bad);
     uint8_t m = 0;
     for (int64_t j = 0; j < rem; ++j) {
       float v = x[8 * full + j];
@@ -678,6 +768,11 @@ API void grace_cpu_sign_pack(const float* x, int64_t n, int negative, uint8_t* o
     }
     out[full] = m;
   }
+}
+}  // namespace
+
+API void grace_cpu_sign_pack(const float* x, int64_t n, int negative, uint8_t* out) {
+  sign_pack(x, n, negative, out, nullptr);
 }
 
 namespace {
@@ -728,21 +823,29 @@ struct OnebitTerms {
 };
 }  // namespace
 
-// EF-signSGD: bits (x >= 0) and scale = sum|x| / max(1, n), in one pass
-API void grace_cpu_efsign_compress(const float* x, int64_t n, uint8_t* out, float* scale) {
-  Sums<1> s = pairwise_sums<1>(EfsignTerms{x, out}, n, threads_for(n));
-  scale[0] = s.v[0] / (float)std::max<int64_t>(1, n);
-}
+namespace {
+// EF-signSGD's scale from its sums: sum|x| / max(1, n)
+void efsign_scale(const Sums<1>& s, int64_t n, float* scale) { scale[0] = s.v[0] / (float)std::max<int64_t>(1, n); }
 
-// 1-bit SGD: bits (x >= 0), means [mu0, mu1] as grace/compressors/onebit.py computes them
-API void grace_cpu_onebit_compress(const float* x, int64_t n, uint8_t* out, float* means) {
-  Sums<3> s = pairwise_sums<3>(OnebitTerms{x, out}, n, threads_for(n));
+// 1-bit SGD's means [mu0, mu1] from its sums, as grace/compressors/onebit.py computes them
+void onebit_means(const Sums<3>& s, int64_t n, float* means) {
   float n_pos = s.v[0], sum_pos = s.v[1], total = s.v[2];
   float d1 = n_pos < 1.0f ? 1.0f : n_pos;
   float rest = (float)n - n_pos;
   float d0 = rest < 1.0f ? 1.0f : rest;
   means[1] = sum_pos / d1;
   means[0] = (total - sum_pos) / d0;
+}
+}  // namespace
+
+// EF-signSGD: bits (x >= 0) and scale = sum|x| / max(1, n), in one pass
+API void grace_cpu_efsign_compress(const float* x, int64_t n, uint8_t* out, float* scale) {
+  efsign_scale(pairwise_sums<1>(EfsignTerms{x, out}, n, threads_for(n)), n, scale);
+}
+
+// 1-bit SGD: bits (x >= 0), means [mu0, mu1]
+API void grace_cpu_onebit_compress(const float* x, int64_t n, uint8_t* out, float* means) {
+  onebit_means(pairwise_sums<3>(OnebitTerms{x, out}, n, threads_for(n)), n, means);
 }
 
 // ---- counter-based uniform draws --------------------------------------------------------------
@@ -1119,14 +1222,17 @@ inline uint8_t natural_code(float v, float u) {
 }  // namespace
 
 namespace {
-// groups [g0, g1) (8 elements each) of natural_compress; element i's draw is u[i - ubase]
+// groups [g0, g1) (8 elements each) of natural_compress; element i's draw is u[i - ubase]; the
+// elements into `check`
 void natural_groups(const float* x, const float* u, int64_t ubase, int64_t n, int64_t g0, int64_t g1,
-                    uint8_t* signs, uint8_t* codes) {
+                    uint8_t* signs, uint8_t* codes, FiniteCheck& check) {
+  FiniteCheck local;  // (in registers: the stores below may alias `check`, as far as the compiler knows)
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t i0 = 8 * g;
     const float* const ug = u + (i0 - ubase);  // element i0's draw and the next ones
     if (i0 + 8 <= n) {
 #ifdef GRACE_SIMD
+      local.add8(ld8(x + i0));
       if (!(g & 1)) {  // two input streams: one line of each every 16 elements
         prefetch(x + i0);
         prefetch(ug);
@@ -1152,10 +1258,12 @@ void natural_groups(const float* x, const float* u, int64_t ubase, int64_t n, in
       std::memcpy(codes + i0, &w, 8);
       signs[g] = (uint8_t)neg;
 #else
+      local.range(x, i0, i0 + 8);
       signs[g] = sign_byte(x + i0, true);
       for (int j = 0; j < 8; ++j) codes[i0 + j] = natural_code(x[i0 + j], ug[j]);
 #endif
     } else {
+      local.range(x, i0, n);
       uint8_t m = 0;
       for (int64_t j = 0; i0 + j < n; ++j) {
         m |= (uint8_t)((x[i0 + j] < 0.0f) << j);
@@ -1164,12 +1272,14 @@ void natural_groups(const float* x, const float* u, int64_t ubase, int64_t n, in
       signs[g] = m;
     }
   }
+  check.merge(local);
 }
 }  // namespace
 
 API void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes) {
   for_chunks((n + 7) / 8, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    natural_groups(x, u, 0, n, g0, g1, signs, codes);
+    FiniteCheck unused;
+    natural_groups(x, u, 0, n, g0, g1, signs, codes, unused);
   });
 }
 
@@ -1276,9 +1386,9 @@ struct Finish {
 };
 
 // out = the sum, row after row in float32, of the rows of n bits decoded to lo[j] / hi[j]
-// (then finished).
+// (then finished); streamed where `stream` (out 16-byte aligned).
 void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi, int64_t count, int64_t n, float* out,
-                   const Finish& finish = Finish()) {
+                   const Finish& finish = Finish(), bool stream = false) {
   const int64_t full = n / 8;
   for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
 #ifdef GRACE_SIMD
@@ -1288,8 +1398,9 @@ void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi,
     for (int64_t g = g0; g < g1; ++g) {
       F8 acc = sel8(bits8(rows[0][g]), vhi[0], vlo[0]);
       for (int64_t j = 1; j < count; ++j) acc = acc + sel8(bits8(rows[j][g]), vhi[j], vlo[j]);
-      st8(out + 8 * g, plain ? acc : finish.apply8(acc));
+      put8(out + 8 * g, plain ? acc : finish.apply8(acc), stream);
     }
+    fence_streams(stream);
 #else
     alignas(32) float acc[8], v[8];
     for (int64_t g = g0; g < g1; ++g) {
@@ -1316,9 +1427,10 @@ constexpr int kTernGrad = 3;  // the mode of 2-bit TernGrad codes: 0, +s, -s (an
 
 // out = the sum, row after row in float32, of rows of n TernGrad codes (4 to a byte), row j
 // decoded with its scale scale[j] as grace_cpu_terngrad_decode does: by a table of each
-// byte's four values per row.
+// byte's four values per row; finished as it is stored (streamed where `stream`, out 16-byte
+// aligned).
 void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t count, int64_t n, float* out,
-                       const Finish& finish = Finish()) {
+                       const Finish& finish = Finish(), bool stream = false) {
   std::vector<float> table((size_t)count * 256 * 4);
   std::vector<float> val((size_t)count * 4);
   for (int64_t j = 0; j < count; ++j) {
@@ -1331,23 +1443,26 @@ void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t c
   const float* const T = table.data();
   const int64_t full = n / 4;
   for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      if (g > g0 && (g - g0) % 512 == 0) finish.range(out + 4 * (g - 512), 4 * 512);  // (in L1 still)
-#if defined(__SSE2__)
+    int64_t g = g0;  // (chunks start at even groups: 8 elements at a time stay 32-byte apart)
+#ifdef GRACE_SIMD
+    auto sum4 = [&](int64_t g) {
       __m128 acc = _mm_loadu_ps(T + 4 * rows[0][g]);
       for (int64_t j = 1; j < count; ++j) acc = _mm_add_ps(acc, _mm_loadu_ps(T + ((size_t)j * 256 + rows[j][g]) * 4));
-      _mm_storeu_ps(out + 4 * g, acc);
-#else
+      return acc;
+    };
+    const bool plain = finish.none();
+    for (; g + 2 <= g1; g += 2) {
+      const F8 acc = f8(sum4(g), sum4(g + 1));
+      put8(out + 4 * g, plain ? acc : finish.apply8(acc), stream);
+    }
+    fence_streams(stream);
+#endif
+    for (; g < g1; ++g) {
       float acc[4];
       std::memcpy(acc, T + 4 * rows[0][g], sizeof acc);
       for (int64_t j = 1; j < count; ++j)
         for (int e = 0; e < 4; ++e) acc[e] += T[((size_t)j * 256 + rows[j][g]) * 4 + e];
-      std::memcpy(out + 4 * g, acc, sizeof acc);
-#endif
-    }
-    if (g1 > g0) {
-      const int64_t last = g0 + (g1 - g0 - 1) / 512 * 512;  // the last block's first group
-      finish.range(out + 4 * last, 4 * (g1 - last));
+      for (int e = 0; e < 4; ++e) out[4 * g + e] = finish.apply(acc[e]);
     }
   });
   for (int64_t i = 4 * full; i < n; ++i) {
@@ -1363,16 +1478,24 @@ void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t c
 // The sum of `count` rows of one gradient's codes; row j at rows[j], its scalars at scalars[j]
 // (mode as in grace_native.h).
 void codes_sum_rows(const uint8_t* const* rows, const float* const* scalars, int mode, int64_t count, int64_t n,
-                    float* out, const Finish& finish = Finish()) {
+                    float* out, const Finish& finish = Finish(), bool stream = false) {
   if (mode == kTernGrad) {
     std::vector<float> scale(count);
     for (int64_t j = 0; j < count; ++j) scale[j] = scalars[j][0];
-    terngrad_sum_rows(rows, scale.data(), count, n, out, finish);
+    terngrad_sum_rows(rows, scale.data(), count, n, out, finish, stream);
     return;
   }
   std::vector<float> lo(count), hi(count);
   for (int64_t j = 0; j < count; ++j) row_values(mode ? scalars[j] : nullptr, mode, lo[j], hi[j]);
-  bits_sum_rows(rows, lo.data(), hi.data(), count, n, out, finish);
+  bits_sum_rows(rows, lo.data(), hi.data(), count, n, out, finish, stream);
+}
+
+// The bytes of a bucket's float32 outputs: a bucket call streams every segment's output where
+// they are beyond the caches together (each gradient's alone may not be), as `streams` says.
+int64_t bucket_bytes(int64_t segments, const int64_t* numels) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < segments; ++s) n += std::max<int64_t>(0, numels[s]);
+  return 4 * n;
 }
 }  // namespace
 
@@ -1388,7 +1511,7 @@ API void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, con
     rows[j] = packed + j * ((n * bits + 7) / 8);
     row_scalars[j] = scalars ? scalars + per * j : nullptr;
   }
-  codes_sum_rows(rows.data(), row_scalars.data(), mode, count, n, out);
+  codes_sum_rows(rows.data(), row_scalars.data(), mode, count, n, out, Finish(), streams(out, 4 * n));
 }
 
 // grace_cpu_bits_sum of each segment s of a bucket: the ranks' rows packed[s * ranks + r] with
@@ -1398,10 +1521,11 @@ API void grace_cpu_bits_sum_segments(int64_t segments, int ranks, const uint8_t*
                                      const float* divisors, int ndiv, float* const* out) {
   std::vector<const float*> none(ranks, nullptr);
   const Finish finish(vote, divisors, ndiv);
+  const int64_t bytes = bucket_bytes(segments, numels);
   for (int64_t s = 0; s < segments; ++s) {
     if (numels[s] <= 0 || ranks <= 0) continue;
     codes_sum_rows(packed + s * ranks, mode ? scalars + s * ranks : none.data(), mode, ranks, numels[s], out[s],
-                   finish);
+                   finish, streams(out[s], bytes));
   }
 }
 
@@ -1640,20 +1764,21 @@ namespace {
 // out = the sum, row after row in float32, of `count` rows decoded by decode(j, lo, hi, dst)
 // (row j's elements [lo, hi) into dst[0, hi - lo)): block by block, row 0 decoded into out and
 // every further row into a buffer in L1, then added; or added by add(j, lo, hi, dst) itself
-// where it can (it returns false where it cannot).
+// where it can (it returns false where it cannot). Where `stream` (out 16-byte aligned), each
+// block is summed and finished in L1 and then streamed to out.
 struct NoAdd {
   bool operator()(int64_t, int64_t, int64_t, float*) const { return false; }
 };
 
 template <class Decode, class Add = NoAdd>
-void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, const Decode& decode,
+void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, bool stream, const Decode& decode,
                  const Add& add = Add()) {
   constexpr int64_t kBlock = 2048;
   for_chunks(n, kBlock, threads_for(n), [&](int, int64_t lo, int64_t hi) {
-    alignas(32) float buf[kBlock];
+    alignas(32) float buf[kBlock], sum[kBlock];
     for (int64_t b = lo; b < hi; b += kBlock) {
       const int64_t e = std::min(hi, b + kBlock), m = e - b;
-      float* const o = out + b;
+      float* const o = stream ? sum : out + b;
       decode(0, b, e, o);
       for (int64_t j = 1; j < count; ++j) {
         if (add(j, b, e, o)) continue;
@@ -1665,7 +1790,15 @@ void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, con
         for (; i < m; ++i) o[i] += buf[i];
       }
       finish.range(o, m);
+      if (stream) {
+        int64_t i = 0;
+#ifdef GRACE_SIMD
+        for (; i + 8 <= m; i += 8) put8(out + b + i, ld8(o + i), true);
+#endif
+        std::memcpy(out + b + i, o + i, 4 * (m - i));
+      }
     }
+    fence_streams(stream);
   });
 }
 }  // namespace
@@ -1677,10 +1810,11 @@ API void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8
                                         const uint8_t* const* codes, const int64_t* numels, int vote,
                                         const float* divisors, int ndiv, float* const* out) {
   const Finish finish(vote, divisors, ndiv);
+  const int64_t bytes = bucket_bytes(segments, numels);
   for (int64_t s = 0; s < segments; ++s) {
     const uint8_t* const* S = signs + s * ranks;
     const uint8_t* const* C = codes + s * ranks;
-    decoded_sum(ranks, numels[s], out[s], finish, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+    decoded_sum(ranks, numels[s], out[s], finish, streams(out[s], bytes), [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
       natural_decode_range(S[j], C[j], lo, hi, dst, false);
     }, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
 #if defined(GRACE_SIMD) && defined(__AVX2__)
@@ -1705,12 +1839,13 @@ API int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* 
   float lut[256];
   qsgd_code_values(levels, lut);
   const Finish finish(vote, divisors, ndiv);
+  const int64_t bytes = bucket_bytes(segments, numels);
   for (int64_t s = 0; s < segments; ++s) {
     const int64_t n = numels[s], b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
     const uint8_t* const* P = packed + s * ranks;
     const float* const* N = norms + s * ranks;
     with_width(bits, [&](auto w) {
-      decoded_sum(ranks, n, out[s], finish, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+      decoded_sum(ranks, n, out[s], finish, streams(out[s], bytes), [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
         qsgd_decode_groups<decltype(w)::value>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, lo, false);
       });
     });
@@ -1964,16 +2099,51 @@ inline float compensate(float g, float r, float beta, float gamma, int flags) {
   return p + ((flags & 2) ? r * beta : r);
 }
 
-// p = compensate(g, r) of n elements into p (may be r), in parallel chunks
-void compensate_into(const float* g, const float* r, int64_t n, float beta, float gamma, int flags, float* p) {
+// p = compensate(g, r) of n elements into p (may be r), in parallel chunks; whether g holds an
+// inf or a NaN told to `bad` where given
+void compensate_into(const float* g, const float* r, int64_t n, float beta, float gamma, int flags, float* p,
+                     std::atomic<bool>* bad = nullptr) {
   for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
-    if (flags == 0) {  // (the common loop, without the multiplies)
-      for (int64_t i = lo; i < hi; ++i) p[i] = g[i] + r[i];
-    } else {
-      for (int64_t i = lo; i < hi; ++i) p[i] = compensate(g[i], r[i], beta, gamma, flags);
+    FiniteCheck check;
+    int64_t i = lo;
+#ifdef GRACE_SIMD
+    const F8 vb = set8(beta), vg = set8(gamma);
+    for (; i + 8 <= hi; i += 8) {
+      const F8 a = ld8(g + i), b = ld8(r + i);
+      check.add8(a);
+      st8(p + i, ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b));
     }
+#endif
+    for (; i < hi; ++i) {
+      check.add(g[i]);
+      p[i] = compensate(g[i], r[i], beta, gamma, flags);
+    }
+    report(check, bad);
   });
 }
+
+// A bucket call's overflow flag (its `nonfinite` argument, may be NULL): 1.0f where any gradient
+// holds an inf or a NaN, else 0.0f, written on every return. The kernels that fold the check into
+// their pass report to `seen` (a chunk at a time, from any thread); `check` reads the payload
+// field that carries every inf and NaN of a step (top-k's values, the sign family's scalars).
+class NonfiniteFlag {
+ public:
+  explicit NonfiniteFlag(float* out) : out_(out) {}
+  ~NonfiniteFlag() {
+    if (out_) *out_ = seen.load(std::memory_order_relaxed) ? 1.0f : 0.0f;
+  }
+  std::atomic<bool>* wanted() { return out_ ? &seen : nullptr; }
+  void check(const float* x, int64_t n) {
+    if (!out_ || seen.load(std::memory_order_relaxed)) return;
+    FiniteCheck c;
+    c.range(x, 0, n);
+    if (c.bad()) seen.store(true, std::memory_order_relaxed);
+  }
+  std::atomic<bool> seen{false};
+
+ private:
+  float* out_;
+};
 }  // namespace
 
 API int64_t grace_cpu_topk(const void* x, int val_type, int64_t n, int64_t k, int by_abs, void* idx, int idx_type,
@@ -2207,17 +2377,21 @@ API int64_t grace_cpu_topk_ef(const float* g, const float* r, int64_t n, int64_t
   return m;
 }
 
-API int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma,
-                                   int flags, float* values, void* idx, int idx_type, float* new_r) {
+namespace {
+// grace_cpu_threshold_ef, telling `bad` (where given) whether g holds an inf or a NaN
+int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma, int flags,
+                     float* values, void* idx, int idx_type, float* new_r, std::atomic<bool>* bad) {
   if (!idx_type_ok(idx_type) || n < 0) return -1;
   const int nc = threads_for(n);
   std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
   for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
     int64_t q = lo, i = lo;
+    FiniteCheck check;
 #ifdef GRACE_SIMD
     const F8 t = set8(thr), vb = set8(beta), vg = set8(gamma), zero = set8(0.0f);
     for (; i + 8 <= hi; i += 8) {
       F8 a = ld8(g + i), b = ld8(r + i);
+      check.add8(a);
       F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
       int m = mask8(ge8(abs8(p), t));
       st8(new_r + i, p);
@@ -2233,6 +2407,7 @@ API int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, fl
     (void)zero;
 #endif
     for (; i < hi; ++i) {
+      check.add(g[i]);
       float p = compensate(g[i], r[i], beta, gamma, flags);
       if (std::fabs(p) >= thr) {
         write_index(idx, idx_type, q, i);
@@ -2242,6 +2417,7 @@ API int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, fl
         new_r[i] = p;
       }
     }
+    report(check, bad);
     count[c] = q - lo;
     lo_of[c] = lo;
   });
@@ -2255,6 +2431,12 @@ API int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, fl
     pos += count[c];
   }
   return pos;
+}
+}  // namespace
+
+API int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma,
+                                   int flags, float* values, void* idx, int idx_type, float* new_r) {
+  return threshold_ef(g, r, n, thr, beta, gamma, flags, values, idx, idx_type, new_r, nullptr);
 }
 
 // ---- scatter-add -----------------------------------------------------------------------------
@@ -2344,28 +2526,65 @@ API int grace_cpu_scatter_add(int count, const void* const* idx, const int* idx_
 // into values[s] and idx[s] (type idx_types[s]). 0, or -1 on bad arguments.
 API int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                                const int64_t* n, const int64_t* k, float beta, float gamma, int flags,
-                               float* const* values, void* const* idx, const int* idx_types) {
+                               float* const* values, void* const* idx, const int* idx_types, float* nonfinite) {
+  NonfiniteFlag flag(nonfinite);
   for (int64_t s = 0; s < count; ++s) {
     const int64_t ks = std::max<int64_t>(0, std::min(k[s], n[s]));
     if (grace_cpu_topk_ef(g[s], r[s], n[s], ks, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s]) != ks)
       return -1;
+    flag.check(values[s], ks);  // (an inf or a NaN of p ranks above every number: it is sent)
   }
   return 0;
 }
 
+namespace {
+// The Terms of p = compensate(g, r) (see Blocks), which store p into `p` on the way for the
+// compression's own terms (`inner`, reading p there): compensation and compression in one pass.
+template <class Inner>
+struct CompensatedTerms {
+  const float *g, *r;
+  float* p;
+  float beta, gamma;
+  int flags;
+  Inner inner;
+  void operator()(int64_t i, float* t) const {
+    p[i] = compensate(g[i], r[i], beta, gamma, flags);
+    inner(i, t);
+  }
+#ifdef GRACE_SIMD
+  void group(int64_t i, F8* t) const {
+    const F8 a = ld8(g + i), b = ld8(r + i);
+    st8(p + i, ((flags & 1) ? a * set8(gamma) : a) + ((flags & 2) ? b * set8(beta) : b));
+    inner.group(i, t);
+  }
+#endif
+};
+}  // namespace
+
 // The residual step of EF-signSGD (mode 1) or 1-bit SGD (mode 2) for every segment s: p =
-// compensate(g, r) into new_r[s] (may be r[s]), its bits and scalars (grace_cpu_efsign_compress or
-// grace_cpu_onebit_compress of p) into packed[s] and scalars[s], then new_r[s] = p - decode(bits),
-// each gradient in turn (it stays in the cache between the passes); -1 for another mode
+// compensate(g, r) into new_r[s] (may be r[s]) with its bits and scalars (grace_cpu_efsign_compress
+// or grace_cpu_onebit_compress of p) into packed[s] and scalars[s] in the same pass, then
+// new_r[s] = p - decode(bits), each gradient in turn (it stays in the cache between the passes);
+// -1 for another mode
 API int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                                const int64_t* n, float beta, float gamma, int flags, int mode, uint8_t* const* packed,
-                               float* const* scalars) {
+                               float* const* scalars, float* nonfinite) {
   if (mode != 1 && mode != 2) return -1;
+  NonfiniteFlag flag(nonfinite);
   for (int64_t s = 0; s < count; ++s) {
     float* const ps = new_r[s];
-    compensate_into(g[s], r[s], n[s], beta, gamma, flags, ps);
-    (mode == 1 ? grace_cpu_efsign_compress : grace_cpu_onebit_compress)(ps, n[s], packed[s], scalars[s]);
+    const int nt = threads_for(n[s]);
+    if (mode == 1) {
+      const Sums<1> sums = pairwise_sums<1>(
+          CompensatedTerms<EfsignTerms>{g[s], r[s], ps, beta, gamma, flags, {ps, packed[s]}}, n[s], nt);
+      efsign_scale(sums, n[s], scalars[s]);
+    } else {
+      const Sums<3> sums = pairwise_sums<3>(
+          CompensatedTerms<OnebitTerms>{g[s], r[s], ps, beta, gamma, flags, {ps, packed[s]}}, n[s], nt);
+      onebit_means(sums, n[s], scalars[s]);
+    }
     grace_cpu_bits_residual(ps, packed[s], n[s], scalars[s], mode, ps);
+    flag.check(scalars[s], mode == 1 ? 1 : 2);  // (not finite where p is not)
   }
   return 0;
 }
@@ -2374,11 +2593,14 @@ API int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float
 // room for n[s]); -1 where one fails
 API int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                                     const int64_t* n, float thr, float beta, float gamma, int flags,
-                                    float* const* values, void* const* idx, const int* idx_types, int64_t* counts) {
-  for (int64_t s = 0; s < count; ++s)
-    if ((counts[s] = grace_cpu_threshold_ef(g[s], r[s], n[s], thr, beta, gamma, flags, values[s], idx[s], idx_types[s],
-                                            new_r[s])) < 0)
-      return -1;
+                                    float* const* values, void* const* idx, const int* idx_types, int64_t* counts,
+                                    float* nonfinite) {
+  NonfiniteFlag flag(nonfinite);
+  for (int64_t s = 0; s < count; ++s) {
+    counts[s] = threshold_ef(g[s], r[s], n[s], thr, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s],
+                             flag.wanted());
+    if (counts[s] < 0) return -1;
+  }
   return 0;
 }
 
@@ -2435,13 +2657,15 @@ API int grace_cpu_random_indices_segments(int64_t segments, const int64_t* numel
 // nothing written) where an index is out of range.
 API int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                                   const int64_t* n, const int64_t* k, const int64_t* const* idx, float beta,
-                                  float gamma, int flags, const float* scale, float* const* values) {
+                                  float gamma, int flags, const float* scale, float* const* values,
+                                  float* nonfinite) {
   for (int64_t s = 0; s < count; ++s)
     for (int64_t j = 0; j < k[s]; ++j)
       if (idx[s][j] < 0 || idx[s][j] >= n[s]) return -1;
+  NonfiniteFlag flag(nonfinite);
   for (int64_t s = 0; s < count; ++s) {
     float* const ps = new_r[s];
-    compensate_into(g[s], r[s], n[s], beta, gamma, flags, ps);
+    compensate_into(g[s], r[s], n[s], beta, gamma, flags, ps, flag.wanted());
     for (int64_t j = 0; j < k[s]; ++j) {
       const int64_t i = idx[s][j];
       const float p = ps[i], v = scale ? p * scale[s] : p;
@@ -2466,13 +2690,14 @@ API void grace_cpu_uniform_segments(int64_t segments, const int64_t* numels, con
 namespace {
 // DGC's momentum correction of elements [lo, hi): p = v + (m u + g) into v_out and p - v into
 // u_out (each rounding as the tensor ops make it: a product, then two sums; outputs may be their
-// inputs); where kSelect, the indices of those with |p| >= thr written from sel[q] on: the new q.
+// inputs); where kSelect, the indices of those with |p| >= thr written from sel[q] on: the new q;
+// g's elements into `check`.
 // Selecting, the outputs are streamed where aligned (AVX2): later only the few elements sent are
 // read again, and streaming saves reading each output line before it is written (1.5 of 11 ms
 // for 48 steps of 1 MB).
 template <bool kSelect>
 int64_t dgc_range(const float* u, const float* v, const float* g, float m, float* u_out, float* v_out, int64_t lo,
-                  int64_t hi, float thr = 0.0f, int64_t* sel = nullptr, int64_t q = 0) {
+                  int64_t hi, FiniteCheck& check, float thr = 0.0f, int64_t* sel = nullptr, int64_t q = 0) {
   int64_t i = lo;
 #if defined(GRACE_SIMD) && defined(__AVX2__)
   const bool nt = kSelect && (uintptr_t)(u_out + lo) % 32 == 0 && (uintptr_t)(v_out + lo) % 32 == 0;
@@ -2480,7 +2705,8 @@ int64_t dgc_range(const float* u, const float* v, const float* g, float m, float
 #ifdef GRACE_SIMD
   const F8 vm = set8(m), t = set8(thr);
   for (; i + 8 <= hi; i += 8) {
-    const F8 vv = ld8(v + i), p = vv + (vm * ld8(u + i) + ld8(g + i));
+    const F8 vv = ld8(v + i), gg = ld8(g + i), p = vv + (vm * ld8(u + i) + gg);
+    check.add8(gg);
 #if defined(__AVX2__)
     if (nt) {
       _mm256_stream_ps(u_out + i, (p - vv).a);
@@ -2497,6 +2723,7 @@ int64_t dgc_range(const float* u, const float* v, const float* g, float m, float
 #endif
   for (; i < hi; ++i) {
     const float vv = v[i], p = vv + (m * u[i] + g[i]);
+    check.add(g[i]);
     u_out[i] = p - vv;
     v_out[i] = p;
     if (kSelect && std::fabs(p) >= thr) sel[q++] = i;
@@ -2506,14 +2733,16 @@ int64_t dgc_range(const float* u, const float* v, const float* g, float m, float
 
 // The momentum correction of n elements and, in the same pass, the indices (ascending) of those
 // with |p| >= thr into sel (room for n; each chunk's at the start of its own range, then moved
-// together): their count.
+// together): their count. Whether g holds an inf or a NaN told to `bad` where given.
 int64_t dgc_compensate_select(const float* u, const float* v, const float* g, int64_t n, float m, float thr,
-                              float* u_out, float* v_out, int64_t* sel) {
+                              float* u_out, float* v_out, int64_t* sel, std::atomic<bool>* bad) {
   const int nc = threads_for(n);
   std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
   for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
-    count[c] = dgc_range<true>(u, v, g, m, u_out, v_out, lo, hi, thr, sel, lo) - lo;
+    FiniteCheck check;
+    count[c] = dgc_range<true>(u, v, g, m, u_out, v_out, lo, hi, check, thr, sel, lo) - lo;
     lo_of[c] = lo;
+    report(check, bad);
   });
   fence_streams(true);
   int64_t pos = 0;
@@ -2523,13 +2752,22 @@ int64_t dgc_compensate_select(const float* u, const float* v, const float* g, in
   }
   return pos;
 }
+
+// the momentum correction alone (grace_cpu_dgc_compensate), telling `bad` as above
+void dgc_compensate(const float* u, const float* v, const float* g, int64_t n, float m, float* u_out, float* v_out,
+                    std::atomic<bool>* bad) {
+  for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
+    FiniteCheck check;
+    dgc_range<false>(u, v, g, m, u_out, v_out, lo, hi, check);
+    report(check, bad);
+  });
+}
 }  // namespace
 
 // p = v + (m u + g) into v_out and p - v into u_out, in one pass (outputs may be their inputs)
 API void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g, int64_t n, float m, float* u_out,
                                   float* v_out) {
-  for_chunks(n, 64, threads_for(n),
-             [&](int, int64_t lo, int64_t hi) { dgc_range<false>(u, v, g, m, u_out, v_out, lo, hi); });
+  dgc_compensate(u, v, g, n, m, u_out, v_out, nullptr);
 }
 
 // DGC's whole step for every gradient s of a bucket, as DGCMemory.fused_step and DGC.select make
@@ -2544,7 +2782,7 @@ API void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g
 API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const float* const* u, const float* const* v,
                                 float* const* u_out, float* const* v_out, const int64_t* n, float m, double ratio,
                                 double sample_ratio, const uint32_t* s0, const uint32_t* s1, float* const* values,
-                                void* const* idx, const int* idx_types, int64_t* counts) {
+                                void* const* idx, const int* idx_types, int64_t* counts, float* nonfinite) {
   if (count < 0 || !(ratio > 0 && ratio <= 1) || !(sample_ratio > 0 && sample_ratio <= 1)) return -1;
   int64_t most = 0;
   for (int64_t s = 0; s < count; ++s) {
@@ -2556,6 +2794,7 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
   std::vector<float> drawn, cand;
   std::vector<uint32_t> keys;
   std::vector<int64_t> pick;
+  NonfiniteFlag flag(nonfinite);
   for (int64_t s = 0; s < count; ++s) {
     const int64_t d = n[s];
     counts[s] = 0;
@@ -2574,7 +2813,7 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     keys.resize(S);
     int64_t c;
     if (S == d) {  // every element: compensate, then select
-      grace_cpu_dgc_compensate(u[s], v[s], g[s], d, m, un, p);
+      dgc_compensate(u[s], v[s], g[s], d, m, un, p, flag.wanted());
       for (int64_t j = 0; j < d; ++j) keys[j] = KeyOf<float>::key(p[j], true);
       c = threshold_f32(p, d, threshold(), true, sel.get(), GRACE_I64, nullptr);
     } else {  // the sample's p first (the same sums as the pass makes), then compensate and select in one pass
@@ -2585,7 +2824,7 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
         const int64_t i = (int64_t)std::floor(drawn[j] * df);
         keys[j] = KeyOf<float>::key(v[s][i] + (m * u[s][i] + g[s][i]), true);
       }
-      c = dgc_compensate_select(u[s], v[s], g[s], d, m, threshold(), un, p, sel.get());
+      c = dgc_compensate_select(u[s], v[s], g[s], d, m, threshold(), un, p, sel.get(), flag.wanted());
     }
     const int64_t* chosen = sel.get();
     if (c > k) {  // the sample underestimated the threshold: the k largest of those selected
@@ -2692,13 +2931,23 @@ API void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves
 // ---- draws made where they are used ----------------------------------------------------------
 // natural_compress with the counter-based draws of seed words (s0, s1) (grace_cpu_uniform_segments'
 // draw i for element i), made block by block in L1 instead of read from a tensor of n draws
+namespace {
+// grace_cpu_natural_compress_drawn, telling `bad` (where given) whether x holds an inf or a NaN
+void natural_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, uint8_t* signs, uint8_t* codes,
+                            std::atomic<bool>* bad) {
+  for_chunks((n + 7) / 8, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    FiniteCheck check;
+    with_draws(n, g0, g1, s0, s1, [&](const float* u, int64_t ubase, int64_t g, int64_t ge) {
+      natural_groups(x, u, ubase, n, g, ge, signs, codes, check);
+    });
+    report(check, bad);
+  });
+}
+}  // namespace
+
 API void grace_cpu_natural_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32_t s1, uint8_t* signs,
                                           uint8_t* codes) {
-  for_chunks((n + 7) / 8, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    with_draws(n, g0, g1, s0, s1, [&](const float* u, int64_t ubase, int64_t g, int64_t ge) {
-      natural_groups(x, u, ubase, n, g, ge, signs, codes);
-    });
-  });
+  natural_compress_drawn(x, n, s0, s1, signs, codes, nullptr);
 }
 
 // terngrad_compress with its scale (max |x|) found here and the draws of seed words (s0, s1)
@@ -2729,23 +2978,34 @@ API int grace_cpu_qsgd_compress_drawn(const float* x, int64_t n, uint32_t s0, ui
 // kernel of `method`: 0 signSGD (sign_pack: bits into out0), 1 TernGrad (codes into out0, scale
 // into out1), 2 QSGD (codes into out0, norms into out1; levels, bucket (0: the whole gradient) and
 // bits), 3 natural compression (signs into out0, codes into out1); the random ones with the draws
-// of seed words (s0[s], s1[s]). -1 on an unknown method or bad QSGD parameters.
+// of seed words (s0[s], s1[s]); the overflow flag into *nonfinite where given. -1 on an unknown
+// method or bad QSGD parameters.
 API int grace_cpu_compress_many(int method, int64_t count, const float* const* x, const int64_t* n, const uint32_t* s0,
                                 const uint32_t* s1, void* const* out0, void* const* out1, int levels, int64_t bucket,
-                                int bits) {
+                                int bits, float* nonfinite) {
   if (method < 0 || method > 3 || (method == 2 && (bits < 1 || bits > 8 || levels < 1))) return -1;
+  NonfiniteFlag flag(nonfinite);
+  // (TernGrad's scale and QSGD's norms are not finite where x is not: no check of their own)
+  auto scalars_tell = [&](const float* v, int64_t count) {
+    for (int64_t j = 0; j < count && flag.wanted(); ++j)
+      if (!std::isfinite(v[j])) flag.seen.store(true, std::memory_order_relaxed);
+  };
   for (int64_t s = 0; s < count; ++s) {
     uint8_t* const a = (uint8_t*)out0[s];
+    float* const scalars = out1 ? (float*)out1[s] : nullptr;
     switch (method) {
-      case 0: grace_cpu_sign_pack(x[s], n[s], 0, a); break;
-      case 1: grace_cpu_terngrad_compress_drawn(x[s], n[s], s0[s], s1[s], (float*)out1[s], a); break;
+      case 0: sign_pack(x[s], n[s], 0, a, flag.wanted()); break;
+      case 1:
+        grace_cpu_terngrad_compress_drawn(x[s], n[s], s0[s], s1[s], scalars, a);
+        scalars_tell(scalars, 1);
+        break;
       case 2: {
         const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n[s], 1);
-        if (grace_cpu_qsgd_compress_drawn(x[s], n[s], s0[s], s1[s], levels, b, bits, (float*)out1[s], a) != 0)
-          return -1;
+        if (grace_cpu_qsgd_compress_drawn(x[s], n[s], s0[s], s1[s], levels, b, bits, scalars, a) != 0) return -1;
+        scalars_tell(scalars, (n[s] + b - 1) / b);
         break;
       }
-      default: grace_cpu_natural_compress_drawn(x[s], n[s], s0[s], s1[s], a, (uint8_t*)out1[s]);
+      default: natural_compress_drawn(x[s], n[s], s0[s], s1[s], a, (uint8_t*)scalars, flag.wanted());
     }
   }
   return 0;

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 9
+#define GRACE_NATIVE_ABI 10
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -96,7 +96,8 @@ void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g, in
 int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const float* const* u, const float* const* v,
                             float* const* u_out, float* const* v_out, const int64_t* n, float m, double ratio,
                             double sample_ratio, const uint32_t* s0, const uint32_t* s1, float* const* values,
-                            void* const* idx, const int* idx_types, int64_t* counts);
+                            void* const* idx, const int* idx_types, int64_t* counts,
+                            float* nonfinite);
 
 /* counter-based uniform draws: draw j (0 <= j < numels[s]) of segment s is
  * (h(h(j ^ s0[s]) ^ s1[s]) >> 8) * 2^-24, h a 32-bit integer hash (grace/core/draws.py), written
@@ -131,24 +132,29 @@ int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, float 
 int grace_cpu_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,
                           const int64_t* lengths, int val_type, int64_t numel, void* dense);
 /* a bucket in one call (segment s at its own pointers): grace_cpu_topk_ef on every segment, and
- * every segment's sparse aggregate over `ranks` payloads ([s * ranks + r]) divided by `divisor` */
+ * every segment's sparse aggregate over `ranks` payloads ([s * ranks + r]) divided by `divisor`.
+ * The bucket steps' (and grace_cpu_dgc_step_many's and grace_cpu_compress_many's) last argument,
+ * `nonfinite` (may be NULL), receives the overflow flag: 1.0f where any gradient holds an inf or a
+ * NaN, else 0.0f (top-k's and the sign family's steps read it from the payload field that carries
+ * every inf and NaN of theirs, as the exchange does) */
 int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                            const int64_t* n, const int64_t* k, float beta, float gamma, int flags,
-                           float* const* values, void* const* idx, const int* idx_types);
+                           float* const* values, void* const* idx, const int* idx_types, float* nonfinite);
 /* EF-signSGD's (mode 1) or 1-bit SGD's (mode 2) residual step for every segment: p = compensate(g, r)
  * into new_r, its bits and scalars into packed[s] and scalars[s], then new_r = p - decode(bits) */
 int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                            const int64_t* n, float beta, float gamma, int flags, int mode, uint8_t* const* packed,
-                           float* const* scalars);
+                           float* const* scalars, float* nonfinite);
 /* grace_cpu_threshold_ef on every segment, the counts into counts[s] (values[s], idx[s]: room for n[s]) */
 int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                                 const int64_t* n, float thr, float beta, float gamma, int flags, float* const* values,
-                                void* const* idx, const int* idx_types, int64_t* counts);
+                                void* const* idx, const int* idx_types, int64_t* counts,
+                                float* nonfinite);
 /* random-k's residual step for every segment: p = compensate(g, r) into new_r, the values at the k[s]
  * distinct indices idx[s] (times scale[s] where scale is given), and new_r there p - (0 + value) */
 int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                               const int64_t* n, const int64_t* k, const int64_t* const* idx, float beta, float gamma,
-                              int flags, const float* scale, float* const* values);
+                              int flags, const float* scale, float* const* values, float* nonfinite);
 int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* const* idx, const int* idx_types,
                                    const void* const* values, const int64_t* lengths, float divisor,
                                    const int64_t* numels, float* const* dense);
@@ -167,7 +173,7 @@ int grace_cpu_qsgd_compress_drawn(const float* x, int64_t n, uint32_t s0, uint32
  * scalars or natural's codes); -1 on bad arguments */
 int grace_cpu_compress_many(int method, int64_t count, const float* const* x, const int64_t* n, const uint32_t* s0,
                             const uint32_t* s1, void* const* out0, void* const* out1, int levels, int64_t bucket,
-                            int bits);
+                            int bits, float* nonfinite);
 /* fp16's payload, a bucket at a time (segment s at its own pointers): outs[s][i] = xs[s][i] / divisor
  * rounded to IEEE half (nearest even), and its decode outs[s][i] = (float(halves[s][i]) * factor) / divisor */
 void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,

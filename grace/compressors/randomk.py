@@ -45,7 +45,7 @@ class RandomK(Compressor):
         shape, indices = ctx
         return xp.reshape(xp.scatter_add(indices, payload[0], shape.numel), shape.shape)
 
-    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs):
+    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None):
         """Residual memory's step for every gradient of a bucket in one native call (CPU):
         compensate, gather and the new memory (p, with p - (0 + v) at the sent indices), with
         every gradient's indices drawn first by one call of the backend's draws."""
@@ -57,7 +57,7 @@ class RandomK(Compressor):
                            ks)
         scales = [d / k if k else 1.0 for d, k in zip(numels, ks)] if self.scale else None
         done = native_or_none(xp, "randomk_ef_step_many", gs[0], gs, residuals, indices, beta, gamma, scales,
-                              outs=outs)
+                              outs=outs, nonfinite=flag)
         if done is None:
             return None
         return [((v,), (Shape(xp.shape(g), xp.dtype(g)), i), xp.reshape(e, xp.shape(g)))

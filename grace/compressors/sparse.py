@@ -35,9 +35,9 @@ class Sparsifier(Compressor):
         values, indices, residual = fused(g, residual, self.kernel_argument(xp.numel(g)), beta, gamma, **where)
         return (values, indices), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(residual, xp.shape(g))
 
-    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs):
+    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None):
         done = native_or_none(xp, self.residual_kernel_many, gs[0], gs, residuals,
-                              [self.kernel_argument(xp.numel(g)) for g in gs], beta, gamma, outs=outs)
+                              [self.kernel_argument(xp.numel(g)) for g in gs], beta, gamma, outs=outs, nonfinite=flag)
         if done is None:
             return None
         return [((v, i), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(r, xp.shape(g))) for v, i, r, g in zip(*done, gs)]

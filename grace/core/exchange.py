@@ -552,12 +552,16 @@ class Exchange:
             old.append(store.get("memory", u.name, lambda t: memory.init(xp, t), g_u))
         pending = BucketPending(bucket, xp, units, g, old)
         # The overflow flag from a pass over the gradients, at once (one kernel on an accelerator,
-        # one sum per gradient on a CPU); a multi-round method's on a CPU gradient by gradient,
-        # each just before its first round (that pass leaves it in the cache: the round's
-        # products read it from there)
+        # one sum per gradient on a CPU), or from the payloads where they carry it; a multi-round
+        # method's on a CPU gradient by gradient, each just before its first round (that pass
+        # leaves it in the cache: the round's products read it from there); on a CPU by the
+        # bucket call, where one runs, which checks each gradient as it reads it (no pass of its
+        # own), or the payload field as it writes it
         flagged = self._guarded and not self._flag_from_payload
         per_gradient = flagged and compressor.multi_round and not xp.on_accelerator(g)
-        if flagged and not per_gradient:
+        in_call = self._guarded and not compressor.multi_round and len(units) > 1 and xp.mutable_tensors \
+            and not xp.on_accelerator(g)
+        if flagged and not per_gradient and not in_call:
             pending.flag = xp.nonfinite(g_units)
 
         if compressor.multi_round:
@@ -599,11 +603,16 @@ class Exchange:
         # update_into): no step allocates (and page-faults) gradient-sized buffers.
         spares = [self._spare_memory(u.name, xp, e) if memory.needs_feedback else None for u, e in zip(units, old)]
         # one native call for all the bucket's gradients where there is one (a CPU's top-k, DGC)
-        steps = memory.fused_steps(xp, compressor, g_units, old, infos, spares) \
+        flag = xp.zeros(1, "float32", like=g) if in_call else None
+        steps = memory.fused_steps(xp, compressor, g_units, old, infos, spares, flag) \
             if len(units) > 1 and all(s is not None for s in spares) else None
         if steps is None and memory.passes_gradient and len(units) > 1:  # no memory: the payloads alone
-            many = compressor.compress_many(xp, g_units, infos)
+            many = compressor.compress_many(xp, g_units, infos, flag)
             steps = None if many is None else [(payload, ctx, None) for payload, ctx in many]
+        if in_call and steps is not None:
+            pending.flag = flag
+        elif in_call and flagged:
+            pending.flag = xp.nonfinite(g_units)
         payloads, new_memory = [], []
         for i, (u, g_u, info, state, e) in enumerate(zip(units, g_units, infos, states, old)):
             spare = spares[i]
@@ -631,7 +640,7 @@ class Exchange:
             payloads.append(payload)
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
-        if self._flag_from_payload:
+        if self._flag_from_payload and pending.flag is None:
             pending.flag = self._payload_flag(xp, payloads)
 
         if self.compression.collective is Collective.ALLREDUCE:

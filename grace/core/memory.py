@@ -53,9 +53,11 @@ class Memory:
         (fields, ctx, new state), or None."""
         return None
 
-    def fused_steps(self, xp, compressor, gs, states, infos, outs):
+    def fused_steps(self, xp, compressor, gs, states, infos, outs, flag=None):
         """``fused_step`` of every gradient of a bucket in one call, the new states written
-        into ``outs``: a list of (payload, ctx, new state), or None."""
+        into ``outs``: a list of (payload, ctx, new state), or None. ``flag`` (optional, a
+        one-element float32 tensor): where it runs, the call writes the bucket's overflow flag
+        into it (1 where any gradient holds an inf or a NaN), with no pass of its own."""
         return None
 
     def fused_step(self, xp, compressor, g, state: Optional[Any], info, out=None):

@@ -39,13 +39,13 @@ class DGCMemory(Memory):
         sent = p_hat != 0
         return xp.where(sent, u * 0, u), p - p_hat
 
-    def fused_steps(self, xp, compressor, gs, states, infos, outs):
+    def fused_steps(self, xp, compressor, gs, states, infos, outs, flag=None):
         """fused_step of a whole bucket in one native call, where the compressor has one (DGC's
         selection, on a CPU) and nothing is clipped (a norm per gradient first)."""
         many = getattr(compressor, "compress_many_with_momentum", None)
         if many is None or self.clip_norm or not xp.mutable_tensors:
             return None
-        return many(xp, gs, states, self.momentum, infos, outs)
+        return many(xp, gs, states, self.momentum, infos, outs, flag)
 
     def fused_step(self, xp, compressor, g, state, info, out=None):
         """The same step with the new (u, v) written into ``out`` (buffers like the state, where

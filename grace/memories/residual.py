@@ -43,8 +43,8 @@ class ResidualMemory(Memory):
     def fused_segments(self, xp, compressor, g, residual, table, infos):
         return compressor.compress_segments_with_residual(xp, g, residual, self.beta, self.gamma, table, infos)
 
-    def fused_steps(self, xp, compressor, gs, residuals, infos, outs):
-        return compressor.compress_many_with_residual(xp, gs, residuals, self.beta, self.gamma, infos, outs)
+    def fused_steps(self, xp, compressor, gs, residuals, infos, outs, flag=None):
+        return compressor.compress_many_with_residual(xp, gs, residuals, self.beta, self.gamma, infos, outs, flag)
 
     def fused_step(self, xp, compressor, g, residual, info, out=None):
         return compressor.compress_with_residual(xp, g, residual, self.beta, self.gamma, info, out)

@@ -667,11 +667,12 @@ def qsgd_compress_drawn(x, words, levels: int, bucket_size: int = 0):
 _COMPRESS_MANY = {"signsgd": 0, "terngrad": 1, "qsgd": 2, "natural": 3}
 
 
-def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int = 0):
+def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int = 0, nonfinite=None):
     """The payloads of every gradient of a bucket in one call (CPU): signsgd_compress, or
     terngrad_, qsgd_ or natural_compress_drawn with each gradient's seed words ``words[s]``, of
     each of the float32 ``xs``. A list of payloads, each a tuple of views of one buffer per
-    payload tensor (the same tensors as the per-gradient functions return)."""
+    payload tensor (the same tensors as the per-gradient functions return). The overflow flag
+    into ``nonfinite`` (see ``_flag``)."""
     kind = _cpu_kind(xs[0])
     xb = _same_kind_all(kind, xs)
     if any(b.dtype != "float32" for b in xb):
@@ -690,7 +691,7 @@ def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int
     places = [_addresses(buf, [ITEMSIZE[buf.dtype] * s for s in starts]) for buf, starts, _ in buffers]
     s0, s1 = _seed_word_arrays(words if words is not None else [(0, 0)] * len(xb))
     if call(kind, "compress_many", _COMPRESS_MANY[method], len(xb), _pointers(xb), _int64s(numels), s0, s1, places[0],
-            places[-1] if len(places) > 1 else None, int(levels), int(bucket_size), bits) != 0:
+            places[-1] if len(places) > 1 else None, int(levels), int(bucket_size), bits, _flag(kind, nonfinite)) != 0:
         raise ValueError(f"bad {method} parameters: levels={levels}, bits={bits}")
     return list(zip(*[[buf.obj[s:s + n] for s, n in zip(starts, sizes)] for buf, starts, sizes in buffers]))
 
@@ -720,13 +721,15 @@ def dgc_compensate_into(u, v, g, momentum: float, u_out, v_out):
     return u_out, v_out
 
 
-def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float, words, u_outs, v_outs):
+def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float, words, u_outs, v_outs,
+                  nonfinite=None):
     """DGC's step for every gradient of a bucket in one call (CPU), as DGCMemory.fused_step with
     DGC's selection makes it gradient by gradient: the momentum correction (p = v + (momentum * u
     + g) into ``v_outs``, p - v into ``u_outs``; outputs may be inputs), the threshold from a
     sample of |p| drawn from the gradient's seed words ``words[s]`` (grace.core.draws), the
     elements at or above it (the k = max(1, ceil(ratio d)) largest where more) and momentum factor
-    masking. Lists of values and indices (in index_dtype(d)), per gradient."""
+    masking. Lists of values and indices (in index_dtype(d)), per gradient; the overflow flag
+    into ``nonfinite`` (see ``_flag``)."""
     kind = _cpu_kind(gs[0])
     gb, ub, vb = (_same_kind_all(kind, ts) for ts in (gs, us, vs))
     uo, vo = _in_place_all(kind, u_outs, "float32"), _in_place_all(kind, v_outs, "float32")
@@ -740,7 +743,8 @@ def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float
     rooms = _Rooms(kind, [min(d, max(1, math.ceil(ratio * d))) for d in numels], [index_dtype(d) for d in numels])
     s0, s1 = _seed_word_arrays(words)
     if call(kind, "dgc_step_many", len(gb), _pointers(gb), _pointers(ub), _pointers(vb), _pointers(uo), _pointers(vo),
-            _int64s(numels), float(momentum), float(ratio), float(sample_ratio), s0, s1, *rooms.arguments()) != 0:
+            _int64s(numels), float(momentum), float(ratio), float(sample_ratio), s0, s1, *rooms.arguments(),
+            _flag(kind, nonfinite)) != 0:
         raise RuntimeError("native DGC steps failed")
     return rooms.payloads()
 
@@ -1063,6 +1067,18 @@ def _in_place_all(kind, xs, dtype: str) -> list:
     return [_in_place(kind, x, dtype, b) for x, b in zip(xs, _same_kind_all(kind, xs))]
 
 
+def _flag(kind, nonfinite):
+    """The bucket calls' ``nonfinite`` argument as the C one: a one-element float32 tensor that
+    receives the overflow flag (1 where any gradient holds an inf or a NaN, else 0; each
+    gradient checked just before its step reads it, so no pass of its own), or None."""
+    if nonfinite is None:
+        return None
+    b = _in_place(kind, nonfinite, "float32")
+    if b.n != 1:
+        raise ValueError("the overflow flag is one float32 element")
+    return b.ptr
+
+
 def _cpu_kind(x):
     kind = kind_of(x)
     if kind.lib.kind != "cpu":
@@ -1083,9 +1099,10 @@ def _ef_many_inputs(gs, residuals, outs):
     return kind, gb, rb, ob
 
 
-def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, outs=None):
+def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, outs=None, nonfinite=None):
     """topk_ef_step of every gradient of a bucket, in one call (CPU): lists of values, indices
-    and new residuals, per gradient (the new residuals written into ``outs`` where given)."""
+    and new residuals, per gradient (the new residuals written into ``outs`` where given; the
+    overflow flag into ``nonfinite``, see ``_flag``)."""
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     ks = [max(0, min(int(k), b.n)) for k, b in zip(ks, gb)]
     dtypes = [index_dtype(b.n) for b in gb]
@@ -1095,7 +1112,7 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     value_ptrs = _addresses(values, [4 * s for s in starts])
     rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
               _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), value_ptrs, _pointers(idx),
-              _index_codes(dtypes))
+              _index_codes(dtypes), _flag(kind, nonfinite))
     if rc != 0:
         raise RuntimeError("native top-k steps failed")
     flat = values.obj
@@ -1130,29 +1147,33 @@ class _Rooms:
                 [self.indices[d].obj[s:s + c] for d, s, c in zip(self.dtypes, self.index_starts, self.counts)])
 
 
-def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: float = 1.0, outs=None):
+def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: float = 1.0, outs=None,
+                           nonfinite=None):
     """threshold_ef_step of every gradient of a bucket, in one call (CPU; one threshold for
     all): lists of values, indices and new residuals, per gradient (the new residuals written
-    into ``outs`` where given). The values and indices are views of buffers with room for every
-    element, of which only the pages written are touched (the frame copies them at once)."""
+    into ``outs`` where given; the overflow flag into ``nonfinite``, see ``_flag``). The values
+    and indices are views of buffers with room for every element, of which only the pages
+    written are touched (the frame copies them at once)."""
     if len(set(map(float, thresholds))) > 1:
         raise ValueError("one threshold for every gradient of a bucket")
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     numels = [b.n for b in gb]
     rooms = _Rooms(kind, numels, [index_dtype(n) for n in numels])
     rc = call(kind, "threshold_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s(numels),
-              float(thresholds[0]), float(beta), float(gamma), _ef_flags(beta, gamma), *rooms.arguments())
+              float(thresholds[0]), float(beta), float(gamma), _ef_flags(beta, gamma), *rooms.arguments(),
+              _flag(kind, nonfinite))
     if rc != 0:
         raise RuntimeError("native threshold steps failed")
     return (*rooms.payloads(), [o.obj for o in ob])
 
 
-def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float = 1.0, scales=None, outs=None):
+def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float = 1.0, scales=None, outs=None,
+                         nonfinite=None):
     """Random-k's residual step for every gradient of a bucket in one call (CPU): p = g*gamma +
     residual*beta (each factor applied only when != 1) written into ``outs`` where given, the
     values of p at each gradient's distinct ``indices`` (int64, drawn by the caller; times
     ``scales[s]``, where given), and the new residual, p with p - (0 + value) there: lists of
-    values and new residuals."""
+    values and new residuals (the overflow flag into ``nonfinite``, see ``_flag``)."""
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     ib = _same_kind_all(kind, indices, "int64")
     ks = [b.n for b in ib]
@@ -1161,7 +1182,7 @@ def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float
     scale = None if scales is None else (ctypes.c_float * len(ks))(*scales)
     rc = call(kind, "randomk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob),
               _int64s([b.n for b in gb]), _int64s(ks), _pointers(ib), float(beta), float(gamma),
-              _ef_flags(beta, gamma), scale, _addresses(values, [4 * s for s in starts]))
+              _ef_flags(beta, gamma), scale, _addresses(values, [4 * s for s in starts]), _flag(kind, nonfinite))
     if rc != 0:
         raise IndexError("an index is out of range for its gradient")
     return [values.obj[s:s + k] for s, k in zip(starts, ks)], [o.obj for o in ob]
@@ -1206,29 +1227,31 @@ def _bits_residual(mode: int, p, packed, scalars, out):
     return out
 
 
-def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs):
+def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, nonfinite):
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     sizes, per_row = [packed_size(b.n, 1) for b in gb], _SCALARS[mode]
     packed, scalars = kind.empty(sum(sizes), "uint8"), kind.empty(per_row * len(gb), "float32")
     starts = [0, *itertools.accumulate(sizes[:-1])]
     call(kind, "bits_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
          float(beta), float(gamma), _ef_flags(beta, gamma), mode,
-         _addresses(packed, starts), _addresses(scalars, [4 * per_row * s for s in range(len(gb))]))
+         _addresses(packed, starts), _addresses(scalars, [4 * per_row * s for s in range(len(gb))]),
+         _flag(kind, nonfinite))
     return ([(packed.obj[s:s + n], scalars.obj[per_row * i:per_row * (i + 1)])
              for i, (s, n) in enumerate(zip(starts, sizes))], [o.obj for o in ob])
 
 
-def efsignsgd_ef_step_many(gs, residuals, beta: float, gamma: float, outs):
+def efsignsgd_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None):
     """EF-signSGD's residual step for every gradient of a bucket in one call (CPU): p = g*gamma
     + residual*beta written into ``outs`` (where given), its payload (sign bits, scale), then
-    p - decode over it: (the payloads, the new residuals)."""
-    return _bits_ef_many(_EFSIGNSGD, gs, residuals, beta, gamma, outs)
+    p - decode over it: (the payloads, the new residuals); the overflow flag into ``nonfinite``
+    (see ``_flag``)."""
+    return _bits_ef_many(_EFSIGNSGD, gs, residuals, beta, gamma, outs, nonfinite)
 
 
-def onebit_ef_step_many(gs, residuals, beta: float, gamma: float, outs):
+def onebit_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None):
     """1-bit SGD's residual step for every gradient of a bucket in one call (CPU), as
     ``efsignsgd_ef_step_many`` with its payload (bits, the two means)."""
-    return _bits_ef_many(_ONEBIT, gs, residuals, beta, gamma, outs)
+    return _bits_ef_many(_ONEBIT, gs, residuals, beta, gamma, outs, nonfinite)
 
 
 def efsignsgd_residual_into(p, packed, scale, out):

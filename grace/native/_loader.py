@@ -19,7 +19,7 @@ from ctypes import c_double, c_float, c_int, c_int64, c_uint32, c_void_p
 from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
-ABI = 9
+ABI = 10
 ISAS = ("x86-64-v3", "x86-64-v2")  # the builds on x86-64, best first
 
 _P, _I, _L, _F, _D = c_void_p, c_int, c_int64, c_float, c_double
@@ -48,20 +48,20 @@ SYMBOLS = {
     "topk_ef": (_L, [_P, _P, _L, _L, _F, _F, _I, _P, _P, _I, _P]),
     "threshold_ef": (_L, [_P, _P, _L, _F, _F, _F, _I, _P, _P, _I, _P]),
     "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P]),
-    "topk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
+    "topk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
     "scatter_add_segments": (_I, [_L, _I, _P, _P, _P, _P, _F, _P, _P]),
     "bits_sum_segments": (None, [_L, _I, _P, _P, _I, _P, _I, _P, _I, _P]),
     "bits_residual": (None, [_P, _P, _L, _P, _I, _P]),
     "uniform_segments": (None, [_L, _P, _P, _P, _P]),
     "random_indices_segments": (_I, [_L, _P, _P, _P, _P, _P]),
-    "randomk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P]),
-    "threshold_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _F, _I, _P, _P, _P, _P]),
-    "bits_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _I, _I, _P, _P]),
+    "randomk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
+    "threshold_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _F, _I, _P, _P, _P, _P, _P]),
+    "bits_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _I, _I, _P, _P, _P]),
     "qsgd_sum_segments": (_I, [_L, _I, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P]),
     "natural_sum_segments": (None, [_L, _I, _P, _P, _P, _I, _P, _I, _P]),
     "dgc_compensate": (None, [_P, _P, _P, _L, _F, _P, _P]),
-    "dgc_step_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _D, _D, _P, _P, _P, _P, _P, _P]),
-    "compress_many": (_I, [_I, _L, _P, _P, _P, _P, _P, _P, _I, _L, _I]),
+    "dgc_step_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _D, _D, _P, _P, _P, _P, _P, _P, _P]),
+    "compress_many": (_I, [_I, _L, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P]),
     "natural_compress_drawn": (None, [_P, _L, c_uint32, c_uint32, _P, _P]),
     "terngrad_compress_drawn": (None, [_P, _L, c_uint32, c_uint32, _P, _P]),
     "qsgd_compress_drawn": (_I, [_P, _L, c_uint32, c_uint32, _I, _L, _I, _P, _P]),
