@@ -511,6 +511,10 @@ inline float combine8(F8 r) {  // ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), NumPy's o
   st8(v, r);
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
+inline F8 lane8(int64_t j) {  // all ones in lane j (0-7) only
+  alignas(32) static const int32_t ones[16] = {0, 0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return ld8((const float*)ones + 7 - j);
+}
 inline F8 f8(__m128 lo, __m128 hi) {  // lanes 0-3, then 4-7
 #if defined(__AVX2__)
   return {_mm256_set_m128(hi, lo)};
@@ -2378,9 +2382,10 @@ API int64_t grace_cpu_topk_ef(const float* g, const float* r, int64_t n, int64_t
 }
 
 namespace {
-// grace_cpu_threshold_ef, telling `bad` (where given) whether g holds an inf or a NaN
+// grace_cpu_threshold_ef, telling `bad` (where given) whether g holds an inf or a NaN; new_r
+// streamed where `stream` (16-byte aligned): the sent elements' p - (0 + p) made before the store
 int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma, int flags,
-                     float* values, void* idx, int idx_type, float* new_r, std::atomic<bool>* bad) {
+                     float* values, void* idx, int idx_type, float* new_r, std::atomic<bool>* bad, bool stream) {
   if (!idx_type_ok(idx_type) || n < 0) return -1;
   const int nc = threads_for(n);
   std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
@@ -2393,18 +2398,20 @@ int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float
       F8 a = ld8(g + i), b = ld8(r + i);
       check.add8(a);
       F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
-      int m = mask8(ge8(abs8(p), t));
-      st8(new_r + i, p);
-      while (m) {
-        int j = __builtin_ctz(m);
-        m &= m - 1;
-        float pj = new_r[i + j];
-        write_index(idx, idx_type, q, i + j);
-        values[q++] = pj;
-        new_r[i + j] = pj - (0.0f + pj);
+      const F8 sent = ge8(abs8(p), t);
+      if (int m = mask8(sent)) {
+        alignas(32) float pv[8];
+        st8(pv, p);
+        for (; m; m &= m - 1) {
+          const int j = __builtin_ctz(m);
+          write_index(idx, idx_type, q, i + j);
+          values[q++] = pv[j];
+        }
+        p = sel8(sent, p - (zero + p), p);
       }
+      put8(new_r + i, p, stream);
     }
-    (void)zero;
+    fence_streams(stream);
 #endif
     for (; i < hi; ++i) {
       check.add(g[i]);
@@ -2436,7 +2443,7 @@ int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float
 
 API int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma,
                                    int flags, float* values, void* idx, int idx_type, float* new_r) {
-  return threshold_ef(g, r, n, thr, beta, gamma, flags, values, idx, idx_type, new_r, nullptr);
+  return threshold_ef(g, r, n, thr, beta, gamma, flags, values, idx, idx_type, new_r, nullptr, streams(new_r, 4 * n));
 }
 
 // ---- scatter-add -----------------------------------------------------------------------------
@@ -2596,9 +2603,10 @@ API int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const 
                                     float* const* values, void* const* idx, const int* idx_types, int64_t* counts,
                                     float* nonfinite) {
   NonfiniteFlag flag(nonfinite);
+  const int64_t bytes = bucket_bytes(count, n);
   for (int64_t s = 0; s < count; ++s) {
     counts[s] = threshold_ef(g[s], r[s], n[s], thr, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s],
-                             flag.wanted());
+                             flag.wanted(), streams(new_r[s], bytes));
     if (counts[s] < 0) return -1;
   }
   return 0;
@@ -2655,16 +2663,65 @@ API int grace_cpu_random_indices_segments(int64_t segments, const int64_t* numel
 // new_r[s] (may be r[s]); the values at its k[s] distinct indices idx[s] (drawn by the caller), p
 // (times scale[s] where scale is given), into values[s]; and new_r there p - (0 + value). -1 (and
 // nothing written) where an index is out of range.
+namespace {
+// Random-k's residual step of one gradient whose k indices ascend: p = compensate(g, r) into p_out
+// (streamed where `stream`, 16-byte aligned), the values at the indices (times *scale where
+// given) and p - (0 + value) there, made before the store; whether g holds an inf or a NaN told
+// to `bad` where given.
+void randomk_ef(const float* g, const float* r, int64_t n, const int64_t* idx, int64_t k, float beta, float gamma,
+                int flags, const float* scale, float* values, float* p_out, std::atomic<bool>* bad, bool stream) {
+  auto sent = [&](float p, int64_t j) {  // the value sent for p, at the j-th index; its new memory
+    const float v = scale ? p * scale[0] : p;
+    values[j] = v;
+    return p - (0.0f + v);
+  };
+  for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
+    FiniteCheck check;
+    int64_t j = std::lower_bound(idx, idx + k, lo) - idx, i = lo;  // the chunk's first index
+#ifdef GRACE_SIMD
+    const F8 vb = set8(beta), vg = set8(gamma);
+    for (; i + 8 <= hi; i += 8) {
+      const F8 a = ld8(g + i), b = ld8(r + i);
+      check.add8(a);
+      F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
+      if (j < k && idx[j] < i + 8) {  // (blended in: a vector load of scalar stores would stall)
+        alignas(32) float pv[8];
+        st8(pv, p);
+        for (; j < k && idx[j] < i + 8; ++j) p = sel8(lane8(idx[j] - i), set8(sent(pv[idx[j] - i], j)), p);
+      }
+      put8(p_out + i, p, stream);
+    }
+    fence_streams(stream);
+#endif
+    for (; i < hi; ++i) {
+      check.add(g[i]);
+      const float p = compensate(g[i], r[i], beta, gamma, flags);
+      p_out[i] = j < k && idx[j] == i ? sent(p, j++) : p;
+    }
+    report(check, bad);
+  });
+}
+}  // namespace
+
 API int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                                   const int64_t* n, const int64_t* k, const int64_t* const* idx, float beta,
                                   float gamma, int flags, const float* scale, float* const* values,
                                   float* nonfinite) {
+  std::vector<char> ascend(count, 1);
   for (int64_t s = 0; s < count; ++s)
-    for (int64_t j = 0; j < k[s]; ++j)
+    for (int64_t j = 0; j < k[s]; ++j) {
       if (idx[s][j] < 0 || idx[s][j] >= n[s]) return -1;
+      if (j && idx[s][j] <= idx[s][j - 1]) ascend[s] = 0;
+    }
   NonfiniteFlag flag(nonfinite);
+  const int64_t bytes = bucket_bytes(count, n);
   for (int64_t s = 0; s < count; ++s) {
     float* const ps = new_r[s];
+    if (ascend[s]) {  // (as the draws make them)
+      randomk_ef(g[s], r[s], n[s], idx[s], k[s], beta, gamma, flags, scale ? scale + s : nullptr, values[s], ps,
+                 flag.wanted(), streams(ps, bytes));
+      continue;
+    }
     compensate_into(g[s], r[s], n[s], beta, gamma, flags, ps, flag.wanted());
     for (int64_t j = 0; j < k[s]; ++j) {
       const int64_t i = idx[s][j];

@@ -60,8 +60,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
 from grace.formats import ITEMSIZE, code_width, index_dtype, packed_size
-from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, dlpack_info, kind_of,
-                                  same_device)
+from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, TensorBuf, call, dlpack_info,
+                                  kind_of, same_device)
 from grace.native import _arrays
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, library, load_error, set_enabled
 
@@ -146,11 +146,11 @@ def _same_kind_all(kind, xs, dtype=None) -> list:
         tensor, names, bufs = kind.torch.Tensor, _arrays._TORCH_NAMES, []
         for x in xs:
             name = names.get(x.dtype) if type(x) is tensor else None
-            if name is None or (dtype is not None and name != dtype) or x.device.type != "cpu" \
-                    or x.requires_grad or not x.is_contiguous():
+            if name is None or (dtype is not None and name != dtype) or not x.is_cpu or x.requires_grad \
+                    or not x.is_contiguous():
                 bufs.append(_same_kind(kind, x, dtype))
             else:
-                bufs.append(Buf(x if x.dim() == 1 else x.view(-1), x.data_ptr(), x.numel(), name))
+                bufs.append(TensorBuf(x, x.data_ptr(), x.numel(), name))
         return bufs
     return [_same_kind(kind, x, dtype) for x in xs]
 
@@ -1058,7 +1058,7 @@ def _in_place(kind, x, dtype: str, b: Buf = None) -> Buf:
     (``b``: ``_same_kind``'s buffer of x, where made already)."""
     b = _same_kind(kind, x) if b is None else b
     own = x.data_ptr() if kind.name == "torch" else getattr(getattr(x, "ctypes", None), "data", None)
-    if b.dtype != dtype or b.obj is not x and b.ptr != own:
+    if b.dtype != dtype or b.ptr != own and b.obj is not x:
         raise NativeUnavailable(f"cannot write into a {b.dtype} or non-contiguous tensor in place")
     return b
 

@@ -32,6 +32,21 @@ class Buf:
         self.obj, self.ptr, self.n, self.dtype, self.keep = obj, ptr, n, dtype, keep
 
 
+class TensorBuf(Buf):
+    """A contiguous torch tensor's buffer, whose flat view (``obj``) is made only where it is
+    asked for: a bucket call reads most of its buffers through their pointers alone, and a
+    view costs more than the rest of a buffer (about 0.7 us)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor, ptr: int, n: int, dtype: str):
+        self.tensor, self.ptr, self.n, self.dtype, self.keep = tensor, ptr, n, dtype, None
+
+    @property
+    def obj(self):
+        return self.tensor if self.tensor.dim() == 1 else self.tensor.view(-1)
+
+
 # --- DLPack -----------------------------------------------------------------------------------
 class _DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]

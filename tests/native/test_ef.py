@@ -176,6 +176,55 @@ def test_a_bucket_in_one_call_equals_each_gradient_alone():
         same_bytes(gn.scatter_add_many([(v / ranks, i) for v, i in rows], n), d)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
+def test_the_residual_steps_of_a_bucket_beyond_the_caches_stream_alike(in_place):
+    """A bucket of more than 8 MB streams its new residuals (threshold's and random-k's bucket
+    steps, with the sent elements' p - (0 + v) made before the store): bit for bit ResidualMemory
+    + Threshold and + RandomK on NumPy, gradient by gradient; also where a gradient's residual is
+    not aligned for streaming, and where random-k's indices do not ascend (stored as before)."""
+    from grace.core import draws
+
+    sizes = [2**21 + 5, 9, 1001, 40000]
+    gs = [gradient(n, seed=n) for n in sizes]
+    gs[1][:4] = [-0.0, 3e38, 2.0, -2.0]
+    es = [gradient(n, seed=n + 1) * np.float32(0.3) for n in sizes]
+
+    def residuals():
+        rs = [torch.from_numpy(e.copy()) for e in es]
+        rs[2] = torch.cat([torch.zeros(1), rs[2]])[1:]  # 4 bytes past an aligned start
+        return rs
+
+    rs = residuals()
+    outs = rs if in_place else residuals()
+    values, indices, news = gn.threshold_ef_step_many([torch.from_numpy(g) for g in gs], rs, [1.5] * len(sizes),
+                                                      beta=0.9, outs=outs)
+    compression = grace.threshold(1.5, memory=residual_memory(0.9, 1.0))
+    for g, e, v, i, new, out in zip(gs, es, values, indices, news, outs):
+        (want_v, want_i), want_e = pipeline(compression, g, e)
+        same_bytes(want_i, i, "threshold indices")
+        same_bytes(want_v, v, "threshold values")
+        same_bytes(want_e, new, "threshold residual")
+        assert new.data_ptr() == out.data_ptr()
+
+    compression = grace.randomk(0.01, scale=True, memory=residual_memory(1.0, 0.5))
+    infos = [TensorInfo(f"w{s}", 3, 1) for s in range(len(sizes))]
+    ks = [max(1, math.ceil(0.01 * n)) for n in sizes]
+    idx = [torch.from_numpy(draws.random_indices_host([n], [k], [info.seed()])) for n, k, info in zip(sizes, ks, infos)]
+    idx[3] = idx[3].flip(0)  # descending: the values follow the indices' order
+    rs = residuals()
+    outs = rs if in_place else residuals()
+    values, news = gn.randomk_ef_step_many([torch.from_numpy(g) for g in gs], rs, idx, 1.0, 0.5,
+                                           [n / k for n, k in zip(sizes, ks)], outs=outs)
+    for g, e, info, i, v, new in zip(gs, es, infos, idx, values, news):
+        p = compression.memory.compensate(NX, g, e)
+        (want_v,), (_, want_i) = compression.compressor.compress(NX, p, info)
+        order = np.argsort(host(i))
+        same_bytes(want_v, host(v)[order], "random-k values")
+        want_e = p.copy()
+        compression.compressor.residual_into(NX, p, (want_v,), (None, want_i), want_e)
+        same_bytes(want_e, new, "random-k residual")
+
+
 @pytest.mark.parametrize("beta, gamma", MEMORIES)
 @pytest.mark.parametrize("scale", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
