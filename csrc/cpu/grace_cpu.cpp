@@ -1429,6 +1429,58 @@ void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi,
 }
 constexpr int kTernGrad = 3;  // the mode of 2-bit TernGrad codes: 0, +s, -s (and 3: -s)
 
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+// signSGD's rows (a set bit +1, else -1; at most 127): an element's sum is 2c - count, c the rows
+// whose bit is set, a small integer and so exact in float32 in any order of the additions: the
+// sum row after row is this one. c is counted 32 elements at a time in byte lanes (a row's four
+// bytes spread over them); the majority vote alone is (c > count / 2) - (c < count - count / 2)
+// in the same lanes, +0 at a tie as the float sum gives it.
+void sign_sum_rows(const uint8_t* const* rows, int64_t count, int64_t n, float* out, const Finish& finish,
+                   bool stream) {
+  const int64_t full = n / 32;
+  const bool vote_only = finish.vote && finish.count == 0;
+  for_chunks(full, 4, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  // lane: its byte
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  // lane: its bit
+    const __m256i below = _mm256_set1_epi8((char)(count / 2)), above = _mm256_set1_epi8((char)(count - count / 2));
+    const __m256i vcount = _mm256_set1_epi32((int)count);
+    for (int64_t g = g0; g < g1; ++g) {
+      __m256i c = _mm256_setzero_si256();
+      for (int64_t j = 0; j < count; ++j) {
+        uint32_t w;
+        std::memcpy(&w, rows[j] + 4 * g, 4);
+        const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)w), spread);
+        c = _mm256_sub_epi8(c, _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit));
+      }
+      const __m256i r = vote_only ? _mm256_sub_epi8(_mm256_cmpgt_epi8(above, c), _mm256_cmpgt_epi8(c, below)) : c;
+      const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+      const __m128i eighths[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int k = 0; k < 4; ++k) {
+        F8 a;
+        if (vote_only) {
+          a = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eighths[k]))};
+        } else {
+          const __m256i ck = _mm256_cvtepu8_epi32(eighths[k]);
+          a = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(ck, ck), vcount))};
+          if (!finish.none()) a = finish.apply8(a);
+        }
+        put8(out + 32 * g + 8 * k, a, stream);
+      }
+    }
+    fence_streams(stream);
+  });
+  for (int64_t i = 32 * full; i < n; ++i) {  // row after row, as bits_sum_rows
+    float acc = 0.0f;
+    for (int64_t j = 0; j < count; ++j) {
+      const float v = ((rows[j][i / 8] >> (i % 8)) & 1) ? 1.0f : -1.0f;
+      acc = j ? acc + v : v;
+    }
+    out[i] = finish.apply(acc);
+  }
+}
+#endif
+
 // out = the sum, row after row in float32, of rows of n TernGrad codes (4 to a byte), row j
 // decoded with its scale scale[j] as grace_cpu_terngrad_decode does: by a table of each
 // byte's four values per row; finished as it is stored (streamed where `stream`, out 16-byte
@@ -1489,6 +1541,9 @@ void codes_sum_rows(const uint8_t* const* rows, const float* const* scalars, int
     terngrad_sum_rows(rows, scale.data(), count, n, out, finish, stream);
     return;
   }
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+  if (mode == 0 && count <= 127) return sign_sum_rows(rows, count, n, out, finish, stream);
+#endif
   std::vector<float> lo(count), hi(count);
   for (int64_t j = 0; j < count; ++j) row_values(mode ? scalars[j] : nullptr, mode, lo[j], hi[j]);
   bits_sum_rows(rows, lo.data(), hi.data(), count, n, out, finish, stream);

@@ -201,13 +201,15 @@ def test_a_buckets_payloads_in_one_call_equal_each_gradients(method, parameters)
 @pytest.mark.parametrize("finish", [None, (False, (3, 0.1)), (False, (4, 2.0**-3)), (True, ())],
                          ids=["sum", "divided", "divided-by-powers-of-two", "sign"])
 @pytest.mark.parametrize("sizes", [[1, 9, 1001, 2**16 + 3], [9, 2**21 + 5, 1001]], ids=["small", "streamed"])
+@pytest.mark.parametrize("ranks", [3, 4])
 @pytest.mark.parametrize("name", SUMMED)
-def test_a_buckets_decoded_sums_in_one_call_equal_each_gradients(name, sizes, finish):
+def test_a_buckets_decoded_sums_in_one_call_equal_each_gradients(name, ranks, sizes, finish):
     """The CPU's bucket-at-once decoded sums (written into each gradient) equal the decoded
     sum of each gradient alone, byte for byte, then finished (Compressor.finish) as NumPy's
-    operations would: its sign, or divided in turn (a power of two as a product, to the bit).
-    A bucket of more than 8 MB streams its outputs (one gradient's output unaligned for it)."""
-    compressor, ranks = METHODS[name][0](), 3
+    operations would: its sign, or divided in turn (a power of two as a product, to the bit);
+    with 4 ranks signSGD's votes tie (+0). A bucket of more than 8 MB streams its outputs (one
+    gradient's output unaligned for it)."""
+    compressor = METHODS[name][0]()
     payloads = [[compressor.compress(NX, gradient(n, seed=n + r), INFO)[0] for r in range(ranks)] for n in sizes]
     outs = [torch.full((n,), 7.0) for n in sizes]
     if len(sizes) == 3:

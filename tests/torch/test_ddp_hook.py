@@ -11,11 +11,12 @@ import pytest
 from tests.conftest import run_snippet
 
 PRELUDE = """
-import sys, torch, torch.distributed as dist
+import atexit, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 import grace, grace.torch.ddp
 from grace.core.communicator import LocalCommunicator
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+atexit.register(dist.destroy_process_group)  # (Gloo's threads torn down at exit can abort the process)
 
 def model(cap_mb=0.002, **kwargs):
     torch.manual_seed(0)
