@@ -960,13 +960,13 @@ class Exchange:
         xp, dtypes, flagged = pending.xp, pending.dtypes, pending.flag is not None
         variable = self.compression.compressor.variable_length
         starts, layouts, flags, start = [], [], [], 0
+        alike = None if variable else frames.layout(dtypes, pending.counts, False, flagged)  # every rank's frame
         for _ in range(self.communicator.size):
-            counts = pending.counts
             if variable:  # this rank's counts, from its frame's header
                 counts = xp.host_ints(xp.from_bytes(received[start:start + 8 * len(dtypes)], "int64"), len(dtypes))
                 if counts[0] == frames.DENSE:
                     return None
-            pieces, flag_at, size = frames.layout(dtypes, counts, variable, flagged)
+            pieces, flag_at, size = frames.layout(dtypes, counts, True, flagged) if variable else alike
             starts.append(start)
             layouts.append(pieces)
             flags.append(start + flag_at if flagged else None)
