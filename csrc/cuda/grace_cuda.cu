@@ -996,6 +996,17 @@ inline dim3 seg_grid(int64_t blocks, const SegBatch& t) {
 
 inline int64_t packed_bytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
 
+// The fields every drawn segment of a compress batch fills alike: its size, where its input and its
+// draws start, and where its codes (`bits` per element, from a byte boundary) go, `bytes` on past them
+inline void drawn_segment(SegBatch& t, int k, int64_t n, int64_t start, int64_t draw_start, int bits,
+                          int64_t& bytes) {
+  t.n[k] = n;
+  t.x[k] = start;
+  t.u[k] = draw_start;
+  t.p[k] = bytes;
+  bytes += packed_bytes(n, bits);
+}
+
 }  // namespace
 
 // ===============================================================================================
@@ -1356,12 +1367,8 @@ API int grace_cuda_terngrad_compress_segments(const float* x, int64_t segments, 
   return for_batches(
       segments,
       [&](SegBatch& t, int k, int64_t s) {
-        t.n[k] = numels[s];
-        t.x[k] = starts[s];
-        t.u[k] = draw_starts[s];
-        t.p[k] = bytes;
+        drawn_segment(t, k, numels[s], starts[s], draw_starts[s], 2, bytes);
         t.q[k] = s;
-        bytes += packed_bytes(numels[s], 2);
       },
       [&](const SegBatch& t, int64_t) {
         const int64_t n = largest(t);
@@ -1378,12 +1385,8 @@ API int grace_cuda_natural_compress_segments(const float* x, int64_t segments, c
   return for_batches(
       segments,
       [&](SegBatch& t, int k, int64_t s) {
-        t.n[k] = numels[s];
-        t.x[k] = starts[s];
-        t.u[k] = draw_starts[s];
-        t.p[k] = bytes;
+        drawn_segment(t, k, numels[s], starts[s], draw_starts[s], 1, bytes);
         t.q[k] = at;
-        bytes += packed_bytes(numels[s], 1);
         at += numels[s];
       },
       [&](const SegBatch& t, int64_t) {
@@ -1414,13 +1417,9 @@ API int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, cons
       segments,
       [&](SegBatch& t, int k, int64_t s) {
         const int64_t n = numels[s], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
-        t.n[k] = n;
-        t.x[k] = starts[s];
-        t.u[k] = draw_starts[s];
-        t.p[k] = bytes;
+        drawn_segment(t, k, n, starts[s], draw_starts[s], bits, bytes);
         t.q[k] = row;
         t.r[k] = slot;
-        bytes += packed_bytes(n, bits);
         row += rows;
         if (b > 4096) slot += rows * row_chunks(b);
       },
