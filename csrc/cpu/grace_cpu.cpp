@@ -747,17 +747,13 @@ void sign_pack(const float* x, int64_t n, int negative, uint8_t* out, std::atomi
   int64_t full = n / 8, rem = n % 8;
   for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
     FiniteCheck check;
-    if (bad) {
-      for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t g = g0; g < g1; ++g) {
 #ifdef GRACE_SIMD
-        check.add8(ld8(x + 8 * g));  // (the same load as sign_byte's)
+      check.add8(ld8(x + 8 * g));  // (the same load as sign_byte's)
 #else
-        check.range(x, 8 * g, 8 * g + 8);
+      check.range(x, 8 * g, 8 * g + 8);
 #endif
-        out[g] = sign_byte(x + 8 * g, negative != 0);
-      }
-    } else {
-      for (int64_t g = g0; g < g1; ++g) out[g] = sign_byte(x + 8 * g, negative != 0);
+      out[g] = sign_byte(x + 8 * g, negative != 0);
     }
     report(check, bad);
   });
