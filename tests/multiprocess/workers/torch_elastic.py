@@ -10,6 +10,7 @@ averaged gradient against the mean of all current ranks' own gradients, gathered
 plain allgather (method 'none'), and that every rank holds the same parameters.
 """
 import json
+from copy import deepcopy
 
 import horovod.torch as hvd
 import torch
@@ -24,6 +25,15 @@ def local_gradient_inputs(step: int, rank: int):
     return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
 
 
+def own_gradients(model, x, y):
+    """This rank's gradients, from a copy of the model that no optimizer hooks: the exchange
+    averages .grad in place as soon as backward hands it over (as Horovod's allreduce does),
+    so .grad read after backward may already be the average."""
+    replica = deepcopy(model)
+    loss = torch.nn.functional.mse_loss(replica(x), y)
+    return torch.autograd.grad(loss, list(replica.parameters()))
+
+
 @hvd.elastic.run
 def train(state):
     log = state.log
@@ -31,9 +41,9 @@ def train(state):
         step, rank, size = state.step, hvd.rank(), hvd.size()
         shrink_or_grow(state, ARGS, step, rank, size)
         x, y = local_gradient_inputs(step, rank)
+        own = own_gradients(state.model, x, y)
         state.optimizer.zero_grad()
         torch.nn.functional.mse_loss(state.model(x), y).backward()
-        own = [p.grad.clone() for p in state.model.parameters()]
         state.optimizer.synchronize()
         mean = [hvd.allgather(g[None], name=f"check.grad.{i}").mean(0) for i, g in enumerate(own)]
         error = max(float((p.grad - m).abs().max()) for p, m in zip(state.model.parameters(), mean))
