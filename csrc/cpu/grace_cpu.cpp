@@ -1678,11 +1678,52 @@ struct PlaneLut {
 };
 #endif
 
+// Codes of 6 to 8 bits: lut[c] * norm computed rather than looked up (the lookups, one per lane,
+// were most of a decoded sum's time). |lut[c]| is level / levels rounded, which level times the
+// rounded 1 / levels gives exactly for most `levels`, and one FMA step for the rest: checked
+// against the table for every level, else the table is used (how == 0). The sign is the code's
+// low bit: lut[c] * norm is symmetric in it for a finite norm.
+struct QsgdLevels {
+  int how = 0;  // 0: the table, 1: level * (1 / levels), 2: that corrected by one FMA step
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+  __m256 r, flevels;
+#endif
+  QsgdLevels(int levels, const float* lut) {
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+    const float rf = 1.0f / (float)levels, fl = (float)levels;
+    r = _mm256_set1_ps(rf), flevels = _mm256_set1_ps(fl);
+    for (int way = 1; way <= 2 && how == 0; ++way) {
+      bool all = true;
+      for (int l = 0; l < 128 && all; ++l) {
+        float q = (float)l * rf;
+        if (way == 2) q = std::fma(std::fma(-q, fl, (float)l), rf, q);
+        all = std::memcmp(&q, &lut[2 * l], 4) == 0;
+      }
+      how = all ? way : 0;
+    }
+#else
+    (void)levels, (void)lut;
+#endif
+  }
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+  // the 8 codes in the bytes of c, as lut[c] * norm
+  __m256 values8(uint64_t c, __m256 norm) const {
+    const __m256i code = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)c));
+    const __m256 level = _mm256_cvtepi32_ps(_mm256_srli_epi32(code, 1));
+    __m256 q = _mm256_mul_ps(level, r);
+    if (how == 2) q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, flevels, level), r, q);
+    return _mm256_xor_ps(_mm256_mul_ps(q, norm), _mm256_castsi256_ps(_mm256_slli_epi32(code, 31)));
+  }
+#endif
+};
+
 // values of elements [g0*8, g1*8) ∩ [0, n): lut[code] * the norm of its bucket, bucket by bucket,
-// element i written to out[i - base] (streamed where allowed and the output is large)
-template <int B>
+// element i written to out[i - base] (streamed where allowed and the output is large), or added
+// to it where kAdd; computed by `levels` where it can (B > 5)
+template <int B, bool kAdd = false>
 void qsgd_decode_groups(const uint8_t* packed, int64_t n, int64_t b, const float* lut, const float* norms, float* out,
-                        int64_t g0, int64_t g1, int64_t base = 0, bool may_stream = true) {
+                        int64_t g0, int64_t g1, int64_t base = 0, bool may_stream = true,
+                        const QsgdLevels* levels = nullptr) {
   const int64_t nbytes = (n * B + 7) / 8;
   out -= base;  // (out + i is element i's place; out[i] is only ever written for i >= base)
 #ifdef GRACE_SIMD
@@ -1693,19 +1734,45 @@ void qsgd_decode_groups(const uint8_t* packed, int64_t n, int64_t b, const float
     const int64_t row = 8 * g / b, end = std::min(n, (row + 1) * b);  // the bucket of group g
     const float norm = norms[row];
     const int64_t whole = std::min(g1, end / 8);  // groups [g, whole) lie in this bucket
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+    if (B > 5 && levels != nullptr && levels->how != 0 && std::isfinite(norm)) {
+      const __m256 vn = _mm256_set1_ps(norm);
+      for (; g < whole; ++g) {
+        const F8 v{levels->values8(unpack_word<B>(get_group<B>(packed, g, nbytes)), vn)};
+        float* const o = out + 8 * g;
+        if (kAdd) {
+          st8(o, ld8(o) + v);
+        } else {
+          put8(o, v, stream);
+        }
+      }
+    }
+#endif
 #ifdef GRACE_SIMD
     auto codes16 = [&](int64_t g) { return unpack16<B>(_mm_loadu_si128((const __m128i*)(packed + g * B))); };
-    if (B <= 5 && std::isfinite(norm)) {
+    if (!kAdd && B <= 5 && std::isfinite(norm)) {
       const PlaneLut planes(lut, norm);
       for (; g + 2 <= whole && g * B + 16 <= nbytes; g += 2) planes.values16(codes16(g), out + 8 * g, stream);
     }
 #endif
-    for (; g < whole; ++g) qsgd_values8(unpack_word<B>(get_group<B>(packed, g, nbytes)), lut, norm, out + 8 * g);
+    for (; g < whole; ++g) {
+      const uint64_t c = unpack_word<B>(get_group<B>(packed, g, nbytes));
+      if (kAdd) {
+        float v[8];
+        qsgd_values8(c, lut, norm, v);
+        for (int j = 0; j < 8; ++j) out[8 * g + j] += v[j];
+      } else {
+        qsgd_values8(c, lut, norm, out + 8 * g);
+      }
+    }
     if (g < g1 && 8 * g < end) {  // a group across a bucket's end or at the tensor's end
       const int64_t i0 = 8 * g;
       const int m = (int)std::min<int64_t>(8, n - i0);
       const uint64_t c = unpack_word<B>(get_group<B>(packed, g, nbytes, m));
-      for (int j = 0; j < m; ++j) out[i0 + j] = lut[(c >> (8 * j)) & 255] * norms[(i0 + j) / b];
+      for (int j = 0; j < m; ++j) {
+        const float v = lut[(c >> (8 * j)) & 255] * norms[(i0 + j) / b];
+        out[i0 + j] = kAdd ? out[i0 + j] + v : v;
+      }
       ++g;
     }
   }
@@ -1730,11 +1797,12 @@ API int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int6
   if (bits < 1 || bits > 8 || levels < 1) return -1;
   float lut[256];
   qsgd_code_values(levels, lut);
+  const QsgdLevels computed(levels, lut);
   const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
   const int64_t groups = (n + 7) / 8;
   with_width(bits, [&](auto w) {
     for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-      qsgd_decode_groups<decltype(w)::value>(packed, n, b, lut, norms, out, g0, g1);
+      qsgd_decode_groups<decltype(w)::value>(packed, n, b, lut, norms, out, g0, g1, 0, true, &computed);
     });
   });
   return 0;
@@ -1893,6 +1961,7 @@ API int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* 
   if (bits < 1 || bits > 8 || levels < 1) return -1;
   float lut[256];
   qsgd_code_values(levels, lut);
+  const QsgdLevels computed(levels, lut);
   const Finish finish(vote, divisors, ndiv);
   const int64_t bytes = bucket_bytes(segments, numels);
   for (int64_t s = 0; s < segments; ++s) {
@@ -1900,8 +1969,13 @@ API int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* 
     const uint8_t* const* P = packed + s * ranks;
     const float* const* N = norms + s * ranks;
     with_width(bits, [&](auto w) {
+      constexpr int B = decltype(w)::value;
       decoded_sum(ranks, n, out[s], finish, streams(out[s], bytes), [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
-        qsgd_decode_groups<decltype(w)::value>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, lo, false);
+        qsgd_decode_groups<B>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, lo, false, &computed);
+      }, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {  // further rows added as computed
+        if (B <= 5 || computed.how == 0) return false;
+        qsgd_decode_groups<B, true>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, lo, false, &computed);
+        return true;
       });
     });
   }

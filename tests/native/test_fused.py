@@ -355,6 +355,39 @@ def test_qsgd_large_tensor(levels, bucket, monkeypatch):
     same_bytes(want_y.reshape(-1), gn.qsgd_decompress(codes, norms, n, levels, bucket), "values")
 
 
+@pytest.mark.parametrize("levels,bucket", [(127, 0), (64, 100), (63, 40), (32, 0), (31, 0), (100, 7)])
+def test_qsgd_wide_codes_decode_as_the_table_says(levels, bucket):
+    """Codes of 6 to 8 bits are decoded by arithmetic (the level times 1 / levels, corrected by
+    an FMA step where needed), not looked up: every code, norms of every size, inf and NaN among
+    them, decoded alone and summed over 3 ranks, give the NumPy decompression's bytes (a NaN's
+    sign aside). 64 and 32 levels take the product alone, the others the FMA step."""
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    compressor = grace.qsgd(levels, bucket_size=bucket).compressor
+    n, rng = 5003, np.random.default_rng(levels)
+    rows = -(-n // bucket) if bucket else 1
+    payloads = []
+    for r in range(3):
+        codes = rng.integers(0, 2 * levels + 2, n).astype(np.uint8)
+        codes[:2 * levels + 2] = np.arange(2 * levels + 2)  # every code
+        norms = (rng.standard_normal(rows) * 10.0 ** rng.integers(-30, 30, rows)).astype(np.float32)
+        norms[r % rows] = [np.inf, np.nan, 0.0][r]
+        payloads.append((np.asarray(grace.core.bits.pack(NX, codes, compressor.bits)), norms))
+    with np.errstate(invalid="ignore"):  # 0 * inf
+        want = [compressor.decompress(NX, p, shape_of(n)).reshape(-1) for p in payloads]
+
+    def same(a, b, what):
+        a, b = np.asarray(a).reshape(-1), host(b).reshape(-1)
+        assert np.array_equal(np.isnan(a), np.isnan(b)), what
+        same_bytes(np.where(np.isnan(a), np.nan, a), np.where(np.isnan(b), np.nan, b), what)
+
+    for r, (packed, norms) in enumerate(payloads):
+        same(want[r], gn.qsgd_decompress(packed, norms, n, levels, bucket), f"rank {r} decoded")
+    got = gn.qsgd_decompress_sum(np.concatenate([p for p, _ in payloads]), np.concatenate([q for _, q in payloads]),
+                                 n, levels, bucket)
+    same(want[0] + want[1] + want[2], got, "summed")
+
+
 @pytest.mark.parametrize("scale", [3.7, 1e35, 1e-35])
 def test_terngrad_close_calls_are_decided_as_the_division(monkeypatch, scale):
     """The kernel decides u < |x| / s by a multiplication where that is safe: draws equal to the
