@@ -1496,7 +1496,26 @@ void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t c
   const int64_t full = n / 4;
   for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
     int64_t g = g0;  // (chunks start at even groups: 8 elements at a time stay 32-byte apart)
-#ifdef GRACE_SIMD
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+    // 8 elements (two bytes of each row) at a time: each lane's code shifted into place and its
+    // value picked from the row's four by one permute (the same values as the table's)
+    const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), three = _mm256_set1_epi32(3);
+    std::vector<__m256> four(count);
+    for (int64_t j = 0; j < count; ++j) four[j] = _mm256_castps128_ps256(_mm_loadu_ps(val.data() + 4 * j));
+    auto row8 = [&](int64_t j, int64_t g) {
+      uint16_t w;
+      std::memcpy(&w, rows[j] + g, 2);
+      const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), three);
+      return F8{_mm256_permutevar8x32_ps(four[j], code)};
+    };
+    const bool plain = finish.none();
+    for (; g + 2 <= g1; g += 2) {
+      F8 acc = row8(0, g);
+      for (int64_t j = 1; j < count; ++j) acc = acc + row8(j, g);
+      put8(out + 4 * g, plain ? acc : finish.apply8(acc), stream);
+    }
+    fence_streams(stream);
+#elif defined(GRACE_SIMD)
     auto sum4 = [&](int64_t g) {
       __m128 acc = _mm_loadu_ps(T + 4 * rows[0][g]);
       for (int64_t j = 1; j < count; ++j) acc = _mm_add_ps(acc, _mm_loadu_ps(T + ((size_t)j * 256 + rows[j][g]) * 4));
