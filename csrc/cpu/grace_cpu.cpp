@@ -1395,7 +1395,31 @@ void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi,
     std::vector<F8> vlo(count), vhi(count);
     for (int64_t j = 0; j < count; ++j) vlo[j] = set8(lo[j]), vhi[j] = set8(hi[j]);
     const bool plain = finish.none();
-    for (int64_t g = g0; g < g1; ++g) {
+    int64_t g = g0;
+#if defined(__AVX2__)
+    // 32 elements (four bytes of each row) at a time: each lane's bit shifted into place and its
+    // value, lo or hi, picked by one permute (a row's word read once for four blocks of 8)
+    std::vector<__m256> two(count);
+    for (int64_t j = 0; j < count; ++j) two[j] = _mm256_setr_ps(lo[j], hi[j], 0, 0, 0, 0, 0, 0);
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i shift[4] = {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm256_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23),
+                              _mm256_setr_epi32(24, 25, 26, 27, 28, 29, 30, 31)};
+    for (; g + 4 <= g1; g += 4) {
+      F8 acc[4];
+      for (int64_t j = 0; j < count; ++j) {
+        uint32_t w;
+        std::memcpy(&w, rows[j] + g, 4);
+        const __m256i word = _mm256_set1_epi32((int)w);
+        for (int q = 0; q < 4; ++q) {
+          const F8 v{_mm256_permutevar8x32_ps(two[j], _mm256_and_si256(_mm256_srlv_epi32(word, shift[q]), one))};
+          acc[q] = j ? acc[q] + v : v;
+        }
+      }
+      for (int q = 0; q < 4; ++q) put8(out + 8 * (g + q), plain ? acc[q] : finish.apply8(acc[q]), stream);
+    }
+#endif
+    for (; g < g1; ++g) {
       F8 acc = sel8(bits8(rows[0][g]), vhi[0], vlo[0]);
       for (int64_t j = 1; j < count; ++j) acc = acc + sel8(bits8(rows[j][g]), vhi[j], vlo[j]);
       put8(out + 8 * g, plain ? acc : finish.apply8(acc), stream);

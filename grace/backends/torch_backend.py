@@ -58,13 +58,19 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+_NAMES: dict = {}  # torch dtype -> its name (asked for per tensor, per step)
+
+
 class TorchBackend:
     name = "torch"
     mutable_tensors = True
 
     # --- introspection -------------------------------------------------------------------
     def dtype(self, x) -> str:
-        return str(x.dtype).removeprefix("torch.")
+        name = _NAMES.get(x.dtype)
+        if name is None:
+            name = _NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
+        return name
 
     def shape(self, x) -> tuple:
         return tuple(x.shape)

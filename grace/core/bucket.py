@@ -18,6 +18,7 @@ bucket instead (a variable-length encoding that came out larger than the gradien
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -99,6 +100,12 @@ def bucket_key(index: int, names: Sequence[str], prefix: str = "grace.bucket") -
 
 # --- frames ------------------------------------------------------------------------------
 def _order(dtypes: Sequence[str]) -> List[int]:
+    return _order_of(tuple(dtypes))
+
+
+@functools.lru_cache(maxsize=64)
+def _order_of(dtypes: Tuple[str, ...]) -> List[int]:
+    # a bucket's frames repeat every step: the order is sorted once per bucket
     return sorted(range(len(dtypes)), key=lambda i: -ITEMSIZE[dtypes[i]])  # stable
 
 

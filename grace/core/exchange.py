@@ -546,9 +546,9 @@ class Exchange:
 
         infos, states, old = [], [], []
         for u, g_u in zip(units, g_units):
-            first = TensorInfo(name=u.name, step=0, world_size=n, rank=rank)
             infos.append(TensorInfo(name=u.name, step=step, world_size=n, rank=rank))
-            states.append(store.get("state", u.name, lambda t: compressor.init_state(xp, t, first), g_u))
+            states.append(store.get("state", u.name, lambda t, name=u.name: compressor.init_state(
+                xp, t, TensorInfo(name=name, step=0, world_size=n, rank=rank)), g_u))
             old.append(store.get("memory", u.name, lambda t: memory.init(xp, t), g_u))
         pending = BucketPending(bucket, xp, units, g, old)
         # The overflow flag from a pass over the gradients, at once (one kernel on an accelerator,
