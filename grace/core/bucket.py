@@ -109,21 +109,22 @@ def _order_of(dtypes: Tuple[str, ...]) -> List[int]:
     return sorted(range(len(dtypes)), key=lambda i: -ITEMSIZE[dtypes[i]])  # stable
 
 
-def frame(xp, pieces: Sequence, with_header: bool, like, flag=None, concat=None) -> Any:
+def frame(xp, pieces: Sequence, with_header: bool, like, flag=None, concat=None, dtypes=None, counts=None) -> Any:
     """One rank's frame for the payload tensors ``pieces`` (all units' payloads, in order),
     with the overflow ``flag`` (a one-element tensor) where given; ``concat`` joins its byte
-    parts (default ``xp.concat``; the exchange's joins into a reused buffer). Under a
-    TensorFlow trace a variable length is a tensor: the frame is built with ops."""
+    parts (default ``xp.concat``; the exchange's joins into a reused buffer); ``dtypes`` and
+    ``counts``: the pieces', where the caller has them. Under a TensorFlow trace a variable
+    length is a tensor: the frame is built with ops."""
     flat = [xp.flatten(t) for t in pieces]
     parts = []
     if with_header:
-        counts = [xp.numel(t) for t in flat]
+        counts = [xp.numel(t) for t in flat] if counts is None else counts
         if all(isinstance(c, int) for c in counts):  # one host-to-device copy, not one per piece
             header = xp.cast(xp.asarray(counts, like=like), "int64")
         else:  # lengths known only when a traced step runs
             header = _lengths(xp, flat)
         parts.append(xp.to_bytes(header))
-    parts.extend(xp.to_bytes(flat[i]) for i in _order([xp.dtype(t) for t in flat]))
+    parts.extend(xp.to_bytes(flat[i]) for i in _order([xp.dtype(t) for t in flat] if dtypes is None else dtypes))
     return _padded(xp, parts, like, flag, concat)
 
 

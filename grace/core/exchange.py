@@ -164,9 +164,13 @@ def _assign(xp, dst, src) -> None:
         xp.assign(dst, src)
 
 
-def _layout(xp, value):
-    """Shape, dtype and device of a state value (a tensor, or each of a tuple's)."""
-    return [(xp.shape(t), xp.dtype(t), xp.device(t)) for t in (value if isinstance(value, tuple) else (value,))]
+def _same_layout(xp, a, b) -> bool:
+    """Whether state values ``a`` and ``b`` (tensors, or tuples of them) have the same shapes,
+    dtypes and devices (asked per gradient and step: no lists built)."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) \
+            and all(_same_layout(xp, x, y) for x, y in zip(a, b))
+    return xp.shape(a) == xp.shape(b) and xp.dtype(a) == xp.dtype(b) and xp.device(a) == xp.device(b)
 
 
 def _poisoned(xp, t, overflow):
@@ -803,7 +807,7 @@ class Exchange:
         if not xp.mutable_tensors or current is None:
             return None
         spare = self._spares.pop(key, None)
-        if spare is None or _layout(xp, spare) != _layout(xp, current):
+        if spare is None or not _same_layout(xp, spare, current):
             spare = tuple(xp.zeros_like(t) for t in current) if isinstance(current, tuple) else xp.zeros_like(current)
         return spare
 
@@ -869,7 +873,7 @@ class Exchange:
         pending.counts = [xp.numel(t) for t in pieces]
         flag, flagged = pending.flag, pending.flag is not None
         join = functools.partial(self._joined, xp, f"{bucket.key}.frame")
-        frame = frames.frame(xp, pieces, variable, g, flag, join)
+        frame = frames.frame(xp, pieces, variable, g, flag, join, pending.dtypes, pending.counts)
         header = 8 * len(pieces) if variable else 0
         dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False, flagged) + header
         # Fixed-length methods: every rank decides alike. A length known only when a traced

@@ -145,6 +145,9 @@ def _same_kind_all(kind, xs, dtype=None) -> list:
     if kind.name == "torch" and kind.lib.kind == "cpu":
         tensor, names, bufs = kind.torch.Tensor, _arrays._TORCH_NAMES, []
         for x in xs:
+            if type(x) is Buf and (dtype is None or x.dtype == dtype):  # a frame's piece
+                bufs.append(x)
+                continue
             name = names.get(x.dtype) if type(x) is tensor else None
             if name is None or (dtype is not None and name != dtype) or not x.is_cpu or x.requires_grad \
                     or not x.is_contiguous():
