@@ -1067,7 +1067,9 @@ def _in_place(kind, x, dtype: str, b: Buf = None) -> Buf:
 
 
 def _in_place_all(kind, xs, dtype: str) -> list:
-    return [_in_place(kind, x, dtype, b) for x, b in zip(xs, _same_kind_all(kind, xs))]
+    # a TensorBuf is a contiguous tensor's own memory: in place as it is, where of ``dtype``
+    return [b if type(b) is TensorBuf and b.dtype == dtype else _in_place(kind, x, dtype, b)
+            for x, b in zip(xs, _same_kind_all(kind, xs))]
 
 
 def _flag(kind, nonfinite):
