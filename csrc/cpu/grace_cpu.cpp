@@ -1507,16 +1507,28 @@ void sign_sum_rows(const uint8_t* const* rows, int64_t count, int64_t n, float* 
 // aligned).
 void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t count, int64_t n, float* out,
                        const Finish& finish = Finish(), bool stream = false) {
-  std::vector<float> table((size_t)count * 256 * 4);
   std::vector<float> val((size_t)count * 4);
   for (int64_t j = 0; j < count; ++j) {
     const float s = scale[j];
     float* v = val.data() + 4 * j;
     v[0] = 0.0f * s, v[1] = 1.0f * s, v[2] = -1.0f * s, v[3] = -1.0f * s;
-    for (int b = 0; b < 256; ++b)
-      for (int e = 0; e < 4; ++e) table[((size_t)j * 256 + b) * 4 + e] = v[(b >> (2 * e)) & 3];
   }
+#if defined(GRACE_SIMD) && !defined(__AVX2__)
+  std::vector<float> table((size_t)count * 256 * 4);  // a byte's four values, per row
+  for (int64_t j = 0; j < count; ++j)
+    for (int b = 0; b < 256; ++b)
+      for (int e = 0; e < 4; ++e) table[((size_t)j * 256 + b) * 4 + e] = val[4 * j + ((b >> (2 * e)) & 3)];
   const float* const T = table.data();
+#endif
+  // element i: the rows' values added rank after rank, finished (where no vector step reaches)
+  auto one = [&](int64_t i) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < count; ++j) {
+      const float v = val[4 * j + ((rows[j][i / 4] >> (2 * (i % 4))) & 3)];
+      acc = j ? acc + v : v;
+    }
+    return finish.apply(acc);
+  };
   const int64_t full = n / 4;
   for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
     int64_t g = g0;  // (chunks start at even groups: 8 elements at a time stay 32-byte apart)
@@ -1552,22 +1564,9 @@ void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t c
     }
     fence_streams(stream);
 #endif
-    for (; g < g1; ++g) {
-      float acc[4];
-      std::memcpy(acc, T + 4 * rows[0][g], sizeof acc);
-      for (int64_t j = 1; j < count; ++j)
-        for (int e = 0; e < 4; ++e) acc[e] += T[((size_t)j * 256 + rows[j][g]) * 4 + e];
-      for (int e = 0; e < 4; ++e) out[4 * g + e] = finish.apply(acc[e]);
-    }
+    for (int64_t i = 4 * g; i < 4 * g1; ++i) out[i] = one(i);
   });
-  for (int64_t i = 4 * full; i < n; ++i) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < count; ++j) {
-      const float v = val[4 * j + ((rows[j][full] >> (2 * (i - 4 * full))) & 3)];
-      acc = j ? acc + v : v;
-    }
-    out[i] = finish.apply(acc);
-  }
+  for (int64_t i = 4 * full; i < n; ++i) out[i] = one(i);
 }
 
 // The sum of `count` rows of one gradient's codes; row j at rows[j], its scalars at scalars[j]
