@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from grace import native as _native
+from grace.native._arrays import torch_dtype_name
 from grace.core import bits as bits_
 from grace.core import draws
 
@@ -58,19 +59,13 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-_NAMES: dict = {}  # torch dtype -> its name (asked for per tensor, per step)
-
-
 class TorchBackend:
     name = "torch"
     mutable_tensors = True
 
     # --- introspection -------------------------------------------------------------------
     def dtype(self, x) -> str:
-        name = _NAMES.get(x.dtype)
-        if name is None:
-            name = _NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
-        return name
+        return torch_dtype_name(x.dtype)
 
     def shape(self, x) -> tuple:
         return tuple(x.shape)

@@ -117,8 +117,14 @@ class _Numpy:
         pass
 
 
-_TORCH_NAMES: dict = {}
+_TORCH_NAMES: dict = {}  # torch dtype -> its name: asked for per tensor and step
 _TORCH_CPU: list = []  # the kind of torch CPU tensors
+
+
+def torch_dtype_name(dtype) -> str:
+    """A torch dtype's name ("float32"), made once per dtype."""
+    name = _TORCH_NAMES.get(dtype)
+    return name if name is not None else _TORCH_NAMES.setdefault(dtype, str(dtype)[6:])
 
 
 class _Torch:
@@ -143,7 +149,7 @@ class _Torch:
 
     def flat(self, x, dtype=None) -> Buf:
         t = x if x.dim() == 1 else x.reshape(-1)  # a contiguous copy if x was not contiguous
-        name = _TORCH_NAMES.get(t.dtype) or _TORCH_NAMES.setdefault(t.dtype, str(t.dtype)[6:])
+        name = torch_dtype_name(t.dtype)
         if dtype is not None and name != dtype:
             t, name = t.to(getattr(self.torch, dtype)), dtype
         if not t.is_contiguous():
