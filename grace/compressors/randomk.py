@@ -45,7 +45,7 @@ class RandomK(Compressor):
         shape, indices = ctx
         return xp.reshape(xp.scatter_add(indices, payload[0], shape.numel), shape.shape)
 
-    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None):
+    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None, into=None):
         """Residual memory's step for every gradient of a bucket in one native call (CPU):
         compensate, gather and the new memory (p, with p - (0 + v) at the sent indices), with
         every gradient's indices drawn first by one call of the backend's draws."""

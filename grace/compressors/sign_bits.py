@@ -19,11 +19,11 @@ class SignBits(Compressor):
     def residual_into(self, xp, p, payload, ctx, out):
         return native_or_none(xp, f"{self.segment_kernel}_residual_into", p, p, payload[0], payload[1], out)
 
-    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None):
+    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None, into=None):
         """Residual memory's step for every gradient of a bucket in one native call (CPU): each
         gradient compensated into its spare, compressed and its new memory written over it."""
         done = native_or_none(xp, f"{self.segment_kernel}_ef_step_many", gs[0], gs, residuals, beta, gamma, outs,
-                              nonfinite=flag)
+                              nonfinite=flag, into=into)
         if done is None:
             return None
         payloads, news = done

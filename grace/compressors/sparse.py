@@ -35,9 +35,11 @@ class Sparsifier(Compressor):
         values, indices, residual = fused(g, residual, self.kernel_argument(xp.numel(g)), beta, gamma, **where)
         return (values, indices), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(residual, xp.shape(g))
 
-    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None):
+    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None, into=None):
+        placed = {} if into is None else {"into": into}  # (fixed-length payloads only)
         done = native_or_none(xp, self.residual_kernel_many, gs[0], gs, residuals,
-                              [self.kernel_argument(xp.numel(g)) for g in gs], beta, gamma, outs=outs, nonfinite=flag)
+                              [self.kernel_argument(xp.numel(g)) for g in gs], beta, gamma, outs=outs, nonfinite=flag,
+                              **placed)
         if done is None:
             return None
         return [((v, i), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(r, xp.shape(g))) for v, i, r, g in zip(*done, gs)]

@@ -194,11 +194,11 @@ class Compressor:
                     for start, n, info in zip(table.starts, table.numels, infos)]
         return [xp.concat(list(field)) for field in zip(*payloads)], None, None
 
-    def compress_many(self, xp, gs, infos: Sequence[TensorInfo], flag=None):
+    def compress_many(self, xp, gs, infos: Sequence[TensorInfo], flag=None, into=None):
         """``compress`` of every gradient of a bucket (stateless methods) in one native call,
         where the method has one (``many_kernel``) and the step is a known int: a list of
         (payload, ctx), or None. Random methods draw from each gradient's rank seed, as
-        ``compress`` does. ``flag``: as ``Memory.fused_steps``'."""
+        ``compress`` does. ``flag``, ``into``: as ``Memory.fused_steps``'."""
         if not self.many_kernel or type(self).step is not Compressor.step:  # (a step with state: Signum's)
             return None
         if not isinstance(infos[0].step, numbers.Integral):
@@ -206,13 +206,14 @@ class Compressor:
         drawn = self.segment_draws([1]) is not None  # (a random method: it draws)
         words = [draws.seed_words(info.rank_seed(self.seed)) for info in infos] if drawn else None
         done = native_or_none(xp, "compress_many", gs[0], self.many_kernel, gs, words, *self.segment_arguments(),
-                              nonfinite=flag)
+                              nonfinite=flag, into=into)
         return None if done is None else [(payload, Shape(xp.shape(g), xp.dtype(g))) for payload, g in zip(done, gs)]
 
-    def compress_many_with_residual(self, xp, gs, residuals, beta: float, gamma: float, infos, outs, flag=None):
+    def compress_many_with_residual(self, xp, gs, residuals, beta: float, gamma: float, infos, outs, flag=None,
+                                    into=None):
         """``compress_with_residual`` of every gradient of a bucket in one native call, the new
         residuals written into ``outs``: a list of (payload, ctx, new residual), or None.
-        ``flag``: as ``Memory.fused_steps``'."""
+        ``flag``, ``into``: as ``Memory.fused_steps``'."""
         return None
 
     def compress_segments_with_residual(self, xp, g, residual, beta: float, gamma: float, table, infos):

@@ -124,6 +124,7 @@ class BucketPending:
     segmented: Any = None  # segment-wise buckets: (SegmentTable, SegmentedFrame)
     segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
     outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None
+    framed: Any = None  # (frame buffer, flag's byte or None, pieces' end) where a bucket call wrote them there
 
 
 def _check_float(xp, name: str, g) -> None:
@@ -608,11 +609,13 @@ class Exchange:
         spares = [self._spare_memory(u.name, xp, e) if memory.needs_feedback else None for u, e in zip(units, old)]
         # one native call for all the bucket's gradients where there is one (a CPU's top-k, DGC)
         flag = xp.zeros(1, "float32", like=g) if in_call else None
-        steps = memory.fused_steps(xp, compressor, g_units, old, infos, spares, flag) \
+        steps = memory.fused_steps(xp, compressor, g_units, old, infos, spares, flag, self._frame_into(pending)) \
             if len(units) > 1 and all(s is not None for s in spares) else None
         if steps is None and memory.passes_gradient and len(units) > 1:  # no memory: the payloads alone
-            many = compressor.compress_many(xp, g_units, infos, flag)
+            many = compressor.compress_many(xp, g_units, infos, flag, self._frame_into(pending))
             steps = None if many is None else [(payload, ctx, None) for payload, ctx in many]
+        if steps is None:
+            pending.framed = None
         if in_call and steps is not None:
             pending.flag = flag
         elif in_call and flagged:
@@ -862,6 +865,37 @@ class Exchange:
 
         return wait, sum(xp.nbytes(t) for t in pieces)
 
+    def _frame_into(self, pending: "BucketPending"):
+        """Where a bucket call writes its payloads (``into`` of ``Memory.fused_steps``): as the
+        pieces of this rank's frame, in the bucket's frame buffer, which then needs no join of
+        them (``_launch_frame``); None where frames are joined (immutable tensors, allreduce
+        methods, lengths known only after the call)."""
+        xp, compressor = pending.xp, self.compression.compressor
+        if not xp.mutable_tensors or compressor.collective is Collective.ALLREDUCE or compressor.variable_length:
+            return None
+
+        def into(dtypes, counts):
+            pieces, flag_at, size = frames.layout(dtypes, counts, False, self._guarded)
+            end = sum(count * frames.ITEMSIZE[dtype] for dtype, count in zip(dtypes, counts))
+            pending.framed = (self._reused(xp, f"{pending.bucket.key}.frame", "uint8", size, pending.g), flag_at, end)
+            return pending.framed[0], [offset for offset, _, _ in pieces]
+
+        return into
+
+    def _framed(self, pending: "BucketPending"):
+        """The frame whose pieces the bucket call wrote in place (``_frame_into``), finished with
+        the overflow flag and zeros to its end; None where they must be joined."""
+        xp, flag = pending.xp, pending.flag
+        frame, flag_at, end = pending.framed
+        if (flag is None) != (flag_at is None):
+            return None
+        if flag is not None:
+            xp.assign(frame[flag_at:flag_at + 1], xp.cast(xp.flatten(flag), "uint8"))
+            end = flag_at + 1
+        if end < xp.numel(frame):
+            xp.assign(frame[end:], xp.zeros(xp.numel(frame) - end, "uint8", like=frame))
+        return frame
+
     def _launch_frame(self, pending: "BucketPending", payloads, compensated) -> int:
         """Frame this rank's payloads, or the dense bucket (``compensated()``: its units) where
         that is smaller, and launch the allgather or the broadcasts; the bytes sent."""
@@ -873,7 +907,9 @@ class Exchange:
         pending.counts = [xp.numel(t) for t in pieces]
         flag, flagged = pending.flag, pending.flag is not None
         join = functools.partial(self._joined, xp, f"{bucket.key}.frame")
-        frame = frames.frame(xp, pieces, variable, g, flag, join, pending.dtypes, pending.counts)
+        frame = self._framed(pending) if pending.framed is not None else None
+        if frame is None:
+            frame = frames.frame(xp, pieces, variable, g, flag, join, pending.dtypes, pending.counts)
         header = 8 * len(pieces) if variable else 0
         dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False, flagged) + header
         # Fixed-length methods: every rank decides alike. A length known only when a traced

@@ -53,11 +53,13 @@ class Memory:
         (fields, ctx, new state), or None."""
         return None
 
-    def fused_steps(self, xp, compressor, gs, states, infos, outs, flag=None):
+    def fused_steps(self, xp, compressor, gs, states, infos, outs, flag=None, into=None):
         """``fused_step`` of every gradient of a bucket in one call, the new states written
         into ``outs``: a list of (payload, ctx, new state), or None. ``flag`` (optional, a
         one-element float32 tensor): where it runs, the call writes the bucket's overflow flag
-        into it (1 where any gradient holds an inf or a NaN), with no pass of its own."""
+        into it (1 where any gradient holds an inf or a NaN), with no pass of its own.
+        ``into`` (optional): where the call writes the payload tensors, if it can
+        (``grace.native._placed``: the exchange's frame buffer)."""
         return None
 
     def fused_step(self, xp, compressor, g, state: Optional[Any], info, out=None):

@@ -39,7 +39,7 @@ class DGCMemory(Memory):
         sent = p_hat != 0
         return xp.where(sent, u * 0, u), p - p_hat
 
-    def fused_steps(self, xp, compressor, gs, states, infos, outs, flag=None):
+    def fused_steps(self, xp, compressor, gs, states, infos, outs, flag=None, into=None):
         """fused_step of a whole bucket in one native call, where the compressor has one (DGC's
         selection, on a CPU) and nothing is clipped (a norm per gradient first)."""
         many = getattr(compressor, "compress_many_with_momentum", None)

@@ -43,8 +43,9 @@ class ResidualMemory(Memory):
     def fused_segments(self, xp, compressor, g, residual, table, infos):
         return compressor.compress_segments_with_residual(xp, g, residual, self.beta, self.gamma, table, infos)
 
-    def fused_steps(self, xp, compressor, gs, residuals, infos, outs, flag=None):
-        return compressor.compress_many_with_residual(xp, gs, residuals, self.beta, self.gamma, infos, outs, flag)
+    def fused_steps(self, xp, compressor, gs, residuals, infos, outs, flag=None, into=None):
+        return compressor.compress_many_with_residual(xp, gs, residuals, self.beta, self.gamma, infos, outs, flag,
+                                                      into)
 
     def fused_step(self, xp, compressor, g, residual, info, out=None):
         return compressor.compress_with_residual(xp, g, residual, self.beta, self.gamma, info, out)

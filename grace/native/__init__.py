@@ -200,6 +200,25 @@ def _addresses(buf: Buf, byte_offsets):
     return (ctypes.c_void_p * len(byte_offsets))(*[buf.ptr + o for o in byte_offsets])
 
 
+def _placed(kind, into, dtypes, counts):
+    """A bucket call's payload tensors (``dtypes`` and ``counts``: each one's, gradient after
+    gradient) where ``into(dtypes, counts)`` places them in a uint8 buffer of the caller's:
+    (that buffer, each tensor's byte offset in it), say a bucket's frame, which then needs no
+    join of its pieces. (each tensor's address, each tensor as a view of the buffer)."""
+    buffer, offsets = into(dtypes, counts)
+    b = _in_place(kind, buffer, "uint8")
+    typed, views = {}, []
+    for dtype, count, offset in zip(dtypes, counts, offsets):
+        size = ITEMSIZE[dtype]
+        if offset % size or offset < 0 or offset + count * size > b.n:
+            raise ValueError(f"{count} {dtype} at byte {offset} do not fit a buffer of {b.n} bytes")
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = kind.typed(b.obj[:b.n - b.n % size], dtype)
+        views.append(whole[offset // size:offset // size + count])
+    return [b.ptr + offset for offset in offsets], views
+
+
 def _int64s(values):
     return (ctypes.c_int64 * len(values))(*values)
 
@@ -670,12 +689,12 @@ def qsgd_compress_drawn(x, words, levels: int, bucket_size: int = 0):
 _COMPRESS_MANY = {"signsgd": 0, "terngrad": 1, "qsgd": 2, "natural": 3}
 
 
-def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int = 0, nonfinite=None):
+def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int = 0, nonfinite=None, into=None):
     """The payloads of every gradient of a bucket in one call (CPU): signsgd_compress, or
     terngrad_, qsgd_ or natural_compress_drawn with each gradient's seed words ``words[s]``, of
     each of the float32 ``xs``. A list of payloads, each a tuple of views of one buffer per
-    payload tensor (the same tensors as the per-gradient functions return). The overflow flag
-    into ``nonfinite`` (see ``_flag``)."""
+    payload tensor (the same tensors as the per-gradient functions return), or of the buffer
+    ``into`` gives (see ``_placed``). The overflow flag into ``nonfinite`` (see ``_flag``)."""
     kind = _cpu_kind(xs[0])
     xb = _same_kind_all(kind, xs)
     if any(b.dtype != "float32" for b in xb):
@@ -689,14 +708,22 @@ def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int
                  ("float32", [-(-n // (int(bucket_size) or max(n, 1))) for n in numels])],
         "natural": [("uint8", [packed_size(n, 1) for n in numels]), ("uint8", numels)],
     }[method]
-    buffers = [(kind.empty(sum(sizes), dtype), [0, *itertools.accumulate(sizes[:-1])], sizes)
-               for dtype, sizes in fields]
-    places = [_addresses(buf, [ITEMSIZE[buf.dtype] * s for s in starts]) for buf, starts, _ in buffers]
+    if into is None:
+        buffers = [(kind.empty(sum(sizes), dtype), [0, *itertools.accumulate(sizes[:-1])], sizes)
+                   for dtype, sizes in fields]
+        places = [_addresses(buf, [ITEMSIZE[buf.dtype] * s for s in starts]) for buf, starts, _ in buffers]
+        payloads = list(zip(*[[buf.obj[s:s + n] for s, n in zip(starts, sizes)] for buf, starts, sizes in buffers]))
+    else:
+        addresses, views = _placed(kind, into, [dtype for _ in numels for dtype, _ in fields],
+                                   [sizes[s] for s in range(len(numels)) for _, sizes in fields])
+        k = len(fields)
+        places = [(ctypes.c_void_p * len(numels))(*addresses[f::k]) for f in range(k)]
+        payloads = [tuple(views[k * s:k * s + k]) for s in range(len(numels))]
     s0, s1 = _seed_word_arrays(words if words is not None else [(0, 0)] * len(xb))
     if call(kind, "compress_many", _COMPRESS_MANY[method], len(xb), _pointers(xb), _int64s(numels), s0, s1, places[0],
             places[-1] if len(places) > 1 else None, int(levels), int(bucket_size), bits, _flag(kind, nonfinite)) != 0:
         raise ValueError(f"bad {method} parameters: levels={levels}, bits={bits}")
-    return list(zip(*[[buf.obj[s:s + n] for s, n in zip(starts, sizes)] for buf, starts, sizes in buffers]))
+    return payloads
 
 
 def natural_decompress(signs, codes, numel: int):
@@ -1104,24 +1131,31 @@ def _ef_many_inputs(gs, residuals, outs):
     return kind, gb, rb, ob
 
 
-def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, outs=None, nonfinite=None):
+def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, outs=None, nonfinite=None,
+                      into=None):
     """topk_ef_step of every gradient of a bucket, in one call (CPU): lists of values, indices
     and new residuals, per gradient (the new residuals written into ``outs`` where given; the
-    overflow flag into ``nonfinite``, see ``_flag``)."""
+    overflow flag into ``nonfinite``, see ``_flag``; the values and indices where ``into``
+    places them, see ``_placed``)."""
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     ks = [max(0, min(int(k), b.n)) for k, b in zip(ks, gb)]
     dtypes = [index_dtype(b.n) for b in gb]
-    values = kind.empty(sum(ks), "float32")
-    starts = [0, *itertools.accumulate(ks[:-1])]  # each gradient's values in a row
-    idx = [kind.empty(k, d) for k, d in zip(ks, dtypes)]
-    value_ptrs = _addresses(values, [4 * s for s in starts])
+    if into is None:
+        values = kind.empty(sum(ks), "float32")
+        starts = [0, *itertools.accumulate(ks[:-1])]  # each gradient's values in a row
+        idx = [kind.empty(k, d) for k, d in zip(ks, dtypes)]
+        value_ptrs, idx_ptrs = _addresses(values, [4 * s for s in starts]), _pointers(idx)
+        value_views, idx_views = [values.obj[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx]
+    else:
+        addresses, views = _placed(kind, into, [t for d in dtypes for t in ("float32", d)], [k for k in ks for _ in "vi"])
+        value_ptrs, idx_ptrs = (ctypes.c_void_p * len(gb))(*addresses[::2]), (ctypes.c_void_p * len(gb))(*addresses[1::2])
+        value_views, idx_views = views[::2], views[1::2]
     rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
-              _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), value_ptrs, _pointers(idx),
+              _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), value_ptrs, idx_ptrs,
               _index_codes(dtypes), _flag(kind, nonfinite))
     if rc != 0:
         raise RuntimeError("native top-k steps failed")
-    flat = values.obj
-    return ([flat[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx], [o.obj for o in ob])
+    return value_views, idx_views, [o.obj for o in ob]
 
 
 class _Rooms:
@@ -1232,31 +1266,36 @@ def _bits_residual(mode: int, p, packed, scalars, out):
     return out
 
 
-def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, nonfinite):
+def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, nonfinite, into):
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     sizes, per_row = [packed_size(b.n, 1) for b in gb], _SCALARS[mode]
-    packed, scalars = kind.empty(sum(sizes), "uint8"), kind.empty(per_row * len(gb), "float32")
-    starts = [0, *itertools.accumulate(sizes[:-1])]
+    if into is None:
+        packed, scalars = kind.empty(sum(sizes), "uint8"), kind.empty(per_row * len(gb), "float32")
+        starts = [0, *itertools.accumulate(sizes[:-1])]
+        bit_ptrs, scalar_ptrs = _addresses(packed, starts), _addresses(scalars, [4 * per_row * s for s in range(len(gb))])
+        payloads = [(packed.obj[s:s + n], scalars.obj[per_row * i:per_row * (i + 1)])
+                    for i, (s, n) in enumerate(zip(starts, sizes))]
+    else:
+        addresses, views = _placed(kind, into, ["uint8", "float32"] * len(gb), [c for n in sizes for c in (n, per_row)])
+        bit_ptrs, scalar_ptrs = (ctypes.c_void_p * len(gb))(*addresses[::2]), (ctypes.c_void_p * len(gb))(*addresses[1::2])
+        payloads = list(zip(views[::2], views[1::2]))
     call(kind, "bits_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
-         float(beta), float(gamma), _ef_flags(beta, gamma), mode,
-         _addresses(packed, starts), _addresses(scalars, [4 * per_row * s for s in range(len(gb))]),
-         _flag(kind, nonfinite))
-    return ([(packed.obj[s:s + n], scalars.obj[per_row * i:per_row * (i + 1)])
-             for i, (s, n) in enumerate(zip(starts, sizes))], [o.obj for o in ob])
+         float(beta), float(gamma), _ef_flags(beta, gamma), mode, bit_ptrs, scalar_ptrs, _flag(kind, nonfinite))
+    return payloads, [o.obj for o in ob]
 
 
-def efsignsgd_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None):
+def efsignsgd_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None, into=None):
     """EF-signSGD's residual step for every gradient of a bucket in one call (CPU): p = g*gamma
     + residual*beta written into ``outs`` (where given), its payload (sign bits, scale), then
     p - decode over it: (the payloads, the new residuals); the overflow flag into ``nonfinite``
-    (see ``_flag``)."""
-    return _bits_ef_many(_EFSIGNSGD, gs, residuals, beta, gamma, outs, nonfinite)
+    (see ``_flag``); the payloads where ``into`` places them (see ``_placed``)."""
+    return _bits_ef_many(_EFSIGNSGD, gs, residuals, beta, gamma, outs, nonfinite, into)
 
 
-def onebit_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None):
+def onebit_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None, into=None):
     """1-bit SGD's residual step for every gradient of a bucket in one call (CPU), as
     ``efsignsgd_ef_step_many`` with its payload (bits, the two means)."""
-    return _bits_ef_many(_ONEBIT, gs, residuals, beta, gamma, outs, nonfinite)
+    return _bits_ef_many(_ONEBIT, gs, residuals, beta, gamma, outs, nonfinite, into)
 
 
 def efsignsgd_residual_into(p, packed, scale, out):

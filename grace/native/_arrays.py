@@ -110,6 +110,11 @@ class _Numpy:
         return Buf(a, a.ctypes.data, n, dtype)
 
     @staticmethod
+    def typed(a, dtype: str):
+        """The flat array ``a``'s memory read as ``dtype`` (its size a multiple of the item's)."""
+        return a.view(dtype)
+
+    @staticmethod
     def wrap(obj):
         return obj
 
@@ -159,6 +164,10 @@ class _Torch:
     def empty(self, n: int, dtype: str) -> Buf:
         t = self.torch.empty(n, dtype=getattr(self.torch, dtype), device=self.device)
         return Buf(t, t.data_ptr(), n, dtype)
+
+    def typed(self, t, dtype: str):
+        """The flat tensor ``t``'s memory read as ``dtype`` (its size a multiple of the item's)."""
+        return t.view(getattr(self.torch, dtype))
 
     @staticmethod
     def wrap(obj):

@@ -1,0 +1,112 @@
+"""Bucket calls that write their payloads where the caller says (``into``): the exchange's frame
+buffer, so that a frame needs no join of its pieces. The payloads are byte for byte the ones
+the same call makes in buffers of its own, each at the offset given, and nothing else of the
+caller's buffer is written."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import grace.native as gn
+from grace.core import bucket as frames
+from tests.native.conftest import gradient, same_bytes, torch  # noqa: F401
+
+SIZES = [1, 9, 300, 40000, 2**16 + 3]
+CANARY = 0xA5
+
+
+def placer(layout):
+    """An ``into`` that lays the pieces out by ``layout(dtypes, counts)`` (each piece's byte
+    offset, and the buffer's size) in a buffer of canary bytes; what it handed out, in ``seen``."""
+    seen = {}
+
+    def into(dtypes, counts):
+        offsets, size = layout(dtypes, counts)
+        seen.update(buffer=torch.full((size,), CANARY, dtype=torch.uint8), offsets=offsets, dtypes=dtypes,
+                    counts=counts)
+        return seen["buffer"], offsets
+
+    return into, seen
+
+
+def as_frame(dtypes, counts):  # as the exchange does: a flagged frame's pieces, widest first
+    pieces, _, size = frames.layout(dtypes, counts, False, True)
+    return [offset for offset, _, _ in pieces], size
+
+
+def backwards_with_gaps(dtypes, counts):  # last piece first, 8 bytes between pieces
+    offsets, pos = [0] * len(dtypes), 8
+    for i in reversed(range(len(dtypes))):
+        size = frames.ITEMSIZE[dtypes[i]]
+        pos += -pos % size
+        offsets[i] = pos
+        pos += counts[i] * size + 8
+    return offsets, pos
+
+
+def check_placed(got, want, seen):
+    """Each placed piece equals the unplaced call's, lies at its offset, and every byte the
+    pieces do not cover still holds the canary."""
+    pieces = [t for payload in got for t in payload]
+    wanted = [t for payload in want for t in payload]
+    buffer = seen["buffer"]
+    assert len(pieces) == len(wanted) == len(seen["offsets"])
+    covered = np.zeros(buffer.numel(), bool)
+    for piece, expected, offset, count, dtype in zip(pieces, wanted, seen["offsets"], seen["counts"], seen["dtypes"]):
+        same_bytes(expected, piece)
+        assert piece.data_ptr() == buffer.data_ptr() + offset
+        covered[offset:offset + count * frames.ITEMSIZE[dtype]] = True
+    assert (buffer.numpy()[~covered] == CANARY).all(), "bytes outside the pieces were written"
+
+
+def inputs():
+    gs = [gradient(n, seed=n) for n in SIZES]
+    gs[2][:4] = [-0.0, np.inf, np.nan, 3e38]
+    return [torch.from_numpy(g) for g in gs]
+
+
+@pytest.mark.parametrize("layout", [as_frame, backwards_with_gaps], ids=["frame", "backwards"])
+@pytest.mark.parametrize("method, parameters", [("signsgd", ()), ("terngrad", ()), ("natural", ()),
+                                                ("qsgd", (127, 0)), ("qsgd", (5, 1000))])
+def test_compress_many_places_its_payloads(method, parameters, layout):
+    xs = inputs()
+    words = None if method == "signsgd" else [(0x9E3779B9 * (s + 1) % 2**32, 77 + s) for s in range(len(xs))]
+    into, seen = placer(layout)
+    got = gn.compress_many(method, xs, words, *parameters, into=into)
+    check_placed(got, gn.compress_many(method, xs, words, *parameters), seen)
+
+
+@pytest.mark.parametrize("layout", [as_frame, backwards_with_gaps], ids=["frame", "backwards"])
+def test_top_k_steps_place_their_values_and_indices(layout):
+    gs = inputs()
+    rs = [torch.from_numpy(gradient(n, seed=n + 1)) * 0.3 for n in SIZES]
+    ks = [max(1, n // 100) for n in SIZES]
+    into, seen = placer(layout)
+    values, indices, news = gn.topk_ef_step_many(gs, rs, ks, beta=0.9, outs=[torch.empty(n) for n in SIZES], into=into)
+    want = gn.topk_ef_step_many(gs, rs, ks, beta=0.9)
+    check_placed(list(zip(values, indices)), list(zip(*want[:2])), seen)
+    for a, b in zip(want[2], news):
+        same_bytes(a, b)
+
+
+@pytest.mark.parametrize("layout", [as_frame, backwards_with_gaps], ids=["frame", "backwards"])
+@pytest.mark.parametrize("method", ["efsignsgd", "onebit"])
+def test_sign_family_steps_place_their_payloads(method, layout):
+    many = getattr(gn, f"{method}_ef_step_many")
+    gs = inputs()
+    rs = [torch.from_numpy(gradient(n, seed=n + 1)) * 0.3 for n in SIZES]
+    into, seen = placer(layout)
+    payloads, news = many(gs, rs, 0.9, 1.0, [torch.empty(n) for n in SIZES], into=into)
+    want_payloads, want_news = many(gs, rs, 0.9, 1.0, [torch.empty(n) for n in SIZES])
+    check_placed(payloads, want_payloads, seen)
+    for a, b in zip(want_news, news):
+        same_bytes(a, b)
+
+
+def test_a_place_that_does_not_fit_is_refused():
+    xs = inputs()
+    with pytest.raises(ValueError, match="do not fit"):  # a float32 scale at an odd byte
+        gn.compress_many("terngrad", xs, [(1, 2)] * len(xs), into=lambda d, c: (
+            torch.zeros(10**6, dtype=torch.uint8), [1] * len(d)))
+    with pytest.raises(ValueError, match="do not fit"):  # past the end
+        gn.compress_many("signsgd", xs, into=lambda d, c: (torch.zeros(8, dtype=torch.uint8), [0] * len(d)))
