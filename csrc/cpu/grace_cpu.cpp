@@ -1935,16 +1935,19 @@ inline void prefetch_bytes(const uint8_t* p, int64_t from, int64_t to) {
 // (row j's elements [lo, hi) into dst[0, hi - lo)): block by block, row 0 decoded into out and
 // every further row into a buffer in L1, then added; or added by add(j, lo, hi, dst) itself
 // where it can (it returns false where it cannot). Where `stream` (out 16-byte aligned), each
-// block is summed and finished in L1 and then streamed to out. ahead(j, lo, hi) asks for row
-// j's inputs of elements [lo, hi) (its next block) as a block of it is decoded: the rows are
-// read a short run at a time each, which the hardware prefetcher does not follow far enough.
+// block is summed and finished in L1 and then streamed to out. ahead(j, lo, hi) may ask for
+// row j's inputs of elements [lo, hi) (its next block) as a block of it is decoded: the rows
+// are read a short run at a time each, which the hardware prefetcher may not follow far enough.
 struct NoAdd {
   bool operator()(int64_t, int64_t, int64_t, float*) const { return false; }
 };
+struct NoAhead {
+  void operator()(int64_t, int64_t, int64_t) const {}
+};
 
-template <class Ahead, class Decode, class Add = NoAdd>
-void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, bool stream, const Ahead& ahead,
-                 const Decode& decode, const Add& add = Add()) {
+template <class Decode, class Add = NoAdd, class Ahead = NoAhead>
+void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, bool stream, const Decode& decode,
+                 const Add& add = Add(), const Ahead& ahead = Ahead()) {
   constexpr int64_t kBlock = 2048;
   for_chunks(n, kBlock, threads_for(n), [&](int, int64_t lo, int64_t hi) {
     alignas(32) float buf[kBlock], sum[kBlock];
@@ -1988,10 +1991,7 @@ API void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8
   for (int64_t s = 0; s < segments; ++s) {
     const uint8_t* const* S = signs + s * ranks;
     const uint8_t* const* C = codes + s * ranks;
-    decoded_sum(ranks, numels[s], out[s], finish, streams(out[s], bytes), [&](int64_t j, int64_t lo, int64_t hi) {
-      prefetch_bytes(S[j], lo / 8, (hi + 7) / 8);
-      prefetch_bytes(C[j], lo, hi);
-    }, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+    decoded_sum(ranks, numels[s], out[s], finish, streams(out[s], bytes), [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
       natural_decode_range(S[j], C[j], lo, hi, dst, false);
     }, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
 #if defined(GRACE_SIMD) && defined(__AVX2__)
@@ -2024,14 +2024,14 @@ API int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* 
     const float* const* N = norms + s * ranks;
     with_width(bits, [&](auto w) {
       constexpr int B = decltype(w)::value;
-      decoded_sum(ranks, n, out[s], finish, streams(out[s], bytes), [&](int64_t j, int64_t lo, int64_t hi) {
-        prefetch_bytes(P[j], lo * B / 8, (hi * B + 7) / 8);
-      }, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+      decoded_sum(ranks, n, out[s], finish, streams(out[s], bytes), [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
         qsgd_decode_groups<B>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, lo, false, &computed);
       }, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {  // further rows added as computed
         if (B <= 5 || computed.how == 0) return false;
         qsgd_decode_groups<B, true>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, lo, false, &computed);
         return true;
+      }, [&](int64_t j, int64_t lo, int64_t hi) {  // (the sum of four ranks' 8-bit codes: a quarter faster)
+        prefetch_bytes(P[j], lo * B / 8, (hi * B + 7) / 8);
       });
     });
   }
