@@ -884,11 +884,12 @@ class Exchange:
 
     def _framed(self, pending: "BucketPending"):
         """The frame whose pieces the bucket call wrote in place (``_frame_into``), finished with
-        the overflow flag and zeros to its end; None where they must be joined."""
+        the overflow flag and zeros to its end."""
         xp, flag = pending.xp, pending.flag
         frame, flag_at, end = pending.framed
-        if (flag is None) != (flag_at is None):
-            return None
+        if (flag is None) != (flag_at is None):  # (a guarded exchange flags every bucket)
+            raise RuntimeError(f"grace: {pending.bucket.key}'s frame was laid out for {'no ' * (flag_at is None)}"
+                               "overflow flag")
         if flag is not None:
             xp.assign(frame[flag_at:flag_at + 1], xp.cast(xp.flatten(flag), "uint8"))
             end = flag_at + 1
@@ -907,9 +908,8 @@ class Exchange:
         pending.counts = [xp.numel(t) for t in pieces]
         flag, flagged = pending.flag, pending.flag is not None
         join = functools.partial(self._joined, xp, f"{bucket.key}.frame")
-        frame = self._framed(pending) if pending.framed is not None else None
-        if frame is None:
-            frame = frames.frame(xp, pieces, variable, g, flag, join, pending.dtypes, pending.counts)
+        frame = self._framed(pending) if pending.framed is not None else \
+            frames.frame(xp, pieces, variable, g, flag, join, pending.dtypes, pending.counts)
         header = 8 * len(pieces) if variable else 0
         dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False, flagged) + header
         # Fixed-length methods: every rank decides alike. A length known only when a traced

@@ -219,6 +219,12 @@ def _placed(kind, into, dtypes, counts):
     return [b.ptr + offset for offset in offsets], views
 
 
+def _every(addresses, first: int, step: int):
+    """A C array of ``addresses[first::step]``: one payload tensor's place for each gradient."""
+    chosen = addresses[first::step]
+    return (ctypes.c_void_p * len(chosen))(*chosen)
+
+
 def _int64s(values):
     return (ctypes.c_int64 * len(values))(*values)
 
@@ -717,7 +723,7 @@ def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int
         addresses, views = _placed(kind, into, [dtype for _ in numels for dtype, _ in fields],
                                    [sizes[s] for s in range(len(numels)) for _, sizes in fields])
         k = len(fields)
-        places = [(ctypes.c_void_p * len(numels))(*addresses[f::k]) for f in range(k)]
+        places = [_every(addresses, f, k) for f in range(k)]
         payloads = [tuple(views[k * s:k * s + k]) for s in range(len(numels))]
     s0, s1 = _seed_word_arrays(words if words is not None else [(0, 0)] * len(xb))
     if call(kind, "compress_many", _COMPRESS_MANY[method], len(xb), _pointers(xb), _int64s(numels), s0, s1, places[0],
@@ -1148,7 +1154,7 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
         value_views, idx_views = [values.obj[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx]
     else:
         addresses, views = _placed(kind, into, [t for d in dtypes for t in ("float32", d)], [k for k in ks for _ in "vi"])
-        value_ptrs, idx_ptrs = (ctypes.c_void_p * len(gb))(*addresses[::2]), (ctypes.c_void_p * len(gb))(*addresses[1::2])
+        value_ptrs, idx_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
         value_views, idx_views = views[::2], views[1::2]
     rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
               _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), value_ptrs, idx_ptrs,
@@ -1277,7 +1283,7 @@ def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, non
                     for i, (s, n) in enumerate(zip(starts, sizes))]
     else:
         addresses, views = _placed(kind, into, ["uint8", "float32"] * len(gb), [c for n in sizes for c in (n, per_row)])
-        bit_ptrs, scalar_ptrs = (ctypes.c_void_p * len(gb))(*addresses[::2]), (ctypes.c_void_p * len(gb))(*addresses[1::2])
+        bit_ptrs, scalar_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
         payloads = list(zip(views[::2], views[1::2]))
     call(kind, "bits_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
          float(beta), float(gamma), _ef_flags(beta, gamma), mode, bit_ptrs, scalar_ptrs, _flag(kind, nonfinite))
