@@ -884,7 +884,9 @@ __attribute__((target("avx512f"))) int64_t uniform_range16(int64_t j, int64_t en
   }
   return j;
 }
-const bool kDrawsBy16 = __builtin_cpu_supports("avx512f");
+// (asked when the library loads: __builtin_cpu_init first, as a static initializer may run
+// before libgcc's own)
+const bool kDrawsBy16 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
 #endif
 
 void uniform_range(int64_t lo, int64_t hi, uint32_t s0, uint32_t s1, float* out) {
