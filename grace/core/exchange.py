@@ -609,10 +609,11 @@ class Exchange:
         spares = [self._spare_memory(u.name, xp, e) if memory.needs_feedback else None for u, e in zip(units, old)]
         # one native call for all the bucket's gradients where there is one (a CPU's top-k, DGC)
         flag = xp.zeros(1, "float32", like=g) if in_call else None
-        steps = memory.fused_steps(xp, compressor, g_units, old, infos, spares, flag, self._frame_into(pending)) \
+        into = self._frame_into(pending)
+        steps = memory.fused_steps(xp, compressor, g_units, old, infos, spares, flag, into) \
             if len(units) > 1 and all(s is not None for s in spares) else None
         if steps is None and memory.passes_gradient and len(units) > 1:  # no memory: the payloads alone
-            many = compressor.compress_many(xp, g_units, infos, flag, self._frame_into(pending))
+            many = compressor.compress_many(xp, g_units, infos, flag, into)
             steps = None if many is None else [(payload, ctx, None) for payload, ctx in many]
         if steps is None:
             pending.framed = None
