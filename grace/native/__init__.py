@@ -200,12 +200,25 @@ def _addresses(buf: Buf, byte_offsets):
     return (ctypes.c_void_p * len(byte_offsets))(*[buf.ptr + o for o in byte_offsets])
 
 
+def _one_buffer(kind):
+    """The ``into`` of a bucket call given none: its payload tensors in one new uint8 buffer,
+    the widest items first (so each tensor is aligned to its item)."""
+    def into(dtypes, counts):
+        offsets, end = [0] * len(dtypes), 0
+        for i in sorted(range(len(dtypes)), key=lambda i: -ITEMSIZE[dtypes[i]]):
+            offsets[i], end = end, end + counts[i] * ITEMSIZE[dtypes[i]]
+        return kind.empty(end, "uint8").obj, offsets
+
+    return into
+
+
 def _placed(kind, into, dtypes, counts):
     """A bucket call's payload tensors (``dtypes`` and ``counts``: each one's, gradient after
     gradient) where ``into(dtypes, counts)`` places them in a uint8 buffer of the caller's:
     (that buffer, each tensor's byte offset in it), say a bucket's frame, which then needs no
-    join of its pieces. (each tensor's address, each tensor as a view of the buffer)."""
-    buffer, offsets = into(dtypes, counts)
+    join of its pieces; in one new buffer where ``into`` is None. (each tensor's address, each
+    tensor as a view of the buffer)."""
+    buffer, offsets = (into or _one_buffer(kind))(dtypes, counts)
     b = _in_place(kind, buffer, "uint8")
     typed, views = {}, []
     for dtype, count, offset in zip(dtypes, counts, offsets):
@@ -714,17 +727,11 @@ def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int
                  ("float32", [-(-n // (int(bucket_size) or max(n, 1))) for n in numels])],
         "natural": [("uint8", [packed_size(n, 1) for n in numels]), ("uint8", numels)],
     }[method]
-    if into is None:
-        buffers = [(kind.empty(sum(sizes), dtype), [0, *itertools.accumulate(sizes[:-1])], sizes)
-                   for dtype, sizes in fields]
-        places = [_addresses(buf, [ITEMSIZE[buf.dtype] * s for s in starts]) for buf, starts, _ in buffers]
-        payloads = list(zip(*[[buf.obj[s:s + n] for s, n in zip(starts, sizes)] for buf, starts, sizes in buffers]))
-    else:
-        addresses, views = _placed(kind, into, [dtype for _ in numels for dtype, _ in fields],
-                                   [sizes[s] for s in range(len(numels)) for _, sizes in fields])
-        k = len(fields)
-        places = [_every(addresses, f, k) for f in range(k)]
-        payloads = [tuple(views[k * s:k * s + k]) for s in range(len(numels))]
+    addresses, views = _placed(kind, into, [dtype for _ in numels for dtype, _ in fields],
+                               [sizes[s] for s in range(len(numels)) for _, sizes in fields])
+    k = len(fields)
+    places = [_every(addresses, f, k) for f in range(k)]
+    payloads = [tuple(views[k * s:k * s + k]) for s in range(len(numels))]
     s0, s1 = _seed_word_arrays(words if words is not None else [(0, 0)] * len(xb))
     if call(kind, "compress_many", _COMPRESS_MANY[method], len(xb), _pointers(xb), _int64s(numels), s0, s1, places[0],
             places[-1] if len(places) > 1 else None, int(levels), int(bucket_size), bits, _flag(kind, nonfinite)) != 0:
@@ -1146,16 +1153,9 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     ks = [max(0, min(int(k), b.n)) for k, b in zip(ks, gb)]
     dtypes = [index_dtype(b.n) for b in gb]
-    if into is None:
-        values = kind.empty(sum(ks), "float32")
-        starts = [0, *itertools.accumulate(ks[:-1])]  # each gradient's values in a row
-        idx = [kind.empty(k, d) for k, d in zip(ks, dtypes)]
-        value_ptrs, idx_ptrs = _addresses(values, [4 * s for s in starts]), _pointers(idx)
-        value_views, idx_views = [values.obj[s:s + k] for s, k in zip(starts, ks)], [i.obj for i in idx]
-    else:
-        addresses, views = _placed(kind, into, [t for d in dtypes for t in ("float32", d)], [k for k in ks for _ in "vi"])
-        value_ptrs, idx_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
-        value_views, idx_views = views[::2], views[1::2]
+    addresses, views = _placed(kind, into, [t for d in dtypes for t in ("float32", d)], [k for k in ks for _ in "vi"])
+    value_ptrs, idx_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
+    value_views, idx_views = views[::2], views[1::2]
     rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
               _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), value_ptrs, idx_ptrs,
               _index_codes(dtypes), _flag(kind, nonfinite))
@@ -1275,16 +1275,9 @@ def _bits_residual(mode: int, p, packed, scalars, out):
 def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, nonfinite, into):
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     sizes, per_row = [packed_size(b.n, 1) for b in gb], _SCALARS[mode]
-    if into is None:
-        packed, scalars = kind.empty(sum(sizes), "uint8"), kind.empty(per_row * len(gb), "float32")
-        starts = [0, *itertools.accumulate(sizes[:-1])]
-        bit_ptrs, scalar_ptrs = _addresses(packed, starts), _addresses(scalars, [4 * per_row * s for s in range(len(gb))])
-        payloads = [(packed.obj[s:s + n], scalars.obj[per_row * i:per_row * (i + 1)])
-                    for i, (s, n) in enumerate(zip(starts, sizes))]
-    else:
-        addresses, views = _placed(kind, into, ["uint8", "float32"] * len(gb), [c for n in sizes for c in (n, per_row)])
-        bit_ptrs, scalar_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
-        payloads = list(zip(views[::2], views[1::2]))
+    addresses, views = _placed(kind, into, ["uint8", "float32"] * len(gb), [c for n in sizes for c in (n, per_row)])
+    bit_ptrs, scalar_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
+    payloads = list(zip(views[::2], views[1::2]))
     call(kind, "bits_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
          float(beta), float(gamma), _ef_flags(beta, gamma), mode, bit_ptrs, scalar_ptrs, _flag(kind, nonfinite))
     return payloads, [o.obj for o in ob]
