@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -61,6 +62,22 @@ int threads_for(int64_t work, int64_t grain = kGrain) {
   int64_t by_work = work / grain;
   return (int)std::max<int64_t>(1, std::min<int64_t>(t, by_work));
 }
+
+// ---- AVX-512 -------------------------------------------------------------------------------
+#if defined(__AVX2__)
+// A few kernels of the x86-64-v3 build have a 16-lane body compiled for AVX-512 (GRACE_AVX512 on
+// the function; the same operations as their 8-lane loop, so the same results), taken where the
+// CPU has it, asked when the library loads (__builtin_cpu_init first: a static initializer may
+// run before libgcc's own). GRACE_NATIVE_AVX512=0 in the environment keeps the 8-lane loops.
+#define GRACE_AVX512 __attribute__((target("avx512f")))
+bool avx512_wanted() {
+  const char* v = std::getenv("GRACE_NATIVE_AVX512");
+  return !(v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0 || std::strcmp(v, "no") == 0));
+}
+const bool kAvx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f")) && avx512_wanted();
+#else
+constexpr bool kAvx512 = false;
+#endif
 
 // ---- memory streams ------------------------------------------------------------------------
 // The hardware prefetcher of one core does not keep two or three input streams busy enough:
@@ -694,6 +711,7 @@ API const char* grace_cpu_isa(void) {
   return "generic";
 #endif
 }
+API int grace_cpu_uses_avx512(void) { return kAvx512 ? 1 : 0; }
 API int grace_cpu_runs_x86_64_v3(void) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
   __builtin_cpu_init();
@@ -864,7 +882,7 @@ inline uint32_t hash32(uint64_t h) {
 // The draws of [j, end) 16 at a time with AVX-512, where the CPU has it (the same integer hash
 // and conversion as the 8-lane loop below, so the same floats): the draws are bound by their
 // multiplications, and twice the lanes take the same instructions. Returns where it stopped.
-__attribute__((target("avx512f"))) int64_t uniform_range16(int64_t j, int64_t end, int64_t lo, uint32_t s0,
+GRACE_AVX512 int64_t uniform_range16(int64_t j, int64_t end, int64_t lo, uint32_t s0,
                                                            uint32_t s1, float* out) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                 c1 = _mm512_set1_epi32(0x21F0AAAD), c2 = _mm512_set1_epi32(0x735A2D97),
@@ -884,9 +902,6 @@ __attribute__((target("avx512f"))) int64_t uniform_range16(int64_t j, int64_t en
   }
   return j;
 }
-// (asked when the library loads: __builtin_cpu_init first, as a static initializer may run
-// before libgcc's own)
-const bool kDrawsBy16 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
 #endif
 
 void uniform_range(int64_t lo, int64_t hi, uint32_t s0, uint32_t s1, float* out) {
@@ -903,7 +918,7 @@ void uniform_range(int64_t lo, int64_t hi, uint32_t s0, uint32_t s1, float* out)
     return _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
   };
   const int64_t simd_end = std::min<int64_t>(hi, (int64_t)1 << 32);  // (j in 32 bits)
-  if (kDrawsBy16) j = uniform_range16(j, simd_end, lo, s0, s1, out);
+  if (kAvx512) j = uniform_range16(j, simd_end, lo, s0, s1, out);
   for (; j + 8 <= simd_end; j += 8) {
     const __m256i jj = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)j), lane);
     const __m256i h = h8(_mm256_xor_si256(h8(_mm256_xor_si256(jj, w0)), w1));
@@ -1415,6 +1430,39 @@ struct Finish {
   }
 };
 
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+// 16 float lanes as two F8 (for the 8-lane helpers: Finish, put8)
+GRACE_AVX512 inline F8 low8(__m512 v) { return {_mm512_castps512_ps256(v)}; }
+GRACE_AVX512 inline F8 high8(__m512 v) {
+  return {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))};
+}
+GRACE_AVX512 inline void put16(float* p, __m512 v, const Finish& finish, bool stream) {
+  if (finish.none() && !stream) return _mm512_storeu_ps(p, v);
+  put8(p, finish.none() ? low8(v) : finish.apply8(low8(v)), stream);
+  put8(p + 8, finish.none() ? high8(v) : finish.apply8(high8(v)), stream);
+}
+
+// bits_sum_rows' groups [g, g1) 4 at a time (32 elements, four bytes of each row) with AVX-512:
+// a row's 16 bits are the mask that picks hi or lo per lane. Returns where it stopped.
+GRACE_AVX512 int64_t bits_sum_rows32(const uint8_t* const* rows, const float* lo, const float* hi, int64_t count,
+                                     int64_t g, int64_t g1, float* out, const Finish& finish, bool stream) {
+  for (; g + 4 <= g1; g += 4) {
+    __m512 acc[2];
+    for (int64_t j = 0; j < count; ++j) {
+      uint32_t w;
+      std::memcpy(&w, rows[j] + g, 4);
+      const __m512 l = _mm512_set1_ps(lo[j]), h = _mm512_set1_ps(hi[j]);
+      for (int q = 0; q < 2; ++q) {
+        const __m512 v = _mm512_mask_blend_ps((__mmask16)(w >> (16 * q)), l, h);
+        acc[q] = j ? _mm512_add_ps(acc[q], v) : v;
+      }
+    }
+    for (int q = 0; q < 2; ++q) put16(out + 8 * g + 16 * q, acc[q], finish, stream);
+  }
+  return g;
+}
+#endif
+
 // out = the sum, row after row in float32, of the rows of n bits decoded to lo[j] / hi[j]
 // (then finished); streamed where `stream` (out 16-byte aligned).
 void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi, int64_t count, int64_t n, float* out,
@@ -1435,6 +1483,7 @@ void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi,
     const __m256i shift[4] = {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15),
                               _mm256_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23),
                               _mm256_setr_epi32(24, 25, 26, 27, 28, 29, 30, 31)};
+    if (kAvx512) g = bits_sum_rows32(rows, lo, hi, count, g, g1, out, finish, stream);
     for (; g + 4 <= g1; g += 4) {
       F8 acc[4];
       for (int64_t j = 0; j < count; ++j) {
@@ -1531,6 +1580,29 @@ void sign_sum_rows(const uint8_t* const* rows, int64_t count, int64_t n, float* 
 }
 #endif
 
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+// terngrad_sum_rows' groups [g, g1) of 4 elements, four at a time (16 elements, four bytes of
+// each row) with AVX-512: each lane's code shifted into place picks its value from the row's
+// four (val[4 j ..]) by one permute. Returns where it stopped.
+GRACE_AVX512 int64_t terngrad_sum_rows16(const uint8_t* const* rows, const float* val, int64_t count, int64_t g,
+                                         int64_t g1, float* out, const Finish& finish, bool stream) {
+  const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i three = _mm512_set1_epi32(3);
+  for (; g + 4 <= g1; g += 4) {
+    __m512 acc;
+    for (int64_t j = 0; j < count; ++j) {
+      uint32_t w;
+      std::memcpy(&w, rows[j] + g, 4);
+      const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w), shifts), three);
+      const __m512 v = _mm512_permutexvar_ps(code, _mm512_broadcast_f32x4(_mm_loadu_ps(val + 4 * j)));
+      acc = j ? _mm512_add_ps(acc, v) : v;
+    }
+    put16(out + 4 * g, acc, finish, stream);
+  }
+  return g;
+}
+#endif
+
 // out = the sum, row after row in float32, of rows of n TernGrad codes (4 to a byte), row j
 // decoded with its scale scale[j] as grace_cpu_terngrad_decode does: by a table of each
 // byte's four values per row; finished as it is stored (streamed where `stream`, out 16-byte
@@ -1575,6 +1647,7 @@ void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t c
       return F8{_mm256_permutevar8x32_ps(four[j], code)};
     };
     const bool plain = finish.none();
+    if (kAvx512) g = terngrad_sum_rows16(rows, val.data(), count, g, g1, out, finish, stream);
     for (; g + 2 <= g1; g += 2) {
       F8 acc = row8(0, g);
       for (int64_t j = 1; j < count; ++j) acc = acc + row8(j, g);
@@ -1757,12 +1830,13 @@ struct PlaneLut {
 // low bit: lut[c] * norm is symmetric in it for a finite norm.
 struct QsgdLevels {
   int how = 0;  // 0: the table, 1: level * (1 / levels), 2: that corrected by one FMA step
+  float rf = 0.0f, fl = 0.0f;  // 1 / levels rounded, levels
 #if defined(GRACE_SIMD) && defined(__AVX2__)
   __m256 r, flevels;
 #endif
   QsgdLevels(int levels, const float* lut) {
 #if defined(GRACE_SIMD) && defined(__AVX2__)
-    const float rf = 1.0f / (float)levels, fl = (float)levels;
+    rf = 1.0f / (float)levels, fl = (float)levels;
     r = _mm256_set1_ps(rf), flevels = _mm256_set1_ps(fl);
     for (int way = 1; way <= 2 && how == 0; ++way) {
       bool all = true;
@@ -1789,6 +1863,31 @@ struct QsgdLevels {
 #endif
 };
 
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+// QsgdLevels::values8 of 8-bit codes, groups [g, g1) two at a time (16 codes) with AVX-512,
+// written to out[8 g ..] or added there where kAdd. Returns where it stopped.
+template <bool kAdd>
+GRACE_AVX512 int64_t qsgd_values16(const uint8_t* packed, const QsgdLevels& levels, float norm, float* out, int64_t g,
+                                   int64_t g1) {
+  const __m512 r = _mm512_set1_ps(levels.rf), fl = _mm512_set1_ps(levels.fl), vn = _mm512_set1_ps(norm);
+  for (; g + 2 <= g1; g += 2) {
+    const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(packed + 8 * g)));
+    const __m512 level = _mm512_cvtepi32_ps(_mm512_srli_epi32(code, 1));
+    __m512 q = _mm512_mul_ps(level, r);
+    if (levels.how == 2) q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, fl, level), r, q);
+    const __m512i signed_ = _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(q, vn)), _mm512_slli_epi32(code, 31));
+    const __m512 v = _mm512_castsi512_ps(signed_);
+    float* const o = out + 8 * g;
+    if (kAdd) {
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), v));
+    } else {
+      _mm512_storeu_ps(o, v);
+    }
+  }
+  return g;
+}
+#endif
+
 // values of elements [g0*8, g1*8) ∩ [0, n): lut[code] * the norm of its bucket, bucket by bucket,
 // element i written to out[i - base] (streamed where allowed and the output is large), or added
 // to it where kAdd; computed by `levels` where it can (B > 5)
@@ -1809,6 +1908,7 @@ void qsgd_decode_groups(const uint8_t* packed, int64_t n, int64_t b, const float
 #if defined(GRACE_SIMD) && defined(__AVX2__)
     if (B > 5 && levels != nullptr && levels->how != 0 && std::isfinite(norm)) {
       const __m256 vn = _mm256_set1_ps(norm);
+      if (B == 8 && kAvx512 && (kAdd || !stream)) g = qsgd_values16<kAdd>(packed, *levels, norm, out, g, whole);
       for (; g < whole; ++g) {
         const F8 v{levels->values8(unpack_word<B>(get_group<B>(packed, g, nbytes)), vn)};
         float* const o = out + 8 * g;
@@ -1888,6 +1988,31 @@ inline float natural_one(uint32_t c, bool neg) {
   return (neg ? -1.0f : 1.0f) * mag;
 }
 
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+// natural_decode_groups' groups [g0, g1) two at a time (16 elements) with AVX-512, not streamed:
+// the codes as exponent bits, the sign byte pair the mask of the lanes that get the sign bit.
+// Returns where it stopped.
+template <bool kAdd>
+GRACE_AVX512 int64_t natural_decode_groups16(const uint8_t* signs, const uint8_t* codes, int64_t g0, int64_t g1,
+                                             float* dst) {
+  const __m512i top = _mm512_set1_epi32(INT32_MIN);
+  int64_t g = g0;
+  for (; g + 2 <= g1; g += 2) {
+    uint16_t neg;
+    std::memcpy(&neg, signs + g, 2);
+    const __m512i mag = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + 8 * g))), 23);
+    const __m512 v = _mm512_castsi512_ps(_mm512_mask_or_epi32(mag, (__mmask16)neg, mag, top));
+    float* const o = dst + 8 * (g - g0);
+    if (kAdd) {
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), v));
+    } else {
+      _mm512_storeu_ps(o, v);
+    }
+  }
+  return g;
+}
+#endif
+
 // groups [g0, g1) of 8 elements of a natural-compression payload, decoded into dst (dst[0]:
 // element 8 g0); added to dst where kAdd (AVX2 builds)
 template <bool kAdd = false>
@@ -1896,7 +2021,8 @@ void natural_decode_groups(const uint8_t* signs, const uint8_t* codes, int64_t g
 #if defined(GRACE_SIMD) && defined(__AVX2__)
   // sign * magnitude, exactly: the code as exponent bits, the sign bit on top; 8 at a time
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  for (int64_t g = g0; g < g1; ++g) {
+  const int64_t g16 = kAvx512 && !stream ? natural_decode_groups16<kAdd>(signs, codes, g0, g1, dst) : g0;
+  for (int64_t g = g16; g < g1; ++g) {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + 8 * g)));
     const __m256i neg = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(signs[g]), sel), sel);
     const __m256 v = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(c, 23), _mm256_slli_epi32(neg, 31)));

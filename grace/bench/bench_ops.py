@@ -236,8 +236,9 @@ def main(argv=None) -> int:
         name = torch.cuda.get_device_name()
     else:
         import platform
+        lib = gn._loader.library("cpu")
         name = f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}, " \
-               f"native threads {gn._loader.library('cpu').get_num_threads()}, kernels {gn.cpu_isa()}"
+               f"native threads {lib.get_num_threads()}, kernels {gn.cpu_isa()}{' + AVX-512' if lib.avx512 else ''}"
     print(f"# device: {args.device} ({name}); torch {torch.__version__}; repeats {args.repeats} (median)")
     measure = timer(args.device, args.repeats)
     builds = [None]

@@ -7,7 +7,9 @@ for the process; ``set_enabled`` / ``disabled()`` do it at run time (tests compa
 
 On x86-64 the CPU kernels come in two builds of the same source: libgrace_cpu.so (x86-64-v2,
 runs everywhere) and libgrace_cpu_avx2.so (x86-64-v3), taken where the portable library says
-the CPU runs x86-64-v3 code. ``GRACE_NATIVE_ISA=x86-64-v2`` keeps the portable one.
+the CPU runs x86-64-v3 code. ``GRACE_NATIVE_ISA=x86-64-v2`` keeps the portable one. A few
+kernels of the x86-64-v3 build also have a 16-lane AVX-512 body, which they take where the CPU
+has AVX-512 (the same results); ``GRACE_NATIVE_AVX512=0`` keeps their 8-lane loops.
 """
 from __future__ import annotations
 
@@ -116,6 +118,8 @@ class _Lib:
             self.isa = self._dll.grace_cpu_isa().decode()
             self._dll.grace_cpu_runs_x86_64_v3.restype = c_int
             self.runs_x86_64_v3 = bool(self._dll.grace_cpu_runs_x86_64_v3())
+            self._dll.grace_cpu_uses_avx512.restype = c_int
+            self.avx512 = bool(self._dll.grace_cpu_uses_avx512())  # the 16-lane bodies of a few kernels
             self._dll.grace_cpu_set_num_threads.argtypes = [c_int]
             self._dll.grace_cpu_get_num_threads.restype = c_int
             self.set_num_threads = self._dll.grace_cpu_set_num_threads

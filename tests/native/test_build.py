@@ -50,17 +50,50 @@ def test_the_best_cpu_build_for_this_cpu_is_loaded():
         assert stamp == build._stamp(build.cpu_command(LIB_DIR / name, march)[:-1]), f"{name} is older than csrc/"
 
 
+def _suite_again(env: dict):
+    """tests/native in a new process with ``env`` added to the environment: its summary line
+    (asserted all passed) -- the same oracle tests against another body of the kernels."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/native",
+                          "-k", "not the_portable_build and not the_8_lane_loops"],
+                         env={**os.environ, **env}, cwd=REPO, capture_output=True, text=True, timeout=900)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert out.returncode == 0 and " passed" in summary and "failed" not in summary, out.stdout[-4000:]
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="one CPU build off x86-64")
 @pytest.mark.skipif(bool(os.environ.get("GRACE_NATIVE_ISA")), reason="this is the run under GRACE_NATIVE_ISA")
 def test_the_portable_build_passes_this_suite_too():
     """The x86-64-v2 library (older CPUs) against the oracle: tests/native again, in a process
     that loads it."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/native",
-                          "-k", "not the_portable_build"],
-                         env={**os.environ, "GRACE_NATIVE_ISA": "x86-64-v2"}, cwd=REPO, capture_output=True,
-                         text=True, timeout=900)
-    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
-    assert out.returncode == 0 and " passed" in summary and "failed" not in summary, out.stdout[-4000:]
+    _suite_again({"GRACE_NATIVE_ISA": "x86-64-v2"})
+
+
+def _cpu_has_avx512f() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo to ask")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="one CPU build off x86-64")
+def test_avx512_bodies_follow_the_cpu_and_the_switch():
+    lib = gn._loader.library("cpu")
+    if lib is None or lib.isa != "x86-64-v3":
+        pytest.skip("the AVX-512 bodies are in the x86-64-v3 build, not loaded here")
+    wanted = os.environ.get("GRACE_NATIVE_AVX512", "1").strip().lower() not in ("0", "off", "no")
+    assert lib.avx512 == (wanted and _cpu_has_avx512f())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="one CPU build off x86-64")
+@pytest.mark.skipif(bool(os.environ.get("GRACE_NATIVE_ISA") or os.environ.get("GRACE_NATIVE_AVX512")),
+                    reason="this is a run under another build")
+def test_the_8_lane_loops_pass_this_suite_too():
+    """Where kernels take their AVX-512 bodies, the 8-lane loops those replace (what a CPU
+    without AVX-512 runs) against the oracle: tests/native again, GRACE_NATIVE_AVX512=0."""
+    lib = gn._loader.library("cpu")
+    if lib is None or not lib.avx512:
+        pytest.skip("no AVX-512 bodies taken here: the suite ran the 8-lane loops already")
+    _suite_again({"GRACE_NATIVE_AVX512": "0"})
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="one CPU build off x86-64")
