@@ -484,6 +484,11 @@ inline uint64_t bytes8(F8 c) {
   const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
   return (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(h, h));
 }
+// 16 float lanes as two F8 (for the 8-lane helpers: Finish, put8, FiniteCheck)
+GRACE_AVX512 inline F8 low8(__m512 v) { return {_mm512_castps512_ps256(v)}; }
+GRACE_AVX512 inline F8 high8(__m512 v) {
+  return {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))};
+}
 #else
 struct F8 {
   __m128 a, b;
@@ -1149,6 +1154,37 @@ struct QsgdLanes {
 };
 #endif
 
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+// qsgd_pack_groups' groups [g, whole) of one bucket two at a time (16 codes) with AVX-512: the
+// float operations of QsgdLanes in 16 lanes, narrowed to 16-bit lanes with the same signed
+// saturation as its packs, then its 16-bit steps. Returns where it stopped.
+template <int B>
+GRACE_AVX512 int64_t qsgd_pack_groups16(const float* x, const float* u, int64_t ubase, float safe, int levels,
+                                        uint8_t* out, int64_t g, int64_t whole, int64_t gw) {
+  const __m512 vsafe = _mm512_set1_ps(safe), flevels = _mm512_set1_ps((float)levels), zero = _mm512_setzero_ps();
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
+  const __m256i levels16 = _mm256_set1_epi16((short)levels);
+  for (; g + 2 <= whole; g += 2) {
+    const int64_t i = 8 * g;
+    prefetch(x + i);
+    prefetch(u + (i - ubase));
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude));
+    const __m512 r = _mm512_div_ps(_mm512_mul_ps(a, flevels), vsafe);
+    const __m512i low = _mm512_cvttps_epi32(r);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_loadu_ps(u + (i - ubase)), _mm512_sub_ps(r, _mm512_cvtepi32_ps(low)),
+                                            _CMP_LT_OQ);
+    __m256i level = _mm512_cvtsepi32_epi16(_mm512_mask_add_epi32(low, up, low, one));
+    level = _mm256_add_epi16(level, _mm256_cmpgt_epi16(level, levels16));
+    const __m256i neg = _mm512_cvtsepi32_epi16(_mm512_maskz_set1_epi32(_mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), -1));
+    const __m256i code = _mm256_sub_epi16(_mm256_adds_epi16(level, level), neg);
+    const __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    put16<B>(out, g, gw, pack16<B>(bytes));
+  }
+  return g;
+}
+#endif
+
 // codes of elements [g0*8, g1*8) ∩ [0, n) packed at B bits (group-aligned), bucket by bucket;
 // element i's draw is u[i - ubase]
 template <int B>
@@ -1163,6 +1199,9 @@ void qsgd_pack_groups(const float* x, const float* u, int64_t ubase, int64_t n, 
     const int64_t whole = std::min(g1, end / 8);  // groups [g, whole) lie in this bucket
 #ifdef GRACE_SIMD
     const QsgdLanes q(safe, levels);
+#if defined(__AVX2__)
+    if (kAvx512) g = qsgd_pack_groups16<B>(x, u, ubase, safe, levels, out, g, whole, gw);
+#endif
     for (; g + 2 <= whole; g += 2) {  // 16 codes at a time
       const int64_t i = 8 * g;
       prefetch(x + i);
@@ -1267,12 +1306,49 @@ inline uint8_t natural_code(float v, float u) {
 }  // namespace
 
 namespace {
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+// natural_groups' whole groups [g, g1) two at a time (16 elements) with AVX-512: the same
+// integer and float steps; the sign byte pair is the mask of the lanes below 0. Returns where
+// it stopped.
+GRACE_AVX512 int64_t natural_groups16(const float* x, const float* u, int64_t ubase, int64_t g, int64_t g1,
+                                      uint8_t* signs, uint8_t* codes, FiniteCheck& check) {
+  const __m512i ff = _mm512_set1_epi32(0xff), mm = _mm512_set1_epi32(0x7fffff), top = _mm512_set1_epi32(254);
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512 scale = _mm512_set1_ps(0x1p-23f), zero = _mm512_setzero_ps();
+  __m512i seen = _mm512_setzero_si512();  // x - x of every element, or-ed: FiniteCheck's lanes
+  for (; g + 2 <= g1; g += 2) {
+    const int64_t i0 = 8 * g;
+    const float* const ug = u + (i0 - ubase);
+    prefetch(x + i0);
+    prefetch(ug);
+    const __m512 v = _mm512_loadu_ps(x + i0);
+    seen = _mm512_or_si512(seen, _mm512_castps_si512(_mm512_sub_ps(v, v)));
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 23), ff);
+    const __m512 frac = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, mm)), scale);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_loadu_ps(ug), frac, _CMP_LT_OQ);
+    const __m512i c = _mm512_min_epi32(_mm512_mask_add_epi32(e, up, e, one), top);  // e >= 254: 254
+    _mm_storeu_si128((__m128i*)(codes + i0), _mm512_cvtepi32_epi8(c));               // (c in [0, 254])
+    const uint16_t neg = (uint16_t)_mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ);
+    std::memcpy(signs + g, &neg, 2);
+  }
+  const __m512 s = _mm512_castsi512_ps(seen);
+  check.add8(low8(s));
+  check.add8(high8(s));
+  return g;
+}
+#endif
+
 // groups [g0, g1) (8 elements each) of natural_compress; element i's draw is u[i - ubase]; the
 // elements into `check`
 void natural_groups(const float* x, const float* u, int64_t ubase, int64_t n, int64_t g0, int64_t g1,
                     uint8_t* signs, uint8_t* codes, FiniteCheck& check) {
   FiniteCheck local;  // (in registers: the stores below may alias `check`, as far as the compiler knows)
-  for (int64_t g = g0; g < g1; ++g) {
+  int64_t g16 = g0;
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+  if (kAvx512) g16 = natural_groups16(x, u, ubase, g0, std::min(g1, n / 8), signs, codes, local);
+#endif
+  for (int64_t g = g16; g < g1; ++g) {
     const int64_t i0 = 8 * g;
     const float* const ug = u + (i0 - ubase);  // element i0's draw and the next ones
     if (i0 + 8 <= n) {
@@ -1295,7 +1371,6 @@ void natural_groups(const float* x, const float* u, int64_t ubase, int64_t n, in
         __m128i up = _mm_castps_si128(_mm_cmplt_ps(_mm_loadu_ps(ug + 4 * h), frac));
         __m128i c = _mm_sub_epi32(e, up);  // up is -1 where true
         c2[h] = _mm_min_epi32(c, top);     // e >= 254: 254 (e = 254 never rounds up)
-        c2[h] = _mm_blendv_epi8(c2[h], top, _mm_cmpgt_epi32(e, _mm_set1_epi32(253)));
         neg |= _mm_movemask_ps(_mm_cmplt_ps(v, _mm_setzero_ps())) << (4 * h);
       }
       __m128i p16 = _mm_packus_epi32(c2[0], c2[1]);
@@ -1431,12 +1506,7 @@ struct Finish {
 };
 
 #if defined(GRACE_SIMD) && defined(__AVX2__)
-// 16 float lanes as two F8 (for the 8-lane helpers: Finish, put8)
-GRACE_AVX512 inline F8 low8(__m512 v) { return {_mm512_castps512_ps256(v)}; }
-GRACE_AVX512 inline F8 high8(__m512 v) {
-  return {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))};
-}
-GRACE_AVX512 inline void put16(float* p, __m512 v, const Finish& finish, bool stream) {
+GRACE_AVX512 inline void finish16(float* p, __m512 v, const Finish& finish, bool stream) {
   if (finish.none() && !stream) return _mm512_storeu_ps(p, v);
   put8(p, finish.none() ? low8(v) : finish.apply8(low8(v)), stream);
   put8(p + 8, finish.none() ? high8(v) : finish.apply8(high8(v)), stream);
@@ -1457,7 +1527,7 @@ GRACE_AVX512 int64_t bits_sum_rows32(const uint8_t* const* rows, const float* lo
         acc[q] = j ? _mm512_add_ps(acc[q], v) : v;
       }
     }
-    for (int q = 0; q < 2; ++q) put16(out + 8 * g + 16 * q, acc[q], finish, stream);
+    for (int q = 0; q < 2; ++q) finish16(out + 8 * g + 16 * q, acc[q], finish, stream);
   }
   return g;
 }
@@ -1597,7 +1667,7 @@ GRACE_AVX512 int64_t terngrad_sum_rows16(const uint8_t* const* rows, const float
       const __m512 v = _mm512_permutexvar_ps(code, _mm512_broadcast_f32x4(_mm_loadu_ps(val + 4 * j)));
       acc = j ? _mm512_add_ps(acc, v) : v;
     }
-    put16(out + 4 * g, acc, finish, stream);
+    finish16(out + 4 * g, acc, finish, stream);
   }
   return g;
 }

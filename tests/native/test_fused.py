@@ -341,6 +341,25 @@ def test_qsgd_all_zero_and_single_bucket_of_zeros(monkeypatch):
         same_bytes(want_y, gn.qsgd_decompress(*got, 100, 7, bucket), "values")
 
 
+def test_qsgd_level_past_s_falls_back_to_s(monkeypatch):
+    """A bucket's norm can come out below its largest magnitude (here the square of a tiny
+    element loses bits as a subnormal), so |x| s / norm exceeds s and the draw may lift the
+    level to s + 1: it falls back to s, as in the formula. 16-element buckets, one such element
+    each, both signs."""
+    f = np.float32
+    tiny = np.geomspace(f(3.7448e-23), f(3.76e-23), 32).astype(f)
+    x = np.zeros(32 * 16, f)
+    x[np.arange(32) * 16 + np.arange(32) % 16] = tiny * np.where(np.arange(32) % 2, f(-1), f(1))
+    for u in (np.zeros(x.size, f), draws(x.size, 4)):
+        want, _ = oracle(grace.qsgd(127, bucket_size=16).compressor, x, u, monkeypatch)
+        got = gn.qsgd_compress(x, u, 127, 16)
+        same_bytes(want[0], got[0], "codes")
+        same_bytes(want[1], got[1], "norms")
+        if not u.any():  # every draw lifts: each element at level s, its code 2 s + (x < 0)
+            codes = np.asarray(got[0])[x != 0]
+            assert (codes == 254 + (x[x != 0] < 0)).all(), codes
+
+
 @pytest.mark.parametrize("levels,bucket", [(127, 0), (15, 512), (3, 1000)])
 def test_qsgd_large_tensor(levels, bucket, monkeypatch):
     """Past 8 MiB of output the decoder streams its stores; short buckets get their norms in the
