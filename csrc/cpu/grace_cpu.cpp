@@ -489,6 +489,11 @@ GRACE_AVX512 inline F8 low8(__m512 v) { return {_mm512_castps512_ps256(v)}; }
 GRACE_AVX512 inline F8 high8(__m512 v) {
   return {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))};
 }
+// 16 floats stored at o, or added to the ones there where kAdd
+template <bool kAdd>
+GRACE_AVX512 inline void store_or_add16(float* o, __m512 v) {
+  _mm512_storeu_ps(o, kAdd ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
+}
 #else
 struct F8 {
   __m128 a, b;
@@ -1979,14 +1984,8 @@ GRACE_AVX512 int64_t qsgd_values16(const uint8_t* packed, const QsgdLevels& leve
     const __m512 level = _mm512_cvtepi32_ps(_mm512_srli_epi32(code, 1));
     __m512 q = _mm512_mul_ps(level, r);
     if (levels.how == 2) q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, fl, level), r, q);
-    const __m512i signed_ = _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(q, vn)), _mm512_slli_epi32(code, 31));
-    const __m512 v = _mm512_castsi512_ps(signed_);
-    float* const o = out + 8 * g;
-    if (kAdd) {
-      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), v));
-    } else {
-      _mm512_storeu_ps(o, v);
-    }
+    const __m512i magnitude = _mm512_castps_si512(_mm512_mul_ps(q, vn));  // the sign: the code's low bit
+    store_or_add16<kAdd>(out + 8 * g, _mm512_castsi512_ps(_mm512_xor_si512(magnitude, _mm512_slli_epi32(code, 31))));
   }
   return g;
 }
@@ -2106,12 +2105,7 @@ GRACE_AVX512 int64_t natural_decode_groups16(const uint8_t* signs, const uint8_t
     std::memcpy(&neg, signs + g, 2);
     const __m512i mag = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + 8 * g))), 23);
     const __m512 v = _mm512_castsi512_ps(_mm512_mask_or_epi32(mag, (__mmask16)neg, mag, top));
-    float* const o = dst + 8 * (g - g0);
-    if (kAdd) {
-      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), v));
-    } else {
-      _mm512_storeu_ps(o, v);
-    }
+    store_or_add16<kAdd>(dst + 8 * (g - g0), v);
   }
   return g;
 }

@@ -35,6 +35,9 @@ int grace_cpu_abi(void);
  * whether this CPU runs x86-64-v3 code (AVX2, FMA, BMI2...): the loader takes libgrace_cpu_avx2.so then */
 const char* grace_cpu_isa(void);
 int grace_cpu_runs_x86_64_v3(void);
+/* 1 where the x86-64-v3 build's kernels take their AVX-512 bodies (the CPU has AVX-512F and
+ * GRACE_NATIVE_AVX512 is not 0), else 0 */
+int grace_cpu_uses_avx512(void);
 void grace_cpu_set_num_threads(int n); /* <= 0: OpenMP's default */
 int grace_cpu_get_num_threads(void);
 

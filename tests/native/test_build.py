@@ -51,8 +51,8 @@ def test_the_best_cpu_build_for_this_cpu_is_loaded():
 
 
 def _suite_again(env: dict):
-    """tests/native in a new process with ``env`` added to the environment: its summary line
-    (asserted all passed) -- the same oracle tests against another body of the kernels."""
+    """tests/native in a new process with ``env`` added to its environment, every test passing:
+    the same oracle tests against another body of the kernels."""
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/native",
                           "-k", "not the_portable_build and not the_8_lane_loops"],
                          env={**os.environ, **env}, cwd=REPO, capture_output=True, text=True, timeout=900)
