@@ -489,6 +489,10 @@ GRACE_AVX512 inline F8 low8(__m512 v) { return {_mm512_castps512_ps256(v)}; }
 GRACE_AVX512 inline F8 high8(__m512 v) {
   return {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))};
 }
+// |v| of 16 lanes (the sign bit cleared, as abs8)
+GRACE_AVX512 inline __m512 abs16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+}
 // 16 floats stored at o, or added to the ones there where kAdd
 template <bool kAdd>
 GRACE_AVX512 inline void store_or_add16(float* o, __m512 v) {
@@ -1018,10 +1022,6 @@ API void grace_cpu_maxabs(const float* x, int64_t n, float* out) {
 
 namespace {
 #if defined(GRACE_SIMD) && defined(__AVX2__)
-GRACE_AVX512 inline __m512 abs16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
-}
-
 // terngrad_groups' groups [g, g1) two at a time (16 elements) with AVX-512: the same decision
 // (the product where every lane is clear of it, else the division) on 16 lanes; the kept
 // lanes' masks spread to the codes' bits by pdep. Returns where it stopped.
@@ -1201,15 +1201,14 @@ template <int B>
 GRACE_AVX512 int64_t qsgd_pack_groups16(const float* x, const float* u, int64_t ubase, float safe, int levels,
                                         uint8_t* out, int64_t g, int64_t whole, int64_t gw) {
   const __m512 vsafe = _mm512_set1_ps(safe), flevels = _mm512_set1_ps((float)levels), zero = _mm512_setzero_ps();
-  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
+  const __m512i one = _mm512_set1_epi32(1);
   const __m256i levels16 = _mm256_set1_epi16((short)levels);
   for (; g + 2 <= whole; g += 2) {
     const int64_t i = 8 * g;
     prefetch(x + i);
     prefetch(u + (i - ubase));
     const __m512 v = _mm512_loadu_ps(x + i);
-    const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude));
-    const __m512 r = _mm512_div_ps(_mm512_mul_ps(a, flevels), vsafe);
+    const __m512 r = _mm512_div_ps(_mm512_mul_ps(abs16(v), flevels), vsafe);
     const __m512i low = _mm512_cvttps_epi32(r);
     const __mmask16 up = _mm512_cmp_ps_mask(_mm512_loadu_ps(u + (i - ubase)), _mm512_sub_ps(r, _mm512_cvtepi32_ps(low)),
                                             _CMP_LT_OQ);
