@@ -19,6 +19,7 @@
 
 #include <omp.h>
 #include <pthread.h>
+#include <strings.h>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -70,9 +71,15 @@ int threads_for(int64_t work, int64_t grain = kGrain) {
 // CPU has it, asked when the library loads (__builtin_cpu_init first: a static initializer may
 // run before libgcc's own). GRACE_NATIVE_AVX512=0 in the environment keeps the 8-lane loops.
 #define GRACE_AVX512 __attribute__((target("avx512f")))
+// (read as the loader reads GRACE_NATIVE: "0", "false", "no" or "off", any case, around spaces)
 bool avx512_wanted() {
   const char* v = std::getenv("GRACE_NATIVE_AVX512");
-  return !(v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0 || std::strcmp(v, "no") == 0));
+  if (!v) return true;
+  while (*v == ' ') ++v;
+  const size_t n = std::strcspn(v, " ");
+  for (const char* off : {"0", "false", "no", "off"})
+    if (std::strlen(off) == n && strncasecmp(v, off, n) == 0) return false;
+  return true;
 }
 const bool kAvx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f")) && avx512_wanted();
 #else
