@@ -792,10 +792,11 @@ int threshold_state(SelState** st, Scratch& sc, cudaStream_t s) {
 
 // ---- a bucket's segments, one launch per kernel ---------------------------------------------------
 // A bucket's gradients lie one after another in a flat buffer. A batch of up to kSegBatch
-// segments travels as a kernel argument (no copy to the device, no host wait); blockIdx.y picks
-// the segment and blockIdx.x runs over its blocks. The reductions give each segment the grid
-// its per-tensor kernel launches (the same blocks summing in the same order), so a segment's
-// result is the per-tensor one bit for bit.
+// segments travels as a kernel argument (no copy to the device, no host wait). A launch's grid
+// is the segments' blocks one after another, each segment as many as it needs (seg_grid), so
+// a small segment beside a large one costs no empty blocks. The reductions give each segment
+// the blocks its per-tensor kernel launches (the same blocks summing in the same order), so a
+// segment's result is the per-tensor one bit for bit.
 constexpr int kSegBatch = 64;
 struct SegBatch {
   int count;               // segments in this batch
@@ -805,7 +806,25 @@ struct SegBatch {
   int64_t p[kSegBatch];    // first byte of its packed codes (natural compression: of its sign bits)
   int64_t q[kSegBatch];    // first scalar (scale, means, norms); natural compression: first code
   int64_t r[kSegBatch];    // first slot of its partial sums in the scratch
+  int block0[kSegBatch + 1];  // this launch's blocks of segment k: [block0[k], block0[k + 1])
 };
+
+// the segment that block blockIdx.x works on, and the block's place among that segment's blocks
+struct SegBlock {
+  int s;
+  int64_t block, blocks;
+};
+
+__device__ __forceinline__ SegBlock seg_block(const SegBatch& t) {
+  const int b = blockIdx.x;
+  int lo = 0, hi = t.count - 1;  // the last segment whose blocks start at or before b
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.block0[mid] <= b) lo = mid;
+    else hi = mid - 1;
+  }
+  return {lo, b - t.block0[lo], t.block0[lo + 1] - t.block0[lo]};
+}
 
 __device__ __forceinline__ uint32_t hash32(uint32_t h) {  // grace/core/draws.py's hash32
   h ^= h >> 16;
@@ -821,54 +840,61 @@ __device__ __forceinline__ uint32_t draw_hash(int64_t j, int64_t words) {
 
 // counter-based draws: uniform floats, or the sort keys segment << 32 | hash (random indices)
 __global__ void k_uniform_seg(SegBatch t, float* out) {
-  const int s = blockIdx.y;
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
   float* o = out + t.x[s];
-  GRID_STRIDE(j, t.n[s]) o[j] = (float)(draw_hash(j, t.u[s]) >> 8) * 0x1p-24f;
+  BLOCK_STRIDE(j, t.n[s], sb.block, sb.blocks) o[j] = (float)(draw_hash(j, t.u[s]) >> 8) * 0x1p-24f;
 }
 
 __global__ void k_hash_keys_seg(SegBatch t, int64_t first, int64_t* out) {
-  const int s = blockIdx.y;
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
   int64_t* o = out + t.x[s];
   const int64_t high = (first + s) << 32;
-  GRID_STRIDE(j, t.n[s]) o[j] = high | (int64_t)draw_hash(j, t.u[s]);
+  BLOCK_STRIDE(j, t.n[s], sb.block, sb.blocks) o[j] = high | (int64_t)draw_hash(j, t.u[s]);
 }
 
 __global__ void k_maxabs_seg(SegBatch t, const float* x, unsigned* out) {
-  const int s = blockIdx.y;
-  maxabs(x + t.x[s], t.n[s], out + t.q[s], blockIdx.x, gridDim.x);
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  maxabs(x + t.x[s], t.n[s], out + t.q[s], sb.block, sb.blocks);
 }
 
 __global__ void k_terngrad_seg(SegBatch t, const float* x, const float* u, const float* scale, uint8_t* out) {
-  const int s = blockIdx.y;
-  terngrad(x + t.x[s], u + t.u[s], t.n[s], scale + t.q[s], out + t.p[s], blockIdx.x, gridDim.x);
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  terngrad(x + t.x[s], u + t.u[s], t.n[s], scale + t.q[s], out + t.p[s], sb.block, sb.blocks);
 }
 
 __global__ void k_natural_seg(SegBatch t, const float* x, const float* u, uint8_t* signs, uint8_t* codes) {
-  const int s = blockIdx.y;
-  natural(x + t.x[s], u + t.u[s], t.n[s], signs + t.p[s], codes + t.q[s], blockIdx.x, gridDim.x);
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  natural(x + t.x[s], u + t.u[s], t.n[s], signs + t.p[s], codes + t.q[s], sb.block, sb.blocks);
 }
 
 // QSGD's norms: rows of b <= 4096 a warp each; longer rows by chunks (partials from t.r[s]), then
 // one block per row
 __global__ void k_norms_seg(SegBatch t, const float* x, int64_t bucket, float* norms, float* partial) {
-  const int s = blockIdx.y;
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
   const int64_t n = t.n[s], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
   if (b <= 4096) {
-    norms_warp(x + t.x[s], n, b, rows, norms + t.q[s], blockIdx.x, gridDim.x);
+    norms_warp(x + t.x[s], n, b, rows, norms + t.q[s], sb.block, sb.blocks);
     return;
   }
   const int64_t cpr = row_chunks(b);
-  for (int64_t v = blockIdx.x; v < rows * cpr; v += gridDim.x) {
+  for (int64_t v = sb.block; v < rows * cpr; v += sb.blocks) {
     norms_partial(x + t.x[s], n, b, cpr, partial + t.r[s], v);
     __syncthreads();  // (block_sum's shared memory, again)
   }
 }
 
 __global__ void k_norms_final_seg(SegBatch t, int64_t bucket, float* norms, const float* partial) {
-  const int s = blockIdx.y;
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
   const int64_t n = t.n[s], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
   if (b <= 4096) return;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  for (int64_t r = sb.block; r < rows; r += sb.blocks) {
     norms_final(partial + t.r[s], row_chunks(b), norms + t.q[s], r);
     __syncthreads();
   }
@@ -876,18 +902,18 @@ __global__ void k_norms_final_seg(SegBatch t, int64_t bucket, float* norms, cons
 
 __global__ void k_qsgd_seg(SegBatch t, const float* x, const float* u, float flevels, int64_t bucket, int bits,
                            const float* norms, uint8_t* out) {
-  const int s = blockIdx.y;
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
   const int64_t n = t.n[s], b = qsgd_row(n, bucket);
-  qsgd(x + t.x[s], u + t.u[s], n, flevels, b, bits, norms + t.q[s], out + t.p[s], blockIdx.x, gridDim.x);
+  qsgd(x + t.x[s], u + t.u[s], n, flevels, b, bits, norms + t.q[s], out + t.p[s], sb.block, sb.blocks);
 }
 
 // the sign family's bits and scalars: each segment on red_grid(n) blocks, as alone
 template <int S>
 __global__ void k_sign_sums_seg(SegBatch t, const float* x, uint8_t* out, float* partial) {
-  const int s = blockIdx.y;
-  const int64_t nb = red_grid(t.n[s]);
-  if (blockIdx.x >= nb) return;
-  sign_sums<S>(x + t.x[s], t.n[s], out + t.p[s], partial + t.r[s], blockIdx.x, nb);
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  sign_sums<S>(x + t.x[s], t.n[s], out + t.p[s], partial + t.r[s], sb.block, sb.blocks);
 }
 
 template <int S>
@@ -901,30 +927,32 @@ __global__ void k_sign_final_seg(SegBatch t, const float* partial, float* scalar
 template <int Method>
 __global__ void k_decode_seg(SegBatch t, const uint8_t* a, const void* b, float flevels, int64_t bucket, int bits,
                              float* out) {
-  const int s = blockIdx.y;
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
   const int64_t n = t.n[s];
   const float* scalars = static_cast<const float*>(b);
   float* o = out + t.x[s];
-  if constexpr (Method == 0) sign_decode(a + t.p[s], n, scalars ? scalars + t.q[s] : nullptr, o, blockIdx.x, gridDim.x);
-  if constexpr (Method == 1) onebit_decode(a + t.p[s], n, scalars + t.q[s], o, blockIdx.x, gridDim.x);
-  if constexpr (Method == 2) terngrad_decode(a + t.p[s], n, scalars + t.q[s], o, blockIdx.x, gridDim.x);
+  if constexpr (Method == 0) sign_decode(a + t.p[s], n, scalars ? scalars + t.q[s] : nullptr, o, sb.block, sb.blocks);
+  if constexpr (Method == 1) onebit_decode(a + t.p[s], n, scalars + t.q[s], o, sb.block, sb.blocks);
+  if constexpr (Method == 2) terngrad_decode(a + t.p[s], n, scalars + t.q[s], o, sb.block, sb.blocks);
   if constexpr (Method == 3)
-    qsgd_decode(a + t.p[s], n, flevels, qsgd_row(n, bucket), bits, scalars + t.q[s], o, blockIdx.x, gridDim.x);
+    qsgd_decode(a + t.p[s], n, flevels, qsgd_row(n, bucket), bits, scalars + t.q[s], o, sb.block, sb.blocks);
   if constexpr (Method == 4)
-    natural_decode(a + t.p[s], static_cast<const uint8_t*>(b) + t.q[s], n, o, blockIdx.x, gridDim.x);
+    natural_decode(a + t.p[s], static_cast<const uint8_t*>(b) + t.q[s], n, o, sb.block, sb.blocks);
 }
 
 // top-k with error feedback (grace_cuda_topk_ef) of every segment: t.u holds its k, t.p its first
 // value and index, t.q its first compaction tile; selection state s and histogram s per segment
-__device__ __forceinline__ bool selects(const SegBatch& t, int s) { return t.u[s] > 0 && t.u[s] < t.n[s]; }
+__host__ __device__ __forceinline__ bool selects(const SegBatch& t, int s) { return t.u[s] > 0 && t.u[s] < t.n[s]; }
 
 constexpr int kHistBins = 2048;
 
 __global__ void k_compensate_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
                                  float* p) {
-  const int s = blockIdx.y;
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
   const int64_t o = t.x[s];
-  compensate(g + o, r + o, t.n[s], beta, gamma, flags, p + o, blockIdx.x, gridDim.x);
+  compensate(g + o, r + o, t.n[s], beta, gamma, flags, p + o, sb.block, sb.blocks);
 }
 
 __global__ void k_topk_init_seg(SegBatch t, SelState* st) {
@@ -934,9 +962,10 @@ __global__ void k_topk_init_seg(SegBatch t, SelState* st) {
 
 __global__ void k_topk_hist_seg(SegBatch t, const float* p, const SelState* st, int shift, int nbins,
                                 unsigned long long* h) {
-  const int s = blockIdx.y;
-  if (!selects(t, s) || blockIdx.x * (int64_t)kThreads >= t.n[s]) return;  // (no element for this block)
-  hist(KeyAbs{p + t.x[s]}, t.n[s], st + s, shift, nbins, h + (int64_t)s * kHistBins, blockIdx.x, gridDim.x);
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  if (!selects(t, s)) return;
+  hist(KeyAbs{p + t.x[s]}, t.n[s], st + s, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
 }
 
 __global__ void k_topk_find_seg(SegBatch t, const unsigned long long* h, int nbins, int shift, SelState* st) {
@@ -945,9 +974,10 @@ __global__ void k_topk_find_seg(SegBatch t, const unsigned long long* h, int nbi
 }
 
 __global__ void k_topk_count_seg(SegBatch t, const float* p, const SelState* st, long long* cg, long long* ce) {
-  const int s = blockIdx.y;
-  if (!selects(t, s) || blockIdx.x >= tiles_of(t.n[s])) return;
-  count(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, t.n[s], st + s, cg + t.q[s], ce + t.q[s], blockIdx.x);
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  if (!selects(t, s)) return;
+  count(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, t.n[s], st + s, cg + t.q[s], ce + t.q[s], sb.block);
 }
 
 __global__ void k_topk_scan_seg(SegBatch t, long long* cg, long long* ce, long long* totals) {
@@ -957,19 +987,20 @@ __global__ void k_topk_scan_seg(SegBatch t, long long* cg, long long* ce, long l
 
 __global__ void k_topk_write_seg(SegBatch t, float* p, const SelState* st, const long long* cg, const long long* ce,
                                  int64_t* idx, float* values) {
-  const int s = blockIdx.y;
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
   const int64_t n = t.n[s], k = t.u[s];
   const EmitIdx emit{idx + t.p[s], GRACE_I64, p + t.x[s], values + t.p[s], p + t.x[s]};
   if (k >= n) {  // every element (k_take_all)
-    BLOCK_STRIDE(i, n, blockIdx.x, gridDim.x) emit(i, i);
+    BLOCK_STRIDE(i, n, sb.block, sb.blocks) emit(i, i);
     return;
   }
-  if (k <= 0 || blockIdx.x >= tiles_of(n)) return;
-  write(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, n, st + s, cg + t.q[s], ce + t.q[s], emit, blockIdx.x);
+  if (k <= 0) return;
+  write(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, n, st + s, cg + t.q[s], ce + t.q[s], emit, sb.block);
 }
 
 // Runs launch(batch, its first segment) on each batch of up to kSegBatch segments, fill(batch,
-// k, segment) setting batch slot k; a launch's grid: seg_grid(what its largest segment needs).
+// k, segment) setting batch slot k; each launch's grid: seg_grid(batch, blocks of slot k).
 template <class Fill, class Launch>
 int for_batches(int64_t segments, Fill fill, Launch launch) {
   if (segments < 0) return -1;
@@ -984,14 +1015,25 @@ int for_batches(int64_t segments, Fill fill, Launch launch) {
   return status();
 }
 
-inline int64_t largest(const SegBatch& t) {
-  int64_t m = 0;
-  for (int k = 0; k < t.count; ++k) m = std::max(m, t.n[k]);
-  return m;
+// a launch's grid: slot k's blocks(k) blocks (at least 1, at most 2^16) after the slots before
+// it, recorded in t.block0 for seg_block
+template <class Blocks>
+dim3 seg_grid(SegBatch& t, Blocks blocks) {
+  int at = 0;
+  for (int k = 0; k < t.count; ++k) {
+    t.block0[k] = at;
+    at += (int)std::max<int64_t>(1, std::min<int64_t>(blocks(k), 1 << 16));
+  }
+  t.block0[t.count] = at;
+  return dim3((unsigned)at);
 }
 
-inline dim3 seg_grid(int64_t blocks, const SegBatch& t) {
-  return dim3((unsigned)std::max<int64_t>(1, std::min<int64_t>(blocks, 1 << 16)), (unsigned)t.count);
+// the grids of the kernels with a thread per element, and a thread per 8 elements
+inline dim3 per_element(SegBatch& t) {
+  return seg_grid(t, [&](int k) { return (t.n[k] + kThreads - 1) / kThreads; });
+}
+inline dim3 per_byte(SegBatch& t) {
+  return seg_grid(t, [&](int k) { return (t.n[k] + 7) / 8 / kThreads + 1; });
 }
 
 inline int64_t packed_bytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
@@ -1340,8 +1382,9 @@ static int draw_batches(int64_t segments, const int64_t* numels, const uint32_t*
 
 API int grace_cuda_uniform_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                     float* out, void* stream) {
-  return draw_batches(segments, numels, s0, s1, [&](const SegBatch& t, int64_t) {
-    k_uniform_seg<<<seg_grid((largest(t) + kThreads - 1) / kThreads, t), kThreads, 0, as_stream(stream)>>>(t, out);
+  return draw_batches(segments, numels, s0, s1, [&](SegBatch& t, int64_t) {
+    const dim3 grid = per_element(t);
+    k_uniform_seg<<<grid, kThreads, 0, as_stream(stream)>>>(t, out);
     return 0;
   });
 }
@@ -1349,9 +1392,9 @@ API int grace_cuda_uniform_segments(int64_t segments, const int64_t* numels, con
 // out[j] = segment << 32 | the hash of its draw j (segment draws in a row): random indices' sort keys
 API int grace_cuda_hash_keys_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                       int64_t* out, void* stream) {
-  return draw_batches(segments, numels, s0, s1, [&](const SegBatch& t, int64_t first) {
-    k_hash_keys_seg<<<seg_grid((largest(t) + kThreads - 1) / kThreads, t), kThreads, 0, as_stream(stream)>>>(
-        t, first, out);
+  return draw_batches(segments, numels, s0, s1, [&](SegBatch& t, int64_t first) {
+    const dim3 grid = per_element(t);
+    k_hash_keys_seg<<<grid, kThreads, 0, as_stream(stream)>>>(t, first, out);
     return 0;
   });
 }
@@ -1370,10 +1413,11 @@ API int grace_cuda_terngrad_compress_segments(const float* x, int64_t segments, 
         drawn_segment(t, k, numels[s], starts[s], draw_starts[s], 2, bytes);
         t.q[k] = s;
       },
-      [&](const SegBatch& t, int64_t) {
-        const int64_t n = largest(t);
-        k_maxabs_seg<<<seg_grid(red_grid(n), t), kThreads, 0, st>>>(t, x, reinterpret_cast<unsigned*>(scale));
-        k_terngrad_seg<<<seg_grid((n + 7) / 8 / kThreads + 1, t), kThreads, 0, st>>>(t, x, u, scale, out);
+      [&](SegBatch& t, int64_t) {
+        const dim3 max_grid = seg_grid(t, [&](int k) { return red_grid(t.n[k]); });
+        k_maxabs_seg<<<max_grid, kThreads, 0, st>>>(t, x, reinterpret_cast<unsigned*>(scale));
+        const dim3 grid = per_byte(t);
+        k_terngrad_seg<<<grid, kThreads, 0, st>>>(t, x, u, scale, out);
         return 0;
       });
 }
@@ -1389,9 +1433,9 @@ API int grace_cuda_natural_compress_segments(const float* x, int64_t segments, c
         t.q[k] = at;
         at += numels[s];
       },
-      [&](const SegBatch& t, int64_t) {
-        k_natural_seg<<<seg_grid((largest(t) + 7) / 8 / kThreads + 1, t), kThreads, 0, as_stream(stream)>>>(
-            t, x, u, signs, codes);
+      [&](SegBatch& t, int64_t) {
+        const dim3 grid = per_byte(t);
+        k_natural_seg<<<grid, kThreads, 0, as_stream(stream)>>>(t, x, u, signs, codes);
         return 0;
       });
 }
@@ -1423,24 +1467,25 @@ API int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, cons
         row += rows;
         if (b > 4096) slot += rows * row_chunks(b);
       },
-      [&](const SegBatch& t, int64_t) {
-        int64_t warps = 1, partial_blocks = 1, final_blocks = 1;
-        for (int k = 0; k < t.count; ++k) {
-          const int64_t n = t.n[k], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
-          if (b <= 4096) {
-            warps = std::max(warps, rows);
-          } else {
-            partial_blocks = std::max(partial_blocks, rows * row_chunks(b));
-            final_blocks = std::max(final_blocks, rows);
-          }
-        }
-        const int64_t norm_blocks = std::max((warps * 32 + kThreads - 1) / kThreads, partial_blocks);
+      [&](SegBatch& t, int64_t) {
+        bool long_rows = false;  // rows longer than 4096: by chunks, then a block per row
+        const dim3 norm_grid = seg_grid(t, [&](int k) {
+          const int64_t b = qsgd_row(t.n[k], bucket), rows = qsgd_rows(t.n[k], b);
+          if (b <= 4096) return (rows * 32 + kThreads - 1) / kThreads;  // a warp per row
+          long_rows = true;
+          return rows * row_chunks(b);
+        });
         float* partial = sc.at<float>(0);
-        k_norms_seg<<<seg_grid(norm_blocks, t), kThreads, 0, st>>>(t, x, bucket, norms, partial);
-        if (partial_blocks > 1)  // some rows longer than 4096
-          k_norms_final_seg<<<seg_grid(final_blocks, t), kThreads, 0, st>>>(t, bucket, norms, partial);
-        k_qsgd_seg<<<seg_grid((largest(t) + 7) / 8 / kThreads + 1, t), kThreads, 0, st>>>(
-            t, x, u, (float)levels, bucket, bits, norms, out);
+        k_norms_seg<<<norm_grid, kThreads, 0, st>>>(t, x, bucket, norms, partial);
+        if (long_rows) {
+          const dim3 final_grid = seg_grid(t, [&](int k) {
+            const int64_t b = qsgd_row(t.n[k], bucket);
+            return b > 4096 ? qsgd_rows(t.n[k], b) : int64_t(1);
+          });
+          k_norms_final_seg<<<final_grid, kThreads, 0, st>>>(t, bucket, norms, partial);
+        }
+        const dim3 grid = per_byte(t);
+        k_qsgd_seg<<<grid, kThreads, 0, st>>>(t, x, u, (float)levels, bucket, bits, norms, out);
         return 0;
       });
 }
@@ -1467,8 +1512,9 @@ static int sign_compress_segments(const float* x, int64_t segments, const int64_
         bytes += packed_bytes(numels[s], 1);
         slot += S * red_grid(numels[s]);
       },
-      [&](const SegBatch& t, int64_t) {
-        k_sign_sums_seg<S><<<seg_grid(red_grid(largest(t)), t), kThreads, 0, st>>>(t, x, out, sc.at<float>(0));
+      [&](SegBatch& t, int64_t) {
+        const dim3 grid = seg_grid(t, [&](int k) { return red_grid(t.n[k]); });
+        k_sign_sums_seg<S><<<grid, kThreads, 0, st>>>(t, x, out, sc.at<float>(0));
         k_sign_final_seg<S><<<t.count, 1024, 0, st>>>(t, sc.at<float>(0), scalars);
         return 0;
       });
@@ -1504,8 +1550,8 @@ API int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* 
         at += n;
         scalar += method == 1 ? 2 : (method == 3 ? qsgd_rows(n, qsgd_row(n, bucket)) : 1);
       },
-      [&](const SegBatch& t, int64_t) {
-        const dim3 grid = seg_grid((largest(t) + kThreads - 1) / kThreads, t);
+      [&](SegBatch& t, int64_t) {
+        const dim3 grid = per_element(t);
         cudaStream_t st = as_stream(stream);
         const float fl = (float)levels;
         switch (method) {
@@ -1553,23 +1599,26 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
         sent += ks[s];
         tile += tiles_of(numels[s]);
       },
-      [&](const SegBatch& t, int64_t) {
-        const int64_t n = largest(t);
-        k_compensate_seg<<<seg_grid((n + kThreads - 1) / kThreads, t), kThreads, 0, st>>>(t, g, r, beta, gamma, flags,
-                                                                                          new_r);
+      [&](SegBatch& t, int64_t) {
+        const dim3 grid = per_element(t);
+        k_compensate_seg<<<grid, kThreads, 0, st>>>(t, g, r, beta, gamma, flags, new_r);
         k_topk_init_seg<<<1, kSegBatch, 0, st>>>(t, state);
         const int shifts[3] = {21, 10, 0}, bins[3] = {2048, 2048, 1024};
-        const dim3 hist_grid = seg_grid(grid_for(n, kThreads * 16, 2048), t);
+        // (segments that send all or nothing select nothing: a block each, which returns)
+        const dim3 hist_grid =
+            seg_grid(t, [&](int k) { return selects(t, k) ? grid_for(t.n[k], kThreads * 16, 2048) : 1; });
         for (int d = 0; d < 3; ++d) {
           cudaMemsetAsync(h, 0, (size_t)t.count * kHistBins * sizeof(unsigned long long), st);
           k_topk_hist_seg<<<hist_grid, kThreads, 0, st>>>(t, new_r, state, shifts[d], bins[d], h);
           k_topk_find_seg<<<t.count, 32, 0, st>>>(t, h, bins[d], shifts[d], state);
         }
-        const dim3 tile_grid = seg_grid(tiles_of(n), t);
+        const dim3 tile_grid = seg_grid(t, [&](int k) { return selects(t, k) ? tiles_of(t.n[k]) : 1; });
         k_topk_count_seg<<<tile_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce);
         k_topk_scan_seg<<<t.count, 1024, 0, st>>>(t, cg, ce, totals);
-        k_topk_write_seg<<<seg_grid(std::max<int64_t>(tiles_of(n), (n + kThreads - 1) / kThreads), t), kThreads, 0,
-                           st>>>(t, new_r, state, cg, ce, idx, values);
+        const dim3 write_grid = seg_grid(t, [&](int k) {  // all: a thread per element; none: a block
+          return t.u[k] >= t.n[k] ? (t.n[k] + kThreads - 1) / kThreads : (t.u[k] > 0 ? tiles_of(t.n[k]) : 1);
+        });
+        k_topk_write_seg<<<write_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce, idx, values);
         return 0;
       });
 }
