@@ -7,9 +7,13 @@
 
 Vectors and scalars travel uncompressed in one allreduce. Q is the per-tensor state; with the
 'powersgd' memory the residual is e = M - P Q^T against the approximation all ranks share.
+
+On a CPU (torch) the three products are grace.native's (each element summed in one fixed
+order), and with the residual memory the compensation M = g + e, the overflow check and P = M Q
+take one pass over g and e.
 """
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor
+from grace.core.compressor import Collective, Compressor, native_or_none
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
@@ -38,21 +42,58 @@ class PowerSGD(Compressor):
         r = min(self.rank, rows, cols)
         return xp.reshape(xp.uniform(cols * r, info.seed(self.seed), like=x), (cols, r)) - 0.5
 
-    def rounds(self, xp, x, info, q, out=None):
+    def rounds(self, xp, x, info, q, out=None, first=None, residual_over=False):
+        """(``first``: the first round's payload, where a fused kernel made it already;
+        ``residual_over``: write x - P Q^T over x in the pass that makes P Q^T, as
+        ``rounds_with_residual`` does.)"""
         n, shape = info.world_size, xp.shape(x)
         if len(shape) < 2:
             (summed,) = yield (x,)
             return summed / n, x, q
         m = xp.cast(xp.reshape(x, (shape[0], -1)), "float32")
-        (p,) = yield (xp.matmul(m, q),)
+        rows, cols = xp.shape(m)
+        (p,) = yield (_product(xp, m, q) if first is None else first,)
         p = xp.orthonormalize(p)
-        (q,) = yield (xp.matmul(xp.transpose(m), p),)
+        q = _native(xp, "lowrank_back", m, m, p, rows, cols)
+        (q,) = yield (xp.matmul(xp.transpose(m), p) if q is None else xp.reshape(q, (cols, -1)),)
         q = q / n
+        residual = dict(m=x, residual_out=x) if residual_over else {}
         if out is not None and xp.dtype(x) == xp.dtype(out) == "float32":  # P Q^T straight into out: no copy
-            approx = xp.matmul_into(p, xp.transpose(q), out)
+            approx = _native(xp, "lowrank_expand", p, p, q, rows, cols, out=out, **residual)
+            done = approx is not None
+            approx = xp.matmul_into(p, xp.transpose(q), out) if approx is None else approx
         else:
-            approx = xp.reshape(xp.cast(xp.matmul(p, xp.transpose(q)), xp.dtype(x)), shape)
+            approx = _native(xp, "lowrank_expand", p, p, q, rows, cols, **residual)
+            done = approx is not None
+            approx = xp.matmul(p, xp.transpose(q)) if approx is None else approx
+            approx = xp.reshape(xp.cast(approx, xp.dtype(x)), shape)
+        if residual_over and not done:
+            xp.subtract_into(x, approx, x)
         return approx, approx, q
+
+    def rounds_with_residual(self, xp, g, residual, beta, gamma, info, q, p_out, nonfinite=None, out=None):
+        shape = xp.shape(g)
+        if residual is None or beta != 1.0 or gamma != 1.0 or len(shape) < 2:
+            return None
+        rows = shape[0]
+        first = _native(xp, "lowrank_project", g, g, q, rows, xp.numel(g) // rows, residual=residual,
+                        m_out=p_out, nonfinite=nonfinite)
+        if first is None:
+            return None
+        return p_out, self.rounds(xp, p_out, info, q, out, xp.reshape(first, (rows, -1)), residual_over=True), True
+
+
+def _native(xp, name: str, like, *args, **kwargs):
+    """grace.native's product ``name`` (CPU, float32), where the backend's tensors are mutable
+    (the kernels return new flat tensors or write into given ones); else None."""
+    return native_or_none(xp, name, like, *args, **kwargs) if xp.mutable_tensors else None
+
+
+def _product(xp, m, q):
+    """P = M Q."""
+    rows, cols = xp.shape(m)
+    p = _native(xp, "lowrank_project", m, m, q, rows, cols)
+    return xp.matmul(m, q) if p is None else xp.reshape(p, (rows, -1))
 
 
 @register("powersgd", matrix_approximation_rank="rank", rank="rank", seed="seed",

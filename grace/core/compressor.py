@@ -249,6 +249,15 @@ class Compressor:
         """Multi-round methods only: a generator, see the module docstring."""
         raise NotImplementedError
 
+    def rounds_with_residual(self, xp, g, residual, beta: float, gamma: float, info: TensorInfo, state, p_out,
+                             nonfinite=None, out=None):
+        """Optional fast path for residual memory and a multi-round method: p = gamma * g + beta *
+        residual written into ``p_out`` in the pass that makes the first round's payload (a
+        native kernel; ``nonfinite``, a one-element float32 tensor, set to 1 where g holds an
+        inf or a NaN). (p, ``rounds(xp, p, info, state, out)`` with that first payload, whether
+        those rounds write the new residual p - p_hat over p in their last pass), or None."""
+        return None
+
     def decompress(self, xp, payload: Payload, ctx) -> Any:
         raise NotImplementedError
 

@@ -121,6 +121,7 @@ class BucketPending:
     counts: List[int] = field(default_factory=list)
     p: Any = None  # multi-round methods: the compensated units
     rounds: Any = None  # multi-round methods: one suspended protocol per unit
+    updates: List[bool] = field(default_factory=list)  # multi-round: whose rounds write the new memory over p
     segmented: Any = None  # segment-wise buckets: (SegmentTable, SegmentedFrame)
     segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
     outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None
@@ -559,7 +560,8 @@ class Exchange:
         # The overflow flag from a pass over the gradients, at once (one kernel on an accelerator,
         # one sum per gradient on a CPU), or from the payloads where they carry it; a multi-round
         # method's on a CPU gradient by gradient, each just before its first round (that pass
-        # leaves it in the cache: the round's products read it from there); on a CPU by the
+        # leaves it in the cache: the round's products read it from there), or in the pass that
+        # makes its first payload where one kernel does that (Memory.fused_rounds); on a CPU by the
         # bucket call, where one runs, which checks each gradient as it reads it (no pass of its
         # own), or the payload field as it writes it
         flagged = self._guarded and not self._flag_from_payload
@@ -570,16 +572,28 @@ class Exchange:
             pending.flag = xp.nonfinite(g_units)
 
         if compressor.multi_round:
-            firsts, flags, pending.p, pending.rounds = [], [], [], []
+            firsts, flags, flags_shared, pending.p, pending.rounds = [], [], False, [], []
             # each result may go straight over its gradient, where it is written in the end anyway
             over = not whole and self._writes_over(xp, g)
+            shared = xp.zeros(1, "float32", like=g) if per_gradient else None  # the fused first rounds set it
             for u, g_u, e, info, state in zip(units, g_units, old, infos, states):
-                if per_gradient:
-                    flags.append(xp.nonfinite([g_u]))
-                # each gradient's first round right after its compensation, which is still in the cache
-                pending.p.append(self._compensated(xp, u.name, g_u, e))
-                pending.rounds.append(compressor.rounds(xp, pending.p[-1], info, state, out=g_u if over else None))
-                firsts.append(next(pending.rounds[-1]))
+                out = g_u if over else None
+                fused = self._fused_rounds(xp, u.name, g_u, e, info, state, shared, out)
+                if fused is not None:
+                    p_u, rounds, updates = fused
+                    if per_gradient and not flags_shared:
+                        flags.append(shared)
+                        flags_shared = True
+                else:
+                    if per_gradient:
+                        flags.append(xp.nonfinite([g_u]))
+                    # each gradient's first round right after its compensation, which is still in the cache
+                    p_u = self._compensated(xp, u.name, g_u, e)
+                    rounds, updates = compressor.rounds(xp, p_u, info, state, out=out), False
+                pending.p.append(p_u)
+                pending.rounds.append(rounds)
+                pending.updates.append(updates)
+                firsts.append(next(rounds))
             if per_gradient:
                 pending.flag = _any_flag(xp, flags)
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, firsts, pending.flag)
@@ -1037,7 +1051,9 @@ class Exchange:
             if memory.needs_feedback:
                 with self._phase("feedback"):
                     if p_u is self._spares.get(u.name):  # p is the spare buffer: the new memory goes there too
-                        self._set("memory", u.name, memory.update_into(xp, p_u, p_hat, e, p_u))
+                        # (written there by the rounds' last pass already, where they say so)
+                        self._set("memory", u.name, p_u if pending.updates[i] else
+                                  memory.update_into(xp, p_u, p_hat, e, p_u))
                         self._spares[u.name] = e  # and the old memory is the next step's spare
                     else:
                         self._set("memory", u.name, memory.update(xp, p_u, p_hat, e))
@@ -1062,6 +1078,21 @@ class Exchange:
                 self.stats.add(nbytes, 0)
                 summed, _, _ = wait()
         return delivered
+
+    def _fused_rounds(self, xp, key: str, g, e, info, state, nonfinite, out):
+        """A multi-round method's compensation and first payload in one pass, the compensation
+        written into ``key``'s spare buffer (``Memory.fused_rounds``, which sets ``nonfinite``
+        where g holds an inf or a NaN): (p, its rounds, whether they write the new memory over
+        p), or None."""
+        memory = self.compression.memory
+        if not memory.needs_feedback or isinstance(e, tuple) or not xp.mutable_tensors:
+            return None
+        spare = self._spare_memory(key, xp, e)
+        if spare is None:
+            return None
+        fused = memory.fused_rounds(xp, self.compression.compressor, g, e, info, state, spare, nonfinite, out)
+        self._spares[key] = spare  # (kept either way; where fused, _finish_bucket_rounds tells by it where p is)
+        return fused
 
     def _compensated(self, xp, key: str, g, e):
         """``memory.compensate`` for a multi-round method, written into ``key``'s spare buffer

@@ -62,6 +62,13 @@ class Memory:
         (``grace.native._placed``: the exchange's frame buffer)."""
         return None
 
+    def fused_rounds(self, xp, compressor, g, state: Optional[Any], info, compressor_state, p_out, nonfinite=None,
+                     out=None):
+        """A multi-round method's compensation written into ``p_out`` in the pass that makes its
+        first payload, where the compressor has a kernel for it (``rounds_with_residual``): (p,
+        the rounds, whether they write the new state over p themselves), or None."""
+        return None
+
     def fused_step(self, xp, compressor, g, state: Optional[Any], info, out=None):
         """compensate, compress and update in one go where the compressor has a kernel for it:
         (payload, ctx, new state), or None. ``out``: where the kernel may write the new state."""

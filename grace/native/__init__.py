@@ -748,6 +748,79 @@ def natural_decompress(signs, codes, numel: int):
     return _wrap(kind, out)
 
 
+# --- PowerSGD ----------------------------------------------------------------------------------------
+def _lowrank_buffers(kind, inputs, outputs=()):
+    """PowerSGD's float32 matrices as buffers (the short path for contiguous CPU tensors: these
+    calls come per gradient), then the outputs written in place."""
+    ins = _same_kind_all(kind, inputs)
+    if any(b.dtype != "float32" for b in ins):
+        raise NativeUnavailable("PowerSGD's products take float32 matrices")
+    return ins + (_in_place_all(kind, outputs, "float32") if outputs else [])
+
+
+def _rank(n: int, rows: int, cols: int, factor: int, factor_rows: int) -> int:
+    """r of a factor_rows x r factor beside a rows x cols matrix of n elements."""
+    r = factor // factor_rows if factor_rows > 0 else 0
+    if rows < 1 or cols < 1 or n != rows * cols or r < 1 or factor != factor_rows * r:
+        raise ValueError(f"a {rows} x {cols} matrix and a {factor_rows} x r factor are needed, "
+                         f"got {n} and {factor} elements")
+    return r
+
+
+def lowrank_project(m, q, rows: int, cols: int, residual=None, m_out=None, nonfinite=None):
+    """PowerSGD's first product (CPU): p = M q, flat (rows x r, row-major), for M the rows x cols
+    float32 matrix in ``m``, or, given ``residual``, M = m + residual written into ``m_out`` in
+    the same pass. ``nonfinite`` (a one-element float32 tensor, optional) is set to 1 where ``m``
+    holds an inf or a NaN and left as it is otherwise (a bucket's gradients share one). Each
+    element is summed in one fixed order on every build and thread count."""
+    kind = _cpu_kind(m)
+    extra = [residual] if residual is not None else []
+    outs = ([m_out] if residual is not None else []) + ([nonfinite] if nonfinite is not None else [])
+    bufs = _lowrank_buffers(kind, [m, q, *extra], outs)
+    mb, qb = bufs[0], bufs[1]
+    r = _rank(mb.n, rows, cols, qb.n, cols)
+    rb, mo = (bufs[2], bufs[3]) if residual is not None else (None, None)
+    if residual is not None and not rb.n == mo.n == mb.n:
+        raise ValueError("the residual and m_out must have the matrix's size")
+    flag = bufs[-1] if nonfinite is not None else None
+    if flag is not None and flag.n != 1:
+        raise ValueError("the overflow flag is one float32 element")
+    p = kind.empty(rows * r, "float32")
+    call(kind, "lowrank_project", mb.ptr, rb and rb.ptr, rows, cols, qb.ptr, r, mo and mo.ptr, p.ptr,
+         flag and flag.ptr)
+    return p.obj
+
+
+def lowrank_back(m, p, rows: int, cols: int):
+    """PowerSGD's second product (CPU): q = M^T p, flat (cols x r, row-major), for the rows x cols
+    float32 matrix M in ``m`` and p rows x r; each element summed over the rows in order."""
+    kind = _cpu_kind(m)
+    mb, pb = _lowrank_buffers(kind, [m, p])
+    r = _rank(mb.n, rows, cols, pb.n, rows)
+    q = kind.empty(cols * r, "float32")
+    call(kind, "lowrank_back", mb.ptr, rows, cols, pb.ptr, r, q.ptr)
+    return q.obj
+
+
+def lowrank_expand(p, q, rows: int, cols: int, out=None, m=None, residual_out=None):
+    """PowerSGD's approximation (CPU): p q^T (rows x cols, flat) into ``out`` (a new tensor where
+    None), and where ``residual_out`` is given, m - p q^T into it in the same pass (it may be m)."""
+    kind = _cpu_kind(p)
+    extra = [m] if residual_out is not None else []
+    outs = ([out] if out is not None else []) + ([residual_out] if residual_out is not None else [])
+    bufs = _lowrank_buffers(kind, [p, q, *extra], outs)
+    pb, qb = bufs[0], bufs[1]
+    r = _rank(rows * cols, rows, cols, pb.n, rows)
+    if qb.n != cols * r:
+        raise ValueError(f"a {cols} x {r} factor is needed, got {qb.n} elements")
+    o = bufs[3 if residual_out is not None else 2] if out is not None else kind.empty(rows * cols, "float32")
+    mb, eb = (bufs[2], bufs[-1]) if residual_out is not None else (None, None)
+    if o.n != rows * cols or (mb is not None and not mb.n == eb.n == rows * cols):
+        raise ValueError(f"out, m and residual_out must have {rows} x {cols} elements")
+    call(kind, "lowrank_expand", pb.ptr, qb.ptr, rows, cols, r, o.ptr, mb and mb.ptr, eb and eb.ptr)
+    return out if out is not None else o.obj
+
+
 # --- DGC -------------------------------------------------------------------------------------------
 def dgc_compensate_into(u, v, g, momentum: float, u_out, v_out):
     """DGC's momentum correction in one pass (CPU): p = v + (momentum * u + g) written into
@@ -1512,6 +1585,9 @@ FUSED: Dict[str, Kernel] = {
                                         devices=("cpu",)),
     "dgc_compensate_into": Kernel(dgc_compensate_into, ("dgc_compensate",), ("float32", "float32"),
                                   devices=("cpu",)),
+    "lowrank_project": Kernel(lowrank_project, ("lowrank_project",), ("float32",), devices=("cpu",)),
+    "lowrank_back": Kernel(lowrank_back, ("lowrank_back",), ("float32",), devices=("cpu",)),
+    "lowrank_expand": Kernel(lowrank_expand, ("lowrank_expand",), ("float32",), devices=("cpu",)),
     "compress_many": Kernel(compress_many, ("compress_many",), ("uint8", "float32"), devices=("cpu",)),
     "dgc_step_many": Kernel(dgc_step_many, ("dgc_step_many",), ("float32", "index"), devices=("cpu",), variable=(0, 1)),
     "fp16_compress_many_into": Kernel(fp16_compress_many_into, ("half_encode_many",), ("float16",), devices=("cpu",)),

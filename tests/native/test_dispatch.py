@@ -13,7 +13,7 @@ from tests.native.conftest import TX, device, gradient, host, on, same_bytes, to
 from tests.unit.conftest import METHODS
 
 INFO = TensorInfo("layer.weight", 2, 1)
-FUSED_SUMS = {"onebit", "efsignsgd", "qsgd", "qsgd_bucketed"}
+FUSED_SUMS = {"onebit", "efsignsgd", "qsgd", "qsgd_bucketed", "powersgd"}
 
 
 def roundtrip(method, x):
@@ -32,7 +32,8 @@ def test_every_method_is_the_same_with_and_without_native(device, method, shape)
     assert len(payload) == len(want_payload)
     # sketchml sums repeated indices (its bucket means): on a GPU with atomics, in any order,
     # as torch's own index_add_ there. The fused quantizers sum their scalars (means, scale,
-    # norms) as NumPy does, torch's own sum in another order: equal to float32 rounding.
+    # norms) as NumPy does, torch's own sum in another order, and PowerSGD's products sum in
+    # their own order, BLAS in another: equal to float32 rounding.
     atomics = (device == "cuda" and method == "sketchml") or method in FUSED_SUMS
     for j, (a, b) in enumerate(zip(want_payload, payload)):
         if atomics and a.dtype.is_floating_point:

@@ -1,10 +1,13 @@
 """Buckets: the per-tensor exchange is the oracle, bit for bit; plans, frames and arguments."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import grace
+from grace import native
 from grace.backends import backend_for, get_backend
 from grace.core import bucket as frames
 from grace.core.communicator import ReplicaCommunicator
@@ -310,6 +313,12 @@ def test_powersgd_writes_its_approximations_straight_over_the_gradients(xp, monk
     written = []
     real = type(xp).matmul_into
     monkeypatch.setattr(type(xp), "matmul_into", lambda self, a, b, out: written.append(out) or real(self, a, b, out))
+    expand = native.FUSED["lowrank_expand"]  # (the product on a CPU where grace.native is built)
+
+    def expand_recorded(*args, out=None, **kwargs):
+        written.append(out) if out is not None else None
+        return expand.function(*args, out=out, **kwargs)
+    monkeypatch.setitem(native.FUSED, "lowrank_expand", dataclasses.replace(expand, function=expand_recorded))
     compression = with_buckets(METHODS["powersgd"], 25)
     fresh = grace.Exchange(compression, ReplicaCommunicator(3))
     overwriting = grace.Exchange(compression, ReplicaCommunicator(3), in_place=True)
