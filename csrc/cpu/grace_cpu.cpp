@@ -3535,9 +3535,10 @@ class Columns {
 constexpr int kDots = 2;  // products of a row computed in one sweep over it
 
 // Subnormal floats read as zero and subnormal results written as zero while it lives (this
-// thread): products of tiny gradients (vanishing ones, below 1e-38 in a deep net) take a
-// microcode assist per operation otherwise, several times the pass's memory time. The sums and
-// differences the memory keeps (M = g + e, e = M - P Q^T) run without it, exact.
+// thread): the products of tiny gradients (a deep net's vanishing ones, 1e-20 and below, times
+// Q) fall below 1e-38 and take a microcode assist each otherwise, several times the pass's
+// memory time. The sums and differences the memory keeps (M = g + e, e = M - P Q^T) run
+// without it, exact.
 class FlushDenormals {
  public:
 #if defined(__SSE2__)

@@ -118,9 +118,9 @@ def test_the_overflow_flag_is_set_and_never_cleared(bad, where):
 
 
 def test_subnormals_are_flushed_in_the_products_only():
-    """Gradients below 1e-38 (a deep net's vanishing ones) would cost a microcode assist per
-    product: the products read and write them as zero, while M = g + e and e = M - p q^T, which
-    the memory keeps, stay exact."""
+    """Products below 1e-38 (a deep net's vanishing gradients times Q) would cost a microcode
+    assist each: the products read and write subnormals as zero, while M = g + e and e = M - p
+    q^T, which the memory keeps, stay exact."""
     rows, cols = 4, 40
     tiny = F(1e-39)  # subnormal
     g = np.full((rows, cols), tiny, F)
