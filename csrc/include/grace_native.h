@@ -187,7 +187,8 @@ void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves, co
  * p: rows x r; all row-major), each element summed in one fixed order on every build and thread
  * count. project: p = M q, M = a, or M = a + b (b not NULL) written into m (which may be a or b);
  * *nonfinite = 1.0f where a holds an inf or a NaN, left as it is otherwise (may be NULL).
- * back: q = M^T p. expand: out = p q^T; where e is not NULL, also e = m - out (e may be m). */
+ * back: q = M^T p. expand: out = p q^T; where e is not NULL, also e = m - out (e may be m, out
+ * may not). */
 void grace_cpu_lowrank_project(const float* a, const float* b, int64_t rows, int64_t cols, const float* q, int64_t r,
                                float* m, float* p, float* nonfinite);
 void grace_cpu_lowrank_back(const float* m, int64_t rows, int64_t cols, const float* p, int64_t r, float* q);

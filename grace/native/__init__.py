@@ -788,7 +788,7 @@ def lowrank_project(m, q, rows: int, cols: int, residual=None, m_out=None, nonfi
     p = kind.empty(rows * r, "float32")
     call(kind, "lowrank_project", mb.ptr, rb and rb.ptr, rows, cols, qb.ptr, r, mo and mo.ptr, p.ptr,
          flag and flag.ptr)
-    return p.obj
+    return _wrap(kind, p)
 
 
 def lowrank_back(m, p, rows: int, cols: int):
@@ -799,12 +799,13 @@ def lowrank_back(m, p, rows: int, cols: int):
     r = _rank(mb.n, rows, cols, pb.n, rows)
     q = kind.empty(cols * r, "float32")
     call(kind, "lowrank_back", mb.ptr, rows, cols, pb.ptr, r, q.ptr)
-    return q.obj
+    return _wrap(kind, q)
 
 
 def lowrank_expand(p, q, rows: int, cols: int, out=None, m=None, residual_out=None):
     """PowerSGD's approximation (CPU): p q^T (rows x cols, flat) into ``out`` (a new tensor where
-    None), and where ``residual_out`` is given, m - p q^T into it in the same pass (it may be m)."""
+    None; not m), and where ``residual_out`` is given, m - p q^T into it in the same pass (it may
+    be m)."""
     kind = _cpu_kind(p)
     extra = [m] if residual_out is not None else []
     outs = ([out] if out is not None else []) + ([residual_out] if residual_out is not None else [])
@@ -818,7 +819,7 @@ def lowrank_expand(p, q, rows: int, cols: int, out=None, m=None, residual_out=No
     if o.n != rows * cols or (mb is not None and not mb.n == eb.n == rows * cols):
         raise ValueError(f"out, m and residual_out must have {rows} x {cols} elements")
     call(kind, "lowrank_expand", pb.ptr, qb.ptr, rows, cols, r, o.ptr, mb and mb.ptr, eb and eb.ptr)
-    return out if out is not None else o.obj
+    return out if out is not None else _wrap(kind, o)
 
 
 # --- DGC -------------------------------------------------------------------------------------------
