@@ -15,8 +15,12 @@
 #   5. scripts/bench_ops.py on cuda at 2^16, 2^20, 2^24 (CPU_BENCH=1: also on the host's CPU,
 #      both CPU builds)
 # Stops at the first failing step (KEEP_GOING=1: runs every step, fails at the end).
+#   6. BASE_CUDA_SOURCE=file (an earlier csrc/cuda/grace_cuda.cu, e.g. from `git show`): last,
+#      bench_step.py again with libgrace_cuda built from it (an A/B on one machine, in one call);
+#      the source is put back and the library rebuilt after
 # Env: PYTHON (default python3), OUT, KEEP_GOING, CPU_BENCH, STEPS (the steps to run, by name;
-# default all), BENCH_STEP_ARGS (more arguments for bench_step.py, e.g. --bucketed-only).
+# default all), BENCH_STEP_ARGS (more arguments for bench_step.py, e.g. --bucketed-only),
+# BASE_CUDA_SOURCE.
 # All steps took 6 minutes on an H100 host (16 cores); it fits in one call of the `device` tool.
 set -uo pipefail
 
@@ -113,6 +117,19 @@ wanted bench_cuda && { run bench_cuda 240 "$PY" scripts/bench_ops.py --device cu
   --json "$OUT/bench_cuda.json" || true; }
 [[ "${CPU_BENCH:-0}" == "1" ]] && { run bench_cpu 300 "$PY" scripts/bench_ops.py --device cpu --sizes 16 20 24 \
   --builds x86-64-v3 x86-64-v2 --json "$OUT/bench_cpu.json" || true; }
+
+# 6. the A/B: the same bench_step with the earlier CUDA source (only libgrace_cuda is rebuilt)
+if [[ -n "${BASE_CUDA_SOURCE:-}" ]]; then
+    current="$(mktemp)"
+    cp csrc/cuda/grace_cuda.cu "$current"
+    trap 'cp "$current" csrc/cuda/grace_cuda.cu' EXIT
+    cp "$BASE_CUDA_SOURCE" csrc/cuda/grace_cuda.cu
+    run build_base 420 "$PY" csrc/build.py --cuda on &&
+        run bench_step_base 300 "$PY" scripts/bench_step.py --device cuda --models resnet50 transformer \
+          --out "$OUT/base" ${BENCH_STEP_ARGS:-}
+    cp "$current" csrc/cuda/grace_cuda.cu
+    run build_again 420 "$PY" csrc/build.py --cuda on || true
+fi
 
 if ((${#failed[@]})); then
     echo "[device_check] FAILED steps: ${failed[*]} (logs in $OUT)" >&2
