@@ -14,10 +14,10 @@
 #      (spread over 8 processes where pytest-xdist is installed)
 #   5. scripts/bench_ops.py on cuda at 2^16, 2^20, 2^24 (CPU_BENCH=1: also on the host's CPU,
 #      both CPU builds)
-# Stops at the first failing step (KEEP_GOING=1: runs every step, fails at the end).
 #   6. BASE_CUDA_SOURCE=file (an earlier csrc/cuda/grace_cuda.cu, e.g. from `git show`): last,
 #      bench_step.py again with libgrace_cuda built from it (an A/B on one machine, in one call);
 #      the source is put back and the library rebuilt after
+# Stops at the first failing step (KEEP_GOING=1: runs every step, fails at the end).
 # Env: PYTHON (default python3), OUT, KEEP_GOING, CPU_BENCH, STEPS (the steps to run, by name;
 # default all), BENCH_STEP_ARGS (more arguments for bench_step.py, e.g. --bucketed-only),
 # BASE_CUDA_SOURCE.

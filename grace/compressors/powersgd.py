@@ -57,15 +57,13 @@ class PowerSGD(Compressor):
         q = _native(xp, "lowrank_back", m, m, p, rows, cols)
         (q,) = yield (xp.matmul(xp.transpose(m), p) if q is None else xp.reshape(q, (cols, -1)),)
         q = q / n
+        into = out if out is not None and xp.dtype(x) == xp.dtype(out) == "float32" else None  # P Q^T there: no copy
         residual = dict(m=x, residual_out=x) if residual_over else {}
-        if out is not None and xp.dtype(x) == xp.dtype(out) == "float32":  # P Q^T straight into out: no copy
-            approx = _native(xp, "lowrank_expand", p, p, q, rows, cols, out=out, **residual)
-            done = approx is not None
-            approx = xp.matmul_into(p, xp.transpose(q), out) if approx is None else approx
-        else:
-            approx = _native(xp, "lowrank_expand", p, p, q, rows, cols, **residual)
-            done = approx is not None
-            approx = xp.matmul(p, xp.transpose(q)) if approx is None else approx
+        approx = _native(xp, "lowrank_expand", p, p, q, rows, cols, out=into, **residual)
+        done = approx is not None
+        if not done:
+            approx = xp.matmul(p, xp.transpose(q)) if into is None else xp.matmul_into(p, xp.transpose(q), into)
+        if into is None:
             approx = xp.reshape(xp.cast(approx, xp.dtype(x)), shape)
         if residual_over and not done:
             xp.subtract_into(x, approx, x)

@@ -572,18 +572,16 @@ class Exchange:
             pending.flag = xp.nonfinite(g_units)
 
         if compressor.multi_round:
-            firsts, flags, flags_shared, pending.p, pending.rounds = [], [], False, [], []
+            firsts, pending.p, pending.rounds = [], [], []
             # each result may go straight over its gradient, where it is written in the end anyway
             over = not whole and self._writes_over(xp, g)
             shared = xp.zeros(1, "float32", like=g) if per_gradient else None  # the fused first rounds set it
+            flags = [shared] if per_gradient else []  # (0 where none ran)
             for u, g_u, e, info, state in zip(units, g_units, old, infos, states):
                 out = g_u if over else None
                 fused = self._fused_rounds(xp, u.name, g_u, e, info, state, shared, out)
                 if fused is not None:
                     p_u, rounds, updates = fused
-                    if per_gradient and not flags_shared:
-                        flags.append(shared)
-                        flags_shared = True
                 else:
                     if per_gradient:
                         flags.append(xp.nonfinite([g_u]))

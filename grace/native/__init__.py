@@ -774,17 +774,17 @@ def lowrank_project(m, q, rows: int, cols: int, residual=None, m_out=None, nonfi
     holds an inf or a NaN and left as it is otherwise (a bucket's gradients share one). Each
     element is summed in one fixed order on every build and thread count."""
     kind = _cpu_kind(m)
-    extra = [residual] if residual is not None else []
-    outs = ([m_out] if residual is not None else []) + ([nonfinite] if nonfinite is not None else [])
-    bufs = _lowrank_buffers(kind, [m, q, *extra], outs)
-    mb, qb = bufs[0], bufs[1]
+    mb, qb = _lowrank_buffers(kind, [m, q])
     r = _rank(mb.n, rows, cols, qb.n, cols)
-    rb, mo = (bufs[2], bufs[3]) if residual is not None else (None, None)
-    if residual is not None and not rb.n == mo.n == mb.n:
-        raise ValueError("the residual and m_out must have the matrix's size")
-    flag = bufs[-1] if nonfinite is not None else None
-    if flag is not None and flag.n != 1:
-        raise ValueError("the overflow flag is one float32 element")
+    rb = mo = flag = None
+    if residual is not None:
+        rb, mo = _lowrank_buffers(kind, [residual], [m_out])
+        if not rb.n == mo.n == mb.n:
+            raise ValueError("the residual and m_out must have the matrix's size")
+    if nonfinite is not None:
+        (flag,) = _lowrank_buffers(kind, [], [nonfinite])
+        if flag.n != 1:
+            raise ValueError("the overflow flag is one float32 element")
     p = kind.empty(rows * r, "float32")
     call(kind, "lowrank_project", mb.ptr, rb and rb.ptr, rows, cols, qb.ptr, r, mo and mo.ptr, p.ptr,
          flag and flag.ptr)
@@ -807,15 +807,12 @@ def lowrank_expand(p, q, rows: int, cols: int, out=None, m=None, residual_out=No
     None; not m), and where ``residual_out`` is given, m - p q^T into it in the same pass (it may
     be m)."""
     kind = _cpu_kind(p)
-    extra = [m] if residual_out is not None else []
-    outs = ([out] if out is not None else []) + ([residual_out] if residual_out is not None else [])
-    bufs = _lowrank_buffers(kind, [p, q, *extra], outs)
-    pb, qb = bufs[0], bufs[1]
+    pb, qb = _lowrank_buffers(kind, [p, q])
     r = _rank(rows * cols, rows, cols, pb.n, rows)
     if qb.n != cols * r:
         raise ValueError(f"a {cols} x {r} factor is needed, got {qb.n} elements")
-    o = bufs[3 if residual_out is not None else 2] if out is not None else kind.empty(rows * cols, "float32")
-    mb, eb = (bufs[2], bufs[-1]) if residual_out is not None else (None, None)
+    o = _lowrank_buffers(kind, [], [out])[0] if out is not None else kind.empty(rows * cols, "float32")
+    mb, eb = _lowrank_buffers(kind, [m], [residual_out]) if residual_out is not None else (None, None)
     if o.n != rows * cols or (mb is not None and not mb.n == eb.n == rows * cols):
         raise ValueError(f"out, m and residual_out must have {rows} x {cols} elements")
     call(kind, "lowrank_expand", pb.ptr, qb.ptr, rows, cols, r, o.ptr, mb and mb.ptr, eb and eb.ptr)
