@@ -296,6 +296,13 @@ class NumpyBackend:
 
     def orthonormalize(self, x):
         """Orthonormal columns spanning those of the (rows, r) ``x``: reduced QR's Q, with the
-        signs that make R's diagonal non-negative, so that every backend returns the same Q."""
+        signs that make R's diagonal non-negative, so that every backend returns the same Q.
+        One column: x / |x|, the norm summed in float64 (no underflow where x is tiny), and the
+        first unit vector where x is zero: QR's Q, without the factorization (slow for a few
+        columns, on a GPU above all)."""
+        if x.ndim == 2 and x.shape[1] == 1 and x.dtype in (np.float32, np.float64):
+            wide = x.astype(np.float64)
+            norm = np.sqrt(np.sum(wide * wide))
+            return (np.eye(x.shape[0], 1) if norm == 0 else wide / norm).astype(x.dtype)
         q, r = np.linalg.qr(x, mode="reduced")
         return (q * np.where(np.diagonal(r) < 0, -1, 1)).astype(x.dtype, copy=False)

@@ -483,6 +483,12 @@ class TensorflowBackend:
         signs that make R's diagonal non-negative, so that every backend returns the same Q.
         Half precision is factored in float32, integers in float64 (as NumPy does)."""
         x = _to_tensor(x)
+        if x.shape.rank == 2 and x.shape[1] == 1 and x.dtype in (tf.float32, tf.float64):
+            # x / |x| (numpy_backend's formula): QR is slow for a few columns
+            wide = tf.cast(x, tf.float64)
+            norm = tf.sqrt(tf.reduce_sum(wide * wide))
+            first = tf.eye(tf.shape(x)[0], 1, dtype=tf.float64)
+            return tf.cast(tf.where(norm == 0, first, wide / norm), x.dtype)
         work = x.dtype
         if work in (tf.float16, tf.bfloat16):
             work = tf.float32

@@ -367,5 +367,13 @@ class TorchBackend:
         return x.T
 
     def orthonormalize(self, x):
+        if x.dim() == 2 and x.shape[1] == 1 and x.dtype in (torch.float32, torch.float64):
+            # x / |x| (numpy_backend's formula): QR is slow for a few columns, on a GPU above all
+            wide = x.double()
+            norm = torch.linalg.vector_norm(wide)
+            if x.device.type == "cpu":  # (reading the norm here costs a GPU a wait)
+                return (torch.eye(x.shape[0], 1, dtype=torch.float64) if norm == 0 else wide / norm).to(x.dtype)
+            first = torch.eye(x.shape[0], 1, dtype=torch.float64, device=x.device)
+            return torch.where(norm == 0, first, wide / norm).to(x.dtype)
         q, r = torch.linalg.qr(x, mode="reduced")
         return q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(q.dtype)

@@ -143,3 +143,27 @@ def test_sparse_payload_bytes(xp, method):
 def test_backend_max_is_the_maximum_and_zero_when_empty(xp):
     assert float(xp.max(to_backend(xp, np.array([-3.0, -2.0])))) == -2.0
     assert float(xp.max(to_backend(xp, np.zeros(0)))) == 0.0
+
+
+def reduced_qr(x: np.ndarray) -> np.ndarray:
+    """Q of x's reduced QR with a non-negative diagonal of R, in float64."""
+    q, r = np.linalg.qr(x.astype(np.float64))
+    return q * np.where(np.diagonal(r) < 0, -1, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_orthonormalize_of_one_column_is_qr_without_the_factorization(xp, dtype):
+    # PowerSGD(1)'s P: x / |x| with the norm in float64, so that a vanishing gradient's P
+    # (squares below float32's range) still gets a unit vector; zero gives QR's first unit vector
+    rng = np.random.default_rng(7)
+    for x in [rng.standard_normal((300, 1)), -rng.random((5, 1)), np.full((9, 1), 3e-30), np.full((4, 1), 1e30),
+              np.zeros((6, 1)), np.array([[-2.0]])]:
+        q = xp.to_numpy(xp.orthonormalize(to_backend(xp, x, dtype)))
+        assert q.dtype == dtype and q.shape == x.shape
+        np.testing.assert_allclose(q, reduced_qr(x.astype(dtype)), rtol=0, atol=1e-6 if dtype == "float32" else 1e-14)
+        assert abs(np.linalg.norm(q.astype(np.float64)) - 1) < 1e-6
+    nan = xp.to_numpy(xp.orthonormalize(to_backend(xp, np.array([[np.nan], [1.0]]), dtype)))
+    assert np.isnan(nan).all()  # (the overflow check skips such a step: nothing to hide)
+    several = rng.standard_normal((30, 3))
+    np.testing.assert_allclose(xp.to_numpy(xp.orthonormalize(to_backend(xp, several, dtype))),
+                               reduced_qr(several.astype(dtype)), atol=1e-5)

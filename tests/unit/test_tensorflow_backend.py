@@ -376,6 +376,8 @@ def test_matmul_transpose_orthonormalize(dtype):
         want, got = same_op("orthonormalize", x, rtol=50 * rtol)
         q = TX.to_numpy(got).astype(np.float64)
         np.testing.assert_allclose(q.T @ q, np.eye(shape[1]), atol=100 * rtol)
+    for column in (np.zeros((6, 1)), np.full((9, 1), 3e-30)):  # QR's first unit vector; no underflow
+        same_op("orthonormalize", np_array(column, dtype), rtol=rtol)
 
 
 def test_matmul_of_integers():
