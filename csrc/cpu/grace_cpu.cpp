@@ -3611,10 +3611,10 @@ void row_sum(const float* a, const float* b, int64_t cols, float* m, FiniteCheck
     m[j] = a[j] + b[j];
   }
 }
-}  // namespace
 
-API void grace_cpu_lowrank_project(const float* a, const float* b, int64_t rows, int64_t cols, const float* q,
-                                   int64_t r, float* m, float* p, float* nonfinite) {
+// one matrix's products (the _many entry points below run them matrix after matrix)
+void lowrank_project(const float* a, const float* b, int64_t rows, int64_t cols, const float* q, int64_t r, float* m,
+                     float* p, float* nonfinite) {
   const Columns qt(q, cols, r);
   std::atomic<bool> bad{false};
   for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
@@ -3635,7 +3635,7 @@ API void grace_cpu_lowrank_project(const float* a, const float* b, int64_t rows,
   if (nonfinite && bad.load()) *nonfinite = 1.0f;
 }
 
-API void grace_cpu_lowrank_back(const float* m, int64_t rows, int64_t cols, const float* p, int64_t r, float* q) {
+void lowrank_back(const float* m, int64_t rows, int64_t cols, const float* p, int64_t r, float* q) {
   std::vector<float> acc((size_t)(cols * r), 0.0f);  // Q^T (r x cols): a row per column of Q
   // each thread sums its own columns over every row
   for_chunks(cols, 8, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
@@ -3661,8 +3661,8 @@ API void grace_cpu_lowrank_back(const float* m, int64_t rows, int64_t cols, cons
     for (int64_t k = 0; k < r; ++k) q[j * r + k] = acc[k * cols + j];
 }
 
-API void grace_cpu_lowrank_expand(const float* p, const float* q, int64_t rows, int64_t cols, int64_t r, float* out,
-                                  const float* m, float* e) {
+void lowrank_expand(const float* p, const float* q, int64_t rows, int64_t cols, int64_t r, float* out, const float* m,
+                    float* e) {
   const Columns qt(q, cols, r);
   for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
@@ -3698,4 +3698,39 @@ API void grace_cpu_lowrank_expand(const float* p, const float* q, int64_t rows, 
       }
     }
   });
+}
+
+// p / |p| for one column of n floats, the squares summed in float64 in index order (no
+// underflow where p is tiny), the quotients rounded to float32; the first unit vector where p is
+// zero: reduced QR's Q with a non-negative diagonal, as the backends' orthonormalize gives it
+void unit_column(float* p, int64_t n) {
+  double squares = 0.0;
+  for (int64_t i = 0; i < n; ++i) squares += (double)p[i] * (double)p[i];
+  const double norm = std::sqrt(squares);
+  for (int64_t i = 0; i < n; ++i) p[i] = norm == 0.0 ? (i == 0 ? 1.0f : 0.0f) : (float)((double)p[i] / norm);
+}
+}  // namespace
+
+API void grace_cpu_lowrank_project_many(int64_t count, const float* const* a, const float* const* b,
+                                        const int64_t* rows, const int64_t* cols, const float* const* q,
+                                        const int64_t* r, float* const* m, float* const* p, float* nonfinite) {
+  for (int64_t s = 0; s < count; ++s)
+    lowrank_project(a[s], b ? b[s] : nullptr, rows[s], cols[s], q[s], r[s], m ? m[s] : nullptr, p[s], nonfinite);
+}
+
+API void grace_cpu_lowrank_back_many(int64_t count, const float* const* m, const int64_t* rows, const int64_t* cols,
+                                     float* const* p, const int64_t* r, int unit, float* const* q) {
+  for (int64_t s = 0; s < count; ++s) {
+    if (unit && r[s] == 1) unit_column(p[s], rows[s]);
+    lowrank_back(m[s], rows[s], cols[s], p[s], r[s], q[s]);
+  }
+}
+
+API void grace_cpu_lowrank_expand_many(int64_t count, const float* const* p, const float* const* q, const int64_t* rows,
+                                       const int64_t* cols, const int64_t* r, float divisor, float* const* q_out,
+                                       float* const* out, const float* const* m, float* const* e) {
+  for (int64_t s = 0; s < count; ++s) {
+    for (int64_t i = 0; i < cols[s] * r[s]; ++i) q_out[s][i] = q[s][i] / divisor;
+    lowrank_expand(p[s], q_out[s], rows[s], cols[s], r[s], out[s], m ? m[s] : nullptr, e ? e[s] : nullptr);
+  }
 }

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 11
+#define GRACE_NATIVE_ABI 12
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -183,17 +183,22 @@ void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int
                                 uint16_t* const* outs);
 void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves, const int64_t* numels, float factor,
                                 float divisor, float* const* outs);
-/* PowerSGD's products for a rows x cols float32 matrix M and its rank-r factors (q: cols x r,
- * p: rows x r; all row-major), each element summed in one fixed order on every build and thread
- * count. project: p = M q, M = a, or M = a + b (b not NULL) written into m (which may be a or b);
- * *nonfinite = 1.0f where a holds an inf or a NaN, left as it is otherwise (may be NULL).
- * back: q = M^T p. expand: out = p q^T; where e is not NULL, also e = m - out (e may be m, out
- * may not). */
-void grace_cpu_lowrank_project(const float* a, const float* b, int64_t rows, int64_t cols, const float* q, int64_t r,
-                               float* m, float* p, float* nonfinite);
-void grace_cpu_lowrank_back(const float* m, int64_t rows, int64_t cols, const float* p, int64_t r, float* q);
-void grace_cpu_lowrank_expand(const float* p, const float* q, int64_t rows, int64_t cols, int64_t r, float* out,
-                              const float* m, float* e);
+/* PowerSGD's products for count float32 matrices, one after another: matrix s is rows[s] x
+ * cols[s], its factors q[s] (cols x r[s]) and p[s] (rows x r[s]), all row-major; each element
+ * summed in one fixed order on every build and thread count. project: p = M q, M = a, or
+ * M = a + b (b not NULL: an array with an entry per matrix) written into m (which may be a or
+ * b); *nonfinite = 1.0f where an a holds an inf or a NaN, left as it is otherwise (may be NULL).
+ * back: q = M^T p, where unit is set each p of one column first made p / |p| in place (the
+ * squares summed in float64; the first unit vector where p is zero). expand: q_out = q / divisor,
+ * then out = p q_out^T; where e is not NULL, also e = m - out (e may be m, out may not). */
+void grace_cpu_lowrank_project_many(int64_t count, const float* const* a, const float* const* b, const int64_t* rows,
+                                    const int64_t* cols, const float* const* q, const int64_t* r, float* const* m,
+                                    float* const* p, float* nonfinite);
+void grace_cpu_lowrank_back_many(int64_t count, const float* const* m, const int64_t* rows, const int64_t* cols,
+                                 float* const* p, const int64_t* r, int unit, float* const* q);
+void grace_cpu_lowrank_expand_many(int64_t count, const float* const* p, const float* const* q, const int64_t* rows,
+                                   const int64_t* cols, const int64_t* r, float divisor, float* const* q_out,
+                                   float* const* out, const float* const* m, float* const* e);
 
 /* ---- CUDA (device pointers; stream is a cudaStream_t) ---------------------------------- */
 int grace_cuda_abi(void);

@@ -5,12 +5,14 @@
     Q = M^T P;        allreduce Q;   Q = Q / n
     out = P Q^T       (the same on every rank: the mean of the ranks' rank-r approximations)
 
-Vectors and scalars travel uncompressed in one allreduce. Q is the per-tensor state; with the
-'powersgd' memory the residual is e = M - P Q^T against the approximation all ranks share.
+Vectors and scalars travel uncompressed in the first round. Q is the per-tensor state; with
+the 'powersgd' memory the residual is e = M - P Q^T against the approximation all ranks share.
 
-On a CPU (torch) the three products are grace.native's (each element summed in one fixed
-order), and with the residual memory the compensation M = g + e, the overflow check and P = M Q
-take one pass over g and e.
+A bucket's tensors go through their rounds together (``rounds_many``; ``rounds`` is that for
+one tensor). On a CPU (torch) each product is one grace.native call for all the bucket's
+matrices (each element summed in one fixed order), rank 1's orthonormalisation is in the
+second, Q / n in the third, and with the residual memory the compensation M = g + e and the
+overflow check are in the first product's pass over g and e.
 """
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, native_or_none
@@ -42,56 +44,110 @@ class PowerSGD(Compressor):
         r = min(self.rank, rows, cols)
         return xp.reshape(xp.uniform(cols * r, info.seed(self.seed), like=x), (cols, r)) - 0.5
 
-    def rounds(self, xp, x, info, q, out=None, first=None, residual_over=False):
-        """(``first``: the first round's payload, where a fused kernel made it already;
-        ``residual_over``: write x - P Q^T over x in the pass that makes P Q^T, as
-        ``rounds_with_residual`` does.)"""
-        n, shape = info.world_size, xp.shape(x)
-        if len(shape) < 2:
-            (summed,) = yield (x,)
-            return summed / n, x, q
-        m = xp.cast(xp.reshape(x, (shape[0], -1)), "float32")
-        rows, cols = xp.shape(m)
-        (p,) = yield (_product(xp, m, q) if first is None else first,)
-        p = xp.orthonormalize(p)
-        q = _native(xp, "lowrank_back", m, m, p, rows, cols)
-        (q,) = yield (xp.matmul(xp.transpose(m), p) if q is None else xp.reshape(q, (cols, -1)),)
-        q = q / n
-        into = out if out is not None and xp.dtype(x) == xp.dtype(out) == "float32" else None  # P Q^T there: no copy
-        residual = dict(m=x, residual_out=x) if residual_over else {}
-        approx = _native(xp, "lowrank_expand", p, p, q, rows, cols, out=into, **residual)
-        done = approx is not None
-        if not done:
-            approx = xp.matmul(p, xp.transpose(q)) if into is None else xp.matmul_into(p, xp.transpose(q), into)
-        if into is None:
-            approx = xp.reshape(xp.cast(approx, xp.dtype(x)), shape)
-        if residual_over and not done:
-            xp.subtract_into(x, approx, x)
-        return approx, approx, q
+    def rounds(self, xp, x, info, q, out=None):
+        many = self.rounds_many(xp, [x], [info], [q], [out])
+        payloads = next(many)
+        try:
+            while True:
+                payloads = many.send([(yield payloads[0])])
+        except StopIteration as done:
+            return done.value[0]
 
-    def rounds_with_residual(self, xp, g, residual, beta, gamma, info, q, p_out, nonfinite=None, out=None):
-        shape = xp.shape(g)
-        if residual is None or beta != 1.0 or gamma != 1.0 or len(shape) < 2:
+    def rounds_many(self, xp, xs, infos, qs, outs=None, firsts=None, residual_over=None):
+        n, count = infos[0].world_size, len(xs)
+        outs, firsts = outs or [None] * count, firsts or [None] * count
+        matrices = [i for i, x in enumerate(xs) if len(xp.shape(x)) >= 2]
+        m = {i: xp.cast(xp.reshape(xs[i], (xp.shape(xs[i])[0], -1)), "float32") for i in matrices}
+        made = iter(_project(xp, [m[i] for i in matrices if firsts[i] is None],
+                             [qs[i] for i in matrices if firsts[i] is None]))
+        p = {i: next(made) if firsts[i] is None else firsts[i] for i in matrices}
+        summed = yield [(p[i],) if i in m else (xs[i],) for i in range(count)]
+        results = [None if i in m else (summed[i][0] / n, xs[i], qs[i]) for i in range(count)]
+        if not matrices:
+            return results
+        p, q = _orthonormalise_and_back(xp, [m[i] for i in matrices], [summed[i][0] for i in matrices])
+        q = dict(zip(matrices, q))
+        summed = yield [(q[i],) if i in m else () for i in range(count)]
+        # P Q^T straight into out where it has the matrix's dtype: no copy
+        into = [outs[i] if outs[i] is not None and xp.dtype(xs[i]) == xp.dtype(outs[i]) == "float32" else None
+                for i in matrices]
+        over = [bool(residual_over and residual_over[i]) for i in matrices]
+        approx, q = _expand(xp, p, [summed[i][0] for i in matrices], n, into, [xs[i] for i in matrices], over)
+        for i, a, q_i, placed in zip(matrices, approx, q, into):
+            a = a if placed is not None else xp.reshape(xp.cast(a, xp.dtype(xs[i])), xp.shape(xs[i]))
+            results[i] = (a, a, q_i)
+        return results
+
+    def firsts_with_residual(self, xp, gs, residuals, beta, gamma, infos, qs, p_outs, nonfinite=None):
+        """One native call for the bucket's matrices (CPU): each M = g + e written into its
+        p_out in the pass that makes P = M Q; vectors (and gradients without a p_out) get None."""
+        if beta != 1.0 or gamma != 1.0 or not xp.mutable_tensors:
             return None
-        rows = shape[0]
-        first = _native(xp, "lowrank_project", g, g, q, rows, xp.numel(g) // rows, residual=residual,
-                        m_out=p_out, nonfinite=nonfinite)
-        if first is None:
+        chosen = [i for i, (g, e, o) in enumerate(zip(gs, residuals, p_outs))
+                  if len(xp.shape(g)) >= 2 and o is not None and not isinstance(e, tuple)]
+        if not chosen:
             return None
-        return p_out, self.rounds(xp, p_out, info, q, out, xp.reshape(first, (rows, -1)), residual_over=True), True
+        shapes = [_matrix(xp, gs[i]) for i in chosen]
+        ps = _native(xp, "lowrank_project_many", [gs[i] for i in chosen], [qs[i] for i in chosen], shapes,
+                     [residuals[i] for i in chosen], [p_outs[i] for i in chosen], nonfinite)
+        if ps is None:
+            return None
+        firsts = [None] * len(gs)
+        for i, p, (rows, _) in zip(chosen, ps, shapes):
+            firsts[i] = xp.reshape(p, (rows, -1))
+        return firsts
 
 
-def _native(xp, name: str, like, *args, **kwargs):
-    """grace.native's product ``name`` (CPU, float32), where the backend's tensors are mutable
-    (the kernels return new flat tensors or write into given ones); else None."""
-    return native_or_none(xp, name, like, *args, **kwargs) if xp.mutable_tensors else None
+def _matrix(xp, x):
+    rows = xp.shape(x)[0]
+    return rows, xp.numel(x) // rows
 
 
-def _product(xp, m, q):
-    """P = M Q."""
-    rows, cols = xp.shape(m)
-    p = _native(xp, "lowrank_project", m, m, q, rows, cols)
-    return xp.matmul(m, q) if p is None else xp.reshape(p, (rows, -1))
+def _native(xp, name: str, matrices, *args, **kwargs):
+    """grace.native's product ``name`` for ``matrices`` in one call (CPU, float32: the kernels
+    return new tensors or write into given ones), where the backend's tensors are mutable; else
+    None."""
+    return native_or_none(xp, name, matrices[0], matrices, *args, **kwargs) if xp.mutable_tensors else None
+
+
+def _project(xp, ms, qs):
+    """P = M Q of each matrix."""
+    if not ms:
+        return []
+    ps = _native(xp, "lowrank_project_many", ms, qs, [xp.shape(m) for m in ms])
+    if ps is None:
+        return [xp.matmul(m, q) for m, q in zip(ms, qs)]
+    return [xp.reshape(p, (xp.shape(m)[0], -1)) for p, m in zip(ps, ms)]
+
+
+def _orthonormalise_and_back(xp, ms, ps):
+    """Each summed P orthonormalised, then Q = M^T P: (Ps, Qs). The native call makes a P of
+    one column a unit vector in place, as ``xp.orthonormalize`` would; several go through QR."""
+    ps = [p if xp.shape(p)[1] == 1 else xp.orthonormalize(p) for p in ps]
+    qs = _native(xp, "lowrank_back_many", ms, ps, [xp.shape(m) for m in ms], unit=True)
+    if qs is None:
+        ps = [xp.orthonormalize(p) if xp.shape(p)[1] == 1 else p for p in ps]
+        return ps, [xp.matmul(xp.transpose(m), p) for m, p in zip(ms, ps)]
+    return ps, [xp.reshape(q, (xp.shape(m)[1], -1)) for q, m in zip(qs, ms)]
+
+
+def _expand(xp, ps, qs, n, into, xs, residual_over):
+    """Q = Q / n, and P Q^T of each matrix (into ``into[i]`` where given); where
+    ``residual_over[i]``, also x_i - P Q^T over x_i in the same pass: (approximations, Qs)."""
+    shapes = [(xp.shape(p)[0], xp.shape(q)[0]) for p, q in zip(ps, qs)]
+    residual = {} if not any(residual_over) else dict(
+        ms=xs, residual_outs=[x if over else None for x, over in zip(xs, residual_over)])
+    done = _native(xp, "lowrank_expand_many", ps, qs, shapes, into, n, **residual)
+    if done is not None:
+        approx, divided = done
+        return approx, [xp.reshape(q, xp.shape(old)) for q, old in zip(divided, qs)]
+    qs = [q / n for q in qs]
+    approx = [xp.matmul(p, xp.transpose(q)) if o is None else xp.matmul_into(p, xp.transpose(q), o)
+              for p, q, o in zip(ps, qs, into)]
+    for x, a, over in zip(xs, approx, residual_over):
+        if over:
+            xp.subtract_into(x, xp.reshape(a, xp.shape(x)), x)
+    return approx, qs
 
 
 @register("powersgd", matrix_approximation_rank="rank", rank="rank", seed="seed",

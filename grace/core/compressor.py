@@ -21,6 +21,8 @@ Two extensions, each used by the methods that need it:
   returns ``(g_hat, p_hat, state)``: the mean over ranks, what this rank's input became (for
   the memory: e = p - p_hat), and the new state. ``out`` (a tensor like x, where the result
   will be written anyway: the gradient, for in-place adapters) may receive g_hat directly.
+  A bucket's tensors go through their rounds together (``rounds_many``: one allreduce per
+  round for the bucket), which a method may write for itself to batch its work.
 """
 from __future__ import annotations
 
@@ -249,13 +251,38 @@ class Compressor:
         """Multi-round methods only: a generator, see the module docstring."""
         raise NotImplementedError
 
-    def rounds_with_residual(self, xp, g, residual, beta: float, gamma: float, info: TensorInfo, state, p_out,
-                             nonfinite=None, out=None):
-        """Optional fast path for residual memory and a multi-round method: p = gamma * g + beta *
-        residual written into ``p_out`` in the pass that makes the first round's payload (a
-        native kernel; ``nonfinite``, a one-element float32 tensor, set to 1 where g holds an
-        inf or a NaN). (p, ``rounds(xp, p, info, state, out)`` with that first payload, whether
-        those rounds write the new residual p - p_hat over p in their last pass), or None."""
+    def rounds_many(self, xp, xs, infos: Sequence[TensorInfo], states, outs=None, firsts=None, residual_over=None):
+        """Multi-round methods: all of a bucket's rounds in one generator. Each round yields the
+        list of every tensor's payload (an empty tuple once a tensor's rounds are done), all
+        summed by one allreduce, and receives their sums; it returns every tensor's (g_hat,
+        p_hat, state), as ``rounds`` does for one. ``firsts[i]`` (optional): tensor i's first
+        payload where ``firsts_with_residual`` made it; ``residual_over[i]``: the rounds then
+        write x_i - p_hat over x_i in their last pass. By default each tensor's ``rounds``
+        side by side."""
+        assert not any(firsts or []), "firsts come from a method's own firsts_with_residual"
+        count = len(xs)
+        running = [self.rounds(xp, x, info, state, out)
+                   for x, info, state, out in zip(xs, infos, states, outs or [None] * count)]
+        payloads, results = [next(r) for r in running], [None] * count
+        while any(result is None for result in results):
+            summed = yield payloads
+            payloads = [()] * count
+            for i, total in enumerate(summed):
+                if results[i] is None:
+                    try:
+                        payloads[i] = running[i].send(total)
+                    except StopIteration as done:
+                        results[i] = done.value
+        return results
+
+    def firsts_with_residual(self, xp, gs, residuals, beta: float, gamma: float, infos: Sequence[TensorInfo], states,
+                             p_outs, nonfinite=None):
+        """Optional fast path for residual memory and a multi-round method: for each gradient of a
+        bucket, p = gamma * g + beta * residual written into ``p_outs[i]`` in the pass that makes
+        its first payload (a native kernel; ``nonfinite``, a one-element float32 tensor, set to
+        1 where a g holds an inf or a NaN). The first payloads (None for the gradients it does
+        not take: the caller compensates those), for ``rounds_many``, whose last pass then
+        writes the new residual p - p_hat over p; or None."""
         return None
 
     def decompress(self, xp, payload: Payload, ctx) -> Any:

@@ -120,7 +120,7 @@ class BucketPending:
     dtypes: List[str] = field(default_factory=list)  # of the frame's pieces
     counts: List[int] = field(default_factory=list)
     p: Any = None  # multi-round methods: the compensated units
-    rounds: Any = None  # multi-round methods: one suspended protocol per unit
+    rounds: Any = None  # multi-round methods: the bucket's rounds, suspended (Compressor.rounds_many)
     updates: List[bool] = field(default_factory=list)  # multi-round: whose rounds write the new memory over p
     segmented: Any = None  # segment-wise buckets: (SegmentTable, SegmentedFrame)
     segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
@@ -559,9 +559,8 @@ class Exchange:
         pending = BucketPending(bucket, xp, units, g, old)
         # The overflow flag from a pass over the gradients, at once (one kernel on an accelerator,
         # one sum per gradient on a CPU), or from the payloads where they carry it; a multi-round
-        # method's on a CPU gradient by gradient, each just before its first round (that pass
-        # leaves it in the cache: the round's products read it from there), or in the pass that
-        # makes its first payload where one kernel does that (Memory.fused_rounds); on a CPU by the
+        # method's on a CPU in the pass that makes each first payload where one kernel does that
+        # (Memory.fused_firsts), the other gradients' by one check of them; on a CPU by the
         # bucket call, where one runs, which checks each gradient as it reads it (no pass of its
         # own), or the payload field as it writes it
         flagged = self._guarded and not self._flag_from_payload
@@ -572,29 +571,18 @@ class Exchange:
             pending.flag = xp.nonfinite(g_units)
 
         if compressor.multi_round:
-            firsts, pending.p, pending.rounds = [], [], []
             # each result may go straight over its gradient, where it is written in the end anyway
-            over = not whole and self._writes_over(xp, g)
+            outs = list(g_units) if not whole and self._writes_over(xp, g) else None
             shared = xp.zeros(1, "float32", like=g) if per_gradient else None  # the fused first rounds set it
-            flags = [shared] if per_gradient else []  # (0 where none ran)
-            for u, g_u, e, info, state in zip(units, g_units, old, infos, states):
-                out = g_u if over else None
-                fused = self._fused_rounds(xp, u.name, g_u, e, info, state, shared, out)
-                if fused is not None:
-                    p_u, rounds, updates = fused
-                else:
-                    if per_gradient:
-                        flags.append(xp.nonfinite([g_u]))
-                    # each gradient's first round right after its compensation, which is still in the cache
-                    p_u = self._compensated(xp, u.name, g_u, e)
-                    rounds, updates = compressor.rounds(xp, p_u, info, state, out=out), False
-                pending.p.append(p_u)
-                pending.rounds.append(rounds)
-                pending.updates.append(updates)
-                firsts.append(next(rounds))
-            if per_gradient:
-                pending.flag = _any_flag(xp, flags)
-            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, firsts, pending.flag)
+            firsts = self._fused_firsts(xp, units, g_units, old, infos, states, shared)
+            pending.updates = [first is not None for first in firsts]  # their rounds write the new memory over p
+            rest = [i for i, first in enumerate(firsts) if first is None]
+            if per_gradient:  # (0 where no fused round ran)
+                pending.flag = _any_flag(xp, [shared] + ([xp.nonfinite([g_units[i] for i in rest])] if rest else []))
+            pending.p = [self._spares[u.name] if first is not None else self._compensated(xp, u.name, g_u, e)
+                         for u, g_u, e, first in zip(units, g_units, old, firsts)]
+            pending.rounds = compressor.rounds_many(xp, pending.p, infos, states, outs, firsts, pending.updates)
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, next(pending.rounds), pending.flag)
             self.stats.add(nbytes, 0)
             return pending
 
@@ -1037,9 +1025,8 @@ class Exchange:
         return done, overflow
 
     def _finish_bucket_rounds(self, pending: "BucketPending", outs) -> List[Any]:
-        """The later rounds of a multi-round method's bucket; each gradient's result delivered
-        (over its ``outs`` entry, where given) as soon as its last round is done, after its new
-        memory: a transient is freed before the next is made (no fresh pages per step)."""
+        """The later rounds of a multi-round method's bucket (one allreduce each); then each
+        gradient's result delivered (over its ``outs`` entry, where given), after its new memory."""
         xp, memory, key = pending.xp, self.compression.memory, pending.bucket.key
         (summed, overflow, _), delivered, r = pending.wait(), [None] * len(pending.units), 0
 
@@ -1057,40 +1044,37 @@ class Exchange:
                         self._set("memory", u.name, memory.update(xp, p_u, p_hat, e))
             delivered[i] = self._delivered(xp, g_u, overflow, outs[i])
 
-        running = list(range(len(pending.units)))
-        while running:
-            payloads, still = [], []
-            for i, total in zip(running, summed):
-                with self._phase("compress") as mark:
-                    try:
-                        payloads.append(pending.rounds[i].send(total))
-                        still.append(i)
-                    except StopIteration as done:
-                        if mark:
-                            mark[0] = "decompress"  # the last round's work: the decompression
-                        finished(i, *done.value)
-            running = still
-            if running:
-                r += 1
-                wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads)
-                self.stats.add(nbytes, 0)
-                summed, _, _ = wait()
+        while True:
+            with self._phase("compress") as mark:
+                try:
+                    payloads = pending.rounds.send(summed)
+                except StopIteration as done:
+                    if mark:
+                        mark[0] = "decompress"  # the last round's work: the decompression
+                    results = done.value
+                    break
+            r += 1
+            wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads)
+            self.stats.add(nbytes, 0)
+            summed, _, _ = wait()
+        for i, result in enumerate(results):
+            finished(i, *result)
         return delivered
 
-    def _fused_rounds(self, xp, key: str, g, e, info, state, nonfinite, out):
-        """A multi-round method's compensation and first payload in one pass, the compensation
-        written into ``key``'s spare buffer (``Memory.fused_rounds``, which sets ``nonfinite``
-        where g holds an inf or a NaN): (p, its rounds, whether they write the new memory over
-        p), or None."""
-        memory = self.compression.memory
-        if not memory.needs_feedback or isinstance(e, tuple) or not xp.mutable_tensors:
-            return None
-        spare = self._spare_memory(key, xp, e)
-        if spare is None:
-            return None
-        fused = memory.fused_rounds(xp, self.compression.compressor, g, e, info, state, spare, nonfinite, out)
-        self._spares[key] = spare  # (kept either way; where fused, _finish_bucket_rounds tells by it where p is)
-        return fused
+    def _fused_firsts(self, xp, units, gs, old, infos, states, nonfinite):
+        """A multi-round method's compensations and first payloads, each gradient's in one pass,
+        the compensation written into its spare buffer (``Memory.fused_firsts``, which sets
+        ``nonfinite`` where a g holds an inf or a NaN): per gradient, its first payload or None
+        (not made: compensated as usual)."""
+        memory, none = self.compression.memory, [None] * len(units)
+        if not memory.needs_feedback or not xp.mutable_tensors or any(isinstance(e, tuple) for e in old):
+            return none
+        spares = [self._spare_memory(u.name, xp, e) for u, e in zip(units, old)]
+        firsts = memory.fused_firsts(xp, self.compression.compressor, gs, old, infos, states, spares, nonfinite)
+        for u, spare in zip(units, spares):
+            if spare is not None:  # (kept either way; _finish_bucket_rounds tells by it where p is)
+                self._spares[u.name] = spare
+        return firsts or none
 
     def _compensated(self, xp, key: str, g, e):
         """``memory.compensate`` for a multi-round method, written into ``key``'s spare buffer

@@ -62,11 +62,11 @@ class Memory:
         (``grace.native._placed``: the exchange's frame buffer)."""
         return None
 
-    def fused_rounds(self, xp, compressor, g, state: Optional[Any], info, compressor_state, p_out, nonfinite=None,
-                     out=None):
-        """A multi-round method's compensation written into ``p_out`` in the pass that makes its
-        first payload, where the compressor has a kernel for it (``rounds_with_residual``): (p,
-        the rounds, whether they write the new state over p themselves), or None."""
+    def fused_firsts(self, xp, compressor, gs, states, infos, compressor_states, p_outs, nonfinite=None):
+        """A multi-round method's compensations written into ``p_outs`` in the passes that make
+        the first payloads, where the compressor has a kernel for it (``firsts_with_residual``):
+        the first payloads (None where not made: those are compensated as usual), whose rounds
+        write the new states over p themselves; or None."""
         return None
 
     def fused_step(self, xp, compressor, g, state: Optional[Any], info, out=None):

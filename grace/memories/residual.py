@@ -47,9 +47,9 @@ class ResidualMemory(Memory):
         return compressor.compress_many_with_residual(xp, gs, residuals, self.beta, self.gamma, infos, outs, flag,
                                                       into)
 
-    def fused_rounds(self, xp, compressor, g, residual, info, compressor_state, p_out, nonfinite=None, out=None):
-        return compressor.rounds_with_residual(xp, g, residual, self.beta, self.gamma, info, compressor_state, p_out,
-                                               nonfinite, out)
+    def fused_firsts(self, xp, compressor, gs, residuals, infos, compressor_states, p_outs, nonfinite=None):
+        return compressor.firsts_with_residual(xp, gs, residuals, self.beta, self.gamma, infos, compressor_states,
+                                               p_outs, nonfinite)
 
     def fused_step(self, xp, compressor, g, residual, info, out=None):
         return compressor.compress_with_residual(xp, g, residual, self.beta, self.gamma, info, out)

@@ -21,7 +21,7 @@ from ctypes import c_double, c_float, c_int, c_int64, c_uint32, c_void_p
 from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
-ABI = 11
+ABI = 12
 ISAS = ("x86-64-v3", "x86-64-v2")  # the builds on x86-64, best first
 
 _P, _I, _L, _F, _D = c_void_p, c_int, c_int64, c_float, c_double
@@ -78,9 +78,9 @@ SYMBOLS = {
     "onebit_compress_segments": (_I, [_P, _L, _P, _P, _P, _P]),
     "decode_segments": (_I, [_I, _L, _P, _P, _P, _I, _L, _I, _P]),
     "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
-    "lowrank_project": (None, [_P, _P, _L, _L, _P, _L, _P, _P, _P]),
-    "lowrank_back": (None, [_P, _L, _L, _P, _L, _P]),
-    "lowrank_expand": (None, [_P, _P, _L, _L, _L, _P, _P, _P]),
+    "lowrank_project_many": (None, [_L, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "lowrank_back_many": (None, [_L, _P, _P, _P, _P, _P, _I, _P]),
+    "lowrank_expand_many": (None, [_L, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P]),
 }
 #: CPU-only: the bucket-at-once entry points (a GPU compresses a bucket segment-wise instead),
 #: the decoded sums of QSGD and natural compression, DGC's momentum correction and whole step,
@@ -89,7 +89,7 @@ CPU_ONLY = {"topk_ef_many", "randomk_ef_many", "threshold_ef_many", "bits_ef_man
             "bits_sum_segments", "bits_residual", "qsgd_sum_segments", "natural_sum_segments",
             "random_indices_segments", "dgc_compensate", "dgc_step_many", "compress_many", "natural_compress_drawn",
             "terngrad_compress_drawn", "qsgd_compress_drawn", "half_encode_many", "half_decode_many",
-            "lowrank_project", "lowrank_back", "lowrank_expand"}
+            "lowrank_project_many", "lowrank_back_many", "lowrank_expand_many"}
 CUDA_ONLY = {"hash_keys_segments", "terngrad_compress_segments", "natural_compress_segments", "qsgd_compress_segments",
              "efsign_compress_segments", "onebit_compress_segments", "decode_segments", "topk_ef_segments"}
 # CUDA functions return a status (or a count) where the CPU ones return nothing

@@ -1,7 +1,8 @@
-"""PowerSGD's products (grace.native.lowrank_project, lowrank_back, lowrank_expand; CPU) against
-NumPy float32 code that sums in the kernels' documented order: equal bit for bit, whatever the
-number of threads (and, through test_build's reruns, whatever the build). Subnormals are
-flushed in the products only; the compensation and the residual stay exact."""
+"""PowerSGD's products (grace.native.lowrank_project_many, lowrank_back_many,
+lowrank_expand_many, and their one-matrix forms; CPU) against NumPy float32 code that sums in
+the kernels' documented order: equal bit for bit, whatever the number of threads (and, through
+test_build's reruns, whatever the build), and a bucket's matrices in one call each as alone.
+Subnormals are flushed in the products only; the compensation and the residual stay exact."""
 from __future__ import annotations
 
 import numpy as np
@@ -153,3 +154,66 @@ def test_refusals_name_the_problem():
     if torch.cuda.is_available() and gn.available("cuda"):  # CPU kernels (a GPU has its BLAS)
         with pytest.raises(NativeUnavailable):
             gn.lowrank_back(t(g).cuda(), t(p).cuda(), 4, 8)
+
+
+def unit_order(p: np.ndarray) -> np.ndarray:
+    """p / |p| as lowrank_back's ``unit`` makes it: the squares summed in float64 in order, each
+    quotient rounded once to float32; the first unit vector where p is zero."""
+    squares = 0.0
+    for v in p.reshape(-1):
+        squares += float(v) * float(v)
+    norm = np.sqrt(squares)
+    return np.eye(len(p), 1, dtype=F) if norm == 0 else (p.astype(np.float64) / norm).astype(F)
+
+
+def test_a_buckets_matrices_in_one_call_each_as_alone(threads):
+    """Every shape at once, some with a residual and some without, in one call per product:
+    each matrix's results are its one-matrix call's, bit for bit."""
+    made = [data(rows, cols, r, seed=i) for i, (rows, cols, r) in enumerate(SHAPES)]
+    shapes = [(rows, cols) for rows, cols, _ in SHAPES]
+    with_residual = [i % 2 == 0 for i in range(len(SHAPES))]
+    m_outs = [torch.empty(rows, cols) for rows, cols in shapes]
+    flag = torch.zeros(1)
+    ps = gn.lowrank_project_many([t(g) for g, _, _, _ in made], [t(q) for _, _, q, _ in made], shapes,
+                                 [t(e) if w else None for (_, e, _, _), w in zip(made, with_residual)],
+                                 [o if w else None for o, w in zip(m_outs, with_residual)], flag)
+    assert flag.item() == 0
+    for (g, e, q, _), (rows, cols), w, p, m_out in zip(made, shapes, with_residual, ps, m_outs):
+        m = g + e if w else g
+        if w:
+            np.testing.assert_array_equal(m_out.numpy(), m)
+        np.testing.assert_array_equal(p.numpy().reshape(rows, -1), project_order(m, q))
+    qs = gn.lowrank_back_many([t(g) for g, _, _, _ in made], [t(p) for _, _, _, p in made], shapes)
+    for (g, _, _, p), (rows, cols), q in zip(made, shapes, qs):
+        np.testing.assert_array_equal(q.numpy().reshape(cols, -1), back_order(g, p))
+    outs = [torch.empty(rows, cols) if w else None for (rows, cols), w in zip(shapes, with_residual)]
+    residuals = [t(g.copy()) for g, _, _, _ in made]
+    qs = [t(q) for _, _, q, _ in made]
+    got, divided = gn.lowrank_expand_many([t(p) for _, _, _, p in made], qs, shapes, outs, 3.0, residuals,
+                                          [r if w else None for r, w in zip(residuals, with_residual)])
+    for (g, _, q, p), w, out, approx, q_after, residual in zip(made, with_residual, outs, got, divided, residuals):
+        assert approx is out if w else out is None
+        np.testing.assert_array_equal(q_after.numpy().reshape(q.shape), q / F(3.0))  # the state kept
+        want = expand_order(p, q / F(3.0))
+        np.testing.assert_array_equal(approx.numpy().reshape(want.shape), want)
+        np.testing.assert_array_equal(residual.numpy(), g - want if w else g)
+
+
+@pytest.mark.parametrize("column", ["normal", "zero", "tiny", "huge", "one"])
+def test_back_makes_one_column_a_unit_vector_first(column):
+    """``unit``: a P of one column becomes p / |p| in place before Q = M^T p (the squares in
+    float64, so a vanishing gradient's P, whose float32 squares underflow, keeps its direction);
+    zero gives the first unit vector, as QR does. Several columns are left to the caller."""
+    rows, cols = (1, 5) if column == "one" else (40, 9)
+    g, _, _, p = data(rows, cols, 1, seed=3)
+    p = {"normal": p, "zero": np.zeros_like(p), "tiny": p * F(1e-25), "huge": p * F(1e30), "one": -p}[column]
+    got = t(p.copy())
+    q = gn.lowrank_back(t(g), got, rows, cols, unit=True)
+    want = unit_order(p)
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert abs(np.linalg.norm(want.astype(np.float64)) - 1) < 1e-6
+    np.testing.assert_array_equal(q.numpy().reshape(cols, 1), back_order(g, want))
+    several = t(data(rows, cols, 2, seed=4)[3])
+    kept = several.clone()
+    gn.lowrank_back(t(g), several, rows, cols, unit=True)
+    assert torch.equal(several, kept)

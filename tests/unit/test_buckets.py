@@ -313,12 +313,12 @@ def test_powersgd_writes_its_approximations_straight_over_the_gradients(xp, monk
     written = []
     real = type(xp).matmul_into
     monkeypatch.setattr(type(xp), "matmul_into", lambda self, a, b, out: written.append(out) or real(self, a, b, out))
-    expand = native.FUSED["lowrank_expand"]  # (the product on a CPU where grace.native is built)
+    expand = native.FUSED["lowrank_expand_many"]  # (the products on a CPU where grace.native is built)
 
-    def expand_recorded(*args, out=None, **kwargs):
-        written.append(out) if out is not None else None
-        return expand.function(*args, out=out, **kwargs)
-    monkeypatch.setitem(native.FUSED, "lowrank_expand", dataclasses.replace(expand, function=expand_recorded))
+    def expand_recorded(ps, qs, shapes, outs, *args, **kwargs):
+        written.extend(out for out in outs if out is not None)
+        return expand.function(ps, qs, shapes, outs, *args, **kwargs)
+    monkeypatch.setitem(native.FUSED, "lowrank_expand_many", dataclasses.replace(expand, function=expand_recorded))
     compression = with_buckets(METHODS["powersgd"], 25)
     fresh = grace.Exchange(compression, ReplicaCommunicator(3))
     overwriting = grace.Exchange(compression, ReplicaCommunicator(3), in_place=True)
