@@ -343,19 +343,10 @@ class Exchange:
 
     def _finish_rounds(self, pending: Pending):
         name, xp, memory = pending.name, pending.xp, self.compression.memory
-        (summed, overflow), r = self._unflagged(pending, self._wait(pending.handle.wait)), 0
-        while True:
-            with self._phase("compress") as mark:
-                try:
-                    payload = pending.rounds.send(summed)
-                except StopIteration as done:
-                    if mark:
-                        mark[0] = "decompress"  # the last round's work: the decompression
-                    g_hat, p_hat, state = done.value
-                    self._set("state", name, state)
-                    break
-            r += 1
-            summed = self._wait(self._send(name, xp, payload, r).wait)
+        summed, overflow = self._unflagged(pending, self._wait(pending.handle.wait))
+        g_hat, p_hat, state = self._later_rounds(
+            pending.rounds, summed, lambda payload, r: self._wait(self._send(name, xp, payload, r).wait))
+        self._set("state", name, state)
         if memory.needs_feedback:
             with self._phase("feedback"):
                 self._set("memory", name, memory.update(xp, pending.p, p_hat, pending.memory_state))
@@ -1028,7 +1019,7 @@ class Exchange:
         """The later rounds of a multi-round method's bucket (one allreduce each); then each
         gradient's result delivered (over its ``outs`` entry, where given), after its new memory."""
         xp, memory, key = pending.xp, self.compression.memory, pending.bucket.key
-        (summed, overflow, _), delivered, r = pending.wait(), [None] * len(pending.units), 0
+        (summed, overflow, _), delivered = pending.wait(), [None] * len(pending.units)
 
         def finished(i, g_u, p_hat, state):
             u, p_u, e = pending.units[i], pending.p[i], pending.old[i]
@@ -1044,22 +1035,30 @@ class Exchange:
                         self._set("memory", u.name, memory.update(xp, p_u, p_hat, e))
             delivered[i] = self._delivered(xp, g_u, overflow, outs[i])
 
+        def allreduce(payloads, r):
+            wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads)
+            self.stats.add(nbytes, 0)
+            return wait()[0]
+
+        for i, result in enumerate(self._later_rounds(pending.rounds, summed, allreduce)):
+            finished(i, *result)
+        return delivered
+
+    def _later_rounds(self, rounds, summed, collective):
+        """A multi-round method's suspended ``rounds`` driven to their end from the first
+        round's ``summed``: each next payload launched by ``collective(payload, round)``, which
+        returns its sum. The rounds' result."""
+        r = 0
         while True:
             with self._phase("compress") as mark:
                 try:
-                    payloads = pending.rounds.send(summed)
+                    payload = rounds.send(summed)
                 except StopIteration as done:
                     if mark:
                         mark[0] = "decompress"  # the last round's work: the decompression
-                    results = done.value
-                    break
+                    return done.value
             r += 1
-            wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads)
-            self.stats.add(nbytes, 0)
-            summed, _, _ = wait()
-        for i, result in enumerate(results):
-            finished(i, *result)
-        return delivered
+            summed = collective(payload, r)
 
     def _fused_firsts(self, xp, units, gs, old, infos, states, nonfinite):
         """A multi-round method's compensations and first payloads, each gradient's in one pass,
