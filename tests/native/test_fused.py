@@ -360,6 +360,27 @@ def test_qsgd_level_past_s_falls_back_to_s(monkeypatch):
             assert (codes == 254 + (x[x != 0] < 0)).all(), codes
 
 
+@pytest.mark.parametrize("bucket", [0, 64, 1000])
+def test_qsgd_norms_of_vanishing_gradients(bucket, monkeypatch):
+    """A deep net's first layers have gradients of 1e-20 and below, whose squares fall below
+    float32's normal range (rounded to its subnormal grid, or to zero). The kernel squares in
+    float64 and rounds once (a float32 multiplication there costs a microcode assist on some
+    CPUs): the same squares, so the norms and codes are NumPy's bit for bit, also where a
+    bucket mixes such elements with normal ones."""
+    f = np.float32
+    rng = np.random.default_rng(5)
+    x = (np.exp(rng.uniform(np.log(1e-30), np.log(1e-17), 5000)) * rng.choice([-1, 1], 5000)).astype(f)
+    x[4000:4100] = rng.standard_normal(100).astype(f)  # a bucket of both
+    x[4200:4210] = f(2.0**-75)  # squares exactly at the grid's half-way points: ties to even
+    u = padded_draws(f"qsgd127_b{bucket}", x.size)
+    want, want_y = oracle(grace.qsgd(127, bucket_size=bucket).compressor, x, u, monkeypatch)
+    got = gn.qsgd_compress(x, u, 127, bucket)
+    same_bytes(want[1], got[1], "norms")
+    same_bytes(want[0], got[0], "codes")
+    same_bytes(want_y.reshape(-1), gn.qsgd_decompress(*got, x.size, 127, bucket), "values")
+    assert (np.asarray(got[1]) > 0).all()
+
+
 @pytest.mark.parametrize("levels,bucket", [(127, 0), (15, 512), (3, 1000)])
 def test_qsgd_large_tensor(levels, bucket, monkeypatch):
     """Past 8 MiB of output the decoder streams its stores; short buckets get their norms in the
