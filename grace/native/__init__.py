@@ -49,7 +49,10 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
     scatter_add_segments_into(payloads, outs, divisor),
     signsgd_, efsignsgd_, onebit_decompress_sum_into(payloads, outs); efsignsgd_, onebit_residual_into(p, ..., out);
     efsignsgd_, onebit_ef_step_many(gs, residuals, beta, gamma, outs);
-    fp16_compress_many_into(xs, divisor, outs), fp16_decompress_many_into(halves, factor, divisor, outs)
+    fp16_compress_many_into(xs, divisor, outs), fp16_decompress_many_into(halves, factor, divisor, outs),
+    PowerSGD's products for a bucket's matrices: lowrank_project_many(ms, qs, shapes, residuals, m_outs),
+    lowrank_back_many(ms, ps, shapes, unit), lowrank_expand_many(ps, qs, shapes, outs, divisor, ms,
+    residual_outs); lowrank_project, lowrank_back, lowrank_expand: the same for one matrix
 """
 from __future__ import annotations
 
@@ -71,6 +74,8 @@ __all__ = [
     "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
     "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_residual_into", "enabled",
     "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces", "fused", "hash_keys_segments", "load_error",
+    "lowrank_back", "lowrank_back_many", "lowrank_expand", "lowrank_expand_many", "lowrank_project",
+    "lowrank_project_many",
     "natural_compress", "natural_compress_drawn", "natural_compress_segments", "natural_decompress",
     "natural_decompress_segments", "natural_decompress_sum", "natural_decompress_sum_into", "nonzero",
     "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
