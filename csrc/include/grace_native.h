@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 12
+#define GRACE_NATIVE_ABI 13
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -94,12 +94,12 @@ void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g, in
                               float* v_out);
 /* DGC's whole step for each gradient s of a bucket: the momentum correction above, the threshold
  * from a sample of |p| (counter-based draws of s0[s], s1[s]), the selection (at most k; counts[s]
- * of them: values[s] and idx[s] of type idx_types[s]) and momentum factor masking; -1 on bad
- * arguments */
+ * of them: values[s] and idx[s] of type idx_types[s]) and momentum factor masking; g[s] taken as
+ * g[s] * scales[s] where scales is not NULL (DGC's clipping); -1 on bad arguments */
 int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const float* const* u, const float* const* v,
                             float* const* u_out, float* const* v_out, const int64_t* n, float m, double ratio,
                             double sample_ratio, const uint32_t* s0, const uint32_t* s1, float* const* values,
-                            void* const* idx, const int* idx_types, int64_t* counts,
+                            void* const* idx, const int* idx_types, int64_t* counts, const float* scales,
                             float* nonfinite);
 
 /* counter-based uniform draws: draw j (0 <= j < numels[s]) of segment s is

@@ -219,6 +219,10 @@ class TorchBackend:
         return x.max() if axis is None else x.max(dim=axis).values
 
     def norm(self, x, axis=None):
+        if axis is None and x.dtype == torch.float32 and x.device.type == "cpu":
+            out = _native.try_norm(x)  # NumPy's sum, bit for bit (one pass in csrc/) when built
+            if out is not None:
+                return out.reshape(())
         x = x if x.dtype in (torch.float32, torch.float64) else x.float()
         return torch.linalg.vector_norm(x) if axis is None else torch.linalg.vector_norm(x, dim=axis)
 

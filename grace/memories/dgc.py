@@ -25,10 +25,11 @@ class DGCMemory(Memory):
         return xp.zeros_like(g), xp.zeros_like(g)
 
     def _clipped(self, xp, g):
-        if not self.clip_norm:
-            return g
-        norm = xp.norm(g)
-        return g * xp.cast(self.clip_norm / xp.clip_min(norm, self.clip_norm), xp.dtype(g))
+        return g * self._clip_factor(xp, g) if self.clip_norm else g
+
+    def _clip_factor(self, xp, g):
+        """clip_norm / max(|g|, clip_norm), in g's dtype."""
+        return xp.cast(self.clip_norm / xp.clip_min(xp.norm(g), self.clip_norm), xp.dtype(g))
 
     def compensate(self, xp, g, state):
         u, v = state
@@ -41,11 +42,13 @@ class DGCMemory(Memory):
 
     def fused_steps(self, xp, compressor, gs, states, infos, outs, flag=None, into=None):
         """fused_step of a whole bucket in one native call, where the compressor has one (DGC's
-        selection, on a CPU) and nothing is clipped (a norm per gradient first)."""
+        selection, on a CPU); with clipping, each gradient's factor computed first (its norm, as
+        ``_clipped`` does) and applied where the call reads g: no clipped copy."""
         many = getattr(compressor, "compress_many_with_momentum", None)
-        if many is None or self.clip_norm or not xp.mutable_tensors:
-            return None
-        return many(xp, gs, states, self.momentum, infos, outs, flag)
+        if many is None or not xp.mutable_tensors or (self.clip_norm and xp.on_accelerator(gs[0])):
+            return None  # (the factors are read on the host: a GPU has no such call anyway)
+        scales = [float(self._clip_factor(xp, g)) for g in gs] if self.clip_norm else None
+        return many(xp, gs, states, self.momentum, infos, outs, flag, scales)
 
     def fused_step(self, xp, compressor, g, state, info, out=None):
         """The same step with the new (u, v) written into ``out`` (buffers like the state, where

@@ -77,7 +77,7 @@ __all__ = [
     "lowrank_back", "lowrank_back_many", "lowrank_expand", "lowrank_expand_many", "lowrank_project",
     "lowrank_project_many",
     "natural_compress", "natural_compress_drawn", "natural_compress_segments", "natural_decompress",
-    "natural_decompress_segments", "natural_decompress_sum", "natural_decompress_sum_into", "nonzero",
+    "natural_decompress_segments", "natural_decompress_sum", "natural_decompress_sum_into", "nonzero", "norm",
     "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
     "onebit_decompress_sum", "onebit_decompress_sum_into", "onebit_ef_step_many", "onebit_residual_into", "pack",
     "qsgd_compress", "qsgd_compress_drawn", "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments",
@@ -647,6 +647,19 @@ def qsgd_compress(x, u, levels: int, bucket_size: int = 0, norms=None):
     return _wrap(kind, out, nb)
 
 
+def norm(x):
+    """The Euclidean norm of a float32 tensor (CPU), as one float32 element: the square root of
+    NumPy's pairwise sum of the squares (each computed in float64 and rounded once), so the
+    NumPy backend's ``norm`` bit for bit, with no microcode assist for tiny elements."""
+    kind = _cpu_kind(x)
+    b = kind.flat(x)
+    if b.dtype != "float32":
+        raise NativeUnavailable("norm takes float32 tensors")
+    out = kind.empty(1, "float32")
+    call(kind, "qsgd_norms", b.ptr, b.n, 0, out.ptr)
+    return _wrap(kind, out)
+
+
 def qsgd_decompress(packed, norms, numel: int, levels: int, bucket_size: int = 0):
     """float32 norm[bucket] * sign * level / levels."""
     kind = kind_of(packed)
@@ -906,14 +919,15 @@ def dgc_compensate_into(u, v, g, momentum: float, u_out, v_out):
 
 
 def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float, words, u_outs, v_outs,
-                  nonfinite=None):
+                  nonfinite=None, scales=None):
     """DGC's step for every gradient of a bucket in one call (CPU), as DGCMemory.fused_step with
     DGC's selection makes it gradient by gradient: the momentum correction (p = v + (momentum * u
     + g) into ``v_outs``, p - v into ``u_outs``; outputs may be inputs), the threshold from a
     sample of |p| drawn from the gradient's seed words ``words[s]`` (grace.core.draws), the
     elements at or above it (the k = max(1, ceil(ratio d)) largest where more) and momentum factor
     masking. Lists of values and indices (in index_dtype(d)), per gradient; the overflow flag
-    into ``nonfinite`` (see ``_flag``)."""
+    into ``nonfinite`` (see ``_flag``). ``scales`` (floats, optional): each g taken as g * scales[s]
+    where it is read (DGC's clipping: one float32 product, as the tensor op makes it)."""
     kind = _cpu_kind(gs[0])
     gb, ub, vb = (_same_kind_all(kind, ts) for ts in (gs, us, vs))
     uo, vo = _in_place_all(kind, u_outs, "float32"), _in_place_all(kind, v_outs, "float32")
@@ -928,7 +942,7 @@ def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float
     s0, s1 = _seed_word_arrays(words)
     if call(kind, "dgc_step_many", len(gb), _pointers(gb), _pointers(ub), _pointers(vb), _pointers(uo), _pointers(vo),
             _int64s(numels), float(momentum), float(ratio), float(sample_ratio), s0, s1, *rooms.arguments(),
-            _flag(kind, nonfinite)) != 0:
+            None if scales is None else (ctypes.c_float * len(gb))(*scales), _flag(kind, nonfinite)) != 0:
         raise RuntimeError("native DGC steps failed")
     return rooms.payloads()
 
@@ -1713,6 +1727,10 @@ def try_nonzero(mask):
 
 def try_threshold_indices(x, threshold: float):
     return _unless_unavailable(threshold_indices, x, threshold)
+
+
+def try_norm(x):
+    return _unless_unavailable(norm, x)
 
 
 def try_scatter_add(indices, values, numel: int):

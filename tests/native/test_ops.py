@@ -173,3 +173,24 @@ def test_empty_inputs(device):
     assert gn.pack(on(device, np.zeros(0, np.uint8)), 3).numel() == 0
     out = gn.scatter_add(on(device, np.zeros(0, np.int64)), e, 7)
     same_bytes(np.zeros(7, np.float32), out)
+
+
+@pytest.mark.parametrize("n", SIZES + [BIG])
+def test_norm_is_numpys_bit_for_bit(n):
+    """grace.native.norm (CPU): NumPy's pairwise sum of squares, then its root, the same float
+    (what the torch backend's norm of a float32 CPU tensor returns), also for a vanishing
+    gradient whose squares fall below float32's normal range."""
+    from grace.backends import get_backend
+
+    for x in (gradient(n), gradient(n) * np.float32(1e-21)):
+        want = NX.norm(x)
+        same_bytes(np.asarray(want, np.float32).reshape(1), gn.norm(torch.from_numpy(x)), f"norm of {n}")
+        got = get_backend("torch").norm(torch.from_numpy(x))
+        assert got.shape == () and got.dtype == torch.float32
+        same_bytes(np.asarray(want, np.float32).reshape(1), got.reshape(1), f"torch backend's norm of {n}")
+
+
+def test_norm_refuses_what_it_does_not_take():
+    with pytest.raises(gn.NativeUnavailable):
+        gn.norm(torch.zeros(4, dtype=torch.float64))
+    assert np.isnan(float(gn.norm(torch.tensor([1.0, np.nan])))) and float(gn.norm(torch.tensor([np.inf]))) == np.inf

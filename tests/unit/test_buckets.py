@@ -443,3 +443,34 @@ def test_new_payloads_never_share_memory_with_the_input(method):
     payload, _, _ = compressor.step(xp, x, info, state)
     for t in payload:
         assert not np.shares_memory(np.asarray(t), x), method
+
+
+def test_dgc_with_clipping_takes_one_native_call_per_bucket_with_the_per_tensor_results(xp, monkeypatch):
+    """DGC's clipping: on a CPU a bucket's step stays one native call, each gradient's factor
+    clip_norm / max(|g|, clip_norm) computed first (its norm, as per tensor) and applied where
+    the call reads g; results, memories and steps as per tensor, bit for bit, with gradients
+    clipped (norms 10-50) and not (norms below 3) in one bucket."""
+    from grace.compressors.dgc import DGC
+
+    scales = []
+    real = DGC.compress_many_with_momentum
+
+    def recorded(self, *args, **kwargs):
+        done = real(self, *args, **kwargs)
+        scales.append((args[-1] if len(args) > 6 else kwargs.get("scales"), done is not None))
+        return done
+    monkeypatch.setattr(DGC, "compress_many_with_momentum", recorded)
+    make = lambda: grace.dgc(0.1, clip_norm=3.0)  # noqa: E731
+    reference, want = run(xp, with_buckets(make, 0))
+    bucketed, got = run(xp, with_buckets(make, 25))
+    for step, (w, g) in enumerate(zip(want, got)):
+        for name in w:
+            assert_same(xp, w[name], g[name], f"step {step} {name}")
+    for table in ("memory", "steps"):
+        a, b = reference.state_dict()[table], bucketed.state_dict()[table]
+        for name in a:
+            assert_same(xp, a[name], b[name], f"{table} {name}")
+    if xp.name == "torch" and TORCH_DEVICE == "cpu" and native.available("cpu"):  # (where the call runs)
+        assert scales and all(ran for _, ran in scales)
+        clipped = [s for s in scales[0][0] if s != 1.0]
+        assert 0 < len(clipped) < len(scales[0][0]) and all(0 < s < 1 for s in clipped)
