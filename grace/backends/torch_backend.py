@@ -219,7 +219,7 @@ class TorchBackend:
         return x.max() if axis is None else x.max(dim=axis).values
 
     def norm(self, x, axis=None):
-        if axis is None and x.dtype == torch.float32 and x.device.type == "cpu":
+        if axis is None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
             out = _native.try_norm(x)  # NumPy's sum, bit for bit (one pass in csrc/) when built
             if out is not None:
                 return out.reshape(())

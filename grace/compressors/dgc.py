@@ -54,15 +54,16 @@ class DGC(Sparsifier):
         candidates = xp.abs(xp.gather(flat, selected))
         return xp.sort(xp.gather(selected, xp.topk_indices(candidates, k)))
 
-    def compress_many_with_momentum(self, xp, gs, states, momentum, infos, outs, flag=None, scales=None):
+    def compress_many_with_momentum(self, xp, gs, states, momentum, infos, outs, flag=None, factor=None):
         """DGCMemory's fused_step with this selection for every gradient of a bucket, in one
         native call (CPU; new states written into ``outs``, the overflow flag into ``flag``
-        where given; each g taken as g * scales[i] where given: the clipping): [(payload, ctx,
-        new state)], or None where it does not run (or the step is not a known int: a traced
-        TensorFlow step)."""
+        where given; each g taken as g * factor(g) where ``factor`` is given, the clipping,
+        computed only where the call runs): [(payload, ctx, new state)], or None where it does
+        not run (or the step is not a known int: a traced TensorFlow step)."""
         step = infos[0].step
-        if not isinstance(step, numbers.Integral):
+        if not isinstance(step, numbers.Integral) or not xp.fused("dgc_step_many", gs[0], xp.dtype(gs[0])):
             return None
+        scales = None if factor is None else [float(factor(g)) for g in gs]
         words = [draws.seed_words(info.rank_seed(self.seed)) for info in infos]
         done = native_or_none(xp, "dgc_step_many", gs[0], gs, [u for u, _ in states], [v for _, v in states], momentum,
                               self.ratio_at(xp, step), self.sample_ratio, words, [u for u, _ in outs],

@@ -45,10 +45,10 @@ class DGCMemory(Memory):
         selection, on a CPU); with clipping, each gradient's factor computed first (its norm, as
         ``_clipped`` does) and applied where the call reads g: no clipped copy."""
         many = getattr(compressor, "compress_many_with_momentum", None)
-        if many is None or not xp.mutable_tensors or (self.clip_norm and xp.on_accelerator(gs[0])):
-            return None  # (the factors are read on the host: a GPU has no such call anyway)
-        scales = [float(self._clip_factor(xp, g)) for g in gs] if self.clip_norm else None
-        return many(xp, gs, states, self.momentum, infos, outs, flag, scales)
+        if many is None or not xp.mutable_tensors:
+            return None
+        factor = (lambda g: self._clip_factor(xp, g)) if self.clip_norm else None
+        return many(xp, gs, states, self.momentum, infos, outs, flag, factor)
 
     def fused_step(self, xp, compressor, g, state, info, out=None):
         """The same step with the new (u, v) written into ``out`` (buffers like the state, where
