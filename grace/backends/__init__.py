@@ -26,9 +26,15 @@ def get_backend(name: str):
     return _loaded[name]
 
 
+_BY_TYPE: dict = {}  # tensor type -> its backend: asked for per tensor and step
+
+
 def backend_for(x):
     """The backend for tensor ``x``, by the package its type comes from."""
+    backend = _BY_TYPE.get(type(x))
+    if backend is not None:
+        return backend
     root = type(x).__module__.split(".")[0]
     if root not in _BY_MODULE:
         raise TypeError(f"grace has no backend for tensors of type {type(x).__name__} ({root})")
-    return get_backend(root)
+    return _BY_TYPE.setdefault(type(x), get_backend(root))

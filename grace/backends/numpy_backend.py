@@ -80,6 +80,16 @@ class NumpyBackend:
         """concat into the preallocated ``out`` (backends whose tensors are mutable)."""
         return np.concatenate(xs, out=out)
 
+    def concat_flat(self, xs, out=None):
+        """Every tensor of ``xs`` flattened, end to end (into ``out`` where given): a bucket's
+        gradients as its flat buffer."""
+        return np.concatenate([np.ravel(x) for x in xs], out=out)
+
+    def unflatten(self, flat, numels, shapes):
+        """The pieces of 1-d ``flat`` of ``numels`` elements, end to end, as views of
+        ``shapes``: ``concat_flat`` undone."""
+        return [t.reshape(s) for t, s in zip(np.split(flat, np.cumsum(numels)[:-1]), shapes)]
+
     def assign(self, dst, src) -> None:
         """Write ``src`` into the tensor (or view) ``dst``."""
         dst[...] = src

@@ -189,6 +189,12 @@ class TensorflowBackend:
     def concat_into(self, xs, out):
         return self.concat(xs)
 
+    def concat_flat(self, xs, out=None):
+        return self.concat([tf.reshape(x, [-1]) for x in xs])
+
+    def unflatten(self, flat, numels, shapes):
+        return [tf.reshape(t, s) for t, s in zip(self.split(flat, numels), shapes)]
+
     def assign(self, dst, src) -> None:
         raise TypeError("TensorFlow tensors cannot be written in place (mutable_tensors is False)")
 

@@ -118,6 +118,12 @@ class TorchBackend:
     def concat_into(self, xs, out):
         return torch.cat(list(xs), out=out)
 
+    def concat_flat(self, xs, out=None):
+        return torch.cat([x.reshape(-1) for x in xs], out=out)
+
+    def unflatten(self, flat, numels, shapes):
+        return [t.view(s) for t, s in zip(torch.split(flat, list(numels)), shapes)]
+
     def assign(self, dst, src) -> None:
         dst.copy_(src)
 

@@ -48,13 +48,22 @@ class Bucket:
     dtype: str
     segments: Tuple[Segment, ...]
 
-    @property
+    # (asked for per bucket and step: made once)
+    @functools.cached_property
     def numel(self) -> int:
         return sum(s.numel for s in self.segments)
 
-    @property
-    def names(self) -> List[str]:
-        return [s.name for s in self.segments]
+    @functools.cached_property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(s.name for s in self.segments)
+
+    @functools.cached_property
+    def numels(self) -> Tuple[int, ...]:
+        return tuple(s.numel for s in self.segments)
+
+    @functools.cached_property
+    def shapes(self) -> Tuple[Tuple[int, ...], ...]:
+        return tuple(s.shape for s in self.segments)
 
 
 def plan(tensors: Sequence[Tuple[str, Tuple[int, ...], str, Any]], cap_bytes: float) -> List[Bucket]:

@@ -189,7 +189,7 @@ class Compressor:
         kernels where built, else each segment's own ``compress`` in turn."""
         fused = xp.fused(f"{self.segment_kernel}_compress_segments", p, xp.dtype(p)) if self.segment_kernel else None
         if fused:
-            counts = self.segment_draws(table.numels)
+            counts = table.cached("draws", lambda: self.segment_draws(table.numels))
             draws = () if counts is None else uniform_draws(xp, counts, infos, self.seed, p)
             return fused(p, table.starts, table.numels, *draws, *self.segment_arguments()), None, None
         payloads = [self.compress(xp, p[start:start + n], info)[0]
@@ -395,7 +395,7 @@ def uniform_draws(xp, counts: Sequence[int], infos: Sequence[TensorInfo], seed: 
     """Each segment's uniform draws, ``counts[s]`` from its own rank seed, as its per-tensor
     compress draws them, in a row; and where each segment's draws start."""
     drawn = xp.uniform_segments(counts, [info.rank_seed(seed) for info in infos], like=like)
-    return drawn, [0, *itertools.accumulate(counts)][:-1]
+    return drawn, tuple(itertools.accumulate(counts, initial=0))[:-1]
 
 
 def sent_count(ratio: float, d: int) -> int:

@@ -175,10 +175,15 @@ def _same_layout(xp, a, b) -> bool:
     return xp.shape(a) == xp.shape(b) and xp.dtype(a) == xp.dtype(b) and xp.device(a) == xp.device(b)
 
 
+def _no_overflow(overflow) -> bool:
+    """Whether no rank flagged an overflow (None: not guarded; a traced count: not known yet)."""
+    return overflow is None or (isinstance(overflow, int) and not overflow)
+
+
 def _poisoned(xp, t, overflow):
     """NaN everywhere when any rank flagged an overflow (``overflow``: how many did, an int or
     a traced tensor; None: not guarded), so that a loss scaler sees it and skips the step."""
-    if overflow is None or (isinstance(overflow, int) and not overflow):
+    if _no_overflow(overflow):
         return t
     if isinstance(overflow, int):
         return t * float("nan")
@@ -376,8 +381,9 @@ class Exchange:
             specs = []
             for name, g in grads.items():
                 xp = backend_for(g)
-                specs.append((name, xp.shape(g), xp.dtype(g), xp.device(g)))
-                if xp.numel(g) == 0:
+                shape = xp.shape(g)
+                specs.append((name, shape, xp.dtype(g), xp.device(g)))
+                if 0 in shape:
                     out[name] = g
             started = [self.start_bucket(b, [grads[s] for s in b.names]) for b in self.plan(specs)]
             for pending in started:
@@ -439,8 +445,8 @@ class Exchange:
         """The buckets for ``(name, shape, dtype, group)`` tuples in backward order (see
         ``grace.core.bucket.plan``), remembered so that their state is saved per name."""
         key = tuple(tensors)
-        self.expect(tensors)
         if key not in self._plans:
+            self.expect(tensors)
             self._plans[key] = frames.plan(tensors, self.compression.bucket_mb * 2**20)
         self._buckets.update((b.key, b) for b in self._plans[key])  # (again, where another plan released them)
         return self._plans[key]
@@ -765,14 +771,19 @@ class Exchange:
             else:
                 g_hat, overflow = self._aggregate_frames(pending, unit_outs)
             if whole:
-                flat = xp.flatten(g_hat[0])
-                g_hat = [_view(xp, flat, s) for s in pending.bucket.segments]
+                g_hat = xp.unflatten(xp.flatten(g_hat[0]), pending.bucket.numels, pending.bucket.shapes)
+            if pending.outs is None and self.average and _no_overflow(overflow):
+                return g_hat  # delivered as they are (an accelerator's new results)
             return [self._delivered(xp, t, overflow, out) for t, out in zip(g_hat, outs)]
 
     def _flat_gradient(self, bucket: Bucket, xp, grads):
         """The bucket's gradients as one flat tensor, copied into a buffer kept per bucket
         where the backend's tensors are mutable (results never alias it)."""
-        return self._joined(xp, f"{bucket.key}.gradient", [xp.flatten(t) for t in grads])
+        if len(grads) == 1:
+            return xp.flatten(grads[0])
+        buffer = self._reused(xp, f"{bucket.key}.gradient", bucket.dtype, bucket.numel, grads[0]) \
+            if xp.mutable_tensors else None
+        return xp.concat_flat(grads, buffer)
 
     def _joined(self, xp, name: str, tensors):
         """1-d ``tensors`` as one, in a buffer kept per ``name`` where the backend's tensors

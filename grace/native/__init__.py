@@ -57,6 +57,7 @@ functions a compressor may ask a backend for: their C functions, output dtypes a
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -244,7 +245,20 @@ def _every(addresses, first: int, step: int):
 
 
 def _int64s(values):
+    """A C array of ``values``; made once per tuple (a bucket's segment sizes and starts: the
+    segment wrappers are called per bucket and rank every step, and read it only)."""
+    return _int64s_of(values) if type(values) is tuple else (ctypes.c_int64 * len(values))(*values)
+
+
+@functools.lru_cache(maxsize=1024)
+def _int64s_of(values: tuple):
     return (ctypes.c_int64 * len(values))(*values)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_total(numels: tuple, bits: int) -> int:
+    """The bytes of every segment's codes of ``bits`` bits, packed segment by segment."""
+    return sum(packed_size(n, bits) for n in numels)
 
 
 def _index_codes(dtypes):
@@ -534,6 +548,14 @@ def _decode_segments(kind, symbol: str, numels, a: Buf, b, out: Buf, levels: int
 
 def _check_segments(n: int, starts, numels, what: str = "elements") -> None:
     """Every segment inside the buffer of ``n`` elements (the kernels write through pointers)."""
+    if type(starts) is tuple and type(numels) is tuple:
+        _segments_fit(n, starts, numels, what)  # (a bucket's layout, checked once)
+    else:
+        _segments_fit.__wrapped__(n, starts, numels, what)
+
+
+@functools.lru_cache(maxsize=1024)
+def _segments_fit(n: int, starts, numels, what: str) -> None:
     if len(starts) != len(numels) or any(s < 0 or c < 0 or s + c > n for s, c in zip(starts, numels)):
         raise ValueError(f"segments (starts {list(starts)[:4]}..., sizes {list(numels)[:4]}...) "
                          f"do not fit in {n} {what}")
@@ -543,7 +565,7 @@ def _sign_segments(symbol: str, scalars: int, x, starts, numels):
     kind = kind_of(x)
     b = _float32(kind, x, ("float32",))
     _check_segments(b.n, starts, numels)
-    out = kind.empty(sum(packed_size(n, 1) for n in numels), "uint8")
+    out = kind.empty(_packed_total(tuple(numels), 1), "uint8")
     scale = kind.empty(scalars * len(numels), "float32")
     if _on_gpu(kind):
         call(kind, f"{symbol}_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), out.ptr, scale.ptr)
@@ -558,7 +580,7 @@ def _sign_segments(symbol: str, scalars: int, x, starts, numels):
 def _sign_decode_segments(symbol: str, scalars: int, packed, scale, numels):
     kind = kind_of(packed)
     p, sc = kind.flat(packed), _same_kind(kind, scale, "float32")
-    if p.n != sum(packed_size(n, 1) for n in numels) or sc.n != scalars * len(numels):
+    if p.n != _packed_total(tuple(numels), 1) or sc.n != scalars * len(numels):
         raise ValueError(f"{p.n} packed bytes and {sc.n} scales for segments of {list(numels)} elements")
     out = _decode_out(kind, sum(numels))
     if _on_gpu(kind):
@@ -1088,7 +1110,7 @@ def terngrad_compress_segments(x, starts, numels, u, draw_starts):
     """terngrad_compress of each segment of the flat float32 ``x``, with the draws of segment s
     at ``u[draw_starts[s]:]``: (every segment's codes in a row, one scale per segment)."""
     kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, numels)
-    out = kind.empty(sum(packed_size(n, 2) for n in numels), "uint8")
+    out = kind.empty(_packed_total(tuple(numels), 2), "uint8")
     scale = kind.empty(len(numels), "float32")
     if _on_gpu(kind):
         call(kind, "terngrad_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), ub.ptr,
@@ -1110,7 +1132,7 @@ def _check_payload(buf, want: int, what: str) -> None:
 def terngrad_decompress_segments(packed, scale, numels):
     kind = kind_of(packed)
     p, sc = kind.flat(packed), _same_kind(kind, scale, "float32")
-    _check_payload(p, sum(packed_size(n, 2) for n in numels), "packed bytes")
+    _check_payload(p, _packed_total(tuple(numels), 2), "packed bytes")
     _check_payload(sc, len(numels), "scales")
     out = _decode_out(kind, sum(numels))
     if _on_gpu(kind):
@@ -1127,14 +1149,19 @@ def _qsgd_rows(n: int, bucket_size: int) -> int:
     return -(-n // (int(bucket_size) or n))
 
 
+@functools.lru_cache(maxsize=1024)
+def _qsgd_rows_total(numels: tuple, bucket_size: int) -> int:
+    return sum(_qsgd_rows(n, bucket_size) for n in numels)
+
+
 def qsgd_compress_segments(x, starts, numels, u, draw_starts, levels: int, bucket_size: int = 0):
     """qsgd_compress of each segment: (every segment's codes in a row, its norms in a row);
     segment s draws one per element of its whole buckets of ``bucket_size``."""
     padded = [_qsgd_rows(n, bucket_size) * (int(bucket_size) or n) for n in numels]
     kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, padded)
     bits = code_width(2 * (levels + 1))
-    out = kind.empty(sum(packed_size(n, bits) for n in numels), "uint8")
-    norms = kind.empty(sum(_qsgd_rows(n, bucket_size) for n in numels), "float32")
+    out = kind.empty(_packed_total(tuple(numels), bits), "uint8")
+    norms = kind.empty(_qsgd_rows_total(tuple(numels), int(bucket_size)), "float32")
     if _on_gpu(kind):
         call(kind, "qsgd_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), ub.ptr,
              _int64s(draw_starts), int(levels), int(bucket_size), bits, out.ptr, norms.ptr)
@@ -1153,8 +1180,8 @@ def qsgd_decompress_segments(packed, norms, numels, levels: int, bucket_size: in
     kind = kind_of(packed)
     p, nb = kind.flat(packed), _same_kind(kind, norms, "float32")
     bits = code_width(2 * (levels + 1))
-    _check_payload(p, sum(packed_size(n, bits) for n in numels), "packed bytes")
-    _check_payload(nb, sum(_qsgd_rows(n, bucket_size) for n in numels), "norms")
+    _check_payload(p, _packed_total(tuple(numels), bits), "packed bytes")
+    _check_payload(nb, _qsgd_rows_total(tuple(numels), int(bucket_size)), "norms")
     out = _decode_out(kind, sum(numels))
     if _on_gpu(kind):
         _decode_segments(kind, "qsgd_decode", numels, p, nb, out, levels, bucket_size, bits)
@@ -1170,7 +1197,7 @@ def qsgd_decompress_segments(packed, norms, numels, levels: int, bucket_size: in
 def natural_compress_segments(x, starts, numels, u, draw_starts):
     """natural_compress of each segment: (every segment's sign bits in a row, its codes in a row)."""
     kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, numels)
-    signs = kind.empty(sum(packed_size(n, 1) for n in numels), "uint8")
+    signs = kind.empty(_packed_total(tuple(numels), 1), "uint8")
     codes = kind.empty(sum(numels), "uint8")
     if _on_gpu(kind):
         call(kind, "natural_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), ub.ptr,
@@ -1186,7 +1213,7 @@ def natural_compress_segments(x, starts, numels, u, draw_starts):
 def natural_decompress_segments(signs, codes, numels):
     kind = kind_of(signs)
     s, c = kind.flat(signs), _same_kind(kind, codes)
-    _check_payload(s, sum(packed_size(n, 1) for n in numels), "sign bytes")
+    _check_payload(s, _packed_total(tuple(numels), 1), "sign bytes")
     _check_payload(c, sum(numels), "codes")
     out = _decode_out(kind, sum(numels))
     if _on_gpu(kind):

@@ -132,6 +132,16 @@ def torch_dtype_name(dtype) -> str:
     return name if name is not None else _TORCH_NAMES.setdefault(dtype, str(dtype)[6:])
 
 
+def _current_cuda_stream(torch, device) -> int:
+    """The current CUDA stream's handle on ``device``: read per native call (a user may switch
+    streams), so the raw query where torch has it (one C call; ``current_stream`` makes a
+    Stream object, ~10 us a call on a busy host, and a bucket makes tens of calls)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 class _Torch:
     name = "torch"
 
@@ -148,7 +158,7 @@ class _Torch:
             if self.lib is not None:
                 if device.index is not None and device.index != torch.cuda.current_device():
                     raise NativeUnavailable("tensor is not on the current CUDA device")
-                self.stream = torch.cuda.current_stream(device).cuda_stream
+                self.stream = _current_cuda_stream(torch, device)
         else:
             self.lib = None
 

@@ -205,7 +205,7 @@ def test_plan_fills_buckets_in_backward_order_per_dtype_and_device():
                ("big", (1000,), "float32", "cpu"), ("d", (100,), "float32", "cuda:0"), ("e", (0,), "float32", "cpu"),
                ("f", (50,), "float32", "cpu")]
     buckets = frames.plan(tensors, cap_bytes=1000)
-    assert [b.names for b in buckets] == [["a", "c"], ["b"], ["big"], ["d"], ["f"]]
+    assert [b.names for b in buckets] == [("a", "c"), ("b",), ("big",), ("d",), ("f",)]
     assert [b.dtype for b in buckets] == ["float32", "float16", "float32", "float32", "float32"]
     assert buckets[0].segments[1].offset == 100 and buckets[0].numel == 200
     assert len({b.key for b in buckets}) == len(buckets)

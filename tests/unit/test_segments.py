@@ -220,6 +220,15 @@ def test_native_segment_calls_refuse_segments_outside_their_buffers():
     packed, scale = gn.efsignsgd_compress_segments(x, [0, 50], [50, 50])
     with pytest.raises(ValueError):
         gn.efsignsgd_decompress_segments(packed[:-1], scale, [50, 50])
+    # a bucket's layout comes as tuples, checked once per layout and buffer size: a layout
+    # that fit one buffer is still refused for a shorter one
+    gn.onebit_compress_segments(x, (0, 60), (60, 40))
+    with pytest.raises(ValueError, match="do not fit in 90 elements"):
+        gn.onebit_compress_segments(x[:90], (0, 60), (60, 40))
+    with pytest.raises(ValueError, match="do not fit in 100 elements"):
+        gn.onebit_compress_segments(x, (0, 60), (60, 41))
+    with pytest.raises(ValueError):
+        gn.efsignsgd_decompress_segments(packed[:-1], scale, (50, 50))
 
 
 RANDOM = [label for label in SEGMENTED if hasattr(METHODS[label]().compressor, "seed")]
