@@ -747,8 +747,11 @@ class Exchange:
             g_hat = compressor.aggregate_segments(xp, fields, pending.segment_ctx, table, n)
         return g_hat, self._overflow(xp, [flags]) if flagged else None
 
-    def finish_bucket(self, pending: "BucketPending") -> List[Any]:
-        """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order."""
+    def finish_bucket(self, pending: "BucketPending", into=None) -> List[Any]:
+        """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order.
+        ``into``: a flat tensor of the bucket's size (DDP's bucket buffer) where a bucket
+        exchanged as one flat tensor has its result written, in one copy; the results are then
+        views of it."""
         xp, compressor = pending.xp, self.compression.compressor
         whole = len(pending.units) == 1 and pending.units[0].name == pending.bucket.key
         outs = pending.outs or [None] * len(pending.bucket.segments)
@@ -771,7 +774,11 @@ class Exchange:
             else:
                 g_hat, overflow = self._aggregate_frames(pending, unit_outs)
             if whole:
-                g_hat = xp.unflatten(xp.flatten(g_hat[0]), pending.bucket.numels, pending.bucket.shapes)
+                flat = xp.flatten(g_hat[0])
+                if into is not None:  # delivered there, all at once
+                    return xp.unflatten(self._delivered(xp, flat, overflow, into), pending.bucket.numels,
+                                        pending.bucket.shapes)
+                g_hat = xp.unflatten(flat, pending.bucket.numels, pending.bucket.shapes)
             if pending.outs is None and self.average and _no_overflow(overflow):
                 return g_hat  # delivered as they are (an accelerator's new results)
             return [self._delivered(xp, t, overflow, out) for t, out in zip(g_hat, outs)]

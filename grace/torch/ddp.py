@@ -95,14 +95,14 @@ class GraceState:
             # Later rounds launch collectives: here, in hook order, every rank launches them in
             # the same order (a callback would run on a communication thread, at any time).
             done = torch.futures.Future()
-            done.set_result(self._finish(pending, buffer))
+            done.set_result(self._finish(pending, buffer, grads))
             return done
         return torch.futures.collect_all(futures).then(
-            lambda _: self._finish(pending, buffer))
+            lambda _: self._finish(pending, buffer, grads))
 
-    def _finish(self, pending, buffer: torch.Tensor) -> torch.Tensor:
-        results = self.exchange.finish_bucket(pending)
-        if pending.outs is None or any(r is not g for r, g in zip(results, pending.outs)):  # not in place
+    def _finish(self, pending, buffer: torch.Tensor, grads) -> torch.Tensor:
+        results = self.exchange.finish_bucket(pending, into=buffer)
+        if any(r.data_ptr() != g.data_ptr() for r, g in zip(results, grads)):  # not in the buffer already
             flat = [g.reshape(-1) for g in results]
             storage = buffer.untyped_storage().data_ptr()
             if any(g.untyped_storage().data_ptr() == storage for g in flat):  # a result that is DDP's buffer

@@ -146,3 +146,29 @@ def test_an_overflow_costs_one_step_and_leaves_no_trace(method):
     print("ok", all(torch.isfinite(g).all() for g in backward(ddp, 1).values()))
     """)
     assert out.split() == ["ok", "True"]
+
+
+@pytest.mark.parametrize("method", ["grace.none()", "grace.fp16()", "grace.efsignsgd(0.1)", "grace.qsgd(15)",
+                                    "grace.topk(0.05)"])
+def test_a_flat_bucket_result_lands_in_ddp_buffer(method):
+    """On an accelerator (forced here) a bucket is exchanged as one flat tensor, whose result
+    is written into DDP's bucket buffer in one copy: the gradients equal the per-tensor
+    exchange's, an overflow's NaN reaches every gradient, and the next step is clean."""
+    out = run(f"""
+    from grace.backends.torch_backend import TorchBackend
+    TorchBackend.on_accelerator = lambda self, x: True
+    ddp = model()
+    state = grace.torch.ddp.register(ddp, {method})
+    ref = grace.Exchange({method[:-1]}{", " if method[-2] != "(" else ""}bucket_mb=0), LocalCommunicator())
+    for step in range(3):
+        got = backward(ddp, step)
+        want = ref.exchange(local_gradients(ddp, step))
+        for name in got:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"step {{step}} {{name}}")
+    whole = sum(k in state.exchange._whole_of and state.exchange._whole_of[k] for k in state.exchange._buckets)
+    poisoned = backward(ddp, 3, poison=True)
+    print(whole, all(not torch.isfinite(g).any() for g in poisoned.values()),
+          all(torch.isfinite(g).all() for g in backward(ddp, 3).values()))
+    """)
+    whole, nan, clean = out.split()
+    assert int(whole) >= 2 and nan == "True" and clean == "True", out
