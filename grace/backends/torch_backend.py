@@ -110,7 +110,8 @@ class TorchBackend:
         return list(torch.split(x, [int(s) for s in sizes]))
 
     def to_bytes(self, x):
-        return x.contiguous().view(torch.uint8)
+        x = x.contiguous()
+        return x.view(torch.uint8) if x.numel() else x.new_empty(0, dtype=torch.uint8)  # (an empty one's stride may be 0)
 
     def from_bytes(self, b, dtype: str):
         return b.view(_dtype(dtype))  # a view: bucket frames keep every piece aligned

@@ -71,7 +71,7 @@ class Sparsifier(Compressor):
         return native_or_none(xp, "scatter_add_segments_into", outs[0],
                               [[(p[0], p[1]) for p in rows] for rows in payloads], outs, len(payloads[0]))
 
-    # --- a bucket at once (segmented methods: a fixed k per segment) ----------------------
+    # --- a bucket at once (segmented methods: a fixed k per segment, or a variable number) --
     def segment_fields(self, numels, dtype):
         k = [self.kernel_argument(d) for d in numels]
         return [(k, [dtype] * len(k)), (k, [index_dtype(d) for d in numels])]
@@ -88,6 +88,8 @@ class Sparsifier(Compressor):
         return table.cached("sent starts", lambda: xp.asarray(np.repeat(table.starts, self._ks(table)), like=like))
 
     def compress_segments(self, xp, p, table, infos):
+        if self.variable_length:
+            return self._selected_segments(xp, p, table)
         fused = xp.fused(f"{self.select_kernel}_segments", p, xp.dtype(p)) if self.select_kernel else None
         if fused:  # the per-tensor kernel on each segment
             return fused(p, table.starts, table.numels, self._ks(table)), None, None
@@ -96,7 +98,25 @@ class Sparsifier(Compressor):
         indices = xp.nonzero(take, size=xp.numel(starts))  # ascending: k_i per segment, in order
         return (xp.gather(p, indices), indices - starts), None, xp.where(take, p, 0.0)
 
+    def _selected_segments(self, xp, p, table):
+        """A variable-length selection of every segment (``select_segments``): ((values,
+        indices within their segment), each segment's count (host ints: the frame's header),
+        p_hat). Its only wait for the device is the counts."""
+        take = self.select_segments(xp, p, table)
+        running = xp.cumsum(xp.cast(take, "int64"))
+        last = table.cached("last elements", lambda: xp.asarray(
+            np.asarray(table.starts, np.int64) + np.asarray(table.numels, np.int64) - 1, like=p))
+        at_last = xp.gather(running, last)  # selected up to each segment's end
+        counts = at_last - xp.concat([xp.zeros(1, "int64", like=p), at_last[:-1]])
+        host = xp.host_ints(counts, len(table.numels))
+        total = sum(host)
+        indices = xp.nonzero(take, size=total)  # ascending: each segment's in a row
+        local = indices - xp.repeat(table.start, counts, total)
+        return (xp.gather(p, indices), local), host, xp.where(take, p, 0.0)
+
     def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
+        if self.variable_length:  # (selected by tensor ops: _selected_segments)
+            return None
         fused = xp.fused(f"{self.residual_kernel}_segments", g, xp.dtype(g)) if self.residual_kernel else None
         if not fused:
             return None

@@ -14,6 +14,7 @@ from grace.memories import make_memory
 
 class Threshold(Sparsifier):
     variable_length = True
+    segmented = True  # on an accelerator: a bucket's selection by whole-buffer tensor ops
     residual_kernel = "threshold_ef_step"
     residual_kernel_many = "threshold_ef_step_many"
 
@@ -25,6 +26,9 @@ class Threshold(Sparsifier):
 
     def select(self, xp, flat, info):
         return xp.indices_abs_at_least(flat, self.threshold)
+
+    def select_segments(self, xp, p, table):
+        return xp.abs(p) >= self.threshold
 
 
 @register("threshold", threshold="threshold", examples=dict(threshold=example(0.5)))

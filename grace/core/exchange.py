@@ -531,9 +531,12 @@ class Exchange:
             segmented = self._compresses_segmented(bucket, xp, grads[0])
             self._whole_of[bucket.key] = segmented or self._compresses_whole(xp, grads[0])
             if segmented:
-                table = segments.SegmentTable.build(xp, [s.numel for s in bucket.segments], grads[0])
-                fields = compressor.segment_fields(table.numels, bucket.dtype)
-                self._segmented[bucket.key] = table, segments.SegmentedFrame(xp, fields, self._guarded, grads[0])
+                table = segments.SegmentTable.build(xp, bucket.numels, grads[0])
+                layout = segments.SparseFrames(xp, table, bucket.dtype, self._guarded, grads[0]) \
+                    if compressor.variable_length else \
+                    segments.SegmentedFrame(xp, compressor.segment_fields(table.numels, bucket.dtype), self._guarded,
+                                            grads[0])
+                self._segmented[bucket.key] = table, layout
         whole = self._whole_of[bucket.key]
         if bucket.key in self._segmented:
             return self._compress_segments(bucket, xp, grads, flat)
@@ -701,15 +704,22 @@ class Exchange:
         else:
             p = memory.compensate(xp, g, e)
             fields, pending.segment_ctx, p_hat = compressor.compress_segments(xp, p, table, infos)
+        variable = compressor.variable_length
         if compressor.collective is Collective.ALLREDUCE:  # (fixed sizes: never more than dense)
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag)
         else:
-            frame = layout.write(xp, fields, pending.flag)
             nbytes = None
-            if layout.size > frames.frame_size([bucket.numel], [bucket.dtype], False, self._guarded):
+            # (fixed sizes: every rank decides alike; variable ones: each rank for its own frame)
+            dense = layout.size(pending.segment_ctx) > layout.dense_size() if variable else \
+                layout.size > frames.frame_size([bucket.numel], [bucket.dtype], False, self._guarded)
+            if dense:
                 p = memory.compensate(xp, g, e) if p is None else p
-                pending.sent_dense, p_hat, e_new = True, p, None  # every rank decides alike: fixed sizes
-                frame = frames.frame(xp, [p], False, g, pending.flag)
+                pending.sent_dense, p_hat, e_new = True, p, None
+                frame = frames.dense_frame(xp, p, len(layout.dtypes), g, pending.flag) if variable else \
+                    frames.frame(xp, [p], False, g, pending.flag)
+            else:
+                frame = layout.write(xp, *fields, pending.segment_ctx, pending.flag) if variable else \
+                    layout.write(xp, fields, pending.flag)
         if memory.needs_feedback:
             with self._phase("feedback"):
                 if e_new is None:  # from p and p_hat
@@ -718,7 +728,7 @@ class Exchange:
                     e_new = memory.update(xp, p, p_hat, e)
                 self._set("memory", bucket.key, e_new)
         if compressor.collective is not Collective.ALLREDUCE:
-            nbytes = self._send_frame(pending, frame, variable=False)
+            nbytes = self._send_frame(pending, frame, variable)
         self.stats.add(nbytes, 0)
         return pending
 
@@ -731,6 +741,9 @@ class Exchange:
             return divided(xp, compressor.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
                 overflow
         received = self._wait(pending.wait)
+        if compressor.variable_length:
+            read, flags = layout.read(xp, received, n)
+            return self._sparse_mean(xp, read, bucket.numel), self._overflow(xp, [flags]) if flagged else None
         if isinstance(received, list):  # broadcasts: one frame per rank
             received = xp.concat(received)
         if pending.sent_dense:
@@ -746,6 +759,22 @@ class Exchange:
             fields, flags = layout.read(xp, received, n)
             g_hat = compressor.aggregate_segments(xp, fields, pending.segment_ctx, table, n)
         return g_hat, self._overflow(xp, [flags]) if flagged else None
+
+    def _sparse_mean(self, xp, read, numel: int):
+        """The flat mean of the ranks' (value, index) pairs and dense buckets (``read``), with
+        the per-tensor exchange's additions: the pairs' values over their count of ranks, rank
+        after rank (``Sparsifier.aggregate``); then weighed, and the dense buckets added."""
+        n = self.communicator.size
+        pairs = [r for r in read if not isinstance(r, Dense)]
+        dense = [r.values for r in read if isinstance(r, Dense)]
+        g_hat = xp.scatter_add_rows([i for _, i in pairs], [v / len(pairs) for v, _ in pairs], numel) \
+            if pairs else None
+        if dense:
+            total = dense[0]
+            for values in dense[1:]:
+                total = total + values
+            g_hat = total / n if g_hat is None else (g_hat * len(pairs) + total) / n
+        return g_hat
 
     def finish_bucket(self, pending: "BucketPending", into=None) -> List[Any]:
         """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order.
@@ -1125,7 +1154,8 @@ class Exchange:
         return (compressor.segmented and compression.scope != "bucket"
                 and (compression.collective is Collective.ALLREDUCE) == allreduce
                 and compression.memory.elementwise and bucket.dtype == "float32"
-                and getattr(xp, "segmented", False) and xp.on_accelerator(like))
+                and getattr(xp, "segmented", False) and xp.on_accelerator(like)
+                and (xp.mutable_tensors or not compressor.variable_length))  # (counts read back: eager)
 
     def _adopt(self, bucket: Bucket, xp, like) -> None:
         """The first time a bucket is used: take over its gradients' per-name state (from a

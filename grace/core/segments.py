@@ -11,7 +11,8 @@ tensor-op fallback.)
 
 ``SegmentedFrame`` writes and reads a bucket's frame (``grace.core.bucket``) from whole
 fields (one per payload position, every segment's piece in a row), byte for byte the frame
-that the segments' own payloads make.
+that the segments' own payloads make; ``SparseFrames`` does so for a variable number of
+(value, index) pairs per segment (a threshold's selection).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
-from grace.core.bucket import ALIGN, ITEMSIZE, _order
+from grace.core.bucket import ALIGN, DENSE, ITEMSIZE, Dense, _order, _padded, frame_size
+from grace.formats import index_dtype
 
 KEY_BITS = 31  # |x| of a float32, read as an integer: order-preserving, NaN above inf
 RADIX = (11, 10, 10)  # bits per pass of the selection, high to low
@@ -230,3 +232,74 @@ def _as_words(xp, field, width: int):
         return xp.from_bytes(xp.to_bytes(field), _WORD[width])
     return xp.cast(field, _WORD[width])
 
+
+
+class SparseFrames:
+    """The frames of a bucket whose segments each send a number of (value, index) pairs that
+    varies by step and rank (a threshold's selection): c_s values in the bucket's dtype and c_s
+    indices within the segment, in the smallest integer type that holds its size. Byte for
+    byte the frame ``bucket.frame`` makes of the segments' own payloads: each piece's count,
+    the pieces widest first (the values beside the int32 indices, in segment order), the
+    overflow flag, padding. A frame is written with a split and a join of whole tensors
+    (one per index type), whatever the number of segments."""
+
+    def __init__(self, xp, table: SegmentTable, dtype: str, flagged: bool, like):
+        self.dtype, self.flagged, self.numel = dtype, flagged, table.numel
+        self.dtypes = [d for n in table.numels for d in (dtype, index_dtype(n))]  # the pieces, payload order
+        self.order = _order(self.dtypes)  # the pieces, frame order
+        self.header = 8 * len(self.dtypes)
+        # per index type: its segments, and their starts (on the device)
+        self.kinds = {}
+        for d in dict.fromkeys(self.dtypes[1::2]):
+            members = [s for s, n in enumerate(table.numels) if index_dtype(n) == d]
+            self.kinds[d] = members, xp.asarray(np.asarray(table.starts, np.int64)[members], like=like)
+        self._like = like
+
+    def size(self, counts: Sequence[int]) -> int:
+        """The bytes of a frame whose segments send ``counts`` pairs."""
+        return frame_size([c for c in counts for _ in (0, 1)], self.dtypes, True, self.flagged)
+
+    def dense_size(self) -> int:
+        """The bytes of a frame that carries the dense bucket instead."""
+        return self.header + frame_size([self.numel], [self.dtype], False, self.flagged)
+
+    def write(self, xp, values, indices, counts: Sequence[int], flag=None):
+        """This rank's frame: ``values`` and ``indices`` hold each segment's ``counts[s]``
+        pairs in a row (the indices within their segment); ``flag``: the overflow flag."""
+        header = xp.asarray(np.repeat(np.asarray(counts, np.int64), 2), like=self._like)
+        pieces = {0: xp.split(xp.to_bytes(values), [c * ITEMSIZE[self.dtype] for c in counts])}
+        for d in self.kinds:
+            pieces[d] = xp.split(xp.to_bytes(xp.cast(indices, d)), [c * ITEMSIZE[d] for c in counts])
+        parts = [pieces[0 if i % 2 == 0 else self.dtypes[i]][i // 2] for i in self.order]
+        return _padded(xp, [xp.to_bytes(header), *parts], self._like, flag)
+
+    def read(self, xp, received, ranks: int):
+        """The ranks' frames (end to end in ``received``, or a list of them): per rank its
+        pairs as (values, indices in the bucket (int64)), or ``Dense``; and the ranks' overflow
+        flags (uint8), or None. Each rank's counts are read from its header (one read back)."""
+        out, flags, start = [], [], 0
+        for r in range(ranks):
+            data, pos = (received[r], 0) if isinstance(received, list) else (received, start)
+            head = xp.host_ints(xp.from_bytes(data[pos:pos + self.header], "int64"), len(self.dtypes))
+            pos += self.header
+            if head[0] == DENSE:
+                end = pos + self.numel * ITEMSIZE[self.dtype]
+                out.append(Dense(xp.from_bytes(data[pos:end], self.dtype)))
+                start = pos - self.header + self.dense_size()
+            else:
+                sizes = [head[i] * ITEMSIZE[self.dtypes[i]] for i in self.order]
+                end = pos + sum(sizes)
+                at = dict(zip(self.order, xp.split(data[pos:end], sizes)))
+                values, indices = [], []
+                for d, (members, starts) in self.kinds.items():
+                    counts = [head[2 * s] for s in members]
+                    values.append(xp.concat([at[2 * s] for s in members]))
+                    local = xp.cast(xp.from_bytes(xp.concat([at[2 * s + 1] for s in members]), d), "int64")
+                    total = sum(counts)
+                    indices.append(local + xp.repeat(starts, xp.asarray(np.asarray(counts, np.int64), like=local),
+                                                     total))
+                out.append((xp.from_bytes(xp.concat(values), self.dtype), xp.concat(indices)))
+                start = pos - self.header + self.size(head[0::2])
+            if self.flagged:
+                flags.append(data[end:end + 1])
+        return out, (xp.concat(flags) if self.flagged else None)
