@@ -110,8 +110,8 @@ class TorchBackend:
         return list(torch.split(x, [int(s) for s in sizes]))
 
     def to_bytes(self, x):
-        x = x.contiguous()
-        return x.view(torch.uint8) if x.numel() else x.new_empty(0, dtype=torch.uint8)  # (an empty one's stride may be 0)
+        x = x.contiguous()  # (an empty tensor's stride may be 0, which view refuses)
+        return x.view(torch.uint8) if x.numel() else x.new_empty(0, dtype=torch.uint8)
 
     def from_bytes(self, b, dtype: str):
         return b.view(_dtype(dtype))  # a view: bucket frames keep every piece aligned

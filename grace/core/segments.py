@@ -248,11 +248,12 @@ class SparseFrames:
         self.dtypes = [d for n in table.numels for d in (dtype, index_dtype(n))]  # the pieces, payload order
         self.order = _order(self.dtypes)  # the pieces, frame order
         self.header = 8 * len(self.dtypes)
-        # per index type: its segments, and their starts (on the device)
+        # per index type: its segments, their starts and their counts' places in a header (on the device)
         self.kinds = {}
         for d in dict.fromkeys(self.dtypes[1::2]):
             members = [s for s, n in enumerate(table.numels) if index_dtype(n) == d]
-            self.kinds[d] = members, xp.asarray(np.asarray(table.starts, np.int64)[members], like=like)
+            self.kinds[d] = members, xp.asarray(np.asarray(table.starts, np.int64)[members], like=like), \
+                xp.asarray(2 * np.asarray(members, np.int64), like=like)
         self._like = like
 
     def size(self, counts: Sequence[int]) -> int:
@@ -280,7 +281,8 @@ class SparseFrames:
         out, flags, start = [], [], 0
         for r in range(ranks):
             data, pos = (received[r], 0) if isinstance(received, list) else (received, start)
-            head = xp.host_ints(xp.from_bytes(data[pos:pos + self.header], "int64"), len(self.dtypes))
+            header = xp.from_bytes(data[pos:pos + self.header], "int64")
+            head = xp.host_ints(header, len(self.dtypes))
             pos += self.header
             if head[0] == DENSE:
                 end = pos + self.numel * ITEMSIZE[self.dtype]
@@ -291,13 +293,12 @@ class SparseFrames:
                 end = pos + sum(sizes)
                 at = dict(zip(self.order, xp.split(data[pos:end], sizes)))
                 values, indices = [], []
-                for d, (members, starts) in self.kinds.items():
-                    counts = [head[2 * s] for s in members]
+                for d, (members, starts, places) in self.kinds.items():
                     values.append(xp.concat([at[2 * s] for s in members]))
                     local = xp.cast(xp.from_bytes(xp.concat([at[2 * s + 1] for s in members]), d), "int64")
-                    total = sum(counts)
-                    indices.append(local + xp.repeat(starts, xp.asarray(np.asarray(counts, np.int64), like=local),
-                                                     total))
+                    # (the counts taken from the header on the device: no copy to it)
+                    total = sum(head[2 * s] for s in members)
+                    indices.append(local + xp.repeat(starts, xp.gather(header, places), total))
                 out.append((xp.from_bytes(xp.concat(values), self.dtype), xp.concat(indices)))
                 start = pos - self.header + self.size(head[0::2])
             if self.flagged:
