@@ -233,7 +233,6 @@ def _as_words(xp, field, width: int):
     return xp.cast(field, _WORD[width])
 
 
-
 class SparseFrames:
     """The frames of a bucket whose segments each send a number of (value, index) pairs that
     varies by step and rank (a threshold's selection): c_s values in the bucket's dtype and c_s
