@@ -100,8 +100,8 @@ class Sparsifier(Compressor):
 
     def _selected_segments(self, xp, p, table):
         """A variable-length selection of every segment (``select_segments``): ((values,
-        indices within their segment), each segment's count (host ints: the frame's header),
-        p_hat). Its only wait for the device is the counts."""
+        indices within their segment), (each segment's count as host ints, and as a tensor:
+        the frame's header), p_hat). Its only wait for the device is the counts."""
         take = self.select_segments(xp, p, table)
         running = xp.cumsum(xp.cast(take, "int64"))
         last = table.cached("last elements", lambda: xp.asarray(
@@ -112,7 +112,7 @@ class Sparsifier(Compressor):
         total = sum(host)
         indices = xp.nonzero(take, size=total)  # ascending: each segment's in a row
         local = indices - xp.repeat(table.start, counts, total)
-        return (xp.gather(p, indices), local), host, xp.where(take, p, 0.0)
+        return (xp.gather(p, indices), local), (host, counts), xp.where(take, p, 0.0)
 
     def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
         if self.variable_length:  # (selected by tensor ops: _selected_segments)

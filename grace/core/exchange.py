@@ -710,7 +710,7 @@ class Exchange:
         else:
             nbytes = None
             # (fixed sizes: every rank decides alike; variable ones: each rank for its own frame)
-            dense = layout.size(pending.segment_ctx) > layout.dense_size() if variable else \
+            dense = layout.size(pending.segment_ctx[0]) > layout.dense_size() if variable else \
                 layout.size > frames.frame_size([bucket.numel], [bucket.dtype], False, self._guarded)
             if dense:
                 p = memory.compensate(xp, g, e) if p is None else p

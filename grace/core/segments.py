@@ -253,6 +253,7 @@ class SparseFrames:
             members = [s for s, n in enumerate(table.numels) if index_dtype(n) == d]
             self.kinds[d] = members, xp.asarray(np.asarray(table.starts, np.int64)[members], like=like), \
                 xp.asarray(2 * np.asarray(members, np.int64), like=like)
+        self._twice = xp.asarray(np.full(len(table.numels), 2, np.int64), like=like)
         self._like = like
 
     def size(self, counts: Sequence[int]) -> int:
@@ -263,10 +264,13 @@ class SparseFrames:
         """The bytes of a frame that carries the dense bucket instead."""
         return self.header + frame_size([self.numel], [self.dtype], False, self.flagged)
 
-    def write(self, xp, values, indices, counts: Sequence[int], flag=None):
+    def write(self, xp, values, indices, counts, flag=None):
         """This rank's frame: ``values`` and ``indices`` hold each segment's ``counts[s]``
-        pairs in a row (the indices within their segment); ``flag``: the overflow flag."""
-        header = xp.asarray(np.repeat(np.asarray(counts, np.int64), 2), like=self._like)
+        pairs in a row (the indices within their segment); ``counts``: (host ints, the same
+        as an int64 tensor, whose elements twice each are the header: no copy to the device);
+        ``flag``: the overflow flag."""
+        counts, on_device = counts
+        header = xp.repeat(on_device, self._twice, len(self.dtypes))
         pieces = {0: xp.split(xp.to_bytes(values), [c * ITEMSIZE[self.dtype] for c in counts])}
         for d in self.kinds:
             pieces[d] = xp.split(xp.to_bytes(xp.cast(indices, d)), [c * ITEMSIZE[d] for c in counts])

@@ -297,7 +297,8 @@ def test_sparse_frames_are_the_frames_of_the_segments_payloads(xp):
         pieces = [to_backend(xp, t, t.dtype.name) for v, i, n in zip(values, local, numels)
                   for t in (v, i.astype(index_dtype(n)))]
         frame = layout.write(xp, to_backend(xp, np.concatenate(values)),
-                             to_backend(xp, np.concatenate(local), "int64"), counts, flag)
+                             to_backend(xp, np.concatenate(local), "int64"), (counts, to_backend(xp, counts, "int64")),
+                             flag)
         assert xp.to_numpy(frame).tobytes() == xp.to_numpy(frames.frame(xp, pieces, True, like, flag)).tobytes()
         assert xp.numel(frame) == layout.size(counts)
         want.append((np.concatenate(values), np.concatenate([i + s for i, s in zip(local, table.starts)])))
