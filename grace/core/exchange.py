@@ -175,6 +175,15 @@ def _same_layout(xp, a, b) -> bool:
     return xp.shape(a) == xp.shape(b) and xp.dtype(a) == xp.dtype(b) and xp.device(a) == xp.device(b)
 
 
+def _with_dense(g_hat, encoded: int, dense, n: int):
+    """The mean over ``n`` ranks, from the mean ``g_hat`` of ``encoded`` ranks' payloads (None:
+    no rank's) and the other ranks' dense values (``dense``), added rank after rank."""
+    total = dense[0]
+    for values in dense[1:]:
+        total = total + values
+    return total / n if g_hat is None else (g_hat * encoded + total) / n
+
+
 def _no_overflow(overflow) -> bool:
     """Whether no rank flagged an overflow (None: not guarded; a traced count: not known yet)."""
     return overflow is None or (isinstance(overflow, int) and not overflow)
@@ -749,11 +758,7 @@ class Exchange:
         if pending.sent_dense:
             nbytes = bucket.numel * frames.ITEMSIZE[bucket.dtype]  # then the flag byte, then padding
             rows = xp.reshape(received, (n, frames.frame_size([bucket.numel], [bucket.dtype], False, flagged)))
-            dense = [xp.from_bytes(rows[r, :nbytes], bucket.dtype) for r in range(n)]
-            total = dense[0]
-            for values in dense[1:]:  # rank after rank, as the per-tensor exchange adds them
-                total = total + values
-            g_hat = total / n
+            g_hat = _with_dense(None, 0, [xp.from_bytes(rows[r, :nbytes], bucket.dtype) for r in range(n)], n)
             flags = rows[:, nbytes] if flagged else None
         else:
             fields, flags = layout.read(xp, received, n)
@@ -769,12 +774,7 @@ class Exchange:
         dense = [r.values for r in read if isinstance(r, Dense)]
         g_hat = xp.scatter_add_rows([i for _, i in pairs], [v / len(pairs) for v, _ in pairs], numel) \
             if pairs else None
-        if dense:
-            total = dense[0]
-            for values in dense[1:]:
-                total = total + values
-            g_hat = total / n if g_hat is None else (g_hat * len(pairs) + total) / n
-        return g_hat
+        return _with_dense(g_hat, len(pairs), dense, n) if dense else g_hat
 
     def finish_bucket(self, pending: "BucketPending", into=None) -> List[Any]:
         """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order.
@@ -1022,11 +1022,8 @@ class Exchange:
         for i, (u, ctx, into) in enumerate(zip(pending.units, pending.ctxs, outs)):
             g_hat = compressor.aggregate(xp, [payloads[i] for payloads in encoded], ctx) if encoded else None
             if dense:  # aggregate is a mean over the payloads it gets: weigh it, add the dense ones
-                total = dense[0][u.offset:u.offset + u.numel]
-                for values in dense[1:]:
-                    total = total + values[u.offset:u.offset + u.numel]
-                total = xp.reshape(total, u.shape)
-                g_hat = total / n if g_hat is None else (g_hat * len(encoded) + total) / n
+                g_hat = _with_dense(g_hat, len(encoded), [xp.reshape(d[u.offset:u.offset + u.numel], u.shape)
+                                                          for d in dense], n)
             out.append(written(xp, g_hat, into))
         return out, overflow
 
