@@ -7,12 +7,21 @@
 
 Momentum correction and factor masking are the 'dgc' memory (grace/memories/dgc.py); the
 selection here sees v. The sample is each rank's own, so lengths differ between ranks.
+
+On an accelerator a bucket is selected segment-wise (``select_segments``, ``cut_segments``):
+every gradient's draws in one call, the samples' magnitudes keyed by their segment and
+sorted at once, each segment's threshold read from that, and where a sample underestimated
+it, the k largest of each segment's selected elements by one stable sort of them.
 """
 import math
 import numbers
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
 
 from grace.compressors.sparse import Sparsifier
-from grace.core import draws
+from grace.core import draws, segments
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Shape, check_ratio, native_or_none
 from grace.core.registry import example, register
@@ -54,6 +63,51 @@ class DGC(Sparsifier):
         candidates = xp.abs(xp.gather(flat, selected))
         return xp.sort(xp.gather(selected, xp.topk_indices(candidates, k)))
 
+    segmented = True  # (with the 'dgc' memory only without clipping: a norm per tensor)
+
+    def select_segments(self, xp, p, table, infos):
+        """|p| >= each segment's threshold, as ``select`` finds it: one call for all the draws,
+        one sort of the samples' magnitudes, keyed by segment (so each segment's sample lies
+        ascending in a row), and each segment's need-th largest read from there."""
+        sample, cut = self._layout(xp, table, infos[0].step, p)
+        at = sample.whole
+        if sample.drawn_counts:
+            seeds = [infos[s].rank_seed(self.seed) for s in sample.drawn_segments]
+            u = xp.uniform_segments(sample.drawn_counts, seeds, like=p)
+            drawn = xp.cast(xp.floor(u * sample.drawn_numels), "int64") + sample.drawn_starts
+            at = drawn if at is None else xp.concat([drawn, at])
+        keys = xp.cast(segments.magnitude_keys(xp, xp.gather(p, at)), "int64") + sample.segment_bits
+        chosen = xp.gather(xp.sort(keys), cut.threshold_at) - sample.bits_of_segment
+        thresholds = xp.from_bytes(xp.to_bytes(xp.cast(chosen, "int32")), "float32")
+        return xp.abs(p) >= table.per_element(xp, thresholds)
+
+    def cut_segments(self, xp, p, table, indices, counts, infos):
+        """Where a segment selected more than its k, the k largest |p| of those (ties: the
+        first): one stable sort of the selected by segment, then magnitude descending, and
+        each segment's first k of that order, put back in index order."""
+        host, on_device = counts
+        sample, cut = self._layout(xp, table, infos[0].step, p)
+        kept = [min(c, k) for c, k in zip(host, cut.ks)]
+        if kept == list(host):
+            return indices, counts
+        total, k = sum(host), xp.minimum(on_device, cut.k)
+        keys = xp.cast(segments.magnitude_keys(xp, xp.gather(p, indices)), "int64")
+        order = xp.argsort(xp.repeat(sample.bits_of_segment + _LARGEST_KEY, on_device, total) - keys)
+        first = xp.cumsum(on_device) - on_device  # where each segment's run of the order starts
+        place = xp.arange(total, like=keys) - xp.repeat(first, on_device, total)
+        chosen = xp.gather(order, xp.nonzero(place < xp.repeat(k, on_device, total), size=sum(kept)))
+        return xp.gather(indices, xp.sort(chosen)), (kept, k)
+
+    def _layout(self, xp, table, step, like):
+        """The bucket's sample (made once) and its k and threshold places at this step's ratio
+        (kept for the latest ratio: it changes only during warm-up)."""
+        sample = table.cached("dgc sample", lambda: _Sample.of(xp, table, self.sample_ratio, like))
+        ratio = self.ratio_at(xp, step)
+        cut = table.cache.get("dgc cut")
+        if cut is None or cut.ratio != ratio:
+            cut = table.cache["dgc cut"] = _Cut.of(xp, table, sample, ratio, like)
+        return sample, cut
+
     def compress_many_with_momentum(self, xp, gs, states, momentum, infos, outs, flag=None, factor=None):
         """DGCMemory's fused_step with this selection for every gradient of a bucket, in one
         native call (CPU; new states written into ``outs``, the overflow flag into ``flag``
@@ -72,6 +126,64 @@ class DGC(Sparsifier):
             return None
         return [((values, indices), Shape(xp.shape(g), xp.dtype(g)), out)
                 for values, indices, g, out in zip(*done, gs, outs)]
+
+
+_LARGEST_KEY = 2**31 - 1  # of segments.magnitude_keys
+
+
+def _at_most(x: float, d: int) -> int:
+    """max(1, ceil(x)), at most d."""
+    return min(d, max(1, math.ceil(x)))
+
+
+@dataclass
+class _Sample:
+    """Where a bucket's segments draw their samples: the drawn ones (s < d) as
+    floor(u * d) + start, the others (s = d) at each of their elements; every sampled element's
+    key gets its segment's number above its 32 bits of magnitude."""
+
+    sizes: Sequence[int]  # s per segment
+    drawn_segments: Sequence[int]
+    drawn_counts: Sequence[int]
+    drawn_numels: Any  # float32 per draw: its segment's d
+    drawn_starts: Any  # int64 per draw: its segment's start
+    whole: Any  # int64: the elements of the segments sampled whole, or None
+    segment_bits: Any  # int64 per sampled element: its segment's number << 32
+    bits_of_segment: Any  # int64 per segment: its number << 32
+
+    @classmethod
+    def of(cls, xp, table, sample_ratio: float, like) -> "_Sample":
+        sizes = [_at_most(sample_ratio * d, d) for d in table.numels]
+        drawn = [i for i, (s, d) in enumerate(zip(sizes, table.numels)) if s < d]
+        whole = [i for i, (s, d) in enumerate(zip(sizes, table.numels)) if s == d]
+        counts = [sizes[i] for i in drawn]
+        numbers = np.arange(len(sizes), dtype=np.int64) << 32
+        at = [np.arange(table.starts[i], table.starts[i] + table.numels[i], dtype=np.int64) for i in whole]
+        return cls(sizes, drawn, counts,
+                   xp.asarray(np.repeat(np.float32([table.numels[i] for i in drawn]), counts), like=like),
+                   xp.asarray(np.repeat(np.int64([table.starts[i] for i in drawn]), counts), like=like),
+                   xp.asarray(np.concatenate(at), like=like) if at else None,
+                   xp.asarray(np.concatenate([np.repeat(numbers[drawn], counts),
+                                              np.repeat(numbers[whole], [sizes[i] for i in whole])]), like=like),
+                   xp.asarray(numbers, like=like))
+
+
+@dataclass
+class _Cut:
+    """At one ratio: each segment's k (host ints, and int64 on the device) and where its
+    threshold lies among the sorted sample keys (the need-th largest of its s)."""
+
+    ratio: float
+    ks: Sequence[int]
+    k: Any
+    threshold_at: Any
+
+    @classmethod
+    def of(cls, xp, table, sample: _Sample, ratio: float, like) -> "_Cut":
+        ks = [_at_most(ratio * d, d) for d in table.numels]
+        ends = np.cumsum(sample.sizes)
+        at = [end - _at_most(ratio * s, s) for end, s in zip(ends, sample.sizes)]
+        return cls(ratio, ks, xp.asarray(np.int64(ks), like=like), xp.asarray(np.int64(at), like=like))
 
 
 @register("dgc", compress_ratio="ratio", sample_ratio="sample_ratio", warmup_steps="warmup_steps",

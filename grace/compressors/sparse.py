@@ -76,9 +76,15 @@ class Sparsifier(Compressor):
         k = [self.kernel_argument(d) for d in numels]
         return [(k, [dtype] * len(k)), (k, [index_dtype(d) for d in numels])]
 
-    def select_segments(self, xp, p, table):
-        """A mask of the elements of the flat ``p`` that each segment sends."""
+    def select_segments(self, xp, p, table, infos):
+        """A mask of the elements of the flat ``p`` that each segment sends (a variable-length
+        method's: that it may send, ``cut_segments`` then keeping some of them)."""
         raise NotImplementedError
+
+    def cut_segments(self, xp, p, table, indices, counts, infos):
+        """A variable-length selection cut once its counts are known: (indices, counts) as
+        ``_selected_segments`` has them; here kept as they are."""
+        return indices, counts
 
     def _ks(self, table):
         return table.cached("k", lambda: [self.kernel_argument(d) for d in table.numels])
@@ -89,30 +95,32 @@ class Sparsifier(Compressor):
 
     def compress_segments(self, xp, p, table, infos):
         if self.variable_length:
-            return self._selected_segments(xp, p, table)
+            return self._selected_segments(xp, p, table, infos)
         fused = xp.fused(f"{self.select_kernel}_segments", p, xp.dtype(p)) if self.select_kernel else None
         if fused:  # the per-tensor kernel on each segment
             return fused(p, table.starts, table.numels, self._ks(table)), None, None
-        take = self.select_segments(xp, p, table)
+        take = self.select_segments(xp, p, table, infos)
         starts = self._sent_starts(xp, table, p)
         indices = xp.nonzero(take, size=xp.numel(starts))  # ascending: k_i per segment, in order
         return (xp.gather(p, indices), indices - starts), None, xp.where(take, p, 0.0)
 
-    def _selected_segments(self, xp, p, table):
-        """A variable-length selection of every segment (``select_segments``): ((values,
-        indices within their segment), (each segment's count as host ints, and as a tensor:
-        the frame's header), p_hat). Its only wait for the device is the counts."""
-        take = self.select_segments(xp, p, table)
+    def _selected_segments(self, xp, p, table, infos):
+        """A variable-length selection of every segment (``select_segments``, then
+        ``cut_segments``): ((values, indices within their segment), (each segment's count as
+        host ints, and as a tensor: the frame's header), p_hat as ``decompress`` makes it).
+        Its only wait for the device is the counts."""
+        take = self.select_segments(xp, p, table, infos)
         running = xp.cumsum(xp.cast(take, "int64"))
-        last = table.cached("last elements", lambda: xp.asarray(
+        last = table.cached("last elements", lambda: xp.asarray(  # (buckets hold no empty gradients)
             np.asarray(table.starts, np.int64) + np.asarray(table.numels, np.int64) - 1, like=p))
         at_last = xp.gather(running, last)  # selected up to each segment's end
         counts = at_last - xp.concat([xp.zeros(1, "int64", like=p), at_last[:-1]])
         host = xp.host_ints(counts, len(table.numels))
-        total = sum(host)
-        indices = xp.nonzero(take, size=total)  # ascending: each segment's in a row
-        local = indices - xp.repeat(table.start, counts, total)
-        return (xp.gather(p, indices), local), (host, counts), xp.where(take, p, 0.0)
+        indices = xp.nonzero(take, size=sum(host))  # ascending: each segment's in a row
+        indices, (host, counts) = self.cut_segments(xp, p, table, indices, (host, counts), infos)
+        values = xp.gather(p, indices)
+        local = indices - xp.repeat(table.start, counts, sum(host))
+        return (values, local), (host, counts), xp.scatter_add(indices, values, table.numel)
 
     def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
         if self.variable_length:  # (selected by tensor ops: _selected_segments)

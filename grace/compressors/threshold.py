@@ -27,7 +27,7 @@ class Threshold(Sparsifier):
     def select(self, xp, flat, info):
         return xp.indices_abs_at_least(flat, self.threshold)
 
-    def select_segments(self, xp, p, table):
+    def select_segments(self, xp, p, table, infos):
         return xp.abs(p) >= self.threshold
 
 

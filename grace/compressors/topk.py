@@ -27,7 +27,7 @@ class TopK(Sparsifier):
 
     segmented = True
 
-    def select_segments(self, xp, p, table):
+    def select_segments(self, xp, p, table, infos):
         k = table.cached("k per segment", lambda: xp.asarray([self.kernel_argument(d) for d in table.numels], like=p))
         return segments.top_mask(xp, segments.magnitude_keys(xp, p), table, k)
 

@@ -1142,10 +1142,11 @@ class Exchange:
 
     def _compresses_segmented(self, bucket: Bucket, xp, like) -> bool:
         """Whether a bucket is compressed segment-wise (one pass for all its gradients, each
-        with its per-tensor result): for methods that can (``Compressor.segmented``: fixed-size
-        payloads), on their own kind of collective, with a memory that treats elements alone
-        (none, residual), float32, on an accelerator, where launches per gradient cost more
-        than the arithmetic. On a CPU the per-gradient kernels are faster."""
+        with its per-tensor result): for methods that can (``Compressor.segmented``; variable
+        lengths only where tensors are mutable: their counts are read back), on their own kind
+        of collective, with a memory that treats elements alone (none, residual, DGC's without
+        clipping), float32, on an accelerator, where launches per gradient cost more than the
+        arithmetic. On a CPU the per-gradient kernels are faster."""
         compression, compressor = self.compression, self.compression.compressor
         allreduce = compressor.collective is Collective.ALLREDUCE
         return (compressor.segmented and compression.scope != "bucket"

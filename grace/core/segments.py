@@ -247,12 +247,11 @@ class SparseFrames:
         self.dtypes = [d for n in table.numels for d in (dtype, index_dtype(n))]  # the pieces, payload order
         self.order = _order(self.dtypes)  # the pieces, frame order
         self.header = 8 * len(self.dtypes)
-        # per index type: its segments, their starts and their counts' places in a header (on the device)
-        self.kinds = {}
-        for d in dict.fromkeys(self.dtypes[1::2]):
-            members = [s for s, n in enumerate(table.numels) if index_dtype(n) == d]
-            self.kinds[d] = members, xp.asarray(np.asarray(table.starts, np.int64)[members], like=like), \
-                xp.asarray(2 * np.asarray(members, np.int64), like=like)
+        # per index type: its segments, in order
+        self.kinds = {d: [s for s, n in enumerate(table.numels) if index_dtype(n) == d]
+                      for d in dict.fromkeys(self.dtypes[1::2])}
+        self._starts = np.asarray(table.starts, np.int64)
+        self._spread = {}  # per number of sparse frames read at once: see _spread_of
         self._twice = xp.asarray(np.full(len(table.numels), 2, np.int64), like=like)
         self._like = like
 
@@ -280,8 +279,10 @@ class SparseFrames:
     def read(self, xp, received, ranks: int):
         """The ranks' frames (end to end in ``received``, or a list of them): per rank its
         pairs as (values, indices in the bucket (int64)), or ``Dense``; and the ranks' overflow
-        flags (uint8), or None. Each rank's counts are read from its header (one read back)."""
-        out, flags, start = [], [], 0
+        flags (uint8), or None. The headers are read back first, one after another with no
+        work queued between them; then every sparse frame's pairs come from a few joins of
+        whole tensors (``_pairs``), whatever the number of ranks and segments."""
+        frames, flags, start = [], [], 0
         for r in range(ranks):
             data, pos = (received[r], 0) if isinstance(received, list) else (received, start)
             header = xp.from_bytes(data[pos:pos + self.header], "int64")
@@ -289,21 +290,52 @@ class SparseFrames:
             pos += self.header
             if head[0] == DENSE:
                 end = pos + self.numel * ITEMSIZE[self.dtype]
-                out.append(Dense(xp.from_bytes(data[pos:end], self.dtype)))
+                frames.append(Dense(xp.from_bytes(data[pos:end], self.dtype)))
                 start = pos - self.header + self.dense_size()
             else:
-                sizes = [head[i] * ITEMSIZE[self.dtypes[i]] for i in self.order]
-                end = pos + sum(sizes)
-                at = dict(zip(self.order, xp.split(data[pos:end], sizes)))
-                values, indices = [], []
-                for d, (members, starts, places) in self.kinds.items():
-                    values.append(xp.concat([at[2 * s] for s in members]))
-                    local = xp.cast(xp.from_bytes(xp.concat([at[2 * s + 1] for s in members]), d), "int64")
-                    # (the counts taken from the header on the device: no copy to it)
-                    total = sum(head[2 * s] for s in members)
-                    indices.append(local + xp.repeat(starts, xp.gather(header, places), total))
-                out.append((xp.from_bytes(xp.concat(values), self.dtype), xp.concat(indices)))
+                end = pos + sum(c * ITEMSIZE[d] for c, d in zip(head, self.dtypes))
+                frames.append((data[pos:end], head, header))
                 start = pos - self.header + self.size(head[0::2])
             if self.flagged:
                 flags.append(data[end:end + 1])
-        return out, (xp.concat(flags) if self.flagged else None)
+        sparse = [f for f in frames if not isinstance(f, Dense)]
+        pairs = iter(self._pairs(xp, sparse) if sparse else ())
+        return [f if isinstance(f, Dense) else next(pairs) for f in frames], \
+            (xp.concat(flags) if self.flagged else None)
+
+    def _pairs(self, xp, frames):
+        """Each frame's (values, indices in the bucket): (its pieces, its header as host ints and
+        as a tensor) of every sparse frame. All values are joined in (frame, index type,
+        segment) order, each index type's pieces in (frame, segment) order, cast, then joined
+        in the values' order; indices are made global by one repeat of the segments' starts,
+        their counts gathered from the headers on the device: no copy to it."""
+        by_piece = []
+        for pieces, head, _ in frames:
+            sizes = [head[i] * ITEMSIZE[self.dtypes[i]] for i in self.order]
+            by_piece.append(dict(zip(self.order, xp.split(pieces, sizes))))
+        values = xp.from_bytes(xp.concat([at[2 * s] for at in by_piece for members in self.kinds.values()
+                                          for s in members]), self.dtype)
+        # per index type: its frames' indices in a row, then each frame's part of them
+        local, taken = [], {}
+        for d, members in self.kinds.items():
+            joined = xp.cast(xp.from_bytes(xp.concat([at[2 * s + 1] for at in by_piece for s in members]), d), "int64")
+            sizes = [sum(head[2 * s] for s in members) for _, head, _ in frames]
+            taken[d] = sizes
+            local.append(xp.split(joined, sizes))
+        local = xp.concat([part[f] for f in range(len(frames)) for part in local])
+        starts, places = self._spread_of(xp, len(frames))
+        counts = xp.gather(xp.concat([header for _, _, header in frames]), places)
+        indices = local + xp.repeat(starts, counts, xp.numel(local))
+        sizes = [sum(taken[d][f] for d in self.kinds) for f in range(len(frames))]
+        return list(zip(xp.split(values, sizes), xp.split(indices, sizes)))
+
+    def _spread_of(self, xp, frames: int):
+        """For ``frames`` sparse frames read at once, in (frame, index type, segment) order:
+        each segment's start (int64, on the device), and where its count lies in the frames'
+        headers joined."""
+        if frames not in self._spread:
+            segments = np.concatenate([np.asarray(m, np.int64) for m in self.kinds.values()])
+            own = len(self.dtypes) * np.arange(frames, dtype=np.int64)[:, None]
+            self._spread[frames] = (xp.asarray(np.tile(self._starts[segments], frames), like=self._like),
+                                    xp.asarray((own + 2 * segments).reshape(-1), like=self._like))
+        return self._spread[frames]

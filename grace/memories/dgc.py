@@ -21,6 +21,10 @@ class DGCMemory(Memory):
         self.momentum = float(momentum)
         self.clip_norm = float(clip_norm)
 
+    @property
+    def elementwise(self) -> bool:  # (clipping scales each tensor by its own norm)
+        return not self.clip_norm
+
     def init(self, xp, g):
         return xp.zeros_like(g), xp.zeros_like(g)
 
