@@ -126,6 +126,7 @@ class BucketPending:
     segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
     outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None
     framed: Any = None  # (frame buffer, flag's byte or None, pieces' end) where a bucket call wrote them there
+    defer: bool = False  # the overflow count stays on the device until end_step (a flat result on an accelerator)
 
 
 def _check_float(xp, name: str, g) -> None:
@@ -255,6 +256,7 @@ class Exchange:
             and compression.memory.elementwise
         self._journal: Dict[tuple, Any] = {}  # (table, key): its value before this step
         self._overflows: List[Any] = []  # per exchange of this step: how many ranks flagged one
+        self._deferred: List[Any] = []  # ... those left on the device (``_overflow``), read by end_step
         self._tensors: set = set()  # (name, shape, dtype) of every gradient expected or planned
         self._agreed_in = None  # (rank, size) of the world the ranks last compared configurations in
         self.shared_state_from_rank_0 = shared_state_from_rank_0
@@ -404,6 +406,11 @@ class Exchange:
     def end_step(self) -> None:
         """Close a step (every exchange of it finished). Where any rank flagged an overflow,
         put back every memory, compressor state and step counter as they were before it."""
+        if self._deferred:  # one read back for the step's buckets left on the device
+            xp = backend_for(self._deferred[0])
+            total = xp.sum(xp.concat([xp.reshape(c, (1,)) for c in self._deferred]))
+            self._overflows.append(xp.host_ints(xp.reshape(total, (1,)), 1)[0])
+            self._deferred.clear()
         overflow = sum(self._overflows)  # an int; a tensor inside a trace
         if self._journal and not (isinstance(overflow, int) and not overflow):
             for (table, key), old in self._journal.items():
@@ -441,10 +448,16 @@ class Exchange:
         field = self.compression.compressor.nonfinite_field
         return xp.nonfinite([payload[field] for payload in payloads])
 
-    def _overflow(self, xp, flags) -> Any:
-        """How many ranks flagged an overflow (summed flags, or each rank's), noted for ``end_step``."""
+    def _overflow(self, xp, flags, defer: bool = False) -> Any:
+        """How many ranks flagged an overflow (summed flags, or each rank's), noted for
+        ``end_step``: read back here, or where ``defer`` (a bucket's flat result on an
+        accelerator, poisoned on the device) left there, a tensor, until ``end_step`` reads the
+        whole step's at once."""
         flags = [xp.cast(xp.flatten(f), "int64") for f in flags]
         total = xp.sum(flags[0] if len(flags) == 1 else xp.concat(flags))
+        if defer:
+            self._deferred.append(total)
+            return total
         count = xp.host_ints(xp.reshape(total, (1,)), 1)[0]
         self._overflows.append(count)
         return count
@@ -565,7 +578,7 @@ class Exchange:
             states.append(store.get("state", u.name, lambda t, name=u.name: compressor.init_state(
                 xp, t, TensorInfo(name=name, step=0, world_size=n, rank=rank)), g_u))
             old.append(store.get("memory", u.name, lambda t: memory.init(xp, t), g_u))
-        pending = BucketPending(bucket, xp, units, g, old)
+        pending = BucketPending(bucket, xp, units, g, old, defer=whole and self._defers(xp, g))
         # The overflow flag from a pass over the gradients, at once (one kernel on an accelerator,
         # one sum per gradient on a CPU), or from the payloads where they carry it; a multi-round
         # method's on a CPU in the pass that makes each first payload where one kernel does that
@@ -664,7 +677,8 @@ class Exchange:
             # payloads free to be summed in place: nothing reads them (or the gradients, which
             # they may be views of) once sent, and the results are written over the gradients
             owned = memory.passes_gradient and self._writes_over(xp, g)
-            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, pending.flag, owned=owned)
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, payloads, pending.flag, owned=owned,
+                                                         defer=pending.defer)
         else:
             compensated = []
 
@@ -700,7 +714,8 @@ class Exchange:
         step = self._next_step(bucket.key, g)
         self.stats.add(0, 4 * bucket.numel)
         e = self.store.get("memory", bucket.key, lambda t: memory.init(xp, t), g)
-        pending = BucketPending(bucket, xp, [unit], g, [e], segmented=self._segmented[bucket.key])
+        pending = BucketPending(bucket, xp, [unit], g, [e], segmented=self._segmented[bucket.key],
+                                defer=self._defers(xp, g))
         if self._guarded:
             pending.flag = xp.nonfinite([g])
         table, layout = pending.segmented
@@ -715,7 +730,8 @@ class Exchange:
             fields, pending.segment_ctx, p_hat = compressor.compress_segments(xp, p, table, infos)
         variable = compressor.variable_length
         if compressor.collective is Collective.ALLREDUCE:  # (fixed sizes: never more than dense)
-            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag)
+            pending.wait, nbytes = self._allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag,
+                                                         defer=pending.defer)
         else:
             nbytes = None
             # (fixed sizes: every rank decides alike; variable ones: each rank for its own frame)
@@ -752,7 +768,8 @@ class Exchange:
         received = self._wait(pending.wait)
         if compressor.variable_length:
             read, flags = layout.read(xp, received, n)
-            return self._sparse_mean(xp, read, bucket.numel), self._overflow(xp, [flags]) if flagged else None
+            return self._sparse_mean(xp, read, bucket.numel), \
+                self._overflow(xp, [flags], pending.defer) if flagged else None
         if isinstance(received, list):  # broadcasts: one frame per rank
             received = xp.concat(received)
         if pending.sent_dense:
@@ -763,7 +780,7 @@ class Exchange:
         else:
             fields, flags = layout.read(xp, received, n)
             g_hat = compressor.aggregate_segments(xp, fields, pending.segment_ctx, table, n)
-        return g_hat, self._overflow(xp, [flags]) if flagged else None
+        return g_hat, self._overflow(xp, [flags], pending.defer) if flagged else None
 
     def _sparse_mean(self, xp, read, numel: int):
         """The flat mean of the ranks' (value, index) pairs and dense buckets (``read``), with
@@ -802,8 +819,8 @@ class Exchange:
                                   for payload, ctx, out in zip(summed, pending.ctxs, unit_outs)]
             else:
                 g_hat, overflow = self._aggregate_frames(pending, unit_outs)
-            if whole:
-                flat = xp.flatten(g_hat[0])
+            if whole:  # (poisoned at once: one operation, and no read back where the count is on the device)
+                flat, overflow = _poisoned(xp, xp.flatten(g_hat[0]), overflow), None
                 if into is not None:  # delivered there, all at once
                     return xp.unflatten(self._delivered(xp, flat, overflow, into), pending.bucket.numels,
                                         pending.bucket.shapes)
@@ -853,7 +870,7 @@ class Exchange:
             spare = tuple(xp.zeros_like(t) for t in current) if isinstance(current, tuple) else xp.zeros_like(current)
         return spare
 
-    def _allreduce_units(self, xp, key: str, payloads, flag=None, joined=None, owned=False):
+    def _allreduce_units(self, xp, key: str, payloads, flag=None, joined=None, owned=False, defer=False):
         """One allreduce per payload dtype (one, unless a method mixes them) of all units'
         payloads, and of this rank's overflow ``flag`` where given (as one more element of the
         first dtype); (wait for (the summed payloads per unit, how many ranks flagged an
@@ -863,7 +880,8 @@ class Exchange:
         else joined into one buffer here. ``joined``: the payloads' one flat buffer, where they
         were written there (one dtype, no flag), sent as it is. The exchange's own buffers, and
         the payloads where ``owned``, are summed in place where the communicator can: no
-        output allocated (and faulted in) per step."""
+        output allocated (and faulted in) per step. ``defer``: the overflow count is left on the
+        device (``_overflow``)."""
         shapes = [xp.shape(t) for payload in payloads for t in payload]
         pieces = [xp.flatten(t) for payload in payloads for t in payload]
         structure = [len(payload) for payload in payloads]
@@ -899,7 +917,7 @@ class Exchange:
                     summed[d] = xp.split(out, [c for c, dd in zip(counts, dtypes) if dd == d])
                     fresh = fresh and out is not sent[d]
             ordered = [xp.reshape(summed[d].pop(0), shape) for d, shape in zip(dtypes, shapes)]
-            overflow = self._overflow(xp, [ordered.pop()]) if flag is not None else None
+            overflow = self._overflow(xp, [ordered.pop()], defer) if flag is not None else None
             return frames.split_payloads(ordered, structure), overflow, fresh
 
         return wait, sum(xp.nbytes(t) for t in pieces)
@@ -1012,7 +1030,7 @@ class Exchange:
             read = [Dense(pieces[0]) for pieces in read]
         dense = [f.values for f in read if isinstance(f, Dense)]
         encoded = [frames.split_payloads(f, pending.structure) for f in read if not isinstance(f, Dense)]
-        overflow = self._overflow(xp, list(flags)) if flagged else None
+        overflow = self._overflow(xp, list(flags), pending.defer) if flagged else None
         if encoded and not dense and all(o is not None for o in outs):  # one native call, where there is one
             done = compressor.aggregate_many(xp, [[payloads[i] for payloads in encoded] for i in range(len(outs))],
                                              pending.ctxs, outs)
@@ -1154,6 +1172,13 @@ class Exchange:
                 and compression.memory.elementwise and bucket.dtype == "float32"
                 and getattr(xp, "segmented", False) and xp.on_accelerator(like)
                 and (xp.mutable_tensors or not compressor.variable_length))  # (counts read back: eager)
+
+    @staticmethod
+    def _defers(xp, like) -> bool:
+        """Whether a bucket's flat result leaves its overflow count on the device: eager tensors
+        on an accelerator, where a read back per bucket would stall the host on the device (one
+        read a step instead, in ``end_step``)."""
+        return xp.mutable_tensors and xp.on_accelerator(like)
 
     def _adopt(self, bucket: Bucket, xp, like) -> None:
         """The first time a bucket is used: take over its gradients' per-name state (from a
@@ -1314,3 +1339,4 @@ class Exchange:
         self._adopted = set(self._whole_of)
         self._journal.clear()  # a step in progress is abandoned
         self._overflows.clear()
+        self._deferred.clear()
