@@ -102,6 +102,15 @@ class NumpyBackend:
     def subtract_into(self, a, b, out):
         return np.subtract(a, b, out=out) if isinstance(out, np.ndarray) else a - b
 
+    def add_many_into(self, xs, ys, outs):
+        """Each x + y written into its out (a toolkit may do them all in one multi-tensor
+        operation)."""
+        return [self.add_into(x, y, out) for x, y, out in zip(xs, ys, outs)]
+
+    def subtract_many_into(self, xs, ys):
+        """Each x - y written over x (a toolkit may do them all in one multi-tensor operation)."""
+        return [self.subtract_into(x, y, x) for x, y in zip(xs, ys)]
+
     def matmul_into(self, a, b, out):
         """The matrix product a @ b written over ``out`` (of any shape with as many elements)."""
         if out.flags.c_contiguous:  # (then the reshape is a view of out)
@@ -300,6 +309,14 @@ class NumpyBackend:
     # --- linear algebra (2-d) ------------------------------------------------------------
     def matmul(self, a, b):
         return np.matmul(a, b)
+
+    def divide_many(self, xs, divisor):
+        """[x / divisor for x in xs] (a toolkit may do them all in one multi-tensor operation)."""
+        return [x / divisor for x in xs]
+
+    def orthonormalize_many(self, xs):
+        """[orthonormalize(x) for x in xs] (a toolkit may do single columns all at once)."""
+        return [self.orthonormalize(x) for x in xs]
 
     def transpose(self, x):
         return np.transpose(x)

@@ -204,6 +204,12 @@ class TensorflowBackend:
     def subtract_into(self, a, b, out):
         return a - b
 
+    def add_many_into(self, xs, ys, outs):
+        return [x + y for x, y in zip(xs, ys)]
+
+    def subtract_many_into(self, xs, ys):
+        return [x - y for x, y in zip(xs, ys)]
+
     def matmul_into(self, a, b, out):
         return tf.reshape(self.matmul(a, b), tf.shape(out))
 
@@ -483,6 +489,12 @@ class TensorflowBackend:
 
     def transpose(self, x):
         return tf.transpose(x)
+
+    def divide_many(self, xs, divisor):
+        return [x / divisor for x in xs]
+
+    def orthonormalize_many(self, xs):
+        return [self.orthonormalize(x) for x in xs]
 
     def orthonormalize(self, x):
         """Orthonormal columns spanning those of the (rows, r) ``x``: reduced QR's Q, with the

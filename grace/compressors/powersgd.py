@@ -62,7 +62,10 @@ class PowerSGD(Compressor):
                              [qs[i] for i in matrices if firsts[i] is None]))
         p = {i: next(made) if firsts[i] is None else firsts[i] for i in matrices}
         summed = yield [(p[i],) if i in m else (xs[i],) for i in range(count)]
-        results = [None if i in m else (summed[i][0] / n, xs[i], qs[i]) for i in range(count)]
+        vectors = [i for i in range(count) if i not in m]  # (sent whole: their mean is the result)
+        results = [None] * count
+        for i, mean in zip(vectors, xp.divide_many([summed[i][0] for i in vectors], n)):
+            results[i] = (mean, xs[i], qs[i])
         if not matrices:
             return results
         p, q = _orthonormalise_and_back(xp, [m[i] for i in matrices], [summed[i][0] for i in matrices])
@@ -126,7 +129,9 @@ def _orthonormalise_and_back(xp, ms, ps):
     ps = [p if xp.shape(p)[1] == 1 else xp.orthonormalize(p) for p in ps]
     qs = _native(xp, "lowrank_back_many", ms, ps, [xp.shape(m) for m in ms], unit=True)
     if qs is None:
-        ps = [xp.orthonormalize(p) if xp.shape(p)[1] == 1 else p for p in ps]
+        columns = [i for i, p in enumerate(ps) if xp.shape(p)[1] == 1]
+        for i, p in zip(columns, xp.orthonormalize_many([ps[i] for i in columns])):
+            ps[i] = p
         return ps, [xp.matmul(xp.transpose(m), p) for m, p in zip(ms, ps)]
     return ps, [xp.reshape(q, (xp.shape(m)[1], -1)) for q, m in zip(qs, ms)]
 
@@ -141,12 +146,11 @@ def _expand(xp, ps, qs, n, into, xs, residual_over):
     if done is not None:
         approx, divided = done
         return approx, [xp.reshape(q, xp.shape(old)) for q, old in zip(divided, qs)]
-    qs = [q / n for q in qs]
+    qs = xp.divide_many(qs, n)
     approx = [xp.matmul(p, xp.transpose(q)) if o is None else xp.matmul_into(p, xp.transpose(q), o)
               for p, q, o in zip(ps, qs, into)]
-    for x, a, over in zip(xs, approx, residual_over):
-        if over:
-            xp.subtract_into(x, xp.reshape(a, xp.shape(x)), x)
+    over = [(x, xp.reshape(a, xp.shape(x))) for x, a, o in zip(xs, approx, residual_over) if o]
+    xp.subtract_many_into([x for x, _ in over], [a for _, a in over])
     return approx, qs
 
 

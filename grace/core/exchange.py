@@ -601,8 +601,11 @@ class Exchange:
             rest = [i for i, first in enumerate(firsts) if first is None]
             if per_gradient:  # (0 where no fused round ran)
                 pending.flag = _any_flag(xp, [shared] + ([xp.nonfinite([g_units[i] for i in rest])] if rest else []))
-            pending.p = [self._spares[u.name] if first is not None else self._compensated(xp, u.name, g_u, e)
-                         for u, g_u, e, first in zip(units, g_units, old, firsts)]
+            pending.p = [self._spares[u.name] if first is not None else None for u, first in zip(units, firsts)]
+            rest = [i for i, p in enumerate(pending.p) if p is None]
+            for i, p in zip(rest, self._compensated(xp, [units[i].name for i in rest], [g_units[i] for i in rest],
+                                                    [old[i] for i in rest])):
+                pending.p[i] = p
             pending.rounds = compressor.rounds_many(xp, pending.p, infos, states, outs, firsts, pending.updates)
             pending.wait, nbytes = self._allreduce_units(xp, bucket.key, next(pending.rounds), pending.flag)
             self.stats.add(nbytes, 0)
@@ -1083,27 +1086,34 @@ class Exchange:
         xp, memory, key = pending.xp, self.compression.memory, pending.bucket.key
         (summed, overflow, _), delivered = pending.wait(), [None] * len(pending.units)
 
-        def finished(i, g_u, p_hat, state):
-            u, p_u, e = pending.units[i], pending.p[i], pending.old[i]
-            self._set("state", u.name, state)
-            if memory.needs_feedback:
-                with self._phase("feedback"):
-                    if p_u is self._spares.get(u.name):  # p is the spare buffer: the new memory goes there too
-                        # (written there by the rounds' last pass already, where they say so)
-                        self._set("memory", u.name, p_u if pending.updates[i] else
-                                  memory.update_into(xp, p_u, p_hat, e, p_u))
-                        self._spares[u.name] = e  # and the old memory is the next step's spare
-                    else:
-                        self._set("memory", u.name, memory.update(xp, p_u, p_hat, e))
-            delivered[i] = self._delivered(xp, g_u, overflow, outs[i])
-
         def allreduce(payloads, r):
             wait, nbytes = self._allreduce_units(xp, f"{key}.round{r}", payloads)
             self.stats.add(nbytes, 0)
             return wait()[0]
 
-        for i, result in enumerate(self._later_rounds(pending.rounds, summed, allreduce)):
-            finished(i, *result)
+        results = self._later_rounds(pending.rounds, summed, allreduce)
+        new_memory = [None] * len(results)
+        if memory.needs_feedback:
+            with self._phase("feedback"):
+                # where p is the spare buffer the new memory goes there too (written there by the
+                # rounds' last pass already, where they say so), all at once; else a new one
+                over = [i for i, (u, p_u) in enumerate(zip(pending.units, pending.p))
+                        if p_u is self._spares.get(u.name) and not pending.updates[i]]
+                for i, e_new in zip(over, memory.update_many_into(
+                        xp, [pending.p[i] for i in over], [results[i][1] for i in over],
+                        [pending.old[i] for i in over], [pending.p[i] for i in over])):
+                    new_memory[i] = e_new
+                for i, (u, p_u, e) in enumerate(zip(pending.units, pending.p, pending.old)):
+                    if p_u is self._spares.get(u.name):
+                        new_memory[i] = p_u if pending.updates[i] else new_memory[i]
+                        self._spares[u.name] = e  # and the old memory is the next step's spare
+                    else:
+                        new_memory[i] = memory.update(xp, p_u, results[i][1], e)
+        for i, (u, (g_u, _, state)) in enumerate(zip(pending.units, results)):
+            self._set("state", u.name, state)
+            if memory.needs_feedback:
+                self._set("memory", u.name, new_memory[i])
+            delivered[i] = self._delivered(xp, g_u, overflow, outs[i])
         return delivered
 
     def _later_rounds(self, rounds, summed, collective):
@@ -1137,17 +1147,24 @@ class Exchange:
                 self._spares[u.name] = spare
         return firsts or none
 
-    def _compensated(self, xp, key: str, g, e):
-        """``memory.compensate`` for a multi-round method, written into ``key``'s spare buffer
-        where the backend's tensors are mutable: a gradient-sized allocation each step costs
-        more than the arithmetic on a CPU (fresh pages, faulted in and zeroed by the kernel)."""
+    def _compensated(self, xp, keys, gs, es):
+        """``memory.compensate`` of a multi-round method's gradients, each written into its
+        key's spare buffer where the backend's tensors are mutable (a gradient-sized allocation
+        each step costs more than the arithmetic on a CPU: fresh pages, faulted in and zeroed
+        by the kernel), all at once where the memory can (``Memory.compensate_many_into``)."""
         memory = self.compression.memory
-        spare = self._spare_memory(key, xp, e) if memory.needs_feedback and not isinstance(e, tuple) else None
-        if spare is None:
-            return memory.compensate(xp, g, e)
-        self._spares[key] = spare  # (kept: _finish_bucket_rounds tells by it where p was written)
-        p = memory.compensate_into(xp, g, e, spare)
-        return memory.compensate(xp, g, e) if p is None else p
+        spares = [self._spare_memory(key, xp, e) if memory.needs_feedback and not isinstance(e, tuple) else None
+                  for key, e in zip(keys, es)]
+        ps = [None] * len(gs)
+        into = [i for i, spare in enumerate(spares) if spare is not None]
+        for i in into:
+            self._spares[keys[i]] = spares[i]  # (kept: _finish_bucket_rounds tells by it where p was written)
+        if into:
+            made = memory.compensate_many_into(xp, [gs[i] for i in into], [es[i] for i in into],
+                                               [spares[i] for i in into])
+            for i, p in zip(into, made):
+                ps[i] = p
+        return [memory.compensate(xp, g, e) if p is None else p for p, g, e in zip(ps, gs, es)]
 
     def _compresses_whole(self, xp, like) -> bool:
         """Whether a bucket is compressed as one flat tensor: always with scope='bucket'; for

@@ -44,6 +44,14 @@ class Memory:
         """``update`` written into ``out``, for a ``p`` that ``compensate_into`` gave."""
         return self.update(xp, p, p_hat, state)
 
+    def compensate_many_into(self, xp, gs, states, outs):
+        """``compensate_into`` of several gradients (a memory may do them at once)."""
+        return [self.compensate_into(xp, g, state, out) for g, state, out in zip(gs, states, outs)]
+
+    def update_many_into(self, xp, ps, p_hats, states, outs):
+        """``update_into`` of several gradients (a memory may do them at once)."""
+        return [self.update_into(xp, p, p_hat, state, out) for p, p_hat, state, out in zip(ps, p_hats, states, outs)]
+
     def feedback_into(self, xp, compressor, p, payload, ctx, state: Optional[Any], out):
         """``update`` with this rank's decompressed payload, written into ``out``."""
         return self.update_into(xp, p, compressor.decompress(xp, payload, ctx), state, out)

@@ -36,6 +36,17 @@ class ResidualMemory(Memory):
     def update_into(self, xp, p, p_hat, residual, out):
         return xp.subtract_into(p, p_hat, out)
 
+    # several at once: one multi-tensor operation on an accelerator (the same sums)
+    def compensate_many_into(self, xp, gs, residuals, outs):
+        if self.beta != 1.0 or self.gamma != 1.0 or any(e is None for e in residuals):
+            return super().compensate_many_into(xp, gs, residuals, outs)
+        return xp.add_many_into(gs, residuals, outs)
+
+    def update_many_into(self, xp, ps, p_hats, residuals, outs):
+        if any(out is not p for p, out in zip(ps, outs)):
+            return super().update_many_into(xp, ps, p_hats, residuals, outs)
+        return xp.subtract_many_into(ps, p_hats)
+
     def feedback_into(self, xp, compressor, p, payload, ctx, residual, out):
         fused = compressor.residual_into(xp, p, payload, ctx, out)  # p - p_hat in one pass, where it can
         return super().feedback_into(xp, compressor, p, payload, ctx, residual, out) if fused is None else fused

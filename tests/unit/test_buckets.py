@@ -64,6 +64,18 @@ def test_bucketed_equals_per_tensor_bit_for_bit(xp, method, bucket_mb):
             assert_same(xp, mine[name], theirs[name], f"{method} {table} {name}")
 
 
+@pytest.mark.parametrize("rank", [1, 2])
+@pytest.mark.parametrize("bucket_mb", [25, 0.002], ids=["one-bucket", "several-buckets"])
+def test_powersgd_on_an_accelerator_is_bucketed_as_per_tensor_bit_for_bit(xp, rank, bucket_mb, monkeypatch):
+    """PowerSGD's tensor ops on an accelerator (a bucket's compensations, divisions, updates and
+    single-column orthonormalisations each as one multi-tensor operation), forced here with the
+    native kernels off: every result and memory is each gradient's alone."""
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
+    monkeypatch.setattr(type(xp), "fused", lambda self, *args: None)
+    monkeypatch.setitem(METHODS, "powersgd", lambda: grace.powersgd(rank))
+    test_bucketed_equals_per_tensor_bit_for_bit(xp, "powersgd", bucket_mb)
+
+
 @pytest.mark.parametrize("average", [True, False], ids=["average", "sum"])
 @pytest.mark.parametrize("bucket_mb", [25, 0.002, 0], ids=["one-bucket", "several-buckets", "per-tensor"])
 @pytest.mark.parametrize("method", METHODS)

@@ -151,17 +151,24 @@ def reduced_qr(x: np.ndarray) -> np.ndarray:
     return q * np.where(np.diagonal(r) < 0, -1, 1)
 
 
+@pytest.mark.parametrize("accelerator", [False, True], ids=["here", "accelerator"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_orthonormalize_of_one_column_is_qr_without_the_factorization(xp, dtype):
+def test_orthonormalize_of_one_column_is_qr_without_the_factorization(xp, dtype, accelerator, monkeypatch):
     # PowerSGD(1)'s P: x / |x| with the norm in float64, so that a vanishing gradient's P
     # (squares below float32's range) still gets a unit vector; zero gives QR's first unit vector
+    # (on an accelerator every column of a bucket at once: orthonormalize_many)
+    if accelerator:
+        monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
     rng = np.random.default_rng(7)
-    for x in [rng.standard_normal((300, 1)), -rng.random((5, 1)), np.full((9, 1), 3e-30), np.full((4, 1), 1e30),
-              np.zeros((6, 1)), np.array([[-2.0]])]:
+    columns = [rng.standard_normal((300, 1)), -rng.random((5, 1)), np.full((9, 1), 3e-30), np.full((4, 1), 1e30),
+               np.zeros((6, 1)), np.array([[-2.0]])]
+    together = xp.orthonormalize_many([to_backend(xp, x, dtype) for x in columns])
+    for x, many in zip(columns, together):
         q = xp.to_numpy(xp.orthonormalize(to_backend(xp, x, dtype)))
         assert q.dtype == dtype and q.shape == x.shape
         np.testing.assert_allclose(q, reduced_qr(x.astype(dtype)), rtol=0, atol=1e-6 if dtype == "float32" else 1e-14)
         assert abs(np.linalg.norm(q.astype(np.float64)) - 1) < 1e-6
+        np.testing.assert_array_equal(xp.to_numpy(many), q)  # alone or among others: the same
     nan = xp.to_numpy(xp.orthonormalize(to_backend(xp, np.array([[np.nan], [1.0]]), dtype)))
     assert np.isnan(nan).all()  # (the overflow check skips such a step: nothing to hide)
     several = rng.standard_normal((30, 3))
@@ -169,12 +176,18 @@ def test_orthonormalize_of_one_column_is_qr_without_the_factorization(xp, dtype)
                                reduced_qr(several.astype(dtype)), atol=1e-5)
 
 
+@pytest.mark.parametrize("accelerator", [False, True], ids=["here", "accelerator"])
 @pytest.mark.parametrize("rank", [1, 2])
-def test_powersgds_batched_rounds_equal_each_tensors_rounds_side_by_side(xp, rank):
+def test_powersgds_batched_rounds_equal_each_tensors_rounds_side_by_side(xp, rank, accelerator, monkeypatch):
     """PowerSGD's ``rounds_many`` (one native call per product for a bucket's matrices, on a
-    CPU) against ``Compressor.rounds_many``'s default, each tensor's ``rounds`` side by side:
-    every result, approximation and new Q the same, bit for bit, in a world of 3 equal ranks."""
+    CPU; on an accelerator tensor ops, single columns orthonormalised all at once) against
+    ``Compressor.rounds_many``'s default, each tensor's ``rounds`` side by side: every result,
+    approximation and new Q the same, bit for bit, in a world of 3 equal ranks."""
     from grace.core.compressor import Compressor
+
+    if accelerator:  # (with GRACE_TEST_DEVICE=cuda the tensors really are there)
+        monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
+        monkeypatch.setattr(type(xp), "fused", lambda self, *args: None)
 
     compressor = grace.powersgd(rank).compressor
     shapes = [(6, 5), (7,), (4, 3, 2), (1,), (10, 10), (2, 40)]
