@@ -417,7 +417,7 @@ class TorchBackend:
         return q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(q.dtype)
 
     def orthonormalize_many(self, xs):
-        """Each x orthonormalised; on an accelerator the single columns all at once (numpy_
+        """Each x orthonormalised; on an accelerator the single columns all at once (the NumPy
         backend's formula: x / |x| in float64, the first unit vector where x is zero): joined in
         one float64 buffer, their norms by one multi-tensor kernel (each tensor's alone, so one
         gets what it gets among others), divided by a few whole-buffer operations, not ~8

@@ -304,29 +304,27 @@ class SparseFrames:
             (xp.concat(flags) if self.flagged else None)
 
     def _pairs(self, xp, frames):
-        """Each frame's (values, indices in the bucket): (its pieces, its header as host ints and
-        as a tensor) of every sparse frame. All values are joined in (frame, index type,
-        segment) order, each index type's pieces in (frame, segment) order, cast, then joined
-        in the values' order; indices are made global by one repeat of the segments' starts,
-        their counts gathered from the headers on the device: no copy to it."""
+        """Every sparse frame's (values, indices in the bucket), from ``frames``: (its pieces,
+        its header as host ints, and as a tensor). The values of all frames are joined in
+        (frame, index type, segment) order; each index type's pieces in (frame, segment) order,
+        cast, then joined in the values' order; the indices made global by one repeat of the
+        segments' starts, their counts gathered from the joined headers on the device."""
         by_piece = []
         for pieces, head, _ in frames:
             sizes = [head[i] * ITEMSIZE[self.dtypes[i]] for i in self.order]
             by_piece.append(dict(zip(self.order, xp.split(pieces, sizes))))
         values = xp.from_bytes(xp.concat([at[2 * s] for at in by_piece for members in self.kinds.values()
                                           for s in members]), self.dtype)
-        # per index type: its frames' indices in a row, then each frame's part of them
-        local, taken = [], {}
+        local, sizes = [], [0] * len(frames)  # per index type, each frame's part; each frame's pairs
         for d, members in self.kinds.items():
+            counts = [sum(head[2 * s] for s in members) for _, head, _ in frames]
             joined = xp.cast(xp.from_bytes(xp.concat([at[2 * s + 1] for at in by_piece for s in members]), d), "int64")
-            sizes = [sum(head[2 * s] for s in members) for _, head, _ in frames]
-            taken[d] = sizes
-            local.append(xp.split(joined, sizes))
+            local.append(xp.split(joined, counts))
+            sizes = [a + b for a, b in zip(sizes, counts)]
         local = xp.concat([part[f] for f in range(len(frames)) for part in local])
         starts, places = self._spread_of(xp, len(frames))
         counts = xp.gather(xp.concat([header for _, _, header in frames]), places)
         indices = local + xp.repeat(starts, counts, xp.numel(local))
-        sizes = [sum(taken[d][f] for d in self.kinds) for f in range(len(frames))]
         return list(zip(xp.split(values, sizes), xp.split(indices, sizes)))
 
     def _spread_of(self, xp, frames: int):
