@@ -237,7 +237,7 @@ class TorchBackend:
         One pass over them on the device, with no read back to the host (half precision summed
         in float32, which cannot overflow)."""
         xs = list(xs)
-        if len(xs) > 1 and xs[0].device.type != "cpu" \
+        if len(xs) > 1 and self.on_accelerator(xs[0]) \
                 and all(x.dtype in (torch.float16, torch.bfloat16, torch.float32) for x in xs):
             # every tensor's L1 norm by one multi-tensor kernel (a few launches, not one per
             # tensor): an inf or a NaN anywhere makes it non-finite, as it does the sum. (On a
@@ -318,7 +318,7 @@ class TorchBackend:
         return torch.topk(x, k, sorted=False).indices
 
     def nonzero(self, mask, size=None):
-        if size is not None and mask.is_cuda:  # a known count: no wait for the GPU to tell it
+        if size is not None and self.on_accelerator(mask):  # a known count: no wait for the GPU to tell it
             try:
                 return torch.nonzero_static(mask, size=int(size)).reshape(-1)
             except NotImplementedError:  # a torch without the CUDA kernel

@@ -2,7 +2,8 @@
 
     python scripts/bench_step.py [--models mlp48 resnet50 transformer] [--methods topk dgc ...]
                                  [--device cpu|cuda] [--iters 10] [--world 4] [--bucket-mb 25]
-                                 [--bucketed-only] [--profile-top N] [--out results/bench_step]
+                                 [--bucketed-only] [--profile-top N] [--accelerator-path]
+                                 [--out results/bench_step]
 
 For each model (synthetic inputs; see MODELS) it measures, in one run:
   fwd+bwd      median time of forward + backward of one batch
@@ -18,6 +19,12 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
   calls        collectives per step (each would be one Horovod call)
   ops          what one step launches, from torch's profiler: kernels and copies on a GPU
                (with the host syncs the step waits for), top-level torch ops on a CPU
+  waits        host waits for the GPU per step (on a GPU; on a CPU with --accelerator-path,
+               the reads back the GPU would wait for)
+--accelerator-path (CPU): run the code path a GPU takes (segment-wise and whole buckets, the
+tensor ops that stand in for grace.native's CPU-only kernels) to count its operations and host
+waits where no GPU is at hand; ops then counts the operations a GPU launches as kernels (views
+and allocations left out). Its times are a CPU's, not a GPU's.
   bytes        bytes this rank hands to the collectives per step
 The phase clock syncs the device at each phase boundary, which a GPU pays for per tensor: the
 JSON also holds ``exchange_free_ms``, whole steps timed with no clock (work and the stand-in
@@ -40,6 +47,7 @@ import grace
 import grace.native
 from grace.bench.common import write_results
 from grace.core.communicator import ReplicaCommunicator
+from grace.backends.torch_backend import TorchBackend
 from grace.core.phases import PhaseClock
 
 METHODS = {  # the arguments each method is benchmarked with
@@ -178,27 +186,61 @@ def gradients(net, x, y, loss, device: str, iters: int):
     return seconds, dict(reversed(named))
 
 
-def launches(fn, device: str, top: int = 0) -> dict:
-    """What one call of ``fn`` launches: {"ops": GPU kernels and copies, "syncs": host waits
-    for the GPU} on a GPU, {"ops": top-level torch ops} on a CPU; with ``top``, also "top": the
+# what a GPU launches no kernel for (views, metadata, allocation), left out of --accelerator-path's ops
+NO_KERNEL = {f"aten::{name}" for name in (
+    "view", "_unsafe_view", "reshape", "flatten", "view_as", "slice", "select", "narrow", "split", "split_with_sizes",
+    "unbind", "detach", "alias", "expand", "expand_as", "permute", "t", "transpose", "unsqueeze", "squeeze",
+    "as_strided", "lift_fresh", "empty", "empty_like", "empty_strided", "unflatten")}
+
+
+def take_accelerator_path() -> dict:
+    """From here on, the code path a GPU takes, on this CPU: the backend told that its tensors
+    are on an accelerator and grace.native's CPU-only kernels off (their tensor-op fallbacks
+    run, as on a GPU). Returns the counter of the reads back a GPU would wait for ("waits")."""
+    counted = {"waits": 0}
+    TorchBackend.on_accelerator = lambda self, x: True
+    fused, read = grace.native.fused, TorchBackend.host_ints
+    grace.native.fused = lambda name, like: fused(name, like) if "cuda" in grace.native.FUSED[name].devices else None
+
+    def host_ints(self, x, count: int):
+        counted["waits"] += 1
+        return read(self, x, count)
+
+    TorchBackend.host_ints = host_ints
+    return counted
+
+
+def launches(fn, device: str, top: int = 0, waits=None) -> dict:
+    """What one call of ``fn`` launches: {"ops": GPU kernels and copies, "waits": host waits
+    for the GPU} on a GPU, {"ops": top-level torch ops} on a CPU, or where ``waits`` counts the
+    accelerator path's reads back (``take_accelerator_path``) {"ops": its top-level operations
+    that would launch kernels, "waits": its reads back}; with ``top``, also "top": the
     profiler's table of the ``top`` ops that took the most time (the device's, on a GPU)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     gpu = device != "cpu"
+    before = waits["waits"] if waits else 0
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
         fn()
     events = prof.events()
     table = {"top": prof.key_averages().table(sort_by="self_device_time_total" if gpu else "self_cpu_time_total",
                                               row_limit=top)} if top else {}
     if not gpu:
-        return {"ops": sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")), **table}
+        top_level = [e.name for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
+        if waits is None:
+            return {"ops": len(top_level), **table}
+        # a read back: host_ints, a scalar read, or a compaction of unknown size (a GPU tells its size)
+        reads = sum(1 for e in events if e.name in ("aten::_local_scalar_dense", "aten::nonzero"))
+        return {"ops": sum(1 for name in top_level if name not in NO_KERNEL),
+                "waits": waits["waits"] - before + reads, **table}
     return {"ops": sum(1 for e in events if e.device_type == DeviceType.CUDA),
-            "syncs": sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+            "waits": sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                          "cudaEventSynchronize", "cudaMemcpy")), **table}
 
 
-def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int, top: int = 0) -> dict:
+def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int, top: int = 0,
+            waits=None) -> dict:
     comm = CountingReplica(world)
     # as the adapters run it: results written over the gradients handed over (on a CPU), so
     # each step gets this step's gradients again first, as backward would write them
@@ -233,7 +275,7 @@ def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str,
     backward()
     return {"work_ms": 1e3 * work, "exchange_ms": 1e3 * seconds, "collective_ms": 1e3 * collective,
             "exchange_free_ms": 1e3 * free, "calls": calls, "bytes": nbytes,
-            **launches(lambda: exchange.exchange(inputs), device, top)}
+            **launches(lambda: exchange.exchange(inputs), device, top, waits)}
 
 
 def main():
@@ -250,7 +292,12 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("results/bench_step"))
     parser.add_argument("--profile-top", type=int, default=0, metavar="N",
                         help="after each model's table, the N ops of a bucketed step that took the most time")
+    parser.add_argument("--accelerator-path", action="store_true",
+                        help="on a CPU, run (and count the ops and waits of) the code path a GPU takes; CPU times")
     args = parser.parse_args()
+    if args.accelerator_path and args.device != "cpu":
+        parser.error("--accelerator-path is for a CPU (on a GPU that path runs anyway)")
+    waits = take_accelerator_path() if args.accelerator_path else None
     if args.threads:  # forward and backward, and the compression work, on as many threads
         torch.set_num_threads(args.threads)
         grace.native.set_num_threads(args.threads)
@@ -263,14 +310,14 @@ def main():
         print(f"\n{model} on {args.device}: {len(grads)} gradient tensors, {params / 1e6:.1f}M parameters, "
               f"fwd+bwd {1e3 * fwd_bwd:.1f} ms; compression work of one rank in a world of {args.world}")
         print(f"{'method':<10} {'per-tensor ms':>13} {'share':>7} {'calls':>6} {'ops':>6} {'bucketed ms':>12} "
-              f"{'share':>7} {'calls':>6} {'ops':>6} {'speedup':>8} {'bytes':>12} {'(collective ms)':>16} "
-              f"{'(no clock ms)':>14}")
+              f"{'share':>7} {'calls':>6} {'ops':>6} {'waits':>6} {'speedup':>8} {'bytes':>12} "
+              f"{'(collective ms)':>16} {'(no clock ms)':>14}")
         for method in args.methods:
-            skipped = {"work_ms": float("nan"), "calls": "-", "ops": "-"}
+            skipped = {"work_ms": float("nan"), "calls": "-", "ops": "-", "waits": "-"}
             per_tensor = skipped if args.bucketed_only else measure(grads, method, 0, args.world, args.device,
-                                                                     args.iters)
+                                                                     args.iters, waits=waits)
             bucketed = measure(grads, method, args.bucket_mb, args.world, args.device, args.iters,
-                               args.profile_top)
+                               args.profile_top, waits)
             if "top" in bucketed:
                 profiles.append(f"{model}, {method}, bucketed:\n{bucketed.pop('top')}")
             row = {"model": model, "device": args.device, "method": method, "tensors": len(grads),
@@ -284,7 +331,7 @@ def main():
             print(f"{method:<10} {row['per_tensor_work_ms']:>13.2f} {row['per_tensor_share']:>7.1%} "
                   f"{row['per_tensor_calls']:>6} {row['per_tensor_ops']:>6} {row['bucketed_work_ms']:>12.2f} "
                   f"{row['bucketed_share']:>7.1%} {row['bucketed_calls']:>6} {row['bucketed_ops']:>6} "
-                  f"{row['speedup']:>7.2f}x {row['bucketed_bytes']:>12} {row['bucketed_collective_ms']:>16.2f} "
+                  f"{row.get('bucketed_waits', '-'):>6} {row['speedup']:>7.2f}x {row['bucketed_bytes']:>12} {row['bucketed_collective_ms']:>16.2f} "
                   f"{row['bucketed_exchange_free_ms']:>14.2f}", flush=True)
         print(*profiles, sep="\n\n")
         profiles.clear()

@@ -26,3 +26,21 @@ def test_bench_step_reports_work_without_the_stand_in_collectives(tmp_path):
             assert 0 < row[f"{mode}_work_ms"] < row[f"{mode}_exchange_ms"]
     assert rows["topk"]["bucketed_bytes"] * 40 < rows["none"]["bucketed_bytes"]
     assert "mlp48 on cpu: 96 gradient tensors" in proc.stdout
+
+
+def test_the_accelerator_path_counted_on_a_cpu(tmp_path):
+    """--accelerator-path: the code path a GPU takes, its operations and host waits counted on
+    the CPU. Per tensor they grow with the 96 gradients; bucketed they do not: top-k reads back
+    once a step (the overflow count), DGC once a bucket for its counts and once per rank's
+    frame header, plus that one."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--models", "mlp48", "--methods", "topk", "dgc",
+                           "--accelerator-path", "--iters", "1", "--threads", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads((tmp_path / "bench_step_cpu.json").read_text())["rows"]}
+    buckets, world = 2, 4
+    assert rows["topk"]["bucketed_waits"] == 1 and rows["topk"]["per_tensor_waits"] >= 96
+    assert rows["dgc"]["bucketed_waits"] == buckets * (1 + world) + 1 and rows["dgc"]["per_tensor_waits"] >= 2 * 96
+    for row in rows.values():
+        assert row["bucketed_calls"] == buckets
+        assert 0 < 10 * row["bucketed_ops"] < row["per_tensor_ops"]
