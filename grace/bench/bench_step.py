@@ -21,11 +21,11 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
                (with the host syncs the step waits for), top-level torch ops on a CPU
   waits        host waits for the GPU per step (on a GPU; on a CPU with --accelerator-path,
                the reads back the GPU would wait for)
+  bytes        bytes this rank hands to the collectives per step
 --accelerator-path (CPU): run the code path a GPU takes (segment-wise and whole buckets, the
 tensor ops that stand in for grace.native's CPU-only kernels) to count its operations and host
 waits where no GPU is at hand; ops then counts the operations a GPU launches as kernels (views
 and allocations left out). Its times are a CPU's, not a GPU's.
-  bytes        bytes this rank hands to the collectives per step
 The phase clock syncs the device at each phase boundary, which a GPU pays for per tensor: the
 JSON also holds ``exchange_free_ms``, whole steps timed with no clock (work and the stand-in
 collectives, as training runs them).
@@ -45,9 +45,9 @@ from torch import nn
 
 import grace
 import grace.native
+from grace.backends.torch_backend import TorchBackend
 from grace.bench.common import write_results
 from grace.core.communicator import ReplicaCommunicator
-from grace.backends.torch_backend import TorchBackend
 from grace.core.phases import PhaseClock
 
 METHODS = {  # the arguments each method is benchmarked with
