@@ -407,10 +407,8 @@ class Exchange:
         """Close a step (every exchange of it finished). Where any rank flagged an overflow,
         put back every memory, compressor state and step counter as they were before it."""
         if self._deferred:  # one read back for the step's buckets left on the device
-            xp = backend_for(self._deferred[0])
-            total = xp.sum(xp.concat([xp.reshape(c, (1,)) for c in self._deferred]))
-            self._overflows.append(xp.host_ints(xp.reshape(total, (1,)), 1)[0])
-            self._deferred.clear()
+            deferred, self._deferred = self._deferred, []
+            self._overflow(backend_for(deferred[0]), deferred)
         overflow = sum(self._overflows)  # an int; a tensor inside a trace
         if self._journal and not (isinstance(overflow, int) and not overflow):
             for (table, key), old in self._journal.items():
@@ -602,7 +600,6 @@ class Exchange:
             if per_gradient:  # (0 where no fused round ran)
                 pending.flag = _any_flag(xp, [shared] + ([xp.nonfinite([g_units[i] for i in rest])] if rest else []))
             pending.p = [self._spares[u.name] if first is not None else None for u, first in zip(units, firsts)]
-            rest = [i for i, p in enumerate(pending.p) if p is None]
             for i, p in zip(rest, self._compensated(xp, [units[i].name for i in rest], [g_units[i] for i in rest],
                                                     [old[i] for i in rest])):
                 pending.p[i] = p
@@ -1097,15 +1094,14 @@ class Exchange:
             with self._phase("feedback"):
                 # where p is the spare buffer the new memory goes there too (written there by the
                 # rounds' last pass already, where they say so), all at once; else a new one
-                over = [i for i, (u, p_u) in enumerate(zip(pending.units, pending.p))
-                        if p_u is self._spares.get(u.name) and not pending.updates[i]]
-                for i, e_new in zip(over, memory.update_many_into(
-                        xp, [pending.p[i] for i in over], [results[i][1] for i in over],
-                        [pending.old[i] for i in over], [pending.p[i] for i in over])):
-                    new_memory[i] = e_new
+                in_spare = [p_u is self._spares.get(u.name) for u, p_u in zip(pending.units, pending.p)]
+                over = [i for i, spare in enumerate(in_spare) if spare and not pending.updates[i]]
+                updated = dict(zip(over, memory.update_many_into(
+                    xp, [pending.p[i] for i in over], [results[i][1] for i in over],
+                    [pending.old[i] for i in over], [pending.p[i] for i in over])))
                 for i, (u, p_u, e) in enumerate(zip(pending.units, pending.p, pending.old)):
-                    if p_u is self._spares.get(u.name):
-                        new_memory[i] = p_u if pending.updates[i] else new_memory[i]
+                    if in_spare[i]:
+                        new_memory[i] = updated.get(i, p_u)
                         self._spares[u.name] = e  # and the old memory is the next step's spare
                     else:
                         new_memory[i] = memory.update(xp, p_u, results[i][1], e)
