@@ -650,8 +650,11 @@ inline void report(const FiniteCheck& c, std::atomic<bool>* bad) {
 // Blocks<S, Terms> is the Leaf of pairwise() for them: NumPy's block loop, 8 lanes at a time.
 template <int S, class Terms>
 struct Blocks {
-  Terms terms;  // a copy: the kernels' byte stores cannot alias its pointers
+  Terms terms;
   Sums<S> operator()(int64_t lo, int64_t n) const {
+    // a local copy, kept in registers: the kernels' byte stores may alias anything in memory,
+    // this object's pointers included, which would be read again after every store
+    const Terms terms = this->terms;
 #ifdef GRACE_SIMD
     if (n >= 8) {
       F8 r[S], t[S];
@@ -802,15 +805,31 @@ namespace {
 // grace_cpu_sign_pack, telling `bad` (where given) whether x holds an inf or a NaN
 void sign_pack(const float* x, int64_t n, int negative, uint8_t* out, std::atomic<bool>* bad) {
   int64_t full = n / 8, rem = n % 8;
-  for_chunks(full, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+  // (x, out and the sign taken by value: a byte store may alias whatever is captured by reference,
+  // which would then be read again for every byte)
+  for_chunks(full, 1, threads_for(n), [x, out, neg = negative != 0, bad](int, int64_t g0, int64_t g1) {
     FiniteCheck check;
-    for (int64_t g = g0; g < g1; ++g) {
+    int64_t g = g0;
 #ifdef GRACE_SIMD
-      check.add8(ld8(x + 8 * g));  // (the same load as sign_byte's)
-#else
-      check.range(x, 8 * g, 8 * g + 8);
+    // 32 elements, four bytes, a step: a line read ahead and more loads in flight per instruction
+    const F8 zero = set8(0.0f);
+    F8 nonfinite = zero;  // x - x or-ed: 0, or a NaN's bits
+    for (; g + 4 <= g1; g += 4) {
+      prefetch(x + 8 * g);
+      prefetch(x + 8 * g + 16);
+      uint32_t word = 0;
+      for (int q = 0; q < 4; ++q) {
+        const F8 v = ld8(x + 8 * (g + q));
+        nonfinite = or8(nonfinite, v - v);
+        word |= (uint32_t)mask8(neg ? lt8(v, zero) : ge8(v, zero)) << (8 * q);
+      }
+      std::memcpy(out + g, &word, 4);
+    }
+    check.add8(nonfinite);
 #endif
-      out[g] = sign_byte(x + 8 * g, negative != 0);
+    for (; g < g1; ++g) {
+      check.range(x, 8 * g, 8 * g + 8);
+      out[g] = sign_byte(x + 8 * g, neg);
     }
     report(check, bad);
   });

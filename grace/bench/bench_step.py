@@ -22,6 +22,8 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
   waits        host waits for the GPU per step (on a GPU; on a CPU with --accelerator-path,
                the reads back the GPU would wait for)
   bytes        bytes this rank hands to the collectives per step
+On a CPU a line above each table times plain torch passes over the model's gradients (read,
+write, g + e into a third buffer): what any error-feedback method pays before it compresses.
 --accelerator-path (CPU): run the code path a GPU takes (segment-wise and whole buckets, the
 tensor ops that stand in for grace.native's CPU-only kernels) to count its operations and host
 waits where no GPU is at hand; ops then counts the operations a GPU launches as kernels (views
@@ -173,6 +175,21 @@ def timed(fn, device: str, iters: int, warmup: int = 2, setup=lambda: None) -> f
     return statistics.median(times)
 
 
+def memory_passes(grads: dict, iters: int) -> dict:
+    """On a CPU, ms of plain torch passes over the gradients, one gradient at a time: reading
+    them (a sum), writing as much (zeros), and g + e into a third buffer, which error feedback
+    cannot avoid where a skipped step must find the old memory e unchanged. With the dense result
+    written over the gradients, ``feedback_floor_ms``: what an error-feedback method pays before
+    it selects or codes anything (a floor for torch code, not for hand-written loops)."""
+    gs = list(grads.values())
+    es, outs = [torch.rand_like(g) for g in gs], [torch.empty_like(g) for g in gs]
+    read = timed(lambda: [g.sum() for g in gs], "cpu", iters)
+    write = timed(lambda: [o.zero_() for o in outs], "cpu", iters)
+    compensate = timed(lambda: [torch.add(g, e, out=o) for g, e, o in zip(gs, es, outs)], "cpu", iters)
+    return {"read_ms": 1e3 * read, "write_ms": 1e3 * write, "compensate_ms": 1e3 * compensate,
+            "feedback_floor_ms": 1e3 * (compensate + write)}
+
+
 def gradients(net, x, y, loss, device: str, iters: int):
     """(fwd+bwd seconds, the gradients in backward order: last parameter first)."""
     net, x, y = net.to(device), x.to(device), y.to(device)
@@ -309,6 +326,12 @@ def main():
         params = sum(g.numel() for g in grads.values())
         print(f"\n{model} on {args.device}: {len(grads)} gradient tensors, {params / 1e6:.1f}M parameters, "
               f"fwd+bwd {1e3 * fwd_bwd:.1f} ms; compression work of one rank in a world of {args.world}")
+        passes = memory_passes(grads, args.iters) if args.device == "cpu" else {}
+        if passes:
+            print(f"memory passes (torch, gradient by gradient): read {passes['read_ms']:.2f} ms, write "
+                  f"{passes['write_ms']:.2f} ms, g + e into a third buffer {passes['compensate_ms']:.2f} ms; "
+                  f"error feedback's floor (that and a dense result) {passes['feedback_floor_ms']:.2f} ms, "
+                  f"{passes['feedback_floor_ms'] / (1e3 * fwd_bwd):.1%} of fwd+bwd")
         print(f"{'method':<10} {'per-tensor ms':>13} {'share':>7} {'calls':>6} {'ops':>6} {'bucketed ms':>12} "
               f"{'share':>7} {'calls':>6} {'ops':>6} {'waits':>6} {'speedup':>8} {'bytes':>12} "
               f"{'(collective ms)':>16} {'(no clock ms)':>14}")
@@ -321,7 +344,7 @@ def main():
             if "top" in bucketed:
                 profiles.append(f"{model}, {method}, bucketed:\n{bucketed.pop('top')}")
             row = {"model": model, "device": args.device, "method": method, "tensors": len(grads),
-                   "parameters": params, "fwd_bwd_ms": 1e3 * fwd_bwd,
+                   "parameters": params, "fwd_bwd_ms": 1e3 * fwd_bwd, **passes,
                    **{f"per_tensor_{k}": v for k, v in per_tensor.items()},
                    **{f"bucketed_{k}": v for k, v in bucketed.items()},
                    "per_tensor_share": per_tensor["work_ms"] / (1e3 * fwd_bwd),
