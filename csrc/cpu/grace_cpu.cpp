@@ -2736,6 +2736,8 @@ bool collect_candidates(const float* g, const float* r, float* p_out, int64_t lo
     const __m256 vt = _mm256_set1_ps(t), vb = _mm256_set1_ps(beta), vg = _mm256_set1_ps(gamma);
     const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (; i + 8 <= end; i += 8) {
+      prefetch(g + i);
+      prefetch(r + i);
       __m256 a = _mm256_loadu_ps(g + i), b = _mm256_loadu_ps(r + i);
       if (GAMMA) a = _mm256_mul_ps(a, vg);
       if (BETA) b = _mm256_mul_ps(b, vb);
@@ -2873,6 +2875,8 @@ int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float
 #ifdef GRACE_SIMD
     const F8 t = set8(thr), vb = set8(beta), vg = set8(gamma), zero = set8(0.0f);
     for (; i + 8 <= hi; i += 8) {
+      prefetch(g + i);
+      prefetch(r + i);
       F8 a = ld8(g + i), b = ld8(r + i);
       check.add8(a);
       F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
@@ -3038,6 +3042,8 @@ struct CompensatedTerms {
   }
 #ifdef GRACE_SIMD
   void group(int64_t i, F8* t) const {
+    prefetch(g + i);
+    prefetch(r + i);
     const F8 a = ld8(g + i), b = ld8(r + i);
     st8(p + i, ((flags & 1) ? a * set8(gamma) : a) + ((flags & 2) ? b * set8(beta) : b));
     inner.group(i, t);
@@ -3159,6 +3165,8 @@ void randomk_ef(const float* g, const float* r, int64_t n, const int64_t* idx, i
 #ifdef GRACE_SIMD
     const F8 vb = set8(beta), vg = set8(gamma);
     for (; i + 8 <= hi; i += 8) {
+      prefetch(g + i);
+      prefetch(r + i);
       const F8 a = ld8(g + i), b = ld8(r + i);
       check.add8(a);
       F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
@@ -3242,6 +3250,9 @@ int64_t dgc_range(const float* u, const float* v, const float* g, float m, float
 #ifdef GRACE_SIMD
   const F8 vm = set8(m), t = set8(thr), vs = set8(scale);
   for (; i + 8 <= hi; i += 8) {
+    prefetch(u + i);
+    prefetch(v + i);
+    prefetch(g + i);
     const F8 vv = ld8(v + i), raw = ld8(g + i), p = vv + (vm * ld8(u + i) + (kScaled ? raw * vs : raw));
     check.add8(raw);
 #if defined(__AVX2__)
