@@ -424,8 +424,9 @@ class TorchBackend:
         launches a column."""
         out = list(xs)
         columns = [i for i, x in enumerate(xs) if _single_column(x) and self.on_accelerator(x)]
-        for i in set(range(len(xs))) - set(columns):
-            out[i] = self.orthonormalize(xs[i])
+        for i, x in enumerate(xs):
+            if i not in columns:
+                out[i] = self.orthonormalize(x)
         for dtype in {xs[i].dtype for i in columns}:
             chosen = [i for i in columns if xs[i].dtype == dtype]
             rows = tuple(xs[i].shape[0] for i in chosen)

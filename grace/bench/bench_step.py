@@ -354,8 +354,8 @@ def main():
             print(f"{method:<10} {row['per_tensor_work_ms']:>13.2f} {row['per_tensor_share']:>7.1%} "
                   f"{row['per_tensor_calls']:>6} {row['per_tensor_ops']:>6} {row['bucketed_work_ms']:>12.2f} "
                   f"{row['bucketed_share']:>7.1%} {row['bucketed_calls']:>6} {row['bucketed_ops']:>6} "
-                  f"{row.get('bucketed_waits', '-'):>6} {row['speedup']:>7.2f}x {row['bucketed_bytes']:>12} {row['bucketed_collective_ms']:>16.2f} "
-                  f"{row['bucketed_exchange_free_ms']:>14.2f}", flush=True)
+                  f"{row.get('bucketed_waits', '-'):>6} {row['speedup']:>7.2f}x {row['bucketed_bytes']:>12} "
+                  f"{row['bucketed_collective_ms']:>16.2f} {row['bucketed_exchange_free_ms']:>14.2f}", flush=True)
         print(*profiles, sep="\n\n")
         profiles.clear()
     path = write_results(rows, args.out, f"bench_step_{args.device}", vars(args) | {"out": str(args.out)},
