@@ -1317,8 +1317,13 @@ void qsgd_pack_groups(const float* x, const float* u, int64_t ubase, int64_t n, 
 }
 }  // namespace
 
+// QSGD's bucket in a tensor of n elements: `bucket`, or the whole tensor (bucket 0, or one past its end)
+inline int64_t qsgd_row(int64_t n, int64_t bucket) {
+  return bucket > 0 && bucket < n ? bucket : std::max<int64_t>(n, 1);
+}
+
 API void grace_cpu_qsgd_norms(const float* x, int64_t n, int64_t bucket, float* norms) {
-  int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+  int64_t b = qsgd_row(n, bucket);
   int64_t rows = (n + b - 1) / b;
   if (n == 0) rows = 1;
   int nt = threads_for(rows * b);
@@ -1338,7 +1343,7 @@ int qsgd_compress(const float* x, int64_t n, int levels, int64_t bucket, int bit
                   uint8_t* out, const Draws& draws) {
   if (bits < 1 || bits > 8 || levels < 1 || 2 * (levels + 1) > (1 << bits) + 1 || n < 0) return -1;
   if (n == 0) return 0;
-  const int64_t b = bucket > 0 ? bucket : n;
+  const int64_t b = qsgd_row(n, bucket);
   const int64_t rows = (n + b - 1) / b, groups = (n + 7) / 8;
   const int nt = threads_for(n);
   const bool fused = !have_norms && b % 8 == 0 && b <= kFusedBucket && (rows >= 4 * nt || nt == 1);
@@ -2116,7 +2121,7 @@ API int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int6
   float lut[256];
   qsgd_code_values(levels, lut);
   const QsgdLevels computed(levels, lut);
-  const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+  const int64_t b = qsgd_row(n, bucket);
   const int64_t groups = (n + 7) / 8;
   with_width(bits, [&](auto w) {
     for_chunks(groups, 1, threads_for(n), [&](int, int64_t g0, int64_t g1) {
@@ -2316,7 +2321,7 @@ API int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* 
   const Finish finish(vote, divisors, ndiv);
   const int64_t bytes = bucket_bytes(segments, numels);
   for (int64_t s = 0; s < segments; ++s) {
-    const int64_t n = numels[s], b = bucket > 0 ? bucket : std::max<int64_t>(n, 1);
+    const int64_t n = numels[s], b = qsgd_row(n, bucket);
     const uint8_t* const* P = packed + s * ranks;
     const float* const* N = norms + s * ranks;
     with_width(bits, [&](auto w) {
@@ -3557,7 +3562,7 @@ API int grace_cpu_compress_many(int method, int64_t count, const float* const* x
         scalars_tell(scalars, 1);
         break;
       case 2: {
-        const int64_t b = bucket > 0 ? bucket : std::max<int64_t>(n[s], 1);
+        const int64_t b = qsgd_row(n[s], bucket);
         if (grace_cpu_qsgd_compress_drawn(x[s], n[s], s0[s], s1[s], levels, b, bits, scalars, a) != 0) return -1;
         scalars_tell(scalars, (n[s] + b - 1) / b);
         break;

@@ -327,9 +327,11 @@ __global__ void k_norms_warp(const float* x, int64_t n, int64_t b, int64_t rows,
 
 constexpr int64_t kSegChunk = kThreads * 16;
 
-// QSGD's rows: `bucket` elements each, or the whole tensor (bucket 0); their count; and the
-// chunks of a row longer than 4096 (summed apart, then per row)
-__host__ __device__ inline int64_t qsgd_row(int64_t n, int64_t bucket) { return bucket > 0 ? bucket : (n > 1 ? n : 1); }
+// QSGD's rows: `bucket` elements each, or the whole tensor (bucket 0, or one past its end);
+// their count; and the chunks of a row longer than 4096 (summed apart, then per row)
+__host__ __device__ inline int64_t qsgd_row(int64_t n, int64_t bucket) {
+  return bucket > 0 && bucket < n ? bucket : (n > 1 ? n : 1);
+}
 __host__ __device__ inline int64_t qsgd_rows(int64_t n, int64_t b) { return (n + b - 1) / b; }
 __host__ __device__ inline int64_t row_chunks(int64_t b) { return (b + kSegChunk - 1) / kSegChunk; }
 

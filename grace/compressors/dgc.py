@@ -23,7 +23,7 @@ import numpy as np
 from grace.compressors.sparse import Sparsifier
 from grace.core import draws, segments
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Shape, check_ratio, native_or_none
+from grace.core.compressor import Shape, check_ratio, check_seed, native_or_none
 from grace.core.registry import example, register
 from grace.memories import DGCMemory, make_memory
 
@@ -37,7 +37,7 @@ class DGC(Sparsifier):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
-        self.seed = seed
+        self.seed = check_seed(seed)
 
     def ratio_at(self, xp, step):
         """The target ratio at ``step`` (an int, or a tensor inside a traced step)."""

@@ -9,7 +9,7 @@ rounding stays unbiased there too.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, drawn_natively
+from grace.core.compressor import Collective, Compressor, Shape, check_seed, drawn_natively
 from grace.core.floats import floor_log2
 from grace.core.registry import register
 from grace.formats import packed_size
@@ -27,7 +27,7 @@ class Natural(Compressor):
     many_kernel = "natural"
 
     def __init__(self, seed: int = 0):
-        self.seed = seed
+        self.seed = check_seed(seed)
 
     def compress(self, xp, x, info):
         seed = info.rank_seed(self.seed)

@@ -15,7 +15,7 @@ second, Q / n in the third, and with the residual memory the compensation M = g 
 overflow check are in the first product's pass over g and e.
 """
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, native_or_none
+from grace.core.compressor import Collective, Compressor, check_seed, native_or_none
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
@@ -30,7 +30,7 @@ class PowerSGD(Compressor):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
         self.rank = rank
-        self.seed = seed
+        self.seed = check_seed(seed)
 
     def ideal_bits(self, xp, payload, ctx):
         return 32 * sum(xp.numel(t) for t in payload)  # P and Q: (rows + cols) * r floats

@@ -11,7 +11,7 @@ import math
 
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, drawn_natively
+from grace.core.compressor import Collective, Compressor, Shape, check_seed, drawn_natively
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
@@ -31,12 +31,17 @@ class QSGD(Compressor):
             raise ValueError(f"bucket_size must be an integer >= 0 (0: one bucket), got {bucket_size!r}")
         self.levels = levels
         self.bucket_size = bucket_size
-        self.seed = seed
+        self.seed = check_seed(seed)
         self.bits = bits.code_width(2 * (levels + 1))
+
+    def _bucket(self, d: int) -> int:
+        """The bucket of a tensor of d elements: a bucket_size beyond d is the whole tensor, as 0 is
+        (the same norm and draws, without padding to a bucket that is mostly zeros)."""
+        return min(self.bucket_size, max(d, 1)) if self.bucket_size else max(d, 1)
 
     def _buckets(self, xp, flat, d):
         """(rows, b) view of the flat tensor, zero-padded to whole buckets."""
-        b = self.bucket_size or max(d, 1)
+        b = self._bucket(d)
         pad = -d % b
         if pad:
             flat = xp.concat([flat, xp.zeros(pad, xp.dtype(flat), like=flat)])
@@ -65,7 +70,7 @@ class QSGD(Compressor):
         return (bits.pack(xp, xp.flatten(codes)[:d], self.bits), norms), Shape(xp.shape(x), xp.dtype(x))
 
     def ideal_bits(self, xp, payload, ctx):
-        buckets = -(-ctx.numel // self.bucket_size) if self.bucket_size else 1
+        buckets = self._rows(ctx.numel)
         return (1 + math.ceil(math.log2(self.levels + 1))) * ctx.numel + 32 * buckets
 
     # --- a bucket at once: every segment's own draws and norms, one native call -----------
@@ -73,7 +78,7 @@ class QSGD(Compressor):
     segment_kernel = "qsgd"
 
     def _rows(self, d: int) -> int:
-        return -(-d // self.bucket_size) if self.bucket_size else 1
+        return -(-d // self._bucket(d))
 
     def segment_fields(self, numels, dtype):
         count = len(numels)
@@ -81,7 +86,7 @@ class QSGD(Compressor):
                 ([self._rows(n) for n in numels], ["float32"] * count)]
 
     def segment_draws(self, numels):
-        return [self._rows(n) * (self.bucket_size or n) for n in numels]  # as compress draws
+        return [self._rows(n) * self._bucket(n) for n in numels]  # as compress draws
 
     def segment_arguments(self):
         return self.levels, self.bucket_size

@@ -7,7 +7,7 @@ With ``scale=True`` the values are multiplied by d/k, which makes the estimate u
 import numpy as np
 
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, check_ratio, native_or_none, sent_count
+from grace.core.compressor import Collective, Compressor, Shape, check_ratio, check_seed, native_or_none, sent_count
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
@@ -20,9 +20,7 @@ class RandomK(Compressor):
     def __init__(self, ratio: float, scale: bool = False, seed: int = 0):
         self.ratio = check_ratio(ratio)
         self.scale = bool(scale)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        self.seed = seed
+        self.seed = check_seed(seed)
 
     @property
     def unbiased(self) -> bool:

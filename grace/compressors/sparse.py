@@ -36,6 +36,8 @@ class Sparsifier(Compressor):
         return (values, indices), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(residual, xp.shape(g))
 
     def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None, into=None):
+        if self.residual_kernel_many is None:  # (DGC's selection with residual memory)
+            return None
         placed = {} if into is None else {"into": into}  # (fixed-length payloads only)
         done = native_or_none(xp, self.residual_kernel_many, gs[0], gs, residuals,
                               [self.kernel_argument(xp.numel(g)) for g in gs], beta, gamma, outs=outs, nonfinite=flag,

@@ -7,7 +7,7 @@ Codes 0 (zero), 1 (+s), 2 (-s) at 2 bits; s travels as one float32.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, drawn_natively
+from grace.core.compressor import Collective, Compressor, Shape, check_seed, drawn_natively
 from grace.core.registry import register
 from grace.formats import packed_size
 from grace.memories import make_memory
@@ -21,7 +21,7 @@ class TernGrad(Compressor):
     many_kernel = "terngrad"
 
     def __init__(self, seed: int = 0):
-        self.seed = seed
+        self.seed = check_seed(seed)
 
     def compress(self, xp, x, info):
         seed = info.rank_seed(self.seed)

@@ -28,6 +28,9 @@ class GradientCompression:
                  bucket_mb: float = DEFAULT_BUCKET_MB, scope: str = "tensor"):
         self.compressor = compressor
         self.memory = memory
+        if not memory.fits(compressor):
+            raise ValueError(f"memory {type(memory).__name__} cannot be used with {type(compressor).__name__}: it is "
+                             "the error feedback of another method; use memory='residual' or 'none'")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 <= bucket_mb < float("inf"):
             raise ValueError(f"bucket_mb must be a finite number >= 0 (0: one exchange per gradient), got {bucket_mb!r}")
         if scope not in SCOPES:

@@ -418,6 +418,17 @@ def check_number(value, name: str, minimum: float = 0.0, strict: bool = False, n
     return float(value)
 
 
+#: a method's seed keeps 24 bits (``TensorInfo.seed``): larger seeds would repeat smaller ones' draws
+SEED_LIMIT = 2**24
+
+
+def check_seed(seed) -> int:
+    """An integer in [0, 2**24); else a ValueError naming ``seed``."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be a non-negative integer below 2**24, got {seed!r}")
+    return seed
+
+
 def check_float_dtype(dtype: str, method: str) -> None:
     if dtype not in FLOAT_DTYPES:
         raise TypeError(

@@ -35,10 +35,13 @@ through by themselves (``none``, ``fp16`` without memory) send no flag.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-import pickle
 import socket
+import sys
+import threading
+import time
 import uuid
 import warnings
 import zlib
@@ -50,6 +53,7 @@ import numpy as np
 from grace import native
 from grace.backends import backend_for
 from grace.core import bucket as frames
+from grace.core import checkpoint, portable
 from grace.core import segments
 from grace.core.bucket import Bucket, Dense, Segment
 from grace.core.communicator import Communicator, Handle, _lengths
@@ -211,6 +215,34 @@ def _on_host(value):
     return backend_for(value).to_numpy(value)
 
 
+#: seconds a rank waits for the others' first-step agreement before it says why it may never come
+STALL_SECONDS = float(os.environ.get("GRACE_STALL_SECONDS", "20"))
+
+
+@contextlib.contextmanager
+def _told_if_stalled(rank: int):
+    """While the block runs (a wait for every rank), a line on stderr every ``STALL_SECONDS``:
+    a rank that never joins the agreement leaves the others waiting in the toolkit's collective,
+    which cannot be cancelled, so the least grace can do is say what the likely causes are."""
+    started = time.monotonic()
+    done = threading.Event()
+
+    def tell():
+        while not done.wait(STALL_SECONDS):
+            print(f"grace: rank {rank} has waited {time.monotonic() - started:.0f} s for the other ranks' first "
+                  "grace exchange. A rank that never makes one leaves the others waiting here for ever: one that "
+                  "runs Horovod's own optimizer or DDP's own allreduce (compression not a grace method on every "
+                  "rank), one with fewer grace optimizers, one that is stuck or died. (Set GRACE_STALL_SECONDS to "
+                  "change this interval.)", file=sys.stderr, flush=True)
+
+    watcher = threading.Thread(target=tell, name="grace-stall-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def _any_flag(xp, flags):
     """One overflow flag (1 where any is) from several."""
     return flags[0] if len(flags) == 1 else xp.reshape(xp.max(xp.concat(flags)), (1,))
@@ -259,6 +291,7 @@ class Exchange:
         self._deferred: List[Any] = []  # ... those left on the device (``_overflow``), read by end_step
         self._tensors: set = set()  # (name, shape, dtype) of every gradient expected or planned
         self._agreed_in = None  # (rank, size) of the world the ranks last compared configurations in
+        self._unchecked = None  # a state loaded before the gradients were known, checked when they are
         self.shared_state_from_rank_0 = shared_state_from_rank_0
         self.in_place = in_place
         self.phases: Optional[PhaseClock] = None  # a benchmark's clock (grace.core.phases)
@@ -274,6 +307,11 @@ class Exchange:
     def start(self, name: str, g) -> Pending:
         xp = backend_for(g)
         _check_float(xp, name, g)
+        if self._unchecked is not None:  # (per gradient: a toolkit that plans no buckets says no names before)
+            mine = {table: {name: values.pop(name)} for table, values in self._unchecked.items() if name in values}
+            if not any(self._unchecked.values()):
+                self._unchecked = None
+            self._check_loaded(mine, {(name, xp.shape(g), xp.dtype(g))})
         if self._agreed_in != self._world():
             self._agree(xp, g)
         if xp.numel(g) == 0:  # nothing to send, nothing to remember
@@ -475,16 +513,25 @@ class Exchange:
         """The ``(name, shape, dtype, group)`` tuples of the gradients this exchange will see,
         for the ranks' first-step agreement (``plan`` records its own)."""
         self._tensors.update((name, tuple(shape), str(dtype)) for name, shape, dtype, *_ in tensors)
+        if self._unchecked is not None:
+            state, self._unchecked = self._unchecked, None
+            self._check_loaded(state, self._tensors)
+
+    def _check_loaded(self, state, tensors) -> None:
+        """A ValueError naming the parameter where a loaded ``state`` cannot be this exchange's."""
+        checkpoint.check_state(state, self.compression, tensors, per_name_state=self.compression.scope == "tensor")
 
     def _world(self):
         return self.communicator.rank, self.communicator.size
 
     def _agree(self, xp, like, adopt: bool = True) -> None:
         """Before the first exchange, and again after the world changed (Horovod's elastic
-        training), one small allgather under a name every rank shares (a bucket's name depends
-        on the tensor set, so it cannot carry this): the ranks compare fingerprints of their
-        configuration, gradients and step counters, and every rank raises the same clear error
-        where they differ, instead of hanging or drifting apart. With
+        training) or after ``hvd.join()``, the ranks compare fingerprints of their configuration,
+        gradients and step counters, and every rank raises the same clear error where they
+        differ, instead of hanging or drifting apart. It is one small allreduce of a table with a
+        row per rank, under a name every rank shares (a bucket's name depends on the tensor
+        set, so it cannot carry this): an allreduce, so that a rank in ``hvd.join()`` takes part
+        (its row stays zeros, and it is left out of the comparison). With
         ``shared_state_from_rank_0``, differing step counters are rank 0's for every rank
         instead, and compared once more (``adopt``: whether they may still be taken)."""
         self._agreed_in = self._world()
@@ -496,15 +543,19 @@ class Exchange:
                 "gradients": repr(sorted(self._tensors)),
                 "step counters": repr(steps),
             }
-            mine = [zlib.crc32(text.encode()) for text in parts.values()]
-            wait = comm.allgather_equal_async(xp.cast(xp.asarray(mine, like=like), "int64"), "grace.agreement")
-            table = xp.host_ints(wait(), len(mine) * comm.size)
-        rows = [table[r * len(mine):(r + 1) * len(mine)] for r in range(comm.size)]
-        for i, (what, text) in enumerate(parts.items()):
-            differ = [r for r in range(comm.size) if rows[r][i] != rows[0][i]]
-            if differ and what == "step counters" and self.shared_state_from_rank_0 and adopt:
+            width = 1 + len(parts)
+            mine = np.zeros((comm.size, width), np.int64)
+            mine[comm.rank] = [1, *(zlib.crc32(text.encode()) for text in parts.values())]
+            with _told_if_stalled(comm.rank):
+                wait = comm.allreduce_async(xp.asarray(mine.reshape(-1), like=like), "grace.agreement")
+                table = np.asarray(xp.host_ints(wait(), comm.size * width)).reshape(comm.size, width)
+        present = [r for r in range(comm.size) if table[r, 0]]
+        first = present[0] if present else comm.rank
+        for i, (what, text) in enumerate(parts.items(), start=1):
+            differ = [r for r in present if table[r, i] != table[first, i]]
+            if differ and what == "step counters" and self.shared_state_from_rank_0 and adopt and first == 0:
                 with self.store.eager():
-                    self._take_shared_state_of_rank_0(xp, like)
+                    self.adopt_shared_state(0, like)
                 self._agree(xp, like, adopt=False)  # (a rank with counters rank 0 lacks still differs)
             elif differ:
                 hint = {"configuration": "build the same compression (method, parameters, seed, bucket_mb, "
@@ -514,22 +565,26 @@ class Exchange:
                                          "checkpoint on every rank, or (PyTorch) call "
                                          "hvd.broadcast_optimizer_state(opt, root_rank=0): it carries grace's "
                                          "step counters"}[what]
-                raise RuntimeError(f"grace: ranks {differ} differ from rank 0 in their {what}; {hint}. "
+                raise RuntimeError(f"grace: ranks {differ} differ from rank {first} in their {what}; {hint}. "
                                    f"Rank {comm.rank} has: {text[:500]}")
 
-    def _take_shared_state_of_rank_0(self, xp, like) -> None:
-        """Every rank takes rank 0's ``shared_state()``, keeping its own memory: rank 0's pickled
-        state in one broadcast (its length in another), once per run."""
+    def adopt_shared_state(self, root: int, like, name: str = "grace.shared_state") -> None:
+        """Every rank takes rank ``root``'s ``shared_state()`` (step counters, PowerSGD's Q),
+        keeping its own memory, sent as data only (``grace.core.portable``). Every rank of the
+        communicator calls it; ``like``: a tensor of the toolkit; ``name`` names the collectives."""
         comm = self.communicator
-        data = pickle.dumps(_on_host(self.shared_state())) if comm.rank == 0 else b""
-        length = comm.broadcast_async(xp.asarray(np.array([len(data)], np.int64), like=like), 0,
-                                      "grace.shared_state.length")()
-        size = int(xp.to_numpy(length)[0])
-        mine = xp.asarray(np.frombuffer(data, np.uint8).copy(), like=like) if comm.rank == 0 else \
-            xp.zeros(size, "uint8", like=like)
-        received = xp.to_numpy(comm.broadcast_async(mine, 0, "grace.shared_state")())
-        if comm.rank != 0:
-            self.load_shared_state(pickle.loads(received.tobytes()))
+        shared = portable.broadcast(comm, _on_host(self.shared_state()) if comm.rank == root else None, root,
+                                    like, name)
+        if comm.rank != root:
+            self.load_shared_state(shared)
+
+    def after_join(self, last: int, like, name: str = "grace.join") -> None:
+        """After ``hvd.join()`` (``last``: the rank that joined last, which took every step):
+        the ranks that joined early skipped steps, so every rank takes ``last``'s step counters
+        (they seed the draws) and shared state, and the ranks agree again at their next step
+        (a rank that joined before its first step has not agreed yet)."""
+        self.adopt_shared_state(last, like, name)
+        self._agreed_in = None
 
     def start_bucket(self, bucket: Bucket, grads: Sequence, flat=None) -> "BucketPending":
         """Compensate, compress and launch the one collective of ``bucket``; ``grads`` are its
@@ -1276,6 +1331,7 @@ class Exchange:
         memory = self._by_name("memory", state["memory"], _state_view)
         state["memory"] = {name: _copied(value) for name, value in memory.items()}
         state["origin"] = self._origin()
+        state["method"] = checkpoint.method_of(self.compression)
         return state
 
     def _origin(self) -> Dict[str, Any]:
@@ -1337,9 +1393,13 @@ class Exchange:
         saved by another rank brings its step counters and shared state, but not its memory
         (see ``_check_origin``)."""
         origin = state.get("origin")
+        checkpoint.check_method(state.get("method"), self.compression)
         state = {table: dict(values) for table, values in state.items() if table in TABLES}
         for table in TABLES:
             state.setdefault(table, {})
+        self._check_loaded(state, self._tensors)
+        # checked again once the gradients are known
+        self._unchecked = None if self._tensors else {table: dict(values) for table, values in state.items()}
         # copies: the exchange writes its memory buffers again in later steps (spares)
         state["memory"] = {name: _copied(value) for name, value in state["memory"].items()}
         self._check_origin(origin, state)

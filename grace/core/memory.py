@@ -24,6 +24,11 @@ class Memory:
     #: p = g and nothing is kept: a compressor may read the gradients as they are
     passes_gradient: bool = False
 
+    def fits(self, compressor) -> bool:
+        """Whether this memory's formula applies to ``compressor``'s payloads (checked when a
+        method is built)."""
+        return True
+
     def init(self, xp, g) -> Optional[Any]:
         """The state before the first step (None: this memory keeps none for ``g``)."""
         return None

@@ -656,7 +656,7 @@ def qsgd_compress(x, u, levels: int, bucket_size: int = 0, norms=None):
     b = _float32(kind, x)
     ub = _draws(kind, u, b.n)
     bits = code_width(2 * (levels + 1))
-    bucket = int(bucket_size) if bucket_size else max(b.n, 1)
+    bucket = qsgd_bucket(b.n, bucket_size)
     rows = -(-b.n // bucket)
     have_norms = norms is not None
     nb = _same_kind(kind, norms, "float32") if have_norms else kind.empty(rows, "float32")
@@ -689,7 +689,7 @@ def qsgd_decompress(packed, norms, numel: int, levels: int, bucket_size: int = 0
     bits = code_width(2 * (levels + 1))
     out = _decode_out(kind, numel)
     if numel:
-        bucket = int(bucket_size) if bucket_size else max(int(numel), 1)
+        bucket = qsgd_bucket(int(numel), bucket_size)
         call(kind, "qsgd_decode", p.ptr, out.n, int(levels), bucket, bits, nb.ptr, out.ptr)
     return _wrap(kind, out)
 
@@ -736,7 +736,7 @@ def qsgd_compress_drawn(x, words, levels: int, bucket_size: int = 0):
     kind = _cpu_kind(x)
     b = _float32(kind, x)
     bits = code_width(2 * (levels + 1))
-    bucket = int(bucket_size) if bucket_size else max(b.n, 1)
+    bucket = qsgd_bucket(b.n, bucket_size)
     norms = kind.empty(-(-b.n // bucket), "float32")
     out = kind.empty(packed_size(b.n, bits), "uint8")
     if call(kind, "qsgd_compress_drawn", b.ptr, b.n, int(words[0]), int(words[1]), int(levels), bucket, bits,
@@ -764,7 +764,7 @@ def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int
         "signsgd": [("uint8", [packed_size(n, 1) for n in numels])],
         "terngrad": [("uint8", [packed_size(n, 2) for n in numels]), ("float32", [1] * len(numels))],
         "qsgd": [("uint8", [packed_size(n, bits) for n in numels]),
-                 ("float32", [-(-n // (int(bucket_size) or max(n, 1))) for n in numels])],
+                 ("float32", [_qsgd_rows(n, bucket_size) for n in numels])],
         "natural": [("uint8", [packed_size(n, 1) for n in numels]), ("uint8", numels)],
     }[method]
     addresses, views = _placed(kind, into, [dtype for _ in numels for dtype, _ in fields],
@@ -1145,8 +1145,14 @@ def terngrad_decompress_segments(packed, scale, numels):
     return _wrap(kind, out)
 
 
+def qsgd_bucket(n: int, bucket_size: int) -> int:
+    """QSGD's bucket in a tensor of n elements: ``bucket_size``, or the whole tensor (0, or one
+    past its end: the same norm and draws, no padding)."""
+    return min(int(bucket_size), max(n, 1)) if bucket_size else max(n, 1)
+
+
 def _qsgd_rows(n: int, bucket_size: int) -> int:
-    return -(-n // (int(bucket_size) or n))
+    return -(-n // qsgd_bucket(n, bucket_size))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1157,7 +1163,7 @@ def _qsgd_rows_total(numels: tuple, bucket_size: int) -> int:
 def qsgd_compress_segments(x, starts, numels, u, draw_starts, levels: int, bucket_size: int = 0):
     """qsgd_compress of each segment: (every segment's codes in a row, its norms in a row);
     segment s draws one per element of its whole buckets of ``bucket_size``."""
-    padded = [_qsgd_rows(n, bucket_size) * (int(bucket_size) or n) for n in numels]
+    padded = [_qsgd_rows(n, bucket_size) * qsgd_bucket(n, bucket_size) for n in numels]
     kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, padded)
     bits = code_width(2 * (levels + 1))
     out = kind.empty(_packed_total(tuple(numels), bits), "uint8")
@@ -1169,7 +1175,7 @@ def qsgd_compress_segments(x, starts, numels, u, draw_starts, levels: int, bucke
     at, row = 0, 0
     for start, n, drawn in zip(starts, numels, draw_starts):
         rc = call(kind, "qsgd_compress", b.ptr + 4 * start, ub.ptr + 4 * drawn, n, int(levels),
-                  int(bucket_size) or n, bits, norms.ptr + 4 * row, 0, out.ptr + at)
+                  qsgd_bucket(n, bucket_size), bits, norms.ptr + 4 * row, 0, out.ptr + at)
         if rc != 0:
             raise ValueError(f"bad QSGD parameters: levels={levels}, bits={bits}")
         at, row = at + packed_size(n, bits), row + _qsgd_rows(n, bucket_size)
@@ -1188,7 +1194,7 @@ def qsgd_decompress_segments(packed, norms, numels, levels: int, bucket_size: in
         return _wrap(kind, out)
     at, row, start = 0, 0, 0
     for n in numels:
-        call(kind, "qsgd_decode", p.ptr + at, n, int(levels), int(bucket_size) or n, bits, nb.ptr + 4 * row,
+        call(kind, "qsgd_decode", p.ptr + at, n, int(levels), qsgd_bucket(n, bucket_size), bits, nb.ptr + 4 * row,
              out.ptr + 4 * start)
         at, row, start = at + packed_size(n, bits), row + _qsgd_rows(n, bucket_size), start + n
     return _wrap(kind, out)

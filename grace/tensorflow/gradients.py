@@ -14,7 +14,8 @@ import tensorflow as tf
 from horovod.tensorflow import mpi_ops
 
 from grace.core.compression import GradientCompression
-from grace.core.exchange import Exchange
+from grace.core import portable
+from grace.core.exchange import Exchange, _on_host
 from grace.core.state import TABLES
 from grace.tensorflow.communicator import HorovodCommunicator
 from grace.tensorflow.state import VariableStore, VariableWireStats
@@ -25,24 +26,27 @@ _PENDING: Dict[tuple, Any] = {}  # shared state from rank 0 for exchanges this p
 
 
 class GradientExchange:
-    """The reduction of one model's gradients. Its state is per configuration and variables: an
+    """The reduction of one model's gradients. Its state belongs to the variables it reduces
+    for, by identity: the same compression object called for another model's variables (a
+    second tape, a new model with the same variable names) runs a state of their own. An
     equal compression built again for the same variables (every step, or in every trace, as
     Horovod's own examples do inside ``tf.function``) continues the state of the first one,
     unless it was given a state of its own (``load_state_dict``) before its first step."""
 
     def __init__(self, compression: GradientCompression, op=mpi_ops.Average, sparse_as_dense=False,
                  process_set=mpi_ops.global_process_set):
-        self._arguments = (compression, op, process_set)
+        self._arguments = (compression, op, sparse_as_dense, process_set)
         self._own = None  # made on first use: its wire counters are variables, which a later trace cannot create
         self.sparse_as_dense = sparse_as_dense
         self._configuration = (repr(compression), op, sparse_as_dense, process_set.process_set_id)
-        self._running = None  # the exchange that runs this one's steps: itself, or its equal
+        self._variables = None  # weak references to the variables this one runs for, once bound
+        self._runners: List[tuple] = []  # (weak references to variables, the GradientExchange that runs them)
         self._key = None  # once it runs itself: its configuration and variables' names (see _bind)
 
     @property
     def _exchange(self) -> Exchange:
         if self._own is None:
-            compression, op, process_set = self._arguments
+            compression, op, _, process_set = self._arguments
             # Horovod's TensorFlow recipes broadcast variables after the first step, so a
             # checkpoint loaded on rank 0 alone reaches the others' step counters only through grace
             self._own = Exchange(compression, HorovodCommunicator(process_set), average=op == mpi_ops.Average,
@@ -51,7 +55,8 @@ class GradientExchange:
 
     @property
     def exchange(self) -> Exchange:
-        return (self._running or self)._exchange
+        """The exchange of the first variables this one reduced for (``for_variables``: others')."""
+        return (self._runners[0][1] if self._runners else self)._exchange
 
     @property
     def stats(self):
@@ -62,39 +67,50 @@ class GradientExchange:
         """The state variables (memory, compressor state, step counters), for checkpoints."""
         return self.exchange.store.variables
 
-    def _bind(self, variables) -> "GradientExchange":
-        """At the first step: an exchange of an equal configuration that already runs for these
-        very variables, or this one."""
+    def for_variables(self, variables) -> "GradientExchange":
+        """The exchange that reduces gradients of ``variables`` (these very objects) with this
+        configuration: one already running for them, or a new one, bound to them."""
         wanted = list(variables or [])
+        for refs, runner in self._runners:
+            if _same(refs, wanted):
+                return runner
+        runner = self._bind(wanted) if self._variables is None else GradientExchange(*self._arguments)._bind(wanted)
+        self._runners.append(([weakref.ref(v) for v in wanted], runner))
+        return runner
+
+    def _bind(self, wanted) -> "GradientExchange":
+        """An exchange of an equal configuration that already runs for these very variables,
+        or this one, bound to them."""
         fresh = self._own is None or not any(self._own.store.tables[table] for table in TABLES)
         for configuration, refs, running in _prune_running() if wanted and fresh else []:
-            if configuration == self._configuration and len(refs) == len(wanted) \
-                    and all(r() is v for r, v in zip(refs, wanted)):
+            if configuration == self._configuration and _same(refs, wanted):
                 return running
-        _RUNNING.append((self._configuration, [weakref.ref(v) for v in wanted], self))
-        # who this exchange is across processes (Horovod's elastic sync): configuration and variables
-        self._key = self._configuration, tuple(v.name for v in wanted)
+        self._variables = [weakref.ref(v) for v in wanted]
+        # who this exchange is across processes (Horovod's elastic sync): configuration,
+        # variables' names, and its place among the exchanges of both (two models of one naming)
+        names = tuple(v.name for v in wanted)
+        twins = sum(1 for _, _, running in _RUNNING if running._key[:2] == (self._configuration, names))
+        self._key = self._configuration, names, twins
+        _RUNNING.append((self._configuration, self._variables, self))
         return self
 
     # Inside tf.function this runs as plain Python that builds ops (it never branches on a
     # tensor's value), so AutoGraph need not convert it, nor the backends it imports.
     @tf.autograph.experimental.do_not_convert
     def __call__(self, grads, variables=None, use_generic_names=False):
-        if self._running is None:
-            self._running = self._bind(variables)
-            pending = _PENDING.pop(self._key, None) if self._running is self else None
-            if pending is not None:  # joined an elastic job: rank 0's step counters (and PowerSGD's Q)
-                with tf.init_scope():
-                    self._exchange.load_shared_state(pending)
-        if self._running is not self:
-            return self._running(grads, variables, use_generic_names)
+        runner = self.for_variables(variables)
+        if runner is not self:
+            return runner(grads, variables, use_generic_names)
+        if self._key in _PENDING:  # joined an elastic job: rank 0's step counters (and PowerSGD's Q)
+            with tf.init_scope():
+                self._exchange.load_shared_state(_PENDING.pop(self._key))
         reduced = self._reduce(grads, variables, use_generic_names)
         if tf.executing_eagerly():
             return reduced
         # A traced step has the world size in its graph; Horovod's elastic training can change it.
         size = self._exchange.communicator.size
         check = tf.debugging.assert_equal(
-            mpi_ops.size_op(self._arguments[2].process_set_id), size,
+            mpi_ops.size_op(self._arguments[3].process_set_id), size,
             message=f"grace: this step was traced for a world of {size} ranks and the world has changed "
                     "(Horovod's elastic training); build the tf.function again in a reset callback "
                     "(state.register_reset_callbacks)")
@@ -124,6 +140,11 @@ class GradientExchange:
         else:  # buckets planned in backward order: the last variables first
             reduced = self._exchange.exchange(dict(reversed(list(dense.items()))))
         return [reduced.get(name) if grad is not None else None for name, grad in zip(names, grads)]
+
+
+def _same(refs, variables) -> bool:
+    """Whether weak references ``refs`` point at ``variables``, these very objects, in order."""
+    return len(refs) == len(variables) and all(r() is v for r, v in zip(refs, variables))
 
 
 def _prune_running() -> List[tuple]:
@@ -157,12 +178,13 @@ def sync_shared_state() -> None:
     """Every rank takes rank 0's shared state (step counters, PowerSGD's Q) of every exchange,
     as Horovod's elastic state objects sync after a reset; each keeps its own memory. An exchange
     this process has not run yet (it just joined) takes it at its first step. Every rank calls
-    this, whatever it runs: one broadcast."""
-    from horovod.tensorflow.functions import broadcast_object
-
+    this, whatever it runs: the states sent as data only (``grace.core.portable``)."""
     running = _running_exchanges()
-    shared = broadcast_object({key: exchange.exchange.shared_state() for key, exchange in running.items()},
-                              root_rank=0, name="grace.shared_state")
+    communicator = HorovodCommunicator()
+    mine = {key: _on_host(exchange.exchange.shared_state()) for key, exchange in running.items()} \
+        if communicator.rank == 0 else None
+    with tf.init_scope():
+        shared = portable.broadcast(communicator, mine, 0, tf.zeros(0), "grace.shared_state")
     for key, state in shared.items():
         if key in running:
             running[key].exchange.load_shared_state(state)

@@ -9,13 +9,19 @@ The changes grace makes to Horovod's PyTorch namespace:
   must share (step counters, PowerSGD's Q), so that Horovod's resume recipe (rank 0 loads,
   then broadcasts) and an elastic reset leave no rank behind;
 - ``horovod.torch.join`` refuses clearly while a grace optimizer exchanges by allgather or
-  broadcast (Horovod fills in a joined rank's part of allreduce only).
+  broadcast (Horovod fills in a joined rank's part of allreduce only); once every rank has
+  joined, each grace optimizer takes the step counters and shared state of the rank that
+  joined last (the others skipped steps: their draws would no longer agree).
 """
 import functools
 import inspect
 import sys
 
+import torch
+
 from grace.core.compression import GradientCompression
+
+_HOST = torch.zeros(0)  # where grace's shared state travels: host tensors
 
 
 def install(hvd_torch) -> None:
@@ -45,19 +51,17 @@ def install(hvd_torch) -> None:
         original_broadcast(optimizer, root_rank, *args, **kwargs)
         exchange = getattr(optimizer, "_grace", None)
         if exchange is not None:
-            shared = hvd_torch.broadcast_object(exchange.shared_state(), root_rank,
-                                                name="grace.shared_state",
-                                                process_set=exchange.communicator.process_set)
-            exchange.load_shared_state(shared)
+            exchange.adopt_shared_state(root_rank, _HOST)
 
     original_join = hvd_torch.join
 
     @functools.wraps(original_join)
     def join(*args, **kwargs):
         from grace.core.compressor import Collective
-        from grace.torch.optimizer import LIVE
+        from grace.torch.optimizer import made_optimizers
 
-        for optimizer in list(LIVE):
+        optimizers, made = made_optimizers()
+        for _, optimizer in optimizers:
             compression = optimizer._grace.compression
             if compression.collective is not Collective.ALLREDUCE:
                 raise RuntimeError(
@@ -65,7 +69,15 @@ def install(hvd_torch) -> None:
                     f"part of an allreduce only, and this method exchanges by {compression.collective.value}. "
                     "Give every rank the same number of steps, or use an allreduce method (none, fp16, randomk, "
                     "powersgd, or communicator='allreduce' where the method allows it)")
-        return original_join(*args, **kwargs)
+        last = original_join(*args, **kwargs)
+        # the optimizers alive on every rank (of the global set) take the last rank's counters
+        alive = torch.zeros(made, dtype=torch.int64)
+        alive[[i for i, optimizer in optimizers if optimizer._grace.communicator.process_set.process_set_id == 0]] = 1
+        alive = hvd_torch.allreduce(alive, op=hvd_torch.Sum, name="grace.join.alive") if made else alive
+        for i, optimizer in optimizers:
+            if alive[i] == hvd_torch.size():
+                optimizer._grace.after_join(last, _HOST, name=f"grace.join.{i}")
+        return last
 
     join.__grace_original__ = original_join
     hvd_torch.join = join

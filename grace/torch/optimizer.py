@@ -9,6 +9,7 @@ Horovod a callable that finishes it. Everything else is Horovod's code, unmodifi
 from __future__ import annotations
 
 import weakref
+from typing import List
 
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
@@ -21,8 +22,14 @@ from grace.torch.communicator import HorovodCommunicator
 from grace.torch.parameters import gradient_specs
 
 
-#: every grace optimizer alive in this process (hvd.join checks their collectives)
-LIVE: "weakref.WeakSet" = weakref.WeakSet()
+_MADE: List[weakref.ref] = []  # every grace optimizer made in this process, in order
+
+
+def made_optimizers() -> List[tuple]:
+    """(place in the order of making, optimizer) of the grace optimizers alive in this process,
+    and how many were made. Every rank makes the same optimizers in the same order, but may
+    free them at other times (the garbage collector), so ranks match optimizers by place."""
+    return [(i, ref()) for i, ref in enumerate(_MADE) if ref() is not None], len(_MADE)
 
 
 class _GraceOptimizer:
@@ -35,7 +42,7 @@ class _GraceOptimizer:
                                    backward_passes_per_step, op, 1.0, None, sparse_as_dense, process_set)
         # in place, as Horovod's own allreduce: Horovod sets p.grad to the result
         self._grace = Exchange(compression, HorovodCommunicator(process_set), average=op == Average, in_place=True)
-        LIVE.add(self)
+        _MADE.append(weakref.ref(self))
         self._grace_buckets = None
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         specs = gradient_specs((self._parameter_names[p], p) for p in reversed(params))

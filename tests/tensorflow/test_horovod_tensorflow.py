@@ -199,3 +199,37 @@ def test_keras_fit_with_horovods_callbacks():
     """)
     steps, lr, improved = out.split()
     assert (int(steps), float(lr), improved) == (12, pytest.approx(0.1), "True")
+
+
+@pytest.mark.parametrize("bucket_mb", [25, 0])
+def test_models_with_the_same_names_never_share_state(bucket_mb):
+    """One compression object used by two tapes over two models whose variables have the same
+    names (and by a new model built later) must give each model its own memory: the weights
+    equal those of a run with one compression per model."""
+    out = run(f"""
+    import grace
+    import horovod.tensorflow as hvd
+    hvd.init()
+    xs = [tf.constant(np.random.default_rng(i).standard_normal(40), tf.float32) for i in range(5)]
+    def model():
+        return tf.Variable(tf.ones(40), name="w")
+    def train(models, compressions, traced):
+        def step(w, x, compression):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * w * x)
+            grad = hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, [w])[0]
+            w.assign_sub(0.1 * grad)
+        for x in xs:
+            for w, compression in zip(models, compressions):
+                (tf.function(step) if traced else step)(w, x, compression)
+        return np.stack([w.numpy() for w in models])
+    for traced in (False, True):
+        shared = grace.topk(0.1, bucket_mb={bucket_mb})
+        together = train([model(), model()], [shared, shared], traced)
+        apart = train([model(), model()], [grace.topk(0.1, bucket_mb={bucket_mb}) for _ in range(2)], traced)
+        later = train([model()], [shared], traced)  # a new model, the same names and compression
+        fresh = train([model()], [grace.topk(0.1, bucket_mb={bucket_mb})], traced)
+        print(float(np.abs(together - apart).max()), float(np.abs(later - fresh).max()))
+    """)
+    for line in out.strip().splitlines():
+        assert [float(v) for v in line.split()] == [0.0, 0.0]

@@ -35,7 +35,7 @@ def test_ratio_outside_0_1_is_refused_at_construction(factory, ratio):
     (lambda: grace.topk(0.1, communicator="allreduce"), "cannot carry TopK payloads"),
     (lambda: grace.threshold(0.1, communicator="allreduce"), "cannot carry Threshold payloads"),
     (lambda: grace.fp16("int8"), "dtype must be 'float16' or 'bfloat16'"),
-    (lambda: grace.randomk(0.1, seed=-1), "seed must be a non-negative integer"),
+    (lambda: grace.randomk(0.1, seed=-1), "seed must be a non-negative integer below 2\\*\\*24"),
     (lambda: grace.ResidualMemory(beta=-1), "beta must be a finite number >= 0"),
     (lambda: grace.create("bogus"), "unknown compression method 'bogus'"),
     (lambda: grace.from_params({"compressor": "bogus"}), "unknown compression method 'bogus'"),
@@ -94,3 +94,66 @@ def test_every_registered_method_is_under_test():
                                                         for k in labels)}
         registered = {type(METHODS[name]().compressor) for name in registry.methods(None)}
         assert registered <= tested, registered - tested
+
+
+SEEDED = ["randomk", "qsgd", "natural", "terngrad", "powersgd", "dgc"]
+
+
+@pytest.mark.parametrize("seed", [None, 1.5, float("nan"), "3", -1, True, 2**24])
+@pytest.mark.parametrize("method", SEEDED)
+def test_a_bad_seed_is_refused_at_construction(method, seed):
+    make = registry.examples(method=method)[method]
+    with pytest.raises(ValueError, match=r"seed must be a non-negative integer below 2\*\*24"):
+        make.func(*make.args, **{**make.keywords, "seed": seed})
+
+
+def test_a_seed_is_taken_from_grace_dictionaries_too():
+    with pytest.raises(ValueError, match="seed must be"):
+        grace.from_params({"compressor": "qsgd", "quantum_num": 8, "seed": "3"})
+    assert grace.from_params({"compressor": "qsgd", "quantum_num": 8, "seed": 3}).compressor.seed == 3
+
+
+MEMORIES = ["none", "residual", "dgc", "powersgd"]
+
+
+@pytest.mark.parametrize("memory", MEMORIES)
+@pytest.mark.parametrize("method", [m for m in registry.methods() if m != "efsignsgd"])  # (its memory needs lr)
+def test_a_memory_either_fits_its_method_or_is_refused_at_construction(method, memory):
+    """Each named memory with each method: refused when the method is built, with a ValueError
+    naming the memory, or it runs steps on NumPy and PyTorch, per tensor and in buckets."""
+    torch = pytest.importorskip("torch")
+    make = registry.examples(method=method)[method]
+    try:
+        compression = make.func(*make.args, **{**make.keywords, "memory": memory})
+    except ValueError as error:
+        assert "memory" in str(error)
+        return
+    rng = np.random.default_rng(0)
+    for convert in (np.asarray, torch.from_numpy):
+        for bucket_mb in (0, 25):
+            compression.bucket_mb = bucket_mb
+            exchange = Exchange(compression, LocalCommunicator())
+            for _ in range(2):
+                out = exchange.exchange({"w": convert(rng.standard_normal((8, 6)).astype(np.float32)),
+                                         "b": convert(rng.standard_normal(6).astype(np.float32))})
+                assert all(np.isfinite(np.asarray(v)).all() for v in out.values())
+
+
+def test_powersgd_memory_is_refused_for_other_methods():
+    with pytest.raises(ValueError, match="memory PowerSGDMemory cannot be used with TopK"):
+        grace.topk(0.1, memory="powersgd")
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 25])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_qsgd_bucket_beyond_a_tensor_is_the_whole_tensor(backend, bucket_mb):
+    """bucket_size=10**12 used to pad every tensor to 10**12 elements (a step that never ends)."""
+    convert = np.asarray if backend == "numpy" else pytest.importorskip("torch").from_numpy
+    rng = np.random.default_rng(1)
+    grads = {f"g{n}": rng.standard_normal(n).astype(np.float32) for n in (1, 7, 33, 100)}
+    outs = []
+    for bucket_size in (10**12, 0):
+        exchange = Exchange(grace.qsgd(8, bucket_size=bucket_size, bucket_mb=bucket_mb), LocalCommunicator())
+        outs.append(exchange.exchange({k: convert(v.copy()) for k, v in grads.items()}))
+    for name in grads:
+        np.testing.assert_array_equal(np.asarray(outs[0][name]), np.asarray(outs[1][name]))
