@@ -168,11 +168,16 @@ def test_a_state_dict_is_a_copy_of_the_reused_buffers(xp):
 
 
 class NamingReplica(ReplicaCommunicator):
-    """A world of ranks that all send what this one sends; the names of its allgathers."""
+    """A world of ranks that all send what this one sends; the names of its allgathers and
+    allreduces (the first-step check)."""
 
     def __init__(self, size: int):
         super().__init__(size)
         self.names = []
+
+    def allreduce_async(self, tensor, name):
+        self.names.append(name)
+        return super().allreduce_async(tensor, name)
 
     def allgather_async(self, tensor, name):
         self.names.append(name)
