@@ -31,6 +31,12 @@ def code_width(levels: int) -> int:
     return bits
 
 
+def qsgd_bucket(numel: int, bucket_size: int) -> int:
+    """QSGD's bucket in a tensor of ``numel`` elements: ``bucket_size``, or the whole tensor (0, or
+    one past its end: the same norm and draws, no padding to a bucket that is mostly zeros)."""
+    return min(int(bucket_size), max(numel, 1)) if bucket_size else max(numel, 1)
+
+
 def packed_size(numel: int, bits: int) -> int:
     """Bytes that hold ``numel`` codes of ``bits`` bits each."""
     return (numel * bits + 7) // 8

@@ -13,6 +13,7 @@ from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape, check_seed, drawn_natively
 from grace.core.registry import example, register
+from grace.formats import qsgd_bucket
 from grace.memories import make_memory
 
 
@@ -35,9 +36,8 @@ class QSGD(Compressor):
         self.bits = bits.code_width(2 * (levels + 1))
 
     def _bucket(self, d: int) -> int:
-        """The bucket of a tensor of d elements: a bucket_size beyond d is the whole tensor, as 0 is
-        (the same norm and draws, without padding to a bucket that is mostly zeros)."""
-        return min(self.bucket_size, max(d, 1)) if self.bucket_size else max(d, 1)
+        """The bucket of a tensor of d elements (a bucket_size beyond d is the whole tensor)."""
+        return qsgd_bucket(d, self.bucket_size)
 
     def _buckets(self, xp, flat, d):
         """(rows, b) view of the flat tensor, zero-padded to whole buckets."""

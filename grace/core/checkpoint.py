@@ -9,13 +9,13 @@ that names the parameter and what to do.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
-from grace.backends import backend_for, get_backend
+from grace.backends import get_backend
+from grace.core import portable
 from grace.core.compressor import TensorInfo
 
 #: no run takes 2**40 steps; a larger (or negative) counter is a corrupted checkpoint
@@ -25,12 +25,6 @@ STEP_LIMIT = 2**40
 def method_of(compression) -> Dict[str, str]:
     """What a saved state records of the method that saved it."""
     return {"compressor": type(compression.compressor).__name__, "memory": type(compression.memory).__name__}
-
-
-def _host(value) -> np.ndarray:
-    if isinstance(value, (numbers.Number, np.ndarray, np.generic)):
-        return np.asarray(value)
-    return np.asarray(backend_for(value).to_numpy(value))
 
 
 @dataclass(frozen=True)
@@ -45,13 +39,13 @@ class Leaf:
 
 
 def _layout(value) -> Any:
-    """None, a Leaf, or a tuple of those: what a state value is made of."""
+    """None, a Leaf, or a tuple of those: what a state value (on the host) is made of."""
     if value is None:
         return None
     if isinstance(value, (tuple, list)):
         return tuple(_layout(v) for v in value)
-    host = _host(value)
-    return Leaf(tuple(host.shape), host.dtype.name)
+    value = np.asarray(value)
+    return Leaf(tuple(value.shape), value.dtype.name)
 
 
 def _shapes(layout):
@@ -71,7 +65,7 @@ def _shown(layout) -> str:
 
 
 def _check_step(name: str, value) -> None:
-    host = _host(value)
+    host = np.asarray(portable.on_host(value))
     ok = host.shape == () and (host.dtype.kind in "iu") and 0 <= int(host) < STEP_LIMIT
     if not ok:
         raise ValueError(f"grace: the checkpoint's step counter of {name!r} is {value!r}; a counter is an integer "
@@ -82,7 +76,7 @@ def _check_finite(table: str, name: str, value) -> None:
     for part in value if isinstance(value, (tuple, list)) else (value,):
         if part is None:
             continue
-        host = _host(part)
+        host = np.asarray(part)
         if host.dtype.kind == "f" or host.dtype.name == "bfloat16":
             if not np.isfinite(host.astype(np.float64)).all():
                 raise ValueError(f"grace: the checkpoint's {table} of {name!r} holds an inf or a NaN; it would "
@@ -114,6 +108,7 @@ def check_state(state: Dict[str, Dict[str, Any]], compression, tensors: Iterable
                 continue
             if value is None:
                 continue
+            value = portable.on_host(value)  # (once: a device's tensors are read back here)
             _check_finite(table, name, value)
             if not known or (table == "state" and not per_name_state):
                 continue

@@ -204,17 +204,6 @@ def _poisoned(xp, t, overflow):
     return xp.where(overflow > 0, float("nan"), t)
 
 
-def _on_host(value):
-    """``value`` (nested dicts and tuples of tensors and numbers) with NumPy arrays for tensors."""
-    if isinstance(value, dict):
-        return {k: _on_host(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_on_host(v) for v in value)
-    if isinstance(value, (int, float, np.ndarray, np.generic)):
-        return value
-    return backend_for(value).to_numpy(value)
-
-
 #: seconds a rank waits for the others' first-step agreement before it says why it may never come
 STALL_SECONDS = float(os.environ.get("GRACE_STALL_SECONDS", "20"))
 
@@ -549,8 +538,8 @@ class Exchange:
             with _told_if_stalled(comm.rank):
                 wait = comm.allreduce_async(xp.asarray(mine.reshape(-1), like=like), "grace.agreement")
                 table = np.asarray(xp.host_ints(wait(), comm.size * width)).reshape(comm.size, width)
-        present = [r for r in range(comm.size) if table[r, 0]]
-        first = present[0] if present else comm.rank
+        present = [r for r in range(comm.size) if table[r, 0]]  # (this rank among them)
+        first = present[0]
         for i, (what, text) in enumerate(parts.items(), start=1):
             differ = [r for r in present if table[r, i] != table[first, i]]
             if differ and what == "step counters" and self.shared_state_from_rank_0 and adopt and first == 0:
@@ -573,8 +562,7 @@ class Exchange:
         keeping its own memory, sent as data only (``grace.core.portable``). Every rank of the
         communicator calls it; ``like``: a tensor of the toolkit; ``name`` names the collectives."""
         comm = self.communicator
-        shared = portable.broadcast(comm, _on_host(self.shared_state()) if comm.rank == root else None, root,
-                                    like, name)
+        shared = portable.broadcast(comm, self.shared_state() if comm.rank == root else None, root, like, name)
         if comm.rank != root:
             self.load_shared_state(shared)
 

@@ -15,6 +15,7 @@ from typing import Any, List
 import numpy as np
 
 from grace.backends import backend_for
+from grace.backends.numpy_backend import _np_dtype
 
 #: the dtypes an array may have on the wire (bfloat16 through ml_dtypes)
 DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -25,11 +26,19 @@ _HEADER = 8  # bytes: the description's length, little-endian
 def _dtype(name: str) -> np.dtype:
     if name not in DTYPES:
         raise ValueError(f"grace: a peer sent an array of dtype {name!r}; only {', '.join(DTYPES)} are read")
-    if name == "bfloat16":
-        import ml_dtypes
+    return _np_dtype(name)
 
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+
+def on_host(value):
+    """``value`` (nested dicts, lists and tuples of tensors and plain values) with NumPy arrays
+    for the tensors."""
+    if isinstance(value, dict):
+        return {k: on_host(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(on_host(v) for v in value)
+    if value is None or isinstance(value, (int, float, str, np.ndarray, np.generic)):
+        return value
+    return backend_for(value).to_numpy(value)
 
 
 def _describe(value, arrays: List[np.ndarray]) -> Any:
@@ -100,11 +109,11 @@ def decode(data: np.ndarray):
 
 
 def broadcast(communicator, value, root: int, like, name: str):
-    """Rank ``root``'s ``value`` (the others pass anything, e.g. None), on every rank of
-    ``communicator``: its encoding's length in one broadcast, its bytes in another, as tensors
-    like ``like`` (the toolkit's)."""
+    """Rank ``root``'s ``value`` (tensors of any toolkit in it arrive as NumPy arrays; the other
+    ranks pass anything, e.g. None), on every rank of ``communicator``: its encoding's length in
+    one broadcast, its bytes in another, as tensors like ``like`` (the toolkit's)."""
     xp = backend_for(like)
-    data = encode(value) if communicator.rank == root else np.zeros(0, np.uint8)
+    data = encode(on_host(value)) if communicator.rank == root else np.zeros(0, np.uint8)
     length = communicator.broadcast_async(xp.asarray(np.array([data.size], np.int64), like=like), root,
                                           f"{name}.length")()
     size = int(xp.to_numpy(length)[0])

@@ -63,7 +63,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
-from grace.formats import ITEMSIZE, code_width, index_dtype, packed_size
+from grace.formats import ITEMSIZE, code_width, index_dtype, packed_size, qsgd_bucket
 from grace.native._arrays import (DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, TensorBuf, call, dlpack_info,
                                   kind_of, same_device)
 from grace.native import _arrays
@@ -1143,12 +1143,6 @@ def terngrad_decompress_segments(packed, scale, numels):
         call(kind, "terngrad_decode", p.ptr + at, n, sc.ptr + 4 * s, out.ptr + 4 * start)
         at, start = at + packed_size(n, 2), start + n
     return _wrap(kind, out)
-
-
-def qsgd_bucket(n: int, bucket_size: int) -> int:
-    """QSGD's bucket in a tensor of n elements: ``bucket_size``, or the whole tensor (0, or one
-    past its end: the same norm and draws, no padding)."""
-    return min(int(bucket_size), max(n, 1)) if bucket_size else max(n, 1)
 
 
 def _qsgd_rows(n: int, bucket_size: int) -> int:

@@ -15,7 +15,7 @@ from horovod.tensorflow import mpi_ops
 
 from grace.core.compression import GradientCompression
 from grace.core import portable
-from grace.core.exchange import Exchange, _on_host
+from grace.core.exchange import Exchange
 from grace.core.state import TABLES
 from grace.tensorflow.communicator import HorovodCommunicator
 from grace.tensorflow.state import VariableStore, VariableWireStats
@@ -181,7 +181,7 @@ def sync_shared_state() -> None:
     this, whatever it runs: the states sent as data only (``grace.core.portable``)."""
     running = _running_exchanges()
     communicator = HorovodCommunicator()
-    mine = {key: _on_host(exchange.exchange.shared_state()) for key, exchange in running.items()} \
+    mine = {key: exchange.exchange.shared_state() for key, exchange in running.items()} \
         if communicator.rank == 0 else None
     with tf.init_scope():
         shared = portable.broadcast(communicator, mine, 0, tf.zeros(0), "grace.shared_state")

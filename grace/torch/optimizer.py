@@ -9,7 +9,7 @@ Horovod a callable that finishes it. Everything else is Horovod's code, unmodifi
 from __future__ import annotations
 
 import weakref
-from typing import List
+from typing import List, Tuple
 
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
@@ -25,7 +25,7 @@ from grace.torch.parameters import gradient_specs
 _MADE: List[weakref.ref] = []  # every grace optimizer made in this process, in order
 
 
-def made_optimizers() -> List[tuple]:
+def made_optimizers() -> Tuple[List[tuple], int]:
     """(place in the order of making, optimizer) of the grace optimizers alive in this process,
     and how many were made. Every rank makes the same optimizers in the same order, but may
     free them at other times (the garbage collector), so ranks match optimizers by place."""
