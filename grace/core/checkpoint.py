@@ -9,6 +9,7 @@ that names the parameter and what to do.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Tuple
 
@@ -131,3 +132,26 @@ def check_state(state: Dict[str, Dict[str, Any]], compression, tensors: Iterable
                 raise ValueError(f"grace: the checkpoint's {table} of {name!r} is {', '.join(_dtypes(got))}, and this "
                                  f"optimizer keeps {', '.join(_dtypes(want))} there (a {dtype} gradient); cast the "
                                  "saved values, or leave that entry out")
+
+
+def check_origin(origin, state: Dict[str, Dict[str, Any]], rank: int, size: int, process: str,
+                 shared_state: bool) -> None:
+    """The rule for a state saved elsewhere (``origin``: its rank, world size and process).
+    Another rank's memory is that rank's unsent gradient: loaded on every rank it would be sent n
+    times, so it is dropped (and per-rank method state with it, unless the method's state is
+    ``shared_state``) with a warning; this rank starts with empty memory. Another world size
+    keeps everything, with a warning. A state this very ``process`` saved (an elastic reset, a
+    state kept in memory) is its own, whatever its rank was."""
+    if not origin or origin.get("process") == process:
+        return
+    saved_rank, saved_size = int(origin["rank"]), int(origin["size"])
+    if saved_rank != rank:
+        state["memory"] = {}
+        if not shared_state:
+            state["state"] = {}
+        warnings.warn(f"grace: this checkpoint holds rank {saved_rank}'s error-feedback memory; rank {rank} starts "
+                      "with empty memory instead (save and load one checkpoint per rank to keep it)", RuntimeWarning,
+                      stacklevel=3)
+    elif saved_size != size:
+        warnings.warn(f"grace: this checkpoint was saved in a world of {saved_size} ranks, this one has {size}; its "
+                      "memory is loaded as it is", RuntimeWarning, stacklevel=3)

@@ -4,11 +4,18 @@
 traced into graphs subclasses it to keep each value in variables created once, on first use,
 from the ``init`` the memory or compressor provides (``grace.tensorflow.VariableStore``).
 A value of None means "no state" and is never stored.
+
+A bucket with one flat memory keeps its values under its own key; they are saved per gradient
+name (``by_name``) and taken back per bucket (``gather``), so a checkpoint loads under any bucket
+size.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Callable, Dict
+
+from grace.backends import backend_for
+from grace.core.buffers import flat_concat
 
 TABLES = ("memory", "state", "steps")
 
@@ -47,3 +54,64 @@ class StateStore:
             self.tables[table] = {}
             for name, value in state.get(table, {}).items():
                 self.set(table, name, value)
+
+
+def state_view(value, segment):
+    """A segment's part of a flat state value (a tensor, or a tuple of them), in its shape."""
+    if isinstance(value, tuple):
+        return tuple(state_view(t, segment) for t in value)
+    return backend_for(value).reshape(value[segment.offset:segment.offset + segment.numel], segment.shape)
+
+
+def copied(value):
+    """A copy of a state value (a tensor, a tuple of them, or None)."""
+    if value is None:
+        return None
+    xp = backend_for(value[0] if isinstance(value, tuple) else value)
+    return tuple(xp.copy(t) for t in value) if isinstance(value, tuple) else xp.copy(value)
+
+
+def by_name(table: str, values: Dict[str, Any], buckets: Dict[str, Any]) -> Dict[str, Any]:
+    """``values`` with each bucket's entry split into its gradients' (a step counter is each
+    gradient's; a flat memory is cut per segment)."""
+    out = {}
+    for key, value in values.items():
+        bucket = buckets.get(key)
+        if bucket is None:
+            out[key] = value
+        else:
+            out.update((s.name, value if table == "steps" else state_view(value, s)) for s in bucket.segments)
+    return out
+
+
+def gather(bucket, tables: Dict[str, Dict[str, Any]], memory, xp, like, flat_memory: bool) -> Dict[str, Any]:
+    """Pop the per-name steps (and, for a bucket with a flat memory, the memories) of
+    ``bucket``'s gradients from ``tables``; the bucket's own values: its step (the largest),
+    its flat memory (a gradient without one starts from ``memory``'s init)."""
+    out = {}
+    steps = [tables["steps"].pop(name) for name in bucket.names if name in tables["steps"]]
+    if steps:
+        out["steps"] = max(int(s) for s in steps)
+    memories = tables["memory"]
+    if flat_memory and any(name in memories for name in bucket.names):
+        parts = []
+        for s in bucket.segments:
+            value = memories.pop(s.name, None)
+            if value is None:
+                value = memory.init(xp, xp.zeros(s.numel, bucket.dtype, like=like))
+            parts.append(value)
+        out["memory"] = (tuple(flat_concat(xp, list(c)) for c in zip(*parts)) if isinstance(parts[0], tuple)
+                         else flat_concat(xp, parts))
+    return out
+
+
+def release(old, tables: Dict[str, Dict[str, Any]]) -> None:
+    """Bucket ``old`` hands its step counter and memory back per gradient name (its layout
+    ended: DDP rebuilt its buckets, or another plan took its gradients). Per-bucket compressor
+    state (``scope='bucket'``) belongs to the old layout and ends with it."""
+    for table in ("steps", "memory"):
+        value = tables[table].pop(old.key, None)
+        if value is not None:
+            for s in old.segments:
+                tables[table][s.name] = value if table == "steps" else copied(state_view(value, s))
+    tables["state"].pop(old.key, None)

@@ -47,7 +47,7 @@ class _GraceOptimizer:
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         specs = gradient_specs((self._parameter_names[p], p) for p in reversed(params))
         if compression.bucket_mb:  # planned in backward order: the last parameters first
-            self._grace_buckets = ReadyBuckets(self._grace, self._grace.plan(specs))
+            self._grace_buckets = ReadyBuckets(self._grace, self._grace.bucket_layout(specs))
         else:
             self._grace.expect(specs)
         # Horovod skips communication on a single rank; a compression method still applies

@@ -165,7 +165,7 @@ def test_a_flat_bucket_result_lands_in_ddp_buffer(method):
         want = ref.exchange(local_gradients(ddp, step))
         for name in got:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"step {{step}} {{name}}")
-    whole = sum(k in state.exchange._whole_of and state.exchange._whole_of[k] for k in state.exchange._buckets)
+    whole = sum(plan.flat_memory for plan in state.exchange.bucket_plans().values())
     poisoned = backward(ddp, 3, poison=True)
     print(whole, all(not torch.isfinite(g).any() for g in poisoned.values()),
           all(torch.isfinite(g).all() for g in backward(ddp, 3).values()))

@@ -45,6 +45,11 @@ def run(xp, compression, steps=3, exchange=None, first_step=0, bad_step=None):
     return exchange, outs
 
 
+def segmented_plans(exchange) -> list:
+    """The plans of an exchange's buckets that went segment-wise."""
+    return [plan for plan in exchange.bucket_plans().values() if plan.name == "segmented"]
+
+
 def assert_runs_equal(xp, want, got, what):
     (a, a_outs), (b, b_outs) = want, got
     for w, g in zip(a_outs, b_outs):
@@ -77,11 +82,12 @@ def test_segmented_equals_per_tensor_bit_for_bit(xp, method, communicator, bucke
     per_tensor = run(xp, make(0))
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
     segmented = run(xp, make(bucket_mb))
-    assert not units[0]._segmented
-    assert segmented[0]._segmented and set(segmented[0]._whole_of.values()) == {True}
+    assert not segmented_plans(units[0])
+    plans = segmented[0].bucket_plans().values()
+    assert segmented_plans(segmented[0]) and {plan.flat_memory for plan in plans} == {True}
     assert_runs_equal(xp, units, segmented, f"{method} {communicator}")
-    fixed = all(isinstance(frame, segments.SegmentedFrame) for _, frame in segmented[0]._segmented.values())
-    if fixed and not any(frame.size > 4 * table.numel + 8 for table, frame in segmented[0]._segmented.values()):
+    fixed = all(isinstance(plan.layout, segments.SegmentedFrame) for plan in segmented_plans(segmented[0]))
+    if fixed and not any(plan.layout.size > 4 * plan.table.numel + 8 for plan in segmented_plans(segmented[0])):
         # nothing went dense: the per-tensor exchange's results, with its bytes less the padding
         # (variable lengths: each rank decides per step; the bucketed results above are the oracle)
         for w, g in zip(per_tensor[1], segmented[1]):
@@ -114,11 +120,11 @@ def test_an_overflow_costs_one_segmented_step(accelerator, method, monkeypatch):
     as gradient by gradient."""
     xp = accelerator
     segmented = run(xp, with_buckets(METHODS[method], 0.002), steps=4, bad_step=1)
-    assert segmented[0]._segmented
+    assert segmented_plans(segmented[0])
     assert np.isnan(xp.to_numpy(segmented[1][1]["head"])).all()
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)  # (a real GPU too)
     units = run(xp, with_buckets(METHODS[method], 0.002), steps=4, bad_step=1)
-    assert not units[0]._segmented
+    assert not segmented_plans(units[0])
     assert_runs_equal(xp, units, segmented, method)
 
 
@@ -137,7 +143,7 @@ def test_one_collective_per_segmented_bucket(accelerator):
         names.clear()
         exchange.exchange(gradients(accelerator, step))
         sent = [n for n in names if n != "grace.agreement"]
-        assert len(sent) == len(exchange._buckets) == len(exchange._segmented) == len(set(sent))
+        assert len(sent) == len(exchange._buckets) == len(segmented_plans(exchange)) == len(set(sent))
 
 
 def test_float16_buckets_go_gradient_by_gradient(accelerator):
@@ -145,7 +151,7 @@ def test_float16_buckets_go_gradient_by_gradient(accelerator):
     grads = {name: accelerator.cast(g, "float16") for name, g in gradients(accelerator, 0).items()}
     exchange = grace.Exchange(grace.topk(0.1), ReplicaCommunicator(2))
     exchange.exchange(grads)
-    assert not exchange._segmented
+    assert not segmented_plans(exchange)
 
 
 def test_a_flat_bucket_buffer_as_ddp_hands_it(accelerator):
@@ -156,12 +162,12 @@ def test_a_flat_bucket_buffer_as_ddp_hands_it(accelerator):
     for step in range(3):
         grads = {n: g for n, g in gradients(xp, step).items() if xp.numel(g)}
         want = by_exchange.exchange(grads)
-        (bucket,) = by_buffer.plan([(n, xp.shape(g), xp.dtype(g), xp.device(g)) for n, g in grads.items()])
+        (bucket,) = by_buffer.bucket_layout([(n, xp.shape(g), xp.dtype(g), xp.device(g)) for n, g in grads.items()])
         flat = xp.concat([xp.flatten(grads[n]) for n in bucket.names])
         views = [xp.reshape(flat[s.offset:s.offset + s.numel], s.shape) for s in bucket.segments]
         got = by_buffer.finish_bucket(by_buffer.start_bucket(bucket, views, flat=flat))
         by_buffer.end_step()
-        assert by_buffer._segmented
+        assert segmented_plans(by_buffer)
         for name, value in zip(bucket.names, got):
             assert_same(xp, want[name], value, f"step {step}: {name}")
 
@@ -198,7 +204,7 @@ def test_segmented_top_k_with_and_without_memory(xp, memory, monkeypatch):
     per_tensor = run(xp, grace.topk(0.05, memory=memory, bucket_mb=0))
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
     segmented = run(xp, grace.topk(0.05, memory=memory, bucket_mb=0.002))
-    assert segmented[0]._segmented
+    assert segmented_plans(segmented[0])
     for w, g in zip(per_tensor[1], segmented[1]):
         for name in w:
             assert_same(xp, w[name], g[name], f"{memory}: {name}")
@@ -249,7 +255,7 @@ def test_counter_draws_give_each_segment_its_tensors_own_draws(method, monkeypat
     units = run(xp, make())
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
     segmented = run(xp, make())
-    assert segmented[0]._segmented
+    assert segmented_plans(segmented[0])
     assert_runs_equal(xp, units, segmented, method)
 
 
@@ -264,7 +270,7 @@ def test_segmented_threshold_sends_what_the_buckets_of_gradients_send(xp, commun
     units, per_tensor = run(xp, make(bucket_mb), steps=4), run(xp, make(0), steps=4)
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
     segmented = run(xp, make(bucket_mb), steps=4)
-    assert {type(frame).__name__ for _, frame in segmented[0]._segmented.values()} == {"SparseFrames"}
+    assert {type(plan.layout).__name__ for plan in segmented_plans(segmented[0])} == {"SparseFrames"}
     assert_runs_equal(xp, units, segmented, "threshold(2.0)")
     assert segmented[0].stats.bytes_sent < 0.5 * 4 * 4 * sum(np.prod(s) for s in SHAPES.values())
     for w, g in zip(per_tensor[1], segmented[1]):

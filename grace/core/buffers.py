@@ -1,0 +1,86 @@
+"""Tensors an exchange keeps from step to step, so that no step allocates gradient-sized ones.
+
+On a backend whose tensors are mutable, a new gradient-sized tensor each step costs more than
+the arithmetic on a CPU (fresh pages, mapped and zeroed by the kernel). So an exchange keeps:
+flat buffers per name (a bucket's flat gradient, its joined payloads, its frame), free again
+once the step's collective has been awaited; and one spare memory per unit (a bucket or a
+gradient), into which the next memory is written, the old one becoming the next spare.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable
+
+
+def same_layout(xp, a, b) -> bool:
+    """Whether state values ``a`` and ``b`` (tensors, or tuples of them) have the same shapes,
+    dtypes and devices."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) \
+            and all(same_layout(xp, x, y) for x, y in zip(a, b))
+    return xp.shape(a) == xp.shape(b) and xp.dtype(a) == xp.dtype(b) and xp.device(a) == xp.device(b)
+
+
+class Buffers:
+    def __init__(self):
+        self.flat: Dict[str, Any] = {}  # per name: flat gradients, joined payloads, frames
+        self.spares: Dict[str, Any] = {}  # per unit: where its next memory is written
+
+    def reused(self, xp, name: str, dtype: str, numel: int, like):
+        """A flat buffer of ``numel`` elements kept per ``name``. One outgrown (a variable-length
+        frame) is replaced by one an eighth larger than needed."""
+        buffer = self.flat.get(name)
+        if buffer is None or xp.numel(buffer) < numel or xp.dtype(buffer) != dtype \
+                or xp.device(buffer) != xp.device(like):
+            grown = numel if buffer is None else numel + numel // 8
+            buffer = self.flat[name] = xp.zeros(grown, dtype, like=like)
+        return buffer if xp.numel(buffer) == numel else buffer[:numel]
+
+    def joined(self, xp, name: str, tensors):
+        """1-d ``tensors`` as one, in the buffer kept per ``name`` where tensors are mutable."""
+        if len(tensors) == 1:
+            return tensors[0]
+        if not xp.mutable_tensors:
+            return xp.concat(tensors)
+        numel, dtype = sum(xp.numel(t) for t in tensors), xp.dtype(tensors[0])
+        return xp.concat_into(tensors, self.reused(xp, name, dtype, numel, tensors[0]))
+
+    def flat_gradient(self, bucket, xp, grads):
+        """A bucket's gradients as one flat tensor (results never alias its buffer)."""
+        if len(grads) == 1:
+            return xp.flatten(grads[0])
+        buffer = self.reused(xp, f"{bucket.key}.gradient", bucket.dtype, bucket.numel, grads[0]) \
+            if xp.mutable_tensors else None
+        return xp.concat_flat(grads, buffer)
+
+    def take_spare(self, key: str, xp, current):
+        """``key``'s spare memory (taken out), laid out like ``current``, to write a new value
+        into; None where tensors are immutable."""
+        if not xp.mutable_tensors or current is None:
+            return None
+        spare = self.spares.pop(key, None)
+        if spare is None or not same_layout(xp, spare, current):
+            spare = tuple(xp.zeros_like(t) for t in current) if isinstance(current, tuple) else xp.zeros_like(current)
+        return spare
+
+    def forget(self, key: str, names: Iterable[str]) -> None:
+        """Drop what is kept for bucket ``key`` and its gradients ``names`` (a layout that ended)."""
+        self.spares.pop(key, None)
+        for name in names:
+            self.spares.pop(name, None)
+        for name in [n for n in self.flat if n == key or n.startswith(key + ".")]:
+            del self.flat[name]
+
+
+def flat_concat(xp, tensors):
+    """``tensors`` flattened, as one (a new tensor where there are several)."""
+    flat = [xp.flatten(t) for t in tensors]
+    return flat[0] if len(flat) == 1 else xp.concat(flat)
+
+
+def assign(xp, dst, src) -> None:
+    """``src`` written into ``dst`` (tensors, or tuples of them)."""
+    if isinstance(dst, tuple):
+        for d, s in zip(dst, src):
+            xp.assign(d, s)
+    else:
+        xp.assign(dst, src)

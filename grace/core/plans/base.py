@@ -1,0 +1,150 @@
+"""What every plan shares: the services it runs on, what it hands from ``start`` to ``finish``,
+and how a result is delivered."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+from grace.core.bucket import Bucket, Segment
+from grace.core.compressor import TensorInfo, divided, written
+from grace.core.journal import no_overflow, poisoned
+
+
+@dataclass
+class Services:
+    """An exchange's shared parts, as a plan sees them."""
+
+    compression: Any  # GradientCompression
+    communicator: Any
+    store: Any  # StateStore
+    journal: Any  # grace.core.journal.Journal
+    buffers: Any  # grace.core.buffers.Buffers
+    transport: Any  # grace.core.transport.Transport
+    phase: Callable[[str], Any]  # phase(name): a context timing its block (grace.core.phases)
+    average: bool = True
+    in_place: bool = False
+
+    def writes_over(self, xp, g) -> bool:
+        """Whether results are written over the input gradients (``Exchange``'s ``in_place``):
+        on a CPU only, where a new result per gradient costs fresh pages."""
+        return self.in_place and xp.mutable_tensors and not xp.on_accelerator(g)
+
+    def info(self, name: str, step) -> TensorInfo:
+        return TensorInfo(name=name, step=step, world_size=self.communicator.size, rank=self.communicator.rank)
+
+    def compressor_state(self, xp, name: str, like):
+        """``name``'s compressor state, from the compressor's ``init_state`` on first use."""
+        compressor = self.compression.compressor
+        return self.store.get("state", name, lambda t: compressor.init_state(xp, t, self.info(name, 0)), like)
+
+    def memory_state(self, xp, name: str, like):
+        """``name``'s memory, from the memory's ``init`` on first use."""
+        return self.store.get("memory", name, lambda t: self.compression.memory.init(xp, t), like)
+
+    def delivered(self, xp, g_hat, overflow, out):
+        """A gradient's result: NaN where a rank flagged an overflow, times n for a sum, written
+        over ``out`` where given."""
+        g_hat = poisoned(xp, g_hat, overflow)
+        if self.average:
+            return written(xp, g_hat, out)
+        n = self.communicator.size
+        return g_hat * n if out is None else xp.multiply_into(g_hat, n, out)
+
+    def averaged(self, xp, summed, fresh: bool, out):
+        """A decompressed sum over n: into ``out`` where given, else in place where it is new."""
+        n = self.communicator.size
+        return divided(xp, summed, n, fresh) if out is None else xp.divide_into(summed, n, out)
+
+
+@dataclass
+class BucketPending:
+    """A bucket between ``start`` and ``finish``."""
+
+    bucket: Bucket
+    xp: Any
+    units: List[Segment]  # what the compressor sees as one tensor: each gradient, or the whole bucket
+    g: Any  # the flat gradient of a whole bucket; else its first gradient
+    old: List[Any]  # each unit's memory before this step
+    ctxs: List[Any] = field(default_factory=list)
+    wait: Any = None
+    sent_dense: bool = False
+    flag: Any = None  # this rank's overflow flag (guarded methods): 1 if its gradients hold an inf or NaN
+    structure: List[int] = field(default_factory=list)  # tensors per unit's payload
+    dtypes: List[str] = field(default_factory=list)  # of the frame's pieces
+    counts: List[int] = field(default_factory=list)
+    p: Any = None  # multi-round methods: the compensated units
+    rounds: Any = None  # multi-round methods: the bucket's rounds, suspended (Compressor.rounds_many)
+    updates: List[bool] = field(default_factory=list)  # multi-round: whose rounds write the new memory over p
+    segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
+    outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None
+    framed: Any = None  # (frame buffer, flag's byte or None, pieces' end) where a bucket kernel wrote them
+    defer: bool = False  # the overflow count stays on the device until end_step (a flat result on an accelerator)
+
+
+class BucketPlan:
+    """One way of exchanging a bucket, chosen once for its layout (``grace.core.plans.choose``)."""
+
+    name = ""
+    #: the bucket keeps one flat memory and step counter under its key (else one per gradient)
+    flat_memory = False
+
+    def __init__(self, services: Services, bucket: Bucket, why: str):
+        self.services = services
+        self.bucket = bucket
+        self.why = why
+
+    def _units(self, xp, grads, flat):
+        """(units, their gradients, what new tensors are made like): each gradient as it is."""
+        return list(self.bucket.segments), list(grads), grads[0]
+
+    def _defers(self, xp, g) -> bool:
+        """Whether the overflow count is left on the device until the step ends."""
+        return False
+
+    def begin(self, xp, grads, flat):
+        """A step's start, common to the plans over units: the step counted, and each unit's
+        info, compressor state and memory. (pending, the units' gradients, infos, states)."""
+        s = self.services
+        units, g_units, g = self._units(xp, grads, flat)
+        step = s.journal.next_step(self.bucket.key, g)
+        s.transport.stats.add(0, 4 * self.bucket.numel)
+        infos, states, old = [], [], []
+        for u, g_u in zip(units, g_units):
+            infos.append(s.info(u.name, step))
+            states.append(s.compressor_state(xp, u.name, g_u))
+            old.append(s.memory_state(xp, u.name, g_u))
+        return BucketPending(self.bucket, xp, units, g, old, defer=self._defers(xp, g)), g_units, infos, states
+
+    def start(self, xp, grads, flat) -> BucketPending:
+        """Compensate, compress and launch the bucket's collective. ``grads``: its gradients in
+        segment order; ``flat``: all of them in one flat tensor (then ``grads`` are its views),
+        or None."""
+        raise NotImplementedError
+
+    def finish(self, pending: BucketPending, into=None) -> List[Any]:
+        """Wait for the collective; the averaged (or summed) gradients, in segment order.
+        ``into``: a flat tensor of the bucket's size (DDP's bucket buffer) where a flat result is
+        written in one copy; the results are then views of it."""
+        raise NotImplementedError
+
+    def deliver(self, pending: BucketPending, g_hat, overflow, outs, into=None) -> List[Any]:
+        """The results, each unit's ``g_hat`` poisoned where a rank flagged an overflow, times n
+        for a sum, written over ``outs`` (or ``into``) where given."""
+        s, xp, bucket = self.services, pending.xp, self.bucket
+        if self.flat_memory:  # (poisoned at once: one operation, no read back of a count on the device)
+            flat, overflow = poisoned(xp, xp.flatten(g_hat[0]), overflow), None
+            if into is not None:
+                return xp.unflatten(s.delivered(xp, flat, overflow, into), bucket.numels, bucket.shapes)
+            g_hat = xp.unflatten(flat, bucket.numels, bucket.shapes)
+        if pending.outs is None and s.average and no_overflow(overflow):
+            return g_hat  # delivered as they are (an accelerator's new results)
+        return [s.delivered(xp, t, overflow, out) for t, out in zip(g_hat, outs)]
+
+
+def with_dense(g_hat, encoded: int, dense, n: int):
+    """The mean over ``n`` ranks, from the mean ``g_hat`` of ``encoded`` ranks' payloads (None:
+    no rank's) and the other ranks' dense values (``dense``), added rank after rank."""
+    total = dense[0]
+    for values in dense[1:]:
+        total = total + values
+    return total / n if g_hat is None else (g_hat * encoded + total) / n

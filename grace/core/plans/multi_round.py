@@ -1,0 +1,124 @@
+"""The multi-round plan (PowerSGD): a bucket's gradients driven through their rounds together,
+each round's payloads summed by one allreduce (``Compressor.rounds_many``).
+
+Each gradient keeps its own memory. Where tensors are mutable, p = compensate(g, e) is written
+into the gradient's spare buffer (by the kernel that makes its first payload, where the method
+has one: ``Memory.fused_firsts``), and the rounds' last pass may write the new memory over it.
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+from grace.core.journal import any_flag
+from grace.core.plans.base import BucketPending, BucketPlan
+from grace.core.plans.reference import flag_from_payload, later_rounds
+
+
+class MultiRound(BucketPlan):
+    name = "multi-round"
+
+    def start(self, xp, grads, flat) -> BucketPending:
+        s = self.services
+        pending, g_units, infos, states = self.begin(xp, grads, flat)
+        units, g = pending.units, pending.g
+        flagged = s.journal.guarded and not flag_from_payload(s.compression)
+        # on a CPU the overflow flag comes from the passes that make the first payloads, where a
+        # kernel makes them, and from one check of the other gradients
+        in_passes = flagged and not xp.on_accelerator(g)
+        if flagged and not in_passes:
+            pending.flag = xp.nonfinite(g_units)
+        # each result may go straight over its gradient, where it is written in the end anyway
+        outs = list(g_units) if s.writes_over(xp, g) else None
+        shared = xp.zeros(1, "float32", like=g) if in_passes else None  # the fused first rounds set it
+        firsts = self._fused_firsts(xp, units, g_units, pending.old, infos, states, shared)
+        pending.updates = [first is not None for first in firsts]  # their rounds write the new memory over p
+        rest = [i for i, first in enumerate(firsts) if first is None]
+        if in_passes:  # (0 where no fused round ran)
+            pending.flag = any_flag(xp, [shared] + ([xp.nonfinite([g_units[i] for i in rest])] if rest else []))
+        pending.p = [s.buffers.spares[u.name] if first is not None else None for u, first in zip(units, firsts)]
+        compensated = self._compensated(xp, [units[i].name for i in rest], [g_units[i] for i in rest],
+                                        [pending.old[i] for i in rest])
+        for i, p in zip(rest, compensated):
+            pending.p[i] = p
+        pending.rounds = s.compression.compressor.rounds_many(xp, pending.p, infos, states, outs, firsts,
+                                                              pending.updates)
+        pending.wait, nbytes = s.transport.allreduce_units(xp, self.bucket.key, next(pending.rounds), pending.flag)
+        s.transport.stats.add(nbytes, 0)
+        return pending
+
+    def _fused_firsts(self, xp, units, gs, old, infos, states, nonfinite):
+        """The compensations and first payloads, each gradient's in one pass, the compensation
+        written into its spare buffer (``Memory.fused_firsts``, which sets ``nonfinite`` where a
+        g holds an inf or a NaN): per gradient, its first payload or None (not made)."""
+        s = self.services
+        memory, none = s.compression.memory, [None] * len(units)
+        if not memory.needs_feedback or not xp.mutable_tensors or any(isinstance(e, tuple) for e in old):
+            return none
+        spares = [s.buffers.take_spare(u.name, xp, e) for u, e in zip(units, old)]
+        firsts = memory.fused_firsts(xp, s.compression.compressor, gs, old, infos, states, spares, nonfinite)
+        for u, spare in zip(units, spares):
+            if spare is not None:  # (kept either way: finish tells by it where p is)
+                s.buffers.spares[u.name] = spare
+        return firsts or none
+
+    def _compensated(self, xp, keys, gs, es):
+        """``memory.compensate`` of the gradients, each written into its key's spare buffer where
+        tensors are mutable, all at once where the memory can (``Memory.compensate_many_into``)."""
+        s = self.services
+        memory = s.compression.memory
+        spares = [s.buffers.take_spare(key, xp, e) if memory.needs_feedback and not isinstance(e, tuple) else None
+                  for key, e in zip(keys, es)]
+        ps = [None] * len(gs)
+        into = [i for i, spare in enumerate(spares) if spare is not None]
+        for i in into:
+            s.buffers.spares[keys[i]] = spares[i]  # (kept: finish tells by it where p was written)
+        if into:
+            made = memory.compensate_many_into(xp, [gs[i] for i in into], [es[i] for i in into],
+                                               [spares[i] for i in into])
+            for i, p in zip(into, made):
+                ps[i] = p
+        return [memory.compensate(xp, g, e) if p is None else p for p, g, e in zip(ps, gs, es)]
+
+    def finish(self, pending: BucketPending, into=None) -> List[Any]:
+        """The later rounds (one allreduce each); then each gradient's result delivered (over its
+        ``outs`` entry, where given), after its new memory."""
+        s, xp, key = self.services, pending.xp, self.bucket.key
+        outs = pending.outs or [None] * len(self.bucket.segments)
+        summed, overflow, _ = pending.wait()
+
+        def allreduce(payloads, r):
+            wait, nbytes = s.transport.allreduce_units(xp, f"{key}.round{r}", payloads)
+            s.transport.stats.add(nbytes, 0)
+            return wait()[0]
+
+        results = later_rounds(s, pending.rounds, summed, allreduce)
+        new_memory = self._new_memories(pending, results)
+        delivered = []
+        for i, (u, (g_u, _, state)) in enumerate(zip(pending.units, results)):
+            s.journal.set("state", u.name, state)
+            if s.compression.memory.needs_feedback:
+                s.journal.set("memory", u.name, new_memory[i])
+            delivered.append(s.delivered(xp, g_u, overflow, outs[i]))
+        return delivered
+
+    def _new_memories(self, pending: BucketPending, results):
+        """Each gradient's new memory: where p is its spare buffer, written there (by the rounds'
+        last pass already, where they say so), all at once; else a new one."""
+        s, xp = self.services, pending.xp
+        memory = s.compression.memory
+        if not memory.needs_feedback:
+            return [None] * len(results)
+        with s.phase("feedback"):
+            in_spare = [p_u is s.buffers.spares.get(u.name) for u, p_u in zip(pending.units, pending.p)]
+            over = [i for i, spare in enumerate(in_spare) if spare and not pending.updates[i]]
+            updated = dict(zip(over, memory.update_many_into(
+                xp, [pending.p[i] for i in over], [results[i][1] for i in over],
+                [pending.old[i] for i in over], [pending.p[i] for i in over])))
+            new_memory = []
+            for i, (u, p_u, e) in enumerate(zip(pending.units, pending.p, pending.old)):
+                if in_spare[i]:
+                    new_memory.append(updated.get(i, p_u))
+                    s.buffers.spares[u.name] = e  # and the old memory is the next step's spare
+                else:
+                    new_memory.append(memory.update(xp, p_u, results[i][1], e))
+            return new_memory

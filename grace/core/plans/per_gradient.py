@@ -1,0 +1,261 @@
+"""The per-gradient plan: each gradient of a bucket compressed as its own tensor, with its own
+memory (the same k, scales and draws as alone), and every payload sent in one collective: one
+allreduce, or one frame (``grace.core.bucket``) allgathered or broadcast.
+
+It is the CPU's plan: each gradient in turn is a cache-sized pass, with no bucket-sized
+temporaries. Where a native kernel takes the whole bucket in one call (a CPU's top-k, DGC, fp16),
+it runs it; a frame whose encoding would be larger than the dense bucket is sent dense, and the
+memory then records all of it as sent.
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+from grace import native
+from grace.core import bucket as frames
+from grace.core.bucket import Dense
+from grace.core.buffers import assign
+from grace.core.compressor import Collective, written
+from grace.core.plans.base import BucketPending, BucketPlan, with_dense
+from grace.core.plans.reference import flag_from_payload, payload_flag
+
+
+class PerGradient(BucketPlan):
+    name = "per-gradient"
+
+    def start(self, xp, grads, flat) -> BucketPending:
+        s = self.services
+        pending, g_units, infos, states = self.begin(xp, grads, flat)
+        units, g = pending.units, pending.g
+        # The overflow flag from one pass over the gradients; or from the bucket kernel, which
+        # checks each gradient as it reads it (a CPU); or from the payloads where they carry it.
+        guarded = s.journal.guarded
+        in_call = guarded and len(units) > 1 and xp.mutable_tensors and not xp.on_accelerator(g)
+        if guarded and not flag_from_payload(s.compression) and not in_call:
+            pending.flag = xp.nonfinite(g_units)
+        if not self._compressed_into_one_buffer(pending, g_units, infos):
+            self._compress(pending, g_units, infos, states, in_call)
+        return pending
+
+    def _compressed_into_one_buffer(self, pending: BucketPending, g_units, infos) -> bool:
+        """Unguarded allreduce methods with no memory (fp16 on a CPU): one native call writes every
+        payload into a buffer kept per bucket, sent as it is. Whether it ran."""
+        s, xp = self.services, pending.xp
+        compressor, key = s.compression.compressor, self.bucket.key
+        if not (s.compression.collective is Collective.ALLREDUCE and s.compression.memory.passes_gradient
+                and not s.journal.guarded and len(g_units) > 1 and xp.mutable_tensors):
+            return False
+        made = []
+
+        def buffer(dtype, numel):
+            made.append(s.buffers.reused(xp, f"{key}.payload", dtype, numel, pending.g))
+            return made[-1]
+
+        many = compressor.compress_many_into(xp, g_units, infos, buffer)
+        if many is None:
+            return False
+        pending.ctxs = [ctx for _, ctx in many]
+        pending.wait, nbytes = s.transport.allreduce_units(xp, key, [payload for payload, _ in many], joined=made[0])
+        s.transport.stats.add(nbytes, 0)
+        return True
+
+    def _compress(self, pending: BucketPending, g_units, infos, states, in_call: bool) -> None:
+        s, xp = self.services, pending.xp
+        memory = s.compression.memory
+        # New memories go into spare buffers where tensors are mutable: no step allocates (and
+        # page-faults) gradient-sized buffers.
+        spares = [s.buffers.take_spare(u.name, xp, e) if memory.needs_feedback else None
+                  for u, e in zip(pending.units, pending.old)]
+        steps = self._bucket_call(pending, g_units, infos, spares, in_call)
+        payloads, new_memory = [], []
+        for i, (u, g_u, info, state, e) in enumerate(zip(pending.units, g_units, infos, states, pending.old)):
+            fused = steps[i] if steps is not None else memory.fused_step(xp, s.compression.compressor, g_u, e, info,
+                                                                         out=spares[i])
+            payload, ctx, e_new = self._unit_step(xp, u.name, g_u, info, state, e, spares[i], fused)
+            if spares[i] is not None and e_new is not spares[i] and not self.flat_memory:  # a copy costs a pass
+                s.buffers.spares[u.name], spares[i] = spares[i], None
+            payloads.append(payload)
+            pending.ctxs.append(ctx)
+            new_memory.append(e_new)
+        if flag_from_payload(s.compression) and pending.flag is None:
+            pending.flag = payload_flag(xp, s.compression, payloads)
+        new_memory, nbytes = self._launch(pending, g_units, payloads, new_memory)
+        for i, (u, spare) in enumerate(zip(pending.units, spares)):
+            if spare is not None:
+                if new_memory[i] is not spare:
+                    assign(xp, spare, new_memory[i])
+                s.buffers.spares[u.name] = pending.old[i]  # the old memory is the next step's spare
+                new_memory[i] = spare
+        if memory.needs_feedback:
+            for u, e_new in zip(pending.units, new_memory):
+                s.journal.set("memory", u.name, e_new)
+        s.transport.stats.add(nbytes, 0)
+
+    def _bucket_call(self, pending: BucketPending, g_units, infos, spares, in_call: bool):
+        """Every gradient's (payload, ctx, new memory) from one native call for the whole bucket
+        where the method has one (a CPU's top-k, DGC); else None. Where it runs, it also sets the
+        overflow flag (``in_call``) and may write the payloads into the frame buffer."""
+        s, xp = self.services, pending.xp
+        compressor, memory = s.compression.compressor, s.compression.memory
+        many_units = len(pending.units) > 1
+        flag = xp.zeros(1, "float32", like=pending.g) if in_call else None
+        into = s.transport.frame_into(pending)
+        steps = memory.fused_steps(xp, compressor, g_units, pending.old, infos, spares, flag, into) \
+            if many_units and all(spare is not None for spare in spares) else None
+        if steps is None and memory.passes_gradient and many_units:  # no memory: the payloads alone
+            many = compressor.compress_many(xp, g_units, infos, flag, into)
+            steps = None if many is None else [(payload, ctx, None) for payload, ctx in many]
+        if steps is None:
+            pending.framed = None
+        if in_call and steps is not None:
+            pending.flag = flag
+        elif in_call and not flag_from_payload(s.compression):
+            pending.flag = xp.nonfinite(g_units)
+        return steps
+
+    def _unit_step(self, xp, name: str, g, info, state, e, spare, fused):
+        """One unit's (payload, ctx, new memory): from a fused kernel's result where one ran
+        (its new memory written into ``spare`` where given), else the pipeline's steps."""
+        s = self.services
+        compressor, memory = s.compression.compressor, s.compression.memory
+        if fused is not None:
+            payload, ctx, e_new = fused
+            return payload, ctx, spare if spare is not None else e_new
+        one_buffer = spare is not None and not isinstance(spare, tuple)
+        # p goes into the spare buffer (the new memory is then written over it) where the payload
+        # cannot be a view of p
+        p = memory.compensate_into(xp, g, e, spare) if compressor.new_payload and one_buffer else None
+        p = memory.compensate(xp, g, e) if p is None else p
+        payload, ctx, state = compressor.step(xp, p, info, state)
+        s.journal.set("state", name, state)
+        e_new = None
+        if memory.needs_feedback:
+            with s.phase("feedback"):
+                e_new = memory.feedback_into(xp, compressor, p, payload, ctx, e, spare) if one_buffer else \
+                    memory.update(xp, p, compressor.decompress(xp, payload, ctx), e)
+        return payload, ctx, e_new
+
+    def _launch(self, pending: BucketPending, g_units, payloads, new_memory):
+        """Launch the bucket's collective: (the new memories, the bytes sent)."""
+        s, xp = self.services, pending.xp
+        memory = s.compression.memory
+        if s.compression.collective is Collective.ALLREDUCE:
+            # payloads free to be summed in place: nothing reads them (or the gradients, which
+            # they may be views of) once sent, and the results are written over the gradients
+            owned = memory.passes_gradient and s.writes_over(xp, pending.g)
+            pending.wait, nbytes = s.transport.allreduce_units(xp, self.bucket.key, payloads, pending.flag,
+                                                               owned=owned, defer=pending.defer)
+            return new_memory, nbytes
+        compensated = []
+
+        def dense():  # the compensated units, computed again (the fused kernels keep no p)
+            compensated.extend(memory.compensate(xp, g_u, e) for g_u, e in zip(g_units, pending.old))
+            return compensated
+
+        nbytes = s.transport.launch_frame(pending, payloads, dense)
+        if pending.sent_dense and memory.needs_feedback:  # the memory records the whole bucket as sent
+            with s.phase("feedback"):
+                new_memory = [memory.update(xp, p_u, p_u, e) for p_u, e in zip(compensated, pending.old)]
+        elif pending.sent_dense:
+            new_memory = [None] * len(pending.old)
+        return new_memory, nbytes
+
+    def finish(self, pending: BucketPending, into=None) -> List[Any]:
+        s, xp = self.services, pending.xp
+        compressor = s.compression.compressor
+        outs = pending.outs or [None] * len(self.bucket.segments)
+        # Per-gradient units write each result where it goes at once: a transient is freed
+        # before the next is made, so its memory serves again instead of fresh pages.
+        unit_outs = [None] if self.flat_memory else outs
+        if s.compression.collective is Collective.ALLREDUCE:
+            summed, overflow, fresh = pending.wait()  # (its allreduce waits are timed inside)
+            g_hat = compressor.averaged_many(xp, summed, pending.ctxs, s.communicator.size, unit_outs) \
+                if all(o is not None for o in unit_outs) else None
+            # A new sum is the exchange's own: averaged in place, no gradient-sized allocation
+            g_hat = g_hat or [s.averaged(xp, compressor.decompress(xp, payload, ctx), fresh, out)
+                              for payload, ctx, out in zip(summed, pending.ctxs, unit_outs)]
+        else:
+            g_hat, overflow = self._aggregate_frames(pending, unit_outs)
+        return self.deliver(pending, g_hat, overflow, outs, into)
+
+    def _aggregate_frames(self, pending: BucketPending, outs):
+        """Every rank's frame read and each unit's aggregate made: (results, overflow count)."""
+        s, xp, bucket = self.services, pending.xp, self.bucket
+        n, variable, flagged = s.communicator.size, s.compression.compressor.variable_length, pending.flag is not None
+        received = s.transport.wait(pending.wait)
+        all_dense = pending.sent_dense and not variable  # every rank sent its dense bucket
+        dtypes, counts = ([bucket.dtype], [bucket.numel]) if all_dense else (pending.dtypes, pending.counts)
+        if isinstance(received, list):  # broadcasts: one frame per rank
+            read, flags = zip(*(frames.read_frame(xp, f, 0, dtypes, counts, variable, bucket.numel, bucket.dtype,
+                                                  flagged)[:2] for f in received))
+        else:
+            expected = n * frames.frame_size(counts, dtypes, False, flagged)
+            if not variable and isinstance(xp.numel(received), int) and xp.numel(received) != expected:
+                raise RuntimeError(f"grace: ranks sent payloads of different lengths for {bucket.key!r} "
+                                   "(are they configured differently?)")
+            if not all_dense and all(o is not None for o in outs):
+                done = self._aggregate_natively(pending, received, outs)
+                if done is not None:
+                    return done
+            read, flags, start = [], [], 0
+            for _ in range(n):
+                frame, flag, start = frames.read_frame(xp, received, start, dtypes, counts, variable,
+                                                       bucket.numel, bucket.dtype, flagged)
+                read.append(frame)
+                flags.append(flag)
+        if all_dense:
+            read = [Dense(pieces[0]) for pieces in read]
+        overflow = s.journal.overflow(xp, list(flags), pending.defer) if flagged else None
+        return self._aggregates(pending, read, outs), overflow
+
+    def _aggregates(self, pending: BucketPending, read, outs):
+        """Each unit's mean over the ranks' frames ``read`` (payloads, or ``Dense`` buckets)."""
+        s, xp, n = self.services, pending.xp, self.services.communicator.size
+        compressor = s.compression.compressor
+        dense = [f.values for f in read if isinstance(f, Dense)]
+        encoded = [frames.split_payloads(f, pending.structure) for f in read if not isinstance(f, Dense)]
+        if encoded and not dense and all(o is not None for o in outs):  # one native call, where there is one
+            done = compressor.aggregate_many(xp, [[payloads[i] for payloads in encoded] for i in range(len(outs))],
+                                             pending.ctxs, outs)
+            if done is not None:
+                return done
+        out = []
+        for i, (u, ctx, into) in enumerate(zip(pending.units, pending.ctxs, outs)):
+            g_hat = compressor.aggregate(xp, [payloads[i] for payloads in encoded], ctx) if encoded else None
+            if dense:  # aggregate is a mean over the payloads it gets: weigh it, add the dense ones
+                g_hat = with_dense(g_hat, len(encoded), [xp.reshape(d[u.offset:u.offset + u.numel], u.shape)
+                                                         for d in dense], n)
+            out.append(written(xp, g_hat, into))
+        return out
+
+    def _aggregate_natively(self, pending: BucketPending, received, outs):
+        """Every rank's frame, all in one tensor, handed to the method's bucket-at-once aggregate
+        as native buffers at their offsets (a tensor view per piece costs more than the kernel on
+        small gradients), the flags read in one gather: (the aggregates written into ``outs``, the
+        overflow count or None), or None where no such aggregate runs or a rank sent dense."""
+        s, xp, dtypes, flagged = self.services, pending.xp, pending.dtypes, pending.flag is not None
+        variable = s.compression.compressor.variable_length
+        starts, layouts, flags, start = [], [], [], 0
+        alike = None if variable else frames.layout(dtypes, pending.counts, False, flagged)  # every rank's frame
+        for _ in range(s.communicator.size):
+            if variable:  # this rank's counts, from its frame's header
+                counts = xp.host_ints(xp.from_bytes(received[start:start + 8 * len(dtypes)], "int64"), len(dtypes))
+                if counts[0] == frames.DENSE:
+                    return None
+            pieces, flag_at, size = frames.layout(dtypes, counts, True, flagged) if variable else alike
+            starts.append(start)
+            layouts.append(pieces)
+            flags.append(start + flag_at if flagged else None)
+            start += size
+        try:
+            rows = native.frame_pieces(received, starts, layouts)
+        except native.NativeUnavailable:
+            return None
+        encoded = [frames.split_payloads(row, pending.structure) for row in rows]
+        done = s.compression.compressor.aggregate_many(
+            xp, [[payloads[i] for payloads in encoded] for i in range(len(outs))], pending.ctxs, outs)
+        if done is None:
+            return None
+        overflow = s.journal.overflow(xp, [xp.gather(received, xp.asarray(flags, like=received))]) \
+            if flagged else None
+        return done, overflow

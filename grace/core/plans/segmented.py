@@ -1,0 +1,127 @@
+"""The segment-wise plan: a bucket's gradients compressed in one pass over its flat buffer, with
+one flat memory, each gradient with its per-tensor result (``grace.core.segments``).
+
+It is an accelerator's plan for the methods that can (``Compressor.segmented``), where a launch
+per gradient costs more than the arithmetic. The fields of every segment travel in one
+allreduce, or one frame (fixed layout: ``SegmentedFrame``; variable lengths: ``SparseFrames``);
+a frame larger than the dense bucket is sent dense.
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+from grace.core import bucket as frames
+from grace.core import segments
+from grace.core.bucket import Dense, Segment
+from grace.core.compressor import Collective, divided
+from grace.core.plans.base import BucketPending, BucketPlan, with_dense
+
+
+class Segmented(BucketPlan):
+    name = "segmented"
+    flat_memory = True
+
+    def __init__(self, services, bucket, why: str, xp, like):
+        super().__init__(services, bucket, why)
+        compressor, guarded = services.compression.compressor, services.journal.guarded
+        self.table = segments.SegmentTable.build(xp, bucket.numels, like)
+        self.layout = segments.SparseFrames(xp, self.table, bucket.dtype, guarded, like) \
+            if compressor.variable_length else \
+            segments.SegmentedFrame(xp, compressor.segment_fields(self.table.numels, bucket.dtype), guarded, like)
+
+    def start(self, xp, grads, flat) -> BucketPending:
+        s, bucket = self.services, self.bucket
+        compressor, memory = s.compression.compressor, s.compression.memory
+        g = flat if flat is not None else s.buffers.flat_gradient(bucket, xp, grads)
+        step = s.journal.next_step(bucket.key, g)
+        s.transport.stats.add(0, 4 * bucket.numel)
+        e = s.memory_state(xp, bucket.key, g)
+        pending = BucketPending(bucket, xp, [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], g, [e],
+                                defer=xp.mutable_tensors and xp.on_accelerator(g))
+        if s.journal.guarded:
+            pending.flag = xp.nonfinite([g])
+        infos = [s.info(name, step) for name in bucket.names]
+        fused = memory.fused_segments(xp, compressor, g, e, self.table, infos)
+        e_new = None  # the new memory where a fused kernel made it and it stands
+        if fused is not None:  # compensate, compress and the new memory in one go
+            fields, pending.segment_ctx, e_new = fused
+            p = p_hat = None
+        else:
+            p = memory.compensate(xp, g, e)
+            fields, pending.segment_ctx, p_hat = compressor.compress_segments(xp, p, self.table, infos)
+        frame = None
+        if compressor.collective is Collective.ALLREDUCE:  # (fixed sizes: never more than dense)
+            pending.wait, nbytes = s.transport.allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag,
+                                                               defer=pending.defer)
+        else:
+            frame, p = self._frame(pending, fields, p)
+            if pending.sent_dense:
+                p_hat, e_new = p, None
+        if memory.needs_feedback:
+            with s.phase("feedback"):
+                if e_new is None:  # from p and p_hat
+                    if p_hat is None:
+                        p_hat = compressor.decompress_segments(xp, fields, pending.segment_ctx, self.table)
+                    e_new = memory.update(xp, p, p_hat, e)
+                s.journal.set("memory", bucket.key, e_new)
+        if frame is not None:
+            nbytes = s.transport.send_frame(pending, frame, compressor.variable_length)
+        s.transport.stats.add(nbytes, 0)
+        return pending
+
+    def _frame(self, pending: BucketPending, fields, p):
+        """This rank's frame, and p; the dense bucket where its encoding would be larger (fixed
+        sizes: every rank decides alike; variable ones: each rank for its own frame)."""
+        s, xp, layout = self.services, pending.xp, self.layout
+        variable = s.compression.compressor.variable_length
+        dense = layout.size(pending.segment_ctx[0]) > layout.dense_size() if variable else \
+            layout.size > frames.frame_size([self.bucket.numel], [self.bucket.dtype], False, s.journal.guarded)
+        if not dense:
+            frame = layout.write(xp, *fields, pending.segment_ctx, pending.flag) if variable else \
+                layout.write(xp, fields, pending.flag)
+            return frame, p
+        p = s.compression.memory.compensate(xp, pending.g, pending.old[0]) if p is None else p
+        pending.sent_dense = True
+        frame = frames.dense_frame(xp, p, len(layout.dtypes), pending.g, pending.flag) if variable else \
+            frames.frame(xp, [p], False, pending.g, pending.flag)
+        return frame, p
+
+    def finish(self, pending: BucketPending, into=None) -> List[Any]:
+        flat, overflow = self._mean(pending)
+        return self.deliver(pending, [flat], overflow, pending.outs or [None] * len(self.bucket.segments), into)
+
+    def _mean(self, pending: BucketPending):
+        """The flat mean of the bucket's exchange, and the overflow count (or None)."""
+        s, xp, bucket, n = self.services, pending.xp, self.bucket, self.services.communicator.size
+        compressor, table, flagged = s.compression.compressor, self.table, pending.flag is not None
+        if compressor.collective is Collective.ALLREDUCE:
+            (summed,), overflow, fresh = pending.wait()  # (its waits are timed inside)
+            return divided(xp, compressor.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
+                overflow
+        received = s.transport.wait(pending.wait)
+        if compressor.variable_length:
+            read, flags = self.layout.read(xp, received, n)
+            return self._sparse_mean(xp, read), \
+                s.journal.overflow(xp, [flags], pending.defer) if flagged else None
+        if isinstance(received, list):  # broadcasts: one frame per rank
+            received = xp.concat(received)
+        if pending.sent_dense:
+            nbytes = bucket.numel * frames.ITEMSIZE[bucket.dtype]  # then the flag byte, then padding
+            rows = xp.reshape(received, (n, frames.frame_size([bucket.numel], [bucket.dtype], False, flagged)))
+            g_hat = with_dense(None, 0, [xp.from_bytes(rows[r, :nbytes], bucket.dtype) for r in range(n)], n)
+            flags = rows[:, nbytes] if flagged else None
+        else:
+            fields, flags = self.layout.read(xp, received, n)
+            g_hat = compressor.aggregate_segments(xp, fields, pending.segment_ctx, table, n)
+        return g_hat, s.journal.overflow(xp, [flags], pending.defer) if flagged else None
+
+    def _sparse_mean(self, xp, read):
+        """The flat mean of the ranks' (value, index) pairs and dense buckets (``read``), with
+        the per-tensor exchange's additions: the pairs' values over their count of ranks, rank
+        after rank (``Sparsifier.aggregate``); then weighed, and the dense buckets added."""
+        n = self.services.communicator.size
+        pairs = [r for r in read if not isinstance(r, Dense)]
+        dense = [r.values for r in read if isinstance(r, Dense)]
+        g_hat = xp.scatter_add_rows([i for _, i in pairs], [v / len(pairs) for v, _ in pairs], self.bucket.numel) \
+            if pairs else None
+        return with_dense(g_hat, len(pairs), dense, n) if dense else g_hat

@@ -1,0 +1,205 @@
+"""How a plan's payloads reach the communicator: per-tensor sends, one allreduce per bucket,
+and frames (``grace.core.bucket``) for the allgather and broadcast methods; with the bytes
+counted (``WireStats``) and the time marked as the collective's phase.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from grace.core import bucket as frames
+from grace.core.buffers import flat_concat
+from grace.core.communicator import Handle, _lengths
+from grace.core.compressor import Collective
+
+
+@dataclass
+class WireStats:
+    """Bytes this rank handed to the collectives, and what dense float32 would have been."""
+
+    steps: int = 0
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    last_step_bytes: int = 0
+    last_step_dense_bytes: int = 0
+    _step_bytes: int = field(default=0, repr=False)
+    _step_dense_bytes: int = field(default=0, repr=False)
+
+    def add(self, nbytes: int, dense_bytes: int) -> None:
+        self._step_bytes += nbytes
+        self._step_dense_bytes += dense_bytes
+
+    def end_step(self) -> None:
+        self.steps += 1
+        self.last_step_bytes, self.last_step_dense_bytes = self._step_bytes, self._step_dense_bytes
+        self.bytes_sent += self._step_bytes
+        self.dense_bytes += self._step_dense_bytes
+        self._step_bytes = self._step_dense_bytes = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense float32 bytes over bytes sent, over all steps so far."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
+
+
+class Transport:
+    def __init__(self, compression, communicator, stats: WireStats, buffers, journal, phase):
+        self.compression = compression
+        self.communicator = communicator
+        self.stats = stats
+        self.buffers = buffers
+        self.journal = journal
+        self.phase = phase  # phase(name): a context that times its block as that phase
+
+    def wait(self, wait):
+        """``wait()``, timed as the collective."""
+        with self.phase("collective"):
+            return wait()
+
+    def send(self, name: str, xp, payload, round_: int, flag=None) -> Handle:
+        """Launch one tensor's ``payload``, with this rank's overflow ``flag`` as one more tensor
+        where given (in the payload's dtype where it is summed)."""
+        if flag is not None:
+            summed = self.compression.collective is Collective.ALLREDUCE
+            payload = (*payload, xp.cast(flag, xp.dtype(payload[0]) if summed else "uint8"))
+        suffix = f".round{round_}" if round_ else ""
+        with self.phase("collective"):
+            handle = self.communicator.exchange(self.compression.collective, xp, payload, f"grace.{name}{suffix}",
+                                                equal_lengths=not self.compression.compressor.variable_length)
+        self.stats.add(handle.nbytes, 0)
+        return handle
+
+    def allreduce_units(self, xp, key: str, payloads, flag=None, joined=None, owned=False, defer=False):
+        """One allreduce per payload dtype (one, unless a method mixes them) of all units'
+        payloads, and of this rank's overflow ``flag`` where given (one more element of the first
+        dtype). Returns (wait, bytes sent); ``wait()`` gives (the summed payloads per unit, how
+        many ranks flagged an overflow or None, whether the sums are new tensors).
+
+        A communicator with a grouped allreduce (Horovod's, joined in its fusion buffer off this
+        thread) gets the payloads as they are; else they are joined into one buffer here.
+        ``joined``: the payloads' one flat buffer, where a kernel wrote them there, sent as it
+        is. The exchange's own buffers, and the payloads where ``owned``, are summed in place
+        where the communicator can. ``defer``: the overflow count stays on the device."""
+        shapes = [xp.shape(t) for payload in payloads for t in payload]
+        pieces = [xp.flatten(t) for payload in payloads for t in payload]
+        structure = [len(payload) for payload in payloads]
+        if flag is not None:
+            shapes.append((1,))
+            pieces.append(xp.cast(flag, xp.dtype(pieces[0])))
+        dtypes = [xp.dtype(t) for t in pieces]
+        counts = [xp.numel(t) for t in pieces]
+        waits, sent = {}, {}
+        for dtype in dict.fromkeys(dtypes):
+            group = [t for t, d in zip(pieces, dtypes) if d == dtype]
+            name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
+            waits[dtype], sent[dtype] = self._allreduce_group(xp, name, group, joined, owned)
+
+        def wait():
+            summed, fresh = {}, True
+            for d, w in waits.items():
+                out = self.wait(w)
+                if isinstance(out, (list, tuple)):  # a grouped allreduce's sums, one by one
+                    summed[d] = list(out)
+                    fresh = fresh and all(o is not s for o, s in zip(out, sent[d]))
+                else:
+                    summed[d] = xp.split(out, [c for c, dd in zip(counts, dtypes) if dd == d])
+                    fresh = fresh and out is not sent[d]
+            ordered = [xp.reshape(summed[d].pop(0), shape) for d, shape in zip(dtypes, shapes)]
+            overflow = self.journal.overflow(xp, [ordered.pop()], defer) if flag is not None else None
+            return frames.split_payloads(ordered, structure), overflow, fresh
+
+        return wait, sum(xp.nbytes(t) for t in pieces)
+
+    def _allreduce_group(self, xp, name: str, group, joined, owned: bool):
+        """Launch the allreduce of one dtype's pieces: (its wait, what was sent)."""
+        comm = self.communicator
+        grouped = joined is None and len(group) > 1 and comm.grouped_allreduce(xp.dtype(group[0]))
+        sent = group if grouped else joined if joined is not None else self.buffers.joined(xp, name, group)
+        ours = joined is not None or (not grouped and len(group) > 1 and xp.mutable_tensors)  # a buffer of ours
+        in_place = (ours or owned) and comm.sums_in_place(group[0])
+        with self.phase("collective"):
+            if grouped:
+                launch = comm.grouped_allreduce_async_ if in_place else comm.grouped_allreduce_async
+            else:
+                launch = comm.allreduce_async_ if in_place else comm.allreduce_async
+            return launch(sent, name), sent
+
+    # --- frames ----------------------------------------------------------------------------
+    def frame_into(self, pending):
+        """Where a bucket kernel writes its payloads (``into`` of ``Memory.fused_steps``): as the
+        pieces of this rank's frame in the bucket's frame buffer, which then needs no join; None
+        where frames are joined (immutable tensors, allreduce methods, lengths known only after
+        the call)."""
+        xp, compressor = pending.xp, self.compression.compressor
+        if not xp.mutable_tensors or compressor.collective is Collective.ALLREDUCE or compressor.variable_length:
+            return None
+
+        def into(dtypes, counts):
+            pieces, flag_at, size = frames.layout(dtypes, counts, False, self.journal.guarded)
+            end = sum(count * frames.ITEMSIZE[dtype] for dtype, count in zip(dtypes, counts))
+            buffer = self.buffers.reused(xp, f"{pending.bucket.key}.frame", "uint8", size, pending.g)
+            pending.framed = (buffer, flag_at, end)
+            return buffer, [offset for offset, _, _ in pieces]
+
+        return into
+
+    def _finish_frame(self, pending):
+        """The frame whose pieces a bucket kernel wrote in place (``frame_into``), with the
+        overflow flag and zeros to its end written."""
+        xp, flag = pending.xp, pending.flag
+        frame, flag_at, end = pending.framed
+        if (flag is None) != (flag_at is None):  # (a guarded exchange flags every bucket)
+            raise RuntimeError(f"grace: {pending.bucket.key}'s frame was laid out for {'no ' * (flag_at is None)}"
+                               "overflow flag")
+        if flag is not None:
+            xp.assign(frame[flag_at:flag_at + 1], xp.cast(xp.flatten(flag), "uint8"))
+            end = flag_at + 1
+        if end < xp.numel(frame):
+            xp.assign(frame[end:], xp.zeros(xp.numel(frame) - end, "uint8", like=frame))
+        return frame
+
+    def launch_frame(self, pending, payloads, compensated) -> int:
+        """Frame this rank's payloads, or the dense bucket (``compensated()``: its units) where
+        that is smaller, and launch the allgather or the broadcasts; the bytes sent."""
+        xp, bucket, g = pending.xp, pending.bucket, pending.g
+        variable = self.compression.compressor.variable_length
+        pieces = [t for payload in payloads for t in payload]
+        pending.structure = [len(payload) for payload in payloads]
+        pending.dtypes = [xp.dtype(t) for t in pieces]
+        pending.counts = [xp.numel(t) for t in pieces]
+        flag, flagged = pending.flag, pending.flag is not None
+        join = functools.partial(self.buffers.joined, xp, f"{bucket.key}.frame")
+        frame = self._finish_frame(pending) if pending.framed is not None else \
+            frames.frame(xp, pieces, variable, g, flag, join, pending.dtypes, pending.counts)
+        header = 8 * len(pieces) if variable else 0
+        dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False, flagged) + header
+        # Fixed-length methods: every rank decides alike. A length known only when a traced
+        # TensorFlow step runs is never replaced (the frame's layout is fixed at trace time).
+        if isinstance(xp.numel(frame), int) and xp.numel(frame) > dense_size:
+            pending.sent_dense = True
+            p = flat_concat(xp, compensated())
+            frame = (frames.dense_frame(xp, p, len(pieces), g, flag, join) if variable
+                     else frames.frame(xp, [p], False, g, flag, join))
+        return self.send_frame(pending, frame, variable)
+
+    def send_frame(self, pending, frame, variable: bool) -> int:
+        """Launch the allgather (or the broadcasts) of this rank's ``frame``; the bytes sent."""
+        xp, comm, bucket, g = pending.xp, self.communicator, pending.bucket, pending.g
+        nbytes = xp.numel(frame)
+        with self.phase("collective"):
+            if self.compression.collective is Collective.ALLGATHER:
+                gather = comm.allgather_async if variable else comm.allgather_equal_async
+                pending.wait = gather(frame, bucket.key)
+                return nbytes
+            if variable:  # receivers must know the frames' sizes before the broadcasts
+                sizes = xp.host_ints(comm.allgather_equal_async(_lengths(xp, [frame]), f"{bucket.key}.sizes")(),
+                                     comm.size)
+                nbytes += 8
+            else:
+                sizes = [nbytes] * comm.size
+            waits = [comm.broadcast_async(frame if root == comm.rank or not variable
+                                          else xp.zeros(sizes[root], "uint8", like=g), root,
+                                          f"{bucket.key}.from{root}")
+                     for root in range(comm.size)]
+        pending.wait = lambda: [w() for w in waits]
+        return nbytes
