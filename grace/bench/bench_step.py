@@ -22,6 +22,7 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
   waits        host waits for the GPU per step (on a GPU; on a CPU with --accelerator-path,
                the reads back the GPU would wait for)
   bytes        bytes this rank hands to the collectives per step
+  plans        the plans the buckets took (``Exchange.plan_of``: per-gradient, flat, segmented, ...)
 On a CPU a line above each table times plain torch passes over the model's gradients (read,
 write, g + e into a third buffer): what any error-feedback method pays before it compresses.
 --accelerator-path (CPU): run the code path a GPU takes (segment-wise and whole buckets, the
@@ -38,6 +39,7 @@ defined here (25.6M parameters in 161 tensors either way).
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 from pathlib import Path
@@ -291,8 +293,29 @@ def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str,
     free = timed(lambda: exchange.exchange(inputs), device, iters, warmup=0, setup=backward)
     backward()
     return {"work_ms": 1e3 * work, "exchange_ms": 1e3 * seconds, "collective_ms": 1e3 * collective,
-            "exchange_free_ms": 1e3 * free, "calls": calls, "bytes": nbytes,
+            "exchange_free_ms": 1e3 * free, "calls": calls, "bytes": nbytes, "plans": plans_taken(exchange),
             **launches(lambda: exchange.exchange(inputs), device, top, waits)}
+
+
+def plans_taken(exchange) -> str:
+    """The plans the exchange's buckets took, with how many took each (``Exchange.plan_of``)."""
+    plans = collections.Counter(plan.name for plan in exchange.bucket_plans().values())
+    return ", ".join(f"{name} x{count}" for name, count in sorted(plans.items())) or "reference"
+
+
+def print_header() -> None:
+    print(f"{'method':<10} {'per-tensor ms':>13} {'share':>7} {'calls':>6} {'ops':>6} {'bucketed ms':>12} "
+          f"{'share':>7} {'calls':>6} {'ops':>6} {'waits':>6} {'speedup':>8} {'bytes':>12} "
+          f"{'(collective ms)':>16} {'(no clock ms)':>14}  plans")
+
+
+def print_row(method: str, row: dict) -> None:
+    print(f"{method:<10} {row['per_tensor_work_ms']:>13.2f} {row['per_tensor_share']:>7.1%} "
+          f"{row['per_tensor_calls']:>6} {row['per_tensor_ops']:>6} {row['bucketed_work_ms']:>12.2f} "
+          f"{row['bucketed_share']:>7.1%} {row['bucketed_calls']:>6} {row['bucketed_ops']:>6} "
+          f"{row.get('bucketed_waits', '-'):>6} {row['speedup']:>7.2f}x {row['bucketed_bytes']:>12} "
+          f"{row['bucketed_collective_ms']:>16.2f} {row['bucketed_exchange_free_ms']:>14.2f}  "
+          f"{row['bucketed_plans']}", flush=True)
 
 
 def main():
@@ -332,9 +355,7 @@ def main():
                   f"{passes['write_ms']:.2f} ms, g + e into a third buffer {passes['compensate_ms']:.2f} ms; "
                   f"error feedback's floor (that and a dense result) {passes['feedback_floor_ms']:.2f} ms, "
                   f"{passes['feedback_floor_ms'] / (1e3 * fwd_bwd):.1%} of fwd+bwd")
-        print(f"{'method':<10} {'per-tensor ms':>13} {'share':>7} {'calls':>6} {'ops':>6} {'bucketed ms':>12} "
-              f"{'share':>7} {'calls':>6} {'ops':>6} {'waits':>6} {'speedup':>8} {'bytes':>12} "
-              f"{'(collective ms)':>16} {'(no clock ms)':>14}")
+        print_header()
         for method in args.methods:
             skipped = {"work_ms": float("nan"), "calls": "-", "ops": "-", "waits": "-"}
             per_tensor = skipped if args.bucketed_only else measure(grads, method, 0, args.world, args.device,
@@ -351,11 +372,7 @@ def main():
                    "bucketed_share": bucketed["work_ms"] / (1e3 * fwd_bwd),
                    "speedup": per_tensor["work_ms"] / bucketed["work_ms"]}
             rows.append(row)
-            print(f"{method:<10} {row['per_tensor_work_ms']:>13.2f} {row['per_tensor_share']:>7.1%} "
-                  f"{row['per_tensor_calls']:>6} {row['per_tensor_ops']:>6} {row['bucketed_work_ms']:>12.2f} "
-                  f"{row['bucketed_share']:>7.1%} {row['bucketed_calls']:>6} {row['bucketed_ops']:>6} "
-                  f"{row.get('bucketed_waits', '-'):>6} {row['speedup']:>7.2f}x {row['bucketed_bytes']:>12} "
-                  f"{row['bucketed_collective_ms']:>16.2f} {row['bucketed_exchange_free_ms']:>14.2f}", flush=True)
+            print_row(method, row)
         print(*profiles, sep="\n\n")
         profiles.clear()
     path = write_results(rows, args.out, f"bench_step_{args.device}", vars(args) | {"out": str(args.out)},

@@ -25,9 +25,16 @@ _HOST = torch.zeros(0)  # where grace's shared state travels: host tensors
 
 
 def install(hvd_torch) -> None:
-    original = hvd_torch.DistributedOptimizer
-    if hasattr(original, "__grace_original__"):
+    if hasattr(hvd_torch.DistributedOptimizer, "__grace_original__"):
         return
+    _wrap_optimizer(hvd_torch)
+    _wrap_join(hvd_torch)
+    _wrap_broadcast(hvd_torch)
+
+
+def _wrap_optimizer(hvd_torch) -> None:
+    """``hvd.DistributedOptimizer`` hands a grace compression to grace's optimizer."""
+    original = hvd_torch.DistributedOptimizer
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -42,6 +49,9 @@ def install(hvd_torch) -> None:
     DistributedOptimizer.__grace_original__ = original
     hvd_torch.DistributedOptimizer = DistributedOptimizer
 
+
+def _wrap_broadcast(hvd_torch) -> None:
+    """``hvd.broadcast_optimizer_state`` also carries grace's shared state (step counters)."""
     from horovod.torch import functions
 
     original_broadcast = functions.broadcast_optimizer_state
@@ -53,6 +63,15 @@ def install(hvd_torch) -> None:
         if exchange is not None:
             exchange.adopt_shared_state(root_rank, _HOST)
 
+    broadcast_optimizer_state.__grace_original__ = original_broadcast
+    # where users and Horovod's elastic TorchState (which imported it by name) find it
+    for module in (functions, hvd_torch, sys.modules.get("horovod.torch.elastic.state")):
+        if module is not None and getattr(module, "broadcast_optimizer_state", None) is original_broadcast:
+            module.broadcast_optimizer_state = broadcast_optimizer_state
+
+
+def _wrap_join(hvd_torch) -> None:
+    """``hvd.join()`` refuses methods it cannot serve, then syncs step counters from the last rank."""
     original_join = hvd_torch.join
 
     @functools.wraps(original_join)
@@ -81,8 +100,3 @@ def install(hvd_torch) -> None:
 
     join.__grace_original__ = original_join
     hvd_torch.join = join
-    broadcast_optimizer_state.__grace_original__ = original_broadcast
-    # where users and Horovod's elastic TorchState (which imported it by name) find it
-    for module in (functions, hvd_torch, sys.modules.get("horovod.torch.elastic.state")):
-        if module is not None and getattr(module, "broadcast_optimizer_state", None) is original_broadcast:
-            module.broadcast_optimizer_state = broadcast_optimizer_state
