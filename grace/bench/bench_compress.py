@@ -108,9 +108,8 @@ def _string_list(config: dict, key: str, allowed) -> list:
     return list(dict.fromkeys(value))
 
 
-def validate(raw: dict, quick: bool = False) -> dict:
-    """Defaults filled in, the quick overrides applied (``quick``), every entry checked; each
-    method entry gains 'compression' (built by grace.from_params). Raises ConfigError."""
+def _with_defaults(raw: dict, quick: bool) -> dict:
+    """The raw config's keys checked, the defaults filled in and the quick overrides applied."""
     unknown = sorted(set(raw) - TOP_KEYS)
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(TOP_KEYS))}")
@@ -126,7 +125,11 @@ def validate(raw: dict, quick: bool = False) -> dict:
         raise ConfigError(f"'quick': unknown key(s) {', '.join(map(repr, bad))}")
     if quick:
         config.update(overrides)
+    return config
 
+
+def _check_settings(config: dict) -> None:
+    """Sizes, counts, budget, threads, seed, backends and devices checked (sizes and lists normalised in place)."""
     sizes = config["sizes"]
     if not isinstance(sizes, list) or not sizes:
         raise ConfigError(f"'sizes' must be a non-empty list of element counts, got {sizes!r}")
@@ -146,41 +149,50 @@ def validate(raw: dict, quick: bool = False) -> dict:
     config["backends"] = _string_list(config, "backends", BACKENDS)
     config["devices"] = _string_list(config, "devices", DEVICES)
 
+
+def _checked_method(i: int, entry, names: set) -> dict:
+    """methods[i] checked, its name added to ``names`` (used twice is an error), its compression built."""
+    where = f"methods[{i}]"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: expected a mapping {{name: ..., grace: {{compressor: ...}}}}, got {entry!r}")
+    label = f"{where} ({entry['name']!r})" if "name" in entry else where
+    missing = [key for key in ("name", "grace") if key not in entry]
+    if missing:
+        raise ConfigError(f"{label}: missing key(s) {', '.join(map(repr, missing))}")
+    unknown = sorted(set(entry) - METHOD_KEYS)
+    if unknown:
+        raise ConfigError(f"{label}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                          f"known: {', '.join(sorted(METHOD_KEYS))}")
+    name = entry["name"]
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}: 'name' must be a non-empty string, got {name!r}")
+    if name in names:
+        raise ConfigError(f"{label}: the name {name!r} is used twice")
+    names.add(name)
+    params = entry["grace"]
+    if not isinstance(params, dict):
+        raise ConfigError(f"{label}: 'grace' must be a grace.from_params dictionary such as "
+                          f"{{compressor: topk, compress_ratio: 0.01}}, got {params!r}")
+    shape = entry.get("shape", "flat")
+    if shape not in SHAPES:
+        raise ConfigError(f"{label}: 'shape' must be one of {', '.join(SHAPES)}, got {shape!r}")
+    try:
+        compression = grace.from_params(params)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+    return {"name": name, "grace": dict(params), "shape": shape, "compression": compression}
+
+
+def validate(raw: dict, quick: bool = False) -> dict:
+    """Defaults filled in, the quick overrides applied (``quick``), every entry checked; each
+    method entry gains 'compression' (built by grace.from_params). Raises ConfigError."""
+    config = _with_defaults(raw, quick)
+    _check_settings(config)
     methods = config["methods"]
     if not isinstance(methods, list) or not methods:
         raise ConfigError("'methods' must be a non-empty list of {name: ..., grace: {compressor: ..., ...}}")
-    checked, names = [], set()
-    for i, entry in enumerate(methods):
-        where = f"methods[{i}]"
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where}: expected a mapping {{name: ..., grace: {{compressor: ...}}}}, got {entry!r}")
-        label = f"{where} ({entry['name']!r})" if "name" in entry else where
-        missing = [key for key in ("name", "grace") if key not in entry]
-        if missing:
-            raise ConfigError(f"{label}: missing key(s) {', '.join(map(repr, missing))}")
-        unknown = sorted(set(entry) - METHOD_KEYS)
-        if unknown:
-            raise ConfigError(f"{label}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                              f"known: {', '.join(sorted(METHOD_KEYS))}")
-        name = entry["name"]
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{where}: 'name' must be a non-empty string, got {name!r}")
-        if name in names:
-            raise ConfigError(f"{label}: the name {name!r} is used twice")
-        names.add(name)
-        params = entry["grace"]
-        if not isinstance(params, dict):
-            raise ConfigError(f"{label}: 'grace' must be a grace.from_params dictionary such as "
-                              f"{{compressor: topk, compress_ratio: 0.01}}, got {params!r}")
-        shape = entry.get("shape", "flat")
-        if shape not in SHAPES:
-            raise ConfigError(f"{label}: 'shape' must be one of {', '.join(SHAPES)}, got {shape!r}")
-        try:
-            compression = grace.from_params(params)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{label}: {exc}") from None
-        checked.append({"name": name, "grace": dict(params), "shape": shape, "compression": compression})
-    config["methods"] = checked
+    names = set()
+    config["methods"] = [_checked_method(i, entry, names) for i, entry in enumerate(methods)]
     return config
 
 

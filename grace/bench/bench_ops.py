@@ -109,14 +109,9 @@ def fallback(fn):
     return run
 
 
-def cases(n: int, device: str):
-    """name -> (fallback fn, ops fn or None, native fn, bytes the native fn moves)."""
-    gen = torch.Generator().manual_seed(n)
-    x = torch.randn(n, generator=gen).to(device)
-    u = torch.rand(n, generator=gen).to(device)
+def _pack_cases(n: int, gen, device: str) -> dict:
+    """Bit packing and unpacking of random codes, 1 to 4 bits wide."""
     out = {}
-    f4 = 4 * n
-
     for width in (1, 2, 3, 4):
         codes = torch.randint(0, 1 << width, (n,), generator=gen, dtype=torch.uint8).to(device)
         packed_bytes = math.ceil(n * width / 8)
@@ -128,7 +123,13 @@ def cases(n: int, device: str):
             return gn.unpack(gn.pack(codes, width), width, n)
 
         out[f"pack {width}-bit"] = (fallback(pure), None, native, 2 * n + 2 * packed_bytes)
+    return out
 
+
+def _quantizer_cases(n: int, x, u, gen, device: str) -> dict:
+    """The dense quantizers: fp16, the sign methods, TernGrad, QSGD and natural compression."""
+    out = {}
+    f4 = 4 * n
     c = grace.fp16().compressor
     out["fp16 (vs plain torch)"] = (lambda: (x / INFO.world_size).half().float() * INFO.world_size, None,
                                     compressor_roundtrip(c, x), f4 + 2 * n + 2 * n + f4)
@@ -162,10 +163,16 @@ def cases(n: int, device: str):
     out["natural"] = (fallback(compressor_roundtrip(c, x, u)), compressor_roundtrip(c, x, u),
                       lambda: gn.natural_decompress(*gn.natural_compress(x, u), n),
                       2 * f4 + 2 * (n // 8 + n) + f4)
+    return out
 
+
+def _sparse_cases(n: int, x, gen, device: str) -> dict:
+    """Top-k and threshold sparsification (k = 1%), with and without residual, and sparse aggregation."""
+    f4 = 4 * n
     k = max(1, math.ceil(0.01 * n))
     isz = np.dtype(index_dtype(n)).itemsize
     sparse_bytes = f4 + k * (4 + isz) + k * (4 + isz) + f4
+    out = {}
     c = grace.topk(0.01).compressor
     out["topk 1%"] = (fallback(compressor_roundtrip(c, x)), compressor_roundtrip(c, x),
                       lambda: gn.scatter_add(*reversed(gn.topk_compress(x, k)), n), sparse_bytes)
@@ -176,7 +183,15 @@ def cases(n: int, device: str):
     c = grace.threshold(thr).compressor
     out["threshold ~1%"] = (fallback(compressor_roundtrip(c, x)), compressor_roundtrip(c, x),
                             lambda: gn.scatter_add(*reversed(gn.threshold_compress(x, thr)), n), sparse_bytes)
+    out.update(_residual_cases(n, x, gen, device, k, thr))
+    out.update(_aggregate_case(n, gen, device, k))
+    return out
 
+
+def _residual_cases(n: int, x, gen, device: str, k: int, thr: float) -> dict:
+    """Compensate, compress, decompress and memory update in one step, against the fused native step."""
+    f4, isz = 4 * n, np.dtype(index_dtype(n)).itemsize
+    out = {}
     e = 0.1 * torch.randn(n, generator=gen).to(device)
     for label, make, native_step in (
             ("topk 1% + residual", lambda: grace.topk(0.01), lambda: gn.topk_ef_step(x, e, k)),
@@ -195,7 +210,12 @@ def cases(n: int, device: str):
             return gn.scatter_add(idx, values, n), new_e
 
         out[label] = (fallback(pipeline), pipeline, native, 2 * f4 + f4 + 2 * k * (4 + isz) + f4)
+    return out
 
+
+def _aggregate_case(n: int, gen, device: str, k: int) -> dict:
+    """Summing 8 ranks' top-k payloads."""
+    f4, isz = 4 * n, np.dtype(index_dtype(n)).itemsize
     ranks = 8
     payloads = []
     for r in range(ranks):
@@ -206,13 +226,22 @@ def cases(n: int, device: str):
     def aggregate():
         return c.aggregate(TX, payloads, grace.core.compressor.Shape((n,), "float32"))
 
-    out["aggregate 8 ranks topk"] = (fallback(aggregate), aggregate,
-                                     lambda: gn.scatter_add_many(payloads, n),
-                                     ranks * k * (4 + isz) + f4)
+    return {"aggregate 8 ranks topk": (fallback(aggregate), aggregate, lambda: gn.scatter_add_many(payloads, n),
+                                       ranks * k * (4 + isz) + f4)}
+
+
+def cases(n: int, device: str):
+    """name -> (fallback fn, ops fn or None, native fn, bytes the native fn moves)."""
+    gen = torch.Generator().manual_seed(n)  # one generator, drawn from in a fixed order
+    x = torch.randn(n, generator=gen).to(device)
+    u = torch.rand(n, generator=gen).to(device)
+    out = _pack_cases(n, gen, device)
+    out.update(_quantizer_cases(n, x, u, gen, device))
+    out.update(_sparse_cases(n, x, gen, device))
     return x, out
 
 
-def main(argv=None) -> int:
+def _parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["16", "20", "24"],
                         help="element counts, or powers of two as exponents (<= 40)")
@@ -225,62 +254,80 @@ def main(argv=None) -> int:
                              "interleaved (e.g. x86-64-v3 x86-64-v2)")
     parser.add_argument("--malloc-default", action="store_true",
                         help="leave glibc's malloc as it is (every large output faults its pages in)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _device_name(device: str) -> str:
+    """The GPU's name, or the CPU with its thread counts and kernel build, for the header."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    import platform
+    lib = gn._loader.library("cpu")
+    return f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}, " \
+           f"native threads {lib.get_num_threads()}, kernels {gn.cpu_isa()}{' + AVX-512' if lib.avx512 else ''}"
+
+
+def _native_builds(args) -> list:
+    """The CPU builds to time (--builds, those that load); [None]: the one loaded."""
+    if not (args.builds and args.device == "cpu"):
+        return [None]
+    builds = []
+    for isa in args.builds:
+        try:
+            with gn.cpu_build(isa):
+                builds.append(isa)
+        except OSError as exc:
+            print(f"# build {isa} left out: {exc}")
+    return builds or [None]
+
+
+def _time_size(n: int, args, measure, builds: list, rows: list) -> None:
+    """One size: a plain copy for reference, then every case (one row per build); rows printed and appended."""
+    x, table = cases(n, args.device)
+    y = torch.empty_like(x)
+    t_copy = measure(lambda: y.copy_(x))
+    copy_bw = 8 * n / t_copy
+    print(f"{'(copy of n floats)':<28} {'2^%d' % round(math.log2(n)) if n & (n - 1) == 0 else n:>9} "
+          f"{'':>12} {'':>10} {t_copy * 1e3:>10.3f} {'':>8} {copy_bw / 1e9:>7.1f} {1.0:>8.2f}")
+    rows.append({"method": "copy", "n": n, "native_s": t_copy, "gbps": copy_bw / 1e9, "of_copy": 1.0})
+    for name, (fb, ops, nat, nbytes) in table.items():
+        if args.only and not any(name.startswith(o) for o in args.only):
+            continue
+        t_fb = measure(fb)
+        t_ops = measure(ops) if ops is not None else None
+        size = "2^%d" % round(math.log2(n)) if n & (n - 1) == 0 else str(n)
+        ops_s = f"{t_ops * 1e3:>10.3f}" if t_ops is not None else f"{'-':>10}"
+        for isa in builds:
+            with gn.cpu_build(isa) if isa else contextlib.nullcontext():
+                t_nat = measure(nat)
+            bw = nbytes / t_nat
+            label = f"{name} [{isa}]" if isa else name
+            rows.append({"method": name, "n": n, "fallback_s": t_fb, "ops_s": t_ops, "native_s": t_nat,
+                         "speedup": t_fb / t_nat, "gbps": bw / 1e9, "of_copy": bw / copy_bw,
+                         "device": args.device, "build": isa or gn.cpu_isa()})
+            print(f"{label:<28} {size:>9} {t_fb * 1e3:>12.3f} {ops_s} {t_nat * 1e3:>10.3f} "
+                  f"{t_fb / t_nat:>7.1f}x {bw / 1e9:>7.1f} {bw / copy_bw:>8.2f}", flush=True)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
     if not args.malloc_default:
         keep_freed_memory()
     sizes = [2 ** int(s) if int(s) <= 40 else int(s) for s in args.sizes]
     if not gn.available(args.device):
         print(f"native library for {args.device} not available: {gn.load_error(args.device)}", file=sys.stderr)
         return 1
-    if args.device == "cuda":
-        name = torch.cuda.get_device_name()
-    else:
-        import platform
-        lib = gn._loader.library("cpu")
-        name = f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}, " \
-               f"native threads {lib.get_num_threads()}, kernels {gn.cpu_isa()}{' + AVX-512' if lib.avx512 else ''}"
+    name = _device_name(args.device)
     print(f"# device: {args.device} ({name}); torch {torch.__version__}; repeats {args.repeats} (median)")
     measure = timer(args.device, args.repeats)
-    builds = [None]
-    if args.builds and args.device == "cpu":
-        builds = []
-        for isa in args.builds:
-            try:
-                with gn.cpu_build(isa):
-                    builds.append(isa)
-            except OSError as exc:
-                print(f"# build {isa} left out: {exc}")
-        builds = builds or [None]
+    builds = _native_builds(args)
     rows = []
     header = f"{'method':<28} {'n':>9} {'fallback ms':>12} {'ops ms':>10} {'native ms':>10} {'speedup':>8} " \
              f"{'GB/s':>7} {'of copy':>8}"
     print(header)
     print("-" * len(header))
     for n in sizes:
-        x, table = cases(n, args.device)
-        y = torch.empty_like(x)
-        t_copy = measure(lambda: y.copy_(x))
-        copy_bw = 8 * n / t_copy
-        print(f"{'(copy of n floats)':<28} {'2^%d' % round(math.log2(n)) if n & (n - 1) == 0 else n:>9} "
-              f"{'':>12} {'':>10} {t_copy * 1e3:>10.3f} {'':>8} {copy_bw / 1e9:>7.1f} {1.0:>8.2f}")
-        rows.append({"method": "copy", "n": n, "native_s": t_copy, "gbps": copy_bw / 1e9, "of_copy": 1.0})
-        for name, (fb, ops, nat, nbytes) in table.items():
-            if args.only and not any(name.startswith(o) for o in args.only):
-                continue
-            t_fb = measure(fb)
-            t_ops = measure(ops) if ops is not None else None
-            size = "2^%d" % round(math.log2(n)) if n & (n - 1) == 0 else str(n)
-            ops_s = f"{t_ops * 1e3:>10.3f}" if t_ops is not None else f"{'-':>10}"
-            for isa in builds:
-                with gn.cpu_build(isa) if isa else contextlib.nullcontext():
-                    t_nat = measure(nat)
-                bw = nbytes / t_nat
-                label = f"{name} [{isa}]" if isa else name
-                rows.append({"method": name, "n": n, "fallback_s": t_fb, "ops_s": t_ops, "native_s": t_nat,
-                             "speedup": t_fb / t_nat, "gbps": bw / 1e9, "of_copy": bw / copy_bw,
-                             "device": args.device, "build": isa or gn.cpu_isa()})
-                print(f"{label:<28} {size:>9} {t_fb * 1e3:>12.3f} {ops_s} {t_nat * 1e3:>10.3f} "
-                      f"{t_fb / t_nat:>7.1f}x {bw / 1e9:>7.1f} {bw / copy_bw:>8.2f}", flush=True)
+        _time_size(n, args, measure, builds, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

@@ -167,22 +167,15 @@ def codec_seconds(run: Run, ranks: int, repeats: int) -> float:
     return median_seconds(lambda: exchange.exchange(grads), repeats)
 
 
-def worker_throughput(config: dict, model_name: str, result: Path) -> None:
+def _slowest(engine, seconds: float) -> float:
+    """A step is as slow as its slowest rank."""
+    return float(engine.reduce(seconds, "max"))
+
+
+def _compute_seconds(config: dict, model_name: str, engine, steps: int) -> float:
+    """Compute alone: the same model and batches, a local optimizer, every rank at once."""
     import torch
 
-    engine = ENGINES[engine_name(config)]()
-    torch.set_num_threads(1)
-    rank, ranks = engine.rank, engine.size
-    bench = config["throughput"]
-
-    def slowest(seconds: float) -> float:  # a step is as slow as its slowest rank
-        return float(engine.reduce(seconds, "max"))
-
-    for i in range(5):
-        engine.reduce(0.0, "sum")
-    tiny_allreduce = slowest(median_seconds(lambda: engine.reduce(0.0, "sum"), 20))
-
-    # compute alone: the same model and batches, a local optimizer, every rank at once
     torch.manual_seed(config["seed"])
     local = build_model(config["models"][model_name])
     local_opt = torch.optim.SGD(local.parameters(), lr=config["lr"], momentum=config["momentum"])
@@ -195,29 +188,48 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
         local_opt.step()
 
     local_step()
-    compute = slowest(median_seconds(local_step, bench["steps"]))
-    del local, local_opt
+    return _slowest(engine, median_seconds(local_step, steps))
+
+
+def _step_times(run: Run, engine, steps: int, bar, name: str) -> list:
+    """Seconds of each of ``steps`` training steps, the ranks started together, epochs repeated as needed."""
+    batches = iter(())
+    times = []
+    for i in range(steps):
+        try:
+            xb, yb = next(batches)
+        except StopIteration:
+            batches = run.epoch_batches()
+            xb, yb = next(batches)
+        engine.reduce(0.0, "sum")  # steps start together
+        t0 = time.perf_counter()
+        run.step(xb, yb)
+        times.append(time.perf_counter() - t0)
+        bar.update()
+        bar.set_postfix(method=name)
+    return times
+
+
+def worker_throughput(config: dict, model_name: str, result: Path) -> None:
+    import torch
+
+    engine = ENGINES[engine_name(config)]()
+    torch.set_num_threads(1)
+    rank, ranks = engine.rank, engine.size
+    bench = config["throughput"]
+
+    for i in range(5):
+        engine.reduce(0.0, "sum")
+    tiny_allreduce = _slowest(engine, median_seconds(lambda: engine.reduce(0.0, "sum"), 20))
+    compute = _compute_seconds(config, model_name, engine, bench["steps"])
 
     rows = []
     total = len(config["methods"]) * (bench["warmup_steps"] + bench["steps"])
     bar = tqdm(total=total, disable=rank != 0, desc=f"{model_name} throughput", file=sys.stdout)
     for method in config["methods"]:
         run = Run(config, model_name, method, engine)
-        batches = iter(())
-        times = []
-        for i in range(bench["warmup_steps"] + bench["steps"]):
-            try:
-                xb, yb = next(batches)
-            except StopIteration:
-                batches = run.epoch_batches()
-                xb, yb = next(batches)
-            engine.reduce(0.0, "sum")  # steps start together
-            t0 = time.perf_counter()
-            run.step(xb, yb)
-            times.append(time.perf_counter() - t0)
-            bar.update()
-            bar.set_postfix(method=method["name"])
-        step = slowest(statistics.median(times[bench["warmup_steps"]:]))
+        times = _step_times(run, engine, bench["warmup_steps"] + bench["steps"], bar, method["name"])
+        step = _slowest(engine, statistics.median(times[bench["warmup_steps"]:]))
         compressor = run.compression.compressor if run.is_grace else None
         rows.append({
             "model": model_name, "method": method["name"], "ranks": ranks,
@@ -231,7 +243,7 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
             "rounds": 2 if (compressor is not None and compressor.multi_round)
             or getattr(run.compression, "kind", None) == "powersgd" else 1,
             "compute_s": compute,
-            "codec_s": slowest(codec_seconds(run, ranks, bench["codec_repeats"])),
+            "codec_s": _slowest(engine, codec_seconds(run, ranks, bench["codec_repeats"])),
             "tiny_allreduce_s": tiny_allreduce,
         })
         del run

@@ -100,7 +100,23 @@ def _do_verify(cluster, args) -> tuple[int, dict]:
     return EXIT_OK, report
 
 
-def main(argv=None) -> int:
+def _add_run_parser(sub) -> None:
+    p_run = sub.add_parser("run", help="run a command over a cluster: run [options] -- CMD ...")
+    p_run.add_argument("--prefix", help="an existing cluster (from `up`); otherwise a temporary one")
+    _add_link_args(p_run)
+    _add_verify_args(p_run)
+    p_run.add_argument("--launcher", default="mpirun",
+                       help="mpirun (default), horovodrun (Gloo), torchrun (torch.distributed env), "
+                            "head (CMD in the head namespace, GRACE_CLUSTER_* set), host:<i>")
+    p_run.add_argument("--np", type=int, help="ranks (default: hosts x --ranks-per-host)")
+    p_run.add_argument("--ranks-per-host", type=int, default=1)
+    p_run.add_argument("--no-verify", action="store_true", help="skip the link check (numbers not certified)")
+    p_run.add_argument("--allow-unverified", action="store_true",
+                       help="run even when the rate cannot be verified (CPU-bound); the run is marked so")
+    p_run.add_argument("cmd", nargs=argparse.REMAINDER)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="create a cluster and leave it up (prints its prefix)")
@@ -118,80 +134,96 @@ def main(argv=None) -> int:
     p_ver.add_argument("--prefix", help="an existing cluster (from `up`)")
     _add_link_args(p_ver)
     _add_verify_args(p_ver)
-    p_run = sub.add_parser("run", help="run a command over a cluster: run [options] -- CMD ...")
-    p_run.add_argument("--prefix", help="an existing cluster (from `up`); otherwise a temporary one")
-    _add_link_args(p_run)
-    _add_verify_args(p_run)
-    p_run.add_argument("--launcher", default="mpirun",
-                       help="mpirun (default), horovodrun (Gloo), torchrun (torch.distributed env), head (CMD in the head namespace, "
-                            "GRACE_CLUSTER_* set), host:<i>")
-    p_run.add_argument("--np", type=int, help="ranks (default: hosts x --ranks-per-host)")
-    p_run.add_argument("--ranks-per-host", type=int, default=1)
-    p_run.add_argument("--no-verify", action="store_true", help="skip the link check (numbers not certified)")
-    p_run.add_argument("--allow-unverified", action="store_true",
-                       help="run even when the rate cannot be verified (CPU-bound); the run is marked so")
-    p_run.add_argument("cmd", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    _add_run_parser(sub)
+    return parser
 
+
+def _list_command(args, parser) -> int:
+    for prefix, what in sorted(leftovers().items()):
+        state = STATE_DIR / f"{prefix}.json"
+        desc = ""
+        if state.exists():
+            s = json.loads(state.read_text())
+            desc = (f"{s['status']}, {s['n']} hosts, {s['subnet']}, {fmt_rate(s['bandwidth_bps'])}, "
+                    f"latency {fmt_time(s['latency_s'])}{'' if s['latency_emulated'] else ' (native)'}, "
+                    f"pid {s['pid']}")
+        print(f"{prefix}: {desc or 'leftover'}\n    " + "\n    ".join(what))
+    return EXIT_OK
+
+
+def _leftovers_to_remove(force: bool) -> list:
+    """Every leftover cluster, less those whose creator still runs (unless ``force``)."""
+    prefixes = []
+    for prefix in leftovers():
+        owner = _owner_pid(prefix)
+        if owner and not force and owner != os.getpid() and Path(f"/proc/{owner}").exists():
+            print(f"{prefix}: skipped, its creator (pid {owner}) is still running (--force removes it)")
+            continue
+        prefixes.append(prefix)
+    return prefixes
+
+
+def _down_command(args, parser) -> int:
+    prefixes = list(args.prefix)
+    if args.all:
+        prefixes += _leftovers_to_remove(args.force)
+    elif not prefixes:
+        parser.error("down needs --prefix P or --all")
+    for prefix in prefixes:
+        removed = teardown(prefix)
+        print(f"{prefix}: removed {len(removed)} object(s)" + "".join(f"\n    {r}" for r in removed))
+    return EXIT_OK
+
+
+def _up_command(args, parser) -> int:
+    cluster = _cluster_from_args(args, keep=True).up()
+    print(json.dumps({"prefix": cluster.prefix, "subnet": str(cluster.subnet),
+                      "hosts": {h.name: h.ip for h in cluster.hosts},
+                      "head": {cluster.head_ns: cluster.head_ip},
+                      "bandwidth_bps": cluster.bandwidth, "latency_s": cluster.latency,
+                      "latency_emulated": cluster.latency_emulated}, indent=1))
+    if args.verify:
+        return _do_verify(cluster, args)[0]
+    return EXIT_OK
+
+
+def _verify_command(args, parser) -> int:
+    cluster = _cluster_from_args(args)
+    with cluster:
+        return _do_verify(cluster, args)[0]
+
+
+def _run_command(args, parser) -> int:
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        parser.error("run needs a command after --")
+    cluster = _cluster_from_args(args)
+    with cluster:
+        if args.no_verify:
+            print(f"[cluster {cluster.prefix}] links NOT verified (--no-verify)", file=sys.stderr)
+        else:
+            code, report = _do_verify(cluster, args)
+            if code == EXIT_FAILED:
+                return code
+            if code == EXIT_UNVERIFIED and not args.allow_unverified:
+                print("refusing to run: the configured rate cannot be verified on this machine "
+                      "(--allow-unverified runs anyway)", file=sys.stderr)
+                return code
+        return cluster.run(cmd, launcher=args.launcher, np=args.np,
+                           ranks_per_host=args.ranks_per_host).returncode
+
+
+COMMANDS = {"down": _down_command, "up": _up_command, "verify": _verify_command, "run": _run_command}
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         if args.command == "list":
-            for prefix, what in sorted(leftovers().items()):
-                state = STATE_DIR / f"{prefix}.json"
-                desc = ""
-                if state.exists():
-                    s = json.loads(state.read_text())
-                    desc = (f"{s['status']}, {s['n']} hosts, {s['subnet']}, {fmt_rate(s['bandwidth_bps'])}, "
-                            f"latency {fmt_time(s['latency_s'])}{'' if s['latency_emulated'] else ' (native)'}, pid {s['pid']}")
-                print(f"{prefix}: {desc or 'leftover'}\n    " + "\n    ".join(what))
-            return EXIT_OK
-        check_privileges()
-        if args.command == "down":
-            prefixes = list(args.prefix)
-            if args.all:
-                for prefix in leftovers():
-                    owner = _owner_pid(prefix)
-                    if owner and not args.force and owner != os.getpid() and Path(f"/proc/{owner}").exists():
-                        print(f"{prefix}: skipped, its creator (pid {owner}) is still running (--force removes it)")
-                        continue
-                    prefixes.append(prefix)
-            elif not prefixes:
-                parser.error("down needs --prefix P or --all")
-            for prefix in prefixes:
-                removed = teardown(prefix)
-                print(f"{prefix}: removed {len(removed)} object(s)" + "".join(f"\n    {r}" for r in removed))
-            return EXIT_OK
-        if args.command == "up":
-            cluster = _cluster_from_args(args, keep=True).up()
-            print(json.dumps({"prefix": cluster.prefix, "subnet": str(cluster.subnet),
-                              "hosts": {h.name: h.ip for h in cluster.hosts},
-                              "head": {cluster.head_ns: cluster.head_ip},
-                              "bandwidth_bps": cluster.bandwidth, "latency_s": cluster.latency,
-                              "latency_emulated": cluster.latency_emulated}, indent=1))
-            if args.verify:
-                return _do_verify(cluster, args)[0]
-            return EXIT_OK
-        if args.command == "verify":
-            cluster = _cluster_from_args(args)
-            with cluster:
-                return _do_verify(cluster, args)[0]
-        if args.command == "run":
-            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-            if not cmd:
-                parser.error("run needs a command after --")
-            cluster = _cluster_from_args(args)
-            with cluster:
-                if args.no_verify:
-                    print(f"[cluster {cluster.prefix}] links NOT verified (--no-verify)", file=sys.stderr)
-                else:
-                    code, report = _do_verify(cluster, args)
-                    if code == EXIT_FAILED:
-                        return code
-                    if code == EXIT_UNVERIFIED and not args.allow_unverified:
-                        print("refusing to run: the configured rate cannot be verified on this machine "
-                              "(--allow-unverified runs anyway)", file=sys.stderr)
-                        return code
-                return cluster.run(cmd, launcher=args.launcher, np=args.np,
-                                   ranks_per_host=args.ranks_per_host).returncode
+            return _list_command(args, parser)
+        check_privileges()  # every command but list changes namespaces
+        return COMMANDS[args.command](args, parser)
     except PrivilegeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_PRIVILEGE
@@ -201,4 +233,3 @@ def main(argv=None) -> int:
     except (ClusterError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_OK

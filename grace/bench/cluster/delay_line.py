@@ -101,18 +101,30 @@ class Queue:
                 if exc.errno == errno.ENOBUFS:   # notices lost; the next batch verdict frees them
                     continue
                 raise
-            off = 0
-            while off + NLMSG.size <= len(data):
-                length, kind, _, _, _ = NLMSG.unpack_from(data, off)
-                if kind & 0xff == NFQNL_MSG_PACKET and kind >> 8 == NFNL_SUBSYS_QUEUE:
-                    a = off + NLMSG.size + NFGEN.size
-                    while a + 4 <= off + length:
-                        alen, akind = struct.unpack_from("=HH", data, a)
-                        if akind & 0x7fff == NFQA_PACKET_HDR:
-                            yield struct.unpack_from("!I", data, a + 4)[0]
-                            break
-                        a += (alen + 3) & ~3
-                off += (length + 3) & ~3
+            yield from packet_ids_in(data)
+
+
+def packet_ids_in(data: bytes):
+    """The packet ids in one datagram of netlink messages (messages other than packet notices skipped)."""
+    off = 0
+    while off + NLMSG.size <= len(data):
+        length, kind, _, _, _ = NLMSG.unpack_from(data, off)
+        if kind & 0xff == NFQNL_MSG_PACKET and kind >> 8 == NFNL_SUBSYS_QUEUE:
+            packet_id = packet_header_id(data, off + NLMSG.size + NFGEN.size, off + length)
+            if packet_id is not None:
+                yield packet_id
+        off += (length + 3) & ~3
+
+
+def packet_header_id(data: bytes, start: int, end: int):
+    """The id in the NFQA_PACKET_HDR attribute among the attributes in data[start:end]; None without one."""
+    a = start
+    while a + 4 <= end:
+        alen, akind = struct.unpack_from("=HH", data, a)
+        if akind & 0x7fff == NFQA_PACKET_HDR:
+            return struct.unpack_from("!I", data, a + 4)[0]
+        a += (alen + 3) & ~3
+    return None
 
 
 def run(queue_num: int, delay_s: float) -> None:

@@ -93,57 +93,81 @@ class VerifyMixin:
         attempts = int(attempts if attempts is not None else v["attempts"])
         warmup = float(warmup if warmup is not None else v["warmup"])
         dst = 1 if dst is None else dst
-        lo, hi = (1 - tolerance) * self.bandwidth, (1 + tolerance) * self.bandwidth
+        band = (1 - tolerance) * self.bandwidth, (1 + tolerance) * self.bandwidth
         directions = [(src, dst)] + ([(dst, src)] if both_directions else [])
+        measured = [self._direction_report(a, b, attempts, seconds, warmup, band) for a, b in directions]
         report = {"prefix": self.prefix, "configured_bps": self.bandwidth, "tolerance": tolerance,
-                  "seconds": seconds, "directions": [], "ceiling_bps": None}
-        status = "verified"
-        for a, b in directions:
-            readings = []
-            for _ in range(attempts):
-                r = self.measure_throughput(a, b, seconds, warmup)
-                readings.append(r["goodput_bps"])
-                if r["goodput_bps"] >= lo:      # in the band, or above it (which fails below)
-                    break
-            best = max(readings)
-            d = {"src": self.hosts[a].name, "dst": self.hosts[b].name, "readings_bps": readings,
-                 "measured_bps": best, "ratio": best / self.bandwidth}
-            if best > hi:
-                d["status"] = "failed"
-                d["why"] = "faster than configured: the link is not shaped"
-            elif best >= lo:
-                d["status"] = "verified"
-            else:
-                d["status"] = "low"
-            report["directions"].append(d)
+                  "seconds": seconds, "directions": measured, "ceiling_bps": None}
         low = any(d["status"] == "low" for d in report["directions"])
         if low or ceiling == "always":
-            with self.unshaped(src, dst):
-                unshaped = self.measure_throughput(src, dst, seconds, warmup)["goodput_bps"]
-            report["unshaped_bps"] = unshaped
-            # a shaped reading is also a lower bound of what the machine carries (load varies)
-            report["ceiling_bps"] = max([unshaped] + [x for d in report["directions"] for x in d["readings_bps"]])
+            self._measure_ceiling(report, src, dst, seconds, warmup)
         for d in report["directions"]:
             if d["status"] == "low":
-                if report["ceiling_bps"] < self.bandwidth / (1 - tolerance):
-                    d["status"] = "cpu-bound"
-                    d["why"] = (f"this machine carries at most {fmt_rate(report['ceiling_bps'])} between two "
-                                f"namespaces (measured with the shaping removed); the link is CPU-bound, "
-                                f"not shaped")
-                elif report["ceiling_bps"] < headroom * self.bandwidth / (1 - tolerance):
-                    d["status"] = "cpu-bound"
-                    d["why"] = (f"this machine carries {fmt_rate(report['ceiling_bps'])} unshaped, less than "
-                                f"{headroom:g}x the rate: too little headroom for the shaper itself, so the "
-                                f"link is CPU-bound")
-                else:
-                    d["status"] = "failed"
-                    d["why"] = (f"below {100 * (1 - tolerance):.0f}% of the configured rate although the "
-                                f"machine carries {fmt_rate(report['ceiling_bps'])} unshaped")
+                self._judge_low(d, report["ceiling_bps"], tolerance, headroom)
         states = {d["status"] for d in report["directions"]}
         status = "failed" if "failed" in states else "cpu-bound" if "cpu-bound" in states else "verified"
         report["status"] = status
         report["measured_bps"] = min(d["measured_bps"] for d in report["directions"])
 
+        lat_report = self._latency_report(src, dst)
+        report["latency"] = lat_report
+        report["certified"] = status == "verified" and lat_report["status"] in ("verified", "native")
+        if strict:
+            if status == "failed" or lat_report["status"] == "failed":
+                raise VerificationError("link verification failed:\n" + format_report(report), report)
+            if status == "cpu-bound":
+                raise UnverifiedError("link rate cannot be verified (CPU-bound):\n" + format_report(report), report)
+        return report
+
+    def _direction_report(self, a: int, b: int, attempts: int, seconds: float, warmup: float, band: tuple) -> dict:
+        """Up to ``attempts`` readings from host a to host b (until one reaches the band); the best is judged:
+        'verified' in the band, 'failed' above it, 'low' below it (judged later, against the ceiling)."""
+        lo, hi = band
+        readings = []
+        for _ in range(attempts):
+            r = self.measure_throughput(a, b, seconds, warmup)
+            readings.append(r["goodput_bps"])
+            if r["goodput_bps"] >= lo:      # in the band, or above it (which fails below)
+                break
+        best = max(readings)
+        d = {"src": self.hosts[a].name, "dst": self.hosts[b].name, "readings_bps": readings,
+             "measured_bps": best, "ratio": best / self.bandwidth}
+        if best > hi:
+            d["status"] = "failed"
+            d["why"] = "faster than configured: the link is not shaped"
+        elif best >= lo:
+            d["status"] = "verified"
+        else:
+            d["status"] = "low"
+        return d
+
+    def _measure_ceiling(self, report: dict, src: int, dst: int, seconds: float, warmup: float) -> None:
+        """What this machine carries at all: one reading with the shaping removed, into the report."""
+        with self.unshaped(src, dst):
+            unshaped = self.measure_throughput(src, dst, seconds, warmup)["goodput_bps"]
+        report["unshaped_bps"] = unshaped
+        # a shaped reading is also a lower bound of what the machine carries (load varies)
+        report["ceiling_bps"] = max([unshaped] + [x for d in report["directions"] for x in d["readings_bps"]])
+
+    def _judge_low(self, d: dict, ceiling_bps: float, tolerance: float, headroom: float) -> None:
+        """A direction below the band: CPU-bound where the machine has too little headroom, else failed."""
+        if ceiling_bps < self.bandwidth / (1 - tolerance):
+            d["status"] = "cpu-bound"
+            d["why"] = (f"this machine carries at most {fmt_rate(ceiling_bps)} between two "
+                        f"namespaces (measured with the shaping removed); the link is CPU-bound, "
+                        f"not shaped")
+        elif ceiling_bps < headroom * self.bandwidth / (1 - tolerance):
+            d["status"] = "cpu-bound"
+            d["why"] = (f"this machine carries {fmt_rate(ceiling_bps)} unshaped, less than "
+                        f"{headroom:g}x the rate: too little headroom for the shaper itself, so the "
+                        f"link is CPU-bound")
+        else:
+            d["status"] = "failed"
+            d["why"] = (f"below {100 * (1 - tolerance):.0f}% of the configured rate although the "
+                        f"machine carries {fmt_rate(ceiling_bps)} unshaped")
+
+    def _latency_report(self, src: int, dst: int) -> dict:
+        """The one-way latency measured and judged: within [0.9 L - 20 us, 1.1 L + 300 us] where emulated."""
         lat = self.measure_latency(src, dst)
         one_way = lat["one_way_median"]
         L = self.latency
@@ -158,14 +182,7 @@ class VerifyMixin:
                 lat_report["why"] = f"the delay lines of {', '.join(stopped)} are not running"
         else:
             lat_report["status"] = "native" if L == 0 else "not-emulated"
-        report["latency"] = lat_report
-        report["certified"] = status == "verified" and lat_report["status"] in ("verified", "native")
-        if strict:
-            if status == "failed" or lat_report["status"] == "failed":
-                raise VerificationError("link verification failed:\n" + format_report(report), report)
-            if status == "cpu-bound":
-                raise UnverifiedError("link rate cannot be verified (CPU-bound):\n" + format_report(report), report)
-        return report
+        return lat_report
 
 
 
