@@ -1,0 +1,285 @@
+"""The helpers the kernel families share: inputs as flat buffers of the first input's kind and
+results wrapped back, outputs written in place, C arrays of a bucket's pointers and sizes, payload
+tensors placed in one buffer, segment checks, the overflow flag and the decoded sums' finish."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from grace.formats import ITEMSIZE, packed_size
+from grace.native import _arrays
+from grace.native._arrays import INDEX_CODES, Buf, NativeUnavailable, TensorBuf, call, kind_of, same_device
+
+
+# the float dtypes the fused functions take (the quantizers other than signSGD also float64)
+_FLOATS = ("float16", "bfloat16", "float32")
+
+
+# --- inputs as buffers, results as arrays ---------------------------------------------------------
+def _float32(kind, x, allow=_FLOATS + ("float64",)) -> Buf:
+    b = kind.flat(x)
+    if b.dtype not in allow:
+        raise TypeError(f"native kernels take {', '.join(allow)} tensors, got {b.dtype}")
+    return b if b.dtype == "float32" else kind.flat(b.obj, "float32")
+
+
+def _same_kind(kind, x, dtype=None) -> Buf:
+    """``x`` as a flat buffer for ``kind`` (same toolkit and device as the first input)."""
+    if type(x) is Buf:  # a frame's piece (frame_pieces): taken as it is
+        if dtype is not None and x.dtype != dtype:
+            raise NativeUnavailable(f"a frame's {x.dtype} piece where {dtype} is needed")
+        return x
+    other = kind_of(x)
+    if not same_device(kind, other):
+        raise NativeUnavailable("inputs are on different devices")
+    return other.flat(x, dtype)
+
+
+def _same_kind_all(kind, xs, dtype=None) -> list:
+    """``_same_kind`` of each of ``xs``: a bucket's many tensors. Contiguous CPU torch tensors
+    of the dtype wanted (the pieces of a received frame, a bucket's gradients) take a short
+    path: the per-tensor checks cost more than the kernels on small tensors."""
+    if kind.name == "torch" and kind.lib.kind == "cpu":
+        tensor, names, bufs = kind.torch.Tensor, _arrays._TORCH_NAMES, []
+        for x in xs:
+            if type(x) is Buf and (dtype is None or x.dtype == dtype):  # a frame's piece
+                bufs.append(x)
+                continue
+            name = names.get(x.dtype) if type(x) is tensor else None
+            if name is None or (dtype is not None and name != dtype) or not x.is_cpu or x.requires_grad \
+                    or not x.is_contiguous():
+                bufs.append(_same_kind(kind, x, dtype))
+            else:
+                bufs.append(TensorBuf(x, x.data_ptr(), x.numel(), name))
+        return bufs
+    return [_same_kind(kind, x, dtype) for x in xs]
+
+
+def _index_buf(kind, idx, b: Buf = None) -> Buf:
+    """Indices as a buffer of an index type the kernels take (int64 otherwise); ``b``:
+    ``_same_kind``'s buffer of idx, where made already."""
+    b = _same_kind(kind, idx) if b is None else b
+    if b.dtype not in INDEX_CODES and b.obj is None:
+        raise NativeUnavailable(f"a frame's {b.dtype} indices")
+    if b.dtype not in INDEX_CODES:
+        b = _same_kind(kind, b.obj, "int64")
+    return b
+
+
+def _in_place(kind, x, dtype: str, b: Buf = None) -> Buf:
+    """``x`` as a buffer the kernel writes into: x's own memory, contiguous, of ``dtype``
+    (``b``: ``_same_kind``'s buffer of x, where made already)."""
+    b = _same_kind(kind, x) if b is None else b
+    own = x.data_ptr() if kind.name == "torch" else getattr(getattr(x, "ctypes", None), "data", None)
+    if b.dtype != dtype or b.ptr != own and b.obj is not x:
+        raise NativeUnavailable(f"cannot write into a {b.dtype} or non-contiguous tensor in place")
+    return b
+
+
+def _in_place_all(kind, xs, dtype: str) -> list:
+    # a TensorBuf is a contiguous tensor's own memory: in place as it is, where of ``dtype``
+    return [b if type(b) is TensorBuf and b.dtype == dtype else _in_place(kind, x, dtype, b)
+            for x, b in zip(xs, _same_kind_all(kind, xs))]
+
+
+def _cpu_kind(x):
+    kind = kind_of(x)
+    if kind.lib.kind != "cpu":
+        raise NativeUnavailable("a CPU-only entry point (bucket at once, or draws made inside)")
+    return kind
+
+
+def _head(kind, buf: Buf, count: int):
+    """The first ``count`` elements of a capacity buffer, as a compact array."""
+    obj = buf.obj[:count]
+    if count < buf.n // 2:
+        obj = obj.clone() if kind.name == "torch" else (obj.copy() if hasattr(obj, "copy") else obj)
+    return obj
+
+
+def _wrap(kind, *results):
+    kind.sync()
+    out = tuple(kind.wrap(r.obj if isinstance(r, Buf) else r) for r in results)
+    return out[0] if len(out) == 1 else out
+
+
+def _decode_out(kind, numel: int) -> Buf:
+    return kind.empty(int(numel), "float32")
+
+
+# --- C arrays of a bucket's pointers and sizes ----------------------------------------------------
+def _pointers(bufs):
+    """A C array of the buffers' pointers."""
+    return (ctypes.c_void_p * len(bufs))(*[b.ptr for b in bufs])
+
+
+def _addresses(buf: Buf, byte_offsets):
+    """A C array of the addresses at ``byte_offsets`` in ``buf``: each gradient's place in an
+    output shared by a bucket."""
+    return (ctypes.c_void_p * len(byte_offsets))(*[buf.ptr + o for o in byte_offsets])
+
+
+def _every(addresses, first: int, step: int):
+    """A C array of ``addresses[first::step]``: one payload tensor's place for each gradient."""
+    chosen = addresses[first::step]
+    return (ctypes.c_void_p * len(chosen))(*chosen)
+
+
+def _int64s(values):
+    """A C array of ``values``; made once per tuple (a bucket's segment sizes and starts: the
+    segment wrappers are called per bucket and rank every step, and read it only)."""
+    return _int64s_of(values) if type(values) is tuple else (ctypes.c_int64 * len(values))(*values)
+
+
+@functools.lru_cache(maxsize=1024)
+def _int64s_of(values: tuple):
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_total(numels: tuple, bits: int) -> int:
+    """The bytes of every segment's codes of ``bits`` bits, packed segment by segment."""
+    return sum(packed_size(n, bits) for n in numels)
+
+
+def _index_codes(dtypes):
+    """A C array of the index types' codes (INDEX_CODES)."""
+    return (ctypes.c_int * len(dtypes))(*[INDEX_CODES[d] for d in dtypes])
+
+
+def _seed_word_arrays(words):
+    """Seeds' two 32-bit words (grace.core.draws.seed_words) as two C arrays."""
+    return ((ctypes.c_uint32 * len(words))(*[w[i] for w in words]) for i in (0, 1))
+
+
+# --- payload tensors placed in one buffer ---------------------------------------------------------
+def _one_buffer(kind):
+    """The ``into`` of a bucket call given none: its payload tensors in one new uint8 buffer,
+    the widest items first (so each tensor is aligned to its item)."""
+    def into(dtypes, counts):
+        offsets, end = [0] * len(dtypes), 0
+        for i in sorted(range(len(dtypes)), key=lambda i: -ITEMSIZE[dtypes[i]]):
+            offsets[i], end = end, end + counts[i] * ITEMSIZE[dtypes[i]]
+        return kind.empty(end, "uint8").obj, offsets
+
+    return into
+
+
+def _placed(kind, into, dtypes, counts):
+    """A bucket call's payload tensors (``dtypes`` and ``counts``: each one's, gradient after
+    gradient) where ``into(dtypes, counts)`` places them in a uint8 buffer of the caller's:
+    (that buffer, each tensor's byte offset in it), say a bucket's frame, which then needs no
+    join of its pieces; in one new buffer where ``into`` is None. (each tensor's address, each
+    tensor as a view of the buffer)."""
+    buffer, offsets = (into or _one_buffer(kind))(dtypes, counts)
+    b = _in_place(kind, buffer, "uint8")
+    typed, views = {}, []
+    for dtype, count, offset in zip(dtypes, counts, offsets):
+        size = ITEMSIZE[dtype]
+        if offset % size or offset < 0 or offset + count * size > b.n:
+            raise ValueError(f"{count} {dtype} at byte {offset} do not fit a buffer of {b.n} bytes")
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = kind.typed(b.obj[:b.n - b.n % size], dtype)
+        views.append(whole[offset // size:offset // size + count])
+    return [b.ptr + offset for offset in offsets], views
+
+
+# --- segments: a bucket's gradients in one flat buffer --------------------------------------------
+def _on_gpu(kind) -> bool:
+    return kind.lib.kind == "cuda"
+
+
+_DECODE = {"sign_decode": 0, "onebit_decode": 1, "terngrad_decode": 2, "qsgd_decode": 3, "natural_decode": 4}
+
+
+def _decode_segments(kind, symbol: str, numels, a: Buf, b, out: Buf, levels: int = 0, bucket_size: int = 0,
+                     bits: int = 0):
+    """Every segment's ``symbol`` decompression into ``out``, in one call (GPU)."""
+    call(kind, "decode_segments", _DECODE[symbol], len(numels), _int64s(numels), a.ptr,
+         b.ptr if b is not None else None, int(levels), int(bucket_size), int(bits), out.ptr)
+
+
+def _check_segments(n: int, starts, numels, what: str = "elements") -> None:
+    """Every segment inside the buffer of ``n`` elements (the kernels write through pointers)."""
+    if type(starts) is tuple and type(numels) is tuple:
+        _segments_fit(n, starts, numels, what)  # (a bucket's layout, checked once)
+    else:
+        _segments_fit.__wrapped__(n, starts, numels, what)
+
+
+@functools.lru_cache(maxsize=1024)
+def _segments_fit(n: int, starts, numels, what: str) -> None:
+    if len(starts) != len(numels) or any(s < 0 or c < 0 or s + c > n for s, c in zip(starts, numels)):
+        raise ValueError(f"segments (starts {list(starts)[:4]}..., sizes {list(numels)[:4]}...) "
+                         f"do not fit in {n} {what}")
+
+
+def _segment_inputs(x, u, starts, numels, draw_starts, draws):
+    """The flat float32 ``x`` and draws ``u``, checked: every segment in x, and its ``draws``
+    (per segment) in u from its draw start."""
+    kind = kind_of(x)
+    b, ub = _float32(kind, x, ("float32",)), _same_kind(kind, u, "float32")
+    _check_segments(b.n, starts, numels)
+    _check_segments(ub.n, draw_starts, draws, "draws")
+    return kind, b, ub
+
+
+def _draws(kind, u, n: int) -> Buf:
+    ub = _same_kind(kind, u, "float32")
+    if ub.n < n:
+        raise ValueError(f"{ub.n} uniform draws for {n} elements")
+    return ub
+
+
+def _check_payload(buf, want: int, what: str) -> None:
+    if buf.n != want:
+        raise ValueError(f"{buf.n} {what} where the segments need {want}")
+
+
+# --- error feedback and decoded sums, a bucket in one call (CPU) ----------------------------------
+def _flag(kind, nonfinite):
+    """The bucket calls' ``nonfinite`` argument as the C one: a one-element float32 tensor that
+    receives the overflow flag (1 where any gradient holds an inf or a NaN, else 0; each
+    gradient checked just before its step reads it, so no pass of its own), or None."""
+    if nonfinite is None:
+        return None
+    b = _in_place(kind, nonfinite, "float32")
+    if b.n != 1:
+        raise ValueError("the overflow flag is one float32 element")
+    return b.ptr
+
+
+def _ef_many_inputs(gs, residuals, outs):
+    """A bucket's gradients, residuals and outputs (new ones where ``outs`` is None) as the
+    buffers of a bucket-at-once residual step (CPU): (kind, gradients, residuals, outputs)."""
+    kind = _cpu_kind(gs[0])
+    gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
+    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
+    if any(b.dtype != "float32" for b in gb + rb):
+        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
+    if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
+        raise ValueError("every gradient, residual and output of a bucket must have the same size")
+    return kind, gb, rb, ob
+
+
+def _ef_flags(beta: float, gamma: float) -> int:
+    return (1 if float(gamma) != 1.0 else 0) | (2 if float(beta) != 1.0 else 0)
+
+
+def _finish_args(finish):
+    """A decoded sum's finish, (vote, divisors) (see Compressor.finish), as the C arguments."""
+    vote, divisors = finish if finish is not None else (False, ())
+    if len(divisors) > 4:
+        raise ValueError("at most 4 divisors")
+    return int(bool(vote)), (ctypes.c_float * max(1, len(divisors)))(*divisors), len(divisors)
+
+
+def _rows(buf: Buf, count: int, itemsize: int, per_row: int):
+    """A C array of the pointers to ``count`` rows of ``per_row`` items in a row in ``buf``."""
+    return (ctypes.c_void_p * count)(*[buf.ptr + j * per_row * itemsize for j in range(count)])
+
+
+def _check_sums(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"the payloads are not rows of {what}")

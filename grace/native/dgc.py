@@ -1,0 +1,59 @@
+"""Deep gradient compression (CPU): the momentum correction, and a bucket's whole step in one call.
+
+    dgc_compensate_into(u, v, g, momentum, u_out, v_out)
+    dgc_step_many(gs, us, vs, momentum, ratio, sample_ratio, words, u_outs, v_outs)
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+from grace.formats import index_dtype
+from grace.native._arrays import NativeUnavailable, call
+from grace.native._common import (_cpu_kind, _flag, _in_place, _in_place_all, _int64s, _pointers, _same_kind,
+                                  _same_kind_all, _seed_word_arrays)
+from grace.native.sparse import _Rooms
+
+
+def dgc_compensate_into(u, v, g, momentum: float, u_out, v_out):
+    """DGC's momentum correction in one pass (CPU): p = v + (momentum * u + g) written into
+    ``v_out`` and p - v into ``u_out`` (float32, all of one size; outputs may be inputs).
+    Returns (u_out, v_out)."""
+    kind = _cpu_kind(u)
+    ub, vb, gb = (_same_kind(kind, t) for t in (u, v, g))
+    uo, vo = _in_place(kind, u_out, "float32"), _in_place(kind, v_out, "float32")
+    if any(b.dtype != "float32" for b in (ub, vb, gb)):
+        raise NativeUnavailable("dgc_compensate_into takes float32 tensors")
+    if not ub.n == vb.n == gb.n == uo.n == vo.n:
+        raise ValueError("u, v, g and the outputs must have one size")
+    call(kind, "dgc_compensate", ub.ptr, vb.ptr, gb.ptr, ub.n, float(momentum), uo.ptr, vo.ptr)
+    return u_out, v_out
+
+
+def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float, words, u_outs, v_outs,
+                  nonfinite=None, scales=None):
+    """DGC's step for every gradient of a bucket in one call (CPU), as DGCMemory.fused_step with
+    DGC's selection makes it gradient by gradient: the momentum correction (p = v + (momentum * u
+    + g) into ``v_outs``, p - v into ``u_outs``; outputs may be inputs), the threshold from a
+    sample of |p| drawn from the gradient's seed words ``words[s]`` (grace.core.draws), the
+    elements at or above it (the k = max(1, ceil(ratio d)) largest where more) and momentum factor
+    masking. Lists of values and indices (in index_dtype(d)), per gradient; the overflow flag
+    into ``nonfinite`` (see ``_flag``). ``scales`` (floats, optional): each g taken as g * scales[s]
+    where it is read (DGC's clipping: one float32 product, as the tensor op makes it)."""
+    kind = _cpu_kind(gs[0])
+    gb, ub, vb = (_same_kind_all(kind, ts) for ts in (gs, us, vs))
+    uo, vo = _in_place_all(kind, u_outs, "float32"), _in_place_all(kind, v_outs, "float32")
+    if any(b.dtype != "float32" for b in gb + ub + vb):
+        raise NativeUnavailable("dgc_step_many takes float32 tensors")
+    if any(not (b[0].n == b[1].n == b[2].n == b[3].n == b[4].n) for b in zip(gb, ub, vb, uo, vo)):
+        raise ValueError("every gradient, state and output of a bucket must have one size")
+    if not (0 < ratio <= 1 and 0 < sample_ratio <= 1):
+        raise ValueError(f"ratio and sample_ratio must be in (0, 1], got {ratio!r}, {sample_ratio!r}")
+    numels = [b.n for b in gb]
+    rooms = _Rooms(kind, [min(d, max(1, math.ceil(ratio * d))) for d in numels], [index_dtype(d) for d in numels])
+    s0, s1 = _seed_word_arrays(words)
+    if call(kind, "dgc_step_many", len(gb), _pointers(gb), _pointers(ub), _pointers(vb), _pointers(uo), _pointers(vo),
+            _int64s(numels), float(momentum), float(ratio), float(sample_ratio), s0, s1, *rooms.arguments(),
+            None if scales is None else (ctypes.c_float * len(gb))(*scales), _flag(kind, nonfinite)) != 0:
+        raise RuntimeError("native DGC steps failed")
+    return rooms.payloads()

@@ -1,0 +1,148 @@
+"""PowerSGD's products for a bucket's matrices (CPU), each element summed in one fixed order.
+
+    lowrank_project_many(ms, qs, shapes, residuals, m_outs), lowrank_back_many(ms, ps, shapes, unit),
+    lowrank_expand_many(ps, qs, shapes, outs, divisor, ms, residual_outs);
+    lowrank_project, lowrank_back, lowrank_expand: the same for one matrix
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+from grace.native._arrays import NativeUnavailable, call
+from grace.native._common import _addresses, _cpu_kind, _in_place_all, _int64s, _pointers, _same_kind_all
+
+
+def _lowrank_buffers(kind, inputs, outputs=()):
+    """PowerSGD's float32 matrices as buffers (the short path for contiguous CPU tensors: these
+    calls come per gradient), then the outputs written in place."""
+    ins = _same_kind_all(kind, inputs)
+    if any(b.dtype != "float32" for b in ins):
+        raise NativeUnavailable("PowerSGD's products take float32 matrices")
+    return ins + (_in_place_all(kind, outputs, "float32") if outputs else [])
+
+
+def _rank(n: int, rows: int, cols: int, factor: int, factor_rows: int) -> int:
+    """r of a factor_rows x r factor beside a rows x cols matrix of n elements."""
+    r = factor // factor_rows if factor_rows > 0 else 0
+    if rows < 1 or cols < 1 or n != rows * cols or r < 1 or factor != factor_rows * r:
+        raise ValueError(f"a {rows} x {cols} matrix and a {factor_rows} x r factor are needed, "
+                         f"got {n} and {factor} elements")
+    return r
+
+
+def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=None):
+    """PowerSGD's first product for many matrices in one call (CPU): for each s, p_s = M_s q_s,
+    flat (rows x r, row-major), for M_s the rows x cols (``shapes[s]``) float32 matrix in
+    ``ms[s]``, or, where ``residuals[s]`` is given (not None), M_s = ms[s] + residuals[s] written
+    into ``m_outs[s]`` in the same pass. ``nonfinite`` (a one-element float32 tensor, optional)
+    is set to 1 where an ms[s] holds an inf or a NaN and left as it is otherwise (a bucket's
+    gradients share one). Each element is summed in one fixed order on every build and thread
+    count. Returns the p_s, views of one new buffer."""
+    kind = _cpu_kind(ms[0])
+    mb, qb = _lowrank_buffers(kind, ms), _lowrank_buffers(kind, qs)
+    ranks = [_rank(m.n, rows, cols, q.n, cols) for m, q, (rows, cols) in zip(mb, qb, shapes)]
+    sums = outs = None
+    if residuals is not None:
+        sums, outs = _where_given(kind, residuals, m_outs)
+        if any(e is not None and not e.n == o.n == m.n for e, o, m in zip(sums, outs, mb)):
+            raise ValueError("each residual and m_out must have its matrix's size")
+    flag = None
+    if nonfinite is not None:
+        (flag,) = _lowrank_buffers(kind, [], [nonfinite])
+        if flag.n != 1:
+            raise ValueError("the overflow flag is one float32 element")
+    ps, places = _factors(kind, [rows * r for (rows, _), r in zip(shapes, ranks)])
+    call(kind, "lowrank_project_many", len(mb), _pointers(mb), _maybe_pointers(sums), *_shapes(shapes), _pointers(qb),
+         _int64s(ranks), _maybe_pointers(outs), places, flag and flag.ptr)
+    return _wrap_list(kind, ps)
+
+
+def lowrank_back_many(ms, ps, shapes, unit: bool = False):
+    """PowerSGD's second product for many matrices in one call (CPU): q_s = M_s^T p_s, flat
+    (cols x r, row-major), for the rows x cols float32 matrix M_s in ``ms[s]`` and p_s rows x
+    r, each element summed over the rows in order. ``unit``: each p_s of one column is first
+    made p / |p| in place (the squares summed in float64, in order; the first unit vector
+    where p is zero), as the backends' ``orthonormalize``. Returns the q_s, views of one new buffer."""
+    kind = _cpu_kind(ms[0])
+    mb = _lowrank_buffers(kind, ms)
+    pb = _in_place_all(kind, ps, "float32")
+    ranks = [_rank(m.n, rows, cols, p.n, rows) for m, p, (rows, cols) in zip(mb, pb, shapes)]
+    qs, places = _factors(kind, [cols * r for (_, cols), r in zip(shapes, ranks)])
+    call(kind, "lowrank_back_many", len(mb), _pointers(mb), *_shapes(shapes), _pointers(pb), _int64s(ranks), int(unit),
+         places)
+    return _wrap_list(kind, qs)
+
+
+def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, residual_outs=None):
+    """PowerSGD's approximation for many matrices in one call (CPU): q'_s = q_s / ``divisor``
+    (flat, views of one new buffer), then p_s q'_s^T (rows x cols, flat) into ``outs[s]`` (a
+    new tensor where None; not ms[s]), and where ``residual_outs[s]`` is given, ms[s] - p_s
+    q'_s^T into it in the same pass (it may be ms[s]). Returns (the approximations, the q'_s)."""
+    kind = _cpu_kind(ps[0])
+    pb, qb = _lowrank_buffers(kind, ps), _lowrank_buffers(kind, qs)
+    ranks = [_rank(rows * cols, rows, cols, p.n, rows) for p, (rows, cols) in zip(pb, shapes)]
+    if any(q.n != cols * r for q, (_, cols), r in zip(qb, shapes, ranks)):
+        raise ValueError("each q must be cols x r")
+    made = [kind.empty(rows * cols, "float32") if o is None else None for o, (rows, cols) in zip(outs, shapes)]
+    ob = [b if o is None else _lowrank_buffers(kind, [], [o])[0] for b, o in zip(made, outs)]
+    mb = eb = None
+    if residual_outs is not None:
+        mb, eb = _where_given(kind, [None if e is None else m for m, e in zip(ms, residual_outs)], residual_outs)
+    if any(o.n != rows * cols or (e is not None and not m.n == e.n == rows * cols)
+           for o, m, e, (rows, cols) in zip(ob, mb or ob, eb or [None] * len(ob), shapes)):
+        raise ValueError("out, m and residual_out must have rows x cols elements")
+    divided, places = _factors(kind, [q.n for q in qb])
+    call(kind, "lowrank_expand_many", len(pb), _pointers(pb), _pointers(qb), *_shapes(shapes), _int64s(ranks),
+         float(divisor), places, _pointers(ob), _maybe_pointers(mb), _maybe_pointers(eb))
+    kind.sync()
+    return [o if b is None else kind.wrap(b.obj) for o, b in zip(outs, made)], [kind.wrap(q) for q in divided]
+
+
+def lowrank_project(m, q, rows: int, cols: int, residual=None, m_out=None, nonfinite=None):
+    """lowrank_project_many of one matrix."""
+    return lowrank_project_many([m], [q], [(rows, cols)], None if residual is None else [residual],
+                                None if residual is None else [m_out], nonfinite)[0]
+
+
+def lowrank_back(m, p, rows: int, cols: int, unit: bool = False):
+    """lowrank_back_many of one matrix (``p`` made a unit vector in place where ``unit``)."""
+    return lowrank_back_many([m], [p], [(rows, cols)], unit)[0]
+
+
+def lowrank_expand(p, q, rows: int, cols: int, out=None, m=None, residual_out=None, divisor: float = 1.0):
+    """lowrank_expand_many of one matrix: its approximation (q divided by ``divisor`` first)."""
+    return lowrank_expand_many([p], [q], [(rows, cols)], [out], divisor, None if m is None else [m],
+                               None if residual_out is None else [residual_out])[0][0]
+
+
+def _shapes(shapes):
+    """The C arrays of a list of (rows, cols)."""
+    return _int64s([rows for rows, _ in shapes]), _int64s([cols for _, cols in shapes])
+
+
+def _factors(kind, sizes):
+    """One new float32 buffer for factors of ``sizes`` elements: a view of it for each, and
+    their addresses (a C array)."""
+    buf, starts = kind.empty(sum(sizes), "float32"), [0, *itertools.accumulate(sizes[:-1])]
+    return [buf.obj[o:o + n] for o, n in zip(starts, sizes)], _addresses(buf, [4 * o for o in starts])
+
+
+def _wrap_list(kind, objs):
+    kind.sync()
+    return [kind.wrap(o) for o in objs]
+
+
+def _where_given(kind, inputs, outputs):
+    """Buffers of ``inputs[s]`` and ``outputs[s]`` where inputs[s] is not None, else None."""
+    given = [s for s, x in enumerate(inputs) if x is not None]
+    bufs = _lowrank_buffers(kind, [inputs[s] for s in given], [outputs[s] for s in given])
+    ins, outs = [None] * len(inputs), [None] * len(inputs)
+    for k, s in enumerate(given):
+        ins[s], outs[s] = bufs[k], bufs[len(given) + k]
+    return ins, outs
+
+
+def _maybe_pointers(bufs):
+    """A C array of the buffers' pointers (NULL for None), or NULL for no list."""
+    return None if bufs is None else (ctypes.c_void_p * len(bufs))(*[b and b.ptr for b in bufs])

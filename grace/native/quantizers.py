@@ -1,0 +1,73 @@
+"""A bucket's quantized payloads in one call (CPU), each gradient at its own pointers.
+
+    compress_many(method, xs, words, levels, bucket_size): signSGD's, TernGrad's, QSGD's, natural's payloads
+    fp16_compress_many_into(xs, divisor, outs), fp16_decompress_many_into(halves, factor, divisor, outs)
+"""
+from __future__ import annotations
+
+from grace.formats import code_width, packed_size
+from grace.native._arrays import NativeUnavailable, call
+from grace.native._common import (_cpu_kind, _every, _flag, _in_place_all, _int64s, _placed, _pointers,
+                                  _same_kind_all, _seed_word_arrays)
+from grace.native.qsgd import _qsgd_rows
+
+
+_COMPRESS_MANY = {"signsgd": 0, "terngrad": 1, "qsgd": 2, "natural": 3}
+
+
+def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int = 0, nonfinite=None, into=None):
+    """The payloads of every gradient of a bucket in one call (CPU): signsgd_compress, or
+    terngrad_, qsgd_ or natural_compress_drawn with each gradient's seed words ``words[s]``, of
+    each of the float32 ``xs``. A list of payloads, each a tuple of views of one buffer per
+    payload tensor (the same tensors as the per-gradient functions return), or of the buffer
+    ``into`` gives (see ``_placed``). The overflow flag into ``nonfinite`` (see ``_flag``)."""
+    kind = _cpu_kind(xs[0])
+    xb = _same_kind_all(kind, xs)
+    if any(b.dtype != "float32" for b in xb):
+        raise NativeUnavailable("compress_many takes float32 gradients")
+    numels = [b.n for b in xb]
+    bits = code_width(2 * (levels + 1)) if method == "qsgd" else 0
+    fields = {  # each payload tensor: its dtype and size per gradient
+        "signsgd": [("uint8", [packed_size(n, 1) for n in numels])],
+        "terngrad": [("uint8", [packed_size(n, 2) for n in numels]), ("float32", [1] * len(numels))],
+        "qsgd": [("uint8", [packed_size(n, bits) for n in numels]),
+                 ("float32", [_qsgd_rows(n, bucket_size) for n in numels])],
+        "natural": [("uint8", [packed_size(n, 1) for n in numels]), ("uint8", numels)],
+    }[method]
+    addresses, views = _placed(kind, into, [dtype for _ in numels for dtype, _ in fields],
+                               [sizes[s] for s in range(len(numels)) for _, sizes in fields])
+    k = len(fields)
+    places = [_every(addresses, f, k) for f in range(k)]
+    payloads = [tuple(views[k * s:k * s + k]) for s in range(len(numels))]
+    s0, s1 = _seed_word_arrays(words if words is not None else [(0, 0)] * len(xb))
+    if call(kind, "compress_many", _COMPRESS_MANY[method], len(xb), _pointers(xb), _int64s(numels), s0, s1, places[0],
+            places[-1] if len(places) > 1 else None, int(levels), int(bucket_size), bits, _flag(kind, nonfinite)) != 0:
+        raise ValueError(f"bad {method} parameters: levels={levels}, bits={bits}")
+    return payloads
+
+
+# --- fp16: a bucket's casts -----------------------------------------------------------------------
+def _elementwise_many(symbol: str, ins, in_dtype: str, outs, out_dtype: str, *scalars):
+    """``grace_cpu_<symbol>`` over a bucket: each of ``ins`` (of ``in_dtype``) into the output
+    of the same size in ``outs`` (written in place, ``out_dtype``), then ``scalars``."""
+    kind = _cpu_kind(outs[0])
+    ib, ob = _same_kind_all(kind, ins), _in_place_all(kind, outs, out_dtype)
+    if any(b.dtype != in_dtype for b in ib):
+        raise NativeUnavailable(f"{symbol} takes {in_dtype} inputs")
+    if len(ib) != len(ob) or any(i.n != o.n for i, o in zip(ib, ob)):
+        raise ValueError("one output of the same size per input")
+    call(kind, symbol, len(ib), _pointers(ib), _int64s([b.n for b in ib]), *map(float, scalars), _pointers(ob))
+    return outs
+
+
+def fp16_compress_many_into(xs, divisor: float, outs):
+    """fp16's payload of every gradient of a bucket in one call (CPU): ``outs[s]`` (float16, as
+    many elements as ``xs[s]``) = ``xs[s] / divisor`` rounded to half precision, nearest even, as
+    torch's and NumPy's casts round (a NaN's payload bits aside). Returns ``outs``."""
+    return _elementwise_many("half_encode_many", xs, "float32", outs, "float16", divisor)
+
+
+def fp16_decompress_many_into(halves, factor: float, divisor: float, outs):
+    """``outs[s]`` (float32) = ``(float(halves[s]) * factor) / divisor`` for every gradient of a
+    bucket in one call (CPU): fp16's decompressed sums, averaged. Returns ``outs``."""
+    return _elementwise_many("half_decode_many", halves, "float16", outs, "float32", factor, divisor)

@@ -1,0 +1,329 @@
+"""Sparsification: selection, scatter-add, and their segment-wise, error-feedback and bucket forms.
+
+    topk_indices(x, k, ...), threshold_indices(x, thr, ...), nonzero(mask, ...)
+    topk_compress(x, k), threshold_compress(x, thr) -> (values, indices)
+    scatter_add(indices, values, numel), scatter_add_many(payloads, numel)
+    topk_ef_step(g, r, k, ...), threshold_ef_step(g, r, thr, ...) -> (values, indices, residual)
+    segment by segment: topk_compress_segments(x, starts, numels, ks),
+    topk_ef_step_segments(g, residual, starts, numels, ks, beta, gamma, out)
+    a bucket in one call on the CPU (lists in, lists out): topk_ef_step_many(gs, residuals, ks, beta, gamma,
+    outs), threshold_ef_step_many(gs, residuals, thresholds, beta, gamma, outs),
+    randomk_ef_step_many(gs, residuals, indices, ...), scatter_add_segments_into(payloads, outs, divisor)
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+from grace.formats import ITEMSIZE, index_dtype
+from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, kind_of
+from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_many_inputs, _every,
+                                  _flag, _float32, _head, _in_place_all, _index_buf, _index_codes, _int64s,
+                                  _on_gpu, _placed, _pointers, _same_kind, _same_kind_all, _wrap)
+
+
+# --- selection ------------------------------------------------------------------------------------
+def _select_values_type(kind, b: Buf) -> int:
+    code = DTYPE_CODES.get(b.dtype)
+    if code is None or (code != 0 and kind.lib.kind == "cuda"):
+        raise NativeUnavailable(f"no native selection for {b.dtype} on {kind.lib.kind}")
+    return code
+
+
+def _topk(x, k: int, by_abs: bool, index_dtype: str, with_values: bool):
+    kind = kind_of(x)
+    b = kind.flat(x)
+    vt = _select_values_type(kind, b)
+    k = max(0, min(int(k), b.n))
+    idx = kind.empty(k, index_dtype)
+    values = kind.empty(k, b.dtype) if with_values else None
+    got = call(kind, "topk", b.ptr, vt, b.n, k, int(by_abs), idx.ptr, INDEX_CODES[index_dtype],
+               values.ptr if values is not None else None)
+    if got != k:
+        raise RuntimeError(f"native top-k returned {got} of {k}")
+    return kind, idx, values
+
+
+def topk_indices(x, k: int, by_abs: bool = False, index_dtype: str = "int64"):
+    """Indices of the k largest elements of x (largest |x| when by_abs), ascending; ties go to
+    the lowest index. Linear time (radix select + compaction), not a sort. k >= numel: all."""
+    kind, idx, _ = _topk(x, k, by_abs, index_dtype, False)
+    return _wrap(kind, idx)
+
+
+def topk_compress(x, k: int):
+    """TopK's payload: (values x[idx], idx in index_dtype(numel)) for the k largest |x|,
+    idx ascending."""
+    n = kind_of(x).flat(x).n
+    kind, idx, values = _topk(x, k, True, index_dtype(n), True)
+    return _wrap(kind, values, idx)
+
+
+def _threshold(x, threshold: float, by_abs: bool, index_dtype: str, with_values: bool):
+    kind = kind_of(x)
+    b = kind.flat(x)
+    vt = _select_values_type(kind, b)
+    idx = kind.empty(b.n, index_dtype)
+    values = kind.empty(b.n, b.dtype) if with_values else None
+    count = call(kind, "threshold", b.ptr, vt, b.n, float(threshold), int(by_abs), idx.ptr,
+                 INDEX_CODES[index_dtype], values.ptr if values is not None else None)
+    if count < 0:
+        raise RuntimeError("native threshold selection failed")
+    return kind, count, idx, values
+
+
+def threshold_indices(x, threshold: float, by_abs: bool = True, index_dtype: str = "int64"):
+    """Indices (ascending) of the elements with |x| >= threshold (x >= threshold unless by_abs),
+    compared in x's dtype; one pass, the count included."""
+    kind, count, idx, _ = _threshold(x, threshold, by_abs, index_dtype, False)
+    return _wrap(kind, _head(kind, idx, count))
+
+
+def threshold_compress(x, threshold: float):
+    """Threshold's payload: (values, idx in index_dtype(numel)) of |x| >= threshold."""
+    n = kind_of(x).flat(x).n
+    kind, count, idx, values = _threshold(x, threshold, True, index_dtype(n), True)
+    return _wrap(kind, _head(kind, values, count), _head(kind, idx, count))
+
+
+def nonzero(mask, index_dtype: str = "int64"):
+    """Indices (ascending) of the non-zero elements of a bool (or uint8) mask."""
+    kind = kind_of(mask)
+    m = kind.flat(mask)
+    if m.dtype not in ("bool", "uint8"):
+        raise NativeUnavailable(f"nonzero takes bool or uint8 masks, got {m.dtype}")
+    idx = kind.empty(m.n, index_dtype)
+    count = call(kind, "nonzero", m.ptr, m.n, idx.ptr, INDEX_CODES[index_dtype])
+    if count < 0:
+        raise RuntimeError("native nonzero failed")
+    return _wrap(kind, _head(kind, idx, count))
+
+
+# --- scatter-add ----------------------------------------------------------------------------------
+def scatter_add_many(payloads, numel: int):
+    """sum over payloads (values, indices) of scatter(indices, values) into ``numel`` zeros,
+    added in order (as scatter_add of the concatenation): Sparsifier.aggregate without the
+    concatenation. Values float32 or float64 (all the same); indices any integer type."""
+    payloads = list(payloads)
+    if not payloads:
+        raise ValueError("scatter_add_many needs at least one payload")
+    kind = kind_of(payloads[0][0])
+    vals = [_same_kind(kind, v) for v, _ in payloads]
+    idxs = [_index_buf(kind, i) for _, i in payloads]
+    dtype = vals[0].dtype
+    if dtype not in DTYPE_CODES or any(v.dtype != dtype for v in vals):
+        raise NativeUnavailable(f"scatter_add takes float32 or float64 values of one dtype, got {dtype}")
+    for v, i in zip(vals, idxs):
+        if v.n != i.n:
+            raise ValueError(f"{v.n} values for {i.n} indices")
+    count = len(payloads)
+    out = kind.empty(int(numel), dtype)
+    rc = call(kind, "scatter_add", count, _pointers(idxs), _index_codes([i.dtype for i in idxs]), _pointers(vals),
+              _int64s([v.n for v in vals]), DTYPE_CODES[dtype], int(numel), out.ptr)
+    if rc != 0:
+        raise IndexError(f"an index is out of range for {numel} elements")
+    return _wrap(kind, out)
+
+
+def scatter_add(indices, values, numel: int):
+    """A dense 1-d array of ``numel`` zeros with ``values`` added at ``indices`` (in order)."""
+    return scatter_add_many([(values, indices)], numel)
+
+
+def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
+    """Every gradient's sparse aggregate in one call (CPU): ``outs[s]`` = zeros, then each
+    rank's (values, indices) in ``payloads[s]`` divided by ``divisor`` and added, rank after
+    rank (as scatter_add_many of the divided values). Returns ``outs``."""
+    kind = _cpu_kind(outs[0])
+    ranks = len(payloads[0])
+    ob = _in_place_all(kind, outs, "float32")
+    vals = _same_kind_all(kind, [v for rows in payloads for v, _ in rows])
+    indices = [i for rows in payloads for _, i in rows]
+    idxs = [_index_buf(kind, i, b) for i, b in zip(indices, _same_kind_all(kind, indices))]
+    if any(len(rows) != ranks for rows in payloads) or any(v.dtype != "float32" for v in vals):
+        raise NativeUnavailable("scatter_add_segments_into takes float32 values, as many per gradient")
+    if any(v.n != i.n for v, i in zip(vals, idxs)):
+        raise ValueError("as many values as indices, per payload")
+    rc = call(kind, "scatter_add_segments", len(ob), ranks, _pointers(idxs), _index_codes([i.dtype for i in idxs]),
+              _pointers(vals),
+              _int64s([v.n for v in vals]), float(divisor), _int64s([o.n for o in ob]), _pointers(ob))
+    if rc != 0:
+        raise IndexError("an index is out of range for its gradient")
+    return outs
+
+
+# --- top-k, segment by segment --------------------------------------------------------------------
+def topk_compress_segments(x, starts, numels, ks):
+    """topk_compress of each segment (k = ks[s]) of the flat float32 ``x``: (every segment's
+    values in a row, its indices in the segment (int64) in a row)."""
+    kind = kind_of(x)
+    b = _float32(kind, x, ("float32",))
+    _check_segments(b.n, starts, numels)
+    values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
+    at = 0
+    for start, n, k in zip(starts, numels, ks):
+        got = call(kind, "topk", b.ptr + 4 * start, 0, n, k, 1, idx.ptr + 8 * at, INDEX_CODES["int64"],
+                   values.ptr + 4 * at)
+        if got != k:
+            raise RuntimeError(f"native top-k returned {got} of {k}")
+        at += k
+    return _wrap(kind, values, idx)
+
+
+def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, gamma: float = 1.0, out=None):
+    """topk_ef_step of each segment: (values in a row, indices in the segment (int64) in a row,
+    the new residual of the whole buffer)."""
+    kind, gb, rb, ob = _ef_inputs(g, residual, out)
+    _check_segments(gb.n, starts, numels)
+    values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
+    at, flags = 0, _ef_flags(beta, gamma)
+    if _on_gpu(kind):
+        if any(not 0 <= k <= n for k, n in zip(ks, numels)):
+            raise ValueError("each segment's k must lie in [0, its size]")
+        call(kind, "topk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels), _int64s(ks),
+             float(beta), float(gamma), flags, values.ptr, idx.ptr, ob.ptr)
+        return _wrap(kind, values, idx, ob)
+    for start, n, k in zip(starts, numels, ks):
+        got = call(kind, "topk_ef", gb.ptr + 4 * start, rb.ptr + 4 * start, n, k, float(beta), float(gamma), flags,
+                   values.ptr + 4 * at, idx.ptr + 8 * at, INDEX_CODES["int64"], ob.ptr + 4 * start)
+        if got != k:
+            raise RuntimeError(f"native top-k step returned {got} of {k}")
+        at += k
+    return _wrap(kind, values, idx, ob)
+
+
+# --- fused error feedback -------------------------------------------------------------------------
+def _ef_inputs(g, residual, out):
+    kind = kind_of(g)
+    gb = kind.flat(g)
+    rb = _same_kind(kind, residual)
+    if gb.dtype != "float32" or rb.dtype != "float32":
+        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
+    if gb.n != rb.n:
+        raise ValueError(f"gradient has {gb.n} elements, residual {rb.n}")
+    ob = kind.empty(gb.n, "float32") if out is None else _same_kind(kind, out)
+    if ob.n != gb.n or ob.dtype != "float32":
+        raise ValueError("out must be a float32 array of the gradient's size")
+    return kind, gb, rb, ob
+
+
+def topk_ef_step(g, residual, k: int, beta: float = 1.0, gamma: float = 1.0, out=None):
+    """Residual memory + TopK in one kernel: p = g*gamma + residual*beta (each factor applied
+    only when != 1, as ResidualMemory), the k largest |p| (ties to the lowest index);
+    returns (values p[idx], idx ascending in index_dtype(numel), new residual = p with the sent
+    elements zeroed, i.e. p - decompress(compress(p))), all flat. ``out``: where to write the
+    new residual (may be ``residual`` itself)."""
+    kind, gb, rb, ob = _ef_inputs(g, residual, out)
+    n = gb.n
+    k = max(0, min(int(k), n))
+    dtype = index_dtype(n)
+    values, idx = kind.empty(k, "float32"), kind.empty(k, dtype)
+    got = call(kind, "topk_ef", gb.ptr, rb.ptr, n, k, float(beta), float(gamma), _ef_flags(beta, gamma),
+               values.ptr, idx.ptr, INDEX_CODES[dtype], ob.ptr)
+    if got != k:
+        raise RuntimeError(f"native top-k step returned {got} of {k}")
+    return _wrap(kind, values, idx, ob)
+
+
+def threshold_ef_step(g, residual, threshold: float, beta: float = 1.0, gamma: float = 1.0, out=None):
+    """Residual memory + Threshold in one pass: p as in topk_ef_step, the elements with
+    |p| >= threshold; returns (values, idx ascending in index_dtype(numel), new residual)."""
+    kind, gb, rb, ob = _ef_inputs(g, residual, out)
+    n = gb.n
+    dtype = index_dtype(n)
+    values, idx = kind.empty(n, "float32"), kind.empty(n, dtype)
+    count = call(kind, "threshold_ef", gb.ptr, rb.ptr, n, float(threshold), float(beta), float(gamma),
+                 _ef_flags(beta, gamma), values.ptr, idx.ptr, INDEX_CODES[dtype], ob.ptr)
+    if count < 0:
+        raise RuntimeError("native threshold step failed")
+    return _wrap(kind, _head(kind, values, count), _head(kind, idx, count), ob)
+
+
+# --- a bucket in one call on the CPU: each gradient at its own pointers ---------------------------
+def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, outs=None, nonfinite=None,
+                      into=None):
+    """topk_ef_step of every gradient of a bucket, in one call (CPU): lists of values, indices
+    and new residuals, per gradient (the new residuals written into ``outs`` where given; the
+    overflow flag into ``nonfinite``, see ``_flag``; the values and indices where ``into``
+    places them, see ``_placed``)."""
+    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
+    ks = [max(0, min(int(k), b.n)) for k, b in zip(ks, gb)]
+    dtypes = [index_dtype(b.n) for b in gb]
+    addresses, views = _placed(kind, into, [t for d in dtypes for t in ("float32", d)], [k for k in ks for _ in "vi"])
+    value_ptrs, idx_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
+    value_views, idx_views = views[::2], views[1::2]
+    rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
+              _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), value_ptrs, idx_ptrs,
+              _index_codes(dtypes), _flag(kind, nonfinite))
+    if rc != 0:
+        raise RuntimeError("native top-k steps failed")
+    return value_views, idx_views, [o.obj for o in ob]
+
+
+class _Rooms:
+    """Room for up to ``sizes[s]`` values (float32) and indices (``dtypes[s]``) of each gradient
+    of a bucket, whose counts the kernel tells: one buffer for the values, one per index dtype."""
+
+    def __init__(self, kind, sizes, dtypes):
+        self.dtypes, self.starts = dtypes, [0, *itertools.accumulate(sizes[:-1])]
+        self.values = kind.empty(sum(sizes), "float32")
+        self.indices = {d: kind.empty(sum(n for n, e in zip(sizes, dtypes) if e == d), d) for d in set(dtypes)}
+        taken = dict.fromkeys(self.indices, 0)  # each gradient's room in the buffer of its index dtype
+        self.index_starts = []
+        for n, d in zip(sizes, dtypes):
+            self.index_starts.append(taken[d])
+            taken[d] += n
+        self.counts = (ctypes.c_int64 * len(sizes))()
+
+    def arguments(self):
+        """The C arguments: value and index addresses, index type codes, counts."""
+        return (_addresses(self.values, [4 * s for s in self.starts]),
+                (ctypes.c_void_p * len(self.dtypes))(*[self.indices[d].ptr + ITEMSIZE[d] * s
+                                                       for d, s in zip(self.dtypes, self.index_starts)]),
+                _index_codes(self.dtypes), self.counts)
+
+    def payloads(self):
+        """Each gradient's values and indices, as many as the kernel counted (views)."""
+        return ([self.values.obj[s:s + c] for s, c in zip(self.starts, self.counts)],
+                [self.indices[d].obj[s:s + c] for d, s, c in zip(self.dtypes, self.index_starts, self.counts)])
+
+
+def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: float = 1.0, outs=None,
+                           nonfinite=None):
+    """threshold_ef_step of every gradient of a bucket, in one call (CPU; one threshold for
+    all): lists of values, indices and new residuals, per gradient (the new residuals written
+    into ``outs`` where given; the overflow flag into ``nonfinite``, see ``_flag``). The values
+    and indices are views of buffers with room for every element, of which only the pages
+    written are touched (the frame copies them at once)."""
+    if len(set(map(float, thresholds))) > 1:
+        raise ValueError("one threshold for every gradient of a bucket")
+    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
+    numels = [b.n for b in gb]
+    rooms = _Rooms(kind, numels, [index_dtype(n) for n in numels])
+    rc = call(kind, "threshold_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s(numels),
+              float(thresholds[0]), float(beta), float(gamma), _ef_flags(beta, gamma), *rooms.arguments(),
+              _flag(kind, nonfinite))
+    if rc != 0:
+        raise RuntimeError("native threshold steps failed")
+    return (*rooms.payloads(), [o.obj for o in ob])
+
+
+def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float = 1.0, scales=None, outs=None,
+                         nonfinite=None):
+    """Random-k's residual step for every gradient of a bucket in one call (CPU): p = g*gamma +
+    residual*beta (each factor applied only when != 1) written into ``outs`` where given, the
+    values of p at each gradient's distinct ``indices`` (int64, drawn by the caller; times
+    ``scales[s]``, where given), and the new residual, p with p - (0 + value) there: lists of
+    values and new residuals (the overflow flag into ``nonfinite``, see ``_flag``)."""
+    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
+    ib = _same_kind_all(kind, indices, "int64")
+    ks = [b.n for b in ib]
+    starts = [0, *itertools.accumulate(ks[:-1])]
+    values = kind.empty(sum(ks), "float32")
+    scale = None if scales is None else (ctypes.c_float * len(ks))(*scales)
+    rc = call(kind, "randomk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob),
+              _int64s([b.n for b in gb]), _int64s(ks), _pointers(ib), float(beta), float(gamma),
+              _ef_flags(beta, gamma), scale, _addresses(values, [4 * s for s in starts]), _flag(kind, nonfinite))
+    if rc != 0:
+        raise IndexError("an index is out of range for its gradient")
+    return [values.obj[s:s + k] for s, k in zip(starts, ks)], [o.obj for o in ob]
