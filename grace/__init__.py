@@ -9,6 +9,7 @@ Importing grace imports no toolkit and no Horovod module; the adapter for a tool
 loaded when that toolkit's Horovod module is.
 """
 from grace._import_hooks import install_import_hooks
+from grace import backends as _backends  # noqa: F401  (registers the NumPy, PyTorch and TensorFlow backends)
 from grace import compressors as _compressors  # noqa: F401  (imports and so registers every method)
 from grace.core import Collective, Compressor, Exchange, GradientCompression, Memory, WireStats
 from grace.core.registry import create, factory as _factory, from_params, methods

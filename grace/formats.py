@@ -5,7 +5,10 @@ so both can use it without importing each other.
 """
 from __future__ import annotations
 
+import functools
 import math
+
+import numpy as np
 
 #: bytes per element of each dtype a payload may have
 ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "float16": 2, "bfloat16": 2, "int32": 4,
@@ -40,3 +43,14 @@ def qsgd_bucket(numel: int, bucket_size: int) -> int:
 def packed_size(numel: int, bits: int) -> int:
     """Bytes that hold ``numel`` codes of ``bits`` bits each."""
     return (numel * bits + 7) // 8
+
+
+@functools.lru_cache(maxsize=None)
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a dtype name; NumPy has no bfloat16, ml_dtypes (a TensorFlow and JAX
+    dependency) does."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

@@ -5,16 +5,8 @@ import numpy as np
 
 from grace.core import bits as bits_
 from grace.core import draws
+from grace.formats import numpy_dtype
 
-
-def _np_dtype(name: str):
-    """The NumPy dtype of a dtype name; NumPy has no bfloat16, ml_dtypes (a TensorFlow/JAX
-    dependency) does."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def _joined(parts, dtype):
@@ -54,7 +46,7 @@ class NumpyBackend:
         return np.asarray(x)
 
     def cast(self, x, dtype: str):
-        return np.asarray(x).astype(_np_dtype(dtype), copy=False)
+        return np.asarray(x).astype(numpy_dtype(dtype), copy=False)
 
     def flatten(self, x):
         return np.reshape(x, -1)
@@ -74,7 +66,7 @@ class NumpyBackend:
 
     def from_bytes(self, b, dtype: str):
         """uint8 bytes read as a 1-d tensor of ``dtype`` (their count a multiple of its size)."""
-        return np.ascontiguousarray(b).view(_np_dtype(dtype))
+        return np.ascontiguousarray(b).view(numpy_dtype(dtype))
 
     def concat_into(self, xs, out):
         """concat into the preallocated ``out`` (backends whose tensors are mutable)."""
@@ -256,13 +248,13 @@ class NumpyBackend:
     def divide_cast(self, x, divisor, dtype: str):
         """``x / divisor`` computed in x's precision and rounded once to ``dtype``, with no
         temporary in x's precision."""
-        out = np.empty(x.shape, dtype=_np_dtype(dtype))
+        out = np.empty(x.shape, dtype=numpy_dtype(dtype))
         return np.divide(x, divisor, out=out, casting="same_kind")
 
     def cast_multiply(self, x, dtype: str, factor):
         """``x`` cast to ``dtype`` (a new tensor, also where the dtype is x's), then multiplied
         by ``factor`` in place of that copy."""
-        out = np.asarray(x).astype(_np_dtype(dtype), copy=True)
+        out = np.asarray(x).astype(numpy_dtype(dtype), copy=True)
         out *= factor
         return out
 

@@ -27,7 +27,8 @@ import tensorflow as tf
 from grace import native as _native
 from grace.core import bits as bits_
 from grace.core import draws
-from grace.tensorflow.graph_kernels import device_of as _device, graph_fused, on_gpu as _on_gpu
+from grace.backends.tensorflow_graph import device_of as _device, graph_fused, on_gpu as _on_gpu
+from grace.formats import numpy_dtype
 
 
 
@@ -38,15 +39,8 @@ def _tf_dtype(name) -> tf.DType:
     return tf.as_dtype(_np_dtype(name))
 
 
-@functools.lru_cache(maxsize=None)
 def _np_dtype(name) -> np.dtype:
-    if isinstance(name, tf.DType):
-        name = name.name
-    if str(name) == "bfloat16":  # NumPy has no bfloat16; ml_dtypes (a TensorFlow dependency) does
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+    return numpy_dtype(name.name if isinstance(name, tf.DType) else str(name))
 
 
 def _is_tensor(x) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
-from grace.backends import get_backend
+from grace.core.tensors import get_backend
 from grace.core import portable
 from grace.core.compressor import TensorInfo
 

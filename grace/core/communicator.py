@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Sequence
 
-from grace.backends import backend_for
+from grace.core.tensors import backend_for
 from grace.core.compressor import Collective, Payload
 
 

@@ -20,7 +20,7 @@ import socket
 import uuid
 from typing import Any, Dict, List, Optional, Sequence
 
-from grace.backends import backend_for
+from grace.core.tensors import backend_for
 from grace.core import agreement, checkpoint, portable
 from grace.core import bucket as frames
 from grace.core import state as states

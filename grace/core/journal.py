@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from grace.backends import backend_for
+from grace.core.tensors import backend_for
 
 
 def no_overflow(overflow) -> bool:

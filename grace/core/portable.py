@@ -14,8 +14,8 @@ from typing import Any, List
 
 import numpy as np
 
-from grace.backends import backend_for
-from grace.backends.numpy_backend import _np_dtype
+from grace.core.tensors import backend_for
+from grace.formats import numpy_dtype
 
 #: the dtypes an array may have on the wire (bfloat16 through ml_dtypes)
 DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -26,7 +26,7 @@ _HEADER = 8  # bytes: the description's length, little-endian
 def _dtype(name: str) -> np.dtype:
     if name not in DTYPES:
         raise ValueError(f"grace: a peer sent an array of dtype {name!r}; only {', '.join(DTYPES)} are read")
-    return _np_dtype(name)
+    return numpy_dtype(name)
 
 
 def on_host(value):

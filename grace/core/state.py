@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Dict
 
-from grace.backends import backend_for
+from grace.core.tensors import backend_for
 from grace.core.buffers import flat_concat
 
 TABLES = ("memory", "state", "steps")

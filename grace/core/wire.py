@@ -13,7 +13,7 @@ from typing import Tuple
 
 import numpy as np
 
-from grace.backends import get_backend
+from grace.core.tensors import get_backend
 from grace.core.communicator import LocalCommunicator
 from grace.core.compression import GradientCompression
 from grace.core.exchange import Exchange

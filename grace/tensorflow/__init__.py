@@ -1,8 +1,7 @@
 """The Horovod TensorFlow adapter: ``hvd.DistributedGradientTape`` and Keras's
 ``DistributedOptimizer`` carrying grace methods. Imports horovod.tensorflow, never horovod.torch.
 
-The adapter's names load on first use, so that the TensorFlow backend can import
-``grace.tensorflow.graph_kernels`` without importing Horovod."""
+The adapter's names load on first use: importing this package imports no Horovod module."""
 import importlib
 
 _EXPORTS = {"GradientExchange": "gradients", "exchange_for": "gradients",

@@ -4,7 +4,7 @@ node that runs the kernel on the step's eager tensors.
 The TensorFlow backend asks here (``graph_fused``) when it is tracing; eager calls go to
 grace.native directly. The node's output dtypes and variable-length outputs come from the
 kernel table (``grace.native.FUSED``); its static shapes from running the kernel once on zeros
-while tracing. This module imports no Horovod module, so the backend can use it in any process.
+while tracing.
 """
 from __future__ import annotations
 
