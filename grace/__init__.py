@@ -11,6 +11,7 @@ loaded when that toolkit's Horovod module is.
 from grace._import_hooks import install_import_hooks
 from grace import backends as _backends  # noqa: F401  (registers the NumPy, PyTorch and TensorFlow backends)
 from grace import compressors as _compressors  # noqa: F401  (imports and so registers every method)
+from grace import kernels as _kernels  # noqa: F401  (registers the methods' fast paths)
 from grace.core import Collective, Compressor, Exchange, GradientCompression, Memory, WireStats
 from grace.core.registry import create, factory as _factory, from_params, methods
 from grace.memories import NoMemory, ResidualMemory

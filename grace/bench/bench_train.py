@@ -240,7 +240,7 @@ def worker_throughput(config: dict, model_name: str, result: Path) -> None:
             "dense_bytes_per_step": 4 * run.parameters,
             "engine": engine_name(config),
             "collective": run.compression.collective.value if run.is_grace else "allreduce",
-            "rounds": 2 if (compressor is not None and compressor.multi_round)
+            "rounds": 2 if (compressor is not None and compressor.traits.multi_round)
             or getattr(run.compression, "kind", None) == "powersgd" else 1,
             "compute_s": compute,
             "codec_s": _slowest(engine, codec_seconds(run, ranks, bench["codec_repeats"])),

@@ -5,14 +5,14 @@
     decode: mean(P) at P, mean(N) at N, 0 elsewhere
 """
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, check_ratio, index_bits, index_dtype
+from grace.core.compressor import check_ratio, Collective, Compressor, index_bits, index_dtype, Shape, Traits
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
 class AdaQ(Compressor):
     collective = Collective.ALLGATHER
-    variable_length = True
+    traits = Traits(variable_length=True)
 
     def __init__(self, ratio: float):
         self.ratio = check_ratio(ratio)

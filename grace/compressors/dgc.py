@@ -13,6 +13,8 @@ every gradient's draws in one call, the samples' magnitudes keyed by their segme
 sorted at once, each segment's threshold read from that, and where a sample underestimated
 it, the k largest of each segment's selected elements by one stable sort of them.
 """
+from dataclasses import replace
+
 import math
 import numbers
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from grace.memories import DGCMemory, make_memory
 
 
 class DGC(Sparsifier):
-    variable_length = True
+    traits = replace(Sparsifier.traits, variable_length=True)
 
     def __init__(self, ratio: float, sample_ratio: float = 0.01, warmup_steps: int = 0, seed: int = 0):
         self.ratio = check_ratio(ratio)

@@ -7,6 +7,8 @@
 
 ``lr`` must be the optimizer's learning rate.
 """
+from dataclasses import replace
+
 from grace.compressors.sign_bits import SignBits
 from grace.core import bits
 from grace.core.compression import GradientCompression
@@ -18,7 +20,7 @@ from grace.memories import EFSignSGDMemory, make_memory
 class EFSignSGD(SignBits):
     segment_kernel = "efsignsgd"
     sum_kernel = "efsignsgd_decompress_sum"
-    nonfinite_field = 1  # the scale
+    traits = replace(SignBits.traits, nonfinite_field=1)  # the scale
 
     def __init__(self, lr: float):
         self.lr = check_number(lr, "lr", strict=True, note=" (the optimizer's learning rate)")

@@ -4,7 +4,7 @@ Each rank pre-divides by n before the cast so that the sum of n half-precision p
 cannot overflow where each one alone did not; decompress multiplies back, so Q^-1(Q(x)) ~ x.
 Both steps write their result directly (one rounding, no full-size float32 temporary).
 """
-from grace.core.compressor import Collective, Compressor, Shape, native_or_none
+from grace.core.compressor import Collective, Compressor, native_or_none, Shape, Traits
 from grace.core.compression import GradientCompression
 from grace.core.registry import example, register
 from grace.memories import make_memory
@@ -12,9 +12,7 @@ from grace.memories import make_memory
 
 class FP16(Compressor):
     collective = Collective.ALLREDUCE
-    supports_allreduce = True
-    elementwise = True
-    passes_nonfinite = True
+    traits = Traits(supports_allreduce=True, elementwise=True, passes_nonfinite=True)
 
     def __init__(self, dtype: str = "float16"):
         if dtype not in ("float16", "bfloat16"):

@@ -12,14 +12,14 @@ elements in index order, so the tags alone say where every value goes.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, check_number
+from grace.core.compressor import check_number, Collective, Compressor, Shape, Traits
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
 class Inceptionn(Compressor):
     collective = Collective.ALLGATHER
-    variable_length = True
+    traits = Traits(variable_length=True)
 
     def __init__(self, error_bound: float = 2.0**-12):
         self.error_bound = check_number(error_bound, "error_bound", strict=True)

@@ -9,7 +9,7 @@ rounding stays unbiased there too.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, check_seed, drawn_natively
+from grace.core.compressor import check_seed, Collective, Compressor, drawn_natively, Shape, Traits
 from grace.core.floats import floor_log2
 from grace.core.registry import register
 from grace.formats import packed_size
@@ -21,8 +21,7 @@ _TOP = 254  # 2^127: the largest power of two a float32 holds
 
 class Natural(Compressor):
     collective = Collective.ALLGATHER
-    unbiased = True
-    new_payload = True
+    traits = Traits(unbiased=True, new_payload=True)
     sum_kernel = "natural_decompress_sum"
     many_kernel = "natural"
 

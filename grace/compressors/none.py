@@ -1,5 +1,5 @@
 """No compression: the gradient travels as it is, summed by allreduce."""
-from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compressor import Collective, Compressor, Shape, Traits
 from grace.core.compression import GradientCompression
 from grace.core.registry import register
 from grace.memories import make_memory
@@ -7,10 +7,7 @@ from grace.memories import make_memory
 
 class NoneCompressor(Compressor):
     collective = Collective.ALLREDUCE
-    supports_allreduce = True
-    elementwise = True
-    unbiased = True
-    passes_nonfinite = True
+    traits = Traits(supports_allreduce=True, elementwise=True, unbiased=True, passes_nonfinite=True)
 
     def compress(self, xp, x, info):
         return (xp.flatten(x),), Shape(xp.shape(x), xp.dtype(x))

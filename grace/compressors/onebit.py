@@ -3,6 +3,8 @@
     compress: bit = (x >= 0); mu1 = mean(x[bit]), mu0 = mean(x[not bit])
     decode:   mu1 where bit else mu0
 """
+from dataclasses import replace
+
 from grace.compressors.sign_bits import SignBits
 from grace.core import bits
 from grace.core.compression import GradientCompression
@@ -15,7 +17,7 @@ class OneBit(SignBits):
     scalars = 2  # mu0, mu1
     segment_kernel = "onebit"
     sum_kernel = "onebit_decompress_sum"
-    nonfinite_field = 1  # the means
+    traits = replace(SignBits.traits, nonfinite_field=1)  # the means
 
     def compress(self, xp, x, info):
         fused = xp.fused("onebit_compress", x, xp.dtype(x))  # one pass, when built

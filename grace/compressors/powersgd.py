@@ -15,16 +15,14 @@ second, Q / n in the third, and with the residual memory the compensation M = g 
 overflow check are in the first product's pass over g and e.
 """
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, check_seed, native_or_none
+from grace.core.compressor import check_seed, Collective, Compressor, native_or_none, Traits
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
 class PowerSGD(Compressor):
     collective = Collective.ALLREDUCE
-    supports_allreduce = True
-    multi_round = True
-    shared_state = True
+    traits = Traits(supports_allreduce=True, multi_round=True, shared_state=True)
 
     def __init__(self, rank: int = 1, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:

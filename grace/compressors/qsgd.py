@@ -11,7 +11,7 @@ import math
 
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, check_seed, drawn_natively
+from grace.core.compressor import check_seed, Collective, Compressor, drawn_natively, Shape, Traits
 from grace.core.registry import example, register
 from grace.formats import qsgd_bucket
 from grace.memories import make_memory
@@ -19,11 +19,9 @@ from grace.memories import make_memory
 
 class QSGD(Compressor):
     collective = Collective.ALLGATHER
-    unbiased = True
-    new_payload = True
     sum_kernel = "qsgd_decompress_sum"
     many_kernel = "qsgd"
-    nonfinite_field = 1  # the norms
+    traits = Traits(unbiased=True, new_payload=True, nonfinite_field=1)  # (field 1: the norms)
 
     def __init__(self, levels: int = 127, bucket_size: int = 0, seed: int = 0):
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:

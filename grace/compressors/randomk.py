@@ -7,15 +7,14 @@ With ``scale=True`` the values are multiplied by d/k, which makes the estimate u
 import numpy as np
 
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, check_ratio, check_seed, native_or_none, sent_count
+from grace.core.compressor import (check_ratio, check_seed, Collective, Compressor, native_or_none, sent_count, Shape,
+                                   Traits)
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
 class RandomK(Compressor):
     collective = Collective.ALLREDUCE
-    supports_allreduce = True
-    new_payload = True
 
     def __init__(self, ratio: float, scale: bool = False, seed: int = 0):
         self.ratio = check_ratio(ratio)
@@ -23,8 +22,8 @@ class RandomK(Compressor):
         self.seed = check_seed(seed)
 
     @property
-    def unbiased(self) -> bool:
-        return self.scale
+    def traits(self) -> Traits:
+        return Traits(supports_allreduce=True, new_payload=True, unbiased=self.scale)  # unbiased: scaled by d/k
 
     def compress(self, xp, x, info):
         flat = xp.flatten(x)

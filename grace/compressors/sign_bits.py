@@ -5,14 +5,14 @@ On an accelerator a bucket of such tensors is compressed segment by segment in o
 (``Compressor.segmented``; grace.native runs each segment through the per-tensor kernels), so
 every gradient keeps its own scale and the results are the per-tensor ones.
 """
-from grace.core.compressor import Collective, Compressor, Shape, native_or_none
+from grace.core.compressor import Collective, Compressor, native_or_none, Shape, Traits
 from grace.formats import packed_size
 
 
 class SignBits(Compressor):
     collective = Collective.ALLGATHER
     segmented = True
-    new_payload = True
+    traits = Traits(new_payload=True)
     #: float32 values per tensor beside the bits
     scalars: int = 1
 

@@ -6,15 +6,14 @@
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compressor import Collective, Compressor, Shape, Traits
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
 class SignSGD(Compressor):
     collective = Collective.ALLGATHER
-    elementwise = True
-    new_payload = True
+    traits = Traits(elementwise=True, new_payload=True)
     sum_kernel = "signsgd_decompress_sum"
     many_kernel = "signsgd"
 

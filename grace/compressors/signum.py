@@ -5,6 +5,8 @@
 
 The optimizer should then run without its own momentum: this one is the method's.
 """
+from dataclasses import replace
+
 from grace.compressors.signsgd import SignSGD
 from grace.core.compression import GradientCompression
 from grace.core.registry import register
@@ -12,7 +14,7 @@ from grace.memories import make_memory
 
 
 class Signum(SignSGD):
-    elementwise = False  # its momentum is per-tensor state, saved under the tensor's name
+    traits = replace(SignSGD.traits, elementwise=False)  # its momentum is per-tensor state, saved by name
 
     def __init__(self, momentum: float = 0.9, aggregate: str = "majority"):
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:

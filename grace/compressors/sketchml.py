@@ -15,14 +15,14 @@ keys is not reproduced.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape
+from grace.core.compressor import Collective, Compressor, Shape, Traits
 from grace.core.registry import example, register
 from grace.memories import make_memory
 
 
 class SketchML(Compressor):
     collective = Collective.ALLGATHER
-    variable_length = True
+    traits = Traits(variable_length=True)
 
     def __init__(self, buckets: int = 256):
         if isinstance(buckets, bool) or not isinstance(buckets, int) or not 1 <= buckets <= 256:

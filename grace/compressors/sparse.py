@@ -4,13 +4,12 @@ Payload: (values in the gradient's dtype, indices in the smallest integer type t
 """
 import numpy as np
 
-from grace.core.compressor import Collective, Compressor, Shape, index_bits, index_dtype, native_or_none
+from grace.core.compressor import Collective, Compressor, index_bits, index_dtype, native_or_none, Shape, Traits
 
 
 class Sparsifier(Compressor):
     collective = Collective.ALLGATHER
-    sparse = True
-    new_payload = True
+    traits = Traits(sparse=True, new_payload=True)
     #: grace.native's one-pass residual step (compensate, select, new residual), if it has one
     residual_kernel = None
     #: grace.native's residual step for a whole bucket in one call (CPU), if it has one
@@ -96,7 +95,7 @@ class Sparsifier(Compressor):
         return table.cached("sent starts", lambda: xp.asarray(np.repeat(table.starts, self._ks(table)), like=like))
 
     def compress_segments(self, xp, p, table, infos):
-        if self.variable_length:
+        if self.traits.variable_length:
             return self._selected_segments(xp, p, table, infos)
         fused = xp.fused(f"{self.select_kernel}_segments", p, xp.dtype(p)) if self.select_kernel else None
         if fused:  # the per-tensor kernel on each segment
@@ -125,7 +124,7 @@ class Sparsifier(Compressor):
         return (values, local), (host, counts), xp.scatter_add(indices, values, table.numel)
 
     def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
-        if self.variable_length:  # (selected by tensor ops: _selected_segments)
+        if self.traits.variable_length:  # (selected by tensor ops: _selected_segments)
             return None
         fused = xp.fused(f"{self.residual_kernel}_segments", g, xp.dtype(g)) if self.residual_kernel else None
         if not fused:

@@ -7,7 +7,7 @@ Codes 0 (zero), 1 (+s), 2 (-s) at 2 bits; s travels as one float32.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Collective, Compressor, Shape, check_seed, drawn_natively
+from grace.core.compressor import check_seed, Collective, Compressor, drawn_natively, Shape, Traits
 from grace.core.registry import register
 from grace.formats import packed_size
 from grace.memories import make_memory
@@ -15,8 +15,7 @@ from grace.memories import make_memory
 
 class TernGrad(Compressor):
     collective = Collective.ALLGATHER
-    unbiased = True
-    new_payload = True
+    traits = Traits(unbiased=True, new_payload=True)
     sum_kernel = "terngrad_decompress_sum"
     many_kernel = "terngrad"
 

@@ -5,6 +5,8 @@ rank's length with its payload. grace compresses gradients, so the memory is in 
 and the threshold applies to p = g + e: this is the paper's lr * C(p / lr) with its memory
 expressed in gradient units, which needs no rescaling when the learning rate changes.
 """
+from dataclasses import replace
+
 from grace.compressors.sparse import Sparsifier
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_number
@@ -13,7 +15,7 @@ from grace.memories import make_memory
 
 
 class Threshold(Sparsifier):
-    variable_length = True
+    traits = replace(Sparsifier.traits, variable_length=True)
     segmented = True  # on an accelerator: a bucket's selection by whole-buffer tensor ops
     residual_kernel = "threshold_ef_step"
     residual_kernel_many = "threshold_ef_step_many"

@@ -2,6 +2,8 @@
 
 Indices are sent sorted. Every rank sends the same k, so allgather needs no lengths.
 """
+from dataclasses import replace
+
 from grace.compressors.sparse import Sparsifier
 from grace.core import segments
 from grace.core.compressor import check_ratio, sent_count
@@ -14,7 +16,7 @@ class TopK(Sparsifier):
     residual_kernel = "topk_ef_step"
     residual_kernel_many = "topk_ef_step_many"
     select_kernel = "topk_compress"
-    nonfinite_field = 0
+    traits = replace(Sparsifier.traits, nonfinite_field=0)
 
     def __init__(self, ratio: float):
         self.ratio = check_ratio(ratio)

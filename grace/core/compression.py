@@ -37,19 +37,19 @@ class GradientCompression:
             raise ValueError(f"scope must be one of {', '.join(map(repr, SCOPES))}, got {scope!r}")
         if scope == "bucket" and not bucket_mb:
             raise ValueError("scope='bucket' compresses whole buckets: it needs bucket_mb > 0")
-        if scope == "bucket" and compressor.multi_round:
+        if scope == "bucket" and compressor.traits.multi_round:
             raise ValueError(f"scope='bucket' cannot be used with {type(compressor).__name__}: "
                              "it works on each gradient's matrix shape")
         self.bucket_mb = float(bucket_mb)
         self.scope = scope
         self.collective = compressor.collective if communicator is None else Collective.parse(communicator)
-        if self.collective is Collective.ALLREDUCE and not compressor.supports_allreduce:
+        if self.collective is Collective.ALLREDUCE and not compressor.traits.supports_allreduce:
             raise ValueError(
                 f"communicator='allreduce' cannot carry {type(compressor).__name__} payloads "
                 "(their decompress is not linear or their shapes differ between ranks); "
                 "use 'allgather' or 'broadcast'"
             )
-        if compressor.multi_round and self.collective is not Collective.ALLREDUCE:
+        if compressor.traits.multi_round and self.collective is not Collective.ALLREDUCE:
             raise ValueError(f"{type(compressor).__name__} sums its factors between rounds: "
                              "it runs only with communicator='allreduce'")
 
@@ -58,7 +58,7 @@ class GradientCompression:
         """Whether each exchange carries an overflow flag and is undone on an inf or NaN: every
         method but those that pass an inf through by themselves and keep no memory (``none``,
         ``fp16``), which have nothing to undo."""
-        return not (self.compressor.passes_nonfinite and not self.memory.needs_feedback)
+        return not (self.compressor.traits.passes_nonfinite and not self.memory.needs_feedback)
 
     def __repr__(self) -> str:
         scope = f", scope='{self.scope}'" if self.scope != "tensor" else ""

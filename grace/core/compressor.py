@@ -93,15 +93,17 @@ class Shape:
         return math.prod(self.shape)
 
 
-class Compressor:
-    """Base class. Subclasses set ``collective`` and implement compress/decompress."""
+@dataclass(frozen=True)
+class Traits:
+    """What a method declares about itself: the exchange and its plans read these, never probe.
+    A subclass states its own: ``traits = Traits(sparse=True)``, or
+    ``dataclasses.replace(Parent.traits, ...)``."""
 
-    collective: Collective = Collective.ALLGATHER
     #: allreduce is possible: decompress is linear and all payloads share shape and dtype
     supports_allreduce: bool = False
     #: payload lengths differ between ranks (the exchange then sends the lengths too)
     variable_length: bool = False
-    #: compression needs several allreduce rounds (see ``rounds``)
+    #: compression needs several allreduce rounds (see ``Compressor.rounds``)
     multi_round: bool = False
     #: the payload is (values, indices) of some elements, new tensors (gathered, not views of
     #: the input), and decompress adds them into zeros (grace.compressors.sparse): a memory can
@@ -123,6 +125,16 @@ class Compressor:
     shared_state: bool = False
     #: E[decompress(compress(x))] = x: its rounding or scaling is right on average
     unbiased: bool = False
+    #: compress returns new tensors, never views of its input: an exchange may compensate into
+    #: a buffer that the step writes again (the new memory over p) before the payload is sent
+    new_payload: bool = False
+
+
+class Compressor:
+    """Base class. Subclasses set ``collective`` (and ``traits``) and implement compress/decompress."""
+
+    collective: Collective = Collective.ALLGATHER
+    traits: Traits = Traits()
     #: segment_fields, compress_segments and aggregate_segments exist: on an accelerator a
     #: bucket's gradients are compressed in one pass over its flat buffer, each with the
     #: per-tensor result (grace.core.segments)
@@ -130,9 +142,6 @@ class Compressor:
     #: segmented methods with kernels in grace.native: "<name>_compress_segments" and
     #: "<name>_decompress_segments" run the per-tensor kernels on every segment in one call
     segment_kernel: str = ""
-    #: compress returns new tensors, never views of its input: an exchange may compensate into
-    #: a buffer that the step writes again (the new memory over p) before the payload is sent
-    new_payload: bool = False
     #: grace.native's kernel that decodes every rank's payload of a tensor and adds them in one
     #: pass (each payload tensor of all ranks concatenated; then ``segment_arguments``), where
     #: it has one
@@ -200,7 +209,7 @@ class Compressor:
         """``compress`` of every gradient of a bucket (stateless methods) in one native call,
         where the method has one (``many_kernel``) and the step is a known int: a list of
         (payload, ctx), or None. Random methods draw from each gradient's rank seed, as
-        ``compress`` does. ``flag``, ``into``: as ``Memory.fused_steps``'."""
+        ``compress`` does. ``flag``, ``into``: as ``Feedback.fused_steps``'."""
         if not self.many_kernel or type(self).step is not Compressor.step:  # (a step with state: Signum's)
             return None
         if not isinstance(infos[0].step, numbers.Integral):
@@ -215,7 +224,7 @@ class Compressor:
                                     into=None):
         """``compress_with_residual`` of every gradient of a bucket in one native call, the new
         residuals written into ``outs``: a list of (payload, ctx, new residual), or None.
-        ``flag``, ``into``: as ``Memory.fused_steps``'."""
+        ``flag``, ``into``: as ``Feedback.fused_steps``'."""
         return None
 
     def compress_segments_with_residual(self, xp, g, residual, beta: float, gamma: float, table, infos):

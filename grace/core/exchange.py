@@ -32,6 +32,7 @@ from grace.core.compressor import FLOAT_DTYPES
 from grace.core.journal import Journal
 from grace.core.phases import NO_CLOCK, PhaseClock
 from grace.core.plans import BucketPending, BucketPlan, Pending, PlanChoice, Reference, Services, choose
+from grace.core.plans.feedback import feedback_of
 from grace.core.state import TABLES, StateStore
 from grace.core.transport import Transport, WireStats
 
@@ -74,7 +75,7 @@ class Exchange:
         self.journal = Journal(self.store, compression.flags_overflow)
         self.transport = Transport(compression, communicator, self.stats, self.buffers, self.journal, self._phase)
         self.services = Services(compression, communicator, self.store, self.journal, self.buffers, self.transport,
-                                 self._phase, average, in_place)
+                                 self._phase, feedback_of(compression.memory), average, in_place)
         self.reference = Reference(self.services)
         self._layouts: Dict[tuple, List[Bucket]] = {}  # the buckets planned per set of tensors
         self._buckets: Dict[str, Bucket] = {}  # every bucket planned or in use, by key
@@ -283,7 +284,7 @@ class Exchange:
         methods whose state all ranks share (PowerSGD's Q), that state. Memory is each rank's own."""
         state = self.state_dict()
         shared = {"steps": state["steps"]}
-        if self.compression.compressor.shared_state:
+        if self.compression.compressor.traits.shared_state:
             shared["state"] = state["state"]
         return shared
 
@@ -315,7 +316,7 @@ class Exchange:
         # copies: the exchange writes its memory buffers again in later steps (spares)
         state["memory"] = {name: states.copied(value) for name, value in state["memory"].items()}
         checkpoint.check_origin(origin, state, self.communicator.rank, self.communicator.size, _PROCESS,
-                                self.compression.compressor.shared_state)
+                                self.compression.compressor.traits.shared_state)
         like = next((v[0] if isinstance(v, tuple) else v for v in state["memory"].values()), None)
         xp = backend_for(like) if like is not None else None
         for key, plan in self._plans.items():

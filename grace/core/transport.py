@@ -65,7 +65,7 @@ class Transport:
         suffix = f".round{round_}" if round_ else ""
         with self.phase("collective"):
             handle = self.communicator.exchange(self.compression.collective, xp, payload, f"grace.{name}{suffix}",
-                                                equal_lengths=not self.compression.compressor.variable_length)
+                                                equal_lengths=not self.compression.compressor.traits.variable_length)
         self.stats.add(handle.nbytes, 0)
         return handle
 
@@ -126,12 +126,12 @@ class Transport:
 
     # --- frames ----------------------------------------------------------------------------
     def frame_into(self, pending):
-        """Where a bucket kernel writes its payloads (``into`` of ``Memory.fused_steps``): as the
+        """Where a bucket kernel writes its payloads (``into`` of ``Feedback.fused_steps``): as the
         pieces of this rank's frame in the bucket's frame buffer, which then needs no join; None
         where frames are joined (immutable tensors, allreduce methods, lengths known only after
         the call)."""
         xp, compressor = pending.xp, self.compression.compressor
-        if not xp.mutable_tensors or compressor.collective is Collective.ALLREDUCE or compressor.variable_length:
+        if not xp.mutable_tensors or compressor.collective is Collective.ALLREDUCE or compressor.traits.variable_length:
             return None
 
         def into(dtypes, counts):
@@ -162,7 +162,7 @@ class Transport:
         """Frame this rank's payloads, or the dense bucket (``compensated()``: its units) where
         that is smaller, and launch the allgather or the broadcasts; the bytes sent."""
         xp, bucket, g = pending.xp, pending.bucket, pending.g
-        variable = self.compression.compressor.variable_length
+        variable = self.compression.compressor.traits.variable_length
         pieces = [t for payload in payloads for t in payload]
         pending.structure = [len(payload) for payload in payloads]
         pending.dtypes = [xp.dtype(t) for t in pieces]

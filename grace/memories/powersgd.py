@@ -5,7 +5,7 @@ from grace.memories.residual import ResidualMemory
 
 class PowerSGDMemory(ResidualMemory):
     def fits(self, compressor) -> bool:
-        return compressor.multi_round  # elsewhere a vector's residual would be dropped
+        return compressor.traits.multi_round  # elsewhere a vector's residual would be dropped
 
     def init(self, xp, g):
         return super().init(xp, g) if len(xp.shape(g)) >= 2 else None

@@ -32,7 +32,7 @@ def dgc_compensate_into(u, v, g, momentum: float, u_out, v_out):
 
 def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float, words, u_outs, v_outs,
                   nonfinite=None, scales=None):
-    """DGC's step for every gradient of a bucket in one call (CPU), as DGCMemory.fused_step with
+    """DGC's step for every gradient of a bucket in one call (CPU), as DGCFeedback.fused_step with
     DGC's selection makes it gradient by gradient: the momentum correction (p = v + (momentum * u
     + g) into ``v_outs``, p - v into ``u_outs``; outputs may be inputs), the threshold from a
     sample of |p| drawn from the gradient's seed words ``words[s]`` (grace.core.draws), the

@@ -91,7 +91,7 @@ class GraceState:
         with self._lock:
             self._open += 1
             self._last_launched |= grad_bucket.is_last()
-        if self.exchange.compression.compressor.multi_round:
+        if self.exchange.compression.compressor.traits.multi_round:
             # Later rounds launch collectives: here, in hook order, every rank launches them in
             # the same order (a callback would run on a communication thread, at any time).
             done = torch.futures.Future()

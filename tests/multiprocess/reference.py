@@ -51,10 +51,10 @@ def collective_calls(compression, world_size: int) -> int:
     """Horovod collectives per step for this parameter set (buckets, rounds, broadcasts)."""
     calls = 0
     for group in buckets(compression):
-        if compression.compressor.multi_round:  # PowerSGD: a second round if a matrix is in it
+        if compression.compressor.traits.multi_round:  # PowerSGD: a second round if a matrix is in it
             calls += 2 if any(len(PARAMS[i][1]) >= 2 for i in group) else 1
         elif compression.collective is Collective.BROADCAST:
-            calls += world_size + (1 if compression.compressor.variable_length else 0)
+            calls += world_size + (1 if compression.compressor.traits.variable_length else 0)
         else:
             calls += 1
     return calls
@@ -84,7 +84,7 @@ def expected(variant, world_size: int):
             means, p_hats, payloads = [], [[] for _ in range(world_size)], [[] for _ in range(world_size)]
             for u, name in enumerate(unit_names):
                 p_u = [per_unit_p[r][u] for r in range(world_size)]
-                if compressor.multi_round:
+                if compressor.traits.multi_round:
                     mean, p_hat, sent_payloads = powersgd(compressor, p_u, states, name, step)
                 else:
                     mean, p_hat, sent_payloads = exchange(compressor, p_u, states, name, step)
@@ -137,11 +137,11 @@ def wire_bytes(compression, payloads, p, world_size: int):
     state add their overflow flag: one element of the summed payload's dtype, or one byte of
     the frame (per tensor: one more uint8 tensor, with its length where lengths are sent)."""
     compressor = compression.compressor
-    variable = compressor.variable_length
+    variable = compressor.traits.variable_length
     flagged = compression.flags_overflow
     tensors = [t for payload in payloads for t in payload]
     size = sum(np.asarray(t).nbytes for t in tensors)
-    if compressor.multi_round or compression.collective is Collective.ALLREDUCE:
+    if compressor.traits.multi_round or compression.collective is Collective.ALLREDUCE:
         return size + (np.asarray(tensors[0]).itemsize if flagged else 0), False
     if not compression.bucket_mb:
         return size + flagged + (8 * (len(tensors) + flagged) if variable else 0), False

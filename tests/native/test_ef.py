@@ -329,6 +329,7 @@ def test_dgc_steps_of_a_bucket_equal_the_memory_and_selection_on_numpy(ratio, sa
     sample (sample_ratio 1); signed zeros, infs, NaNs and overflowing sums."""
     from grace.compressors.dgc import DGC
     from grace.core import draws
+    from grace.kernels.dgc import DGCFeedback
     from grace.memories import DGCMemory
 
     sizes = [1, 2, 9, 300, 40000, 2**16 + 3]
@@ -347,8 +348,8 @@ def test_dgc_steps_of_a_bucket_equal_the_memory_and_selection_on_numpy(ratio, sa
     cut = 0
     for g, u, v, info, got_v, got_i, u_out, v_out in zip(gs, us, vs, infos, values, indices, u_outs, v_outs):
         with np.errstate(over="ignore", invalid="ignore"):
-            (want_v, want_i), _, (want_u, want_p) = memory.fused_step(NX, compressor, g, (u, v), info,
-                                                                     out=(np.empty_like(u), np.empty_like(v)))
+            (want_v, want_i), _, (want_u, want_p) = DGCFeedback(memory).fused_step(
+                NX, compressor, g, (u, v), info, out=(np.empty_like(u), np.empty_like(v)))
         same_bytes(want_v, got_v, "values")
         same_bytes(want_i, got_i, "indices")
         same_bytes(want_u, u_out, "u")

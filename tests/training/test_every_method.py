@@ -89,10 +89,10 @@ def test_readme_tables_show_every_method_grace_ships_as_it_is():
     assert sorted(rows) == grace.methods()
     for name, (_, _, collective, _, unbiased, *_) in rows.items():
         examples = {label: make().compressor for label, make in registry.examples(method=name).items()}
-        main, flags = examples[name], {c.unbiased for c in examples.values()}
+        main, flags = examples[name], {c.traits.unbiased for c in examples.values()}
         assert collective.split(" ")[0].rstrip(",") == main.collective.value, name
-        assert ("variable length" in collective) == main.variable_length, name
-        assert ("two rounds" in collective) == main.multi_round, name
+        assert ("variable length" in collective) == main.traits.variable_length, name
+        assert ("two rounds" in collective) == main.traits.multi_round, name
         said = "yes" if flags == {True} else "no" if flags == {False} else "with"  # "with `scale=True`"
         assert unbiased.split(" ")[0] == said, (name, unbiased)
     assert sorted(row[0] for row in readme_table("| method | settings | error feedback |")) == grace.methods()

@@ -11,7 +11,7 @@ from grace import native
 from grace.backends import backend_for, get_backend
 from grace.core import bucket as frames
 from grace.core.communicator import ReplicaCommunicator
-from grace.memories import DGCMemory
+from grace.kernels.dgc import DGCFeedback
 from tests.unit.conftest import METHODS, TORCH_DEVICE, to_backend
 
 # a model's worth of shapes: matrices, vectors, a scalar, an empty one, one larger tensor
@@ -365,14 +365,14 @@ def test_dgc_memory_steps_in_place_as_its_formula(xp, method, monkeypatch):
             return result
         return spied
 
-    monkeypatch.setattr(DGCMemory, "fused_step", spy(DGCMemory.fused_step))
-    monkeypatch.setattr(DGCMemory, "fused_steps", spy(DGCMemory.fused_steps))
+    monkeypatch.setattr(DGCFeedback, "fused_step", spy(DGCFeedback.fused_step))
+    monkeypatch.setattr(DGCFeedback, "fused_steps", spy(DGCFeedback.fused_steps))
     in_place = run(xp, with_buckets(METHODS[method], 25), steps=4)
     assert any(taken), "the in-place step was not taken"
     if xp.name == "torch" and TORCH_DEVICE == "cpu" and grace.native.available():
         assert all(taken), "the bucket's native step was not taken"
-    monkeypatch.setattr(DGCMemory, "fused_step", lambda *args, **kwargs: None)
-    monkeypatch.setattr(DGCMemory, "fused_steps", lambda *args, **kwargs: None)
+    monkeypatch.setattr(DGCFeedback, "fused_step", lambda *args, **kwargs: None)
+    monkeypatch.setattr(DGCFeedback, "fused_steps", lambda *args, **kwargs: None)
     formula = run(xp, with_buckets(METHODS[method], 25), steps=4)
     for a, b in zip(formula[1], in_place[1]):
         for name in a:
@@ -446,12 +446,12 @@ def test_results_are_written_over_gradients_that_are_not_contiguous(method):
             assert_same(xp, want[name], got[name], f"{method} step {step} {name}")
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m]().compressor.new_payload])
+@pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m]().compressor.traits.new_payload])
 def test_new_payloads_never_share_memory_with_the_input(method):
-    """``Compressor.new_payload`` lets the exchange compensate into a buffer it overwrites with
+    """``Traits.new_payload`` lets the exchange compensate into a buffer it overwrites with
     the new memory before the payload is framed: it must hold for every path of compress."""
     compressor = METHODS[method]().compressor
-    if compressor.multi_round:
+    if compressor.traits.multi_round:
         pytest.skip("multi-round methods compress in rounds")
     xp = get_backend("numpy")
     x = np.random.default_rng(0).standard_normal((30, 20)).astype(np.float32)

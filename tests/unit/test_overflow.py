@@ -108,9 +108,9 @@ def test_the_flag_sees_every_inf_and_nan_and_no_large_finite_sum(backend, dtype)
         assert xp.to_numpy(xp.nonfinite([large, xp.cast(xp.asarray(values), dtype)])).tolist() == [1.0]
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m]().compressor.nonfinite_field is not None])
+@pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m]().compressor.traits.nonfinite_field is not None])
 def test_the_payload_tensor_the_flag_is_read_from_holds_every_inf_and_nan(xp, method):
-    """``Compressor.nonfinite_field``: where the flag is read from the payload instead of a pass
+    """``Traits.nonfinite_field``: where the flag is read from the payload instead of a pass
     over the gradient, that payload tensor is non-finite for an inf, a -inf or a NaN anywhere
     (native kernels and tensor ops alike), and finite otherwise."""
     from grace.core.compressor import TensorInfo
@@ -123,7 +123,7 @@ def test_the_payload_tensor_the_flag_is_read_from_holds_every_inf_and_nan(xp, me
     def sent(values):
         x = to_backend(xp, values)
         payload = compressor.step(xp, x, info, compressor.init_state(xp, x, info))[0]
-        return xp.to_numpy(payload[compressor.nonfinite_field])
+        return xp.to_numpy(payload[compressor.traits.nonfinite_field])
 
     assert np.isfinite(sent(rng.standard_normal(1000))).all()
     for bad in (np.inf, -np.inf, np.nan):

@@ -439,7 +439,7 @@ def run_method(xp, compressor, x, info=INFO):
     """(payload tensors, decompressed, aggregate of two copies or None). Multi-round methods:
     the payloads of all rounds in order and the final result of a world of one."""
     payload, y, ctx = run_local(compressor, xp, x, info)
-    if compressor.multi_round:
+    if compressor.traits.multi_round:
         return tuple(payload), y, None
     return tuple(payload), y, compressor.aggregate(xp, [payload, payload], ctx)
 

@@ -44,9 +44,9 @@ def choose(services: Services, bucket, xp, like) -> BucketPlan:
     if why_not is None:
         return Segmented(services, bucket, f"{kind} compresses an accelerator's bucket in one pass per phase", xp,
                          like)
-    if compressor.elementwise and xp.on_accelerator(like):
+    if compressor.traits.elementwise and xp.on_accelerator(like):
         return Flat(services, bucket, f"{kind} treats elements alone: one kernel per bucket on an accelerator")
-    if compressor.multi_round:
+    if compressor.traits.multi_round:
         return MultiRound(services, bucket, f"{kind} sums its factors round by round")
     return PerGradient(services, bucket, why_not)
 
@@ -63,7 +63,7 @@ def _why_not_segmented(compression, bucket, xp, like):
         (own_collective, "the method runs on another collective than its own"),
         (compression.memory.elementwise, f"{type(compression.memory).__name__} does not treat elements alone"),
         (bucket.dtype == "float32", f"segment-wise kernels read float32, the bucket is {bucket.dtype}"),
-        (xp.mutable_tensors or not compressor.variable_length,
+        (xp.mutable_tensors or not compressor.traits.variable_length,
          "variable lengths are read back, which a traced step cannot"),
     ]
     return next((why for holds, why in rules if not holds), None)

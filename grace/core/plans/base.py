@@ -21,6 +21,7 @@ class Services:
     buffers: Any  # grace.core.buffers.Buffers
     transport: Any  # grace.core.transport.Transport
     phase: Callable[[str], Any]  # phase(name): a context timing its block (grace.core.phases)
+    feedback: Any  # the memory's fast paths (grace.core.plans.feedback)
     average: bool = True
     in_place: bool = False
 

@@ -2,7 +2,7 @@
 one tensor.
 
 It is the plan of ``scope='bucket'`` (one global top-k, ...: a method of its own) and, on an
-accelerator, of the elementwise methods (``Compressor.elementwise``: the same results as per
+accelerator, of the elementwise methods (``Traits.elementwise``: the same results as per
 gradient), where one kernel per bucket beats one per gradient. Otherwise the steps are the
 per-gradient plan's, with one unit.
 """

@@ -55,7 +55,7 @@ class MultiRound(BucketPlan):
         if not memory.needs_feedback or not xp.mutable_tensors or any(isinstance(e, tuple) for e in old):
             return none
         spares = [s.buffers.take_spare(u.name, xp, e) for u, e in zip(units, old)]
-        firsts = memory.fused_firsts(xp, s.compression.compressor, gs, old, infos, states, spares, nonfinite)
+        firsts = s.feedback.fused_firsts(xp, s.compression.compressor, gs, old, infos, states, spares, nonfinite)
         for u, spare in zip(units, spares):
             if spare is not None:  # (kept either way: finish tells by it where p is)
                 s.buffers.spares[u.name] = spare
@@ -73,7 +73,7 @@ class MultiRound(BucketPlan):
         for i in into:
             s.buffers.spares[keys[i]] = spares[i]  # (kept: finish tells by it where p was written)
         if into:
-            made = memory.compensate_many_into(xp, [gs[i] for i in into], [es[i] for i in into],
+            made = s.feedback.compensate_many_into(xp, [gs[i] for i in into], [es[i] for i in into],
                                                [spares[i] for i in into])
             for i, p in zip(into, made):
                 ps[i] = p
@@ -111,7 +111,7 @@ class MultiRound(BucketPlan):
         with s.phase("feedback"):
             in_spare = [p_u is s.buffers.spares.get(u.name) for u, p_u in zip(pending.units, pending.p)]
             over = [i for i, spare in enumerate(in_spare) if spare and not pending.updates[i]]
-            updated = dict(zip(over, memory.update_many_into(
+            updated = dict(zip(over, s.feedback.update_many_into(
                 xp, [pending.p[i] for i in over], [results[i][1] for i in over],
                 [pending.old[i] for i in over], [pending.p[i] for i in over])))
             new_memory = []

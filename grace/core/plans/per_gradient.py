@@ -69,7 +69,7 @@ class PerGradient(BucketPlan):
         steps = self._bucket_call(pending, g_units, infos, spares, in_call)
         payloads, new_memory = [], []
         for i, (u, g_u, info, state, e) in enumerate(zip(pending.units, g_units, infos, states, pending.old)):
-            fused = steps[i] if steps is not None else memory.fused_step(xp, s.compression.compressor, g_u, e, info,
+            fused = steps[i] if steps is not None else s.feedback.fused_step(xp, s.compression.compressor, g_u, e, info,
                                                                          out=spares[i])
             payload, ctx, e_new = self._unit_step(xp, u.name, g_u, info, state, e, spares[i], fused)
             if spares[i] is not None and e_new is not spares[i] and not self.flat_memory:  # a copy costs a pass
@@ -100,7 +100,7 @@ class PerGradient(BucketPlan):
         many_units = len(pending.units) > 1
         flag = xp.zeros(1, "float32", like=pending.g) if in_call else None
         into = s.transport.frame_into(pending)
-        steps = memory.fused_steps(xp, compressor, g_units, pending.old, infos, spares, flag, into) \
+        steps = s.feedback.fused_steps(xp, compressor, g_units, pending.old, infos, spares, flag, into) \
             if many_units and all(spare is not None for spare in spares) else None
         if steps is None and memory.passes_gradient and many_units:  # no memory: the payloads alone
             many = compressor.compress_many(xp, g_units, infos, flag, into)
@@ -124,14 +124,14 @@ class PerGradient(BucketPlan):
         one_buffer = spare is not None and not isinstance(spare, tuple)
         # p goes into the spare buffer (the new memory is then written over it) where the payload
         # cannot be a view of p
-        p = memory.compensate_into(xp, g, e, spare) if compressor.new_payload and one_buffer else None
+        p = s.feedback.compensate_into(xp, g, e, spare) if compressor.traits.new_payload and one_buffer else None
         p = memory.compensate(xp, g, e) if p is None else p
         payload, ctx, state = compressor.step(xp, p, info, state)
         s.journal.set("state", name, state)
         e_new = None
         if memory.needs_feedback:
             with s.phase("feedback"):
-                e_new = memory.feedback_into(xp, compressor, p, payload, ctx, e, spare) if one_buffer else \
+                e_new = s.feedback.feedback_into(xp, compressor, p, payload, ctx, e, spare) if one_buffer else \
                     memory.update(xp, p, compressor.decompress(xp, payload, ctx), e)
         return payload, ctx, e_new
 
@@ -181,7 +181,8 @@ class PerGradient(BucketPlan):
     def _aggregate_frames(self, pending: BucketPending, outs):
         """Every rank's frame read and each unit's aggregate made: (results, overflow count)."""
         s, xp, bucket = self.services, pending.xp, self.bucket
-        n, variable, flagged = s.communicator.size, s.compression.compressor.variable_length, pending.flag is not None
+        n, flagged = s.communicator.size, pending.flag is not None
+        variable = s.compression.compressor.traits.variable_length
         received = s.transport.wait(pending.wait)
         all_dense = pending.sent_dense and not variable  # every rank sent its dense bucket
         dtypes, counts = ([bucket.dtype], [bucket.numel]) if all_dense else (pending.dtypes, pending.counts)
@@ -234,7 +235,7 @@ class PerGradient(BucketPlan):
         small gradients), the flags read in one gather: (the aggregates written into ``outs``, the
         overflow count or None), or None where no such aggregate runs or a rank sent dense."""
         s, xp, dtypes, flagged = self.services, pending.xp, pending.dtypes, pending.flag is not None
-        variable = s.compression.compressor.variable_length
+        variable = s.compression.compressor.traits.variable_length
         starts, layouts, flags, start = [], [], [], 0
         alike = None if variable else frames.layout(dtypes, pending.counts, False, flagged)  # every rank's frame
         for _ in range(s.communicator.size):

@@ -48,15 +48,15 @@ class Reference:
         s.transport.stats.add(0, 4 * xp.numel(g))
         e = s.memory_state(xp, name, g)
         state = s.compressor_state(xp, name, g)
-        if not compressor.multi_round:  # one pass over memory where a kernel fuses the three steps
-            fused = memory.fused_step(xp, compressor, g, e, info)
+        if not compressor.traits.multi_round:  # one pass over memory where a kernel fuses the three steps
+            fused = s.feedback.fused_step(xp, compressor, g, e, info)
             if fused is not None:
                 payload, ctx, e = fused
                 journal.set("memory", name, e)
                 flag = self._payload_flag(xp, payload, flag)
                 return Pending(name, xp, ctx, s.transport.send(name, xp, payload, 0, flag), flag is not None)
         p = memory.compensate(xp, g, e)
-        if compressor.multi_round:
+        if compressor.traits.multi_round:
             rounds = compressor.rounds(xp, p, info, state)
             return Pending(name, xp, None, s.transport.send(name, xp, next(rounds), 0, flag), flag is not None,
                            p, rounds, e)
@@ -83,7 +83,7 @@ class Reference:
         return s.delivered(xp, g_hat, overflow, pending.out)
 
     def _flag_from_payload(self) -> bool:
-        """Whether the overflow flag is read from the payload (``Compressor.nonfinite_field``):
+        """Whether the overflow flag is read from the payload (``Traits.nonfinite_field``):
         where p = compensate(g) keeps g's infs and NaNs (an elementwise memory)."""
         return flag_from_payload(self.services.compression)
 
@@ -116,13 +116,13 @@ def flag_from_payload(compression) -> bool:
     """Whether a guarded exchange reads its overflow flag from the payloads: where the method
     names a payload field that holds every inf and NaN of its input, and p = compensate(g) keeps
     g's (an elementwise memory)."""
-    return compression.flags_overflow and compression.compressor.nonfinite_field is not None \
+    return compression.flags_overflow and compression.compressor.traits.nonfinite_field is not None \
         and compression.memory.elementwise
 
 
 def payload_flag(xp, compression, payloads):
-    """This rank's overflow flag read from its payloads (``Compressor.nonfinite_field``)."""
-    field = compression.compressor.nonfinite_field
+    """This rank's overflow flag read from its payloads (``Traits.nonfinite_field``)."""
+    field = compression.compressor.traits.nonfinite_field
     return xp.nonfinite([payload[field] for payload in payloads])
 
 

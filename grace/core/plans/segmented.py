@@ -26,7 +26,7 @@ class Segmented(BucketPlan):
         compressor, guarded = services.compression.compressor, services.journal.guarded
         self.table = segments.SegmentTable.build(xp, bucket.numels, like)
         self.layout = segments.SparseFrames(xp, self.table, bucket.dtype, guarded, like) \
-            if compressor.variable_length else \
+            if compressor.traits.variable_length else \
             segments.SegmentedFrame(xp, compressor.segment_fields(self.table.numels, bucket.dtype), guarded, like)
 
     def start(self, xp, grads, flat) -> BucketPending:
@@ -41,7 +41,7 @@ class Segmented(BucketPlan):
         if s.journal.guarded:
             pending.flag = xp.nonfinite([g])
         infos = [s.info(name, step) for name in bucket.names]
-        fused = memory.fused_segments(xp, compressor, g, e, self.table, infos)
+        fused = s.feedback.fused_segments(xp, compressor, g, e, self.table, infos)
         e_new = None  # the new memory where a fused kernel made it and it stands
         if fused is not None:  # compensate, compress and the new memory in one go
             fields, pending.segment_ctx, e_new = fused
@@ -65,7 +65,7 @@ class Segmented(BucketPlan):
                     e_new = memory.update(xp, p, p_hat, e)
                 s.journal.set("memory", bucket.key, e_new)
         if frame is not None:
-            nbytes = s.transport.send_frame(pending, frame, compressor.variable_length)
+            nbytes = s.transport.send_frame(pending, frame, compressor.traits.variable_length)
         s.transport.stats.add(nbytes, 0)
         return pending
 
@@ -73,7 +73,7 @@ class Segmented(BucketPlan):
         """This rank's frame, and p; the dense bucket where its encoding would be larger (fixed
         sizes: every rank decides alike; variable ones: each rank for its own frame)."""
         s, xp, layout = self.services, pending.xp, self.layout
-        variable = s.compression.compressor.variable_length
+        variable = s.compression.compressor.traits.variable_length
         dense = layout.size(pending.segment_ctx[0]) > layout.dense_size() if variable else \
             layout.size > frames.frame_size([self.bucket.numel], [self.bucket.dtype], False, s.journal.guarded)
         if not dense:
@@ -99,7 +99,7 @@ class Segmented(BucketPlan):
             return divided(xp, compressor.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
                 overflow
         received = s.transport.wait(pending.wait)
-        if compressor.variable_length:
+        if compressor.traits.variable_length:
             read, flags = self.layout.read(xp, received, n)
             return self._sparse_mean(xp, read), \
                 s.journal.overflow(xp, [flags], pending.defer) if flagged else None
