@@ -17,123 +17,59 @@ import contextlib
 import ctypes
 import os
 import threading
-from ctypes import c_double, c_float, c_int, c_int64, c_uint32, c_void_p
 from pathlib import Path
 
+from grace.native import _abi
+
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
-ABI = 13
+ABI = _abi.ABI  # the header's GRACE_NATIVE_ABI: a library built from another header is not loaded
 ISAS = ("x86-64-v3", "x86-64-v2")  # the builds on x86-64, best first
 
-_P, _I, _L, _F, _D = c_void_p, c_int, c_int64, c_float, c_double
+# The C functions' types come from csrc/include/grace_native.h, through grace/native/_abi.py (generated
+# by csrc/abi.py): name -> (restype, argtypes) of grace_cpu_<name> and of grace_cuda_<name>.
+FUNCTIONS = {"cpu": _abi.CPU, "cuda": _abi.CUDA}
+#: the functions only one library has (derived): the CPU's bucket-at-once entry points, decoded sums,
+#: DGC's passes, random indices and PowerSGD's products, and what it tells of its build and threads;
+#: CUDA's segment kernels and its device count and sync
+CPU_ONLY = set(_abi.CPU) - set(_abi.CUDA)
+CUDA_ONLY = set(_abi.CUDA) - set(_abi.CPU)
 
-# C symbol -> (restype, argtypes without the CUDA stream); the same for grace_cpu_* and grace_cuda_*
-SYMBOLS = {
-    "pack": (_I, [_P, _L, _I, _P]),
-    "unpack": (_I, [_P, _L, _I, _P]),
-    "sign_pack": (None, [_P, _L, _I, _P]),
-    "efsign_compress": (None, [_P, _L, _P, _P]),
-    "onebit_compress": (None, [_P, _L, _P, _P]),
-    "maxabs": (None, [_P, _L, _P]),
-    "terngrad_compress": (None, [_P, _P, _L, _P, _P]),
-    "qsgd_norms": (None, [_P, _L, _L, _P]),
-    "qsgd_compress": (_I, [_P, _P, _L, _I, _L, _I, _P, _I, _P]),
-    "natural_compress": (None, [_P, _P, _L, _P, _P]),
-    "sign_decode": (None, [_P, _L, _P, _P]),
-    "onebit_decode": (None, [_P, _L, _P, _P]),
-    "bits_sum": (None, [_P, _L, _L, _P, _I, _P]),
-    "terngrad_decode": (None, [_P, _L, _P, _P]),
-    "qsgd_decode": (_I, [_P, _L, _I, _L, _I, _P, _P]),
-    "natural_decode": (None, [_P, _P, _L, _P]),
-    "topk": (_L, [_P, _I, _L, _L, _I, _P, _I, _P]),
-    "threshold": (_L, [_P, _I, _L, _D, _I, _P, _I, _P]),
-    "nonzero": (_L, [_P, _L, _P, _I]),
-    "topk_ef": (_L, [_P, _P, _L, _L, _F, _F, _I, _P, _P, _I, _P]),
-    "threshold_ef": (_L, [_P, _P, _L, _F, _F, _F, _I, _P, _P, _I, _P]),
-    "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P]),
-    "topk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
-    "scatter_add_segments": (_I, [_L, _I, _P, _P, _P, _P, _F, _P, _P]),
-    "bits_sum_segments": (None, [_L, _I, _P, _P, _I, _P, _I, _P, _I, _P]),
-    "bits_residual": (None, [_P, _P, _L, _P, _I, _P]),
-    "uniform_segments": (None, [_L, _P, _P, _P, _P]),
-    "random_indices_segments": (_I, [_L, _P, _P, _P, _P, _P]),
-    "randomk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
-    "threshold_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _F, _I, _P, _P, _P, _P, _P]),
-    "bits_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _I, _I, _P, _P, _P]),
-    "qsgd_sum_segments": (_I, [_L, _I, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P]),
-    "natural_sum_segments": (None, [_L, _I, _P, _P, _P, _I, _P, _I, _P]),
-    "dgc_compensate": (None, [_P, _P, _P, _L, _F, _P, _P]),
-    "dgc_step_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _D, _D, _P, _P, _P, _P, _P, _P, _P, _P]),
-    "compress_many": (_I, [_I, _L, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P]),
-    "natural_compress_drawn": (None, [_P, _L, c_uint32, c_uint32, _P, _P]),
-    "terngrad_compress_drawn": (None, [_P, _L, c_uint32, c_uint32, _P, _P]),
-    "qsgd_compress_drawn": (_I, [_P, _L, c_uint32, c_uint32, _I, _L, _I, _P, _P]),
-    "half_encode_many": (None, [_L, _P, _P, _F, _P]),
-    "half_decode_many": (None, [_L, _P, _P, _F, _F, _P]),
-    # CUDA only: a bucket's segments in one launch per kernel (the CPU runs them one by one)
-    "hash_keys_segments": (_I, [_L, _P, _P, _P, _P]),
-    "terngrad_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _P, _P]),
-    "natural_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _P, _P]),
-    "qsgd_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _I, _L, _I, _P, _P]),
-    "efsign_compress_segments": (_I, [_P, _L, _P, _P, _P, _P]),
-    "onebit_compress_segments": (_I, [_P, _L, _P, _P, _P, _P]),
-    "decode_segments": (_I, [_I, _L, _P, _P, _P, _I, _L, _I, _P]),
-    "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
-    "lowrank_project_many": (None, [_L, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
-    "lowrank_back_many": (None, [_L, _P, _P, _P, _P, _P, _I, _P]),
-    "lowrank_expand_many": (None, [_L, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P]),
-}
-#: CPU-only: the bucket-at-once entry points (a GPU compresses a bucket segment-wise instead),
-#: the decoded sums of QSGD and natural compression, DGC's momentum correction and whole step,
-#: the random indices (a GPU sorts hash keys), and PowerSGD's products (a GPU has its BLAS)
-CPU_ONLY = {"topk_ef_many", "randomk_ef_many", "threshold_ef_many", "bits_ef_many", "scatter_add_segments",
-            "bits_sum_segments", "bits_residual", "qsgd_sum_segments", "natural_sum_segments",
-            "random_indices_segments", "dgc_compensate", "dgc_step_many", "compress_many", "natural_compress_drawn",
-            "terngrad_compress_drawn", "qsgd_compress_drawn", "half_encode_many", "half_decode_many",
-            "lowrank_project_many", "lowrank_back_many", "lowrank_expand_many"}
-CUDA_ONLY = {"hash_keys_segments", "terngrad_compress_segments", "natural_compress_segments", "qsgd_compress_segments",
-             "efsign_compress_segments", "onebit_compress_segments", "decode_segments", "topk_ef_segments"}
-# CUDA functions return a status (or a count) where the CPU ones return nothing
-_CUDA_RESTYPE = {name: (_I if res is None else res) for name, (res, _) in SYMBOLS.items()}
+
+def _without_stream(name: str):
+    res, args = _abi.CUDA[name]
+    return res, (args[:-1] if name in _abi.CUDA_STREAM else args)
+
+
+#: C function name -> (restype, argtypes without the CUDA stream): the CPU's where the CPU has it,
+#: else CUDA's (a view for readers: each library binds its own table, FUNCTIONS[kind])
+SYMBOLS = {name: _abi.CPU[name] if name in _abi.CPU else _without_stream(name) for name in {**_abi.CPU, **_abi.CUDA}}
 
 
 class _Lib:
-    """A loaded library: ``lib.pack(...)`` calls grace_cpu_pack / grace_cuda_pack."""
+    """A loaded library: ``lib.pack(...)`` calls grace_cpu_pack / grace_cuda_pack (every function
+    of the header, by its name without the prefix)."""
 
     def __init__(self, path: Path, kind: str):
         self.kind = kind
         self.path = path
         self._dll = ctypes.CDLL(str(path))
-        prefix = f"grace_{kind}_"
-        abi = getattr(self._dll, prefix + "abi")
-        abi.restype = c_int
-        if abi() != ABI:
-            raise OSError(f"{path} has ABI {abi()}, this grace expects {ABI}: rebuild (python csrc/build.py)")
-        for name, (res, args) in SYMBOLS.items():
-            if name in (CPU_ONLY if kind == "cuda" else CUDA_ONLY):
-                continue
-            fn = getattr(self._dll, prefix + name)
-            if kind == "cuda":
-                fn.restype, fn.argtypes = _CUDA_RESTYPE[name], [*args, _P]
-            else:
-                fn.restype, fn.argtypes = res, args
-            setattr(self, name, fn)
-        if kind == "cpu":
-            self._dll.grace_cpu_isa.restype = ctypes.c_char_p
-            self.isa = self._dll.grace_cpu_isa().decode()
-            self._dll.grace_cpu_runs_x86_64_v3.restype = c_int
-            self.runs_x86_64_v3 = bool(self._dll.grace_cpu_runs_x86_64_v3())
-            self._dll.grace_cpu_uses_avx512.restype = c_int
-            self.avx512 = bool(self._dll.grace_cpu_uses_avx512())  # the 16-lane bodies of a few kernels
-            self._dll.grace_cpu_set_num_threads.argtypes = [c_int]
-            self._dll.grace_cpu_get_num_threads.restype = c_int
-            self.set_num_threads = self._dll.grace_cpu_set_num_threads
-            self.get_num_threads = self._dll.grace_cpu_get_num_threads
-        else:
-            self._dll.grace_cuda_device_sync.restype = c_int
-            self.device_sync = self._dll.grace_cuda_device_sync
-            self._dll.grace_cuda_device_count.restype = c_int
-            if self._dll.grace_cuda_device_count() < 1:
-                raise OSError("no CUDA device (or driver) on this machine")
+        functions = FUNCTIONS[kind]
+        self._bind("abi", *functions["abi"])
+        if self.abi() != ABI:  # before the others: an older library may lack some
+            raise OSError(f"{path} has ABI {self.abi()}, this grace expects {ABI}: rebuild (python csrc/build.py)")
+        for name, (res, args) in functions.items():
+            self._bind(name, res, args)
+        if kind == "cpu":  # what the library tells of itself, read once (these replace the functions)
+            self.isa = self.isa().decode()
+            self.runs_x86_64_v3 = bool(self.runs_x86_64_v3())
+            self.avx512 = bool(self.uses_avx512())  # the 16-lane bodies of a few kernels
+        elif self.device_count() < 1:
+            raise OSError("no CUDA device (or driver) on this machine")
+
+    def _bind(self, name: str, res, args):
+        fn = getattr(self._dll, f"grace_{self.kind}_{name}")
+        fn.restype, fn.argtypes = res, args
+        setattr(self, name, fn)
 
 
 _lock = threading.Lock()
