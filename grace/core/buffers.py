@@ -25,7 +25,7 @@ class Buffers:
         self.flat: Dict[str, Any] = {}  # per name: flat gradients, joined payloads, frames
         self.spares: Dict[str, Any] = {}  # per unit: where its next memory is written
 
-    def reused(self, xp, name: str, dtype: str, numel: int, like):
+    def buffer_for(self, xp, name: str, dtype: str, numel: int, like):
         """A flat buffer of ``numel`` elements kept per ``name``. One outgrown (a variable-length
         frame) is replaced by one an eighth larger than needed."""
         buffer = self.flat.get(name)
@@ -35,20 +35,20 @@ class Buffers:
             buffer = self.flat[name] = xp.zeros(grown, dtype, like=like)
         return buffer if xp.numel(buffer) == numel else buffer[:numel]
 
-    def joined(self, xp, name: str, tensors):
+    def concat_into_kept(self, xp, name: str, tensors):
         """1-d ``tensors`` as one, in the buffer kept per ``name`` where tensors are mutable."""
         if len(tensors) == 1:
             return tensors[0]
         if not xp.mutable_tensors:
             return xp.concat(tensors)
         numel, dtype = sum(xp.numel(t) for t in tensors), xp.dtype(tensors[0])
-        return xp.concat_into(tensors, self.reused(xp, name, dtype, numel, tensors[0]))
+        return xp.concat_into(tensors, self.buffer_for(xp, name, dtype, numel, tensors[0]))
 
-    def flat_gradient(self, bucket, xp, grads):
+    def concat_gradients(self, bucket, xp, grads):
         """A bucket's gradients as one flat tensor (results never alias its buffer)."""
         if len(grads) == 1:
             return xp.flatten(grads[0])
-        buffer = self.reused(xp, f"{bucket.key}.gradient", bucket.dtype, bucket.numel, grads[0]) \
+        buffer = self.buffer_for(xp, f"{bucket.key}.gradient", bucket.dtype, bucket.numel, grads[0]) \
             if xp.mutable_tensors else None
         return xp.concat_flat(grads, buffer)
 

@@ -69,7 +69,7 @@ class Transport:
         self.stats.add(handle.nbytes, 0)
         return handle
 
-    def allreduce_units(self, xp, key: str, payloads, flag=None, joined=None, owned=False, defer=False):
+    def allreduce_units(self, xp, key: str, payloads, flag=None, written_in=None, owned=False, defer=False):
         """One allreduce per payload dtype (one, unless a method mixes them) of all units'
         payloads, and of this rank's overflow ``flag`` where given (one more element of the first
         dtype). Returns (wait, bytes sent); ``wait()`` gives (the summed payloads per unit, how
@@ -77,7 +77,7 @@ class Transport:
 
         A communicator with a grouped allreduce (Horovod's, joined in its fusion buffer off this
         thread) gets the payloads as they are; else they are joined into one buffer here.
-        ``joined``: the payloads' one flat buffer, where a kernel wrote them there, sent as it
+        ``written_in``: the payloads' one flat buffer, where a kernel wrote them there, sent as it
         is. The exchange's own buffers, and the payloads where ``owned``, are summed in place
         where the communicator can. ``defer``: the overflow count stays on the device."""
         shapes = [xp.shape(t) for payload in payloads for t in payload]
@@ -92,7 +92,7 @@ class Transport:
         for dtype in dict.fromkeys(dtypes):
             group = [t for t, d in zip(pieces, dtypes) if d == dtype]
             name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
-            waits[dtype], sent[dtype] = self._allreduce_group(xp, name, group, joined, owned)
+            waits[dtype], sent[dtype] = self._allreduce_group(xp, name, group, written_in, owned)
 
         def wait():
             summed, fresh = {}, True
@@ -110,12 +110,15 @@ class Transport:
 
         return wait, sum(xp.nbytes(t) for t in pieces)
 
-    def _allreduce_group(self, xp, name: str, group, joined, owned: bool):
+    def _allreduce_group(self, xp, name: str, group, written_in, owned: bool):
         """Launch the allreduce of one dtype's pieces: (its wait, what was sent)."""
         comm = self.communicator
-        grouped = joined is None and len(group) > 1 and comm.grouped_allreduce(xp.dtype(group[0]))
-        sent = group if grouped else joined if joined is not None else self.buffers.joined(xp, name, group)
-        ours = joined is not None or (not grouped and len(group) > 1 and xp.mutable_tensors)  # a buffer of ours
+        grouped = written_in is None and len(group) > 1 and comm.grouped_allreduce(xp.dtype(group[0]))
+        if grouped:
+            sent = group
+        else:
+            sent = written_in if written_in is not None else self.buffers.concat_into_kept(xp, name, group)
+        ours = written_in is not None or (not grouped and len(group) > 1 and xp.mutable_tensors)  # a buffer of ours
         in_place = (ours or owned) and comm.sums_in_place(group[0])
         with self.phase("collective"):
             if grouped:
@@ -137,7 +140,7 @@ class Transport:
         def into(dtypes, counts):
             pieces, flag_at, size = frames.layout(dtypes, counts, False, self.journal.guarded)
             end = sum(count * frames.ITEMSIZE[dtype] for dtype, count in zip(dtypes, counts))
-            buffer = self.buffers.reused(xp, f"{pending.bucket.key}.frame", "uint8", size, pending.g)
+            buffer = self.buffers.buffer_for(xp, f"{pending.bucket.key}.frame", "uint8", size, pending.g)
             pending.framed = (buffer, flag_at, end)
             return buffer, [offset for offset, _, _ in pieces]
 
@@ -168,7 +171,7 @@ class Transport:
         pending.dtypes = [xp.dtype(t) for t in pieces]
         pending.counts = [xp.numel(t) for t in pieces]
         flag, flagged = pending.flag, pending.flag is not None
-        join = functools.partial(self.buffers.joined, xp, f"{bucket.key}.frame")
+        join = functools.partial(self.buffers.concat_into_kept, xp, f"{bucket.key}.frame")
         frame = self._finish_frame(pending) if pending.framed is not None else \
             frames.frame(xp, pieces, variable, g, flag, join, pending.dtypes, pending.counts)
         header = 8 * len(pieces) if variable else 0

@@ -18,7 +18,7 @@ class Flat(PerGradient):
 
     def _units(self, xp, grads, flat):
         bucket = self.bucket
-        g = flat if flat is not None else self.services.buffers.flat_gradient(bucket, xp, grads)
+        g = flat if flat is not None else self.services.buffers.concat_gradients(bucket, xp, grads)
         return [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], [g], g
 
     def _defers(self, xp, g) -> bool:

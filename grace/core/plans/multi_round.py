@@ -30,13 +30,13 @@ class MultiRound(BucketPlan):
         # each result may go straight over its gradient, where it is written in the end anyway
         outs = list(g_units) if s.writes_over(xp, g) else None
         shared = xp.zeros(1, "float32", like=g) if in_passes else None  # the fused first rounds set it
-        firsts = self._fused_firsts(xp, units, g_units, pending.old, infos, states, shared)
+        firsts = self._compensate_in_first_rounds(xp, units, g_units, pending.old, infos, states, shared)
         pending.updates = [first is not None for first in firsts]  # their rounds write the new memory over p
         rest = [i for i, first in enumerate(firsts) if first is None]
         if in_passes:  # (0 where no fused round ran)
             pending.flag = any_flag(xp, [shared] + ([xp.nonfinite([g_units[i] for i in rest])] if rest else []))
         pending.p = [s.buffers.spares[u.name] if first is not None else None for u, first in zip(units, firsts)]
-        compensated = self._compensated(xp, [units[i].name for i in rest], [g_units[i] for i in rest],
+        compensated = self._compensate(xp, [units[i].name for i in rest], [g_units[i] for i in rest],
                                         [pending.old[i] for i in rest])
         for i, p in zip(rest, compensated):
             pending.p[i] = p
@@ -46,7 +46,7 @@ class MultiRound(BucketPlan):
         s.transport.stats.add(nbytes, 0)
         return pending
 
-    def _fused_firsts(self, xp, units, gs, old, infos, states, nonfinite):
+    def _compensate_in_first_rounds(self, xp, units, gs, old, infos, states, nonfinite):
         """The compensations and first payloads, each gradient's in one pass, the compensation
         written into its spare buffer (``Memory.fused_firsts``, which sets ``nonfinite`` where a
         g holds an inf or a NaN): per gradient, its first payload or None (not made)."""
@@ -61,7 +61,7 @@ class MultiRound(BucketPlan):
                 s.buffers.spares[u.name] = spare
         return firsts or none
 
-    def _compensated(self, xp, keys, gs, es):
+    def _compensate(self, xp, keys, gs, es):
         """``memory.compensate`` of the gradients, each written into its key's spare buffer where
         tensors are mutable, all at once where the memory can (``Memory.compensate_many_into``)."""
         s = self.services

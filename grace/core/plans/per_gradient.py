@@ -48,14 +48,15 @@ class PerGradient(BucketPlan):
         made = []
 
         def buffer(dtype, numel):
-            made.append(s.buffers.reused(xp, f"{key}.payload", dtype, numel, pending.g))
+            made.append(s.buffers.buffer_for(xp, f"{key}.payload", dtype, numel, pending.g))
             return made[-1]
 
         many = compressor.compress_many_into(xp, g_units, infos, buffer)
         if many is None:
             return False
         pending.ctxs = [ctx for _, ctx in many]
-        pending.wait, nbytes = s.transport.allreduce_units(xp, key, [payload for payload, _ in many], joined=made[0])
+        pending.wait, nbytes = s.transport.allreduce_units(xp, key, [payload for payload, _ in many],
+                                                           written_in=made[0])
         s.transport.stats.add(nbytes, 0)
         return True
 

@@ -32,7 +32,7 @@ class Segmented(BucketPlan):
     def start(self, xp, grads, flat) -> BucketPending:
         s, bucket = self.services, self.bucket
         compressor, memory = s.compression.compressor, s.compression.memory
-        g = flat if flat is not None else s.buffers.flat_gradient(bucket, xp, grads)
+        g = flat if flat is not None else s.buffers.concat_gradients(bucket, xp, grads)
         step = s.journal.next_step(bucket.key, g)
         s.transport.stats.add(0, 4 * bucket.numel)
         e = s.memory_state(xp, bucket.key, g)
