@@ -65,8 +65,6 @@ class DGC(Sparsifier):
         candidates = xp.abs(xp.gather(flat, selected))
         return xp.sort(xp.gather(selected, xp.topk_indices(candidates, k)))
 
-    segmented = True  # (with the 'dgc' memory only without clipping: a norm per tensor)
-
     def select_segments(self, xp, p, table, infos):
         """|p| >= each segment's threshold, as ``select`` finds it: one call for all the draws,
         one sort of the samples' magnitudes, keyed by segment (so each segment's sample lies
@@ -109,25 +107,6 @@ class DGC(Sparsifier):
         if cut is None or cut.ratio != ratio:
             cut = table.cache["dgc cut"] = _Cut.of(xp, table, sample, ratio, like)
         return sample, cut
-
-    def compress_many_with_momentum(self, xp, gs, states, momentum, infos, outs, flag=None, factor=None):
-        """DGCMemory's fused_step with this selection for every gradient of a bucket, in one
-        native call (CPU; new states written into ``outs``, the overflow flag into ``flag``
-        where given; each g taken as g * factor(g) where ``factor`` is given, the clipping,
-        computed only where the call runs): [(payload, ctx, new state)], or None where it does
-        not run (or the step is not a known int: a traced TensorFlow step)."""
-        step = infos[0].step
-        if not isinstance(step, numbers.Integral) or not xp.fused("dgc_step_many", gs[0], xp.dtype(gs[0])):
-            return None
-        scales = None if factor is None else [float(factor(g)) for g in gs]
-        words = [draws.seed_words(info.rank_seed(self.seed)) for info in infos]
-        done = native_or_none(xp, "dgc_step_many", gs[0], gs, [u for u, _ in states], [v for _, v in states], momentum,
-                              self.ratio_at(xp, step), self.sample_ratio, words, [u for u, _ in outs],
-                              [v for _, v in outs], nonfinite=flag, scales=scales)
-        if done is None:
-            return None
-        return [((values, indices), Shape(xp.shape(g), xp.dtype(g)), out)
-                for values, indices, g, out in zip(*done, gs, outs)]
 
 
 _LARGEST_KEY = 2**31 - 1  # of segments.magnitude_keys

@@ -18,8 +18,6 @@ from grace.memories import EFSignSGDMemory, make_memory
 
 
 class EFSignSGD(SignBits):
-    segment_kernel = "efsignsgd"
-    sum_kernel = "efsignsgd_decompress_sum"
     traits = replace(SignBits.traits, nonfinite_field=1)  # the scale
 
     def __init__(self, lr: float):
@@ -46,9 +44,6 @@ class EFSignSGD(SignBits):
 
     def finish(self, n):
         return False, (n, self.lr)  # the mean, over lr
-
-    def aggregate_segments(self, xp, fields, ctx, table, ranks):
-        return super().aggregate_segments(xp, fields, ctx, table, ranks) / self.lr
 
 
 @register("efsignsgd", lr="lr", examples=dict(efsignsgd=example(0.1)))

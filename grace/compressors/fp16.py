@@ -23,23 +23,6 @@ class FP16(Compressor):
         n = info.world_size
         return (xp.divide_cast(xp.flatten(x), n, self.dtype),), (Shape(xp.shape(x), xp.dtype(x)), n)
 
-    def compress_many_into(self, xp, gs, infos, buffer):
-        if self.dtype != "float16" or not xp.fused("fp16_compress_many_into", gs[0], xp.dtype(gs[0])):
-            return None
-        numels = [xp.numel(g) for g in gs]
-        pieces = xp.split(buffer(self.dtype, sum(numels)), numels)
-        n = infos[0].world_size
-        if native_or_none(xp, "fp16_compress_many_into", gs[0], gs, n, pieces) is None:
-            return None
-        return [((piece,), (Shape(xp.shape(g), xp.dtype(g)), n)) for piece, g in zip(pieces, gs)]
-
-    def averaged_many(self, xp, summed, ctxs, n, outs):
-        factors = {factor for _, factor in ctxs}
-        if len(factors) != 1:
-            return None
-        return native_or_none(xp, "fp16_decompress_many_into", outs[0], [payload[0] for payload in summed],
-                              factors.pop(), n, outs)
-
     def ideal_bits(self, xp, payload, ctx):
         return 16 * ctx[0].numel
 

@@ -22,8 +22,6 @@ _TOP = 254  # 2^127: the largest power of two a float32 holds
 class Natural(Compressor):
     collective = Collective.ALLGATHER
     traits = Traits(unbiased=True, new_payload=True)
-    sum_kernel = "natural_decompress_sum"
-    many_kernel = "natural"
 
     def __init__(self, seed: int = 0):
         self.seed = check_seed(seed)
@@ -50,17 +48,6 @@ class Natural(Compressor):
 
     def ideal_bits(self, xp, payload, ctx):
         return 9 * ctx.numel  # sign + exponent
-
-    # --- a bucket at once: every segment's own draws, one native call ---------------------
-    segmented = True
-    segment_kernel = "natural"
-
-    def segment_fields(self, numels, dtype):
-        count = len(numels)
-        return [([packed_size(n, 1) for n in numels], ["uint8"] * count), (list(numels), ["uint8"] * count)]
-
-    def segment_draws(self, numels):
-        return list(numels)
 
     def decompress(self, xp, payload, ctx):
         negative, codes = payload

@@ -15,8 +15,6 @@ from grace.memories import make_memory
 
 class OneBit(SignBits):
     scalars = 2  # mu0, mu1
-    segment_kernel = "onebit"
-    sum_kernel = "onebit_decompress_sum"
     traits = replace(SignBits.traits, nonfinite_field=1)  # the means
 
     def compress(self, xp, x, info):

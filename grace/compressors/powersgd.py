@@ -79,32 +79,13 @@ class PowerSGD(Compressor):
             results[i] = (a, a, q_i)
         return results
 
-    def firsts_with_residual(self, xp, gs, residuals, beta, gamma, infos, qs, p_outs, nonfinite=None):
-        """One native call for the bucket's matrices (CPU): each M = g + e written into its
-        p_out in the pass that makes P = M Q; vectors (and gradients without a p_out) get None."""
-        if beta != 1.0 or gamma != 1.0 or not xp.mutable_tensors:
-            return None
-        chosen = [i for i, (g, e, o) in enumerate(zip(gs, residuals, p_outs))
-                  if len(xp.shape(g)) >= 2 and o is not None and not isinstance(e, tuple)]
-        if not chosen:
-            return None
-        shapes = [_matrix(xp, gs[i]) for i in chosen]
-        ps = _native(xp, "lowrank_project_many", [gs[i] for i in chosen], [qs[i] for i in chosen], shapes,
-                     [residuals[i] for i in chosen], [p_outs[i] for i in chosen], nonfinite)
-        if ps is None:
-            return None
-        firsts = [None] * len(gs)
-        for i, p, (rows, _) in zip(chosen, ps, shapes):
-            firsts[i] = xp.reshape(p, (rows, -1))
-        return firsts
 
-
-def _matrix(xp, x):
+def matrix_shape(xp, x):
     rows = xp.shape(x)[0]
     return rows, xp.numel(x) // rows
 
 
-def _native(xp, name: str, matrices, *args, **kwargs):
+def native_products(xp, name: str, matrices, *args, **kwargs):
     """grace.native's product ``name`` for ``matrices`` in one call (CPU, float32: the kernels
     return new tensors or write into given ones), where the backend's tensors are mutable; else
     None."""
@@ -115,7 +96,7 @@ def _project(xp, ms, qs):
     """P = M Q of each matrix."""
     if not ms:
         return []
-    ps = _native(xp, "lowrank_project_many", ms, qs, [xp.shape(m) for m in ms])
+    ps = native_products(xp, "lowrank_project_many", ms, qs, [xp.shape(m) for m in ms])
     if ps is None:
         return [xp.matmul(m, q) for m, q in zip(ms, qs)]
     return [xp.reshape(p, (xp.shape(m)[0], -1)) for p, m in zip(ps, ms)]
@@ -125,7 +106,7 @@ def _orthonormalise_and_back(xp, ms, ps):
     """Each summed P orthonormalised, then Q = M^T P: (Ps, Qs). The native call makes a P of
     one column a unit vector in place, as ``xp.orthonormalize`` would; several go through QR."""
     ps = [p if xp.shape(p)[1] == 1 else xp.orthonormalize(p) for p in ps]
-    qs = _native(xp, "lowrank_back_many", ms, ps, [xp.shape(m) for m in ms], unit=True)
+    qs = native_products(xp, "lowrank_back_many", ms, ps, [xp.shape(m) for m in ms], unit=True)
     if qs is None:
         columns = [i for i, p in enumerate(ps) if xp.shape(p)[1] == 1]
         for i, p in zip(columns, xp.orthonormalize_many([ps[i] for i in columns])):
@@ -140,7 +121,7 @@ def _expand(xp, ps, qs, n, into, xs, residual_over):
     shapes = [(xp.shape(p)[0], xp.shape(q)[0]) for p, q in zip(ps, qs)]
     residual = {} if not any(residual_over) else dict(
         ms=xs, residual_outs=[x if over else None for x, over in zip(xs, residual_over)])
-    done = _native(xp, "lowrank_expand_many", ps, qs, shapes, into, n, **residual)
+    done = native_products(xp, "lowrank_expand_many", ps, qs, shapes, into, n, **residual)
     if done is not None:
         approx, divided = done
         return approx, [xp.reshape(q, xp.shape(old)) for q, old in zip(divided, qs)]

@@ -19,8 +19,6 @@ from grace.memories import make_memory
 
 class QSGD(Compressor):
     collective = Collective.ALLGATHER
-    sum_kernel = "qsgd_decompress_sum"
-    many_kernel = "qsgd"
     traits = Traits(unbiased=True, new_payload=True, nonfinite_field=1)  # (field 1: the norms)
 
     def __init__(self, levels: int = 127, bucket_size: int = 0, seed: int = 0):
@@ -33,13 +31,13 @@ class QSGD(Compressor):
         self.seed = check_seed(seed)
         self.bits = bits.code_width(2 * (levels + 1))
 
-    def _bucket(self, d: int) -> int:
+    def bucket_of(self, d: int) -> int:
         """The bucket of a tensor of d elements (a bucket_size beyond d is the whole tensor)."""
         return qsgd_bucket(d, self.bucket_size)
 
     def _buckets(self, xp, flat, d):
         """(rows, b) view of the flat tensor, zero-padded to whole buckets."""
-        b = self._bucket(d)
+        b = self.bucket_of(d)
         pad = -d % b
         if pad:
             flat = xp.concat([flat, xp.zeros(pad, xp.dtype(flat), like=flat)])
@@ -68,26 +66,11 @@ class QSGD(Compressor):
         return (bits.pack(xp, xp.flatten(codes)[:d], self.bits), norms), Shape(xp.shape(x), xp.dtype(x))
 
     def ideal_bits(self, xp, payload, ctx):
-        buckets = self._rows(ctx.numel)
+        buckets = self.rows_of(ctx.numel)
         return (1 + math.ceil(math.log2(self.levels + 1))) * ctx.numel + 32 * buckets
 
-    # --- a bucket at once: every segment's own draws and norms, one native call -----------
-    segmented = True
-    segment_kernel = "qsgd"
-
-    def _rows(self, d: int) -> int:
-        return -(-d // self._bucket(d))
-
-    def segment_fields(self, numels, dtype):
-        count = len(numels)
-        return [([bits.packed_size(n, self.bits) for n in numels], ["uint8"] * count),
-                ([self._rows(n) for n in numels], ["float32"] * count)]
-
-    def segment_draws(self, numels):
-        return [self._rows(n) * self._bucket(n) for n in numels]  # as compress draws
-
-    def segment_arguments(self):
-        return self.levels, self.bucket_size
+    def rows_of(self, d: int) -> int:
+        return -(-d // self.bucket_of(d))
 
     def decompress(self, xp, payload, ctx):
         packed, norms = payload

@@ -14,8 +14,6 @@ from grace.memories import make_memory
 class SignSGD(Compressor):
     collective = Collective.ALLGATHER
     traits = Traits(elementwise=True, new_payload=True)
-    sum_kernel = "signsgd_decompress_sum"
-    many_kernel = "signsgd"
 
     def __init__(self, aggregate: str = "majority"):
         if aggregate not in ("majority", "mean"):

@@ -16,8 +16,6 @@ from grace.memories import make_memory
 class TernGrad(Compressor):
     collective = Collective.ALLGATHER
     traits = Traits(unbiased=True, new_payload=True)
-    sum_kernel = "terngrad_decompress_sum"
-    many_kernel = "terngrad"
 
     def __init__(self, seed: int = 0):
         self.seed = check_seed(seed)
@@ -40,16 +38,6 @@ class TernGrad(Compressor):
 
     def ideal_bits(self, xp, payload, ctx):
         return 2 * ctx.numel + 32  # codes + scale
-
-    # --- a bucket at once: every segment's own draws and scale, one native call -----------
-    segmented = True
-    segment_kernel = "terngrad"
-
-    def segment_fields(self, numels, dtype):
-        return [([packed_size(n, 2) for n in numels], ["uint8"] * len(numels)), ([1] * len(numels), ["float32"] * len(numels))]
-
-    def segment_draws(self, numels):
-        return list(numels)
 
     def decompress(self, xp, payload, ctx):
         packed, scale = payload

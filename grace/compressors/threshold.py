@@ -16,9 +16,6 @@ from grace.memories import make_memory
 
 class Threshold(Sparsifier):
     traits = replace(Sparsifier.traits, variable_length=True)
-    segmented = True  # on an accelerator: a bucket's selection by whole-buffer tensor ops
-    residual_kernel = "threshold_ef_step"
-    residual_kernel_many = "threshold_ef_step_many"
 
     def __init__(self, threshold: float):
         self.threshold = check_number(threshold, "threshold")

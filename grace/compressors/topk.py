@@ -13,9 +13,6 @@ from grace.memories import make_memory
 
 
 class TopK(Sparsifier):
-    residual_kernel = "topk_ef_step"
-    residual_kernel_many = "topk_ef_step_many"
-    select_kernel = "topk_compress"
     traits = replace(Sparsifier.traits, nonfinite_field=0)
 
     def __init__(self, ratio: float):
@@ -26,8 +23,6 @@ class TopK(Sparsifier):
 
     def select(self, xp, flat, info):
         return xp.sort(xp.topk_indices(xp.abs(flat), self.kernel_argument(xp.numel(flat))))
-
-    segmented = True
 
     def select_segments(self, xp, p, table, infos):
         k = table.cached("k per segment", lambda: xp.asarray([self.kernel_argument(d) for d in table.numels], like=p))

@@ -33,6 +33,7 @@ from grace.core.journal import Journal
 from grace.core.phases import NO_CLOCK, PhaseClock
 from grace.core.plans import BucketPending, BucketPlan, Pending, PlanChoice, Reference, Services, choose
 from grace.core.plans.feedback import feedback_of
+from grace.core.plans.kernels import kernels_of
 from grace.core.state import TABLES, StateStore
 from grace.core.transport import Transport, WireStats
 
@@ -75,7 +76,8 @@ class Exchange:
         self.journal = Journal(self.store, compression.flags_overflow)
         self.transport = Transport(compression, communicator, self.stats, self.buffers, self.journal, self._phase)
         self.services = Services(compression, communicator, self.store, self.journal, self.buffers, self.transport,
-                                 self._phase, feedback_of(compression.memory), average, in_place)
+                                 self._phase, feedback_of(compression.memory),
+                                 kernels_of(compression.compressor), average, in_place)
         self.reference = Reference(self.services)
         self._layouts: Dict[tuple, List[Bucket]] = {}  # the buckets planned per set of tensors
         self._buckets: Dict[str, Bucket] = {}  # every bucket planned or in use, by key

@@ -6,7 +6,7 @@ operations here give each segment exactly what the per-tensor code gives it alon
 per-tensor path is their oracle, bit for bit), with a number of kernel launches and Python
 calls that does not grow with the number of segments: what a GPU needs, where a launch costs
 more than a small gradient's arithmetic. (Methods with native kernels run those per segment
-instead, from one call: ``Compressor.segment_kernel``; the radix selection here is top-k's
+instead, from one call: ``MethodKernels.segment_kernel``; the radix selection here is top-k's
 tensor-op fallback.)
 
 ``SegmentedFrame`` writes and reads a bucket's frame (``grace.core.bucket``) from whole

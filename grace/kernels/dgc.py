@@ -9,23 +9,23 @@ from grace.memories import DGCMemory
 
 @feedback_for(DGCMemory)
 class DGCFeedback(Feedback):
-    def fused_steps(self, xp, compressor, gs, states, infos, outs, flag=None, into=None):
+    def fused_steps(self, xp, kernels, gs, states, infos, outs, flag=None, into=None):
         """fused_step of a whole bucket in one native call, where the compressor has one (DGC's
         selection, on a CPU); with clipping, each gradient's factor computed first (its norm, as
         ``clipped`` does) and applied where the call reads g: no clipped copy."""
-        many = getattr(compressor, "compress_many_with_momentum", None)
+        many = getattr(kernels, "compress_many_with_momentum", None)
         if many is None or not xp.mutable_tensors:
             return None
         factor = (lambda g: self.memory.clip_factor(xp, g)) if self.memory.clip_norm else None
         return many(xp, gs, states, self.memory.momentum, infos, outs, flag, factor)
 
-    def fused_step(self, xp, compressor, g, state, info, out=None):
+    def fused_step(self, xp, kernels, g, state, info, out=None):
         """The same step with the new (u, v) written into ``out`` (buffers like the state, where
         the backend's tensors are mutable): p in v's buffer, u = p - v_old in u's, and only the
         sent elements changed after (their p_hat is 0 + p, so they need no dense decompression).
         One pass over memory for the sums on a CPU (a native kernel; four of tensor ops
         elsewhere), and no gradient-sized allocation."""
-        if out is None or not xp.mutable_tensors or not compressor.traits.sparse:
+        if out is None or not xp.mutable_tensors or not kernels.compressor.traits.sparse:
             return None
         (u, v), (u_out, v_out) = state, out
         g = self.memory.clipped(xp, g)
@@ -34,7 +34,7 @@ class DGCFeedback(Feedback):
         if p is None:
             t = xp.add_into(xp.multiply_into(u, self.memory.momentum, u_out), g, u_out)  # m u + g
             p = xp.add_into(v, t, v_out)
-        payload, ctx = compressor.compress(xp, p, info)
+        payload, ctx = kernels.compressor.compress(xp, p, info)
         values, indices = payload
         u_new = xp.subtract_into(p, v, u_out) if u_new is None else u_new
         indices = xp.cast(indices, "int64")

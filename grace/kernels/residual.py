@@ -29,22 +29,22 @@ class ResidualFeedback(Feedback):
             return super().update_many_into(xp, ps, p_hats, residuals, outs)
         return xp.subtract_many_into(ps, p_hats)
 
-    def feedback_into(self, xp, compressor, p, payload, ctx, residual, out):
-        fused = compressor.residual_into(xp, p, payload, ctx, out)  # p - p_hat in one pass, where it can
-        return super().feedback_into(xp, compressor, p, payload, ctx, residual, out) if fused is None else fused
+    def feedback_into(self, xp, kernels, p, payload, ctx, residual, out):
+        fused = kernels.residual_into(xp, p, payload, ctx, out)  # p - p_hat in one pass, where it can
+        return super().feedback_into(xp, kernels, p, payload, ctx, residual, out) if fused is None else fused
 
-    def fused_segments(self, xp, compressor, g, residual, table, infos):
-        return compressor.compress_segments_with_residual(xp, g, residual, *self._scales(), table, infos)
+    def fused_segments(self, xp, kernels, g, residual, table, infos):
+        return kernels.compress_segments_with_residual(xp, g, residual, *self._scales(), table, infos)
 
-    def fused_steps(self, xp, compressor, gs, residuals, infos, outs, flag=None, into=None):
-        return compressor.compress_many_with_residual(xp, gs, residuals, *self._scales(), infos, outs, flag, into)
+    def fused_steps(self, xp, kernels, gs, residuals, infos, outs, flag=None, into=None):
+        return kernels.compress_many_with_residual(xp, gs, residuals, *self._scales(), infos, outs, flag, into)
 
-    def fused_firsts(self, xp, compressor, gs, residuals, infos, compressor_states, p_outs, nonfinite=None):
-        return compressor.firsts_with_residual(xp, gs, residuals, *self._scales(), infos, compressor_states, p_outs,
+    def fused_firsts(self, xp, kernels, gs, residuals, infos, compressor_states, p_outs, nonfinite=None):
+        return kernels.firsts_with_residual(xp, gs, residuals, *self._scales(), infos, compressor_states, p_outs,
                                                nonfinite)
 
-    def fused_step(self, xp, compressor, g, residual, info, out=None):
-        return compressor.compress_with_residual(xp, g, residual, *self._scales(), info, out)
+    def fused_step(self, xp, kernels, g, residual, info, out=None):
+        return kernels.compress_with_residual(xp, g, residual, *self._scales(), info, out)
 
     def _scales(self):
         """(beta, gamma): p = gamma * g + beta * e."""

@@ -12,6 +12,7 @@ import pytest
 import grace
 import grace.native as gn
 from grace.core.compressor import TensorInfo
+from grace.core.plans.kernels import kernels_of
 from tests.native.conftest import BIG, NX, SIZES, device, gradient, host, on, same_bytes, torch  # noqa: F401
 
 INFO = TensorInfo("w", 0, 1)
@@ -221,7 +222,7 @@ def test_the_residual_steps_of_a_bucket_beyond_the_caches_stream_alike(in_place)
         order = np.argsort(host(i))
         same_bytes(want_v, host(v)[order], "random-k values")
         want_e = p.copy()
-        compression.compressor.residual_into(NX, p, (want_v,), (None, want_i), want_e)
+        kernels_of(compression.compressor).residual_into(NX, p, (want_v,), (None, want_i), want_e)
         same_bytes(want_e, new, "random-k residual")
 
 
@@ -254,7 +255,7 @@ def test_random_k_residual_steps_of_a_bucket_equal_the_pipeline(beta, gamma, sca
         p = memory.compensate(NX, g, e)
         (want_v,), (_, want_i) = compressor.compress(NX, p, info)
         want_e = p.copy()
-        compressor.residual_into(NX, p, (want_v,), (None, want_i), want_e)
+        kernels_of(compressor).residual_into(NX, p, (want_v,), (None, want_i), want_e)
         np.testing.assert_array_equal(host(i), want_i)
         same_bytes(want_v, v)
         same_bytes(want_e, e_new)
@@ -349,7 +350,7 @@ def test_dgc_steps_of_a_bucket_equal_the_memory_and_selection_on_numpy(ratio, sa
     for g, u, v, info, got_v, got_i, u_out, v_out in zip(gs, us, vs, infos, values, indices, u_outs, v_outs):
         with np.errstate(over="ignore", invalid="ignore"):
             (want_v, want_i), _, (want_u, want_p) = DGCFeedback(memory).fused_step(
-                NX, compressor, g, (u, v), info, out=(np.empty_like(u), np.empty_like(v)))
+                NX, kernels_of(compressor), g, (u, v), info, out=(np.empty_like(u), np.empty_like(v)))
         same_bytes(want_v, got_v, "values")
         same_bytes(want_i, got_i, "indices")
         same_bytes(want_u, u_out, "u")

@@ -181,9 +181,9 @@ def test_orthonormalize_of_one_column_is_qr_without_the_factorization(xp, dtype,
 def test_powersgds_batched_rounds_equal_each_tensors_rounds_side_by_side(xp, rank, accelerator, monkeypatch):
     """PowerSGD's ``rounds_many`` (one native call per product for a bucket's matrices, on a
     CPU; on an accelerator tensor ops, single columns orthonormalised all at once) against
-    ``Compressor.rounds_many``'s default, each tensor's ``rounds`` side by side: every result,
+    ``MethodKernels.rounds_many``'s default, each tensor's ``rounds`` side by side: every result,
     approximation and new Q the same, bit for bit, in a world of 3 equal ranks."""
-    from grace.core.compressor import Compressor
+    from grace.core.plans.kernels import MethodKernels, kernels_of
 
     if accelerator:  # (with GRACE_TEST_DEVICE=cuda the tensors really are there)
         monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
@@ -204,8 +204,8 @@ def test_powersgds_batched_rounds_equal_each_tensors_rounds_side_by_side(xp, ran
         except StopIteration as done:
             return done.value, sent
 
-    (batched, rounds), (alone, rounds_alone) = run(compressor.rounds_many(xp, xs, infos, states)), \
-        run(Compressor.rounds_many(compressor, xp, xs, infos, states))
+    (batched, rounds), (alone, rounds_alone) = run(kernels_of(compressor).rounds_many(xp, xs, infos, states)), \
+        run(MethodKernels(compressor).rounds_many(xp, xs, infos, states))
     assert rounds == rounds_alone == 2
     for shape, want, got in zip(shapes, alone, batched):
         for w, g in zip(want, got):

@@ -11,6 +11,7 @@ import pytest
 import grace
 from grace.core import segments
 from grace.core.communicator import ReplicaCommunicator
+from grace.core.plans.kernels import kernels_of
 from tests.unit.conftest import METHODS, to_backend
 from tests.unit import test_buckets
 from tests.unit.test_buckets import assert_same, with_buckets
@@ -18,7 +19,7 @@ from tests.unit.test_buckets import assert_same, with_buckets
 # every size of index on the wire (uint8, int16, int32), a scalar, an empty tensor, ties
 SHAPES = {"head": (10, 12), "bias": (10,), "scale": (), "unused": (0,), "embed": (300, 8), "wide": (3, 11000),
           "tied": (50,), "one": (1,)}
-SEGMENTED = [label for label, make in METHODS.items() if make().compressor.segmented]
+SEGMENTED = [label for label, make in METHODS.items() if kernels_of(make().compressor).segmented]
 
 
 def gradients(xp, step: int, bad=None) -> dict:
@@ -186,9 +187,9 @@ def test_the_segmented_ops_run_on_tensorflow_too():
         table = segments.SegmentTable.build(xp, [100, 900, 2000], x)
         k = xp.asarray([3, 9, 20], like=x)
         mask = segments.top_mask(xp, segments.magnitude_keys(xp, x), table, k)
-        layout = segments.SegmentedFrame(xp, grace.topk(0.01).compressor.segment_fields(table.numels, "float32"),
+        layout = segments.SegmentedFrame(xp, kernels_of(grace.topk(0.01).compressor).segment_fields(table.numels, "float32"),
                                          True, x)
-        fields, _, _ = grace.topk(0.01).compressor.compress_segments(xp, x, table, [None] * 3)
+        fields, _, _ = kernels_of(grace.topk(0.01).compressor).compress_segments(xp, x, table, [None] * 3)
         frame = layout.write(xp, fields, xp.zeros(1, "uint8", like=x))
         read, flags = layout.read(xp, xp.concat([frame, frame]), 2)
         results.append([xp.to_numpy(t) for t in (mask, frame, *read, flags)])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from grace.core.compressor import Collective
 from grace.core.plans.base import BucketPending, BucketPlan, Services
 from grace.core.plans.flat import Flat
+from grace.core.plans.kernels import kernels_of
 from grace.core.plans.multi_round import MultiRound
 from grace.core.plans.per_gradient import PerGradient
 from grace.core.plans.reference import Pending, Reference
@@ -59,7 +60,7 @@ def _why_not_segmented(compression, bucket, xp, like):
     on_accelerator = getattr(xp, "segmented", False) and xp.on_accelerator(like)
     rules = [
         (on_accelerator, "on a CPU each gradient goes in turn: cache-sized passes"),
-        (compressor.segmented, f"{type(compressor).__name__} has no segment-wise form"),
+        (kernels_of(compressor).segmented, f"{type(compressor).__name__} has no segment-wise form"),
         (own_collective, "the method runs on another collective than its own"),
         (compression.memory.elementwise, f"{type(compression.memory).__name__} does not treat elements alone"),
         (bucket.dtype == "float32", f"segment-wise kernels read float32, the bucket is {bucket.dtype}"),

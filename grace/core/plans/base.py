@@ -22,6 +22,7 @@ class Services:
     transport: Any  # grace.core.transport.Transport
     phase: Callable[[str], Any]  # phase(name): a context timing its block (grace.core.phases)
     feedback: Any  # the memory's fast paths (grace.core.plans.feedback)
+    kernels: Any  # the method's fast paths (grace.core.plans.kernels)
     average: bool = True
     in_place: bool = False
 
@@ -74,7 +75,7 @@ class BucketPending:
     dtypes: List[str] = field(default_factory=list)  # of the frame's pieces
     counts: List[int] = field(default_factory=list)
     p: Any = None  # multi-round methods: the compensated units
-    rounds: Any = None  # multi-round methods: the bucket's rounds, suspended (Compressor.rounds_many)
+    rounds: Any = None  # multi-round methods: the bucket's rounds, suspended (MethodKernels.rounds_many)
     updates: List[bool] = field(default_factory=list)  # multi-round: whose rounds write the new memory over p
     segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
     outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None

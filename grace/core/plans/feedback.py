@@ -7,7 +7,8 @@ compression into one kernel pass. A memory with none registered runs its formula
     class ResidualFeedback(Feedback): ...       (grace/kernels/residual.py)
 
 Each fast path returns None where it does not run (this device, dtype or configuration); the
-plan then runs the formula.
+plan then runs the formula. ``kernels``: the method's fast paths (``grace.core.plans.kernels``),
+which a fused step runs with the memory's own.
 """
 from __future__ import annotations
 
@@ -54,16 +55,16 @@ class Feedback:
         """``update_into`` of several gradients (one multi-tensor operation where it can)."""
         return [self.update_into(xp, p, p_hat, state, out) for p, p_hat, state, out in zip(ps, p_hats, states, outs)]
 
-    def feedback_into(self, xp, compressor, p, payload, ctx, state: Optional[Any], out):
+    def feedback_into(self, xp, kernels, p, payload, ctx, state: Optional[Any], out):
         """``update`` with this rank's decompressed payload, written into ``out``."""
-        return self.update_into(xp, p, compressor.decompress(xp, payload, ctx), state, out)
+        return self.update_into(xp, p, kernels.compressor.decompress(xp, payload, ctx), state, out)
 
-    def fused_step(self, xp, compressor, g, state: Optional[Any], info, out=None):
+    def fused_step(self, xp, kernels, g, state: Optional[Any], info, out=None):
         """compensate, compress and update in one go: (payload, ctx, new state), or None.
         ``out``: where the kernel may write the new state."""
         return None
 
-    def fused_steps(self, xp, compressor, gs, states, infos, outs, flag=None, into=None):
+    def fused_steps(self, xp, kernels, gs, states, infos, outs, flag=None, into=None):
         """``fused_step`` of every gradient of a bucket in one call, the new states written into
         ``outs``: a list of (payload, ctx, new state), or None. ``flag`` (optional, a one-element
         float32 tensor): the call writes the bucket's overflow flag there (1 where any gradient
@@ -71,11 +72,11 @@ class Feedback:
         writes the payload tensors, if it can (the exchange's frame buffer)."""
         return None
 
-    def fused_segments(self, xp, compressor, g, state: Optional[Any], table, infos):
+    def fused_segments(self, xp, kernels, g, state: Optional[Any], table, infos):
         """``fused_step`` for every segment of a flat bucket: (fields, ctx, new state), or None."""
         return None
 
-    def fused_firsts(self, xp, compressor, gs, states, infos, compressor_states, p_outs, nonfinite=None):
+    def fused_firsts(self, xp, kernels, gs, states, infos, compressor_states, p_outs, nonfinite=None):
         """A multi-round method's compensations written into ``p_outs`` in the passes that make
         the first payloads, where the compressor has a kernel for it (``nonfinite`` set where a
         g holds an inf or a NaN): the first payloads (None where not made), whose rounds write

@@ -1,5 +1,5 @@
 """The multi-round plan (PowerSGD): a bucket's gradients driven through their rounds together,
-each round's payloads summed by one allreduce (``Compressor.rounds_many``).
+each round's payloads summed by one allreduce (``MethodKernels.rounds_many``).
 
 Each gradient keeps its own memory. Where tensors are mutable, p = compensate(g, e) is written
 into the gradient's spare buffer (by the kernel that makes its first payload, where the method
@@ -40,7 +40,7 @@ class MultiRound(BucketPlan):
                                         [pending.old[i] for i in rest])
         for i, p in zip(rest, compensated):
             pending.p[i] = p
-        pending.rounds = s.compression.compressor.rounds_many(xp, pending.p, infos, states, outs, firsts,
+        pending.rounds = s.kernels.rounds_many(xp, pending.p, infos, states, outs, firsts,
                                                               pending.updates)
         pending.wait, nbytes = s.transport.allreduce_units(xp, self.bucket.key, next(pending.rounds), pending.flag)
         s.transport.stats.add(nbytes, 0)
@@ -55,7 +55,7 @@ class MultiRound(BucketPlan):
         if not memory.needs_feedback or not xp.mutable_tensors or any(isinstance(e, tuple) for e in old):
             return none
         spares = [s.buffers.take_spare(u.name, xp, e) for u, e in zip(units, old)]
-        firsts = s.feedback.fused_firsts(xp, s.compression.compressor, gs, old, infos, states, spares, nonfinite)
+        firsts = s.feedback.fused_firsts(xp, s.kernels, gs, old, infos, states, spares, nonfinite)
         for u, spare in zip(units, spares):
             if spare is not None:  # (kept either way: finish tells by it where p is)
                 s.buffers.spares[u.name] = spare

@@ -51,7 +51,7 @@ class PerGradient(BucketPlan):
             made.append(s.buffers.buffer_for(xp, f"{key}.payload", dtype, numel, pending.g))
             return made[-1]
 
-        many = compressor.compress_many_into(xp, g_units, infos, buffer)
+        many = s.kernels.compress_many_into(xp, g_units, infos, buffer)
         if many is None:
             return False
         pending.ctxs = [ctx for _, ctx in many]
@@ -70,7 +70,7 @@ class PerGradient(BucketPlan):
         steps = self._bucket_call(pending, g_units, infos, spares, in_call)
         payloads, new_memory = [], []
         for i, (u, g_u, info, state, e) in enumerate(zip(pending.units, g_units, infos, states, pending.old)):
-            fused = steps[i] if steps is not None else s.feedback.fused_step(xp, s.compression.compressor, g_u, e, info,
+            fused = steps[i] if steps is not None else s.feedback.fused_step(xp, s.kernels, g_u, e, info,
                                                                          out=spares[i])
             payload, ctx, e_new = self._unit_step(xp, u.name, g_u, info, state, e, spares[i], fused)
             if spares[i] is not None and e_new is not spares[i] and not self.flat_memory:  # a copy costs a pass
@@ -101,10 +101,10 @@ class PerGradient(BucketPlan):
         many_units = len(pending.units) > 1
         flag = xp.zeros(1, "float32", like=pending.g) if in_call else None
         into = s.transport.frame_into(pending)
-        steps = s.feedback.fused_steps(xp, compressor, g_units, pending.old, infos, spares, flag, into) \
+        steps = s.feedback.fused_steps(xp, s.kernels, g_units, pending.old, infos, spares, flag, into) \
             if many_units and all(spare is not None for spare in spares) else None
         if steps is None and memory.passes_gradient and many_units:  # no memory: the payloads alone
-            many = compressor.compress_many(xp, g_units, infos, flag, into)
+            many = s.kernels.compress_many(xp, g_units, infos, flag, into)
             steps = None if many is None else [(payload, ctx, None) for payload, ctx in many]
         if steps is None:
             pending.framed = None
@@ -132,7 +132,7 @@ class PerGradient(BucketPlan):
         e_new = None
         if memory.needs_feedback:
             with s.phase("feedback"):
-                e_new = s.feedback.feedback_into(xp, compressor, p, payload, ctx, e, spare) if one_buffer else \
+                e_new = s.feedback.feedback_into(xp, s.kernels, p, payload, ctx, e, spare) if one_buffer else \
                     memory.update(xp, p, compressor.decompress(xp, payload, ctx), e)
         return payload, ctx, e_new
 
@@ -170,7 +170,7 @@ class PerGradient(BucketPlan):
         unit_outs = [None] if self.flat_memory else outs
         if s.compression.collective is Collective.ALLREDUCE:
             summed, overflow, fresh = pending.wait()  # (its allreduce waits are timed inside)
-            g_hat = compressor.averaged_many(xp, summed, pending.ctxs, s.communicator.size, unit_outs) \
+            g_hat = s.kernels.averaged_many(xp, summed, pending.ctxs, s.communicator.size, unit_outs) \
                 if all(o is not None for o in unit_outs) else None
             # A new sum is the exchange's own: averaged in place, no gradient-sized allocation
             g_hat = g_hat or [s.averaged(xp, compressor.decompress(xp, payload, ctx), fresh, out)
@@ -217,13 +217,13 @@ class PerGradient(BucketPlan):
         dense = [f.values for f in read if isinstance(f, Dense)]
         encoded = [frames.split_payloads(f, pending.structure) for f in read if not isinstance(f, Dense)]
         if encoded and not dense and all(o is not None for o in outs):  # one native call, where there is one
-            done = compressor.aggregate_many(xp, [[payloads[i] for payloads in encoded] for i in range(len(outs))],
+            done = s.kernels.aggregate_many(xp, [[payloads[i] for payloads in encoded] for i in range(len(outs))],
                                              pending.ctxs, outs)
             if done is not None:
                 return done
         out = []
         for i, (u, ctx, into) in enumerate(zip(pending.units, pending.ctxs, outs)):
-            g_hat = compressor.aggregate(xp, [payloads[i] for payloads in encoded], ctx) if encoded else None
+            g_hat = s.kernels.aggregate(xp, [payloads[i] for payloads in encoded], ctx) if encoded else None
             if dense:  # aggregate is a mean over the payloads it gets: weigh it, add the dense ones
                 g_hat = with_dense(g_hat, len(encoded), [xp.reshape(d[u.offset:u.offset + u.numel], u.shape)
                                                          for d in dense], n)
@@ -254,7 +254,7 @@ class PerGradient(BucketPlan):
         except native.NativeUnavailable:
             return None
         encoded = [frames.split_payloads(row, pending.structure) for row in rows]
-        done = s.compression.compressor.aggregate_many(
+        done = s.kernels.aggregate_many(
             xp, [[payloads[i] for payloads in encoded] for i in range(len(outs))], pending.ctxs, outs)
         if done is None:
             return None

@@ -49,7 +49,7 @@ class Reference:
         e = s.memory_state(xp, name, g)
         state = s.compressor_state(xp, name, g)
         if not compressor.traits.multi_round:  # one pass over memory where a kernel fuses the three steps
-            fused = s.feedback.fused_step(xp, compressor, g, e, info)
+            fused = s.feedback.fused_step(xp, s.kernels, g, e, info)
             if fused is not None:
                 payload, ctx, e = fused
                 journal.set("memory", name, e)
@@ -79,7 +79,7 @@ class Reference:
             g_hat = s.averaged(xp, compressor.decompress(xp, summed, pending.ctx), False, pending.out)
         else:
             gathered, overflow = self._unflagged(pending, s.transport.wait(pending.handle.wait))
-            g_hat = compressor.aggregate(xp, gathered, pending.ctx)
+            g_hat = s.kernels.aggregate(xp, gathered, pending.ctx)
         return s.delivered(xp, g_hat, overflow, pending.out)
 
     def _flag_from_payload(self) -> bool:

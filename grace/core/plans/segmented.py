@@ -1,7 +1,7 @@
 """The segment-wise plan: a bucket's gradients compressed in one pass over its flat buffer, with
 one flat memory, each gradient with its per-tensor result (``grace.core.segments``).
 
-It is an accelerator's plan for the methods that can (``Compressor.segmented``), where a launch
+It is an accelerator's plan for the methods that can (``MethodKernels.segmented``), where a launch
 per gradient costs more than the arithmetic. The fields of every segment travel in one
 allreduce, or one frame (fixed layout: ``SegmentedFrame``; variable lengths: ``SparseFrames``);
 a frame larger than the dense bucket is sent dense.
@@ -27,7 +27,8 @@ class Segmented(BucketPlan):
         self.table = segments.SegmentTable.build(xp, bucket.numels, like)
         self.layout = segments.SparseFrames(xp, self.table, bucket.dtype, guarded, like) \
             if compressor.traits.variable_length else \
-            segments.SegmentedFrame(xp, compressor.segment_fields(self.table.numels, bucket.dtype), guarded, like)
+            segments.SegmentedFrame(xp, services.kernels.segment_fields(self.table.numels, bucket.dtype), guarded,
+                                   like)
 
     def start(self, xp, grads, flat) -> BucketPending:
         s, bucket = self.services, self.bucket
@@ -41,14 +42,14 @@ class Segmented(BucketPlan):
         if s.journal.guarded:
             pending.flag = xp.nonfinite([g])
         infos = [s.info(name, step) for name in bucket.names]
-        fused = s.feedback.fused_segments(xp, compressor, g, e, self.table, infos)
+        fused = s.feedback.fused_segments(xp, s.kernels, g, e, self.table, infos)
         e_new = None  # the new memory where a fused kernel made it and it stands
         if fused is not None:  # compensate, compress and the new memory in one go
             fields, pending.segment_ctx, e_new = fused
             p = p_hat = None
         else:
             p = memory.compensate(xp, g, e)
-            fields, pending.segment_ctx, p_hat = compressor.compress_segments(xp, p, self.table, infos)
+            fields, pending.segment_ctx, p_hat = s.kernels.compress_segments(xp, p, self.table, infos)
         frame = None
         if compressor.collective is Collective.ALLREDUCE:  # (fixed sizes: never more than dense)
             pending.wait, nbytes = s.transport.allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag,
@@ -61,7 +62,7 @@ class Segmented(BucketPlan):
             with s.phase("feedback"):
                 if e_new is None:  # from p and p_hat
                     if p_hat is None:
-                        p_hat = compressor.decompress_segments(xp, fields, pending.segment_ctx, self.table)
+                        p_hat = s.kernels.decompress_segments(xp, fields, pending.segment_ctx, self.table)
                     e_new = memory.update(xp, p, p_hat, e)
                 s.journal.set("memory", bucket.key, e_new)
         if frame is not None:
@@ -96,7 +97,7 @@ class Segmented(BucketPlan):
         compressor, table, flagged = s.compression.compressor, self.table, pending.flag is not None
         if compressor.collective is Collective.ALLREDUCE:
             (summed,), overflow, fresh = pending.wait()  # (its waits are timed inside)
-            return divided(xp, compressor.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
+            return divided(xp, s.kernels.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
                 overflow
         received = s.transport.wait(pending.wait)
         if compressor.traits.variable_length:
@@ -112,7 +113,7 @@ class Segmented(BucketPlan):
             flags = rows[:, nbytes] if flagged else None
         else:
             fields, flags = self.layout.read(xp, received, n)
-            g_hat = compressor.aggregate_segments(xp, fields, pending.segment_ctx, table, n)
+            g_hat = s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n)
         return g_hat, s.journal.overflow(xp, [flags], pending.defer) if flagged else None
 
     def _sparse_mean(self, xp, read):

@@ -1,0 +1,207 @@
+"""A method's fast paths, registered per compressor class beside the plans that use them.
+
+The ``Compressor`` is the method's formula (compress, decompress, aggregate, rounds); what makes
+it fast on a bucket (one native call for all of a bucket's gradients, a pass fused with residual
+memory, the ranks' payloads decoded and summed in one pass, the segment-wise forms of an
+accelerator's bucket) is a ``MethodKernels`` subclass:
+
+    @kernels_for(TopK)
+    class TopKKernels(SparseKernels): ...        (grace/kernels/sparse.py)
+
+A method with none registered runs every plan through its formula: ``MethodKernels`` itself.
+A fast path returns None where it does not run here (no native library, another device or
+dtype, a traced step); the plan then runs the formula.
+"""
+from __future__ import annotations
+
+import itertools
+import numbers
+from typing import Any, Dict, Sequence
+
+from grace.core import draws
+from grace.core.compressor import (Compressor, Payload, Shape, TensorInfo, finished, native_or_none,
+                                   uniform_draws)
+
+_REGISTERED: Dict[type, type] = {}
+
+
+def kernels_for(*compressor_classes):
+    """Register the decorated ``MethodKernels`` subclass for ``compressor_classes`` (and their
+    subclasses, unless they have their own)."""
+    def register(cls):
+        for compressor_class in compressor_classes:
+            _REGISTERED[compressor_class] = cls
+        return cls
+    return register
+
+
+def kernels_of(compressor) -> "MethodKernels":
+    """The fast paths of ``compressor``: those registered for its class (or the nearest base)."""
+    cls = next((_REGISTERED[c] for c in type(compressor).__mro__ if c in _REGISTERED), MethodKernels)
+    return cls(compressor)
+
+
+class MethodKernels:
+    """The formula's own forms: no native call; the segment-wise forms absent."""
+
+    #: the segment-wise forms exist (the segmented plan: one pass over an accelerator's bucket)
+    segmented = False
+    #: grace.native's "<name>_compress_segments" / "<name>_decompress_segments": the per-tensor
+    #: kernels on every segment in one call
+    segment_kernel = ""
+    #: grace.native's kernel that decodes every rank's payload of a tensor and adds them in one pass
+    sum_kernel = ""
+    #: grace.native.compress_many's name for this method (a bucket's payloads in one call, CPU)
+    many_kernel = ""
+
+    def __init__(self, compressor):
+        self.compressor = compressor
+
+    def arguments(self) -> tuple:
+        """What the native kernels take after the tensors (and draws): the method's parameters."""
+        return ()
+
+    def draws(self, numels: Sequence[int]):
+        """Random methods: how many uniform draws ``compress`` makes for tensors of ``numels``
+        elements, from ``info.rank_seed(seed)``; None: it draws none."""
+        return None
+
+    # --- every plan: the ranks' payloads of a tensor ----------------------------------------
+    def aggregate(self, xp, payloads: Sequence[Payload], ctx) -> Any:
+        """``compressor.aggregate``, with every rank's payload decoded and summed in one native
+        pass where the method has one (``sum_kernel``)."""
+        fused = xp.fused(self.sum_kernel, payloads[0][0], ctx.dtype) if self.sum_kernel else None
+        if not fused:
+            return self.compressor.aggregate(xp, payloads, ctx)
+        rows = [xp.concat([xp.flatten(p[i]) for p in payloads]) for i in range(len(payloads[0]))]
+        total = xp.reshape(fused(*rows, ctx.numel, *self.arguments()), ctx.shape)
+        return finished(self.compressor, xp, total, len(payloads), len(payloads) > 1)
+
+    # --- fused with residual memory (grace.kernels.residual) ------------------------------
+    def compress_with_residual(self, xp, g, residual, beta: float, gamma: float, info: TensorInfo, out=None):
+        """p = gamma * g + beta * residual, compress(p) and the new residual p - decompress(compress(p))
+        in one pass (the residual written into ``out`` where given): (payload, ctx, new residual)."""
+        return None
+
+    def compress_many_with_residual(self, xp, gs, residuals, beta: float, gamma: float, infos, outs, flag=None,
+                                    into=None):
+        """``compress_with_residual`` of every gradient of a bucket in one call, the new residuals
+        written into ``outs``: a list of (payload, ctx, new residual). ``flag``, ``into``: as
+        ``Feedback.fused_steps``'."""
+        return None
+
+    def residual_into(self, xp, p, payload: Payload, ctx, out):
+        """p - decompress(payload) written into ``out`` (which may be ``p``) without a dense
+        decompression."""
+        return None
+
+    def firsts_with_residual(self, xp, gs, residuals, beta: float, gamma: float, infos: Sequence[TensorInfo], states,
+                             p_outs, nonfinite=None):
+        """Multi-round methods: each p = gamma * g + beta * residual written into ``p_outs[i]`` in
+        the pass that makes its first payload (``nonfinite`` set where a g holds an inf or a NaN):
+        the first payloads (None where not made), for ``rounds_many``, whose last pass then writes
+        the new residual p - p_hat over p."""
+        return None
+
+    # --- the per-gradient plan: a bucket's gradients in one call (CPU) ---------------------
+    def compress_many(self, xp, gs, infos: Sequence[TensorInfo], flag=None, into=None):
+        """``compress`` of every gradient of a bucket (stateless methods) in one native call
+        (``many_kernel``), random methods drawing from each gradient's rank seed: a list of
+        (payload, ctx). ``flag``, ``into``: as ``Feedback.fused_steps``'."""
+        compressor = self.compressor
+        if not self.many_kernel or type(compressor).step is not Compressor.step:  # (a step with state: Signum's)
+            return None
+        if not isinstance(infos[0].step, numbers.Integral):
+            return None
+        drawn = self.draws([1]) is not None  # (a random method: it draws)
+        words = [draws.seed_words(info.rank_seed(compressor.seed)) for info in infos] if drawn else None
+        done = native_or_none(xp, "compress_many", gs[0], self.many_kernel, gs, words, *self.arguments(),
+                              nonfinite=flag, into=into)
+        return None if done is None else [(payload, Shape(xp.shape(g), xp.dtype(g))) for payload, g in zip(done, gs)]
+
+    def compress_many_into(self, xp, gs, infos: Sequence[TensorInfo], buffer) -> Any:
+        """Allreduce methods with no memory: every gradient compressed in one call into one flat
+        buffer kept by the exchange (``buffer(dtype, numel)``), which then travels as it is: the
+        list of (payload, ctx), each payload a view of the buffer."""
+        return None
+
+    def averaged_many(self, xp, summed: Sequence[Payload], ctxs, n: int, outs) -> Any:
+        """Allreduce methods: ``decompress`` of every gradient's summed payload divided by n, to the
+        bit, written into ``outs`` in one call: the list of ``outs``."""
+        return None
+
+    def aggregate_many(self, xp, payloads: Sequence[Sequence[Payload]], ctxs, outs) -> Any:
+        """``aggregate`` of every gradient of a bucket (``payloads[i]``: the ranks' payloads of
+        gradient i), written into ``outs`` in one call: the list of ``outs``."""
+        # each sum finished (the mean, ...) as the kernel stores it
+        return native_or_none(xp, self.sum_kernel and f"{self.sum_kernel}_into", outs[0], payloads, outs,
+                              *self.arguments(), finish=self.compressor.finish(len(payloads[0])))
+
+    # --- the multi-round plan ---------------------------------------------------------------
+    def rounds_many(self, xp, xs, infos: Sequence[TensorInfo], states, outs=None, firsts=None, residual_over=None):
+        """All of a bucket's rounds in one generator: each round yields every tensor's payload
+        (an empty tuple once its rounds are done), all summed by one allreduce, and receives the
+        sums; it returns every tensor's (g_hat, p_hat, state). ``firsts[i]``: tensor i's first
+        payload where ``firsts_with_residual`` made it; ``residual_over[i]``: the rounds then
+        write x_i - p_hat over x_i. Here: each tensor's ``rounds`` side by side."""
+        assert not any(firsts or []), "firsts come from a method's own firsts_with_residual"
+        count = len(xs)
+        running = [self.compressor.rounds(xp, x, info, state, out)
+                   for x, info, state, out in zip(xs, infos, states, outs or [None] * count)]
+        payloads, results = [next(r) for r in running], [None] * count
+        while any(result is None for result in results):
+            summed = yield payloads
+            payloads = [()] * count
+            for i, total in enumerate(summed):
+                if results[i] is None:
+                    try:
+                        payloads[i] = running[i].send(total)
+                    except StopIteration as done:
+                        results[i] = done.value
+        return results
+
+    # --- the segmented plan -----------------------------------------------------------------
+    def segment_fields(self, numels: Sequence[int], dtype: str):
+        """Per payload position, (element count per segment, wire dtype per segment) of what each
+        segment of ``numels`` elements would send alone."""
+        raise NotImplementedError
+
+    def compress_segments(self, xp, p, table, infos: Sequence[TensorInfo]):
+        """Every segment of the flat ``p`` compressed, as (fields, ctx, p_hat): field j holds all
+        segments' j-th payload tensors in a row; p_hat is what ``p`` becomes (None: the caller
+        asks ``decompress_segments``). The segment kernels where built, else each segment's own
+        ``compress`` in turn."""
+        compressor = self.compressor
+        fused = xp.fused(f"{self.segment_kernel}_compress_segments", p, xp.dtype(p)) if self.segment_kernel else None
+        if fused:
+            counts = table.cached("draws", lambda: self.draws(table.numels))
+            drawn = () if counts is None else uniform_draws(xp, counts, infos, compressor.seed, p)
+            return fused(p, table.starts, table.numels, *drawn, *self.arguments()), None, None
+        payloads = [compressor.compress(xp, p[start:start + n], info)[0]
+                    for start, n, info in zip(table.starts, table.numels, infos)]
+        return [xp.concat(list(field)) for field in zip(*payloads)], None, None
+
+    def compress_segments_with_residual(self, xp, g, residual, beta: float, gamma: float, table, infos):
+        """Residual memory's step for every segment in one go: (fields, ctx, new residual)."""
+        return None
+
+    def decompress_segments(self, xp, fields, ctx, table):
+        """Every segment's decompress, flat (allreduce methods: of the summed fields)."""
+        fused = xp.fused(f"{self.segment_kernel}_decompress_segments", fields[0], "float32") \
+            if self.segment_kernel else None
+        if fused:
+            return fused(*fields, table.numels, *self.arguments())
+        offsets = table.cached("field offsets", lambda: [
+            [0, *itertools.accumulate(counts)] for counts, _ in self.segment_fields(table.numels, "float32")])
+        return xp.concat([
+            xp.flatten(self.compressor.decompress(xp, tuple(f[o[s]:o[s + 1]] for f, o in zip(fields, offsets)),
+                                                  Shape((n,), "float32")))
+            for s, n in enumerate(table.numels)])
+
+    def aggregate_segments(self, xp, fields, ctx, table, ranks: int):
+        """Allgather methods: the flat mean over ``ranks`` of the received fields (each a (ranks,
+        field size) tensor): each rank's payloads decoded and added, rank after rank."""
+        total = self.decompress_segments(xp, [f[0] for f in fields], ctx, table)
+        for r in range(1, ranks):
+            total = total + self.decompress_segments(xp, [f[r] for f in fields], ctx, table)
+        return total / ranks

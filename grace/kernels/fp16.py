@@ -1,0 +1,27 @@
+"""fp16's fast paths on a CPU: a bucket's payloads written in one native call into one buffer
+that the exchange keeps and sends as it is, and the summed halves decoded and averaged in one.
+"""
+from grace.compressors.fp16 import FP16
+from grace.core.compressor import Shape, native_or_none
+from grace.core.plans.kernels import MethodKernels, kernels_for
+
+
+@kernels_for(FP16)
+class FP16Kernels(MethodKernels):
+    def compress_many_into(self, xp, gs, infos, buffer):
+        dtype = self.compressor.dtype
+        if dtype != "float16" or not xp.fused("fp16_compress_many_into", gs[0], xp.dtype(gs[0])):
+            return None
+        numels = [xp.numel(g) for g in gs]
+        pieces = xp.split(buffer(dtype, sum(numels)), numels)
+        n = infos[0].world_size
+        if native_or_none(xp, "fp16_compress_many_into", gs[0], gs, n, pieces) is None:
+            return None
+        return [((piece,), (Shape(xp.shape(g), xp.dtype(g)), n)) for piece, g in zip(pieces, gs)]
+
+    def averaged_many(self, xp, summed, ctxs, n, outs):
+        factors = {factor for _, factor in ctxs}
+        if len(factors) != 1:
+            return None
+        return native_or_none(xp, "fp16_decompress_many_into", outs[0], [payload[0] for payload in summed],
+                              factors.pop(), n, outs)

@@ -1,0 +1,31 @@
+"""PowerSGD's fast paths: a bucket's rounds batched (one native call per product for all of its
+matrices on a CPU: ``PowerSGD.rounds_many``), and with residual memory M = g + e written in the
+pass that makes the first product, the new residual in the last.
+"""
+from grace.compressors.powersgd import PowerSGD, matrix_shape, native_products
+from grace.core.plans.kernels import MethodKernels, kernels_for
+
+
+@kernels_for(PowerSGD)
+class PowerSGDKernels(MethodKernels):
+    def rounds_many(self, xp, xs, infos, states, outs=None, firsts=None, residual_over=None):
+        return self.compressor.rounds_many(xp, xs, infos, states, outs, firsts, residual_over)
+
+    def firsts_with_residual(self, xp, gs, residuals, beta, gamma, infos, qs, p_outs, nonfinite=None):
+        """One native call for the bucket's matrices (CPU): each M = g + e written into its
+        p_out in the pass that makes P = M Q; vectors (and gradients without a p_out) get None."""
+        if beta != 1.0 or gamma != 1.0 or not xp.mutable_tensors:
+            return None
+        chosen = [i for i, (g, e, o) in enumerate(zip(gs, residuals, p_outs))
+                  if len(xp.shape(g)) >= 2 and o is not None and not isinstance(e, tuple)]
+        if not chosen:
+            return None
+        shapes = [matrix_shape(xp, gs[i]) for i in chosen]
+        ps = native_products(xp, "lowrank_project_many", [gs[i] for i in chosen], [qs[i] for i in chosen], shapes,
+                             [residuals[i] for i in chosen], [p_outs[i] for i in chosen], nonfinite)
+        if ps is None:
+            return None
+        firsts = [None] * len(gs)
+        for i, p, (rows, _) in zip(chosen, ps, shapes):
+            firsts[i] = xp.reshape(p, (rows, -1))
+        return firsts

@@ -1,0 +1,67 @@
+"""Random-k's fast paths: a bucket's residual steps in one native call (CPU, the indices drawn
+first for all gradients), the residual written at the sent indices only, the summed values of a
+bucket decoded in one call, and the segment-wise form (one draw, one gather, one scatter).
+"""
+import numpy as np
+
+from grace.compressors.randomk import RandomK
+from grace.core.compressor import Shape, native_or_none, sent_count
+from grace.core.plans.kernels import MethodKernels, kernels_for
+
+
+@kernels_for(RandomK)
+class RandomKKernels(MethodKernels):
+    segmented = True
+
+    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None, into=None):
+        """Residual memory's step for every gradient of a bucket in one native call (CPU):
+        compensate, gather and the new memory (p, with p - (0 + v) at the sent indices), with
+        every gradient's indices drawn first by one call of the backend's draws."""
+        randomk = self.compressor
+        if not xp.fused("randomk_ef_step_many", gs[0], xp.dtype(gs[0])):
+            return None
+        numels = [xp.numel(g) for g in gs]
+        ks = [sent_count(randomk.ratio, d) for d in numels]
+        seeds = [info.seed(randomk.seed) for info in infos]
+        indices = xp.split(xp.random_indices_segments(numels, ks, seeds, like=gs[0]), ks)
+        scales = [d / k if k else 1.0 for d, k in zip(numels, ks)] if randomk.scale else None
+        done = native_or_none(xp, "randomk_ef_step_many", gs[0], gs, residuals, indices, beta, gamma, scales,
+                              outs=outs, nonfinite=flag)
+        if done is None:
+            return None
+        return [((v,), (Shape(xp.shape(g), xp.dtype(g)), i), xp.reshape(e, xp.shape(g)))
+                for v, e, i, g in zip(*done, indices, gs)]
+
+    def residual_into(self, xp, p, payload, ctx, out):
+        """p - decompress(payload) is p, but p - (0 + sent value) at the sent indices: written
+        into ``out`` (p itself where it can) without a dense decompression."""
+        if out is not p:
+            xp.assign(out, p)
+        flat = xp.flatten(out)
+        indices = ctx[1]
+        xp.put(flat, indices, xp.gather(flat, indices) - (payload[0] + 0.0))
+        return out
+
+    def averaged_many(self, xp, summed, ctxs, n: int, outs):
+        """Every gradient's summed values, decompressed and divided by n, written into ``outs``
+        in one native call (0 + v / n, which is (0 + v) / n to the bit)."""
+        return native_or_none(xp, "scatter_add_segments_into", outs[0],
+                              [[(payload[0], ctx[1])] for payload, ctx in zip(summed, ctxs)], outs, n)
+
+    def segment_fields(self, numels, dtype):
+        return [([sent_count(self.compressor.ratio, d) for d in numels], [dtype] * len(numels))]
+
+    def compress_segments(self, xp, p, table, infos):
+        randomk = self.compressor
+        ks = [sent_count(randomk.ratio, d) for d in table.numels]
+        starts = table.cached("sent starts", lambda: xp.asarray(np.repeat(table.starts, ks), like=p))
+        drawn = xp.random_indices_segments(table.numels, ks, [info.seed(randomk.seed) for info in infos], like=p)
+        indices = drawn + starts  # in the flat buffer
+        values = xp.gather(p, indices)
+        if randomk.scale:  # d / k per segment, as the per-tensor multiply rounds it
+            values = values * table.cached("scale", lambda: xp.cast(
+                xp.asarray(np.repeat([d / k for d, k in zip(table.numels, ks)], ks), like=p), xp.dtype(p)))
+        return (values,), indices, None
+
+    def decompress_segments(self, xp, fields, indices, table):
+        return xp.scatter_add(indices, fields[0], table.numel)

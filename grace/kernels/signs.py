@@ -1,0 +1,57 @@
+"""The sign family's fast paths: a bucket's payloads (signSGD) or residual steps (EF-signSGD,
+1-bit SGD) in one native call on a CPU, the ranks' bits decoded and summed in one pass, the
+residual written without a dense decompression, and the segment-wise form (the per-tensor
+kernels on every segment in one call).
+"""
+from grace.compressors.efsignsgd import EFSignSGD
+from grace.compressors.onebit import OneBit
+from grace.compressors.sign_bits import SignBits
+from grace.compressors.signsgd import SignSGD
+from grace.core.compressor import Shape, native_or_none
+from grace.core.plans.kernels import MethodKernels, kernels_for
+from grace.formats import packed_size
+
+
+@kernels_for(SignSGD)
+class SignSGDKernels(MethodKernels):
+    sum_kernel = "signsgd_decompress_sum"
+    many_kernel = "signsgd"
+
+
+@kernels_for(SignBits)
+class SignBitsKernels(MethodKernels):
+    segmented = True
+
+    def residual_into(self, xp, p, payload, ctx, out):
+        return native_or_none(xp, f"{self.segment_kernel}_residual_into", p, p, payload[0], payload[1], out)
+
+    def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None, into=None):
+        """Residual memory's step for every gradient of a bucket in one native call (CPU): each
+        gradient compensated into its spare, compressed and its new memory written over it."""
+        done = native_or_none(xp, f"{self.segment_kernel}_ef_step_many", gs[0], gs, residuals, beta, gamma, outs,
+                              nonfinite=flag, into=into)
+        if done is None:
+            return None
+        payloads, news = done
+        return [(payload, Shape(xp.shape(g), xp.dtype(g)), xp.reshape(e, xp.shape(g)))
+                for payload, e, g in zip(payloads, news, gs)]
+
+    def segment_fields(self, numels, dtype):
+        count = len(numels)
+        return [([packed_size(n, 1) for n in numels], ["uint8"] * count),
+                ([self.compressor.scalars] * count, ["float32"] * count)]
+
+
+@kernels_for(EFSignSGD)
+class EFSignSGDKernels(SignBitsKernels):
+    segment_kernel = "efsignsgd"
+    sum_kernel = "efsignsgd_decompress_sum"
+
+    def aggregate_segments(self, xp, fields, ctx, table, ranks):
+        return super().aggregate_segments(xp, fields, ctx, table, ranks) / self.compressor.lr
+
+
+@kernels_for(OneBit)
+class OneBitKernels(SignBitsKernels):
+    segment_kernel = "onebit"
+    sum_kernel = "onebit_decompress_sum"
