@@ -4,6 +4,10 @@
     libgrace_cpu_avx2.so  the same for x86-64-v3 (AVX2; x86-64 only), loaded where the CPU runs it
     libgrace_cuda.so      csrc/cuda/*.cu   nvcc, sm_80 + sm_90 + compute_90 PTX; only when nvcc is found
 
+Each folder holds a source file per kernel family and the internal headers they share (csrc/cpu/*.h,
+csrc/cuda/*.cuh; common.h and common.cuh describe them). The CUDA files are compiled without
+relocatable device code: device functions several files use are defined in those headers.
+
 setup.py calls ``build_all`` from its build_py / build_ext steps (``pip install -e .`` puts the
 libraries in grace/native/_lib/ of the source tree). It is also a script:
 

@@ -14,9 +14,10 @@
 #      (spread over 8 processes where pytest-xdist is installed)
 #   5. scripts/bench_ops.py on cuda at 2^16, 2^20, 2^24 (CPU_BENCH=1: also on the host's CPU,
 #      both CPU builds)
-#   6. BASE_CUDA_SOURCE=file (an earlier csrc/cuda/grace_cuda.cu, e.g. from `git show`): last,
+#   6. BASE_CUDA_SOURCE=folder or file (an earlier csrc/cuda/, e.g. from `git archive`, or a single
+#      earlier source such as the one-file csrc/cuda/grace_cuda.cu, e.g. from `git show`): last,
 #      bench_step.py again with libgrace_cuda built from it (an A/B on one machine, in one call);
-#      the source is put back and the library rebuilt after
+#      the sources are put back and the library rebuilt after
 # Stops at the first failing step (KEEP_GOING=1: runs every step, fails at the end).
 # Env: PYTHON (default python3), OUT, KEEP_GOING, CPU_BENCH, STEPS (the steps to run, by name;
 # default all), BENCH_STEP_ARGS (more arguments for bench_step.py, e.g. --bucketed-only),
@@ -120,14 +121,21 @@ wanted bench_cuda && { run bench_cuda 240 "$PY" scripts/bench_ops.py --device cu
 
 # 6. the A/B: the same bench_step with the earlier CUDA source (only libgrace_cuda is rebuilt)
 if [[ -n "${BASE_CUDA_SOURCE:-}" ]]; then
-    current="$(mktemp)"
-    cp csrc/cuda/grace_cuda.cu "$current"
-    trap 'cp "$current" csrc/cuda/grace_cuda.cu' EXIT
-    cp "$BASE_CUDA_SOURCE" csrc/cuda/grace_cuda.cu
+    # (build.py compiles every csrc/cuda/*.cu: the current sources leave the folder meanwhile)
+    current="$(mktemp -d)"
+    cp csrc/cuda/*.cu csrc/cuda/*.cuh "$current"/ 2>/dev/null
+    put_back() { rm -f csrc/cuda/*.cu csrc/cuda/*.cuh; cp "$current"/* csrc/cuda/; }
+    trap put_back EXIT
+    rm -f csrc/cuda/*.cu csrc/cuda/*.cuh
+    if [[ -d "$BASE_CUDA_SOURCE" ]]; then
+        cp "$BASE_CUDA_SOURCE"/*.cu csrc/cuda/ && cp "$BASE_CUDA_SOURCE"/*.cuh csrc/cuda/ 2>/dev/null
+    else
+        cp "$BASE_CUDA_SOURCE" csrc/cuda/grace_cuda.cu
+    fi
     run build_base 420 "$PY" csrc/build.py --cuda on &&
         run bench_step_base 300 "$PY" scripts/bench_step.py --device cuda --models resnet50 transformer \
           --out "$OUT/base" ${BENCH_STEP_ARGS:-}
-    cp "$current" csrc/cuda/grace_cuda.cu
+    put_back
     run build_again 420 "$PY" csrc/build.py --cuda on || true
 fi
 

@@ -1,8 +1,9 @@
 /* grace native kernels: a C ABI with no toolkit dependency.
  *
- * libgrace_cpu.so exports the grace_cpu_* functions (host pointers; libgrace_cpu_avx2.so is the
- * same source compiled for x86-64-v3, taken where the CPU runs it), libgrace_cuda.so the
- * grace_cuda_* functions (device pointers plus the caller's cudaStream_t, passed as void*).
+ * libgrace_cpu.so exports the grace_cpu_* functions (host pointers; built from csrc/cpu/, a file
+ * per family; libgrace_cpu_avx2.so is the same sources compiled for x86-64-v3, taken where the CPU
+ * runs it), libgrace_cuda.so the grace_cuda_* functions (device pointers plus the caller's
+ * cudaStream_t, passed as void*; built from csrc/cuda/).
  * Both are loaded with ctypes (grace/native/_loader.py), so NumPy arrays, torch tensors and
  * anything DLPack exports (TensorFlow) reach the same kernels.
  *
@@ -58,7 +59,8 @@ int grace_cpu_qsgd_compress(const float* x, const float* u, int64_t n, int level
 void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes);
 
 /* fused unpack + decode (float32 out) */
-void grace_cpu_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out); /* (2b-1)*scale, NULL: 1 */
+/* (2b-1)*scale; scale NULL: 1 */
+void grace_cpu_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out);
 void grace_cpu_onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out);
 void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out);
 int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,

@@ -1,0 +1,159 @@
+// grace CPU kernels, what every family's file shares: includes, threads, the AVX-512 switch, memory
+// streams and parallel chunks. The other internal headers: lanes.h (8 float lanes, float helpers, the
+// overflow check), pairwise.h (NumPy's pairwise summation), bitpack.h (bit packing), select.h (float
+// keys, radix selection, error-feedback compensation), signs.h (the sign family's sums), draws.h
+// (counter-based draws). A file per family: runtime.cpp (the library's own calls and state),
+// packing.cpp, signs.cpp, draws.cpp, quantizers.cpp (TernGrad, QSGD, natural compression), decoders.cpp
+// (and decoded sums), selection.cpp, segments.cpp (scatter-add, a bucket in one call), dgc.cpp,
+// half.cpp, lowrank.cpp (PowerSGD).
+//
+// Compiled with -O3 -ffp-contract=off (no fused multiply-adds: every float operation rounds
+// exactly as in the NumPy reference) and OpenMP; on x86-64 twice, for x86-64-v2 (SSE4.2: 8
+// float lanes in two registers) and x86-64-v3 (AVX2: one register), the same results. Each
+// kernel is a pass or two over memory; float32 sums reproduce NumPy's pairwise summation, so
+// payload bytes equal the reference.
+//
+// Helpers defined here are inline or templates in an unnamed namespace (each file its own copy);
+// the state and the few kernels several files call exist once, in namespace grace_cpu, declared
+// in these headers and defined in one file (hidden, as everything but the API).
+#pragma once
+#include "grace_native.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#if defined(__SSE4_1__)
+#include <smmintrin.h>
+#define GRACE_SIMD 1
+#endif
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define API extern "C" __attribute__((visibility("default")))
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the packed format is little-endian");
+
+namespace grace_cpu {
+// threads (runtime.cpp): whether this process is a fork's child (then one thread), and the count
+// grace_cpu_set_num_threads set (0: OpenMP's)
+extern std::atomic<bool> g_forked;
+extern std::atomic<int> g_threads;
+#if defined(__AVX2__)
+extern const bool kAvx512;  // (runtime.cpp) the AVX-512 bodies run: see below
+#endif
+}  // namespace grace_cpu
+
+namespace {
+
+// ---- threads -------------------------------------------------------------------------------
+using grace_cpu::g_forked;
+using grace_cpu::g_threads;
+
+// elements per thread below which waking another thread costs more than it saves (thread
+// wake-ups take tens of microseconds on shared virtual machines)
+constexpr int64_t kGrain = 1 << 17;
+
+inline int max_threads() {
+  if (g_forked.load()) return 1;
+  int t = g_threads.load();
+  return t > 0 ? t : omp_get_max_threads();
+}
+
+inline int threads_for(int64_t work, int64_t grain = kGrain) {
+  int t = max_threads();
+  int64_t by_work = work / grain;
+  return (int)std::max<int64_t>(1, std::min<int64_t>(t, by_work));
+}
+
+// ---- AVX-512 -------------------------------------------------------------------------------
+#if defined(__AVX2__)
+// A few kernels of the x86-64-v3 build have a 16-lane body compiled for AVX-512 (GRACE_AVX512 on
+// the function; the same operations as their 8-lane loop, so the same results), taken where the
+// CPU has it, asked when the library loads (__builtin_cpu_init first: a static initializer may
+// run before libgcc's own). GRACE_NATIVE_AVX512=0 in the environment keeps the 8-lane loops.
+#define GRACE_AVX512 __attribute__((target("avx512f")))
+using grace_cpu::kAvx512;  // the CPU has AVX-512F and GRACE_NATIVE_AVX512 does not turn it off
+#else
+constexpr bool kAvx512 = false;
+#endif
+
+// ---- memory streams ------------------------------------------------------------------------
+// The hardware prefetcher of one core does not keep two or three input streams busy enough:
+// the passes over large inputs prefetch this many bytes ahead, one line at a time.
+constexpr int64_t kPrefetchBytes = 4096;
+inline void prefetch(const void* p) {
+#if defined(__SSE2__)
+  _mm_prefetch((const char*)p + kPrefetchBytes, _MM_HINT_T0);
+#else
+  __builtin_prefetch((const char*)p + kPrefetchBytes);
+#endif
+}
+
+// Outputs of at least this many bytes (beyond the caches) are written with streaming stores,
+// as memcpy does: no read of each line before it is overwritten, half the memory traffic.
+constexpr int64_t kStreamBytes = 8 << 20;
+inline bool streams(const void* out, int64_t bytes) { return bytes >= kStreamBytes && (uintptr_t)out % 16 == 0; }
+#if defined(__SSE2__)
+// 4 floats at out (16-byte aligned when stream), streamed or stored
+inline void store4(float* out, __m128 v, bool stream) {
+  if (stream)
+    _mm_stream_ps(out, v);
+  else
+    _mm_storeu_ps(out, v);
+}
+#endif
+// after a kernel's streamed stores: they land before the caller's next reads
+inline void fence_streams(bool stream) {
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();
+#endif
+}
+
+// [lo, hi) of chunk c of nc over n items, boundaries multiples of align.
+inline void chunk_bounds(int64_t n, int64_t align, int nc, int c, int64_t& lo, int64_t& hi) {
+  int64_t units = (n + align - 1) / align;
+  int64_t per = (units + nc - 1) / nc;
+  lo = std::min(n, c * per * align);
+  hi = std::min(n, (c + 1) * per * align);
+}
+
+// f(chunk, lo, hi) for nc contiguous chunks, in parallel; chunk c always covers the same range.
+template <class F>
+void for_chunks(int64_t n, int64_t align, int nc, F&& f) {
+  if (nc <= 1) {
+    f(0, (int64_t)0, n);
+    return;
+  }
+#pragma omp parallel num_threads(nc)
+  {
+    int T = omp_get_num_threads();
+    for (int c = omp_get_thread_num(); c < nc; c += T) {
+      int64_t lo, hi;
+      chunk_bounds(n, align, nc, c, lo, hi);
+      f(c, lo, hi);
+    }
+  }
+}
+
+// The bytes of a bucket's float32 outputs: a bucket call streams every segment's output where
+// they are beyond the caches together (each gradient's alone may not be), as `streams` says.
+inline int64_t bucket_bytes(int64_t segments, const int64_t* numels) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < segments; ++s) n += std::max<int64_t>(0, numels[s]);
+  return 4 * n;
+}
+
+}  // namespace

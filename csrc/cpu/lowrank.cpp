@@ -1,0 +1,228 @@
+// grace CPU kernels: PowerSGD's low-rank products (see common.h)
+#include "lanes.h"
+
+// ---- PowerSGD's products with a thin rank-r factor -------------------------------------------
+// M is rows x cols, Q cols x r, P rows x r (all row-major). Each element of a product is summed in
+// one fixed order, whatever the build and the threads: M Q's (i, k) as row_products says, M^T P's
+// (j, k) over i ascending from 0, P Q^T's (i, j) over k ascending from the first term; products
+// with subnormals flushed (FlushDenormals).
+namespace {
+// Q's columns as rows (r x cols): Q itself where r = 1
+class Columns {
+ public:
+  Columns(const float* q, int64_t cols, int64_t r) : rows_(q) {
+    if (r == 1) return;
+    buf_.resize((size_t)(cols * r));
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t k = 0; k < r; ++k) buf_[k * cols + j] = q[j * r + k];
+    rows_ = buf_.data();
+  }
+  const float* row(int64_t k, int64_t cols) const { return rows_ + k * cols; }
+
+ private:
+  const float* rows_;
+  std::vector<float> buf_;
+};
+
+constexpr int kDots = 2;  // products of a row computed in one sweep over it
+
+// Subnormal floats read as zero and subnormal results written as zero while it lives (this
+// thread): the products of tiny gradients (a deep net's vanishing ones, 1e-20 and below, times
+// Q) fall below 1e-38 and take a microcode assist each otherwise, several times the pass's
+// memory time. The sums and differences the memory keeps (M = g + e, e = M - P Q^T) run
+// without it, exact.
+class FlushDenormals {
+ public:
+#if defined(__SSE2__)
+  FlushDenormals() : csr_(_mm_getcsr()) { _mm_setcsr(csr_ | 0x8040); }  // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(csr_); }
+
+ private:
+  unsigned csr_;
+#endif
+};
+
+// p[k] = x . qt.row(k) for k < r, x a row of cols floats: 32 lanes (lane l: the terms j = l mod 32
+// below the last multiple of 32, in order; four chains of additions, not one), lanes l, l + 8,
+// l + 16 and l + 24 added as (a + b) + (c + d), those 8 combined as combine8, then the other terms
+void row_products(const float* x, int64_t cols, const Columns& qt, int64_t r, float* p) {
+  const int64_t c32 = cols - cols % 32;
+  for (int64_t k0 = 0; k0 < r; k0 += kDots) {
+    const int kn = (int)std::min<int64_t>(kDots, r - k0);
+    const float* q[kDots];
+    for (int d = 0; d < kn; ++d) q[d] = qt.row(k0 + d, cols);
+    float sum[kDots];
+#ifdef GRACE_SIMD
+    F8 acc[kDots][4];
+    for (int d = 0; d < kn; ++d)
+      for (int c = 0; c < 4; ++c) acc[d][c] = set8(0.0f);
+    for (int64_t j = 0; j < c32; j += 32) {
+      if (k0 == 0) {
+        prefetch(x + j);
+        prefetch(x + j + 16);
+      }
+      for (int c = 0; c < 4; ++c) {
+        const F8 v = ld8(x + j + 8 * c);
+        for (int d = 0; d < kn; ++d) acc[d][c] = acc[d][c] + v * ld8(q[d] + j + 8 * c);
+      }
+    }
+    for (int d = 0; d < kn; ++d) sum[d] = combine8((acc[d][0] + acc[d][1]) + (acc[d][2] + acc[d][3]));
+#else
+    for (int d = 0; d < kn; ++d) {
+      float acc[32] = {};
+      for (int64_t j = 0; j < c32; j += 32)
+        for (int l = 0; l < 32; ++l) acc[l] = acc[l] + x[j + l] * q[d][j + l];
+      float v[8];
+      for (int l = 0; l < 8; ++l) v[l] = (acc[l] + acc[l + 8]) + (acc[l + 16] + acc[l + 24]);
+      sum[d] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    }
+#endif
+    for (int d = 0; d < kn; ++d) {
+      for (int64_t j = c32; j < cols; ++j) sum[d] = sum[d] + x[j] * q[d][j];
+      p[k0 + d] = sum[d];
+    }
+  }
+}
+
+// m = a + b, a row of cols floats (m may be a or b); a's infs and NaNs told to check
+void row_sum(const float* a, const float* b, int64_t cols, float* m, FiniteCheck& check) {
+  int64_t j = 0;
+#ifdef GRACE_SIMD
+  for (; j + 8 <= cols; j += 8) {
+    if (!(j & 15)) {  // two input streams: one line of each every 16 elements
+      prefetch(a + j);
+      prefetch(b + j);
+    }
+    const F8 v = ld8(a + j);
+    check.add8(v);
+    st8(m + j, v + ld8(b + j));
+  }
+#endif
+  for (; j < cols; ++j) {
+    check.add(a[j]);
+    m[j] = a[j] + b[j];
+  }
+}
+
+// one matrix's products (the _many entry points below run them matrix after matrix)
+void lowrank_project(const float* a, const float* b, int64_t rows, int64_t cols, const float* q, int64_t r, float* m,
+                     float* p, float* nonfinite) {
+  const Columns qt(q, cols, r);
+  std::atomic<bool> bad{false};
+  for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
+    FiniteCheck check;
+    for (int64_t i = lo; i < hi; ++i) {
+      const float* x = a + i * cols;
+      if (b) {  // the row's sum, stored, then read back from the cache for its products
+        row_sum(x, b + i * cols, cols, m + i * cols, check);
+        x = m + i * cols;
+      } else if (nonfinite) {
+        check.range(x, 0, cols);
+      }
+      FlushDenormals flush;
+      row_products(x, cols, qt, r, p + i * r);
+    }
+    report(check, &bad);
+  });
+  if (nonfinite && bad.load()) *nonfinite = 1.0f;
+}
+
+void lowrank_back(const float* m, int64_t rows, int64_t cols, const float* p, int64_t r, float* q) {
+  std::vector<float> acc((size_t)(cols * r), 0.0f);  // Q^T (r x cols): a row per column of Q
+  // each thread sums its own columns over every row
+  for_chunks(cols, 8, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
+    FlushDenormals flush;
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* x = m + i * cols;
+      for (int64_t k = 0; k < r; ++k) {
+        float* o = acc.data() + k * cols;
+        const float pk = p[i * r + k];
+        int64_t j = lo;
+#ifdef GRACE_SIMD
+        const F8 pv = set8(pk);
+        for (; j + 8 <= hi; j += 8) {
+          if (!(j & 15) && k == 0) prefetch(x + j);
+          st8(o + j, ld8(o + j) + ld8(x + j) * pv);
+        }
+#endif
+        for (; j < hi; ++j) o[j] = o[j] + x[j] * pk;
+      }
+    }
+  });
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t k = 0; k < r; ++k) q[j * r + k] = acc[k * cols + j];
+}
+
+void lowrank_expand(const float* p, const float* q, int64_t rows, int64_t cols, int64_t r, float* out, const float* m,
+                    float* e) {
+  const Columns qt(q, cols, r);
+  for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float* pi = p + i * r;
+      float* o = out + i * cols;
+      {
+        FlushDenormals flush;
+        int64_t j = 0;
+#ifdef GRACE_SIMD
+        for (; j + 8 <= cols; j += 8) {
+          F8 v = set8(pi[0]) * ld8(qt.row(0, cols) + j);
+          for (int64_t k = 1; k < r; ++k) v = v + set8(pi[k]) * ld8(qt.row(k, cols) + j);
+          st8(o + j, v);
+        }
+#endif
+        for (; j < cols; ++j) {
+          float v = pi[0] * qt.row(0, cols)[j];
+          for (int64_t k = 1; k < r; ++k) v = v + pi[k] * qt.row(k, cols)[j];
+          o[j] = v;
+        }
+      }
+      if (e) {  // the row's residual, its approximation read back from the cache
+        const float* mi = m + i * cols;
+        float* ei = e + i * cols;
+        int64_t j = 0;
+#ifdef GRACE_SIMD
+        for (; j + 8 <= cols; j += 8) {
+          if (!(j & 15)) prefetch(mi + j);
+          st8(ei + j, ld8(mi + j) - ld8(o + j));
+        }
+#endif
+        for (; j < cols; ++j) ei[j] = mi[j] - o[j];
+      }
+    }
+  });
+}
+
+// p / |p| for one column of n floats, the squares summed in float64 in index order (no
+// underflow where p is tiny), the quotients rounded to float32; the first unit vector where p is
+// zero: reduced QR's Q with a non-negative diagonal, as the backends' orthonormalize gives it
+void unit_column(float* p, int64_t n) {
+  double squares = 0.0;
+  for (int64_t i = 0; i < n; ++i) squares += (double)p[i] * (double)p[i];
+  const double norm = std::sqrt(squares);
+  for (int64_t i = 0; i < n; ++i) p[i] = norm == 0.0 ? (i == 0 ? 1.0f : 0.0f) : (float)((double)p[i] / norm);
+}
+}  // namespace
+
+API void grace_cpu_lowrank_project_many(int64_t count, const float* const* a, const float* const* b,
+                                        const int64_t* rows, const int64_t* cols, const float* const* q,
+                                        const int64_t* r, float* const* m, float* const* p, float* nonfinite) {
+  for (int64_t s = 0; s < count; ++s)
+    lowrank_project(a[s], b ? b[s] : nullptr, rows[s], cols[s], q[s], r[s], m ? m[s] : nullptr, p[s], nonfinite);
+}
+
+API void grace_cpu_lowrank_back_many(int64_t count, const float* const* m, const int64_t* rows, const int64_t* cols,
+                                     float* const* p, const int64_t* r, int unit, float* const* q) {
+  for (int64_t s = 0; s < count; ++s) {
+    if (unit && r[s] == 1) unit_column(p[s], rows[s]);
+    lowrank_back(m[s], rows[s], cols[s], p[s], r[s], q[s]);
+  }
+}
+
+API void grace_cpu_lowrank_expand_many(int64_t count, const float* const* p, const float* const* q, const int64_t* rows,
+                                       const int64_t* cols, const int64_t* r, float divisor, float* const* q_out,
+                                       float* const* out, const float* const* m, float* const* e) {
+  for (int64_t s = 0; s < count; ++s) {
+    for (int64_t i = 0; i < cols[s] * r[s]; ++i) q_out[s][i] = q[s][i] / divisor;
+    lowrank_expand(p[s], q_out[s], rows[s], cols[s], r[s], out[s], m ? m[s] : nullptr, e ? e[s] : nullptr);
+  }
+}

@@ -1,0 +1,65 @@
+// grace CPU kernels: the library's own calls (ABI, instruction set, AVX-512 switch, threads) and
+// its state (see common.h)
+#include "common.h"
+
+#include <pthread.h>
+#include <strings.h>
+
+namespace grace_cpu {
+// libgomp is not fork-safe: a child of a process that ran a parallel region would hang in its
+// first one. After fork every kernel runs on the calling thread only.
+std::atomic<bool> g_forked{false};
+std::atomic<int> g_threads{0};
+}  // namespace grace_cpu
+
+namespace {
+void on_fork_child() { g_forked.store(true); }
+struct AtFork {
+  AtFork() { pthread_atfork(nullptr, nullptr, on_fork_child); }
+} at_fork_;
+#if defined(__AVX2__)
+// (read as the loader reads GRACE_NATIVE: "0", "false", "no" or "off", any case, around spaces)
+bool avx512_wanted() {
+  const char* v = std::getenv("GRACE_NATIVE_AVX512");
+  if (!v) return true;
+  while (*v == ' ') ++v;
+  const size_t n = std::strcspn(v, " ");
+  for (const char* off : {"0", "false", "no", "off"})
+    if (std::strlen(off) == n && strncasecmp(v, off, n) == 0) return false;
+  return true;
+}
+#endif
+}  // namespace
+
+#if defined(__AVX2__)
+namespace grace_cpu {
+const bool kAvx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f")) && avx512_wanted();
+}  // namespace grace_cpu
+#endif
+
+// =============================================================================================
+API int grace_cpu_abi(void) { return GRACE_NATIVE_ABI; }
+API const char* grace_cpu_isa(void) {
+#if defined(__AVX2__)
+  return "x86-64-v3";
+#elif defined(__SSE4_2__)
+  return "x86-64-v2";
+#else
+  return "generic";
+#endif
+}
+API int grace_cpu_uses_avx512(void) { return kAvx512 ? 1 : 0; }
+API int grace_cpu_runs_x86_64_v3(void) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("x86-64-v3") ? 1 : 0;
+#elif defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi") &&
+         __builtin_cpu_supports("bmi2");
+#else
+  return 0;
+#endif
+}
+API void grace_cpu_set_num_threads(int n) { g_threads.store(n > 0 ? n : 0); }
+API int grace_cpu_get_num_threads(void) { return max_threads(); }

@@ -1,0 +1,308 @@
+// grace CPU kernels: scatter-add, and a bucket of gradients in one call (see common.h)
+#include "draws.h"
+#include "select.h"
+#include "signs.h"
+
+// ---- scatter-add -----------------------------------------------------------------------------
+namespace {
+inline int64_t read_index(const void* idx, int t, int64_t j) {
+  switch (t) {
+    case GRACE_U8: return ((const uint8_t*)idx)[j];
+    case GRACE_I16: return ((const int16_t*)idx)[j];
+    case GRACE_I32: return ((const int32_t*)idx)[j];
+    default: return ((const int64_t*)idx)[j];
+  }
+}
+
+// Whether every index of the payloads is in [0, numel) (checked before anything is written, so
+// that a bad index leaves no partial sums behind).
+bool scatter_in_bounds(int count, const void* const* idx, const int* types, const int64_t* lengths, int64_t numel) {
+  for (int p = 0; p < count; ++p)
+    if (!idx_type_ok(types[p]) || lengths[p] < 0) return false;
+  std::atomic<int> bad{0};
+  for (int p = 0; p < count; ++p) {
+    const int64_t len = lengths[p];
+    const void* ip = idx[p];
+    const int t = types[p];
+#pragma omp parallel for num_threads(threads_for(len)) if (len > 2 * kGrain)
+    for (int64_t j = 0; j < len; ++j) {
+      int64_t i = read_index(ip, t, j);
+      if (i < 0 || i >= numel) bad.store(1, std::memory_order_relaxed);
+    }
+  }
+  return !bad.load();
+}
+
+// dense = zeros, then each payload's values (each divided by `divisor` where it is not 1) added
+// at its indices, payload after payload. The indices are in bounds.
+template <class T>
+void scatter_add_apply(int count, const void* const* idx, const int* types, const void* const* values,
+                       const int64_t* lengths, int64_t numel, T divisor, T* dense) {
+  int64_t m = 0;
+  for (int p = 0; p < count; ++p) m += lengths[p];
+  const bool divide = divisor != T(1);
+  auto value = [&](const T* v, int64_t j) { return divide ? v[j] / divisor : v[j]; };
+  const int nc = threads_for(numel + m);
+  if (nc > 1 && m >= kGrain) {
+    // each thread owns a range of the output and applies, in order, the updates that fall in it
+    for_chunks(numel, 16, nc, [&](int, int64_t lo, int64_t hi) {
+      std::fill(dense + lo, dense + hi, T(0));
+      for (int p = 0; p < count; ++p) {
+        const T* v = (const T*)values[p];
+        for (int64_t j = 0; j < lengths[p]; ++j) {
+          int64_t i = read_index(idx[p], types[p], j);
+          if (i >= lo && i < hi) dense[i] += value(v, j);
+        }
+      }
+    });
+  } else {
+    for_chunks(numel, 16, threads_for(numel), [&](int, int64_t lo, int64_t hi) {
+      std::fill(dense + lo, dense + hi, T(0));
+    });
+    for (int p = 0; p < count; ++p) {
+      const T* v = (const T*)values[p];
+      const int t = types[p];
+      for (int64_t j = 0; j < lengths[p]; ++j) dense[read_index(idx[p], t, j)] += value(v, j);
+    }
+  }
+}
+
+template <class T>
+int scatter_add_typed(int count, const void* const* idx, const int* types, const void* const* values,
+                      const int64_t* lengths, int64_t numel, T* dense) {
+  if (!scatter_in_bounds(count, idx, types, lengths, numel)) return -1;
+  scatter_add_apply(count, idx, types, values, lengths, numel, T(1), dense);
+  return 0;
+}
+}  // namespace
+
+API int grace_cpu_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,
+                              const int64_t* lengths, int val_type, int64_t numel, void* dense) {
+  if (count < 0 || numel < 0) return -1;
+  if (val_type == GRACE_F32) return scatter_add_typed(count, idx, idx_types, values, lengths, numel, (float*)dense);
+  if (val_type == GRACE_F64) return scatter_add_typed(count, idx, idx_types, values, lengths, numel, (double*)dense);
+  return -1;
+}
+
+// ---- a bucket of gradients in one call: segment s at its own pointers --------------------------
+// The per-tensor kernels on every segment, for the CPU's bucketed exchange: one call per bucket
+// instead of several per gradient (the gradients stay where they are; no flat copy).
+
+// grace_cpu_topk_ef on each segment s: g[s], r[s], new_r[s] of n[s] elements, k[s] selected
+// into values[s] and idx[s] (type idx_types[s]). 0, or -1 on bad arguments.
+API int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                               const int64_t* n, const int64_t* k, float beta, float gamma, int flags,
+                               float* const* values, void* const* idx, const int* idx_types, float* nonfinite) {
+  NonfiniteFlag flag(nonfinite);
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t ks = std::max<int64_t>(0, std::min(k[s], n[s]));
+    if (grace_cpu_topk_ef(g[s], r[s], n[s], ks, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s]) != ks)
+      return -1;
+    flag.check(values[s], ks);  // (an inf or a NaN of p ranks above every number: it is sent)
+  }
+  return 0;
+}
+
+namespace {
+// The Terms of p = compensate(g, r) (see Blocks), which store p into `p` on the way for the
+// compression's own terms (`inner`, reading p there): compensation and compression in one pass.
+template <class Inner>
+struct CompensatedTerms {
+  const float *g, *r;
+  float* p;
+  float beta, gamma;
+  int flags;
+  Inner inner;
+  void operator()(int64_t i, float* t) const {
+    p[i] = compensate(g[i], r[i], beta, gamma, flags);
+    inner(i, t);
+  }
+#ifdef GRACE_SIMD
+  void group(int64_t i, F8* t) const {
+    prefetch(g + i);
+    prefetch(r + i);
+    const F8 a = ld8(g + i), b = ld8(r + i);
+    st8(p + i, ((flags & 1) ? a * set8(gamma) : a) + ((flags & 2) ? b * set8(beta) : b));
+    inner.group(i, t);
+  }
+#endif
+};
+}  // namespace
+
+// The residual step of EF-signSGD (mode 1) or 1-bit SGD (mode 2) for every segment s: p =
+// compensate(g, r) into new_r[s] (may be r[s]) with its bits and scalars (grace_cpu_efsign_compress
+// or grace_cpu_onebit_compress of p) into packed[s] and scalars[s] in the same pass, then
+// new_r[s] = p - decode(bits), each gradient in turn (it stays in the cache between the passes);
+// -1 for another mode
+API int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                               const int64_t* n, float beta, float gamma, int flags, int mode, uint8_t* const* packed,
+                               float* const* scalars, float* nonfinite) {
+  if (mode != 1 && mode != 2) return -1;
+  NonfiniteFlag flag(nonfinite);
+  for (int64_t s = 0; s < count; ++s) {
+    float* const ps = new_r[s];
+    const int nt = threads_for(n[s]);
+    if (mode == 1) {
+      const Sums<1> sums = pairwise_sums<1>(
+          CompensatedTerms<EfsignTerms>{g[s], r[s], ps, beta, gamma, flags, {ps, packed[s]}}, n[s], nt);
+      efsign_scale(sums, n[s], scalars[s]);
+    } else {
+      const Sums<3> sums = pairwise_sums<3>(
+          CompensatedTerms<OnebitTerms>{g[s], r[s], ps, beta, gamma, flags, {ps, packed[s]}}, n[s], nt);
+      onebit_means(sums, n[s], scalars[s]);
+    }
+    grace_cpu_bits_residual(ps, packed[s], n[s], scalars[s], mode, ps);
+    flag.check(scalars[s], mode == 1 ? 1 : 2);  // (not finite where p is not)
+  }
+  return 0;
+}
+
+// grace_cpu_threshold_ef on each segment s, the counts into counts[s] (values[s] and idx[s] hold
+// room for n[s]); -1 where one fails
+API int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                                    const int64_t* n, float thr, float beta, float gamma, int flags,
+                                    float* const* values, void* const* idx, const int* idx_types, int64_t* counts,
+                                    float* nonfinite) {
+  NonfiniteFlag flag(nonfinite);
+  const int64_t bytes = bucket_bytes(count, n);
+  for (int64_t s = 0; s < count; ++s) {
+    counts[s] = threshold_ef(g[s], r[s], n[s], thr, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s],
+                             flag.wanted(), streams(new_r[s], bytes));
+    if (counts[s] < 0) return -1;
+  }
+  return 0;
+}
+
+// For each segment s: dense[s] (numels[s] elements) = zeros, then each rank's payload of it
+// (values and indices [s * ranks + r], lengths[s * ranks + r]) divided by `divisor` and added,
+// rank after rank: every gradient's sparse aggregate. 0, or -1 (nothing written) on an index
+// out of range.
+API int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* const* idx, const int* idx_types,
+                                       const void* const* values, const int64_t* lengths, float divisor,
+                                       const int64_t* numels, float* const* dense) {
+  if (segments < 0 || ranks < 0) return -1;
+  for (int64_t s = 0; s < segments; ++s)
+    if (numels[s] < 0 ||
+        !scatter_in_bounds(ranks, idx + s * ranks, idx_types + s * ranks, lengths + s * ranks, numels[s]))
+      return -1;
+  for (int64_t s = 0; s < segments; ++s)
+    scatter_add_apply(ranks, idx + s * ranks, idx_types + s * ranks, values + s * ranks, lengths + s * ranks,
+                      numels[s], divisor, dense[s]);
+  return 0;
+}
+
+
+// Segment s: the first ks[s] distinct of the index draws floor(hash_j * n / 2^32), j = 0, 1, ...,
+// ascending, into out (the segments one after another): a bitmap of the n indices marks those
+// drawn, and a scan of it writes them in order. Returns -1 where k > n or n > 2^32.
+API int grace_cpu_random_indices_segments(int64_t segments, const int64_t* numels, const int64_t* ks,
+                                          const uint32_t* s0, const uint32_t* s1, int64_t* out) {
+  for (int64_t s = 0; s < segments; ++s)
+    if (ks[s] < 0 || ks[s] > numels[s] || numels[s] > ((int64_t)1 << 32)) return -1;
+  std::vector<uint64_t> taken;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t n = numels[s], k = ks[s];
+    if (k == n) {
+      for (int64_t i = 0; i < n; ++i) out[i] = i;
+    } else if (k > 0) {
+      taken.assign((n + 63) / 64, 0);
+      for (int64_t j = 0, got = 0; got < k; ++j) {
+        const uint64_t i = ((uint64_t)hash32(hash32((uint64_t)j ^ s0[s]) ^ s1[s]) * (uint64_t)n) >> 32;
+        const uint64_t bit = (uint64_t)1 << (i & 63);
+        got += !(taken[i >> 6] & bit);
+        taken[i >> 6] |= bit;
+      }
+      int64_t q = 0;
+      for (int64_t w = 0; w < (int64_t)taken.size(); ++w)
+        for (uint64_t word = taken[w]; word; word &= word - 1) out[q++] = 64 * w + __builtin_ctzll(word);
+    }
+    out += k;
+  }
+  return 0;
+}
+
+// Random-k's residual step for every gradient s of a bucket: p = compensate(g, r) written into
+// new_r[s] (may be r[s]); the values at its k[s] distinct indices idx[s] (drawn by the caller), p
+// (times scale[s] where scale is given), into values[s]; and new_r there p - (0 + value). -1 (and
+// nothing written) where an index is out of range.
+namespace {
+// Random-k's residual step of one gradient whose k indices ascend: p = compensate(g, r) into p_out
+// (streamed where `stream`, 16-byte aligned), the values at the indices (times *scale where
+// given) and p - (0 + value) there, made before the store; whether g holds an inf or a NaN told
+// to `bad` where given.
+void randomk_ef(const float* g, const float* r, int64_t n, const int64_t* idx, int64_t k, float beta, float gamma,
+                int flags, const float* scale, float* values, float* p_out, std::atomic<bool>* bad, bool stream) {
+  auto sent = [&](float p, int64_t j) {  // the value sent for p, at the j-th index; its new memory
+    const float v = scale ? p * scale[0] : p;
+    values[j] = v;
+    return p - (0.0f + v);
+  };
+  for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
+    FiniteCheck check;
+    int64_t j = std::lower_bound(idx, idx + k, lo) - idx, i = lo;  // the chunk's first index
+#ifdef GRACE_SIMD
+    const F8 vb = set8(beta), vg = set8(gamma);
+    for (; i + 8 <= hi; i += 8) {
+      prefetch(g + i);
+      prefetch(r + i);
+      const F8 a = ld8(g + i), b = ld8(r + i);
+      check.add8(a);
+      F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
+      if (j < k && idx[j] < i + 8) {  // (blended in: a vector load of scalar stores would stall)
+        alignas(32) float pv[8];
+        st8(pv, p);
+        for (; j < k && idx[j] < i + 8; ++j) p = sel8(lane8(idx[j] - i), set8(sent(pv[idx[j] - i], j)), p);
+      }
+      put8(p_out + i, p, stream);
+    }
+    fence_streams(stream);
+#endif
+    for (; i < hi; ++i) {
+      check.add(g[i]);
+      const float p = compensate(g[i], r[i], beta, gamma, flags);
+      p_out[i] = j < k && idx[j] == i ? sent(p, j++) : p;
+    }
+    report(check, bad);
+  });
+}
+}  // namespace
+
+API int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+                                  const int64_t* n, const int64_t* k, const int64_t* const* idx, float beta,
+                                  float gamma, int flags, const float* scale, float* const* values,
+                                  float* nonfinite) {
+  std::vector<char> ascend(count, 1);
+  for (int64_t s = 0; s < count; ++s)
+    for (int64_t j = 0; j < k[s]; ++j) {
+      if (idx[s][j] < 0 || idx[s][j] >= n[s]) return -1;
+      if (j && idx[s][j] <= idx[s][j - 1]) ascend[s] = 0;
+    }
+  NonfiniteFlag flag(nonfinite);
+  const int64_t bytes = bucket_bytes(count, n);
+  for (int64_t s = 0; s < count; ++s) {
+    float* const ps = new_r[s];
+    if (ascend[s]) {  // (as the draws make them)
+      randomk_ef(g[s], r[s], n[s], idx[s], k[s], beta, gamma, flags, scale ? scale + s : nullptr, values[s], ps,
+                 flag.wanted(), streams(ps, bytes));
+      continue;
+    }
+    compensate_into(g[s], r[s], n[s], beta, gamma, flags, ps, flag.wanted());
+    for (int64_t j = 0; j < k[s]; ++j) {
+      const int64_t i = idx[s][j];
+      const float p = ps[i], v = scale ? p * scale[s] : p;
+      values[s][j] = v;
+      ps[i] = p - (0.0f + v);
+    }
+  }
+  return 0;
+}
+
+API void grace_cpu_uniform_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
+                                    float* out) {
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t n = numels[s];
+    for_chunks(n, 64, threads_for(n),
+               [&](int, int64_t lo, int64_t hi) { uniform_range(lo, hi, s0[s], s1[s], out + lo); });
+    out += n;
+  }
+}

@@ -1,0 +1,427 @@
+// grace CPU kernels: selection (top-k, threshold, nonzero) and its error-feedback steps (see common.h)
+#include "bitpack.h"
+#include "select.h"
+
+// ---- selection -------------------------------------------------------------------------------
+namespace {
+size_t idx_size(int t) { return t == GRACE_U8 ? 1 : t == GRACE_I16 ? 2 : t == GRACE_I32 ? 4 : 8; }
+
+template <class T>
+int64_t topk_any(const T* x, int64_t n, int64_t k, bool by_abs, void* idx, int idx_type, T* values) {
+  return by_abs ? topk_typed<T, true>(x, n, k, idx, idx_type, values)
+                : topk_typed<T, false>(x, n, k, idx, idx_type, values);
+}
+
+// Write the kept elements of each chunk at the start of the chunk's own range of idx/values
+// (room for n), then close the gaps: one pass over the input.
+template <class Keep, class Visit>
+int64_t compact_select(int64_t n, void* idx, int idx_type, void* values, size_t vsize, const Keep& keep,
+                       const Visit& visit) {
+  const int nc = threads_for(n);
+  std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    int64_t q = lo;
+    for (int64_t i = lo; i < hi; ++i) {
+      if (keep(i)) {
+        write_index(idx, idx_type, q, i);
+        if (values) visit(q, i);
+        ++q;
+      } else if (!values) {
+        visit(-1, i);
+      }
+    }
+    count[c] = q - lo;
+    lo_of[c] = lo;
+  });
+  const size_t isz = idx_size(idx_type);
+  int64_t pos = 0;
+  for (int c = 0; c < nc; ++c) {
+    if (count[c] && pos != lo_of[c]) {
+      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
+      if (values) std::memmove((char*)values + pos * vsize, (char*)values + lo_of[c] * vsize, count[c] * vsize);
+    }
+    pos += count[c];
+  }
+  return pos;
+}
+}  // namespace
+
+namespace grace_cpu {
+// float32: 8 elements at a time, only the ones with a kept element looked at one by one
+int64_t threshold_f32(const float* x, int64_t n, float thr, bool by_abs, void* idx, int idx_type, float* values) {
+  const int nc = threads_for(n);
+  std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    int64_t q = lo, i = lo;
+#ifdef GRACE_SIMD
+    const F8 t = set8(thr);
+    for (; i + 8 <= hi; i += 8) {
+      F8 v = ld8(x + i);
+      int m = mask8(ge8(by_abs ? abs8(v) : v, t));
+      while (m) {
+        int j = __builtin_ctz(m);
+        m &= m - 1;
+        write_index(idx, idx_type, q, i + j);
+        if (values) values[q] = x[i + j];
+        ++q;
+      }
+    }
+#endif
+    for (; i < hi; ++i) {
+      if ((by_abs ? std::fabs(x[i]) : x[i]) >= thr) {
+        write_index(idx, idx_type, q, i);
+        if (values) values[q] = x[i];
+        ++q;
+      }
+    }
+    count[c] = q - lo;
+    lo_of[c] = lo;
+  });
+  const size_t isz = idx_size(idx_type);
+  int64_t pos = 0;
+  for (int c = 0; c < nc; ++c) {
+    if (count[c] && pos != lo_of[c]) {
+      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
+      if (values) std::memmove(values + pos, values + lo_of[c], count[c] * sizeof(float));
+    }
+    pos += count[c];
+  }
+  return pos;
+}
+}  // namespace grace_cpu
+
+namespace {
+template <class T>
+int64_t threshold_typed(const T* x, int64_t n, T thr, bool by_abs, void* idx, int idx_type, T* values) {
+  auto keep = [&](int64_t i) { return (by_abs ? std::fabs(x[i]) : x[i]) >= thr; };
+  auto visit = [&](int64_t q, int64_t i) {
+    if (q >= 0) values[q] = x[i];
+  };
+  return compact_select(n, idx, idx_type, values, sizeof(T), keep, visit);
+}
+}  // namespace
+
+namespace grace_cpu {
+// p = compensate(g, r) of n elements into p (may be r), in parallel chunks; whether g holds an
+// inf or a NaN told to `bad` where given
+void compensate_into(const float* g, const float* r, int64_t n, float beta, float gamma, int flags, float* p,
+                     std::atomic<bool>* bad) {
+  for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
+    FiniteCheck check;
+    int64_t i = lo;
+#ifdef GRACE_SIMD
+    const F8 vb = set8(beta), vg = set8(gamma);
+    for (; i + 8 <= hi; i += 8) {
+      const F8 a = ld8(g + i), b = ld8(r + i);
+      check.add8(a);
+      st8(p + i, ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b));
+    }
+#endif
+    for (; i < hi; ++i) {
+      check.add(g[i]);
+      p[i] = compensate(g[i], r[i], beta, gamma, flags);
+    }
+    report(check, bad);
+  });
+}
+}  // namespace grace_cpu
+
+API int64_t grace_cpu_topk(const void* x, int val_type, int64_t n, int64_t k, int by_abs, void* idx, int idx_type,
+                           void* values) {
+  if (!idx_type_ok(idx_type) || n < 0) return -1;
+  if (val_type == GRACE_F32)
+    return topk_any((const float*)x, n, k, by_abs != 0, idx, idx_type, (float*)values);
+  if (val_type == GRACE_F64)
+    return topk_any((const double*)x, n, k, by_abs != 0, idx, idx_type, (double*)values);
+  return -1;
+}
+
+API int64_t grace_cpu_threshold(const void* x, int val_type, int64_t n, double thr, int by_abs, void* idx,
+                                int idx_type, void* values) {
+  if (!idx_type_ok(idx_type) || n < 0) return -1;
+  if (val_type == GRACE_F32)
+    return threshold_f32((const float*)x, n, (float)thr, by_abs != 0, idx, idx_type, (float*)values);
+  if (val_type == GRACE_F64)
+    return threshold_typed((const double*)x, n, thr, by_abs != 0, idx, idx_type, (double*)values);
+  return -1;
+}
+
+API int64_t grace_cpu_nonzero(const uint8_t* mask, int64_t n, void* idx, int idx_type) {
+  if (!idx_type_ok(idx_type) || n < 0) return -1;
+  const int nc = threads_for(n);
+  std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    int64_t q = lo, i = lo;
+    for (; i + 8 <= hi; i += 8) {
+      uint64_t w = load_u64(mask + i);
+      if (!w) continue;
+      for (int j = 0; j < 8; ++j)
+        if ((w >> (8 * j)) & 0xff) write_index(idx, idx_type, q++, i + j);
+    }
+    for (; i < hi; ++i)
+      if (mask[i]) write_index(idx, idx_type, q++, i);
+    count[c] = q - lo;
+    lo_of[c] = lo;
+  });
+  const size_t isz = idx_size(idx_type);
+  int64_t pos = 0;
+  for (int c = 0; c < nc; ++c) {
+    if (count[c] && pos != lo_of[c])
+      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
+    pos += count[c];
+  }
+  return pos;
+}
+
+// p = g*gamma + r*beta into new_r (first pass, with the histogram of |p|), select from it,
+// then values = p[idx] and new_r[idx] = p - (0 + p): exactly p - decompress(compress(p)).
+namespace {
+constexpr int64_t kLine = 16;         // floats per sampled cache line
+constexpr int64_t kSampleEvery = 17;  // one line in this many
+constexpr int64_t kSampledFrom = kLine * kSampleEvery * 64;
+
+// Top-k of p = compensate(g, r) with p stored in new_r, in one pass over memory for most
+// tensors: a sample of whole cache lines (1 in 16) gives a bound t that the k-th largest |p| is
+// above with near certainty (k's share of the sample, plus four standard deviations, rounded
+// down to a 1/64 octave); the pass computes and stores p and collects the elements with
+// |p| >= t (and their p), of which the k largest are chosen. Where the sample misled (fewer
+// than k collected, or far more than expected) the exact histogram path runs on the stored p.
+// (new_r may be r itself: each element is read before it is written, and never read again
+// once written.)
+enum class Sampled { kNotTried, kStored, kChosen };
+
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+// kLanes[m]: the lanes set in the 8-bit mask m, packed to the front, one byte each: a
+// compress-store of 8 lanes without a branch (most masks are empty, at random).
+struct Lanes {
+  uint64_t v[256];
+  constexpr Lanes() : v() {
+    for (int m = 0; m < 256; ++m) {
+      uint64_t packed = 0;
+      int q = 0;
+      for (int j = 0; j < 8; ++j)
+        if (m >> j & 1) packed |= (uint64_t)j << (8 * q++);
+      v[m] = packed;
+    }
+  }
+};
+constexpr Lanes kLanes;
+#endif
+
+// Elements [lo, hi) of the candidate pass: p stored, those with !(|p| < t) appended to
+// at/val from position 0; stops early (returning false) once more than `limit` are found,
+// with p still stored everywhere. GAMMA/BETA: whether g and r are scaled (x * 1 is exact,
+// but the loop without the multiply is the common one).
+template <bool GAMMA, bool BETA>
+bool collect_candidates(const float* g, const float* r, float* p_out, int64_t lo, int64_t hi, float beta,
+                        float gamma, float t, int64_t limit, std::vector<int64_t>& at, std::vector<float>& val) {
+  constexpr int64_t kBlock = 1024;  // elements between checks of the count
+  at.resize(limit + kBlock + 8);
+  val.resize(limit + kBlock + 8);
+  int64_t* const A = at.data();
+  float* const V = val.data();
+  int64_t q = 0, i = lo;
+  auto scalar = [&](int64_t j) {
+    float p = (GAMMA ? g[j] * gamma : g[j]) + (BETA ? r[j] * beta : r[j]);
+    p_out[j] = p;
+    A[q] = j;
+    V[q] = p;
+    q += !(std::fabs(p) < t);
+  };
+  while (i < hi && q <= limit) {
+    const int64_t end = std::min(hi, i + kBlock);
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+    const __m256 vt = _mm256_set1_ps(t), vb = _mm256_set1_ps(beta), vg = _mm256_set1_ps(gamma);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; i + 8 <= end; i += 8) {
+      prefetch(g + i);
+      prefetch(r + i);
+      __m256 a = _mm256_loadu_ps(g + i), b = _mm256_loadu_ps(r + i);
+      if (GAMMA) a = _mm256_mul_ps(a, vg);
+      if (BETA) b = _mm256_mul_ps(b, vb);
+      const __m256 p = _mm256_add_ps(a, b);
+      _mm256_storeu_ps(p_out + i, p);
+      const int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(p, sign), vt, _CMP_NLT_UQ));
+      const __m128i lanes = _mm_cvtsi64_si128((long long)kLanes.v[bits]);
+      const __m256i base = _mm256_set1_epi64x(i);
+      _mm256_storeu_si256((__m256i*)(A + q), _mm256_add_epi64(base, _mm256_cvtepu8_epi64(lanes)));
+      _mm256_storeu_si256((__m256i*)(A + q + 4),
+                          _mm256_add_epi64(base, _mm256_cvtepu8_epi64(_mm_srli_si128(lanes, 4))));
+      _mm256_storeu_ps(V + q, _mm256_permutevar8x32_ps(p, _mm256_cvtepu8_epi32(lanes)));
+      q += __builtin_popcount(bits);
+    }
+#endif
+    for (; i < end; ++i) scalar(i);
+  }
+  for (int64_t j = i; j < hi; ++j)  // (too many: the rest of p only)
+    p_out[j] = (GAMMA ? g[j] * gamma : g[j]) + (BETA ? r[j] * beta : r[j]);
+  at.resize(q);
+  val.resize(q);
+  return q <= limit;
+}
+
+Sampled topk_ef_sampled(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma, int flags,
+                        float* new_r, std::vector<int64_t>& sel) {
+  if (n < kSampledFrom) return Sampled::kNotTried;
+  // the sample's histogram of |p|'s top bits: 8 of the exponent, 6 of the mantissa
+  constexpr int kFineBits = 14, kFineShift = 31 - kFineBits;
+  std::vector<uint32_t> hist(1 << kFineBits, 0);
+  // Every kSampleEvery-th line: a prime stride, so that the sample sees every column of a
+  // matrix (a stride that divides the rows would see the same few columns of every row).
+  const int64_t lines = (n - kLine) / (kLine * kSampleEvery) + 1;
+  constexpr int64_t kAhead = 8 * kLine * kSampleEvery;  // (the hardware may not see the stride)
+  for (int64_t line = 0; line + kLine <= n; line += kLine * kSampleEvery) {
+    if (line + kAhead < n) {
+      __builtin_prefetch(g + line + kAhead);
+      __builtin_prefetch(r + line + kAhead);
+    }
+    for (int64_t i = line; i < line + kLine; ++i)
+      hist[KeyOf<float>::key(compensate(g[i], r[i], beta, gamma, flags), true) >> kFineShift]++;
+  }
+  const int64_t m = lines * kLine;
+  const double expected = (double)k * m / n;
+  const int64_t rank = std::min<int64_t>(m, (int64_t)std::ceil(expected + 4.0 * std::sqrt(expected) + 16.0));
+  int B = (1 << kFineBits) - 1;
+  for (int64_t above = 0; B > 0 && (above += hist[B]) < rank;) --B;
+  const uint32_t bound = (uint32_t)B << kFineShift;  // the lower edge of the bin the rank falls in
+  if (bound == 0) return Sampled::kNotTried;  // (zeros would all be candidates)
+  float t;
+  std::memcpy(&t, &bound, 4);
+  const int64_t cap = std::min<int64_t>(n, 4 * (int64_t)((double)rank * n / m) + 1024);
+  const int nc = threads_for(n);
+  std::vector<std::vector<int64_t>> at(nc);
+  std::vector<std::vector<float>> val(nc);
+  std::atomic<bool> over{false};
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    const int64_t limit = cap / nc + 64;
+    bool ok;
+    switch (flags & 3) {
+      case 0: ok = collect_candidates<false, false>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]); break;
+      case 1: ok = collect_candidates<true, false>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]); break;
+      case 2: ok = collect_candidates<false, true>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]); break;
+      default: ok = collect_candidates<true, true>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]);
+    }
+    if (!ok) over = true;
+  });
+  if (over) return Sampled::kStored;
+  std::vector<int64_t> cand;
+  std::vector<uint32_t> cand_key;
+  for (int c = 0; c < nc; ++c) {
+    cand.insert(cand.end(), at[c].begin(), at[c].end());
+    for (float v : val[c]) cand_key.push_back(KeyOf<float>::key(v, true));
+  }
+  if ((int64_t)cand.size() < k) return Sampled::kStored;
+  choose_largest(cand, cand_key, k, sel);
+  return Sampled::kChosen;
+}
+}  // namespace
+
+API int64_t grace_cpu_topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma,
+                              int flags, float* values, void* idx, int idx_type, float* new_r) {
+  if (!idx_type_ok(idx_type) || n < 0) return -1;
+  std::vector<int64_t> sel;
+  auto key = [&](int64_t i) { return KeyOf<float>::key(new_r[i], true); };
+  const Sampled sampled = k > 0 && k < n ? topk_ef_sampled(g, r, n, k, beta, gamma, flags, new_r, sel)
+                                          : Sampled::kNotTried;
+  if (sampled == Sampled::kChosen) {
+    // chosen in one pass
+  } else if (sampled == Sampled::kStored) {  // p is in new_r: the exact path on it
+    auto hist1 = [&](int, int64_t lo, int64_t hi, int64_t* h, int shift) {
+      for (int64_t i = lo; i < hi; ++i) h[key(i) >> shift]++;
+    };
+    topk_select<uint32_t>(n, k, 32, hist1, key, sel);
+  } else if (k >= n || k <= 0) {
+    compensate_into(g, r, n, beta, gamma, flags, new_r);
+    if (k > 0) {
+      sel.resize(n);
+      for (int64_t i = 0; i < n; ++i) sel[i] = i;
+    }
+  } else {
+    auto hist1 = [&](int, int64_t lo, int64_t hi, int64_t* h, int shift) {
+      for (int64_t i = lo; i < hi; ++i) {
+        float p = compensate(g[i], r[i], beta, gamma, flags);
+        new_r[i] = p;
+        uint32_t u;
+        std::memcpy(&u, &p, 4);
+        h[(u & 0x7fffffffu) >> shift]++;
+      }
+    };
+    topk_select<uint32_t>(n, k, 32, hist1, key, sel);
+  }
+  int64_t m = (int64_t)sel.size();
+  for (int64_t j = 0; j < m; ++j) {
+    int64_t i = sel[j];
+    float p = new_r[i];
+    write_index(idx, idx_type, j, i);
+    values[j] = p;
+    new_r[i] = p - (0.0f + p);
+  }
+  return m;
+}
+
+namespace grace_cpu {
+// grace_cpu_threshold_ef, telling `bad` (where given) whether g holds an inf or a NaN; new_r
+// streamed where `stream` (16-byte aligned): the sent elements' p - (0 + p) made before the store
+int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma, int flags,
+                     float* values, void* idx, int idx_type, float* new_r, std::atomic<bool>* bad, bool stream) {
+  if (!idx_type_ok(idx_type) || n < 0) return -1;
+  const int nc = threads_for(n);
+  std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
+  for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    int64_t q = lo, i = lo;
+    FiniteCheck check;
+#ifdef GRACE_SIMD
+    const F8 t = set8(thr), vb = set8(beta), vg = set8(gamma), zero = set8(0.0f);
+    for (; i + 8 <= hi; i += 8) {
+      prefetch(g + i);
+      prefetch(r + i);
+      F8 a = ld8(g + i), b = ld8(r + i);
+      check.add8(a);
+      F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
+      const F8 sent = ge8(abs8(p), t);
+      if (int m = mask8(sent)) {
+        alignas(32) float pv[8];
+        st8(pv, p);
+        for (; m; m &= m - 1) {
+          const int j = __builtin_ctz(m);
+          write_index(idx, idx_type, q, i + j);
+          values[q++] = pv[j];
+        }
+        p = sel8(sent, p - (zero + p), p);
+      }
+      put8(new_r + i, p, stream);
+    }
+    fence_streams(stream);
+#endif
+    for (; i < hi; ++i) {
+      check.add(g[i]);
+      float p = compensate(g[i], r[i], beta, gamma, flags);
+      if (std::fabs(p) >= thr) {
+        write_index(idx, idx_type, q, i);
+        values[q++] = p;
+        new_r[i] = p - (0.0f + p);
+      } else {
+        new_r[i] = p;
+      }
+    }
+    report(check, bad);
+    count[c] = q - lo;
+    lo_of[c] = lo;
+  });
+  const size_t isz = idx_size(idx_type);
+  int64_t pos = 0;
+  for (int c = 0; c < nc; ++c) {
+    if (count[c] && pos != lo_of[c]) {
+      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
+      std::memmove(values + pos, values + lo_of[c], count[c] * sizeof(float));
+    }
+    pos += count[c];
+  }
+  return pos;
+}
+}  // namespace grace_cpu
+
+API int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma,
+                                   int flags, float* values, void* idx, int idx_type, float* new_r) {
+  return threshold_ef(g, r, n, thr, beta, gamma, flags, values, idx, idx_type, new_r, nullptr, streams(new_r, 4 * n));
+}

@@ -1,0 +1,64 @@
+// grace CPU kernels: the sign family, signSGD, EF-signSGD and 1-bit SGD (see common.h)
+#include "bitpack.h"
+#include "signs.h"
+
+// ---- sign family -----------------------------------------------------------------------------
+namespace grace_cpu {
+// grace_cpu_sign_pack, telling `bad` (where given) whether x holds an inf or a NaN
+void sign_pack(const float* x, int64_t n, int negative, uint8_t* out, std::atomic<bool>* bad) {
+  int64_t full = n / 8, rem = n % 8;
+  // (x, out and the sign taken by value: a byte store may alias whatever is captured by reference,
+  // which would then be read again for every byte)
+  for_chunks(full, 1, threads_for(n), [x, out, neg = negative != 0, bad](int, int64_t g0, int64_t g1) {
+    FiniteCheck check;
+    int64_t g = g0;
+#ifdef GRACE_SIMD
+    // 32 elements, four bytes, a step: a line read ahead and more loads in flight per instruction
+    const F8 zero = set8(0.0f);
+    F8 nonfinite = zero;  // x - x or-ed: 0, or a NaN's bits
+    for (; g + 4 <= g1; g += 4) {
+      prefetch(x + 8 * g);
+      prefetch(x + 8 * g + 16);
+      uint32_t word = 0;
+      for (int q = 0; q < 4; ++q) {
+        const F8 v = ld8(x + 8 * (g + q));
+        nonfinite = or8(nonfinite, v - v);
+        word |= (uint32_t)mask8(neg ? lt8(v, zero) : ge8(v, zero)) << (8 * q);
+      }
+      std::memcpy(out + g, &word, 4);
+    }
+    check.add8(nonfinite);
+#endif
+    for (; g < g1; ++g) {
+      check.range(x, 8 * g, 8 * g + 8);
+      out[g] = sign_byte(x + 8 * g, neg);
+    }
+    report(check, bad);
+  });
+  if (rem) {
+    FiniteCheck check;
+    check.range(x, 8 * full, n);
+    report(check, bad);
+    uint8_t m = 0;
+    for (int64_t j = 0; j < rem; ++j) {
+      float v = x[8 * full + j];
+      m |= (uint8_t)((negative ? v < 0.0f : v >= 0.0f) << j);
+    }
+    out[full] = m;
+  }
+}
+}  // namespace grace_cpu
+
+API void grace_cpu_sign_pack(const float* x, int64_t n, int negative, uint8_t* out) {
+  sign_pack(x, n, negative, out, nullptr);
+}
+
+// EF-signSGD: bits (x >= 0) and scale = sum|x| / max(1, n), in one pass
+API void grace_cpu_efsign_compress(const float* x, int64_t n, uint8_t* out, float* scale) {
+  efsign_scale(pairwise_sums<1>(EfsignTerms{x, out}, n, threads_for(n)), n, scale);
+}
+
+// 1-bit SGD: bits (x >= 0), means [mu0, mu1]
+API void grace_cpu_onebit_compress(const float* x, int64_t n, uint8_t* out, float* means) {
+  onebit_means(pairwise_sums<3>(OnebitTerms{x, out}, n, threads_for(n)), n, means);
+}

@@ -1,0 +1,530 @@
+// grace CUDA kernels: a bucket's segments, one launch per kernel (see common.cuh)
+#include "decoders.cuh"
+#include "quantizers.cuh"
+#include "select.cuh"
+#include "signs.cuh"
+
+namespace {
+// ---- a bucket's segments, one launch per kernel ---------------------------------------------------
+// A bucket's gradients lie one after another in a flat buffer. A batch of up to kSegBatch
+// segments travels as a kernel argument (no copy to the device, no host wait). A launch's grid
+// is the segments' blocks one after another, each segment as many as it needs (seg_grid), so
+// a small segment beside a large one costs no empty blocks. The reductions give each segment
+// the blocks its per-tensor kernel launches (the same blocks summing in the same order), so a
+// segment's result is the per-tensor one bit for bit.
+constexpr int kSegBatch = 64;
+struct SegBatch {
+  int count;               // segments in this batch
+  int64_t n[kSegBatch];    // elements
+  int64_t x[kSegBatch];    // first element in the flat input (and the flat decoded output)
+  int64_t u[kSegBatch];    // first draw; the draws' kernels: the seed words s0 | s1 << 32
+  int64_t p[kSegBatch];    // first byte of its packed codes (natural compression: of its sign bits)
+  int64_t q[kSegBatch];    // first scalar (scale, means, norms); natural compression: first code
+  int64_t r[kSegBatch];    // first slot of its partial sums in the scratch
+  int block0[kSegBatch + 1];  // this launch's blocks of segment k: [block0[k], block0[k + 1])
+};
+
+// the segment that block blockIdx.x works on, and the block's place among that segment's blocks
+struct SegBlock {
+  int s;
+  int64_t block, blocks;
+};
+
+__device__ __forceinline__ SegBlock seg_block(const SegBatch& t) {
+  const int b = blockIdx.x;
+  int lo = 0, hi = t.count - 1;  // the last segment whose blocks start at or before b
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.block0[mid] <= b) lo = mid;
+    else hi = mid - 1;
+  }
+  return {lo, b - t.block0[lo], t.block0[lo + 1] - t.block0[lo]};
+}
+
+__device__ __forceinline__ uint32_t hash32(uint32_t h) {  // grace/core/draws.py's hash32
+  h ^= h >> 16;
+  h *= 0x21F0AAADu;
+  h ^= h >> 15;
+  h *= 0x735A2D97u;
+  return h ^ (h >> 15);
+}
+
+__device__ __forceinline__ uint32_t draw_hash(int64_t j, int64_t words) {
+  return hash32(hash32((uint32_t)j ^ (uint32_t)words) ^ (uint32_t)(words >> 32));
+}
+
+// counter-based draws: uniform floats, or the sort keys segment << 32 | hash (random indices)
+__global__ void k_uniform_seg(SegBatch t, float* out) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  float* o = out + t.x[s];
+  BLOCK_STRIDE(j, t.n[s], sb.block, sb.blocks) o[j] = (float)(draw_hash(j, t.u[s]) >> 8) * 0x1p-24f;
+}
+
+__global__ void k_hash_keys_seg(SegBatch t, int64_t first, int64_t* out) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  int64_t* o = out + t.x[s];
+  const int64_t high = (first + s) << 32;
+  BLOCK_STRIDE(j, t.n[s], sb.block, sb.blocks) o[j] = high | (int64_t)draw_hash(j, t.u[s]);
+}
+
+__global__ void k_maxabs_seg(SegBatch t, const float* x, unsigned* out) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  maxabs(x + t.x[s], t.n[s], out + t.q[s], sb.block, sb.blocks);
+}
+
+__global__ void k_terngrad_seg(SegBatch t, const float* x, const float* u, const float* scale, uint8_t* out) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  terngrad(x + t.x[s], u + t.u[s], t.n[s], scale + t.q[s], out + t.p[s], sb.block, sb.blocks);
+}
+
+__global__ void k_natural_seg(SegBatch t, const float* x, const float* u, uint8_t* signs, uint8_t* codes) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  natural(x + t.x[s], u + t.u[s], t.n[s], signs + t.p[s], codes + t.q[s], sb.block, sb.blocks);
+}
+
+// QSGD's norms: rows of b <= 4096 a warp each; longer rows by chunks (partials from t.r[s]), then
+// one block per row
+__global__ void k_norms_seg(SegBatch t, const float* x, int64_t bucket, float* norms, float* partial) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  const int64_t n = t.n[s], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
+  if (b <= 4096) {
+    norms_warp(x + t.x[s], n, b, rows, norms + t.q[s], sb.block, sb.blocks);
+    return;
+  }
+  const int64_t cpr = row_chunks(b);
+  for (int64_t v = sb.block; v < rows * cpr; v += sb.blocks) {
+    norms_partial(x + t.x[s], n, b, cpr, partial + t.r[s], v);
+    __syncthreads();  // (block_sum's shared memory, again)
+  }
+}
+
+__global__ void k_norms_final_seg(SegBatch t, int64_t bucket, float* norms, const float* partial) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  const int64_t n = t.n[s], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
+  if (b <= 4096) return;
+  for (int64_t r = sb.block; r < rows; r += sb.blocks) {
+    norms_final(partial + t.r[s], row_chunks(b), norms + t.q[s], r);
+    __syncthreads();
+  }
+}
+
+__global__ void k_qsgd_seg(SegBatch t, const float* x, const float* u, float flevels, int64_t bucket, int bits,
+                           const float* norms, uint8_t* out) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  const int64_t n = t.n[s], b = qsgd_row(n, bucket);
+  qsgd(x + t.x[s], u + t.u[s], n, flevels, b, bits, norms + t.q[s], out + t.p[s], sb.block, sb.blocks);
+}
+
+// the sign family's bits and scalars: each segment on red_grid(n) blocks, as alone
+template <int S>
+__global__ void k_sign_sums_seg(SegBatch t, const float* x, uint8_t* out, float* partial) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  sign_sums<S>(x + t.x[s], t.n[s], out + t.p[s], partial + t.r[s], sb.block, sb.blocks);
+}
+
+template <int S>
+__global__ void k_sign_final_seg(SegBatch t, const float* partial, float* scalars) {
+  const int s = blockIdx.x;
+  sign_final<S>(partial + t.r[s], red_grid(t.n[s]), t.n[s], scalars + t.q[s]);
+}
+
+// every segment's decompression into the flat out (Method: 0 sign bits, scalars[q] the scale or
+// NULL (signSGD), 1 1-bit SGD, 2 TernGrad, 3 QSGD, 4 natural compression (b: its codes))
+template <int Method>
+__global__ void k_decode_seg(SegBatch t, const uint8_t* a, const void* b, float flevels, int64_t bucket, int bits,
+                             float* out) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  const int64_t n = t.n[s];
+  const float* scalars = static_cast<const float*>(b);
+  float* o = out + t.x[s];
+  if constexpr (Method == 0) sign_decode(a + t.p[s], n, scalars ? scalars + t.q[s] : nullptr, o, sb.block, sb.blocks);
+  if constexpr (Method == 1) onebit_decode(a + t.p[s], n, scalars + t.q[s], o, sb.block, sb.blocks);
+  if constexpr (Method == 2) terngrad_decode(a + t.p[s], n, scalars + t.q[s], o, sb.block, sb.blocks);
+  if constexpr (Method == 3)
+    qsgd_decode(a + t.p[s], n, flevels, qsgd_row(n, bucket), bits, scalars + t.q[s], o, sb.block, sb.blocks);
+  if constexpr (Method == 4)
+    natural_decode(a + t.p[s], static_cast<const uint8_t*>(b) + t.q[s], n, o, sb.block, sb.blocks);
+}
+
+// top-k with error feedback (grace_cuda_topk_ef) of every segment: t.u holds its k, t.p its first
+// value and index, t.q its first compaction tile; selection state s and histogram s per segment
+__host__ __device__ __forceinline__ bool selects(const SegBatch& t, int s) { return t.u[s] > 0 && t.u[s] < t.n[s]; }
+
+constexpr int kHistBins = 2048;
+
+__global__ void k_compensate_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
+                                 float* p) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  const int64_t o = t.x[s];
+  compensate(g + o, r + o, t.n[s], beta, gamma, flags, p + o, sb.block, sb.blocks);
+}
+
+__global__ void k_topk_init_seg(SegBatch t, SelState* st) {
+  const int s = threadIdx.x;
+  if (s < t.count) st[s] = SelState{0u, 0u, (long long)t.u[s]};
+}
+
+__global__ void k_topk_hist_seg(SegBatch t, const float* p, const SelState* st, int shift, int nbins,
+                                unsigned long long* h) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  if (!selects(t, s)) return;
+  hist(KeyAbs{p + t.x[s]}, t.n[s], st + s, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
+}
+
+__global__ void k_topk_find_seg(SegBatch t, const unsigned long long* h, int nbins, int shift, SelState* st) {
+  const int s = blockIdx.x;
+  if (selects(t, s)) find(h + (int64_t)s * kHistBins, nbins, shift, st + s);
+}
+
+__global__ void k_topk_count_seg(SegBatch t, const float* p, const SelState* st, long long* cg, long long* ce) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  if (!selects(t, s)) return;
+  count(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, t.n[s], st + s, cg + t.q[s], ce + t.q[s], sb.block);
+}
+
+__global__ void k_topk_scan_seg(SegBatch t, long long* cg, long long* ce, long long* totals) {
+  const int s = blockIdx.x;
+  if (selects(t, s)) scan2(cg + t.q[s], ce + t.q[s], tiles_of(t.n[s]), totals + 2 * s);
+}
+
+__global__ void k_topk_write_seg(SegBatch t, float* p, const SelState* st, const long long* cg, const long long* ce,
+                                 int64_t* idx, float* values) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  const int64_t n = t.n[s], k = t.u[s];
+  const EmitIdx emit{idx + t.p[s], GRACE_I64, p + t.x[s], values + t.p[s], p + t.x[s]};
+  if (k >= n) {  // every element (k_take_all)
+    BLOCK_STRIDE(i, n, sb.block, sb.blocks) emit(i, i);
+    return;
+  }
+  if (k <= 0) return;
+  write(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, n, st + s, cg + t.q[s], ce + t.q[s], emit, sb.block);
+}
+
+// Runs launch(batch, its first segment) on each batch of up to kSegBatch segments, fill(batch,
+// k, segment) setting batch slot k; each launch's grid: seg_grid(batch, blocks of slot k).
+template <class Fill, class Launch>
+int for_batches(int64_t segments, Fill fill, Launch launch) {
+  if (segments < 0) return -1;
+  for (int64_t first = 0; first < segments; first += kSegBatch) {
+    SegBatch t;
+    std::memset(&t, 0, sizeof(t));
+    t.count = (int)std::min<int64_t>(kSegBatch, segments - first);
+    for (int k = 0; k < t.count; ++k) fill(t, k, first + k);
+    const int rc = launch(t, first);
+    if (rc != 0) return rc;
+  }
+  return status();
+}
+
+// a launch's grid: slot k's blocks(k) blocks (at least 1, at most 2^16) after the slots before
+// it, recorded in t.block0 for seg_block
+template <class Blocks>
+dim3 seg_grid(SegBatch& t, Blocks blocks) {
+  int at = 0;
+  for (int k = 0; k < t.count; ++k) {
+    t.block0[k] = at;
+    at += (int)std::max<int64_t>(1, std::min<int64_t>(blocks(k), 1 << 16));
+  }
+  t.block0[t.count] = at;
+  return dim3((unsigned)at);
+}
+
+// the grids of the kernels with a thread per element, and a thread per 8 elements
+inline dim3 per_element(SegBatch& t) {
+  return seg_grid(t, [&](int k) { return (t.n[k] + kThreads - 1) / kThreads; });
+}
+inline dim3 per_byte(SegBatch& t) {
+  return seg_grid(t, [&](int k) { return (t.n[k] + 7) / 8 / kThreads + 1; });
+}
+
+inline int64_t packed_bytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
+
+// The fields every drawn segment of a compress batch fills alike: its size, where its input and its
+// draws start, and where its codes (`bits` per element, from a byte boundary) go, `bytes` on past them
+inline void drawn_segment(SegBatch& t, int k, int64_t n, int64_t start, int64_t draw_start, int bits,
+                          int64_t& bytes) {
+  t.n[k] = n;
+  t.x[k] = start;
+  t.u[k] = draw_start;
+  t.p[k] = bytes;
+  bytes += packed_bytes(n, bits);
+}
+
+}  // namespace
+
+// ---- a bucket's segments (host arrays of segment sizes and offsets; device data) -----------------
+// launch(batch, first segment) for the batches of segment s's numels[s] draws of the seed words
+// (s0[s], s1[s]), the segments' draws in a row
+template <class Launch>
+static int draw_batches(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
+                        Launch launch) {
+  for (int64_t s = 0; s < segments; ++s)
+    if (numels[s] < 0 || numels[s] > (int64_t(1) << 32)) return -1;  // draw numbers are 32-bit
+  int64_t at = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        t.n[k] = numels[s];
+        t.x[k] = at;
+        t.u[k] = (int64_t)s0[s] | (int64_t)s1[s] << 32;
+        at += numels[s];
+      },
+      launch);
+}
+
+API int grace_cuda_uniform_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
+                                    float* out, void* stream) {
+  return draw_batches(segments, numels, s0, s1, [&](SegBatch& t, int64_t) {
+    const dim3 grid = per_element(t);
+    k_uniform_seg<<<grid, kThreads, 0, as_stream(stream)>>>(t, out);
+    return 0;
+  });
+}
+
+// out[j] = segment << 32 | the hash of its draw j (segment draws in a row): random indices' sort keys
+API int grace_cuda_hash_keys_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
+                                      int64_t* out, void* stream) {
+  return draw_batches(segments, numels, s0, s1, [&](SegBatch& t, int64_t first) {
+    const dim3 grid = per_element(t);
+    k_hash_keys_seg<<<grid, kThreads, 0, as_stream(stream)>>>(t, first, out);
+    return 0;
+  });
+}
+
+// the segments' payloads in a row: codes (packed per segment, each from a byte boundary) and
+// the scalars, as terngrad_compress / qsgd_compress / natural_compress make them for each alone
+API int grace_cuda_terngrad_compress_segments(const float* x, int64_t segments, const int64_t* starts,
+                                              const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                              uint8_t* out, float* scale, void* stream) {
+  cudaStream_t st = as_stream(stream);
+  if (segments > 0) cudaMemsetAsync(scale, 0, segments * sizeof(float), st);
+  int64_t bytes = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        drawn_segment(t, k, numels[s], starts[s], draw_starts[s], 2, bytes);
+        t.q[k] = s;
+      },
+      [&](SegBatch& t, int64_t) {
+        const dim3 max_grid = seg_grid(t, [&](int k) { return red_grid(t.n[k]); });
+        k_maxabs_seg<<<max_grid, kThreads, 0, st>>>(t, x, reinterpret_cast<unsigned*>(scale));
+        const dim3 grid = per_byte(t);
+        k_terngrad_seg<<<grid, kThreads, 0, st>>>(t, x, u, scale, out);
+        return 0;
+      });
+}
+
+API int grace_cuda_natural_compress_segments(const float* x, int64_t segments, const int64_t* starts,
+                                             const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                             uint8_t* signs, uint8_t* codes, void* stream) {
+  int64_t bytes = 0, at = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        drawn_segment(t, k, numels[s], starts[s], draw_starts[s], 1, bytes);
+        t.q[k] = at;
+        at += numels[s];
+      },
+      [&](SegBatch& t, int64_t) {
+        const dim3 grid = per_byte(t);
+        k_natural_seg<<<grid, kThreads, 0, as_stream(stream)>>>(t, x, u, signs, codes);
+        return 0;
+      });
+}
+
+API int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, const int64_t* starts,
+                                          const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                          int levels, int64_t bucket, int bits, uint8_t* out, float* norms,
+                                          void* stream) {
+  if (bits < 1 || bits > 8 || levels < 1 || bucket < 0) return -1;
+  for (int64_t s = 0; s < segments; ++s)
+    if (numels[s] < 1) return -1;
+  cudaStream_t st = as_stream(stream);
+  // scratch for the partial sums of the rows longer than 4096
+  int64_t slots = 0;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t b = qsgd_row(numels[s], bucket);
+    if (b > 4096) slots += qsgd_rows(numels[s], b) * row_chunks(b);
+  }
+  Scratch sc(slots * sizeof(float), st);
+  if (!sc.p) return -3;
+  int64_t bytes = 0, row = 0, slot = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        const int64_t n = numels[s], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
+        drawn_segment(t, k, n, starts[s], draw_starts[s], bits, bytes);
+        t.q[k] = row;
+        t.r[k] = slot;
+        row += rows;
+        if (b > 4096) slot += rows * row_chunks(b);
+      },
+      [&](SegBatch& t, int64_t) {
+        bool long_rows = false;  // rows longer than 4096: by chunks, then a block per row
+        const dim3 norm_grid = seg_grid(t, [&](int k) {
+          const int64_t b = qsgd_row(t.n[k], bucket), rows = qsgd_rows(t.n[k], b);
+          if (b <= 4096) return (rows * 32 + kThreads - 1) / kThreads;  // a warp per row
+          long_rows = true;
+          return rows * row_chunks(b);
+        });
+        float* partial = sc.at<float>(0);
+        k_norms_seg<<<norm_grid, kThreads, 0, st>>>(t, x, bucket, norms, partial);
+        if (long_rows) {
+          const dim3 final_grid = seg_grid(t, [&](int k) {
+            const int64_t b = qsgd_row(t.n[k], bucket);
+            return b > 4096 ? qsgd_rows(t.n[k], b) : int64_t(1);
+          });
+          k_norms_final_seg<<<final_grid, kThreads, 0, st>>>(t, bucket, norms, partial);
+        }
+        const dim3 grid = per_byte(t);
+        k_qsgd_seg<<<grid, kThreads, 0, st>>>(t, x, u, (float)levels, bucket, bits, norms, out);
+        return 0;
+      });
+}
+
+// EF-signSGD's (S = 1: the scale) and 1-bit SGD's (S = 3: the two means) bits and scalars of
+// every segment, as efsign_compress / onebit_compress make them for each alone
+template <int S>
+static int sign_compress_segments(const float* x, int64_t segments, const int64_t* starts, const int64_t* numels,
+                                  uint8_t* out, float* scalars, cudaStream_t st) {
+  int64_t slots = 0;
+  for (int64_t s = 0; s < segments; ++s) slots += S * red_grid(numels[s]);
+  Scratch sc(slots * sizeof(float), st);
+  if (!sc.p) return -3;
+  int64_t bytes = 0, slot = 0;
+  constexpr int per = S == 1 ? 1 : 2;  // scalars per segment
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        t.n[k] = numels[s];
+        t.x[k] = starts[s];
+        t.p[k] = bytes;
+        t.q[k] = per * s;
+        t.r[k] = slot;
+        bytes += packed_bytes(numels[s], 1);
+        slot += S * red_grid(numels[s]);
+      },
+      [&](SegBatch& t, int64_t) {
+        const dim3 grid = seg_grid(t, [&](int k) { return red_grid(t.n[k]); });
+        k_sign_sums_seg<S><<<grid, kThreads, 0, st>>>(t, x, out, sc.at<float>(0));
+        k_sign_final_seg<S><<<t.count, 1024, 0, st>>>(t, sc.at<float>(0), scalars);
+        return 0;
+      });
+}
+
+API int grace_cuda_efsign_compress_segments(const float* x, int64_t segments, const int64_t* starts,
+                                            const int64_t* numels, uint8_t* out, float* scale, void* stream) {
+  return sign_compress_segments<1>(x, segments, starts, numels, out, scale, as_stream(stream));
+}
+
+API int grace_cuda_onebit_compress_segments(const float* x, int64_t segments, const int64_t* starts,
+                                            const int64_t* numels, uint8_t* out, float* means, void* stream) {
+  return sign_compress_segments<3>(x, segments, starts, numels, out, means, as_stream(stream));
+}
+
+// every segment's payload decompressed into the flat out (segments in a row): method 0 sign
+// bits (b: a scale per segment, or NULL), 1 1-bit SGD (two means each), 2 TernGrad (a scale
+// each), 3 QSGD (its norms), 4 natural compression (a: sign bits, b: codes)
+API int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* numels, const uint8_t* a,
+                                   const void* b, int levels, int64_t bucket, int bits, float* out, void* stream) {
+  if (method < 0 || method > 4 || (method == 3 && (bits < 1 || bits > 8 || levels < 1 || bucket < 0))) return -1;
+  const int code_bits = method == 2 ? 2 : (method == 3 ? bits : 1);
+  int64_t bytes = 0, at = 0, scalar = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        const int64_t n = numels[s];
+        t.n[k] = n;
+        t.x[k] = at;
+        t.p[k] = bytes;
+        t.q[k] = method == 4 ? at : scalar;
+        bytes += packed_bytes(n, code_bits);
+        at += n;
+        scalar += method == 1 ? 2 : (method == 3 ? qsgd_rows(n, qsgd_row(n, bucket)) : 1);
+      },
+      [&](SegBatch& t, int64_t) {
+        const dim3 grid = per_element(t);
+        cudaStream_t st = as_stream(stream);
+        const float fl = (float)levels;
+        switch (method) {
+          case 0: k_decode_seg<0><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
+          case 1: k_decode_seg<1><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
+          case 2: k_decode_seg<2><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
+          case 3: k_decode_seg<3><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
+          default: k_decode_seg<4><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
+        }
+        return 0;
+      });
+}
+
+// grace_cuda_topk_ef of every segment (0 <= ks[s] <= numels[s]): p = compensate(g, r) into new_r,
+// the ks[s] largest |p| (ties to the lowest index) into values and idx (int64, in the segment)
+// from the previous segments' ks on, new_r = 0 where sent; one launch per kernel per 64 segments
+API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                    const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
+                                    float* values, int64_t* idx, float* new_r, void* stream) {
+  int64_t most_tiles = 0;
+  for (int64_t s = 0; s < segments; ++s) {
+    if (numels[s] < 0 || ks[s] < 0 || ks[s] > numels[s]) return -1;
+    most_tiles += tiles_of(numels[s]);
+  }
+  cudaStream_t st = as_stream(stream);
+  const size_t hist_bytes = align256((size_t)kSegBatch * kHistBins * sizeof(unsigned long long));
+  const size_t state_bytes = align256(kSegBatch * sizeof(SelState));
+  const size_t totals_bytes = align256(2 * kSegBatch * sizeof(long long));
+  Scratch sc(hist_bytes + state_bytes + totals_bytes + 2 * std::max<int64_t>(most_tiles, 1) * sizeof(long long), st);
+  if (!sc.p) return -3;
+  unsigned long long* h = sc.at<unsigned long long>(0);
+  SelState* state = sc.at<SelState>(hist_bytes);
+  long long* totals = sc.at<long long>(hist_bytes + state_bytes);
+  long long* cg = sc.at<long long>(hist_bytes + state_bytes + totals_bytes);
+  long long* ce = cg + std::max<int64_t>(most_tiles, 1);
+  int64_t sent = 0, tile = 0;
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        t.n[k] = numels[s];
+        t.x[k] = starts[s];
+        t.u[k] = ks[s];
+        t.p[k] = sent;
+        t.q[k] = tile;
+        sent += ks[s];
+        tile += tiles_of(numels[s]);
+      },
+      [&](SegBatch& t, int64_t) {
+        const dim3 grid = per_element(t);
+        k_compensate_seg<<<grid, kThreads, 0, st>>>(t, g, r, beta, gamma, flags, new_r);
+        k_topk_init_seg<<<1, kSegBatch, 0, st>>>(t, state);
+        const int shifts[3] = {21, 10, 0}, bins[3] = {2048, 2048, 1024};
+        // (segments that send all or nothing select nothing: a block each, which returns)
+        const dim3 hist_grid =
+            seg_grid(t, [&](int k) { return selects(t, k) ? grid_for(t.n[k], kThreads * 16, 2048) : 1; });
+        for (int d = 0; d < 3; ++d) {
+          cudaMemsetAsync(h, 0, (size_t)t.count * kHistBins * sizeof(unsigned long long), st);
+          k_topk_hist_seg<<<hist_grid, kThreads, 0, st>>>(t, new_r, state, shifts[d], bins[d], h);
+          k_topk_find_seg<<<t.count, 32, 0, st>>>(t, h, bins[d], shifts[d], state);
+        }
+        const dim3 tile_grid = seg_grid(t, [&](int k) { return selects(t, k) ? tiles_of(t.n[k]) : 1; });
+        k_topk_count_seg<<<tile_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce);
+        k_topk_scan_seg<<<t.count, 1024, 0, st>>>(t, cg, ce, totals);
+        const dim3 write_grid = seg_grid(t, [&](int k) {  // all: a thread per element; none: a block
+          return t.u[k] >= t.n[k] ? (t.n[k] + kThreads - 1) / kThreads : (t.u[k] > 0 ? tiles_of(t.n[k]) : 1);
+        });
+        k_topk_write_seg<<<write_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce, idx, values);
+        return 0;
+      });
+}

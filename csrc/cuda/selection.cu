@@ -1,0 +1,187 @@
+// grace CUDA kernels: selection (top-k, threshold, nonzero) and its error-feedback steps (see
+// common.cuh)
+#include "select.cuh"
+
+namespace {
+__global__ void k_init_state(SelState* st, long long need) {
+  st->prefix = 0;
+  st->mask = 0;
+  st->need = need;
+}
+
+template <class Key>
+__global__ void k_hist(Key key, int64_t n, const SelState* st, int shift, int nbins, unsigned long long* h) {
+  hist(key, n, st, shift, nbins, h, blockIdx.x, gridDim.x);
+}
+
+__global__ void k_find(const unsigned long long* hist, int nbins, int shift, SelState* st) {
+  find(hist, nbins, shift, st);
+}
+
+struct ThresholdPredF {
+  const float* x;
+  float thr;
+  int by_abs;
+  __device__ void operator()(int64_t i, const SelState&, bool& gt, bool& eq) const {
+    float v = x[i];
+    gt = (by_abs ? fabsf(v) : v) >= thr;
+    eq = false;
+  }
+};
+
+struct MaskPred {
+  const uint8_t* mask;
+  __device__ void operator()(int64_t i, const SelState&, bool& gt, bool& eq) const {
+    gt = mask[i] != 0;
+    eq = false;
+  }
+};
+
+template <class Pred>
+__global__ void k_count(Pred pred, int64_t n, const SelState* st_, long long* cnt_gt, long long* cnt_eq) {
+  count(pred, n, st_, cnt_gt, cnt_eq, blockIdx.x);
+}
+
+__global__ void k_scan2(long long* a, long long* b, int64_t m, long long* totals) { scan2(a, b, m, totals); }
+
+template <class Pred>
+__global__ void k_write(Pred pred, int64_t n, const SelState* st_, const long long* off_gt, const long long* off_eq,
+                        EmitIdx emit) {
+  write(pred, n, st_, off_gt, off_eq, emit, blockIdx.x);
+}
+
+__global__ void k_compensate(const float* g, const float* r, int64_t n, float beta, float gamma, int flags,
+                             float* p) {
+  compensate(g, r, n, beta, gamma, flags, p, blockIdx.x, gridDim.x);
+}
+
+__global__ void k_take_all(int64_t n, EmitIdx emit) {
+  GRID_STRIDE(i, n) emit(i, i);
+}
+
+// Ordered compaction by `pred`; st_dev must be valid. Returns 0, or < 0 on a CUDA error.
+// If total_host is not NULL, the number written is copied there (synchronizing the stream).
+template <class Pred>
+int compact(Pred pred, int64_t n, const SelState* st_dev, const EmitIdx& emit, long long* total_host,
+            cudaStream_t s) {
+  const int64_t tiles = tiles_of(n);
+  Scratch sc(align256(4 * tiles * sizeof(long long)) + 256, s);
+  if (!sc.p) return -3;
+  long long* cg = sc.at<long long>(0);
+  long long* ce = cg + tiles;
+  long long* totals = sc.at<long long>(align256(4 * tiles * sizeof(long long)));
+  k_count<<<(unsigned)tiles, kThreads, 0, s>>>(pred, n, st_dev, cg, ce);
+  k_scan2<<<1, 1024, 0, s>>>(cg, ce, tiles, totals);
+  k_write<<<(unsigned)tiles, kThreads, 0, s>>>(pred, n, st_dev, cg, ce, emit);
+  if (total_host) {
+    long long t[2];
+    cudaMemcpyAsync(t, totals, sizeof(t), cudaMemcpyDeviceToHost, s);
+    if (cudaStreamSynchronize(s) != cudaSuccess) return -2;
+    *total_host = t[0];
+  }
+  return status();
+}
+
+// Radix select (11 + 11 + 10 bits) of the k largest keys, then the ordered compaction.
+template <class Key>
+int topk_run(Key key, int64_t n, int64_t k, const EmitIdx& emit, cudaStream_t s) {
+  Scratch sc(align256(2048 * sizeof(unsigned long long)) + 256, s);
+  if (!sc.p) return -3;
+  unsigned long long* hist = sc.at<unsigned long long>(0);
+  SelState* st = sc.at<SelState>(align256(2048 * sizeof(unsigned long long)));
+  k_init_state<<<1, 1, 0, s>>>(st, k);
+  const int shifts[3] = {21, 10, 0}, bins[3] = {2048, 2048, 1024};
+  const int grid = grid_for(n, kThreads * 16, 2048);
+  for (int d = 0; d < 3; ++d) {
+    cudaMemsetAsync(hist, 0, bins[d] * sizeof(unsigned long long), s);
+    k_hist<<<grid, kThreads, 0, s>>>(key, n, st, shifts[d], bins[d], hist);
+    k_find<<<1, 32, 0, s>>>(hist, bins[d], shifts[d], st);
+  }
+  return compact(TopkPred<Key>{key}, n, st, emit, nullptr, s);
+}
+
+// state for a threshold (no ties): need = 0
+int threshold_state(SelState** st, Scratch& sc, cudaStream_t s) {
+  *st = sc.at<SelState>(0);
+  k_init_state<<<1, 1, 0, s>>>(*st, 0);
+  return status();
+}
+}  // namespace
+API int64_t grace_cuda_topk(const void* x, int val_type, int64_t n, int64_t k, int by_abs, void* idx, int idx_type,
+                            void* values, void* stream) {
+  if (val_type != GRACE_F32 || idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  cudaStream_t s = as_stream(stream);
+  const float* xf = static_cast<const float*>(x);
+  EmitIdx emit{idx, idx_type, xf, static_cast<float*>(values), nullptr};
+  if (k <= 0 || n == 0) return 0;
+  if (k >= n) {
+    k_take_all<<<grid_for(n), kThreads, 0, s>>>(n, emit);
+    int st = status();
+    return st ? st : n;
+  }
+  int st = by_abs ? topk_run(KeyAbs{xf}, n, k, emit, s) : topk_run(KeySigned{xf}, n, k, emit, s);
+  return st ? st : k;
+}
+
+API int64_t grace_cuda_topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma,
+                               int flags, float* values, void* idx, int idx_type, float* new_r, void* stream) {
+  if (idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  cudaStream_t s = as_stream(stream);
+  if (n == 0) return 0;
+  k_compensate<<<grid_for(n), kThreads, 0, s>>>(g, r, n, beta, gamma, flags, new_r);
+  if (k <= 0) return status();
+  EmitIdx emit{idx, idx_type, new_r, values, new_r};
+  if (k >= n) {
+    k_take_all<<<grid_for(n), kThreads, 0, s>>>(n, emit);
+    int st = status();
+    return st ? st : n;
+  }
+  int st = topk_run(KeyAbs{new_r}, n, k, emit, s);
+  return st ? st : k;
+}
+
+API int64_t grace_cuda_threshold(const void* x, int val_type, int64_t n, double thr, int by_abs, void* idx,
+                                 int idx_type, void* values, void* stream) {
+  if (val_type != GRACE_F32 || idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  if (n == 0) return 0;
+  cudaStream_t s = as_stream(stream);
+  Scratch sc(256, s);
+  if (!sc.p) return -3;
+  SelState* st;
+  threshold_state(&st, sc, s);
+  const float* xf = static_cast<const float*>(x);
+  EmitIdx emit{idx, idx_type, xf, static_cast<float*>(values), nullptr};
+  long long total = 0;
+  int rc = compact(ThresholdPredF{xf, (float)thr, by_abs}, n, st, emit, &total, s);
+  return rc ? rc : total;
+}
+
+API int64_t grace_cuda_nonzero(const uint8_t* mask, int64_t n, void* idx, int idx_type, void* stream) {
+  if (idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  if (n == 0) return 0;
+  cudaStream_t s = as_stream(stream);
+  Scratch sc(256, s);
+  if (!sc.p) return -3;
+  SelState* st;
+  threshold_state(&st, sc, s);
+  EmitIdx emit{idx, idx_type, nullptr, nullptr, nullptr};
+  long long total = 0;
+  int rc = compact(MaskPred{mask}, n, st, emit, &total, s);
+  return rc ? rc : total;
+}
+
+API int64_t grace_cuda_threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma,
+                                    int flags, float* values, void* idx, int idx_type, float* new_r, void* stream) {
+  if (idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  if (n == 0) return 0;
+  cudaStream_t s = as_stream(stream);
+  k_compensate<<<grid_for(n), kThreads, 0, s>>>(g, r, n, beta, gamma, flags, new_r);
+  Scratch sc(256, s);
+  if (!sc.p) return -3;
+  SelState* st;
+  threshold_state(&st, sc, s);
+  EmitIdx emit{idx, idx_type, new_r, values, new_r};
+  long long total = 0;
+  int rc = compact(ThresholdPredF{new_r, thr, 1}, n, st, emit, &total, s);
+  return rc ? rc : total;
+}
