@@ -49,7 +49,10 @@ def cpu_command(out: Path, march: str = "x86-64-v2") -> list:
     flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fvisibility=hidden",
              # every float operation rounds as in the NumPy reference: no contraction to FMA,
              # no fast-math; errno-free sqrt/floor only
-             "-ffp-contract=off", "-fno-math-errno", "-Wall"]
+             "-ffp-contract=off", "-fno-math-errno", "-Wall",
+             # one program across the family files: their shared kernels inline as in one file,
+             # and only the grace_cpu_* API is exported
+             "-flto=auto"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags += [f"-march={march}", "-mtune=generic"]
     sources = sorted(str(p) for p in (CSRC / "cpu").glob("*.cpp"))
