@@ -10,4 +10,5 @@ every plan through its formula.
     residual.py     residual memory: its steps in kept buffers, fused with the method's kernels
     dgc.py          DGC's memory: its steps in kept buffers, a bucket in one native call
 """
-from grace.kernels import dgc, fp16, powersgd, quantizers, randomk, residual, signs, sparse  # noqa: F401  (they register)
+# imported: each registers its kernels
+from grace.kernels import dgc, fp16, powersgd, quantizers, randomk, residual, signs, sparse  # noqa: F401

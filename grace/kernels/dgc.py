@@ -27,12 +27,12 @@ class DGCFeedback(Feedback):
         elsewhere), and no gradient-sized allocation."""
         if out is None or not xp.mutable_tensors or not kernels.compressor.traits.sparse:
             return None
-        (u, v), (u_out, v_out) = state, out
+        (u, v), (u_out, v_out), momentum = state, out, self.memory.momentum
         g = self.memory.clipped(xp, g)
         # the three sums in one pass, where built
-        u_new, p = native_or_none(xp, "dgc_compensate_into", g, u, v, g, self.memory.momentum, u_out, v_out) or (None, None)
+        u_new, p = native_or_none(xp, "dgc_compensate_into", g, u, v, g, momentum, u_out, v_out) or (None, None)
         if p is None:
-            t = xp.add_into(xp.multiply_into(u, self.memory.momentum, u_out), g, u_out)  # m u + g
+            t = xp.add_into(xp.multiply_into(u, momentum, u_out), g, u_out)  # m u + g
             p = xp.add_into(v, t, v_out)
         payload, ctx = kernels.compressor.compress(xp, p, info)
         values, indices = payload

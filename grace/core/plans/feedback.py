@@ -12,24 +12,9 @@ which a fused step runs with the memory's own.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
-_REGISTERED: Dict[type, type] = {}
-
-
-def feedback_for(*memory_classes):
-    """Register the decorated ``Feedback`` subclass for ``memory_classes`` (and their subclasses)."""
-    def register(cls):
-        for memory_class in memory_classes:
-            _REGISTERED[memory_class] = cls
-        return cls
-    return register
-
-
-def feedback_of(memory) -> "Feedback":
-    """The fast paths of ``memory``: those registered for its class (or the nearest base)."""
-    cls = next((_REGISTERED[c] for c in type(memory).__mro__ if c in _REGISTERED), Feedback)
-    return cls(memory)
+from grace.core.plans.by_class import ByClass
 
 
 class Feedback:
@@ -82,3 +67,10 @@ class Feedback:
         g holds an inf or a NaN): the first payloads (None where not made), whose rounds write
         the new states over p themselves; or None."""
         return None
+
+
+_REGISTRY = ByClass(Feedback)
+#: register the decorated ``Feedback`` subclass for the given memory classes (and their subclasses)
+feedback_for = _REGISTRY.register
+#: the feedback of a memory: those registered for its class (or the nearest base), else ``Feedback``
+feedback_of = _REGISTRY.of

@@ -16,29 +16,12 @@ from __future__ import annotations
 
 import itertools
 import numbers
-from typing import Any, Dict, Sequence
+from typing import Any, Sequence
 
 from grace.core import draws
 from grace.core.compressor import (Compressor, Payload, Shape, TensorInfo, finished, native_or_none,
                                    uniform_draws)
-
-_REGISTERED: Dict[type, type] = {}
-
-
-def kernels_for(*compressor_classes):
-    """Register the decorated ``MethodKernels`` subclass for ``compressor_classes`` (and their
-    subclasses, unless they have their own)."""
-    def register(cls):
-        for compressor_class in compressor_classes:
-            _REGISTERED[compressor_class] = cls
-        return cls
-    return register
-
-
-def kernels_of(compressor) -> "MethodKernels":
-    """The fast paths of ``compressor``: those registered for its class (or the nearest base)."""
-    cls = next((_REGISTERED[c] for c in type(compressor).__mro__ if c in _REGISTERED), MethodKernels)
-    return cls(compressor)
+from grace.core.plans.by_class import ByClass
 
 
 class MethodKernels:
@@ -205,3 +188,10 @@ class MethodKernels:
         for r in range(1, ranks):
             total = total + self.decompress_segments(xp, [f[r] for f in fields], ctx, table)
         return total / ranks
+
+
+_REGISTRY = ByClass(MethodKernels)
+#: register the decorated ``MethodKernels`` subclass for the given compressor classes (and their subclasses)
+kernels_for = _REGISTRY.register
+#: the kernels of a compressor: those registered for its class (or the nearest base), else ``MethodKernels``
+kernels_of = _REGISTRY.of
