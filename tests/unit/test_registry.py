@@ -67,3 +67,45 @@ def test_every_method_has_its_main_example_and_labels_are_unique():
     with pytest.raises(ValueError, match=r"example labels \['topk'\] are taken by \['topk'\]"):
         register("bogus", examples=dict(bogus=example(), topk=example()))
     assert "bogus" not in registry.methods(None)
+
+
+def test_a_native_fast_path_is_one_kernel_file_and_one_registration():
+    """tests/fixtures/methods/firstk_kernels.py gives the fixture method a native fast path (a CPU
+    bucket's residual steps in one call) with one ``@kernels_for(FirstK)``, its method file left
+    as it is: the bucketed exchange takes it and equals the per-tensor formula byte for byte."""
+    import numpy as np
+    import torch
+
+    from grace.core.communicator import ReplicaCommunicator
+    from grace.core.plans.kernels import kernels_of
+    from tests.fixtures.methods import firstk, firstk_kernels
+
+    if not grace.native.available():
+        pytest.skip("grace's native library is not built")
+    assert type(kernels_of(grace.create(FIXTURE, ratio=0.25).compressor)) is firstk_kernels.FirstKKernels
+    assert "native" not in Path(firstk.__file__).read_text()
+    taken, fast_path = [], firstk_kernels.FirstKKernels.compress_many_with_residual
+
+    def spied(self, *args, **kwargs):
+        result = fast_path(self, *args, **kwargs)
+        taken.append(result is not None)
+        return result
+
+    rng = np.random.default_rng(0)
+    steps = [{name: torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+              for name, shape in (("w", (30, 7)), ("b", (5,)), ("head", (300,)))} for _ in range(4)]
+    bucketed = grace.Exchange(grace.create(FIXTURE, ratio=0.25), ReplicaCommunicator(2))
+    per_tensor = grace.Exchange(grace.create(FIXTURE, ratio=0.25, bucket_mb=0), ReplicaCommunicator(2))
+    original = firstk_kernels.FirstKKernels.compress_many_with_residual
+    firstk_kernels.FirstKKernels.compress_many_with_residual = spied
+    try:
+        for grads in steps:
+            got = bucketed.exchange({name: g.clone() for name, g in grads.items()})
+            want = per_tensor.exchange({name: g.clone() for name, g in grads.items()})
+            for name in grads:
+                assert got[name].numpy().tobytes() == want[name].numpy().tobytes(), name
+    finally:
+        firstk_kernels.FirstKKernels.compress_many_with_residual = original
+    assert taken and all(taken), taken
+    for name, memory in per_tensor.memory.items():
+        assert bucketed.memory[name].numpy().tobytes() == memory.numpy().tobytes(), name
