@@ -41,7 +41,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 import grace

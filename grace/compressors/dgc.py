@@ -13,19 +13,16 @@ every gradient's draws in one call, the samples' magnitudes keyed by their segme
 sorted at once, each segment's threshold read from that, and where a sample underestimated
 it, the k largest of each segment's selected elements by one stable sort of them.
 """
-from dataclasses import replace
-
 import math
-import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from grace.compressors.sparse import Sparsifier
-from grace.core import draws, segments
+from grace.core import segments
 from grace.core.compression import GradientCompression
-from grace.core.compressor import Shape, check_ratio, check_seed, native_or_none
+from grace.core.compressor import check_ratio, check_seed
 from grace.core.registry import example, register
 from grace.memories import DGCMemory, make_memory
 

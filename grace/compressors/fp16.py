@@ -4,7 +4,7 @@ Each rank pre-divides by n before the cast so that the sum of n half-precision p
 cannot overflow where each one alone did not; decompress multiplies back, so Q^-1(Q(x)) ~ x.
 Both steps write their result directly (one rounding, no full-size float32 temporary).
 """
-from grace.core.compressor import Collective, Compressor, native_or_none, Shape, Traits
+from grace.core.compressor import Collective, Compressor, Shape, Traits
 from grace.core.compression import GradientCompression
 from grace.core.registry import example, register
 from grace.memories import make_memory

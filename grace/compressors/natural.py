@@ -12,7 +12,6 @@ from grace.core.compression import GradientCompression
 from grace.core.compressor import check_seed, Collective, Compressor, drawn_natively, Shape, Traits
 from grace.core.floats import floor_log2
 from grace.core.registry import register
-from grace.formats import packed_size
 from grace.memories import make_memory
 
 _BIAS = 127  # code = exponent + 127, as in IEEE single precision

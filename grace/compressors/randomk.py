@@ -4,11 +4,8 @@ All ranks draw the same indices from a seed shared for this (tensor, step), so o
 values travel and they are summed by allreduce.
 With ``scale=True`` the values are multiplied by d/k, which makes the estimate unbiased.
 """
-import numpy as np
-
 from grace.core.compression import GradientCompression
-from grace.core.compressor import (check_ratio, check_seed, Collective, Compressor, native_or_none, sent_count, Shape,
-                                   Traits)
+from grace.core.compressor import check_ratio, check_seed, Collective, Compressor, sent_count, Shape, Traits
 from grace.core.registry import example, register
 from grace.memories import make_memory
 

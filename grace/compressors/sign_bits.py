@@ -5,8 +5,7 @@ On an accelerator a bucket of such tensors is compressed segment by segment in o
 (``MethodKernels.segmented``; grace.native runs each segment through the per-tensor kernels), so
 every gradient keeps its own scale and the results are the per-tensor ones.
 """
-from grace.core.compressor import Collective, Compressor, native_or_none, Shape, Traits
-from grace.formats import packed_size
+from grace.core.compressor import Collective, Compressor, Traits
 
 
 class SignBits(Compressor):

@@ -2,9 +2,7 @@
 
 Payload: (values in the gradient's dtype, indices in the smallest integer type that holds d).
 """
-import numpy as np
-
-from grace.core.compressor import Collective, Compressor, index_bits, index_dtype, native_or_none, Shape, Traits
+from grace.core.compressor import Collective, Compressor, index_bits, index_dtype, Shape, Traits
 
 
 class Sparsifier(Compressor):

@@ -9,7 +9,6 @@ from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_seed, Collective, Compressor, drawn_natively, Shape, Traits
 from grace.core.registry import register
-from grace.formats import packed_size
 from grace.memories import make_memory
 
 
