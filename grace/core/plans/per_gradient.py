@@ -41,7 +41,7 @@ class PerGradient(BucketPlan):
         """Unguarded allreduce methods with no memory (fp16 on a CPU): one native call writes every
         payload into a buffer kept per bucket, sent as it is. Whether it ran."""
         s, xp = self.services, pending.xp
-        compressor, key = s.compression.compressor, self.bucket.key
+        key = self.bucket.key
         if not (s.compression.collective is Collective.ALLREDUCE and s.compression.memory.passes_gradient
                 and not s.journal.guarded and len(g_units) > 1 and xp.mutable_tensors):
             return False
@@ -97,7 +97,7 @@ class PerGradient(BucketPlan):
         where the method has one (a CPU's top-k, DGC); else None. Where it runs, it also sets the
         overflow flag (``in_call``) and may write the payloads into the frame buffer."""
         s, xp = self.services, pending.xp
-        compressor, memory = s.compression.compressor, s.compression.memory
+        memory = s.compression.memory
         many_units = len(pending.units) > 1
         flag = xp.zeros(1, "float32", like=pending.g) if in_call else None
         into = s.transport.frame_into(pending)
@@ -213,7 +213,6 @@ class PerGradient(BucketPlan):
     def _aggregates(self, pending: BucketPending, read, outs):
         """Each unit's mean over the ranks' frames ``read`` (payloads, or ``Dense`` buckets)."""
         s, xp, n = self.services, pending.xp, self.services.communicator.size
-        compressor = s.compression.compressor
         dense = [f.values for f in read if isinstance(f, Dense)]
         encoded = [frames.split_payloads(f, pending.structure) for f in read if not isinstance(f, Dense)]
         if encoded and not dense and all(o is not None for o in outs):  # one native call, where there is one
