@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from grace.core.compressor import Collective
 from grace.core.plans.base import BucketPending, BucketPlan, Services
 from grace.core.plans.flat import Flat
-from grace.core.plans.kernels import kernels_of
 from grace.core.plans.multi_round import MultiRound
 from grace.core.plans.per_gradient import PerGradient
 from grace.core.plans.reference import Pending, Reference
@@ -41,7 +40,7 @@ def choose(services: Services, bucket, xp, like) -> BucketPlan:
     compressor, kind = compression.compressor, type(compression.compressor).__name__
     if compression.scope == "bucket":
         return Flat(services, bucket, "scope='bucket': the bucket is compressed as one tensor")
-    why_not = _why_not_segmented(compression, bucket, xp, like)
+    why_not = _why_not_segmented(compression, services.kernels, bucket, xp, like)
     if why_not is None:
         return Segmented(services, bucket, f"{kind} compresses an accelerator's bucket in one pass per phase", xp,
                          like)
@@ -52,7 +51,7 @@ def choose(services: Services, bucket, xp, like) -> BucketPlan:
     return PerGradient(services, bucket, why_not)
 
 
-def _why_not_segmented(compression, bucket, xp, like):
+def _why_not_segmented(compression, kernels, bucket, xp, like):
     """None where the bucket is compressed segment-wise; else the first reason it is not."""
     compressor = compression.compressor
     own_collective = (compression.collective is Collective.ALLREDUCE) == \
@@ -60,7 +59,7 @@ def _why_not_segmented(compression, bucket, xp, like):
     on_accelerator = getattr(xp, "segmented", False) and xp.on_accelerator(like)
     rules = [
         (on_accelerator, "on a CPU each gradient goes in turn: cache-sized passes"),
-        (kernels_of(compressor).segmented, f"{type(compressor).__name__} has no segment-wise form"),
+        (kernels.segmented, f"{type(compressor).__name__} has no segment-wise form"),
         (own_collective, "the method runs on another collective than its own"),
         (compression.memory.elementwise, f"{type(compression.memory).__name__} does not treat elements alone"),
         (bucket.dtype == "float32", f"segment-wise kernels read float32, the bucket is {bucket.dtype}"),

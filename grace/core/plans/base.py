@@ -2,6 +2,7 @@
 and how a result is delivered."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
@@ -25,6 +26,15 @@ class Services:
     kernels: Any  # the method's fast paths (grace.core.plans.kernels)
     average: bool = True
     in_place: bool = False
+
+    @functools.cached_property
+    def flags_from_payload(self) -> bool:
+        """Whether a guarded exchange reads its overflow flag from the payloads: where the method
+        names a payload field that holds every inf and NaN of its input (``Traits.nonfinite_field``),
+        and p = compensate(g) keeps g's (an elementwise memory). Decided once, not per bucket."""
+        compression = self.compression
+        return compression.flags_overflow and compression.compressor.traits.nonfinite_field is not None \
+            and compression.memory.elementwise
 
     def writes_over(self, xp, g) -> bool:
         """Whether results are written over the input gradients (``Exchange``'s ``in_place``):
@@ -103,6 +113,7 @@ class BucketPlan:
         """Whether the overflow count is left on the device until the step ends."""
         return False
 
+
     def begin(self, xp, grads, flat):
         """A step's start, common to the plans over units: the step counted, and each unit's
         info, compressor state and memory. (pending, the units' gradients, infos, states)."""
@@ -150,3 +161,10 @@ def with_dense(g_hat, encoded: int, dense, n: int):
     for values in dense[1:]:
         total = total + values
     return total / n if g_hat is None else (g_hat * encoded + total) / n
+
+
+def defers_on_device(xp, g) -> bool:
+    """Whether a flat result's overflow count stays on the device until the step ends: eager
+    tensors on an accelerator, where a read back per bucket would stall the host (one read a
+    step instead)."""
+    return xp.mutable_tensors and xp.on_accelerator(g)

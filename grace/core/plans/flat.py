@@ -9,6 +9,7 @@ per-gradient plan's, with one unit.
 from __future__ import annotations
 
 from grace.core.bucket import Segment
+from grace.core.plans.base import defers_on_device
 from grace.core.plans.per_gradient import PerGradient
 
 
@@ -22,6 +23,4 @@ class Flat(PerGradient):
         return [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], [g], g
 
     def _defers(self, xp, g) -> bool:
-        # eager tensors on an accelerator: a read back per bucket would stall the host (one read a
-        # step instead, when the step ends)
-        return xp.mutable_tensors and xp.on_accelerator(g)
+        return defers_on_device(xp, g)

@@ -11,7 +11,7 @@ from typing import Any, List
 
 from grace.core.journal import any_flag
 from grace.core.plans.base import BucketPending, BucketPlan
-from grace.core.plans.reference import flag_from_payload, later_rounds
+from grace.core.plans.reference import later_rounds
 
 
 class MultiRound(BucketPlan):
@@ -21,7 +21,7 @@ class MultiRound(BucketPlan):
         s = self.services
         pending, g_units, infos, states = self.begin(xp, grads, flat)
         units, g = pending.units, pending.g
-        flagged = s.journal.guarded and not flag_from_payload(s.compression)
+        flagged = s.journal.guarded and not s.flags_from_payload
         # on a CPU the overflow flag comes from the passes that make the first payloads, where a
         # kernel makes them, and from one check of the other gradients
         in_passes = flagged and not xp.on_accelerator(g)

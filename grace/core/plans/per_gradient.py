@@ -17,7 +17,7 @@ from grace.core.bucket import Dense
 from grace.core.buffers import assign
 from grace.core.compressor import Collective, written
 from grace.core.plans.base import BucketPending, BucketPlan, with_dense
-from grace.core.plans.reference import flag_from_payload, payload_flag
+from grace.core.plans.reference import payload_flag
 
 
 class PerGradient(BucketPlan):
@@ -31,7 +31,7 @@ class PerGradient(BucketPlan):
         # checks each gradient as it reads it (a CPU); or from the payloads where they carry it.
         guarded = s.journal.guarded
         in_call = guarded and len(units) > 1 and xp.mutable_tensors and not xp.on_accelerator(g)
-        if guarded and not flag_from_payload(s.compression) and not in_call:
+        if guarded and not s.flags_from_payload and not in_call:
             pending.flag = xp.nonfinite(g_units)
         if not self._compressed_into_one_buffer(pending, g_units, infos):
             self._compress(pending, g_units, infos, states, in_call)
@@ -78,7 +78,7 @@ class PerGradient(BucketPlan):
             payloads.append(payload)
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
-        if flag_from_payload(s.compression) and pending.flag is None:
+        if s.flags_from_payload and pending.flag is None:
             pending.flag = payload_flag(xp, s.compression, payloads)
         new_memory, nbytes = self._launch(pending, g_units, payloads, new_memory)
         for i, (u, spare) in enumerate(zip(pending.units, spares)):
@@ -110,7 +110,7 @@ class PerGradient(BucketPlan):
             pending.framed = None
         if in_call and steps is not None:
             pending.flag = flag
-        elif in_call and not flag_from_payload(s.compression):
+        elif in_call and not s.flags_from_payload:
             pending.flag = xp.nonfinite(g_units)
         return steps
 

@@ -44,7 +44,7 @@ class Reference:
         s = self.services
         compressor, memory, journal = s.compression.compressor, s.compression.memory, s.journal
         info = s.info(name, journal.next_step(name, g))
-        flag = xp.nonfinite([g]) if journal.guarded and not self._flag_from_payload() else None
+        flag = xp.nonfinite([g]) if journal.guarded and not s.flags_from_payload else None
         s.transport.stats.add(0, 4 * xp.numel(g))
         e = s.memory_state(xp, name, g)
         state = s.compressor_state(xp, name, g)
@@ -82,13 +82,8 @@ class Reference:
             g_hat = s.kernels.aggregate(xp, gathered, pending.ctx)
         return s.delivered(xp, g_hat, overflow, pending.out)
 
-    def _flag_from_payload(self) -> bool:
-        """Whether the overflow flag is read from the payload (``Traits.nonfinite_field``):
-        where p = compensate(g) keeps g's infs and NaNs (an elementwise memory)."""
-        return flag_from_payload(self.services.compression)
-
     def _payload_flag(self, xp, payload, flag):
-        return payload_flag(xp, self.services.compression, [payload]) if self._flag_from_payload() else flag
+        return payload_flag(xp, self.services.compression, [payload]) if self.services.flags_from_payload else flag
 
     def _unflagged(self, pending: Pending, received):
         """The received payloads without their overflow flags; how many ranks flagged one."""
@@ -110,14 +105,6 @@ class Reference:
             with s.phase("feedback"):
                 s.journal.set("memory", name, memory.update(xp, pending.p, p_hat, pending.memory_state))
         return g_hat, overflow
-
-
-def flag_from_payload(compression) -> bool:
-    """Whether a guarded exchange reads its overflow flag from the payloads: where the method
-    names a payload field that holds every inf and NaN of its input, and p = compensate(g) keeps
-    g's (an elementwise memory)."""
-    return compression.flags_overflow and compression.compressor.traits.nonfinite_field is not None \
-        and compression.memory.elementwise
 
 
 def payload_flag(xp, compression, payloads):

@@ -14,7 +14,7 @@ from grace.core import bucket as frames
 from grace.core import segments
 from grace.core.bucket import Dense, Segment
 from grace.core.compressor import Collective, divided
-from grace.core.plans.base import BucketPending, BucketPlan, with_dense
+from grace.core.plans.base import BucketPending, BucketPlan, defers_on_device, with_dense
 
 
 class Segmented(BucketPlan):
@@ -38,7 +38,7 @@ class Segmented(BucketPlan):
         s.transport.stats.add(0, 4 * bucket.numel)
         e = s.memory_state(xp, bucket.key, g)
         pending = BucketPending(bucket, xp, [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], g, [e],
-                                defer=xp.mutable_tensors and xp.on_accelerator(g))
+                                defer=defers_on_device(xp, g))
         if s.journal.guarded:
             pending.flag = xp.nonfinite([g])
         infos = [s.info(name, step) for name in bucket.names]
