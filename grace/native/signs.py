@@ -35,48 +35,47 @@ def signsgd_compress(x):
 
 def signsgd_decompress(packed, numel: int):
     """float32 +-1 (2 * bit - 1)."""
-    kind = kind_of(packed)
-    p = kind.flat(packed)
-    out = _decode_out(kind, numel)
-    call(kind, "sign_decode", p.ptr, out.n, None, out.ptr)
-    return _wrap(kind, out)
+    return _decode_bits("sign_decode", packed, None, numel)
 
 
 def efsignsgd_compress(x):
     """EF-signSGD's payload: (bits (x >= 0), scale = [sum |x| / max(1, d)])."""
-    kind = kind_of(x)
-    b = _float32(kind, x)
-    out = kind.empty(packed_size(b.n, 1), "uint8")
-    scale = kind.empty(1, "float32")
-    call(kind, "efsign_compress", b.ptr, b.n, out.ptr, scale.ptr)
-    return _wrap(kind, out, scale)
+    return _bits_and_scalars("efsign_compress", x, 1)
 
 
 def efsignsgd_decompress(packed, scale, numel: int):
     """float32 (2 * bit - 1) * scale[0]."""
-    kind = kind_of(packed)
-    p, s = kind.flat(packed), _same_kind(kind, scale, "float32")
-    out = _decode_out(kind, numel)
-    call(kind, "sign_decode", p.ptr, out.n, s.ptr, out.ptr)
-    return _wrap(kind, out)
+    return _decode_bits("sign_decode", packed, scale, numel)
 
 
 def onebit_compress(x):
     """1-bit SGD's payload: (bits (x >= 0), means [mu0, mu1] of the elements < 0 and >= 0)."""
-    kind = kind_of(x)
-    b = _float32(kind, x)
-    out = kind.empty(packed_size(b.n, 1), "uint8")
-    means = kind.empty(2, "float32")
-    call(kind, "onebit_compress", b.ptr, b.n, out.ptr, means.ptr)
-    return _wrap(kind, out, means)
+    return _bits_and_scalars("onebit_compress", x, 2)
 
 
 def onebit_decompress(packed, means, numel: int):
     """float32 mu0 + bit * (mu1 - mu0)."""
+    return _decode_bits("onebit_decode", packed, means, numel)
+
+
+def _bits_and_scalars(symbol: str, x, scalars: int):
+    """One bit per element and ``scalars`` float32 values per tensor, by the kernel ``symbol``."""
+    kind = kind_of(x)
+    b = _float32(kind, x)
+    out = kind.empty(packed_size(b.n, 1), "uint8")
+    values = kind.empty(scalars, "float32")
+    call(kind, symbol, b.ptr, b.n, out.ptr, values.ptr)
+    return _wrap(kind, out, values)
+
+
+def _decode_bits(symbol: str, packed, scalars, numel: int):
+    """float32 values of ``numel`` bits, decoded by the kernel ``symbol`` with the tensor's
+    float32 ``scalars`` (None: signSGD's +-1)."""
     kind = kind_of(packed)
-    p, m = kind.flat(packed), _same_kind(kind, means, "float32")
+    p = kind.flat(packed)
+    s = None if scalars is None else _same_kind(kind, scalars, "float32")
     out = _decode_out(kind, numel)
-    call(kind, "onebit_decode", p.ptr, out.n, m.ptr, out.ptr)
+    call(kind, symbol, p.ptr, out.n, None if s is None else s.ptr, out.ptr)
     return _wrap(kind, out)
 
 
