@@ -27,7 +27,7 @@ import tensorflow as tf
 from grace import native as _native
 from grace.core import bits as bits_
 from grace.core import draws
-from grace.backends.tensorflow_graph import device_of as _device, graph_fused, on_gpu as _on_gpu
+from grace.backends.tensorflow_graph import device_of as _device, graph_kernel, on_gpu as _on_gpu
 from grace.formats import numpy_dtype
 
 
@@ -443,8 +443,8 @@ class TensorflowBackend:
             return counts > 0
         return tf.tensor_scatter_nd_add(tf.zeros((numel,), values.dtype), idx, values)
 
-    def fused(self, name: str, like, dtype: str = "float32"):
-        """The one-pass kernel ``name`` of grace.native for a float32 tensor, when built: the
+    def native(self, name: str, like, dtype: str = "float32"):
+        """grace.native's kernel ``name`` for a float32 tensor, when built: the
         kernels read its memory in place (CPU, or GPU through DLPack) and return TensorFlow
         tensors. Inside tf.function the call becomes a tf.py_function node, which runs the
         kernel on the step's eager tensors (when the tensor's length and the kernel's device
@@ -452,8 +452,8 @@ class TensorflowBackend:
         if dtype != "float32":
             return None
         if tf.executing_eagerly():
-            return _native.fused(name, like) if hasattr(like, "numpy") else None
-        return graph_fused(name, like)
+            return _native.kernel(name, like) if hasattr(like, "numpy") else None
+        return graph_kernel(name, like)
 
     def pack(self, codes, bits: int):
         return bits_.pack_codes(self, codes, bits)

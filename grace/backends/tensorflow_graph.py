@@ -1,9 +1,9 @@
 """grace.native's kernels inside a traced ``tf.function``: each call becomes a ``tf.py_function``
 node that runs the kernel on the step's eager tensors.
 
-The TensorFlow backend asks here (``graph_fused``) when it is tracing; eager calls go to
+The TensorFlow backend asks here (``graph_kernel``) when it is tracing; eager calls go to
 grace.native directly. The node's output dtypes and variable-length outputs come from the
-kernel table (``grace.native.FUSED``); its static shapes from running the kernel once on zeros
+kernel table (``grace.native.KERNELS``); its static shapes from running the kernel once on zeros
 while tracing.
 """
 from __future__ import annotations
@@ -42,11 +42,11 @@ def _static_shapes(kernel, args, count: int) -> list:
     return [list(t.shape) for t in (out if isinstance(out, tuple) else (out,))]
 
 
-def graph_fused(name: str, like):
+def graph_kernel(name: str, like):
     """Kernel ``name`` as a function that adds a tf.py_function node to the graph being traced,
     or None where no built kernel serves ``like``'s device or its length is unknown (the
     method then traces its tensor-op formula)."""
-    spec = native.FUSED[name]
+    spec = native.KERNELS[name]
     if not tf.is_tensor(like):
         return None
     device = "cuda" if on_gpu(like) else "cpu"

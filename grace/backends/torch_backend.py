@@ -37,13 +37,13 @@ def _counter_hashes(counts, seeds, device):
     return draws.draw_hashes(j, (words[:, 0][segment], words[:, 1][segment])), segment, starts
 
 
-def _drawn_natively(fn, dtype, counts, seeds, device):
-    """grace.native's ``fn`` (uniform_segments, hash_keys_segments: one launch for all segments)
-    into a new tensor on a GPU, or None where it is not built."""
+def _drawn_natively(name: str, dtype, counts, seeds, device):
+    """grace.native's kernel ``name`` (uniform_segments, hash_keys_segments: one launch for all
+    segments) into a new tensor on a GPU, or None where it is not built."""
     if device.type != "cuda" or not _native.available("cuda"):
         return None
     out = torch.empty(sum(counts), dtype=dtype, device=device)
-    return _native._unless_unavailable(fn, counts, [draws.seed_words(seed) for seed in seeds], out)
+    return _native.run(name, out, counts, [draws.seed_words(seed) for seed in seeds], out)
 
 
 def _single_column(x) -> bool:
@@ -255,7 +255,7 @@ class TorchBackend:
 
     def norm(self, x, axis=None):
         if axis is None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
-            out = _native.try_norm(x)  # NumPy's sum, bit for bit (one pass in csrc/) when built
+            out = _native.run("norm", x, x)  # NumPy's sum, bit for bit (one pass in csrc/) when built
             if out is not None:
                 return out.reshape(())
         x = x if x.dtype in (torch.float32, torch.float64) else x.float()
@@ -271,7 +271,7 @@ class TorchBackend:
         device = like.device if like is not None else torch.device("cpu")
         if device.type == "cpu":
             return torch.from_numpy(draws.uniform_host(counts, seeds))
-        drawn = _drawn_natively(_native.uniform_segments, torch.float32, counts, seeds, device)
+        drawn = _drawn_natively("uniform_segments", torch.float32, counts, seeds, device)
         if drawn is not None:
             return drawn
         hashes, _, _ = _counter_hashes(counts, seeds, device)
@@ -287,7 +287,7 @@ class TorchBackend:
         device = like.device if like is not None else torch.device("cpu")
         if not _counter_indices(device):
             return torch.from_numpy(draws.random_indices_host(numels, ks, seeds))
-        keys = _drawn_natively(_native.hash_keys_segments, torch.int64, numels, seeds, device)
+        keys = _drawn_natively("hash_keys_segments", torch.int64, numels, seeds, device)
         if keys is None:
             hashes, segment, starts = _counter_hashes(numels, seeds, device)
             keys = (segment << 32) | hashes
@@ -312,7 +312,7 @@ class TorchBackend:
         if k >= x.numel():
             return torch.arange(x.numel(), device=x.device)
         if x.dim() == 1:  # native radix select (csrc/) when built: linear time, indices ascending
-            idx = _native.try_topk_indices(x, k)
+            idx = _native.run("topk_indices", x, x, k)
             if idx is not None:
                 return idx
         return torch.topk(x, k, sorted=False).indices
@@ -324,7 +324,7 @@ class TorchBackend:
             except NotImplementedError:  # a torch without the CUDA kernel
                 pass
         if mask.dim() == 1 and not mask.is_cuda:  # on a GPU torch's own compaction is faster (H200)
-            idx = _native.try_nonzero(mask)
+            idx = _native.run("nonzero", mask, mask)
             if idx is not None:
                 return idx
         return torch.nonzero(mask, as_tuple=True)[0]
@@ -333,7 +333,7 @@ class TorchBackend:
         """Indices (int64, ascending) of the elements of the 1-d ``x`` with |x| >= threshold:
         on a CPU one native pass, with no |x| or mask tensor."""
         if not x.is_cuda:
-            idx = _native.try_threshold_indices(x, float(threshold))
+            idx = _native.run("threshold_indices", x, x, float(threshold))
             if idx is not None:
                 return idx
         return self.nonzero(x.abs() >= threshold)
@@ -346,7 +346,7 @@ class TorchBackend:
 
     def scatter_add(self, idx, values, numel: int):
         if idx.dim() == 1 and values.dim() == 1:
-            out = _native.try_scatter_add(idx, values, numel)
+            out = _native.run("scatter_add", values, idx, values, numel)
             if out is not None:
                 return out
         out = torch.zeros(int(numel), dtype=values.dtype, device=values.device)
@@ -375,7 +375,7 @@ class TorchBackend:
         return torch.zeros(int(length), dtype=torch.int64, device=idx.device).index_add_(0, idx, ones)
 
     def scatter_add_rows(self, idx_rows, value_rows, numel: int):
-        out = _native.try_scatter_add_many(list(zip(value_rows, idx_rows)), numel)  # row after row
+        out = _native.run("scatter_add_many", value_rows[0], list(zip(value_rows, idx_rows)), numel)  # row after row
         if out is not None:
             return out
         out = torch.zeros(int(numel), dtype=value_rows[0].dtype, device=value_rows[0].device)
@@ -386,17 +386,17 @@ class TorchBackend:
 
     # --- native kernels ------------------------------------------------------------------
     def pack(self, codes, bits: int):
-        packed = _native.try_pack(codes, bits)  # one pass (csrc/) when built
+        packed = _native.run("pack", codes, codes, bits)  # one pass (csrc/) when built
         return bits_.pack_codes(self, codes, bits) if packed is None else packed
 
     def unpack(self, packed, bits: int, numel: int):
-        codes = _native.try_unpack(packed, bits, numel) if bits != 8 else None
+        codes = _native.run("unpack", packed, packed, bits, numel) if bits != 8 else None
         return bits_.unpack_codes(self, packed, bits, numel) if codes is None else codes
 
-    def fused(self, name: str, like, dtype: str = "float32"):
-        """The one-pass kernel ``name`` of grace.native for a float32 gradient on the device of
-        ``like``, when it is built (None otherwise: the method's tensor-op formula runs)."""
-        return _native.fused(name, like) if dtype == "float32" and not like.requires_grad else None
+    def native(self, name: str, like, dtype: str = "float32"):
+        """grace.native's kernel ``name`` for a float32 gradient on the device of ``like``, when it
+        is built (None otherwise: the method's tensor-op formula runs)."""
+        return _native.kernel(name, like) if dtype == "float32" and not like.requires_grad else None
 
     # --- linear algebra (2-d) ------------------------------------------------------------
     def matmul(self, a, b):

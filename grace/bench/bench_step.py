@@ -218,8 +218,8 @@ def take_accelerator_path() -> dict:
     run, as on a GPU). Returns the counter of the reads back a GPU would wait for ("waits")."""
     counted = {"waits": 0}
     TorchBackend.on_accelerator = lambda self, x: True
-    fused, read = grace.native.fused, TorchBackend.host_ints
-    grace.native.fused = lambda name, like: fused(name, like) if "cuda" in grace.native.FUSED[name].devices else None
+    kernel, read = grace.native.kernel, TorchBackend.host_ints
+    grace.native.kernel = lambda name, like: kernel(name, like) if grace.native.KERNELS[name].cuda else None
 
     def host_ints(self, x, count: int):
         counted["waits"] += 1

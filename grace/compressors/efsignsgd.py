@@ -24,7 +24,7 @@ class EFSignSGD(SignBits):
         self.lr = check_number(lr, "lr", strict=True, note=" (the optimizer's learning rate)")
 
     def compress(self, xp, x, info):
-        fused = xp.fused("efsignsgd_compress", x, xp.dtype(x))  # one pass, when built
+        fused = xp.native("efsignsgd_compress", x, xp.dtype(x))  # one pass, when built
         if fused:
             return fused(x), Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
@@ -36,7 +36,7 @@ class EFSignSGD(SignBits):
 
     def decompress(self, xp, payload, ctx):
         packed, scale = payload
-        fused = xp.fused("efsignsgd_decompress", packed, ctx.dtype)
+        fused = xp.native("efsignsgd_decompress", packed, ctx.dtype)
         if fused:
             return xp.reshape(fused(packed, scale, ctx.numel), ctx.shape)
         signs = xp.cast(bits.unpack(xp, packed, 1, ctx.numel), "float32") * 2 - 1

@@ -9,7 +9,7 @@ rounding stays unbiased there too.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import check_seed, Collective, Compressor, drawn_natively, Shape, Traits
+from grace.core.compressor import check_seed, Collective, Compressor, compressed_natively, Shape, Traits
 from grace.core.floats import floor_log2
 from grace.core.registry import register
 from grace.memories import make_memory
@@ -27,14 +27,11 @@ class Natural(Compressor):
 
     def compress(self, xp, x, info):
         seed = info.rank_seed(self.seed)
-        drawn = drawn_natively(xp, "natural_compress_drawn", x, seed)
-        if drawn is not None:
-            return drawn, Shape(xp.shape(x), xp.dtype(x))
+        native = compressed_natively(xp, "natural_compress", x, seed, lambda: xp.numel(x))
+        if native is not None:
+            return native, Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
         u = xp.uniform(xp.numel(flat), seed, like=flat)
-        fused = xp.fused("natural_compress", x, xp.dtype(x))  # one pass, when built
-        if fused:
-            return fused(x, u), Shape(xp.shape(x), xp.dtype(x))
         magnitude = xp.abs(flat)
         low_code = floor_log2(xp, magnitude, lowest=-_BIAS) + _BIAS  # 0 .. 254
         low = xp.where(low_code > 0, xp.exp2(low_code - _BIAS), magnitude * 0)
@@ -50,7 +47,7 @@ class Natural(Compressor):
 
     def decompress(self, xp, payload, ctx):
         negative, codes = payload
-        fused = xp.fused("natural_decompress", codes, ctx.dtype)
+        fused = xp.native("natural_decompress", codes, ctx.dtype)
         if fused:
             return xp.reshape(fused(negative, codes, ctx.numel), ctx.shape)
         codes = xp.cast(codes, "float32")

@@ -18,7 +18,7 @@ class OneBit(SignBits):
     traits = replace(SignBits.traits, nonfinite_field=1)  # the means
 
     def compress(self, xp, x, info):
-        fused = xp.fused("onebit_compress", x, xp.dtype(x))  # one pass, when built
+        fused = xp.native("onebit_compress", x, xp.dtype(x))  # one pass, when built
         if fused:
             return fused(x), Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
@@ -35,7 +35,7 @@ class OneBit(SignBits):
 
     def decompress(self, xp, payload, ctx):
         packed, means = payload
-        fused = xp.fused("onebit_decompress", packed, ctx.dtype)
+        fused = xp.native("onebit_decompress", packed, ctx.dtype)
         if fused:
             return xp.reshape(fused(packed, means, ctx.numel), ctx.shape)
         bit = xp.cast(bits.unpack(xp, packed, 1, ctx.numel), "float32")

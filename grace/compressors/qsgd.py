@@ -11,7 +11,7 @@ import math
 
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import check_seed, Collective, Compressor, drawn_natively, Shape, Traits
+from grace.core.compressor import check_seed, Collective, Compressor, compressed_natively, Shape, Traits
 from grace.core.registry import example, register
 from grace.formats import qsgd_bucket
 from grace.memories import make_memory
@@ -45,16 +45,14 @@ class QSGD(Compressor):
 
     def compress(self, xp, x, info):
         seed = info.rank_seed(self.seed)
-        drawn = drawn_natively(xp, "qsgd_compress_drawn", x, seed, self.levels, self.bucket_size)
-        if drawn is not None:
-            return drawn, Shape(xp.shape(x), xp.dtype(x))
+        d = xp.numel(x)
+        native = compressed_natively(xp, "qsgd_compress", x, seed, lambda: self.rows_of(d) * self.bucket_of(d),
+                                     self.levels, self.bucket_size)
+        if native is not None:
+            return native, Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
-        d = xp.numel(flat)
         rows = self._buckets(xp, flat, d)
         u = xp.uniform(xp.numel(rows), seed, like=flat)
-        fused = xp.fused("qsgd_compress", x, xp.dtype(x))  # one pass after the norms, when built
-        if fused:
-            return fused(x, u, self.levels, self.bucket_size), Shape(xp.shape(x), xp.dtype(x))
         norms = xp.norm(rows, axis=1)
         safe = xp.where(norms > 0, norms, norms + 1)
         r = xp.abs(rows) * self.levels / xp.reshape(safe, (-1, 1))
@@ -74,7 +72,7 @@ class QSGD(Compressor):
 
     def decompress(self, xp, payload, ctx):
         packed, norms = payload
-        fused = xp.fused("qsgd_decompress", packed, ctx.dtype)
+        fused = xp.native("qsgd_decompress", packed, ctx.dtype)
         if fused:
             return xp.reshape(fused(packed, norms, ctx.numel, self.levels, self.bucket_size), ctx.shape)
         codes = xp.cast(bits.unpack(xp, packed, self.bits, ctx.numel), "float32")

@@ -21,7 +21,7 @@ class SignSGD(Compressor):
         self.aggregate_by = aggregate
 
     def compress(self, xp, x, info):
-        fused = xp.fused("signsgd_compress", x, xp.dtype(x))  # one pass, when built
+        fused = xp.native("signsgd_compress", x, xp.dtype(x))  # one pass, when built
         packed = fused(x) if fused else bits.pack(xp, xp.flatten(x) >= 0, 1)
         return (packed,), Shape(xp.shape(x), xp.dtype(x))
 
@@ -29,7 +29,7 @@ class SignSGD(Compressor):
         return ctx.numel
 
     def decompress(self, xp, payload, ctx):
-        fused = xp.fused("signsgd_decompress", payload[0], ctx.dtype)
+        fused = xp.native("signsgd_decompress", payload[0], ctx.dtype)
         if fused:
             return xp.reshape(fused(payload[0], ctx.numel), ctx.shape)
         signs = xp.cast(bits.unpack(xp, payload[0], 1, ctx.numel), ctx.dtype) * 2 - 1

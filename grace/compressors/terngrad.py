@@ -7,7 +7,7 @@ Codes 0 (zero), 1 (+s), 2 (-s) at 2 bits; s travels as one float32.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
-from grace.core.compressor import check_seed, Collective, Compressor, drawn_natively, Shape, Traits
+from grace.core.compressor import check_seed, Collective, Compressor, compressed_natively, Shape, Traits
 from grace.core.registry import register
 from grace.memories import make_memory
 
@@ -21,14 +21,11 @@ class TernGrad(Compressor):
 
     def compress(self, xp, x, info):
         seed = info.rank_seed(self.seed)
-        drawn = drawn_natively(xp, "terngrad_compress_drawn", x, seed)
-        if drawn is not None:
-            return drawn, Shape(xp.shape(x), xp.dtype(x))
+        native = compressed_natively(xp, "terngrad_compress", x, seed, lambda: xp.numel(x))
+        if native is not None:
+            return native, Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
         u = xp.uniform(xp.numel(flat), seed, like=flat)
-        fused = xp.fused("terngrad_compress", x, xp.dtype(x))  # one pass, when built
-        if fused:
-            return fused(x, u), Shape(xp.shape(x), xp.dtype(x))
         scale = xp.max(xp.abs(flat))
         safe = xp.where(scale > 0, scale, scale + 1)
         keep = u < xp.abs(flat) / safe
@@ -40,7 +37,7 @@ class TernGrad(Compressor):
 
     def decompress(self, xp, payload, ctx):
         packed, scale = payload
-        fused = xp.fused("terngrad_decompress", packed, ctx.dtype)
+        fused = xp.native("terngrad_decompress", packed, ctx.dtype)
         if fused:
             return xp.reshape(fused(packed, scale, ctx.numel), ctx.shape)
         codes = bits.unpack(xp, packed, 2, ctx.numel)

@@ -37,7 +37,7 @@ import math
 import numbers
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from grace.core import draws
 from grace.formats import index_dtype  # noqa: F401  (re-exported: methods import it from here)
@@ -204,11 +204,11 @@ def finished(compressor, xp, total, n: int, fresh: bool):
 
 
 def native_or_none(xp, name: str, like, *args, **kwargs):
-    """grace.native's function ``name`` (``xp.fused``: built, for like's device and dtype) called
+    """grace.native's kernel ``name`` (``xp.native``: built, for like's device and dtype) called
     with ``args``: its result, or None where it is not there or cannot take these tensors
     (another dtype or device, an output it cannot write in place), for the caller's tensor-op
     path."""
-    fused = xp.fused(name, like, xp.dtype(like)) if name else None
+    fused = xp.native(name, like, xp.dtype(like)) if name else None
     if not fused:
         return None
     try:
@@ -217,13 +217,16 @@ def native_or_none(xp, name: str, like, *args, **kwargs):
         return None
 
 
-def drawn_natively(xp, name: str, x, seed, *args):
-    """grace.native's kernel ``name`` that makes the counter-based draws of ``seed`` itself,
-    called on ``x`` (and ``args``): no tensor of draws written and read back (CPU). None where
-    it does not run here, or where the step is not a known int (a traced TensorFlow step)."""
-    if not isinstance(seed[1], numbers.Integral):
-        return None
-    return native_or_none(xp, name, x, x, draws.seed_words(seed), *args)
+def compressed_natively(xp, name: str, x, seed, draws_count: Callable[[], int], *args):
+    """``x`` compressed in one pass by grace.native's ``name`` (with ``args``): by "<name>_drawn",
+    which makes the counter-based draws of ``seed`` itself (a CPU, a step known as an int: no
+    tensor of draws), else on ``draws_count()`` draws made here. None where neither runs."""
+    if isinstance(seed[1], numbers.Integral):
+        drawn = native_or_none(xp, f"{name}_drawn", x, x, draws.seed_words(seed), *args)
+        if drawn is not None:
+            return drawn
+    fused = xp.native(name, x, xp.dtype(x))
+    return fused(x, xp.uniform(draws_count(), seed, like=x), *args) if fused else None
 
 
 def written(xp, x, out):

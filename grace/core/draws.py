@@ -71,10 +71,9 @@ def uniform_numpy(counts: Sequence[int], seeds: Sequence) -> np.ndarray:
 def uniform_host(counts: Sequence[int], seeds: Sequence) -> np.ndarray:
     """``uniform_numpy``'s draws, by one native call where the CPU kernels are built."""
     counts = [int(c) for c in counts]
-    try:
-        return native.uniform_segments(counts, [seed_words(s) for s in seeds], np.empty(sum(counts), np.float32))
-    except native.NativeUnavailable:
-        return uniform_numpy(counts, seeds)
+    out = np.empty(sum(counts), np.float32)
+    drawn = native.run("uniform_segments", out, counts, [seed_words(s) for s in seeds], out)
+    return uniform_numpy(counts, seeds) if drawn is None else drawn
 
 
 def _index_draws(j, numel: int, words):
@@ -103,9 +102,9 @@ def random_indices_numpy(numel: int, k: int, seed) -> np.ndarray:
 def random_indices_host(numels: Sequence[int], ks: Sequence[int], seeds: Sequence) -> np.ndarray:
     """``random_indices_numpy`` of every segment in a row, by one native call where built."""
     numels, ks = [int(d) for d in numels], [int(k) for k in ks]
-    try:
-        return native.random_indices_segments(numels, ks, [seed_words(s) for s in seeds],
-                                              np.empty(sum(ks), np.int64))
-    except native.NativeUnavailable:
+    out = np.empty(sum(ks), np.int64)
+    drawn = native.run("random_indices_segments", out, numels, ks, [seed_words(s) for s in seeds], out)
+    if drawn is None:
         parts = [random_indices_numpy(d, k, s) for d, k, s in zip(numels, ks, seeds)]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return drawn

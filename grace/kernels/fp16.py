@@ -10,7 +10,7 @@ from grace.core.plans.kernels import MethodKernels, kernels_for
 class FP16Kernels(MethodKernels):
     def compress_many_into(self, xp, gs, infos, buffer):
         dtype = self.compressor.dtype
-        if dtype != "float16" or not xp.fused("fp16_compress_many_into", gs[0], xp.dtype(gs[0])):
+        if dtype != "float16" or not xp.native("fp16_compress_many_into", gs[0], xp.dtype(gs[0])):
             return None
         numels = [xp.numel(g) for g in gs]
         pieces = xp.split(buffer(dtype, sum(numels)), numels)

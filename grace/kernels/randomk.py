@@ -18,7 +18,7 @@ class RandomKKernels(MethodKernels):
         compensate, gather and the new memory (p, with p - (0 + v) at the sent indices), with
         every gradient's indices drawn first by one call of the backend's draws."""
         randomk = self.compressor
-        if not xp.fused("randomk_ef_step_many", gs[0], xp.dtype(gs[0])):
+        if not xp.native("randomk_ef_step_many", gs[0], xp.dtype(gs[0])):
             return None
         numels = [xp.numel(g) for g in gs]
         ks = [sent_count(randomk.ratio, d) for d in numels]

@@ -27,7 +27,7 @@ class SparseKernels(MethodKernels):
     select_kernel = None
 
     def compress_with_residual(self, xp, g, residual, beta, gamma, info, out=None):
-        fused = xp.fused(self.residual_kernel, g, xp.dtype(g)) if self.residual_kernel else None
+        fused = xp.native(self.residual_kernel, g, xp.dtype(g)) if self.residual_kernel else None
         if not fused:
             return None
         where = {} if out is None else {"out": out}
@@ -66,7 +66,7 @@ class SparseKernels(MethodKernels):
     def compress_segments(self, xp, p, table, infos):
         if self.compressor.traits.variable_length:
             return self._selected_segments(xp, p, table, infos)
-        fused = xp.fused(f"{self.select_kernel}_segments", p, xp.dtype(p)) if self.select_kernel else None
+        fused = xp.native(f"{self.select_kernel}_segments", p, xp.dtype(p)) if self.select_kernel else None
         if fused:  # the per-tensor kernel on each segment
             return fused(p, table.starts, table.numels, self._ks(table)), None, None
         take = self.compressor.select_segments(xp, p, table, infos)
@@ -95,7 +95,7 @@ class SparseKernels(MethodKernels):
     def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
         if self.compressor.traits.variable_length:  # (selected by tensor ops: _selected_segments)
             return None
-        fused = xp.fused(f"{self.residual_kernel}_segments", g, xp.dtype(g)) if self.residual_kernel else None
+        fused = xp.native(f"{self.residual_kernel}_segments", g, xp.dtype(g)) if self.residual_kernel else None
         if not fused:
             return None
         values, local, residual = fused(g, residual, table.starts, table.numels, self._ks(table), beta, gamma)
@@ -138,7 +138,7 @@ class DGCKernels(SparseKernels):
         computed only where the call runs): [(payload, ctx, new state)], or None where it does
         not run (or the step is not a known int: a traced TensorFlow step)."""
         dgc, step = self.compressor, infos[0].step
-        if not isinstance(step, numbers.Integral) or not xp.fused("dgc_step_many", gs[0], xp.dtype(gs[0])):
+        if not isinstance(step, numbers.Integral) or not xp.native("dgc_step_many", gs[0], xp.dtype(gs[0])):
             return None
         scales = None if factor is None else [float(factor(g)) for g in gs]
         words = [draws.seed_words(info.rank_seed(dgc.seed)) for info in infos]

@@ -11,10 +11,10 @@ Random methods take their uniform draws ``u`` (float32, one per element, as ``xp
 gives them) as an input: generating them is not part of the kernel.
 
 When a library is missing, or ``GRACE_NATIVE=0``, or ``with disabled():``, the functions raise
-``NativeUnavailable``; ``supports(x)`` says beforehand. The ``try_*`` functions (used by
-TorchBackend) return None on ``NativeUnavailable`` only, and the caller
-takes its tensor-op path; any other error propagates. ``FUSED`` is the table of the one-pass
-functions a compressor may ask a backend for: their C functions, output dtypes and devices.
+``NativeUnavailable``; ``supports(x)`` says beforehand. Other code reaches a function one way:
+by its name in ``KERNELS`` (its C functions per device, its outputs), through ``kernel(name, like)``
+or ``run(name, like, *args)``, which give None where no kernel serves and the caller takes its
+tensor-op path; any other error propagates.
 
 The wrappers sit by family, a module each (its docstring lists its functions with their
 arguments); every public name is exported here, as are the few others that other code reads
@@ -34,7 +34,7 @@ from here (the last imports below). Which module holds which:
     lowrank.py      PowerSGD's products: lowrank_project, lowrank_back, lowrank_expand and their _many forms
     dgc.py          dgc_compensate_into, dgc_step_many
     draws.py        uniform_segments, hash_keys_segments, random_indices_segments
-    kernels.py      FUSED (the kernel table), Kernel, fused, the try_* functions
+    kernels.py      KERNELS (the kernel table), Kernel, kernel, run
     _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments)
     _arrays.py      any toolkit's array as (pointer, length, dtype, stream); outputs of the same kind
     _loader.py      the libraries, their C functions' argument types, the switch (disabled, set_enabled)
@@ -45,7 +45,7 @@ from grace.native._arrays import NativeUnavailable, dlpack_info
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, load_error, set_enabled
 from grace.native.dgc import dgc_compensate_into, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
-from grace.native.kernels import FUSED, Kernel, fused
+from grace.native.kernels import KERNELS, Kernel, kernel, run
 from grace.native.lowrank import (lowrank_back, lowrank_back_many, lowrank_expand, lowrank_expand_many,
                                   lowrank_project, lowrank_project_many)
 from grace.native.natural import (natural_compress, natural_compress_drawn, natural_compress_segments,
@@ -71,19 +71,17 @@ from grace.native.terngrad import (terngrad_compress, terngrad_compress_drawn, t
                                    terngrad_decompress, terngrad_decompress_segments, terngrad_decompress_sum,
                                    terngrad_decompress_sum_into)
 
-# besides __all__, the names other code reads from here: the try_* functions and _unless_unavailable
-# (grace.backends.torch_backend), library (benchmarks, tests), _same_kind (tests), _placed (grace.core.memory)
+# besides __all__, the names other code reads from here: library (benchmarks, tests), _same_kind (tests),
+# _placed (grace.core.memory)
 from grace.native._common import _placed, _same_kind  # noqa: F401
 from grace.native._loader import library  # noqa: F401
-from grace.native.kernels import (_unless_unavailable, try_nonzero, try_norm, try_pack, try_scatter_add,  # noqa: F401
-                                  try_scatter_add_many, try_threshold_indices, try_topk_indices, try_unpack)
 
 __all__ = [
-    "FUSED", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build", "cpu_isa", "dgc_compensate_into",
+    "KERNELS", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build", "cpu_isa", "dgc_compensate_into",
     "dgc_step_many", "disabled", "dlpack_info", "efsignsgd_compress", "efsignsgd_compress_segments",
     "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
     "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_residual_into", "enabled",
-    "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces", "fused", "hash_keys_segments", "load_error",
+    "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces", "hash_keys_segments", "kernel", "load_error",
     "lowrank_back", "lowrank_back_many", "lowrank_expand", "lowrank_expand_many", "lowrank_project",
     "lowrank_project_many",
     "natural_compress", "natural_compress_drawn", "natural_compress_segments", "natural_decompress",
@@ -91,7 +89,7 @@ __all__ = [
     "onebit_compress", "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments",
     "onebit_decompress_sum", "onebit_decompress_sum_into", "onebit_ef_step_many", "onebit_residual_into", "pack",
     "qsgd_compress", "qsgd_compress_drawn", "qsgd_compress_segments", "qsgd_decompress", "qsgd_decompress_segments",
-    "qsgd_decompress_sum", "qsgd_decompress_sum_into", "random_indices_segments", "randomk_ef_step_many", "scatter_add",
+    "qsgd_decompress_sum", "qsgd_decompress_sum_into", "random_indices_segments", "randomk_ef_step_many", "run", "scatter_add",
     "scatter_add_many", "scatter_add_segments_into", "set_enabled", "set_num_threads", "signsgd_compress",
     "signsgd_decompress", "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports", "terngrad_compress",
     "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",

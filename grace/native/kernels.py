@@ -1,12 +1,15 @@
-"""The kernel table: what a backend may ask for (FUSED, fused), and the building blocks
-TorchBackend uses where they apply (the try_* functions: None where no kernel serves)."""
+"""The kernel table: every grace.native function a backend calls, by name (``KERNELS``), and the one
+way to reach it: ``kernel(name, like)`` (the function, where it runs on like's device, else None)
+or ``run(name, like, *args)`` (its result, else None). None sends the caller to its tensor-op code;
+any error other than NativeUnavailable is a real one and propagates."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Tuple, Union
 
 from grace.native._arrays import NativeUnavailable, kind_of
 from grace.native.dgc import dgc_compensate_into, dgc_step_many
+from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
 from grace.native.lowrank import lowrank_back_many, lowrank_expand_many, lowrank_project_many
 from grace.native.natural import (natural_compress, natural_compress_drawn, natural_compress_segments,
                                   natural_decompress, natural_decompress_segments, natural_decompress_sum,
@@ -30,160 +33,160 @@ from grace.native.terngrad import (terngrad_compress, terngrad_compress_drawn, t
                                    terngrad_decompress, terngrad_decompress_segments, terngrad_decompress_sum,
                                    terngrad_decompress_sum_into)
 
+Symbols = Union[str, Tuple[str, ...]]
 
-# --- the kernel table: what a backend may ask for, and what each function returns -----------------
+
 @dataclass(frozen=True)
 class Kernel:
-    """A native function a backend dispatches to: the C functions it calls (grace_cpu_<symbol>,
-    grace_cuda_<symbol>; their argument types: ``_loader.SYMBOLS``), its outputs' dtypes
-    ("index": ``index_dtype`` of the input's length; a graph needs them before it runs), the
-    outputs whose length depends on the values, and the devices that have it."""
+    """A native function and, per device, the C functions it calls there (grace_cpu_<symbol>,
+    grace_cuda_<symbol>, as csrc/include/grace_native.h declares them; none: not on that device);
+    its outputs' dtypes ("index": ``index_dtype`` of the input's length; a traced graph needs them
+    before it runs) and the outputs whose length depends on the values."""
 
     function: Callable
-    symbols: Tuple[str, ...]
     outputs: Tuple[str, ...]
+    cpu: Tuple[str, ...] = ()
+    cuda: Tuple[str, ...] = ()
     variable: Tuple[int, ...] = ()
-    devices: Tuple[str, ...] = ("cpu", "cuda")
+
+    @property
+    def devices(self) -> Tuple[str, ...]:
+        return tuple(device for device in ("cpu", "cuda") if self.symbols_on(device))
+
+    @property
+    def symbols(self) -> Tuple[str, ...]:
+        return tuple(dict.fromkeys(self.cpu + self.cuda))
+
+    def symbols_on(self, device: str) -> Tuple[str, ...]:
+        return getattr(self, device)
 
 
-# The one-pass functions a compressor asks for by name (``xp.fused(name, like)``).
-FUSED: Dict[str, Kernel] = {
-    "signsgd_compress": Kernel(signsgd_compress, ("sign_pack",), ("uint8",)),
-    "signsgd_decompress": Kernel(signsgd_decompress, ("sign_decode",), ("float32",)),
-    "efsignsgd_compress": Kernel(efsignsgd_compress, ("efsign_compress",), ("uint8", "float32")),
-    "efsignsgd_decompress": Kernel(efsignsgd_decompress, ("sign_decode",), ("float32",)),
-    "onebit_compress": Kernel(onebit_compress, ("onebit_compress",), ("uint8", "float32")),
-    "onebit_decompress": Kernel(onebit_decompress, ("onebit_decode",), ("float32",)),
-    "signsgd_decompress_sum": Kernel(signsgd_decompress_sum, ("bits_sum",), ("float32",)),
-    "efsignsgd_decompress_sum": Kernel(efsignsgd_decompress_sum, ("bits_sum",), ("float32",)),
-    "onebit_decompress_sum": Kernel(onebit_decompress_sum, ("bits_sum",), ("float32",)),
-    "terngrad_decompress_sum": Kernel(terngrad_decompress_sum, ("bits_sum",), ("float32",)),
-    "qsgd_decompress_sum": Kernel(qsgd_decompress_sum, ("qsgd_sum_segments",), ("float32",), devices=("cpu",)),
-    "natural_decompress_sum": Kernel(natural_decompress_sum, ("natural_sum_segments",), ("float32",),
-                                     devices=("cpu",)),
-    "qsgd_decompress_sum_into": Kernel(qsgd_decompress_sum_into, ("qsgd_sum_segments",), ("float32",),
-                                       devices=("cpu",)),
-    "natural_decompress_sum_into": Kernel(natural_decompress_sum_into, ("natural_sum_segments",), ("float32",),
-                                          devices=("cpu",)),
-    # (on a GPU one launch per kernel for all segments: the *_segments and decode_segments symbols)
-    "efsignsgd_compress_segments": Kernel(efsignsgd_compress_segments, ("efsign_compress", "efsign_compress_segments"),
-                                          ("uint8", "float32")),
-    "efsignsgd_decompress_segments": Kernel(efsignsgd_decompress_segments, ("sign_decode", "decode_segments"),
-                                            ("float32",)),
-    "onebit_compress_segments": Kernel(onebit_compress_segments, ("onebit_compress", "onebit_compress_segments"),
-                                       ("uint8", "float32")),
-    "onebit_decompress_segments": Kernel(onebit_decompress_segments, ("onebit_decode", "decode_segments"),
-                                         ("float32",)),
-    "topk_compress_segments": Kernel(topk_compress_segments, ("topk",), ("float32", "int64")),
-    "topk_ef_step_segments": Kernel(topk_ef_step_segments, ("topk_ef", "topk_ef_segments"),
-                                    ("float32", "int64", "float32")),
-    "terngrad_compress_segments": Kernel(terngrad_compress_segments,
-                                         ("maxabs", "terngrad_compress", "terngrad_compress_segments"),
-                                         ("uint8", "float32")),
-    "terngrad_decompress_segments": Kernel(terngrad_decompress_segments, ("terngrad_decode", "decode_segments"),
-                                           ("float32",)),
-    "qsgd_compress_segments": Kernel(qsgd_compress_segments, ("qsgd_compress", "qsgd_compress_segments"),
-                                     ("uint8", "float32")),
-    "qsgd_decompress_segments": Kernel(qsgd_decompress_segments, ("qsgd_decode", "decode_segments"), ("float32",)),
-    "natural_compress_segments": Kernel(natural_compress_segments, ("natural_compress", "natural_compress_segments"),
-                                        ("uint8", "uint8")),
-    "natural_decompress_segments": Kernel(natural_decompress_segments, ("natural_decode", "decode_segments"),
-                                          ("float32",)),
-    "terngrad_compress": Kernel(terngrad_compress, ("maxabs", "terngrad_compress"), ("uint8", "float32")),
-    "terngrad_decompress": Kernel(terngrad_decompress, ("terngrad_decode",), ("float32",)),
-    "qsgd_compress": Kernel(qsgd_compress, ("qsgd_norms", "qsgd_compress"), ("uint8", "float32")),
-    "qsgd_decompress": Kernel(qsgd_decompress, ("qsgd_decode",), ("float32",)),
-    "natural_compress": Kernel(natural_compress, ("natural_compress",), ("uint8", "uint8")),
-    "natural_compress_drawn": Kernel(natural_compress_drawn, ("natural_compress_drawn",), ("uint8", "uint8"),
-                                     devices=("cpu",)),
-    "terngrad_compress_drawn": Kernel(terngrad_compress_drawn, ("terngrad_compress_drawn",), ("uint8", "float32"),
-                                      devices=("cpu",)),
-    "qsgd_compress_drawn": Kernel(qsgd_compress_drawn, ("qsgd_compress_drawn",), ("uint8", "float32"),
-                                  devices=("cpu",)),
-    "natural_decompress": Kernel(natural_decompress, ("natural_decode",), ("float32",)),
-    "topk_ef_step": Kernel(topk_ef_step, ("topk_ef",), ("float32", "index", "float32")),
-    "threshold_ef_step": Kernel(threshold_ef_step, ("threshold_ef",), ("float32", "index", "float32"),
-                                variable=(0, 1)),
-    # a bucket in one call (lists in, lists out; eager CPU tensors only)
-    "topk_ef_step_many": Kernel(topk_ef_step_many, ("topk_ef_many",), ("float32", "index", "float32"),
-                                devices=("cpu",)),
-    "threshold_ef_step_many": Kernel(threshold_ef_step_many, ("threshold_ef_many",), ("float32", "index", "float32"),
-                                     devices=("cpu",), variable=(0, 1)),
-    "randomk_ef_step_many": Kernel(randomk_ef_step_many, ("randomk_ef_many",), ("float32", "float32"),
-                                   devices=("cpu",)),
-    "scatter_add_segments_into": Kernel(scatter_add_segments_into, ("scatter_add_segments",), ("float32",),
-                                        devices=("cpu",)),
-    "dgc_compensate_into": Kernel(dgc_compensate_into, ("dgc_compensate",), ("float32", "float32"),
-                                  devices=("cpu",)),
-    "lowrank_project_many": Kernel(lowrank_project_many, ("lowrank_project_many",), ("float32",), devices=("cpu",)),
-    "lowrank_back_many": Kernel(lowrank_back_many, ("lowrank_back_many",), ("float32",), devices=("cpu",)),
-    "lowrank_expand_many": Kernel(lowrank_expand_many, ("lowrank_expand_many",), ("float32",), devices=("cpu",)),
-    "compress_many": Kernel(compress_many, ("compress_many",), ("uint8", "float32"), devices=("cpu",)),
-    "dgc_step_many": Kernel(dgc_step_many, ("dgc_step_many",), ("float32", "index"), devices=("cpu",), variable=(0, 1)),
-    "fp16_compress_many_into": Kernel(fp16_compress_many_into, ("half_encode_many",), ("float16",), devices=("cpu",)),
-    "fp16_decompress_many_into": Kernel(fp16_decompress_many_into, ("half_decode_many",), ("float32",),
-                                        devices=("cpu",)),
-    "efsignsgd_ef_step_many": Kernel(efsignsgd_ef_step_many, ("bits_ef_many",), ("uint8", "float32", "float32"),
-                                     devices=("cpu",)),
-    "onebit_ef_step_many": Kernel(onebit_ef_step_many, ("bits_ef_many",), ("uint8", "float32", "float32"),
-                                  devices=("cpu",)),
-    "efsignsgd_residual_into": Kernel(efsignsgd_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
-    "onebit_residual_into": Kernel(onebit_residual_into, ("bits_residual",), ("float32",), devices=("cpu",)),
-    **{f"{method}_decompress_sum_into": Kernel(function, ("bits_sum_segments",), ("float32",), devices=("cpu",))
+def _tuple(symbols: Symbols) -> Tuple[str, ...]:
+    return (symbols,) if isinstance(symbols, str) else tuple(symbols)
+
+
+def both(function, symbols: Symbols, outputs, cuda: Symbols = None, **kw) -> Kernel:
+    """A kernel on the CPU and on a GPU (``cuda``: where the GPU calls other C functions)."""
+    return Kernel(function, _tuple(outputs), _tuple(symbols), _tuple(symbols if cuda is None else cuda), **kw)
+
+
+def cpu(function, symbols: Symbols, outputs, **kw) -> Kernel:
+    """A kernel of the CPU library only (a bucket in one call; lists in, lists out)."""
+    return Kernel(function, _tuple(outputs), _tuple(symbols), **kw)
+
+
+def gpu(function, symbols: Symbols, outputs, **kw) -> Kernel:
+    """A kernel of the CUDA library only."""
+    return Kernel(function, _tuple(outputs), cuda=_tuple(symbols), **kw)
+
+
+
+KERNELS: Dict[str, Kernel] = {
+    # building blocks (TorchBackend's ops, grace.core.draws)
+    "pack": both(pack, "pack", "uint8"),
+    "unpack": both(unpack, "unpack", "uint8"),
+    "topk_indices": both(topk_indices, "topk", "int64"),
+    "threshold_indices": both(threshold_indices, "threshold", "int64", variable=(0,)),
+    "nonzero": both(nonzero, "nonzero", "int64", variable=(0,)),
+    "norm": cpu(norm, "qsgd_norms", "float32"),
+    "scatter_add": both(scatter_add, "scatter_add", "float32"),
+    "scatter_add_many": both(scatter_add_many, "scatter_add", "float32"),
+    "uniform_segments": both(uniform_segments, "uniform_segments", "float32"),
+    "hash_keys_segments": gpu(hash_keys_segments, "hash_keys_segments", "int64"),
+    "random_indices_segments": cpu(random_indices_segments, "random_indices_segments", "int64"),
+    # one tensor's compression or decompression in one pass
+    "signsgd_compress": both(signsgd_compress, "sign_pack", "uint8"),
+    "signsgd_decompress": both(signsgd_decompress, "sign_decode", "float32"),
+    "efsignsgd_compress": both(efsignsgd_compress, "efsign_compress", ("uint8", "float32")),
+    "efsignsgd_decompress": both(efsignsgd_decompress, "sign_decode", "float32"),
+    "onebit_compress": both(onebit_compress, "onebit_compress", ("uint8", "float32")),
+    "onebit_decompress": both(onebit_decompress, "onebit_decode", "float32"),
+    "terngrad_compress": both(terngrad_compress, ("maxabs", "terngrad_compress"), ("uint8", "float32")),
+    "terngrad_decompress": both(terngrad_decompress, "terngrad_decode", "float32"),
+    "qsgd_compress": both(qsgd_compress, ("qsgd_norms", "qsgd_compress"), ("uint8", "float32")),
+    "qsgd_decompress": both(qsgd_decompress, "qsgd_decode", "float32"),
+    "natural_compress": both(natural_compress, "natural_compress", ("uint8", "uint8")),
+    "natural_decompress": both(natural_decompress, "natural_decode", "float32"),
+    # ... with the counter-based draws made inside (no tensor of draws)
+    "terngrad_compress_drawn": cpu(terngrad_compress_drawn, "terngrad_compress_drawn", ("uint8", "float32")),
+    "qsgd_compress_drawn": cpu(qsgd_compress_drawn, "qsgd_compress_drawn", ("uint8", "float32")),
+    "natural_compress_drawn": cpu(natural_compress_drawn, "natural_compress_drawn", ("uint8", "uint8")),
+    # every rank's payload of one tensor decoded and summed in one pass
+    **{f"{method}_decompress_sum": both(function, "bits_sum", "float32")
+       for method, function in (("signsgd", signsgd_decompress_sum), ("efsignsgd", efsignsgd_decompress_sum),
+                                ("onebit", onebit_decompress_sum), ("terngrad", terngrad_decompress_sum))},
+    "qsgd_decompress_sum": cpu(qsgd_decompress_sum, "qsgd_sum_segments", "float32"),
+    "natural_decompress_sum": cpu(natural_decompress_sum, "natural_sum_segments", "float32"),
+    # ... for every tensor of a bucket, into the caller's outputs
+    **{f"{method}_decompress_sum_into": cpu(function, "bits_sum_segments", "float32")
        for method, function in (("signsgd", signsgd_decompress_sum_into), ("efsignsgd", efsignsgd_decompress_sum_into),
                                 ("onebit", onebit_decompress_sum_into), ("terngrad", terngrad_decompress_sum_into))},
+    "qsgd_decompress_sum_into": cpu(qsgd_decompress_sum_into, "qsgd_sum_segments", "float32"),
+    "natural_decompress_sum_into": cpu(natural_decompress_sum_into, "natural_sum_segments", "float32"),
+    "scatter_add_segments_into": cpu(scatter_add_segments_into, "scatter_add_segments", "float32"),
+    # a bucket's segments: each through the per-tensor function on a CPU, one launch per phase on a GPU
+    "efsignsgd_compress_segments": both(efsignsgd_compress_segments, "efsign_compress", ("uint8", "float32"),
+                                        cuda="efsign_compress_segments"),
+    "efsignsgd_decompress_segments": both(efsignsgd_decompress_segments, "sign_decode", "float32",
+                                          cuda="decode_segments"),
+    "onebit_compress_segments": both(onebit_compress_segments, "onebit_compress", ("uint8", "float32"),
+                                     cuda="onebit_compress_segments"),
+    "onebit_decompress_segments": both(onebit_decompress_segments, "onebit_decode", "float32",
+                                       cuda="decode_segments"),
+    "terngrad_compress_segments": both(terngrad_compress_segments, ("maxabs", "terngrad_compress"),
+                                       ("uint8", "float32"), cuda="terngrad_compress_segments"),
+    "terngrad_decompress_segments": both(terngrad_decompress_segments, "terngrad_decode", "float32",
+                                         cuda="decode_segments"),
+    "qsgd_compress_segments": both(qsgd_compress_segments, "qsgd_compress", ("uint8", "float32"),
+                                   cuda="qsgd_compress_segments"),
+    "qsgd_decompress_segments": both(qsgd_decompress_segments, "qsgd_decode", "float32", cuda="decode_segments"),
+    "natural_compress_segments": both(natural_compress_segments, "natural_compress", ("uint8", "uint8"),
+                                      cuda="natural_compress_segments"),
+    "natural_decompress_segments": both(natural_decompress_segments, "natural_decode", "float32",
+                                        cuda="decode_segments"),
+    "topk_compress_segments": both(topk_compress_segments, "topk", ("float32", "int64")),
+    "topk_ef_step_segments": both(topk_ef_step_segments, "topk_ef", ("float32", "int64", "float32"),
+                                  cuda="topk_ef_segments"),
+    # error feedback fused with selection: one tensor, then a bucket in one call
+    "topk_ef_step": both(topk_ef_step, "topk_ef", ("float32", "index", "float32")),
+    "threshold_ef_step": both(threshold_ef_step, "threshold_ef", ("float32", "index", "float32"), variable=(0, 1)),
+    "topk_ef_step_many": cpu(topk_ef_step_many, "topk_ef_many", ("float32", "index", "float32")),
+    "threshold_ef_step_many": cpu(threshold_ef_step_many, "threshold_ef_many", ("float32", "index", "float32"),
+                                  variable=(0, 1)),
+    "randomk_ef_step_many": cpu(randomk_ef_step_many, "randomk_ef_many", ("float32", "float32")),
+    "efsignsgd_ef_step_many": cpu(efsignsgd_ef_step_many, "bits_ef_many", ("uint8", "float32", "float32")),
+    "onebit_ef_step_many": cpu(onebit_ef_step_many, "bits_ef_many", ("uint8", "float32", "float32")),
+    "efsignsgd_residual_into": cpu(efsignsgd_residual_into, "bits_residual", "float32"),
+    "onebit_residual_into": cpu(onebit_residual_into, "bits_residual", "float32"),
+    "dgc_compensate_into": cpu(dgc_compensate_into, "dgc_compensate", ("float32", "float32")),
+    "dgc_step_many": cpu(dgc_step_many, "dgc_step_many", ("float32", "index"), variable=(0, 1)),
+    # a bucket's payloads, half-precision casts and PowerSGD's products in one call each
+    "compress_many": cpu(compress_many, "compress_many", ("uint8", "float32")),
+    "fp16_compress_many_into": cpu(fp16_compress_many_into, "half_encode_many", "float16"),
+    "fp16_decompress_many_into": cpu(fp16_decompress_many_into, "half_decode_many", "float32"),
+    "lowrank_project_many": cpu(lowrank_project_many, "lowrank_project_many", "float32"),
+    "lowrank_back_many": cpu(lowrank_back_many, "lowrank_back_many", "float32"),
+    "lowrank_expand_many": cpu(lowrank_expand_many, "lowrank_expand_many", "float32"),
 }
 
 
-def fused(name: str, like):
-    """The fused function ``name`` (e.g. 'qsgd_compress') when it runs natively on the device
-    of ``like``, else None: the compressor then runs its tensor-op formula."""
-    kernel = FUSED[name]  # (an unknown name is a bug, not a reason to fall back)
+def kernel(name: str, like):
+    """The function of kernel ``name`` where it runs natively on the device of ``like``, else None."""
+    entry = KERNELS[name]  # (an unknown name is a bug, not a reason to fall back)
     try:
-        kind = kind_of(like)
+        device = kind_of(like).lib.kind
     except NativeUnavailable:
         return None
-    return kernel.function if kind.lib.kind in kernel.devices else None
+    return entry.function if entry.symbols_on(device) else None
 
 
-# --- the building blocks TorchBackend uses where they apply (top-k, nonzero, scatter-add, packing) ---
-def _unless_unavailable(fn, *args, **kwargs):
-    """fn(...), or None where no native kernel serves these inputs (no library, another device,
-    a dtype it does not take: NativeUnavailable); the caller then runs its tensor-op code.
-    Any other error is a real one and propagates."""
+def run(name: str, like, *args, **kwargs):
+    """Kernel ``name`` called with ``args`` where it serves them on like's device; None where it does
+    not (not built, another device, a dtype or layout it does not take: NativeUnavailable)."""
+    function = kernel(name, like)
+    if function is None:
+        return None
     try:
-        return fn(*args, **kwargs)
+        return function(*args, **kwargs)
     except NativeUnavailable:
         return None
-
-
-def try_pack(codes, bits: int):
-    return _unless_unavailable(pack, codes, bits)
-
-
-def try_unpack(packed, bits: int, numel: int):
-    return _unless_unavailable(unpack, packed, bits, numel)
-
-
-def try_topk_indices(x, k: int):
-    return _unless_unavailable(topk_indices, x, k)
-
-
-def try_nonzero(mask):
-    return _unless_unavailable(nonzero, mask)
-
-
-def try_threshold_indices(x, threshold: float):
-    return _unless_unavailable(threshold_indices, x, threshold)
-
-
-def try_norm(x):
-    return _unless_unavailable(norm, x)
-
-
-def try_scatter_add(indices, values, numel: int):
-    return _unless_unavailable(scatter_add, indices, values, numel)
-
-
-def try_scatter_add_many(payloads, numel: int):
-    return _unless_unavailable(scatter_add_many, payloads, numel)

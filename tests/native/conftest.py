@@ -86,8 +86,8 @@ def draws(n: int, seed: int = 1) -> np.ndarray:
 
 
 def count_calls(monkeypatch, name: str) -> list:
-    """A list that each call of the fused kernel ``name`` (grace.native.FUSED) appends to."""
-    calls, kernel = [], gn.FUSED[name]
-    monkeypatch.setitem(gn.FUSED, name, dataclasses.replace(
+    """A list that each call of the fused kernel ``name`` (grace.native.KERNELS) appends to."""
+    calls, kernel = [], gn.KERNELS[name]
+    monkeypatch.setitem(gn.KERNELS, name, dataclasses.replace(
         kernel, function=lambda *a, **k: calls.append(1) or kernel.function(*a, **k)))
     return calls

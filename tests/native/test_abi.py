@@ -35,17 +35,17 @@ def test_the_committed_bindings_are_generated_from_the_header_as_it_is():
     assert abi.main(["--check"]) == 0
 
 
-def test_every_fused_kernel_names_functions_the_header_declares_for_its_devices():
-    """A Kernel's symbols are what its function calls on any of its devices (a bucket's segments:
-    the per-tensor function segment by segment on the CPU, one *_segments launch on CUDA), so each
-    is declared for one of its devices at least, and each device declares one of them at least."""
+def test_every_kernel_names_functions_the_header_declares_for_each_of_its_devices():
+    """A Kernel lists, per device, the C functions its wrapper calls there (a bucket's segments:
+    the per-tensor function segment by segment on the CPU, one *_segments launch on CUDA): each
+    is declared for that device, and a kernel's devices are those with functions."""
     _, tables = abi.parse(abi.HEADER.read_text())
-    for name, kernel in gn.FUSED.items():
-        for symbol in kernel.symbols:
-            devices = [device for device in kernel.devices if symbol in tables[device]]
-            assert devices, f"FUSED[{name!r}]: {symbol} is declared for none of {kernel.devices} in the header"
-        for device in kernel.devices:
-            assert set(kernel.symbols) & set(tables[device]), f"FUSED[{name!r}]: no grace_{device}_ function"
+    for name, kernel in gn.KERNELS.items():
+        assert kernel.devices, f"KERNELS[{name!r}] names no C function"
+        for device in ("cpu", "cuda"):
+            missing = [s for s in kernel.symbols_on(device) if s not in tables[device]]
+            assert not missing, f"KERNELS[{name!r}]: {missing} not declared as grace_{device}_* in the header"
+            assert (device in kernel.devices) == bool(kernel.symbols_on(device)), name
 
 
 def test_the_loader_binds_the_generated_types():

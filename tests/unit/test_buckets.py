@@ -71,7 +71,7 @@ def test_powersgd_on_an_accelerator_is_bucketed_as_per_tensor_bit_for_bit(xp, ra
     single-column orthonormalisations each as one multi-tensor operation), forced here with the
     native kernels off: every result and memory is each gradient's alone."""
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
-    monkeypatch.setattr(type(xp), "fused", lambda self, *args: None)
+    monkeypatch.setattr(type(xp), "native", lambda self, *args: None)
     monkeypatch.setitem(METHODS, "powersgd", lambda: grace.powersgd(rank))
     test_bucketed_equals_per_tensor_bit_for_bit(xp, "powersgd", bucket_mb)
 
@@ -330,12 +330,12 @@ def test_powersgd_writes_its_approximations_straight_over_the_gradients(xp, monk
     written = []
     real = type(xp).matmul_into
     monkeypatch.setattr(type(xp), "matmul_into", lambda self, a, b, out: written.append(out) or real(self, a, b, out))
-    expand = native.FUSED["lowrank_expand_many"]  # (the products on a CPU where grace.native is built)
+    expand = native.KERNELS["lowrank_expand_many"]  # (the products on a CPU where grace.native is built)
 
     def expand_recorded(ps, qs, shapes, outs, *args, **kwargs):
         written.extend(out for out in outs if out is not None)
         return expand.function(ps, qs, shapes, outs, *args, **kwargs)
-    monkeypatch.setitem(native.FUSED, "lowrank_expand_many", dataclasses.replace(expand, function=expand_recorded))
+    monkeypatch.setitem(native.KERNELS, "lowrank_expand_many", dataclasses.replace(expand, function=expand_recorded))
     compression = with_buckets(METHODS["powersgd"], 25)
     fresh = grace.Exchange(compression, ReplicaCommunicator(3))
     overwriting = grace.Exchange(compression, ReplicaCommunicator(3), in_place=True)
@@ -468,13 +468,13 @@ def test_dgc_with_clipping_takes_one_native_call_per_bucket_with_the_per_tensor_
     the call reads g; results, memories and steps as per tensor, bit for bit, with gradients
     clipped (norms 10-50) and not (norms below 3) in one bucket."""
     scales = []
-    step_many = native.FUSED["dgc_step_many"]
+    step_many = native.KERNELS["dgc_step_many"]
 
     def recorded(*args, **kwargs):
         done = step_many.function(*args, **kwargs)
         scales.append((kwargs.get("scales"), done is not None))
         return done
-    monkeypatch.setitem(native.FUSED, "dgc_step_many", dataclasses.replace(step_many, function=recorded))
+    monkeypatch.setitem(native.KERNELS, "dgc_step_many", dataclasses.replace(step_many, function=recorded))
     make = lambda: grace.dgc(0.1, clip_norm=3.0)  # noqa: E731
     reference, want = run(xp, with_buckets(make, 0))
     bucketed, got = run(xp, with_buckets(make, 25))

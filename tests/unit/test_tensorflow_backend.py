@@ -548,7 +548,7 @@ def test_eager_tensors_take_the_native_kernels_with_the_same_bytes(method, monke
     got = run_method(TX, METHODS[method]().compressor, x)
     assert calls, f"{FUSED[method]} was not called for an eager tensor"
     assert_method_agrees(method, got, want, "float32")
-    assert TX.fused(FUSED[method], x) is not None
+    assert TX.native(FUSED[method], x) is not None
 
 
 @pytest.mark.parametrize("method", sorted(FUSED))

@@ -53,7 +53,7 @@ class MethodKernels:
     def aggregate(self, xp, payloads: Sequence[Payload], ctx) -> Any:
         """``compressor.aggregate``, with every rank's payload decoded and summed in one native
         pass where the method has one (``sum_kernel``)."""
-        fused = xp.fused(self.sum_kernel, payloads[0][0], ctx.dtype) if self.sum_kernel else None
+        fused = xp.native(self.sum_kernel, payloads[0][0], ctx.dtype) if self.sum_kernel else None
         if not fused:
             return self.compressor.aggregate(xp, payloads, ctx)
         rows = [xp.concat([xp.flatten(p[i]) for p in payloads]) for i in range(len(payloads[0]))]
@@ -155,7 +155,7 @@ class MethodKernels:
         asks ``decompress_segments``). The segment kernels where built, else each segment's own
         ``compress`` in turn."""
         compressor = self.compressor
-        fused = xp.fused(f"{self.segment_kernel}_compress_segments", p, xp.dtype(p)) if self.segment_kernel else None
+        fused = xp.native(f"{self.segment_kernel}_compress_segments", p, xp.dtype(p)) if self.segment_kernel else None
         if fused:
             counts = table.cached("draws", lambda: self.draws(table.numels))
             drawn = () if counts is None else uniform_draws(xp, counts, infos, compressor.seed, p)
@@ -170,7 +170,7 @@ class MethodKernels:
 
     def decompress_segments(self, xp, fields, ctx, table):
         """Every segment's decompress, flat (allreduce methods: of the summed fields)."""
-        fused = xp.fused(f"{self.segment_kernel}_decompress_segments", fields[0], "float32") \
+        fused = xp.native(f"{self.segment_kernel}_decompress_segments", fields[0], "float32") \
             if self.segment_kernel else None
         if fused:
             return fused(*fields, table.numels, *self.arguments())
