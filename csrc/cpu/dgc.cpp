@@ -68,12 +68,7 @@ int64_t dgc_compensate_select(const float* u, const float* v, const float* g, in
     report(check, bad);
   });
   fence_streams(true);
-  int64_t pos = 0;
-  for (int c = 0; c < nc; ++c) {
-    if (count[c] && pos != lo_of[c]) std::memmove(sel + pos, sel + lo_of[c], count[c] * sizeof(int64_t));
-    pos += count[c];
-  }
-  return pos;
+  return close_gaps(count, lo_of, sel, sizeof(int64_t));
 }
 
 // the momentum correction alone (grace_cpu_dgc_compensate), telling `bad` as above

@@ -13,9 +13,25 @@ void compensate_into(const float* g, const float* r, int64_t n, float beta, floa
 // (selection.cpp) grace_cpu_threshold_ef, telling `bad`; new_r streamed where `stream`
 int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma, int flags,
                      float* values, void* idx, int idx_type, float* new_r, std::atomic<bool>* bad, bool stream);
+
+// Chunk c wrote its count[c] kept elements at the start of its own range (from lo_of[c]) of idx
+// (isz bytes each) and of values (vsize bytes each, where not NULL): move them together. The total.
+inline int64_t close_gaps(const std::vector<int64_t>& count, const std::vector<int64_t>& lo_of, void* idx, size_t isz,
+                          void* values = nullptr, size_t vsize = 0) {
+  int64_t pos = 0;
+  for (size_t c = 0; c < count.size(); ++c) {
+    if (count[c] && pos != lo_of[c]) {
+      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
+      if (values) std::memmove((char*)values + pos * vsize, (char*)values + lo_of[c] * vsize, count[c] * vsize);
+    }
+    pos += count[c];
+  }
+  return pos;
+}
 }  // namespace grace_cpu
 
 namespace {
+using grace_cpu::close_gaps;
 using grace_cpu::compensate_into;
 using grace_cpu::threshold_ef;
 using grace_cpu::threshold_f32;

@@ -33,16 +33,7 @@ int64_t compact_select(int64_t n, void* idx, int idx_type, void* values, size_t 
     count[c] = q - lo;
     lo_of[c] = lo;
   });
-  const size_t isz = idx_size(idx_type);
-  int64_t pos = 0;
-  for (int c = 0; c < nc; ++c) {
-    if (count[c] && pos != lo_of[c]) {
-      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
-      if (values) std::memmove((char*)values + pos * vsize, (char*)values + lo_of[c] * vsize, count[c] * vsize);
-    }
-    pos += count[c];
-  }
-  return pos;
+  return close_gaps(count, lo_of, idx, idx_size(idx_type), values, vsize);
 }
 }  // namespace
 
@@ -77,16 +68,7 @@ int64_t threshold_f32(const float* x, int64_t n, float thr, bool by_abs, void* i
     count[c] = q - lo;
     lo_of[c] = lo;
   });
-  const size_t isz = idx_size(idx_type);
-  int64_t pos = 0;
-  for (int c = 0; c < nc; ++c) {
-    if (count[c] && pos != lo_of[c]) {
-      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
-      if (values) std::memmove(values + pos, values + lo_of[c], count[c] * sizeof(float));
-    }
-    pos += count[c];
-  }
-  return pos;
+  return close_gaps(count, lo_of, idx, idx_size(idx_type), values, sizeof(float));
 }
 }  // namespace grace_cpu
 
@@ -163,14 +145,7 @@ API int64_t grace_cpu_nonzero(const uint8_t* mask, int64_t n, void* idx, int idx
     count[c] = q - lo;
     lo_of[c] = lo;
   });
-  const size_t isz = idx_size(idx_type);
-  int64_t pos = 0;
-  for (int c = 0; c < nc; ++c) {
-    if (count[c] && pos != lo_of[c])
-      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
-    pos += count[c];
-  }
-  return pos;
+  return close_gaps(count, lo_of, idx, idx_size(idx_type));
 }
 
 // p = g*gamma + r*beta into new_r (first pass, with the histogram of |p|), select from it,
@@ -408,16 +383,7 @@ int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float
     count[c] = q - lo;
     lo_of[c] = lo;
   });
-  const size_t isz = idx_size(idx_type);
-  int64_t pos = 0;
-  for (int c = 0; c < nc; ++c) {
-    if (count[c] && pos != lo_of[c]) {
-      std::memmove((char*)idx + pos * isz, (char*)idx + lo_of[c] * isz, count[c] * isz);
-      std::memmove(values + pos, values + lo_of[c], count[c] * sizeof(float));
-    }
-    pos += count[c];
-  }
-  return pos;
+  return close_gaps(count, lo_of, idx, idx_size(idx_type), values, sizeof(float));
 }
 }  // namespace grace_cpu
 
