@@ -140,34 +140,33 @@ API int64_t grace_cuda_topk_ef(const float* g, const float* r, int64_t n, int64_
   return st ? st : k;
 }
 
-API int64_t grace_cuda_threshold(const void* x, int val_type, int64_t n, double thr, int by_abs, void* idx,
-                                 int idx_type, void* values, void* stream) {
-  if (val_type != GRACE_F32 || idx_type < 0 || idx_type > 3 || n < 0) return -1;
+namespace {
+// The elements `pred` keeps, written by `emit` in ascending order: their count (or an error code)
+template <class Pred>
+int64_t compact_kept(const Pred& pred, int64_t n, const EmitIdx& emit, void* stream) {
   if (n == 0) return 0;
   cudaStream_t s = as_stream(stream);
   Scratch sc(256, s);
   if (!sc.p) return -3;
   SelState* st;
   threshold_state(&st, sc, s);
-  const float* xf = static_cast<const float*>(x);
-  EmitIdx emit{idx, idx_type, xf, static_cast<float*>(values), nullptr};
   long long total = 0;
-  int rc = compact(ThresholdPredF{xf, (float)thr, by_abs}, n, st, emit, &total, s);
+  int rc = compact(pred, n, st, emit, &total, s);
   return rc ? rc : total;
+}
+}  // namespace
+
+API int64_t grace_cuda_threshold(const void* x, int val_type, int64_t n, double thr, int by_abs, void* idx,
+                                 int idx_type, void* values, void* stream) {
+  if (val_type != GRACE_F32 || idx_type < 0 || idx_type > 3 || n < 0) return -1;
+  const float* xf = static_cast<const float*>(x);
+  return compact_kept(ThresholdPredF{xf, (float)thr, by_abs}, n,
+                      EmitIdx{idx, idx_type, xf, static_cast<float*>(values), nullptr}, stream);
 }
 
 API int64_t grace_cuda_nonzero(const uint8_t* mask, int64_t n, void* idx, int idx_type, void* stream) {
   if (idx_type < 0 || idx_type > 3 || n < 0) return -1;
-  if (n == 0) return 0;
-  cudaStream_t s = as_stream(stream);
-  Scratch sc(256, s);
-  if (!sc.p) return -3;
-  SelState* st;
-  threshold_state(&st, sc, s);
-  EmitIdx emit{idx, idx_type, nullptr, nullptr, nullptr};
-  long long total = 0;
-  int rc = compact(MaskPred{mask}, n, st, emit, &total, s);
-  return rc ? rc : total;
+  return compact_kept(MaskPred{mask}, n, EmitIdx{idx, idx_type, nullptr, nullptr, nullptr}, stream);
 }
 
 API int64_t grace_cuda_threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma,
