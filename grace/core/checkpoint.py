@@ -121,6 +121,8 @@ def check_state(state: Dict[str, Dict[str, Any]], compression, tensors: Iterable
             template = xp.zeros(int(np.prod(shape)), dtype).reshape(shape)
             if table == "memory":
                 want = _layout(compression.memory.init(xp, template))
+            elif table == "owner":  # (the two-phase exchange's memory of the shard a rank owns)
+                want = _layout(template)
             else:
                 want = _layout(compression.compressor.init_state(xp, template, TensorInfo(name, 0, 1)))
             got = _layout(value)
@@ -146,7 +148,7 @@ def check_origin(origin, state: Dict[str, Dict[str, Any]], rank: int, size: int,
         return
     saved_rank, saved_size = int(origin["rank"]), int(origin["size"])
     if saved_rank != rank:
-        state["memory"] = {}
+        state["memory"], state["owner"] = {}, {}
         if not shared_state:
             state["state"] = {}
         warnings.warn(f"grace: this checkpoint holds rank {saved_rank}'s error-feedback memory; rank {rank} starts "

@@ -9,6 +9,10 @@ primitives, each asynchronous (it returns a zero-argument ``wait`` callable):
     broadcast_async(tensor, root, name)  the root's tensor, on every rank (a receiver's tensor
                                          gives only the size and dtype; it is not written to)
 
+and, for ``communicator='alltoall'``, ``alltoall_async(tensor, splits, name)``: the 1-d tensor
+cut into ``splits[j]`` elements for rank j, in rank order; ``wait()`` gives (what every rank
+sent this one, in rank order, as one tensor; how many elements each sent, a list of ints).
+
 and, where it pays, ``allgather_equal_async`` (the same when all lengths are equal),
 ``grouped_allreduce_async`` (several tensors summed by one collective of the toolkit's own,
 which joins them itself: Horovod's grouped allreduce) and ``allreduce_async_`` /
@@ -46,6 +50,9 @@ class Communicator:
 
     def broadcast_async(self, tensor, root: int, name: str) -> Callable[[], Any]:
         raise NotImplementedError
+
+    def alltoall_async(self, tensor, splits: Sequence[int], name: str) -> Callable[[], Any]:
+        raise NotImplementedError(f"{type(self).__name__} has no alltoall: communicator='alltoall' needs one")
 
     def allgather_equal_async(self, tensor, name: str) -> Callable[[], Any]:
         """``allgather_async`` where every rank sends as many elements as this one (a toolkit
@@ -178,6 +185,9 @@ class LocalCommunicator(Communicator):
     def broadcast_async(self, tensor, root, name):
         return lambda: tensor
 
+    def alltoall_async(self, tensor, splits, name):
+        return lambda: (tensor, [int(splits[0])])
+
 
 class ReplicaCommunicator(Communicator):
     """A world of ``size`` ranks that all send what this one sends, without a network: the
@@ -216,6 +226,11 @@ class ReplicaCommunicator(Communicator):
     def allgather_async(self, tensor, name):
         out = backend_for(tensor).concat([tensor] * self.size)
         return lambda: out
+
+    def alltoall_async(self, tensor, splits, name):
+        mine = int(splits[0])  # (every rank sends this rank, rank 0, what it sends itself)
+        out = backend_for(tensor).concat([tensor[:mine]] * self.size)
+        return lambda: (out, [mine] * self.size)
 
     def broadcast_async(self, tensor, root, name):
         return lambda: tensor

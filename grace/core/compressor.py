@@ -52,6 +52,7 @@ class Collective(str, enum.Enum):
     ALLREDUCE = "allreduce"  # payloads are summed elementwise: needs a linear decompress
     ALLGATHER = "allgather"  # every rank receives every payload, then aggregates locally
     BROADCAST = "broadcast"  # each rank broadcasts its payload in turn, then aggregates locally
+    ALLTOALL = "alltoall"  # each rank owns a shard: gets every rank's payload of it, sends its aggregate
 
     @classmethod
     def parse(cls, value: "str | Collective") -> "Collective":

@@ -272,6 +272,8 @@ class Exchange:
         state["steps"] = states.by_name("steps", state["steps"], self._buckets)
         memory = states.by_name("memory", state["memory"], self._buckets)
         state["memory"] = {name: states.copied(value) for name, value in memory.items()}
+        owner = states.by_name("owner", state["owner"], self._buckets)
+        state["owner"] = {name: states.copied(value) for name, value in owner.items()}
         state["origin"] = self._origin()
         state["method"] = checkpoint.method_of(self.compression)
         return state

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict
 from grace.core.tensors import backend_for
 from grace.core.buffers import flat_concat
 
-TABLES = ("memory", "state", "steps")
+TABLES = ("memory", "state", "steps", "owner")  # owner: the two-phase exchange's memory of its shard
 
 
 class StateStore:
@@ -92,16 +92,15 @@ def gather(bucket, tables: Dict[str, Dict[str, Any]], memory, xp, like, flat_mem
     steps = [tables["steps"].pop(name) for name in bucket.names if name in tables["steps"]]
     if steps:
         out["steps"] = max(int(s) for s in steps)
-    memories = tables["memory"]
-    if flat_memory and any(name in memories for name in bucket.names):
-        parts = []
-        for s in bucket.segments:
-            value = memories.pop(s.name, None)
-            if value is None:
-                value = memory.init(xp, xp.zeros(s.numel, bucket.dtype, like=like))
-            parts.append(value)
-        out["memory"] = (tuple(flat_concat(xp, list(c)) for c in zip(*parts)) if isinstance(parts[0], tuple)
-                         else flat_concat(xp, parts))
+    for table, init in (("memory", memory.init), ("owner", lambda xp, t: t)):
+        values = tables[table]
+        if flat_memory and any(name in values for name in bucket.names):
+            parts = []
+            for s in bucket.segments:
+                value = values.pop(s.name, None)
+                parts.append(init(xp, xp.zeros(s.numel, bucket.dtype, like=like)) if value is None else value)
+            out[table] = (tuple(flat_concat(xp, list(c)) for c in zip(*parts)) if isinstance(parts[0], tuple)
+                          else flat_concat(xp, parts))
     return out
 
 
@@ -109,7 +108,7 @@ def release(old, tables: Dict[str, Dict[str, Any]]) -> None:
     """Bucket ``old`` hands its step counter and memory back per gradient name (its layout
     ended: DDP rebuilt its buckets, or another plan took its gradients). Per-bucket compressor
     state (``scope='bucket'``) belongs to the old layout and ends with it."""
-    for table in ("steps", "memory"):
+    for table in ("steps", "memory", "owner"):
         value = tables[table].pop(old.key, None)
         if value is not None:
             for s in old.segments:

@@ -27,6 +27,12 @@ class MPICommunicator(Communicator):
         gathered = np.concatenate(self.comm.allgather(np.ascontiguousarray(tensor)))
         return lambda: gathered
 
+    def alltoall_async(self, tensor, splits, name):
+        starts = np.cumsum([0, *splits])
+        parts = self.comm.alltoall([np.ascontiguousarray(tensor[a:b]) for a, b in zip(starts[:-1], starts[1:])])
+        received = np.concatenate(parts)
+        return lambda: (received, [len(p) for p in parts])
+
     def broadcast_async(self, tensor, root, name):
         received = self.comm.bcast(tensor if self.rank == root else None, root=root)
         return lambda: received

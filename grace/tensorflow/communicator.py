@@ -1,4 +1,4 @@
-"""The three collective primitives on Horovod's TensorFlow ops (eager or inside tf.function).
+"""The collective primitives on Horovod's TensorFlow ops (eager or inside tf.function).
 
 TensorFlow runs a traced step's ops as their inputs become ready, so the primitives return
 their result at once; ``wait`` only hands it over.
@@ -36,6 +36,12 @@ class HorovodCommunicator(ProcessSetCommunicator):
         gathered = mpi_ops.allgather(wire, name=_op_name("Allgather", name), ignore_name_scope=True,
                                      process_set=self.process_set)
         return lambda: tf.bitcast(gathered, tf.bfloat16) if tensor.dtype == tf.bfloat16 else gathered
+
+    def alltoall_async(self, tensor, splits, name):
+        received, sizes = mpi_ops.alltoall(tensor, splits=tf.cast(tf.stack(list(splits)), tf.int32),
+                                           name=_op_name("Alltoall", name), ignore_name_scope=True,
+                                           process_set=self.process_set)
+        return lambda: (received, sizes.numpy().tolist() if tf.executing_eagerly() else sizes)
 
     def broadcast_async(self, tensor, root, name):
         wire = tf.bitcast(tensor, tf.int16) if tensor.dtype == tf.bfloat16 else tensor

@@ -45,6 +45,16 @@ class HorovodCommunicator(ProcessSetCommunicator):
         handle = mpi_ops.allgather_async(tensor, name=name, process_set=self.process_set)
         return lambda: mpi_ops.synchronize(handle)
 
+    def alltoall_async(self, tensor, splits, name):
+        splits = torch.tensor(list(splits), dtype=torch.int32)
+        handle = mpi_ops.alltoall_async(tensor, splits=splits, name=name, process_set=self.process_set)
+
+        def wait():
+            received, sizes = mpi_ops.synchronize(handle)
+            return received, sizes.tolist()
+
+        return wait
+
     def broadcast_async(self, tensor, root, name):
         wire = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
         handle = mpi_ops.broadcast_async(wire, root_rank=root, name=name, process_set=self.process_set)

@@ -65,6 +65,15 @@ class ProcessGroupCommunicator(Communicator):
         rows = out.view(n, longest)
         return self._launched(work, lambda: torch.cat([rows[r, :lengths[r]] for r in range(n)]))
 
+    def alltoall_async(self, tensor, splits, name):
+        sent = torch.tensor(list(splits), dtype=torch.int64, device=tensor.device)
+        sizes = torch.empty_like(sent)  # what each rank sends this one: told first
+        dist.all_to_all_single(sizes, sent, group=self.group)
+        sizes = sizes.tolist()
+        out = tensor.new_empty(sum(sizes))
+        work = dist.all_to_all_single(out, tensor, sizes, list(splits), group=self.group, async_op=True)
+        return self._launched(work, lambda: (out, sizes))
+
     def broadcast_async(self, tensor, root, name):
         buffer = tensor if root == self.rank else torch.empty_like(tensor)
         src = root if self.group is None else dist.get_global_rank(self.group, root)

@@ -63,6 +63,9 @@ def collective_calls(compression, world_size: int) -> int:
 def expected(variant, world_size: int):
     """[per rank] {'grad/<name>/<step>', 'memory/<name>[/i]', 'state/<name>': array, 'bytes/<step>': int}"""
     compression = variant.make()
+    if compression.collective is Collective.ALLTOALL:  # (its own file: the two-phase algorithm)
+        from tests.multiprocess.reference_alltoall import expected_alltoall
+        return expected_alltoall(variant, world_size)
     compressor, memory = compression.compressor, compression.memory
     whole = compression.scope == "bucket"
     results = [dict() for _ in range(world_size)]

@@ -5,6 +5,7 @@
     flat          the bucket as one flat tensor (scope='bucket'; elementwise methods on an accelerator)
     segmented     one pass over the flat bucket, each gradient with its own result (an accelerator)
     multi-round   PowerSGD's rounds for the whole bucket, one allreduce per round
+    alltoall      each rank owns a shard of the bucket: two phases whose bytes per rank do not grow with N
 
 ``choose`` reads the method, the bucket and the device, and names the plan and why; every
 bucketed plan gives the reference plan's results bit for bit (the tests hold them to it).
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grace.core.compressor import Collective
+from grace.core.plans.alltoall import AllToAll
 from grace.core.plans.base import BucketPending, BucketPlan, Services
 from grace.core.plans.flat import Flat
 from grace.core.plans.multi_round import MultiRound
@@ -38,6 +40,8 @@ def choose(services: Services, bucket, xp, like) -> BucketPlan:
     """The plan for ``bucket``, whose gradients are like ``like`` on backend ``xp``."""
     compression = services.compression
     compressor, kind = compression.compressor, type(compression.compressor).__name__
+    if compression.collective is Collective.ALLTOALL:
+        return AllToAll(services, bucket, "communicator='alltoall': this rank owns one shard of each bucket")
     if compression.scope == "bucket":
         return Flat(services, bucket, "scope='bucket': the bucket is compressed as one tensor")
     why_not = _why_not_segmented(compression, services.kernels, bucket, xp, like)
@@ -69,5 +73,5 @@ def _why_not_segmented(compression, kernels, bucket, xp, like):
     return next((why for holds, why in rules if not holds), None)
 
 
-__all__ = ["BucketPending", "BucketPlan", "Flat", "MultiRound", "Pending", "PerGradient", "PlanChoice", "Reference",
+__all__ = ["AllToAll", "BucketPending", "BucketPlan", "Flat", "MultiRound", "Pending", "PerGradient", "PlanChoice", "Reference",
            "Segmented", "Services", "choose"]

@@ -114,6 +114,20 @@ BROADCAST_VARIANTS = {f"{label}_via_broadcast": Variant(lambda make=variant.make
                       if variant.make().collective is grace.Collective.ALLGATHER and variant == Variant(variant.make)}
 
 
+def _via_alltoall(make):
+    compression = make()
+    return grace.GradientCompression(compression.compressor, compression.memory, "alltoall",
+                                     bucket_mb=compression.bucket_mb)
+
+
+# Every allgather method once more with communicator='alltoall' (each rank owns a shard of the
+# bucket: tests/multiprocess/reference_alltoall.py says what every rank must get).
+ALLTOALL_VARIANTS = {f"{label}_via_alltoall": Variant(lambda make=variant.make: _via_alltoall(make))
+                     for label, variant in VARIANTS.items()
+                     if variant.make().collective is grace.Collective.ALLGATHER and variant == Variant(variant.make)
+                     and variant.make().bucket_mb and variant.make().scope == "tensor"}
+
+
 def names(variant: Variant):
     if variant.named:
         return [name for name, _, _ in PARAMS]
@@ -144,7 +158,7 @@ def parse_args(variants=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", nargs="*", default=list(variants or VARIANTS),
-                        choices=[*VARIANTS, *BROADCAST_VARIANTS, *DDP_VARIANTS])
+                        choices=[*VARIANTS, *BROADCAST_VARIANTS, *ALLTOALL_VARIANTS, *DDP_VARIANTS])
     return parser.parse_args()
 
 
@@ -152,8 +166,8 @@ def state_arrays(grace_state: dict, to_numpy) -> dict:
     """'memory/<name>' and 'state/<name>' arrays of an exchange's state_dict; a state made of
     several tensors (DGC's u and v) as '<kind>/<name>/<i>'."""
     out = {}
-    for kind in ("memory", "state"):
-        for name, value in grace_state[kind].items():
+    for kind in ("memory", "state", "owner"):
+        for name, value in grace_state.get(kind, {}).items():
             if isinstance(value, tuple):
                 out.update({f"{kind}/{name}/{i}": to_numpy(v) for i, v in enumerate(value)})
             else:

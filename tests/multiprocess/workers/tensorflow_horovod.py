@@ -12,7 +12,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import grace  # noqa: E402  (the user's two lines, in this order here)
 import horovod.tensorflow as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from common import PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save, state_arrays  # noqa: E402
+from common import ALLTOALL_VARIANTS, PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save, state_arrays  # noqa: E402
 
 
 def run(label, variant):
@@ -61,7 +61,7 @@ def main():
     hvd.init()
     save(args.out, "horovod_own", hvd.rank(), horovod_own_averaging())
     for label in args.variants:
-        save(args.out, label, hvd.rank(), run(label, VARIANTS[label]))
+        save(args.out, label, hvd.rank(), run(label, {**VARIANTS, **ALLTOALL_VARIANTS}[label]))
     leaked = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith("horovod.torch"))
     assert not leaked, f"a TensorFlow process imported {leaked}"
 

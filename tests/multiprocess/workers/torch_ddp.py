@@ -6,9 +6,10 @@ import contextlib
 import io
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from common import DDP_VARIANTS, PARAMS, STEPS, gradient, names, parse_args, save, state_arrays
+from common import ALLTOALL_VARIANTS, DDP_VARIANTS, PARAMS, STEPS, gradient, names, parse_args, save, state_arrays
 from torch.nn.parallel import DistributedDataParallel
 
 import grace.torch.ddp
@@ -56,6 +57,9 @@ def run(label, variant):
             grad = params[name].grad
             results[f"grad/{name}/{step}"] = (grad if grad is not None else torch.zeros_like(params[name])).numpy().copy()
         results[f"bytes/{step}"] = state.stats.last_step_bytes
+        if variant.make().collective is grace.Collective.ALLTOALL:  # DDP's buckets: what the shards are cut from
+            results[f"layout/{step}"] = np.array([f"{key}|{','.join(plan.bucket.names)}"
+                                                  for key, plan in state.exchange.bucket_plans().items()])
         if step == variant.checkpoint_after:  # through bytes, into a brand-new model and hook
             buffer = io.BytesIO()
             torch.save(state.state_dict(), buffer)
@@ -69,7 +73,7 @@ def main():
     args = parse_args(DDP_VARIANTS)
     dist.init_process_group("gloo")
     for label in args.variants:
-        save(args.out, label, dist.get_rank(), run(label, DDP_VARIANTS[label]))
+        save(args.out, label, dist.get_rank(), run(label, {**DDP_VARIANTS, **ALLTOALL_VARIANTS}[label]))
     dist.destroy_process_group()
 
 

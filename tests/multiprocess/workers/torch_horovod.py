@@ -8,7 +8,7 @@ import io
 import horovod.torch as hvd  # the user's two lines, in this order here ...
 import grace  # noqa: F401   (... and in the other order in the training test)
 import torch
-from common import PARAMS, STEPS, VARIANTS, gradient, names, parse_args, save, state_arrays
+from common import ALLTOALL_VARIANTS, PARAMS, STEPS, VARIANTS, gradient, names, parse_args, save, state_arrays
 from horovod.torch import mpi_ops
 
 CALLS = [0]  # collectives launched, counted at Horovod's own entry points
@@ -23,7 +23,7 @@ def counted(collective):
 
 
 for _name in ("allreduce_async", "grouped_allreduce_async", "allreduce_async_", "grouped_allreduce_async_",
-              "allgather_async", "broadcast_async"):
+              "allgather_async", "broadcast_async", "alltoall_async"):
     setattr(mpi_ops, _name, counted(getattr(mpi_ops, _name)))
 
 
@@ -70,7 +70,7 @@ def main():
     args = parse_args()
     hvd.init()
     for label in args.variants:
-        save(args.out, label, hvd.rank(), run(label, VARIANTS[label]))
+        save(args.out, label, hvd.rank(), run(label, {**VARIANTS, **ALLTOALL_VARIANTS}[label]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""The methods whose two-phase form is not their formula twice (``grace.core.plans.owner``).
+
+QSGD: shards end at whole buckets of its norms.
+
+signSGD and Signum: the owner of a shard counts the ranks' votes, and its second payload is the
+count's outcome itself, exact, as signSGD with majority vote sends it back: the sign of the sum
+of the ranks' signs in 2 bits (-1, 0 or +1; a tie is 0, as the allgather exchange gives it), or
+with ``aggregate='mean'`` the sum in the bits it needs. The result is the allgather exchange's,
+bit for bit; the owner keeps no memory.
+"""
+from __future__ import annotations
+
+from grace.compressors.qsgd import QSGD
+from grace.compressors.signsgd import SignSGD
+from grace.compressors.signum import Signum
+from grace.core import bits
+from grace.core.compressor import finished
+from grace.core.plans.owner import Owner, owner_for
+
+
+@owner_for(SignSGD)
+class Vote(Owner):
+    exact_again = True
+
+    def _width(self, ranks: int) -> int:
+        """Bits per element of the second payload: -1/0/+1, or a sum in [-ranks, ranks]."""
+        return 2 if self.compressor.aggregate_by == "majority" else (2 * ranks).bit_length()
+
+    def _offset(self, ranks: int) -> int:
+        return 1 if self.compressor.aggregate_by == "majority" else ranks
+
+    def compress_again(self, xp, aggregate, info):
+        ranks = info.world_size
+        counted = aggregate if self.compressor.aggregate_by == "majority" else aggregate * ranks
+        codes = xp.floor(counted + (self._offset(ranks) + 0.5))  # (a mean times ranks is a sum, to rounding)
+        width = self._width(ranks)
+        if width <= 8:
+            return (bits.pack(xp, xp.cast(codes, "uint8"), width),), None
+        return (xp.cast(codes, "int16"),), None
+
+    def decompress_again(self, xp, payload, ctx, ranks: int):
+        width, numel = self._width(ranks), ctx.numel
+        codes = bits.unpack(xp, payload[0], width, numel) if width <= 8 else payload[0]
+        total = xp.reshape(xp.cast(codes, "float32") - self._offset(ranks), ctx.shape)
+        if self.compressor.aggregate_by == "majority":
+            return total
+        return finished(self.compressor, xp, total, ranks, True)
+
+    def dtypes_again(self, dtypes, ranks: int):
+        return ["uint8" if self._width(ranks) <= 8 else "int16"]
+
+
+@owner_for(Signum)
+class MomentumVote(Vote):
+    """Signum: each rank's momentum over its whole bucket, then the vote as signSGD's."""
+
+    def refusal(self):
+        return None
+
+    def prepare(self, xp, p, info, m):
+        momentum = self.compressor.momentum
+        m = momentum * m + (1 - momentum) * p
+        return m, m
+
+
+@owner_for(QSGD)
+class QSGDOwner(Owner):
+    """QSGD: shards cut at whole buckets of its norms."""
+
+    @property
+    def align(self) -> int:
+        return self.compressor.bucket_size or 1
