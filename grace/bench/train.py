@@ -40,7 +40,9 @@ def parse_args(argv=None):
     parser.add_argument("--levels", type=int, default=127, help="qsgd: quantization levels")
     parser.add_argument("--rank", type=int, default=1, help="powersgd: rank of the approximation")
     parser.add_argument("--memory", default=None, help="'residual' or 'none' (default: the method's own)")
-    parser.add_argument("--communicator", default=None, choices=["allreduce", "allgather", "broadcast"])
+    parser.add_argument("--communicator", default=None,
+                        choices=["allreduce", "allgather", "broadcast", "alltoall", "auto"],
+                        help="how payloads travel (default: the method's own collective)")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)

@@ -42,7 +42,10 @@ class GradientCompression:
                              "it works on each gradient's matrix shape")
         self.bucket_mb = float(bucket_mb)
         self.scope = scope
-        self.collective = compressor.collective if communicator is None else Collective.parse(communicator)
+        #: 'auto': per bucket and world size, the way that receives the fewest bytes (grace.core.traffic):
+        #: the method's own collective (below), the two-phase alltoall, or dense
+        self.auto = communicator == "auto"
+        self.collective = compressor.collective if communicator in (None, "auto") else Collective.parse(communicator)
         if self.collective is Collective.ALLREDUCE and not compressor.traits.supports_allreduce:
             raise ValueError(
                 f"communicator='allreduce' cannot carry {type(compressor).__name__} payloads "
@@ -64,7 +67,8 @@ class GradientCompression:
 
     def __repr__(self) -> str:
         scope = f", scope='{self.scope}'" if self.scope != "tensor" else ""
-        return (f"grace({self.compressor!r}, memory={self.memory!r}, communicator='{self.collective.value}', "
+        communicator = "auto" if self.auto else self.collective.value
+        return (f"grace({self.compressor!r}, memory={self.memory!r}, communicator='{communicator}', "
                 f"bucket_mb={self.bucket_mb:g}{scope})")
 
     # Horovod's own hook calls these when it got a grace object without grace's wrapper.

@@ -59,7 +59,7 @@ class Collective(str, enum.Enum):
         try:
             return cls(value)
         except ValueError:
-            names = ", ".join(repr(c.value) for c in cls)
+            names = ", ".join([*(repr(c.value) for c in cls), "'auto'"])
             raise ValueError(f"communicator must be one of {names}, got {value!r}") from None
 
 

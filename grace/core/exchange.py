@@ -28,7 +28,7 @@ from grace.core.bucket import Bucket
 from grace.core.buffers import Buffers
 from grace.core.communicator import Communicator, Handle
 from grace.core.compression import GradientCompression
-from grace.core.compressor import FLOAT_DTYPES
+from grace.core.compressor import FLOAT_DTYPES, Collective
 from grace.core.journal import Journal
 from grace.core.phases import NO_CLOCK, PhaseClock
 from grace.core.plans import BucketPending, BucketPlan, Pending, PlanChoice, Reference, Services, choose
@@ -302,7 +302,9 @@ class Exchange:
 
     def _check_loaded(self, state, tensors) -> None:
         """A ValueError naming the parameter where a loaded ``state`` cannot be this exchange's."""
-        checkpoint.check_state(state, self.compression, tensors, per_name_state=self.compression.scope == "tensor")
+        # (compressor state is per bucket where a bucket is compressed as a whole, or cut into shards)
+        per_name = self.compression.scope == "tensor" and self.compression.collective is not Collective.ALLTOALL
+        checkpoint.check_state(state, self.compression, tensors, per_name_state=per_name)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Buckets already in use take their gradients' state at once (a traced step keeps

@@ -74,7 +74,8 @@ def register(name: str, *, examples: Optional[Dict[str, Example]] = None, **grac
         @functools.wraps(factory)
         def make(*args, bucket_mb: float = DEFAULT_BUCKET_MB, scope: str = "tensor", **kwargs):
             method = factory(*args, **kwargs)
-            return GradientCompression(method.compressor, method.memory, method.collective, bucket_mb, scope)
+            communicator = "auto" if method.auto else method.collective
+            return GradientCompression(method.compressor, method.memory, communicator, bucket_mb, scope)
 
         _METHODS[name] = Method(name, make, {**_COMMON_PARAMS, **grace_params}, examples)
         return make

@@ -6,6 +6,7 @@
     segmented     one pass over the flat bucket, each gradient with its own result (an accelerator)
     multi-round   PowerSGD's rounds for the whole bucket, one allreduce per round
     alltoall      each rank owns a shard of the bucket: two phases whose bytes per rank do not grow with N
+    dense         the compensated bucket by one float32 allreduce (communicator='auto', where that is cheapest)
 
 ``choose`` reads the method, the bucket and the device, and names the plan and why; every
 bucketed plan gives the reference plan's results bit for bit (the tests hold them to it).
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grace.core import traffic
 from grace.core.compressor import Collective
 from grace.core.plans.alltoall import AllToAll
 from grace.core.plans.base import BucketPending, BucketPlan, Services
+from grace.core.plans.dense import Dense
 from grace.core.plans.flat import Flat
 from grace.core.plans.multi_round import MultiRound
 from grace.core.plans.per_gradient import PerGradient
@@ -38,10 +41,23 @@ class PlanChoice:
 
 def choose(services: Services, bucket, xp, like) -> BucketPlan:
     """The plan for ``bucket``, whose gradients are like ``like`` on backend ``xp``."""
+    if services.compression.collective is Collective.ALLTOALL:
+        return AllToAll(services, bucket, "communicator='alltoall': this rank owns one shard of each bucket")
+    way, why = _auto(services, bucket)
+    if way == "alltoall":
+        return AllToAll(services, bucket, why)
+    if way == "dense":
+        return Dense(services, bucket, why)
+    plan = _own(services, bucket, xp, like)
+    if why:
+        plan.why = f"{why}; {plan.why}"
+    return plan
+
+
+def _own(services: Services, bucket, xp, like) -> BucketPlan:
+    """The plan of the method's own collective."""
     compression = services.compression
     compressor, kind = compression.compressor, type(compression.compressor).__name__
-    if compression.collective is Collective.ALLTOALL:
-        return AllToAll(services, bucket, "communicator='alltoall': this rank owns one shard of each bucket")
     if compression.scope == "bucket":
         return Flat(services, bucket, "scope='bucket': the bucket is compressed as one tensor")
     why_not = _why_not_segmented(compression, services.kernels, bucket, xp, like)
@@ -53,6 +69,18 @@ def choose(services: Services, bucket, xp, like) -> BucketPlan:
     if compressor.traits.multi_round:
         return MultiRound(services, bucket, f"{kind} sums its factors round by round")
     return PerGradient(services, bucket, why_not)
+
+
+def _auto(services: Services, bucket):
+    """communicator='auto': the way that receives the fewest bytes per rank for this bucket and
+    world size, and why; (None, '') where the method keeps its own collective."""
+    compression, ranks = services.compression, services.communicator.size
+    if not compression.auto or ranks < 2 or compression.collective is Collective.ALLREDUCE:
+        return None, ""  # (a summed payload's traffic is already a ring allreduce's)
+    costs = traffic.received(compression, bucket.numel, ranks)
+    way = traffic.cheapest(compression, bucket.numel, ranks)
+    shown = ", ".join(f"{name} {nbytes}" for name, nbytes in costs.items())
+    return way, f"communicator='auto' at {ranks} ranks, bytes received per rank: {shown}"
 
 
 def _why_not_segmented(compression, kernels, bucket, xp, like):
@@ -73,5 +101,5 @@ def _why_not_segmented(compression, kernels, bucket, xp, like):
     return next((why for holds, why in rules if not holds), None)
 
 
-__all__ = ["AllToAll", "BucketPending", "BucketPlan", "Flat", "MultiRound", "Pending", "PerGradient", "PlanChoice", "Reference",
-           "Segmented", "Services", "choose"]
+__all__ = ["AllToAll", "BucketPending", "BucketPlan", "Dense", "Flat", "MultiRound", "Pending", "PerGradient",
+           "PlanChoice", "Reference", "Segmented", "Services", "choose"]

@@ -19,9 +19,8 @@ from __future__ import annotations
 from typing import Any, List
 
 from grace.core import bucket as frames
-from grace.core.bucket import Segment
 from grace.core.compressor import TensorInfo
-from grace.core.plans.base import BucketPending, BucketPlan
+from grace.core.plans.base import BucketPending, WholeBucket
 from grace.core.plans.owner import owner_of
 
 
@@ -36,9 +35,8 @@ def shard_info(info: TensorInfo, phase: str, j: int) -> TensorInfo:
     return TensorInfo(f"{info.name}/{phase}{j}", info.step, info.world_size, info.rank)
 
 
-class AllToAll(BucketPlan):
+class AllToAll(WholeBucket):
     name = "alltoall"
-    flat_memory = True
 
     def __init__(self, services, bucket, why: str):
         super().__init__(services, bucket, why)
@@ -46,11 +44,6 @@ class AllToAll(BucketPlan):
         #: the owner keeps the error of its second compression where the method has error feedback
         self.keeps_memory = services.compression.memory.needs_feedback and not self.owner.exact_again
         self.variable = services.compression.compressor.traits.variable_length
-
-    def _units(self, xp, grads, flat):
-        bucket = self.bucket
-        g = flat if flat is not None else self.services.buffers.concat_gradients(bucket, xp, grads)
-        return [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], [g], g
 
     def start(self, xp, grads, flat) -> BucketPending:
         s, owner, ranks = self.services, self.owner, self.services.communicator.size

@@ -155,6 +155,17 @@ class BucketPlan:
         return [s.delivered(xp, t, overflow, out) for t, out in zip(g_hat, outs)]
 
 
+class WholeBucket(BucketPlan):
+    """A plan that takes the bucket as one flat tensor, with one flat memory under its key."""
+
+    flat_memory = True
+
+    def _units(self, xp, grads, flat):
+        bucket = self.bucket
+        g = flat if flat is not None else self.services.buffers.concat_gradients(bucket, xp, grads)
+        return [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], [g], g
+
+
 def with_dense(g_hat, encoded: int, dense, n: int):
     """The mean over ``n`` ranks, from the mean ``g_hat`` of ``encoded`` ranks' payloads (None:
     no rank's) and the other ranks' dense values (``dense``), added rank after rank."""

@@ -8,19 +8,12 @@ per-gradient plan's, with one unit.
 """
 from __future__ import annotations
 
-from grace.core.bucket import Segment
-from grace.core.plans.base import defers_on_device
+from grace.core.plans.base import WholeBucket, defers_on_device
 from grace.core.plans.per_gradient import PerGradient
 
 
-class Flat(PerGradient):
+class Flat(WholeBucket, PerGradient):
     name = "flat"
-    flat_memory = True
-
-    def _units(self, xp, grads, flat):
-        bucket = self.bucket
-        g = flat if flat is not None else self.services.buffers.concat_gradients(bucket, xp, grads)
-        return [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], [g], g
 
     def _defers(self, xp, g) -> bool:
         return defers_on_device(xp, g)

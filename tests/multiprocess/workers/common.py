@@ -128,6 +128,19 @@ ALLTOALL_VARIANTS = {f"{label}_via_alltoall": Variant(lambda make=variant.make: 
                      and variant.make().bucket_mb and variant.make().scope == "tensor"}
 
 
+# communicator='auto': per bucket, whichever way receives the fewest bytes (grace.core.traffic)
+AUTO_VARIANTS = {f"{label}_via_auto": Variant(lambda label=label: grace.GradientCompression(
+    ALLTOALL_VARIANTS[f"{label}_via_alltoall"].make().compressor, ALLTOALL_VARIANTS[f"{label}_via_alltoall"].make().memory,
+    "auto")) for label in ("qsgd", "topk", "signsgd", "threshold", "onebit")}
+
+
+# torch_traffic.py: fixed-length methods, whose sizes the traffic model knows exactly
+TRAFFIC_METHODS = {"qsgd": lambda c: grace.qsgd(127, communicator=c), "terngrad": lambda c: grace.terngrad(communicator=c),
+                   "natural": lambda c: grace.natural(communicator=c), "signsgd": lambda c: grace.signsgd(communicator=c),
+                   "onebit": lambda c: grace.onebit(communicator=c), "topk": lambda c: grace.topk(0.01, communicator=c),
+                   "u8bit": lambda c: grace.u8bit(communicator=c)}
+
+
 def names(variant: Variant):
     if variant.named:
         return [name for name, _, _ in PARAMS]
@@ -158,7 +171,7 @@ def parse_args(variants=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", nargs="*", default=list(variants or VARIANTS),
-                        choices=[*VARIANTS, *BROADCAST_VARIANTS, *ALLTOALL_VARIANTS, *DDP_VARIANTS])
+                        choices=[*VARIANTS, *BROADCAST_VARIANTS, *ALLTOALL_VARIANTS, *AUTO_VARIANTS, *DDP_VARIANTS])
     return parser.parse_args()
 
 

@@ -2,7 +2,7 @@
 
     mpirun -np 3 python numpy_mpi.py --out DIR
 """
-from common import (ALLTOALL_VARIANTS, BROADCAST_VARIANTS, PARAMS, STEPS, VARIANTS, backward_order, local_input, names,
+from common import (ALLTOALL_VARIANTS, AUTO_VARIANTS, BROADCAST_VARIANTS, PARAMS, STEPS, VARIANTS, backward_order, local_input, names,
                     parse_args, save, state_arrays)
 
 from grace import Exchange
@@ -30,7 +30,7 @@ def main():
     args = parse_args()
     comm = MPICommunicator()
     for label in args.variants:
-        save(args.out, label, comm.rank, run(label, {**VARIANTS, **BROADCAST_VARIANTS, **ALLTOALL_VARIANTS}[label], comm))
+        save(args.out, label, comm.rank, run(label, {**VARIANTS, **BROADCAST_VARIANTS, **ALLTOALL_VARIANTS, **AUTO_VARIANTS}[label], comm))
 
 
 if __name__ == "__main__":

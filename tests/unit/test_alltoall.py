@@ -1,0 +1,130 @@
+"""communicator='alltoall' (the two-phase plan) and 'auto' within one process: the arguments it
+refuses, the shards, the traffic model and auto's choice, and the faults and checkpoints every
+exchange must survive. Multi-process results: tests/multiprocess/test_alltoall.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import grace
+from grace.core import traffic
+from grace.core.communicator import LocalCommunicator, ReplicaCommunicator
+from grace.core.plans.alltoall import shard_size
+from tests.unit.conftest import METHODS
+from tests.unit.test_buckets import assert_same, gradients
+from tests.unit.test_overflow import assert_same_state, overflowing
+
+TWO_PHASE = [label for label, make in METHODS.items() if make().collective is grace.Collective.ALLGATHER]
+RANKS = [2, 3, 4, 8, 64, 512]
+
+
+def two_phase(label: str, communicator: str = "alltoall", bucket_mb: float = 25):
+    method = METHODS[label]()
+    return grace.GradientCompression(method.compressor, method.memory, communicator, bucket_mb=bucket_mb)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(bucket_mb=0), "bucket_mb > 0"),
+    (dict(scope="bucket"), "scope='tensor'"),
+])
+def test_alltoall_refuses_what_it_cannot_shard(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        grace.topk(0.1, communicator="alltoall", **kwargs)
+    with pytest.raises(ValueError, match="only with communicator='allreduce'"):
+        grace.powersgd(1, communicator="alltoall")
+    with pytest.raises(ValueError, match="'alltoall', 'auto'"):
+        grace.topk(0.1, communicator="all-to-all")
+
+
+@pytest.mark.parametrize("numel", [1, 7, 1000, 1001, 2**20 + 3])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 512])
+@pytest.mark.parametrize("align", [1, 64])
+def test_shards_are_equal_aligned_and_cover_the_bucket(numel, ranks, align):
+    size = shard_size(numel, ranks, align)
+    assert size % align == 0 and size * ranks >= numel
+    assert size * ranks - numel < ranks * align  # padding: less than one aligned block per rank
+
+
+@pytest.mark.parametrize("label", ["none", "fp16"])
+def test_a_world_of_one_gets_its_own_gradient_back(xp, label):
+    """none and fp16 (both lossless here at N=1 for fp16-exact values) through both phases."""
+    exchange = grace.Exchange(two_phase(label), LocalCommunicator())
+    grads = {name: xp.cast(xp.cast(g, "float16"), "float32") for name, g in gradients(xp, 0).items()}
+    for name, got in exchange.exchange(grads).items():
+        assert_same(xp, grads[name], got, name)
+
+
+@pytest.mark.parametrize("label", TWO_PHASE)
+def test_every_allgather_method_runs_two_phase_and_counts_its_bytes(xp, label):
+    exchange = grace.Exchange(two_phase(label), ReplicaCommunicator(4))
+    for step in range(2):
+        out = exchange.exchange(gradients(xp, step))
+        assert all(np.isfinite(xp.to_numpy(g)).all() for g in out.values()), label
+    assert exchange.plan_of("fc.weight").plan == "alltoall"
+    costs = traffic.received(exchange.compression, exchange.bucket_plans()[next(iter(exchange.bucket_plans()))]
+                             .bucket.numel, 4)
+    assert "alltoall" in costs and exchange.stats.last_step_bytes > 0
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("label", TWO_PHASE)
+def test_an_overflow_costs_one_step_owner_memory_included(xp, label, bad):
+    faulty = grace.Exchange(two_phase(label), ReplicaCommunicator(3))
+    clean = grace.Exchange(two_phase(label), ReplicaCommunicator(3))
+    faulty.exchange(gradients(xp, 0))
+    clean.exchange(gradients(xp, 0))
+    before = faulty.state_dict()
+    out = faulty.exchange(overflowing(xp, 1, bad))
+    assert not np.isfinite(xp.to_numpy(out["fc.weight"])).all(), "the overflow did not reach the result"
+    assert_same_state(xp, before, faulty.state_dict(), ("memory", "owner", "state", "steps"), label)
+    for s in (2, 3):
+        want, got = clean.exchange(gradients(xp, s)), faulty.exchange(gradients(xp, s))
+        for name in want:
+            assert_same(xp, want[name], got[name], f"{label} step {s} {name}")
+
+
+@pytest.mark.parametrize("label", ["topk", "onebit", "dgc", "qsgd", "signum"])
+@pytest.mark.parametrize("bucket_mb", [25, 0.002])
+def test_a_checkpoint_resumes_bit_for_bit_owner_memory_included(xp, label, bucket_mb):
+    """state_dict holds the owner's memory per gradient name (as the workers'): a fresh exchange
+    loaded from it, under another bucket size too, continues exactly."""
+    going = grace.Exchange(two_phase(label, bucket_mb=bucket_mb), ReplicaCommunicator(3))
+    for s in range(2):
+        going.exchange(gradients(xp, s))
+    state = going.state_dict()
+    if METHODS[label]().memory.needs_feedback:
+        assert state["owner"] and set(state["owner"]) == set(state["memory"]), "the owner's memory is saved per name"
+    resumed = grace.Exchange(two_phase(label, bucket_mb=bucket_mb), ReplicaCommunicator(3))
+    resumed.load_state_dict(state)
+    for s in (2, 3):
+        want, got = going.exchange(gradients(xp, s)), resumed.exchange(gradients(xp, s))
+        for name in want:
+            assert_same(xp, want[name], got[name], f"{label} step {s} {name}")
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("label", [label for label in METHODS if not METHODS[label]().compressor.traits.multi_round])
+def test_auto_never_receives_more_than_a_dense_ring_allreduce(label, ranks):
+    compression = two_phase(label, "auto")
+    for numel in (100, 10_000, 2**20):
+        costs = traffic.received(compression, numel, ranks)
+        way = traffic.cheapest(compression, numel, ranks)
+        assert costs[way] == min(costs.values()) <= costs["dense"], (label, numel, costs)
+
+
+@pytest.mark.parametrize("label", ["topk", "qsgd", "signsgd", "terngrad"])
+def test_auto_picks_per_bucket_and_world_and_says_why(label):
+    for ranks in (2, 8):
+        exchange = grace.Exchange(two_phase(label, "auto"), ReplicaCommunicator(ranks))
+        exchange.exchange(gradients(get_numpy(), 0))
+        choice = exchange.plan_of("fc.weight")
+        numel = exchange.bucket_plans()[choice.bucket].bucket.numel
+        want = traffic.cheapest(exchange.compression, numel, ranks)
+        assert choice.plan == {"alltoall": "alltoall", "dense": "dense"}.get(want, "per-gradient"), (ranks, choice)
+        assert "communicator='auto'" in choice.why and "bytes received per rank" in choice.why
+    assert choice.plan == "alltoall"  # (8 ranks: every one of these methods is cheaper in two phases)
+
+
+def get_numpy():
+    from grace.backends import get_backend
+    return get_backend("numpy")
