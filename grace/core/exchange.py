@@ -190,6 +190,7 @@ class Exchange:
         (from a checkpoint, or from buckets of another layout that held them)."""
         plan = self._plans[bucket.key] = choose(self.services, bucket, xp, like)
         self._buckets[bucket.key] = bucket
+        self.stats.plans[bucket.key] = plan.name
         with self.store.eager():  # a TensorFlow trace: read and create the variables once, now
             self._release_overlapping(bucket)
             taken = states.gather(bucket, self.store.tables, self.compression.memory, xp, like, plan.flat_memory)
@@ -207,6 +208,7 @@ class Exchange:
                 continue
             states.release(old, self.store.tables)
             del self._plans[key]
+            self.stats.plans.pop(key, None)
             self._buckets.pop(key, None)
             self.buffers.forget(key, old.names)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Dict
 
 from grace.core import bucket as frames
 from grace.core.buffers import flat_concat
@@ -24,6 +25,8 @@ class WireStats:
     last_step_dense_bytes: int = 0
     _step_bytes: int = field(default=0, repr=False)
     _step_dense_bytes: int = field(default=0, repr=False)
+    #: bucket key -> the plan that exchanges it ('alltoall', 'dense', ...: communicator='auto''s choice)
+    plans: Dict[str, str] = field(default_factory=dict)
 
     def add(self, nbytes: int, dense_bytes: int) -> None:
         self._step_bytes += nbytes

@@ -72,6 +72,7 @@ class VariableWireStats:
     def __init__(self):
         with tf.init_scope():
             self._v = {f: tf.Variable(0, dtype=tf.int64, trainable=False) for f in self._FIELDS}
+        self.plans = {}  # bucket key -> its plan, as grace.WireStats.plans
 
     def add(self, nbytes, dense_bytes) -> None:
         self._v["step_bytes"].assign_add(tf.cast(nbytes, tf.int64))

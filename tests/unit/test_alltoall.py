@@ -122,6 +122,7 @@ def test_auto_picks_per_bucket_and_world_and_says_why(label):
         want = traffic.cheapest(exchange.compression, numel, ranks)
         assert choice.plan == {"alltoall": "alltoall", "dense": "dense"}.get(want, "per-gradient"), (ranks, choice)
         assert "communicator='auto'" in choice.why and "bytes received per rank" in choice.why
+        assert exchange.stats.plans[choice.bucket] == choice.plan  # (what grace_stats shows)
     assert choice.plan == "alltoall"  # (8 ranks: every one of these methods is cheaper in two phases)
 
 
