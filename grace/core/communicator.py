@@ -40,6 +40,9 @@ class Handle:
 class Communicator:
     rank: int
     size: int
+    #: every rank holds what this one holds (a world emulated by one process): no other rank's
+    #: state to gather
+    replicas: bool = False
 
     # --- primitives, implemented by each toolkit adapter ---------------------------------
     def allreduce_async(self, tensor, name: str) -> Callable[[], Any]:
@@ -196,6 +199,7 @@ class ReplicaCommunicator(Communicator):
     goes on (made only when awaited, a result would still be in the cache when read)."""
 
     rank = 0
+    replicas = True
 
     def __init__(self, size: int):
         self.size = size

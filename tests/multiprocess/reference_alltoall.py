@@ -32,6 +32,7 @@ def expected_alltoall(variant, ranks: int, layouts=None):
     keys = names(variant)
     results = [dict() for _ in range(ranks)]
     memories, owners, states = {}, {}, {}  # (rank, parameter index) -> flat value; (rank, bucket) -> momentum
+    seen = set()  # the bucket keys in use so far
     for step in range(STEPS):
         for i, name in enumerate(keys):
             if np.prod(PARAMS[i][1]) == 0:
@@ -45,6 +46,9 @@ def expected_alltoall(variant, ranks: int, layouts=None):
             p, v = zip(*[compensate(memory, g[r], joined(memories, r, group)) for r in range(ranks)])
             x = [momentum(compressor, p[r], states, (r, key)) for r in range(ranks)]
             size = shard_size(compressor, n, ranks)
+            if key not in seen:  # a bucket's first step: the owners' memory handed to the shards' owners
+                seen.add(key)
+                hand_over(owners, group, n, size, ranks)
             shards = [np.concatenate([x[r], np.zeros(size * ranks - n, np.float32)]).reshape(ranks, size)
                       for r in range(ranks)]
             first = [[compressor.compress(xp, shards[r][j], TensorInfo(f"{key}/shard{j}", step, ranks, r))
@@ -80,6 +84,17 @@ def expected_alltoall(variant, ranks: int, layouts=None):
         if key in in_use:
             results[rank][f"state/{key}"] = value
     return results
+
+
+def hand_over(owners, group, n: int, size: int, ranks: int) -> None:
+    """Every rank's owner memory of a bucket summed, each rank keeping its own shard's part."""
+    held = [joined(owners, r, group) for r in range(ranks)]
+    if all(h is None for h in held):
+        return
+    total = sum(h if h is not None else np.zeros(n, np.float32) for h in held)
+    for r in range(ranks):
+        lo, hi = min(r * size, n), min((r + 1) * size, n)
+        split(owners, r, group, np.concatenate([np.zeros(lo, np.float32), total[lo:hi], np.zeros(n - hi, np.float32)]))
 
 
 def joined(table, rank: int, group):

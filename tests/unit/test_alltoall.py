@@ -129,3 +129,47 @@ def test_auto_picks_per_bucket_and_world_and_says_why(label):
 def get_numpy():
     from grace.backends import get_backend
     return get_backend("numpy")
+
+
+def test_the_owners_memory_follows_the_shards_when_the_world_changes():
+    """3 ranks (threads) leave owner memory on their shards; 2 of them go on in a world of 2
+    (elastic). Lossless second compression (none with residual memory) and zero gradients: the
+    first step delivers exactly the two survivors' owner memory, wherever their old shards lay
+    (without the hand-over, the parts now owned by the other rank would stay where they were)."""
+    from grace.compressors import NoneCompressor
+    from grace.memories import ResidualMemory
+    from tests.fixtures.thread_world import ThreadWorld
+
+    shapes = {"w": (50,), "b": (7,)}  # one bucket of 57 elements: shards of 19 (3 ranks), 29 (2 ranks)
+    make = lambda: grace.GradientCompression(NoneCompressor(), ResidualMemory(), "alltoall")  # noqa: E731
+    zeros = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+    rng = np.random.default_rng(1)
+    held = [rng.standard_normal(57).astype(np.float32) for _ in range(3)]
+
+    def old_world(comm):
+        exchange = grace.Exchange(make(), comm)
+        exchange.exchange(dict(zeros))  # (plans the bucket: its order, its key)
+        state = exchange.state_dict()
+        order = [name for name in reversed(list(shapes))]  # backward order: the bucket's layout
+        lo, hi = 19 * comm.rank, 19 * (comm.rank + 1)
+        mine = np.zeros(57, np.float32)
+        mine[lo:hi] = held[comm.rank][lo:hi]
+        offsets = np.cumsum([0, *[int(np.prod(shapes[n])) for n in order]])
+        state["owner"] = {n: mine[a:b].reshape(shapes[n]) for n, a, b in zip(order, offsets[:-1], offsets[1:])}
+        return state, order, offsets
+
+    saved = ThreadWorld(3).run(old_world)
+
+    def new_world(comm):
+        exchange = grace.Exchange(make(), comm)
+        exchange.load_state_dict(saved[comm.rank][0])  # (this process saved it: an elastic reset's state)
+        return exchange.exchange(dict(zeros))
+
+    results = ThreadWorld(2).run(new_world)
+    order, offsets = saved[0][1], saved[0][2]
+    survivors = np.zeros(57, np.float32)
+    for rank in (0, 1):
+        survivors[19 * rank:19 * (rank + 1)] = held[rank][19 * rank:19 * (rank + 1)]
+    for out in results:
+        got = np.concatenate([out[n].ravel() for n in order])
+        np.testing.assert_allclose(got, survivors, rtol=1e-6, atol=1e-7)

@@ -44,6 +44,7 @@ class AllToAll(WholeBucket):
         #: the owner keeps the error of its second compression where the method has error feedback
         self.keeps_memory = services.compression.memory.needs_feedback and not self.owner.exact_again
         self.variable = services.compression.compressor.traits.variable_length
+        self._owned_in = None  # the world size this rank's owner memory was cut for
 
     def start(self, xp, grads, flat) -> BucketPending:
         s, owner, ranks = self.services, self.owner, self.services.communicator.size
@@ -52,6 +53,8 @@ class AllToAll(WholeBucket):
         g, unit, pending.info = g_units[0], pending.units[0], infos[0]
         pending.flag = xp.nonfinite([g]) if s.journal.guarded else None
         size = shard_size(n, ranks, owner.align)
+        if self.keeps_memory and self._owned_in != ranks and xp.mutable_tensors and not s.communicator.replicas:
+            self._take_owned_memory(xp, g, size)
         with s.phase("compress"):
             p = memory.compensate(xp, g, pending.old[0])
             x, state = owner.prepare(xp, p, pending.info, states[0])
@@ -100,6 +103,21 @@ class AllToAll(WholeBucket):
         g_hat = xp.concat(parts)[:self.bucket.numel]
         overflow = s.journal.overflow(xp, [f for _, f in shards]) if flagged else None
         return self.deliver(pending, [g_hat], overflow, pending.outs or [None] * len(self.bucket.segments), into)
+
+    def _take_owned_memory(self, xp, like, size: int) -> None:
+        """At a plan's first step, and after the world changed (elastic training): every rank's
+        owner memory summed, and this rank keeps the part of the shard it now owns. Shards that
+        stay put give each rank its own memory back; after a change no surviving rank's mass is
+        lost. (A traced TensorFlow step keeps the world it was traced for.)"""
+        s, key, n = self.services, self.bucket.key, self.bucket.numel
+        held = s.store.value("owner", key)
+        held = xp.copy(held) if held is not None else xp.zeros(n, xp.dtype(like), like=like)
+        total = s.communicator.allreduce_async(held, f"{key}.owners.memory")()
+        lo, hi = min(s.communicator.rank * size, n), min((s.communicator.rank + 1) * size, n)
+        kept = xp.concat([xp.zeros(lo, xp.dtype(total), like=total), total[lo:hi],
+                          xp.zeros(n - hi, xp.dtype(total), like=total)])
+        s.store.set("owner", key, kept)
+        self._owned_in = s.communicator.size
 
     def _compressed_again(self, xp, aggregate, pending):
         """The owner's payload of its shard's aggregate, with its memory where it keeps one."""
