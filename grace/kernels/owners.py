@@ -46,9 +46,6 @@ class Vote(Owner):
             return total
         return finished(self.compressor, xp, total, ranks, True)
 
-    def dtypes_again(self, dtypes, ranks: int):
-        return ["uint8" if self._width(ranks) <= 8 else "int16"]
-
 
 @owner_for(Signum)
 class MomentumVote(Vote):

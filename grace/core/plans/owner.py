@@ -50,10 +50,6 @@ class Owner:
     def decompress_again(self, xp, payload: Payload, ctx, ranks: int) -> Any:
         return self.decompress(xp, payload, ctx)
 
-    def dtypes_again(self, dtypes: Sequence[str], ranks: int) -> Sequence[str]:
-        """The dtypes of the second payload's tensors, from the first's."""
-        return dtypes
-
 
 _REGISTRY = ByClass(Owner)
 #: register the decorated ``Owner`` subclass for the given compressor classes (and their subclasses)
