@@ -6,7 +6,10 @@ methods under each communicator (a small model, one bucket).
 import horovod.torch as hvd
 import grace  # noqa: F401
 import torch
-from common import TRAFFIC_METHODS, parse_out, save_json
+import argparse
+from pathlib import Path
+
+from common import TRAFFIC_METHODS, save_json
 from horovod.torch import mpi_ops
 
 COMMUNICATORS = ("allgather", "alltoall", "auto")
@@ -74,10 +77,13 @@ def run(make, communicator):
 
 
 def main():
-    out = parse_out()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--methods", nargs="+", default=list(TRAFFIC_METHODS), choices=list(TRAFFIC_METHODS))
+    args = parser.parse_args()
     hvd.init()
-    results = {f"{method}/{c}": run(make, c) for method, make in TRAFFIC_METHODS.items() for c in COMMUNICATORS}
-    save_json(out, hvd.rank(), results)
+    results = {f"{method}/{c}": run(TRAFFIC_METHODS[method], c) for method in args.methods for c in COMMUNICATORS}
+    save_json(args.out, hvd.rank(), results)
 
 
 if __name__ == "__main__":
