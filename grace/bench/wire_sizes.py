@@ -46,7 +46,7 @@ def received_table(numel: int, worlds) -> dict:
         table[name] = {}
         for ranks in worlds:
             costs = traffic.received(compression, numel, ranks)
-            costs["auto"] = costs[traffic.cheapest(compression, numel, ranks)]
+            costs["auto"] = costs[traffic.cheapest(costs)]
             table[name][ranks] = {way: 8 * nbytes / numel for way, nbytes in costs.items()}
     return table
 

@@ -10,8 +10,8 @@ primitives, each asynchronous (it returns a zero-argument ``wait`` callable):
                                          gives only the size and dtype; it is not written to)
 
 and, for ``communicator='alltoall'``, ``alltoall_async(tensor, splits, name)``: the 1-d tensor
-cut into ``splits[j]`` elements for rank j, in rank order; ``wait()`` gives (what every rank
-sent this one, in rank order, as one tensor; how many elements each sent, a list of ints).
+cut into ``splits[j]`` elements for rank j, in rank order; ``wait()`` gives what every rank
+sent this one, in rank order, as one tensor.
 
 and, where it pays, ``allgather_equal_async`` (the same when all lengths are equal),
 ``grouped_allreduce_async`` (several tensors summed by one collective of the toolkit's own,
@@ -189,7 +189,7 @@ class LocalCommunicator(Communicator):
         return lambda: tensor
 
     def alltoall_async(self, tensor, splits, name):
-        return lambda: (tensor, [int(splits[0])])
+        return lambda: tensor
 
 
 class ReplicaCommunicator(Communicator):
@@ -234,7 +234,7 @@ class ReplicaCommunicator(Communicator):
     def alltoall_async(self, tensor, splits, name):
         mine = int(splits[0])  # (every rank sends this rank, rank 0, what it sends itself)
         out = backend_for(tensor).concat([tensor[:mine]] * self.size)
-        return lambda: (out, [mine] * self.size)
+        return lambda: out
 
     def broadcast_async(self, tensor, root, name):
         return lambda: tensor

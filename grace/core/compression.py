@@ -52,11 +52,11 @@ class GradientCompression:
                 "(their decompress is not linear or their shapes differ between ranks); "
                 "use 'allgather' or 'broadcast'"
             )
-        if self.collective is Collective.ALLTOALL:
-            _check_alltoall(compressor, self.bucket_mb, scope)
         if compressor.traits.multi_round and self.collective is not Collective.ALLREDUCE:
             raise ValueError(f"{type(compressor).__name__} sums its factors between rounds: "
                              "it runs only with communicator='allreduce'")
+        if self.collective is Collective.ALLTOALL:
+            _check_alltoall(compressor, self.bucket_mb, scope)
 
     @property
     def flags_overflow(self) -> bool:
@@ -86,14 +86,11 @@ def _check_alltoall(compressor: Compressor, bucket_mb: float, scope: str) -> Non
     """communicator='alltoall' shards buckets among the ranks (grace.core.plans.alltoall)."""
     from grace.core.plans.owner import owner_of  # (the plans import this module)
 
-    name = type(compressor).__name__
     if not bucket_mb:
         raise ValueError("communicator='alltoall' shards buckets among the ranks: it needs bucket_mb > 0")
     if scope != "tensor":
         raise ValueError("communicator='alltoall' compresses each rank's shard of a bucket as one tensor: "
                          "leave scope='tensor'")
-    if compressor.traits.multi_round:
-        raise ValueError(f"{name} sums its factors between rounds: it runs only with communicator='allreduce'")
     refusal = owner_of(compressor).refusal()
     if refusal:
-        raise ValueError(f"communicator='alltoall' cannot be used with {name}: {refusal}")
+        raise ValueError(f"communicator='alltoall' cannot be used with {type(compressor).__name__}: {refusal}")

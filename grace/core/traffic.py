@@ -63,9 +63,8 @@ def received(compression, numel: int, ranks: int) -> Dict[str, int]:
     return out
 
 
-def cheapest(compression, numel: int, ranks: int) -> str:
-    """The way of exchanging a bucket that receives the fewest bytes per rank (a tie goes to the
-    method's own way, then to the two-phase one, before dense)."""
-    costs = received(compression, numel, ranks)
+def cheapest(costs: Dict[str, int]) -> str:
+    """The way in ``costs`` (``received``'s) that receives the fewest bytes per rank (a tie goes
+    to the method's own way, then to the two-phase one, before dense)."""
     order = [way for way in ("allreduce", "allgather", "alltoall", "dense") if way in costs]
     return min(order, key=lambda way: (costs[way], order.index(way)))

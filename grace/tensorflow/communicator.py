@@ -38,10 +38,10 @@ class HorovodCommunicator(ProcessSetCommunicator):
         return lambda: tf.bitcast(gathered, tf.bfloat16) if tensor.dtype == tf.bfloat16 else gathered
 
     def alltoall_async(self, tensor, splits, name):
-        received, sizes = mpi_ops.alltoall(tensor, splits=tf.cast(tf.stack(list(splits)), tf.int32),
-                                           name=_op_name("Alltoall", name), ignore_name_scope=True,
-                                           process_set=self.process_set)
-        return lambda: (received, sizes.numpy().tolist() if tf.executing_eagerly() else sizes)
+        received, _ = mpi_ops.alltoall(tensor, splits=tf.cast(tf.stack(list(splits)), tf.int32),
+                                       name=_op_name("Alltoall", name), ignore_name_scope=True,
+                                       process_set=self.process_set)
+        return lambda: received
 
     def broadcast_async(self, tensor, root, name):
         wire = tf.bitcast(tensor, tf.int16) if tensor.dtype == tf.bfloat16 else tensor

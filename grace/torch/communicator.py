@@ -48,12 +48,7 @@ class HorovodCommunicator(ProcessSetCommunicator):
     def alltoall_async(self, tensor, splits, name):
         splits = torch.tensor(list(splits), dtype=torch.int32)
         handle = mpi_ops.alltoall_async(tensor, splits=splits, name=name, process_set=self.process_set)
-
-        def wait():
-            received, sizes = mpi_ops.synchronize(handle)
-            return received, sizes.tolist()
-
-        return wait
+        return lambda: mpi_ops.synchronize(handle)[0]  # (received, and how much from each rank)
 
     def broadcast_async(self, tensor, root, name):
         wire = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor

@@ -72,7 +72,7 @@ class ProcessGroupCommunicator(Communicator):
         sizes = sizes.tolist()
         out = tensor.new_empty(sum(sizes))
         work = dist.all_to_all_single(out, tensor, sizes, list(splits), group=self.group, async_op=True)
-        return self._launched(work, lambda: (out, sizes))
+        return self._launched(work, out)
 
     def broadcast_async(self, tensor, root, name):
         buffer = tensor if root == self.rank else torch.empty_like(tensor)

@@ -78,7 +78,7 @@ def _auto(services: Services, bucket):
     if not compression.auto or ranks < 2 or compression.collective is Collective.ALLREDUCE:
         return None, ""  # (a summed payload's traffic is already a ring allreduce's)
     costs = traffic.received(compression, bucket.numel, ranks)
-    way = traffic.cheapest(compression, bucket.numel, ranks)
+    way = traffic.cheapest(costs)
     shown = ", ".join(f"{name} {nbytes}" for name, nbytes in costs.items())
     return way, f"communicator='auto' at {ranks} ranks, bytes received per rank: {shown}"
 

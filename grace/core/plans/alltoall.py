@@ -20,6 +20,7 @@ from typing import Any, List
 
 from grace.core import bucket as frames
 from grace.core.compressor import TensorInfo
+from grace.core.journal import any_flag
 from grace.core.plans.base import BucketPending, WholeBucket
 from grace.core.plans.owner import owner_of
 
@@ -82,11 +83,10 @@ class AllToAll(WholeBucket):
     def finish(self, pending: BucketPending, into=None) -> List[Any]:
         s, xp, comm = self.services, pending.xp, self.services.communicator
         flagged = pending.flag is not None
-        received, _ = s.transport.wait(pending.wait)
+        received = s.transport.wait(pending.wait)
         mine = self._read(xp, received, comm.size, pending.dtypes, pending.counts, self.variable, flagged)
         # every rank told every owner its flag: each owner passes on whether any rank flagged one
-        flag = xp.reshape(xp.cast(xp.max(xp.concat([xp.cast(f, "int64") for _, f in mine])) > 0, "uint8"),
-                          (1,)) if flagged else None
+        flag = any_flag(xp, [f for _, f in mine]) if flagged else None
         with s.phase("decompress"):
             aggregate = self.owner.reduce(xp, s.kernels, [payload for payload, _ in mine], pending.ctxs[0])
         with s.phase("compress"):
@@ -113,7 +113,7 @@ class AllToAll(WholeBucket):
         held = s.store.value("owner", key)
         held = xp.copy(held) if held is not None else xp.zeros(n, xp.dtype(like), like=like)
         total = s.communicator.allreduce_async(held, f"{key}.owners.memory")()
-        lo, hi = min(s.communicator.rank * size, n), min((s.communicator.rank + 1) * size, n)
+        lo, hi = self._owned(size)
         kept = xp.concat([xp.zeros(lo, xp.dtype(total), like=total), total[lo:hi],
                           xp.zeros(n - hi, xp.dtype(total), like=total)])
         s.store.set("owner", key, kept)
@@ -126,14 +126,19 @@ class AllToAll(WholeBucket):
         if not self.keeps_memory:
             return owner.compress_again(xp, aggregate, info)[0]
         # the memory spans the bucket (saved per gradient, as the workers'); this rank's shard is its own
-        n, size, rank = self.bucket.numel, xp.numel(aggregate), s.communicator.rank
-        lo, hi = min(rank * size, n), min((rank + 1) * size, n)
+        size = xp.numel(aggregate)
+        lo, hi = self._owned(size)
         memory = s.store.get("owner", key, lambda t: xp.zeros_like(t), pending.g)
         q = aggregate + xp.concat([memory[lo:hi], xp.zeros(size - (hi - lo), xp.dtype(memory), like=memory)])
         payload, _ = owner.compress_again(xp, q, info)
         error = q - owner.decompress_again(xp, payload, pending.ctxs[0], s.communicator.size)
         s.journal.set("owner", key, xp.concat([memory[:lo], error[:hi - lo], memory[hi:]]))
         return payload
+
+    def _owned(self, size: int):
+        """(start, end) of this rank's shard within the bucket (before the padding)."""
+        n, rank = self.bucket.numel, self.services.communicator.rank
+        return min(rank * size, n), min((rank + 1) * size, n)
 
     @staticmethod
     def _read(xp, data, ranks: int, dtypes, counts, variable: bool, flagged: bool):
