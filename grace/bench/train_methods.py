@@ -28,8 +28,8 @@ SETTINGS = {
     "randomk": ["--ratio", "0.1"], "topk": ["--ratio", "0.01"], "threshold": ["--threshold", "0.01"],
     "dgc": ["--ratio", "0.01"], "adaq": ["--ratio", "0.01"], "sketchml": [], "powersgd": ["--rank", "1"],
 }
-COLUMNS = ["method", "communicator", "settings", "error_feedback", "test_accuracy", "bytes_per_step", "compression_ratio",
-           "steps_per_second", "ranks_agree"]
+COLUMNS = ["method", "communicator", "settings", "error_feedback", "test_accuracy", "bytes_per_step",
+           "compression_ratio", "steps_per_second", "ranks_agree"]
 
 
 def parse_args(argv=None):
@@ -92,7 +92,8 @@ def write(rows, out: Path, epochs: int) -> None:
         writer.writeheader()
         writer.writerows(rows)
     (out / "table.json").write_text(json.dumps({"grace": grace.__version__, "epochs": epochs, "runs": rows}, indent=2))
-    lines = ["| method | communicator | settings | error feedback | test accuracy | bytes/step | fewer bytes | steps/s |",
+    lines = ["| method | communicator | settings | error feedback | test accuracy | bytes/step | fewer bytes "
+             "| steps/s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['communicator']} | {r['settings'] or '-'} | "

@@ -58,8 +58,8 @@ def expected_alltoall(variant, ranks: int, layouts=None):
             for j in range(ranks):
                 aggregate = compressor.aggregate(xp, [first[r][j][0] for r in range(ranks)], first[0][j][1])
                 held = joined(owners, j, group)
-                shard, nbytes, held = second(compression, aggregate, held if held is not None else np.zeros(n, np.float32),
-                                             j * size, n, f"{key}/owner{j}", step, ranks)
+                held = held if held is not None else np.zeros(n, np.float32)
+                shard, nbytes, held = second(compression, aggregate, held, j * size, n, f"{key}/owner{j}", step, ranks)
                 split(owners, j, group, held)
                 result.append(shard)
                 sent[j] += nbytes
@@ -158,7 +158,8 @@ def momentum(compressor, p, states, key):
     if not isinstance(compressor, Signum):
         return p
     m = states.get(key)
-    states[key] = (1 - compressor.momentum) * p if m is None else compressor.momentum * m + (1 - compressor.momentum) * p
+    beta = compressor.momentum
+    states[key] = (1 - beta) * p if m is None else beta * m + (1 - beta) * p
     return states[key]
 
 

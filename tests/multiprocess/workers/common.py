@@ -114,31 +114,31 @@ BROADCAST_VARIANTS = {f"{label}_via_broadcast": Variant(lambda make=variant.make
                       if variant.make().collective is grace.Collective.ALLGATHER and variant == Variant(variant.make)}
 
 
-def _via_alltoall(make):
+def _via(make, communicator: str):
+    """``make()``'s method and buckets, exchanged by ``communicator``."""
     compression = make()
-    return grace.GradientCompression(compression.compressor, compression.memory, "alltoall",
+    return grace.GradientCompression(compression.compressor, compression.memory, communicator,
                                      bucket_mb=compression.bucket_mb)
 
 
 # Every allgather method once more with communicator='alltoall' (each rank owns a shard of the
 # bucket: tests/multiprocess/reference_alltoall.py says what every rank must get).
-ALLTOALL_VARIANTS = {f"{label}_via_alltoall": Variant(lambda make=variant.make: _via_alltoall(make))
+ALLTOALL_VARIANTS = {f"{label}_via_alltoall": Variant(lambda make=variant.make: _via(make, "alltoall"))
                      for label, variant in VARIANTS.items()
                      if variant.make().collective is grace.Collective.ALLGATHER and variant == Variant(variant.make)
                      and variant.make().bucket_mb and variant.make().scope == "tensor"}
 
 
 # communicator='auto': per bucket, whichever way receives the fewest bytes (grace.core.traffic)
-AUTO_VARIANTS = {f"{label}_via_auto": Variant(lambda label=label: grace.GradientCompression(
-    ALLTOALL_VARIANTS[f"{label}_via_alltoall"].make().compressor, ALLTOALL_VARIANTS[f"{label}_via_alltoall"].make().memory,
-    "auto")) for label in ("qsgd", "topk", "signsgd", "threshold", "onebit")}
+AUTO_VARIANTS = {f"{label}_via_auto": Variant(lambda make=VARIANTS[label].make: _via(make, "auto"))
+                 for label in ("qsgd", "topk", "signsgd", "threshold", "onebit")}
 
 
 # torch_traffic.py: fixed-length methods, whose sizes the traffic model knows exactly
 TRAFFIC_METHODS = {"qsgd": lambda c: grace.qsgd(127, communicator=c), "terngrad": lambda c: grace.terngrad(communicator=c),
-                   "natural": lambda c: grace.natural(communicator=c), "signsgd": lambda c: grace.signsgd(communicator=c),
-                   "onebit": lambda c: grace.onebit(communicator=c), "topk": lambda c: grace.topk(0.01, communicator=c),
-                   "u8bit": lambda c: grace.u8bit(communicator=c)}
+                   "natural": lambda c: grace.natural(communicator=c),
+                   "signsgd": lambda c: grace.signsgd(communicator=c), "onebit": lambda c: grace.onebit(communicator=c),
+                   "topk": lambda c: grace.topk(0.01, communicator=c), "u8bit": lambda c: grace.u8bit(communicator=c)}
 
 
 def names(variant: Variant):

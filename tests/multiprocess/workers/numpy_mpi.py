@@ -2,8 +2,8 @@
 
     mpirun -np 3 python numpy_mpi.py --out DIR
 """
-from common import (ALLTOALL_VARIANTS, AUTO_VARIANTS, BROADCAST_VARIANTS, PARAMS, STEPS, VARIANTS, backward_order, local_input, names,
-                    parse_args, save, state_arrays)
+from common import (ALLTOALL_VARIANTS, AUTO_VARIANTS, BROADCAST_VARIANTS, PARAMS, STEPS, VARIANTS, backward_order,
+                    local_input, names, parse_args, save, state_arrays)
 
 from grace import Exchange
 from grace.mpi import MPICommunicator
@@ -30,7 +30,8 @@ def main():
     args = parse_args()
     comm = MPICommunicator()
     for label in args.variants:
-        save(args.out, label, comm.rank, run(label, {**VARIANTS, **BROADCAST_VARIANTS, **ALLTOALL_VARIANTS, **AUTO_VARIANTS}[label], comm))
+        variant = {**VARIANTS, **BROADCAST_VARIANTS, **ALLTOALL_VARIANTS, **AUTO_VARIANTS}[label]
+        save(args.out, label, comm.rank, run(label, variant, comm))
 
 
 if __name__ == "__main__":

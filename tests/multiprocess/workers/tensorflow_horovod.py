@@ -12,7 +12,8 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import grace  # noqa: E402  (the user's two lines, in this order here)
 import horovod.tensorflow as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from common import ALLTOALL_VARIANTS, PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save, state_arrays  # noqa: E402
+from common import (ALLTOALL_VARIANTS, PARAMS, STEPS, VARIANTS, local_input, names, parse_args, save,  # noqa: E402
+                    state_arrays)
 
 
 def run(label, variant):
