@@ -106,6 +106,7 @@ def main(argv=None):
         "compression_ratio": stats.compression_ratio,
         "steps_per_second": result["steps"] / result["elapsed"],
         "ranks_agree": result["ranks_agree"],  # every rank ended with the same model
+        "plans": sorted(getattr(stats, "plans", {}).values()),  # how each bucket travelled ('auto''s choice)
     }
     if summary["rank"] == 0:
         print(f"\n{summary['compression']} on {summary['ranks']} ranks ({args.framework}, {args.engine}), {args.epochs} epochs:\n"
@@ -115,6 +116,8 @@ def main(argv=None):
               f"{summary['compression_ratio']:.1f}x fewer)\n"
               f"  steps per second  {summary['steps_per_second']:.1f}\n"
               f"  ranks agree       {summary['ranks_agree']}")
+        if summary["plans"]:
+            print(f"  buckets           {', '.join(summary['plans'])}")
         if args.json:
             args.json.write_text(json.dumps(summary, indent=2))
     return summary

@@ -35,10 +35,10 @@ COLUMNS = ["method", "communicator", "settings", "error_feedback", "test_accurac
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=grace.methods(), choices=grace.methods())
-    parser.add_argument("--communicators", nargs="+", default=["own"],
-                        choices=["own", "allgather", "alltoall", "auto"],
-                        help="train each allgather method under each of these ('own': its own collective; the "
-                             "methods that sum their payloads always take theirs); default: own")
+    parser.add_argument("--communicators", nargs="+", default=["default"],
+                        choices=["default", "allgather", "alltoall", "auto"],
+                        help="train each allgather method under each of these ('default': none named, which is "
+                             "'auto'; the methods that sum their payloads always take theirs); default: default")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--engine", default="horovod", choices=["horovod", "ddp"])
     parser.add_argument("--out", type=Path, default=Path("results/train_methods"))
@@ -51,7 +51,7 @@ def main(argv=None):
     for method in args.methods:
         settings = SETTINGS.get(method, [])
         for communicator in _communicators(method, args.communicators):
-            chosen = [] if communicator == "own" else ["--communicator", communicator]
+            chosen = [] if communicator == "default" else ["--communicator", communicator]
             summary = train.main(["--engine", args.engine, "--compressor", method, "--epochs", str(args.epochs),
                                   "--no-progress", *settings, *chosen])
             rows.append({"method": method, "communicator": communicator, "settings": " ".join(settings), **summary})
@@ -65,18 +65,18 @@ def _communicators(method: str, asked):
     """The communicators ``method`` trains under: those asked, where it allgathers; else its own."""
     made = next(iter(registry.examples(method=method).values()))()
     if made.collective is not grace.Collective.ALLGATHER:
-        return ["own"]
+        return ["default"]
     return list(dict.fromkeys(asked))
 
 
 def compare(rows) -> None:
     """Each method's accuracy under the two phases against uncompressed and against its allgather."""
     accuracy = {(r["method"], r["communicator"]): r["test_accuracy"] for r in rows}
-    dense = accuracy.get(("none", "own"))
+    dense = accuracy.get(("none", "default"))
     for (method, communicator), value in accuracy.items():
         if communicator != "alltoall":
             continue
-        allgather = accuracy.get((method, "allgather"), accuracy.get((method, "own")))
+        allgather = accuracy.get((method, "allgather"))
         parts = [f"{method}: alltoall {value:.4f}"]
         if dense is not None:
             parts.append(f"{100 * (value - dense):+.2f} points vs uncompressed")

@@ -6,8 +6,9 @@ the bits each rank receives per element in worlds of those sizes, by communicato
 
 The payload is measured on a standard-normal float32 tensor through a one-rank exchange. The
 traffic is the ring model of grace.core.traffic: dense and fp16 are Horovod's own ring
-allreduce; 'allgather' every other rank's frame; 'alltoall' the two phases; 'auto' the cheapest
-of a method's ways, per bucket (here one bucket of the tensor).
+allreduce; 'allgather' every other rank's frame; 'alltoall' the two phases; 'auto' the way
+communicator='auto' takes per bucket (here one bucket of the tensor): a fixed-length method's
+cheapest, a variable-length method's two phases from 3 ranks on.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def sizes(shape) -> None:
 
 
 def received_table(numel: int, worlds) -> dict:
-    """{method: {ranks: {way: bits received per element}}}, 'auto' the cheapest of the method's ways."""
+    """{method: {ranks: {way: bits received per element}}}, 'auto' the way communicator='auto' takes."""
     table = {}
     for name in grace.methods():
         compression = method(name)
@@ -46,7 +47,7 @@ def received_table(numel: int, worlds) -> dict:
         table[name] = {}
         for ranks in worlds:
             costs = traffic.received(compression, numel, ranks)
-            costs["auto"] = costs[traffic.cheapest(costs)]
+            costs["auto"] = costs[traffic.chosen(compression, costs, ranks)]
             table[name][ranks] = {way: 8 * nbytes / numel for way, nbytes in costs.items()}
     return table
 
@@ -72,7 +73,10 @@ def traffic_report(numel: int, worlds) -> None:
         growth = {name: row[512]["alltoall"] / row[4]["alltoall"] for name, row in table.items()
                   if "alltoall" in row[4] and row[4]["alltoall"] > 0}
         worst = max(growth, key=growth.get)
-        print(f"alltoall bits at 512 ranks over 4 ranks: at most {growth[worst]:.3f}x ({worst})")
+        print(f"alltoall bits at 512 ranks over 4 ranks: at most {growth[worst]:.3f}x ({worst}); "
+              f"the (N-1)/N factor alone is {(511 / 512) / (3 / 4):.3f}x")
+        above = ", ".join(f"{name} {ratio:.3f}x" for name, ratio in sorted(growth.items()) if ratio > 1.35)
+        print(f"  above 1.35x: {above or 'none'}")
 
 
 def main(argv=None):

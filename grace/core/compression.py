@@ -42,9 +42,9 @@ class GradientCompression:
                              "it works on each gradient's matrix shape")
         self.bucket_mb = float(bucket_mb)
         self.scope = scope
-        #: 'auto': per bucket and world size, the way that receives the fewest bytes (grace.core.traffic):
-        #: the method's own collective (below), the two-phase alltoall, or dense
-        self.auto = communicator == "auto"
+        #: 'auto' (the default of every allgather method): per bucket and world size, the method's own
+        #: collective (below), the two-phase alltoall or dense, by the bytes received (grace.core.traffic)
+        self.auto = communicator == "auto" or (communicator is None and compressor.collective is Collective.ALLGATHER)
         self.collective = compressor.collective if communicator in (None, "auto") else Collective.parse(communicator)
         if self.collective is Collective.ALLREDUCE and not compressor.traits.supports_allreduce:
             raise ValueError(

@@ -1,14 +1,20 @@
 """Bytes each rank receives per step for one bucket, under each way of exchanging it (the ring
-model), and the cheapest of them: what ``communicator='auto'`` picks.
+model), and the way ``communicator='auto'`` takes.
 
     dense        a ring allreduce of float32:  2 (N-1)/N x 4 bytes per element (Horovod's own)
     allreduce    a method that sums its payloads (fp16, random-k, PowerSGD): 2 (N-1)/N x its payload
     allgather    every other rank's frame: (N-1) x frame (the frame no larger than the dense one)
     alltoall     every other rank's frame of this rank's shard, then every other owner's frame:
-                 (N-1) x (frame of a shard + frame of the owner's second payload)
+                 (N-1) x (frame of a shard + frame of the owner's second payload; only the
+                 second carries the rank's overflow flag; a variable-length frame no larger
+                 than the dense shard's)
 
-A fixed-length payload's size depends on the element count alone; a variable-length one's is
-measured on the same standard-normal probe on every rank, so every rank decides alike.
+A fixed-length payload's size depends on the element count alone: 'auto' takes the way with the
+fewest bytes. A variable-length one's (threshold, DGC, ...) is known only as the step runs (here
+it is measured on a standard-normal probe, for the table): its frames fall back to the dense
+values wherever the encoding is larger, so both its ways are bounded by a dense ring allreduce
+(to the frames' headers), and 'auto' takes the two phases from 3 ranks on, where they receive
+2 (N-1)/N frames of the bucket against the allgather's N-1. Every rank decides alike.
 """
 from __future__ import annotations
 
@@ -59,12 +65,19 @@ def received(compression, numel: int, ranks: int) -> Dict[str, int]:
         size = shard_size(numel, ranks, owner.align)
         first, _ = owner.compress(xp, _probe(size), info)
         second, _ = owner.compress_again(xp, _probe(size), info)
-        out["alltoall"] = (ranks - 1) * (_frame(xp, first, variable, flagged) + _frame(xp, second, variable, flagged))
+        frames_of = [_frame(xp, first, variable, False), _frame(xp, second, variable, flagged)]
+        if variable:  # (a larger encoding goes dense)
+            frames_of = [min(f, frames.frame_size([size], ["float32"], False, flag) + 8 * len(payload))
+                         for f, flag, payload in zip(frames_of, (False, flagged), (first, second))]
+        out["alltoall"] = (ranks - 1) * sum(frames_of)
     return out
 
 
-def cheapest(costs: Dict[str, int]) -> str:
-    """The way in ``costs`` (``received``'s) that receives the fewest bytes per rank (a tie goes
-    to the method's own way, then to the two-phase one, before dense)."""
+def chosen(compression, costs: Dict[str, int], ranks: int) -> str:
+    """The way 'auto' takes, from ``received``'s ``costs``: a fixed-length method's cheapest (a
+    tie goes to its own way, then to the two phases, before dense); a variable-length method's
+    two phases from 3 ranks on, else its own way (both bounded by dense, whatever its data)."""
+    if compression.compressor.traits.variable_length and "alltoall" in costs:
+        return "alltoall" if ranks > 2 else "allgather"
     order = [way for way in ("allreduce", "allgather", "alltoall", "dense") if way in costs]
     return min(order, key=lambda way: (costs[way], order.index(way)))

@@ -2,10 +2,12 @@
 inputs at once, written out in NumPy without grace's exchange, communicators or plans.
 
 Per bucket: each rank compensates its flat bucket, pads it with zeros to N equal shards and
-compresses shard j under the name '<bucket>/shard<j>'; the owner j aggregates the ranks' payloads
-of shard j by the method's own ``aggregate`` (its mean or vote, in the method's float32 order),
+compresses shard j under the name '<bucket>/shard<j>' (sent dense where a variable-length
+encoding is larger than the shard); the owner j aggregates the ranks' payloads of shard j by the
+method's own ``aggregate`` (its mean or vote, in the method's float32 order, the dense shards added),
 compresses that aggregate again under '<bucket>/owner<j>', with its own residual memory where
-the method has error feedback (signSGD and Signum send the count's outcome exactly instead), and
+the method has error feedback (signSGD and Signum send the count's outcome exactly instead; a
+second encoding larger than the shard sends the shard, and the owner keeps nothing of it), and
 every rank receives every owner's decompressed shard. Only the method's own compress, decompress
 and aggregate run here, so the owner's random draws see the very aggregate grace must compute:
 results are compared bit for bit.
@@ -50,13 +52,23 @@ def expected_alltoall(variant, ranks: int, layouts=None):
                       for r in range(ranks)]
             first = [[compressor.compress(xp, shards[r][j], TensorInfo(f"{key}/shard{j}", step, ranks, r))
                       for j in range(ranks)] for r in range(ranks)]
+            # a variable-length encoding larger than the dense shard goes dense
+            dense = [[goes_dense(compression, first[r][j][0], size, False) for j in range(ranks)] for r in range(ranks)]
             for r in range(ranks):
-                p_hat = np.concatenate([compressor.decompress(xp, *first[r][j]) for j in range(ranks)])[:n]
+                p_hat = np.concatenate([shards[r][j] if dense[r][j] else compressor.decompress(xp, *first[r][j])
+                                        for j in range(ranks)])[:n]
                 split(memories, r, group, update(memory, p[r], p_hat, v[r]))
-                sent[r] += sum(frame_bytes(compression, first[r][j][0], flagged) for j in range(ranks) if j != r)
+                sent[r] += sum(dense_bytes(first[r][j][0], size, False) if dense[r][j] else
+                               frame_bytes(compression, first[r][j][0], False) for j in range(ranks) if j != r)
             result = []
             for j in range(ranks):
-                aggregate = compressor.aggregate(xp, [first[r][j][0] for r in range(ranks)], first[0][j][1])
+                encoded = [first[r][j][0] for r in range(ranks) if not dense[r][j]]
+                aggregate = compressor.aggregate(xp, encoded, first[0][j][1]) if encoded else None
+                if len(encoded) < ranks:  # the mean of the encoded ones and the dense shards, added rank by rank
+                    total = None
+                    for r in (r for r in range(ranks) if dense[r][j]):
+                        total = shards[r][j] if total is None else total + shards[r][j]
+                    aggregate = total / ranks if aggregate is None else (aggregate * len(encoded) + total) / ranks
                 held = joined(owners, j, group)
                 held = held if held is not None else np.zeros(n, np.float32)
                 shard, nbytes, held = second(compression, aggregate, held, j * size, n, f"{key}/owner{j}", step, ranks)
@@ -178,6 +190,9 @@ def second(compression, aggregate, held, start: int, n: int, name: str, step: in
     lo, hi = min(start, n), min(start + size, n)
     q = aggregate + np.concatenate([held[lo:hi], np.zeros(size - (hi - lo), np.float32)]) if keeps else aggregate
     payload, ctx = compressor.compress(xp, q, TensorInfo(name, step, ranks, int(name.rsplit("owner", 1)[1])))
+    if goes_dense(compression, payload, size, flagged):
+        held = np.concatenate([held[:lo], np.zeros(hi - lo, np.float32), held[hi:]]) if keeps else None
+        return q, dense_bytes(payload, size, flagged), held
     decoded = compressor.decompress(xp, payload, ctx)
     held = np.concatenate([held[:lo], (q - decoded)[:hi - lo], held[hi:]]) if keeps else None
     return decoded, frame_bytes(compression, payload, flagged), held
@@ -187,6 +202,16 @@ def frame_bytes(compression, payload, flagged: bool) -> int:
     """A frame: the lengths of variable payloads (8 bytes each), the tensors, the flag, to 8."""
     header = 8 * len(payload) if compression.compressor.traits.variable_length else 0
     return _aligned(header + sum(np.asarray(t).nbytes for t in payload) + flagged)
+
+
+def dense_bytes(payload, size: int, flagged: bool) -> int:
+    """A variable-length frame that carries the shard's float32 values: its header, values, flag."""
+    return 8 * len(payload) + _aligned(4 * size + flagged)
+
+
+def goes_dense(compression, payload, size: int, flagged: bool) -> bool:
+    return compression.compressor.traits.variable_length and \
+        frame_bytes(compression, payload, flagged) > dense_bytes(payload, size, flagged)
 
 
 def _aligned(n: int) -> int:

@@ -11,6 +11,7 @@ import pytest
 
 from grace.backends import get_backend
 from grace.core import registry
+from tests.fixtures.own_collective import pinned_all
 from tests.fixtures.round_trip import run_local
 import tests.fixtures.methods  # noqa: F401  (registers the fixture methods)
 
@@ -18,8 +19,8 @@ BACKENDS = ["numpy", "torch"]
 TORCH_DEVICE = os.environ.get("GRACE_TEST_DEVICE", "cpu")
 
 # label -> factory: every example of every registered method (grace/core/registry.py), test
-# fixtures (tests/fixtures/methods) included
-METHODS = registry.examples()
+# fixtures (tests/fixtures/methods) included, on its own collective
+METHODS = pinned_all(registry.examples())
 
 
 def roundtrip(xp, compressor, x, info):

@@ -187,7 +187,7 @@ class NamingReplica(ReplicaCommunicator):
 def test_one_collective_per_bucket():
     comm = NamingReplica(2)
     counts = comm.names
-    exchange = grace.Exchange(grace.topk(0.1, bucket_mb=0.002), comm)
+    exchange = grace.Exchange(grace.topk(0.1, communicator="allgather", bucket_mb=0.002), comm)
     exchange.exchange(gradients(get_backend("numpy"), 0))
     assert counts.pop(0) == "grace.agreement"  # the ranks' first-step check, once
     assert len(counts) == len(exchange._buckets) == len(set(counts))

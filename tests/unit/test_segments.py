@@ -69,7 +69,7 @@ def test_the_catalogue_has_segmented_methods():
 
 
 # each method on its own collective, and the allgather ones also by broadcasts
-COLLECTIVES = [(label, None) for label in SEGMENTED] + [
+COLLECTIVES = [(label, METHODS[label]().collective.value) for label in SEGMENTED] + [
     (label, "broadcast") for label in SEGMENTED if METHODS[label]().collective.value != "allreduce"]
 
 
@@ -139,7 +139,7 @@ def test_segmented_checkpoints_load_under_another_bucket_size(accelerator, metho
 def test_one_collective_per_segmented_bucket(accelerator):
     comm = test_buckets.NamingReplica(2)
     names = comm.names
-    exchange = grace.Exchange(grace.topk(0.1, bucket_mb=0.002), comm)
+    exchange = grace.Exchange(grace.topk(0.1, communicator="allgather", bucket_mb=0.002), comm)
     for step in range(2):
         names.clear()
         exchange.exchange(gradients(accelerator, step))
@@ -150,7 +150,7 @@ def test_one_collective_per_segmented_bucket(accelerator):
 def test_float16_buckets_go_gradient_by_gradient(accelerator):
     """Segment-wise compression reads float32 keys; other dtypes keep the per-gradient path."""
     grads = {name: accelerator.cast(g, "float16") for name, g in gradients(accelerator, 0).items()}
-    exchange = grace.Exchange(grace.topk(0.1), ReplicaCommunicator(2))
+    exchange = grace.Exchange(grace.topk(0.1, communicator="allgather"), ReplicaCommunicator(2))
     exchange.exchange(grads)
     assert not segmented_plans(exchange)
 
@@ -158,8 +158,8 @@ def test_float16_buckets_go_gradient_by_gradient(accelerator):
 def test_a_flat_bucket_buffer_as_ddp_hands_it(accelerator):
     """DDP gives the bucket as one flat buffer with the gradients as views of it."""
     xp = accelerator
-    by_exchange = grace.Exchange(grace.topk(0.1), ReplicaCommunicator(2))
-    by_buffer = grace.Exchange(grace.topk(0.1), ReplicaCommunicator(2))
+    by_exchange = grace.Exchange(grace.topk(0.1, communicator="allgather"), ReplicaCommunicator(2))
+    by_buffer = grace.Exchange(grace.topk(0.1, communicator="allgather"), ReplicaCommunicator(2))
     for step in range(3):
         grads = {n: g for n, g in gradients(xp, step).items() if xp.numel(g)}
         want = by_exchange.exchange(grads)
@@ -204,7 +204,7 @@ def test_segmented_top_k_with_and_without_memory(xp, memory, monkeypatch):
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)
     per_tensor = run(xp, grace.topk(0.05, memory=memory, bucket_mb=0))
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
-    segmented = run(xp, grace.topk(0.05, memory=memory, bucket_mb=0.002))
+    segmented = run(xp, grace.topk(0.05, memory=memory, communicator="allgather", bucket_mb=0.002))
     assert segmented_plans(segmented[0])
     for w, g in zip(per_tensor[1], segmented[1]):
         for name in w:
@@ -260,7 +260,7 @@ def test_counter_draws_give_each_segment_its_tensors_own_draws(method, monkeypat
     assert_runs_equal(xp, units, segmented, method)
 
 
-@pytest.mark.parametrize("communicator", [None, "broadcast"])
+@pytest.mark.parametrize("communicator", ["allgather", "broadcast"])
 @pytest.mark.parametrize("bucket_mb", [25, 0.002], ids=["one-bucket", "several-buckets"])
 def test_segmented_threshold_sends_what_the_buckets_of_gradients_send(xp, communicator, bucket_mb, monkeypatch):
     """A threshold that keeps ~5% (sparse frames every step, of every index width): the

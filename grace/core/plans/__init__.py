@@ -78,9 +78,12 @@ def _auto(services: Services, bucket):
     if not compression.auto or ranks < 2 or compression.collective is Collective.ALLREDUCE:
         return None, ""  # (a summed payload's traffic is already a ring allreduce's)
     costs = traffic.received(compression, bucket.numel, ranks)
-    way = traffic.cheapest(costs)
+    if compression.scope != "tensor":
+        costs.pop("alltoall", None)  # (a bucket compressed as one tensor is not sharded)
+    way = traffic.chosen(compression, costs, ranks)
     shown = ", ".join(f"{name} {nbytes}" for name, nbytes in costs.items())
-    return way, f"communicator='auto' at {ranks} ranks, bytes received per rank: {shown}"
+    measured = " (on a probe: its lengths vary)" if compression.compressor.traits.variable_length else ""
+    return way, f"communicator='auto' at {ranks} ranks, bytes received per rank{measured}: {shown}"
 
 
 def _why_not_segmented(compression, kernels, bucket, xp, like):

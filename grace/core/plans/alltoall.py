@@ -11,7 +11,8 @@ the bytes a rank moves and the payloads it decodes do not grow with the number o
     phase 2 (allgather): every rank decodes the N payload'_j: the bucket's result
 
 Per rank about 2 (N-1)/N payloads of the bucket travel, and one shard's N payloads plus the
-bucket's N shards are decoded, whatever N is. What a method does in each role (its second
+bucket's N shards are decoded, whatever N is. Each rank's overflow flag rides on its phase-2
+frame alone; a variable-length encoding larger than its shard travels as the shard's values. What a method does in each role (its second
 compression, the shard alignment) is its ``Owner`` (``grace.core.plans.owner``).
 """
 from __future__ import annotations
@@ -20,8 +21,7 @@ from typing import Any, List
 
 from grace.core import bucket as frames
 from grace.core.compressor import TensorInfo
-from grace.core.journal import any_flag
-from grace.core.plans.base import BucketPending, WholeBucket
+from grace.core.plans.base import BucketPending, WholeBucket, with_dense
 from grace.core.plans.owner import owner_of
 
 
@@ -67,16 +67,20 @@ class AllToAll(WholeBucket):
                     for j in range(ranks)]
         pending.ctxs = [sent[0][1]]  # (equal shards: one ctx serves them all)
         payloads = [payload for payload, _ in sent]
-        if memory.needs_feedback:
-            with s.phase("feedback"):
-                p_hat = xp.concat([xp.flatten(owner.decompress(xp, payload, pending.ctxs[0])) for payload in payloads])
-                s.journal.set("memory", unit.name, memory.update(xp, p, p_hat[:n], pending.old[0]))
         own = payloads[s.communicator.rank]
         pending.dtypes, pending.counts = [xp.dtype(t) for t in own], [xp.numel(t) for t in own]
-        parts = [frames.frame(xp, list(payload), self.variable, g, pending.flag) for payload in payloads]
-        sizes = [xp.numel(t) for t in parts]
+        # (no flag here: each rank's own rides on its owner frame, which every rank receives)
+        parts = [self._frame(xp, payload, x[j * size:(j + 1) * size], g) for j, payload in enumerate(payloads)]
+        if memory.needs_feedback:
+            with s.phase("feedback"):
+                p_hat = xp.concat([x[j * size:(j + 1) * size] if dense else
+                                   xp.flatten(owner.decompress(xp, payload, pending.ctxs[0]))
+                                   for j, (payload, (_, dense)) in enumerate(zip(payloads, parts))])
+                s.journal.set("memory", unit.name, memory.update(xp, p, p_hat[:n], pending.old[0]))
+        sizes = [xp.numel(t) for t, _ in parts]
         with s.phase("collective"):
-            pending.wait = s.communicator.alltoall_async(xp.concat(parts), sizes, f"{self.bucket.key}.shards")
+            pending.wait = s.communicator.alltoall_async(xp.concat([t for t, _ in parts]), sizes,
+                                                         f"{self.bucket.key}.shards")
         s.transport.stats.add(sum(sizes) - sizes[s.communicator.rank], 0)
         return pending
 
@@ -84,25 +88,39 @@ class AllToAll(WholeBucket):
         s, xp, comm = self.services, pending.xp, self.services.communicator
         flagged = pending.flag is not None
         received = s.transport.wait(pending.wait)
-        mine = self._read(xp, received, comm.size, pending.dtypes, pending.counts, self.variable, flagged)
-        # every rank told every owner its flag: each owner passes on whether any rank flagged one
-        flag = any_flag(xp, [f for _, f in mine]) if flagged else None
+        mine = [p for p, _ in self._read(xp, received, comm.size, pending.dtypes, pending.counts, False)]
         with s.phase("decompress"):
-            aggregate = self.owner.reduce(xp, s.kernels, [payload for payload, _ in mine], pending.ctxs[0])
+            encoded = [p for p in mine if not isinstance(p, frames.Dense)]
+            dense = [p.values for p in mine if isinstance(p, frames.Dense)]
+            aggregate = self.owner.reduce(xp, s.kernels, encoded, pending.ctxs[0]) if encoded else None
+            if dense:  # (those ranks' encodings of the shard were larger than it)
+                aggregate = with_dense(aggregate, len(encoded), dense, len(mine))
         with s.phase("compress"):
-            payload = self._compressed_again(xp, aggregate, pending)
-        frame = frames.frame(xp, list(payload), self.variable, pending.g, flag)
+            frame, payload = self._compressed_again(xp, aggregate, pending)
         with s.phase("collective"):
             gather = comm.allgather_async if self.variable else comm.allgather_equal_async
             gathered = gather(frame, f"{self.bucket.key}.owners")()
         s.transport.stats.add(xp.numel(frame), 0)
         dtypes, counts = [xp.dtype(t) for t in payload], [xp.numel(t) for t in payload]
-        shards = self._read(xp, gathered, comm.size, dtypes, counts, self.variable, flagged)
+        shards = self._read(xp, gathered, comm.size, dtypes, counts, flagged)
         with s.phase("decompress"):
-            parts = [xp.flatten(self.owner.decompress_again(xp, p, pending.ctxs[0], comm.size)) for p, _ in shards]
+            parts = [p.values if isinstance(p, frames.Dense) else
+                     xp.flatten(self.owner.decompress_again(xp, p, pending.ctxs[0], comm.size)) for p, _ in shards]
         g_hat = xp.concat(parts)[:self.bucket.numel]
         overflow = s.journal.overflow(xp, [f for _, f in shards]) if flagged else None
         return self.deliver(pending, [g_hat], overflow, pending.outs or [None] * len(self.bucket.segments), into)
+
+    def _frame(self, xp, payload, values, like, flag=None):
+        """(A shard's frame, whether it carries the shard's dense ``values`` instead): a
+        variable-length encoding larger than the dense shard is sent dense, as the allgather's
+        frames are, so neither phase moves more than a dense shard."""
+        frame = frames.frame(xp, list(payload), self.variable, like, flag)
+        header = 8 * len(payload)
+        dense_size = frames.frame_size([xp.numel(values)], [xp.dtype(values)], False, flag is not None) + header
+        # (a length known only when a traced TensorFlow step runs is never replaced)
+        if self.variable and isinstance(xp.numel(frame), int) and xp.numel(frame) > dense_size:
+            return frames.dense_frame(xp, values, len(payload), like, flag), True
+        return frame, False
 
     def _take_owned_memory(self, xp, like, size: int) -> None:
         """At a plan's first step, and after the world changed (elastic training): every rank's
@@ -120,32 +138,36 @@ class AllToAll(WholeBucket):
         self._owned_in = s.communicator.size
 
     def _compressed_again(self, xp, aggregate, pending):
-        """The owner's payload of its shard's aggregate, with its memory where it keeps one."""
+        """(The owner's frame of its shard's aggregate, its payload), with its memory where it keeps one."""
         s, owner, key = self.services, self.owner, self.bucket.key
         info = shard_info(pending.info, "owner", s.communicator.rank)
         if not self.keeps_memory:
-            return owner.compress_again(xp, aggregate, info)[0]
+            payload = owner.compress_again(xp, aggregate, info)[0]
+            return self._frame(xp, payload, aggregate, pending.g, pending.flag)[0], payload
         # the memory spans the bucket (saved per gradient, as the workers'); this rank's shard is its own
         size = xp.numel(aggregate)
         lo, hi = self._owned(size)
         memory = s.store.get("owner", key, lambda t: xp.zeros_like(t), pending.g)
         q = aggregate + xp.concat([memory[lo:hi], xp.zeros(size - (hi - lo), xp.dtype(memory), like=memory)])
         payload, _ = owner.compress_again(xp, q, info)
-        error = q - owner.decompress_again(xp, payload, pending.ctxs[0], s.communicator.size)
+        frame, dense = self._frame(xp, payload, q, pending.g, pending.flag)
+        ranks = s.communicator.size
+        error = xp.zeros_like(q) if dense else q - owner.decompress_again(xp, payload, pending.ctxs[0], ranks)
         s.journal.set("owner", key, xp.concat([memory[:lo], error[:hi - lo], memory[hi:]]))
-        return payload
+        return frame, payload
 
     def _owned(self, size: int):
         """(start, end) of this rank's shard within the bucket (before the padding)."""
         n, rank = self.bucket.numel, self.services.communicator.rank
         return min(rank * size, n), min((rank + 1) * size, n)
 
-    @staticmethod
-    def _read(xp, data, ranks: int, dtypes, counts, variable: bool, flagged: bool):
-        """The ``ranks`` frames in ``data``, one after another in rank order: [(payload, flag or
-        None)]. Fixed-length payloads have ``counts`` elements; variable ones carry theirs."""
-        out, start = [], 0
+    def _read(self, xp, data, ranks: int, dtypes, counts, flagged: bool):
+        """The ``ranks`` frames in ``data``, one after another in rank order: [(payload or
+        ``Dense``, flag or None)]. Fixed-length payloads have ``counts`` elements; variable ones
+        carry theirs."""
+        out, start, size = [], 0, shard_size(self.bucket.numel, ranks, self.owner.align)
         for _ in range(ranks):
-            pieces, flag, start = frames.read_frame(xp, data, start, dtypes, counts, variable, 0, "float32", flagged)
-            out.append((tuple(pieces), flag))
+            pieces, flag, start = frames.read_frame(xp, data, start, dtypes, counts, self.variable, size,
+                                                    self.bucket.dtype, flagged)
+            out.append((pieces if isinstance(pieces, frames.Dense) else tuple(pieces), flag))
         return out

@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +18,7 @@ import numpy as np
 import grace
 import tests.fixtures.methods  # noqa: F401  (registers the fixture methods; tests.conftest.launch sets PYTHONPATH)
 from grace.core import registry
+from tests.fixtures.own_collective import on_own_collective
 
 # name, shape, scale ("tiny" is below every threshold: that rank sends nothing for it)
 PARAMS = [
@@ -86,6 +87,8 @@ VARIANTS = {
     # about 2 in 3 elements pass: some ranks and steps go dense, others not (residuals non-zero)
     "threshold_sometimes_dense": Variant(lambda: grace.threshold(0.42), eager=True),
 }
+# each on its method's own collective (AUTO_VARIANTS below take the default, 'auto')
+VARIANTS = {label: replace(variant, make=on_own_collective(variant.make)) for label, variant in VARIANTS.items()}
 
 
 # What DDP's hook runs: every variant its buckets can express (DDP averages, names parameters
@@ -100,6 +103,8 @@ DDP_VARIANTS = {
     "qsgd_process_group": Variant(lambda: grace.qsgd(4), ddp=(("process_group", "new"),)),
     "dgc_no_sync": Variant(lambda: grace.dgc(0.05, sample_ratio=0.1), passes=3),
 }
+DDP_VARIANTS = {label: replace(variant, make=on_own_collective(variant.make))
+                for label, variant in DDP_VARIANTS.items()}
 
 
 def _via_broadcast(make):
@@ -127,6 +132,11 @@ ALLTOALL_VARIANTS = {f"{label}_via_alltoall": Variant(lambda make=variant.make: 
                      for label, variant in VARIANTS.items()
                      if variant.make().collective is grace.Collective.ALLGATHER and variant == Variant(variant.make)
                      and variant.make().bucket_mb and variant.make().scope == "tensor"}
+# variable-length frames larger than their dense shard go dense: every shard, every step; or some
+ALLTOALL_VARIANTS.update({
+    "threshold_dense_via_alltoall": Variant(lambda: grace.threshold(1e-3, communicator="alltoall")),
+    "threshold_sometimes_dense_via_alltoall": Variant(lambda: grace.threshold(0.42, communicator="alltoall")),
+})
 
 
 # communicator='auto': per bucket, whichever way receives the fewest bytes (grace.core.traffic)
