@@ -180,6 +180,8 @@ def _checked_method(i: int, entry, names: set) -> dict:
         compression = grace.from_params(params)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{label}: {exc}") from None
+    if compression.auto and "communicator" not in params:  # (the codec on its own collective, N payloads decoded)
+        compression = compression.via(compression.collective)
     return {"name": name, "grace": dict(params), "shape": shape, "compression": compression}
 
 

@@ -259,11 +259,14 @@ def launches(fn, device: str, top: int = 0, waits=None) -> dict:
 
 
 def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int, top: int = 0,
-            waits=None) -> dict:
+            waits=None, communicator: str = "own") -> dict:
     comm = CountingReplica(world)
+    compression = grace.create(method, **METHODS[method], bucket_mb=bucket_mb)
+    if compression.collective is grace.Collective.ALLGATHER and bucket_mb:
+        compression = compression.via(compression.collective if communicator == "own" else communicator)
     # as the adapters run it: results written over the gradients handed over (on a CPU), so
     # each step gets this step's gradients again first, as backward would write them
-    exchange = grace.Exchange(grace.create(method, **METHODS[method], bucket_mb=bucket_mb), comm, in_place=True)
+    exchange = grace.Exchange(compression, comm, in_place=True)
     inputs = {name: g.clone() for name, g in grads.items()}
 
     def backward():
@@ -326,6 +329,9 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--communicator", default="own", choices=["own", "auto", "allgather", "alltoall"],
+                        help="how the allgather methods' buckets travel (default: their own allgather, the one-phase "
+                             "exchange whose per-tensor and bucketed forms this compares; 'auto' is grace's default)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch's and grace's native threads on a CPU (0: their defaults)")
     parser.add_argument("--bucketed-only", action="store_true", help="skip the per-tensor exchange")
@@ -361,7 +367,7 @@ def main():
             per_tensor = skipped if args.bucketed_only else measure(grads, method, 0, args.world, args.device,
                                                                      args.iters, waits=waits)
             bucketed = measure(grads, method, args.bucket_mb, args.world, args.device, args.iters,
-                               args.profile_top, waits)
+                               args.profile_top, waits, args.communicator)
             if "top" in bucketed:
                 profiles.append(f"{model}, {method}, bucketed:\n{bucketed.pop('top')}")
             row = {"model": model, "device": args.device, "method": method, "tensors": len(grads),

@@ -18,7 +18,9 @@ Stages (configs/bench_train.yaml says what runs):
               the hosts' namespaces) that trains every method in turn:
               median step time after warm-up, bytes per step on the wire, and, for the cost
               model, compute time (no communication), the method's local compression work and
-              a tiny allreduce's latency, all measured in the same launch (needs root)
+              a tiny allreduce's latency, all measured in the same launch (needs root); with
+              the config's throughput 'runs: K', all of it K times, the report taking each
+              method's run of median step time and showing the fastest and slowest
   quality     per model, on localhost: every method trained for a fixed number of epochs;
               test accuracy per epoch and the steps needed to reach the target accuracy.
               Time to accuracy on a link = those steps x the step time measured on that link
@@ -288,8 +290,8 @@ def worker_quality(config: dict, model_name: str, result: Path) -> None:
 def merge(path: Path, new_rows: list[dict], keys: tuple) -> list[dict]:
     """Rows saved earlier, with those that the new rows remeasure replaced."""
     old = json.loads(path.read_text()) if path.exists() else []
-    fresh = {tuple(r[k] for k in keys) for r in new_rows}
-    rows = [r for r in old if tuple(r[k] for k in keys) not in fresh] + new_rows
+    fresh = {tuple(r.get(k, 0) for k in keys) for r in new_rows}  # (rows of one run have no 'run')
+    rows = [r for r in old if tuple(r.get(k, 0) for k in keys) not in fresh] + new_rows
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows, indent=2))
     return rows
@@ -304,7 +306,7 @@ def stage_throughput(args, config: dict) -> None:
     from grace.bench.cluster import EmulatedCluster, UnverifiedError
 
     ranks = config["ranks"]
-    for link in args.links:
+    for run, link in ((run, link) for run in range(config["throughput"].get("runs", 1)) for link in args.links):
         with EmulatedCluster(ranks, preset_name=link, allow_native_latency=True) as cluster:
             try:
                 report = cluster.verify()
@@ -328,8 +330,8 @@ def stage_throughput(args, config: dict) -> None:
                     launcher = "torchrun" if engine_name(config) == "ddp" else "horovodrun"
                     cluster.run(worker_cmd(args, "throughput", model, result), launcher=launcher, np=ranks,
                                 check=True)
-                    rows += [{**link_info, **r} for r in json.loads(result.read_text())]
-        merge(args.out / "throughput.json", rows, ("link", "model", "method"))
+                    rows += [{**link_info, **r, "run": run} for r in json.loads(result.read_text())]
+        merge(args.out / "throughput.json", rows, ("link", "model", "method", "run"))
 
 
 def stage_quality(args, config: dict) -> None:
@@ -361,6 +363,19 @@ def steps_to_target(q: dict, target: float):
     return None if epoch is None else (epoch + 1) * q["steps_per_epoch"]
 
 
+def over_runs(throughput: list[dict]) -> list[dict]:
+    """One row per (link, model, method): the run of median step time, with every run's step
+    times ('runs_step_s') where the config's throughput 'runs' repeated the stage."""
+    groups: dict = {}
+    for r in throughput:
+        groups.setdefault((r["link"], r["model"], r["method"]), []).append(r)
+    rows = []
+    for sel in groups.values():
+        sel = sorted(sel, key=lambda r: r["step_s"])
+        rows.append({**sel[(len(sel) - 1) // 2], "runs_step_s": [r["step_s"] for r in sel]})
+    return rows
+
+
 def combine(throughput: list[dict], quality: list[dict], target: float, names: dict) -> list[dict]:
     """One row per (link, model, method): throughput, prediction, speed-ups, quality, time to
     accuracy (``names``: the baselines', see ``baselines``)."""
@@ -371,7 +386,7 @@ def combine(throughput: list[dict], quality: list[dict], target: float, names: d
         q = by_method.get((r["model"], r["method"]), {})
         row = {k: r[k] for k in ("link", "model", "method", "link_status", "measured_bps", "parameters",
                                  "samples_per_second", "step_s", "bytes_per_step", "dense_bytes_per_step",
-                                 "compute_s", "codec_s")}
+                                 "compute_s", "codec_s", "runs_step_s")}
         row["predicted_step_s"] = predicted_step(r)
         row["prediction_error"] = row["predicted_step_s"] / r["step_s"] - 1
         for base, column in ((names["none"], "speedup_vs_none"), (names["fp16"], "speedup_vs_fp16")):
@@ -393,8 +408,8 @@ def markdown(rows: list[dict], config: dict) -> str:
             mbit = sel[0]["measured_bps"] / 1e6
             lines += [f"### {model} ({sel[0]['parameters'] / 1e6:.2f}M parameters), {link} "
                       f"(measured {mbit:.0f} Mbit/s, {sel[0]['link_status']}), {config['ranks']} ranks", "",
-                      f"| method | samples/s | vs none | vs fp16 | bytes/step | step ms | predicted ms | "
-                      f"accuracy | time to {target:.0%} |", "|---|---|---|---|---|---|---|---|---|"]
+                      f"| method | samples/s | vs none | vs fp16 | bytes/step | step ms | runs: ms, fastest-slowest "
+                      f"| predicted ms | accuracy | time to {target:.0%} |", "|---|---|---|---|---|---|---|---|---|---|"]
             for r in sel:
                 def fmt(v, spec):
                     return "-" if v is None else format(v, spec)
@@ -402,6 +417,7 @@ def markdown(rows: list[dict], config: dict) -> str:
                     else fmt(r["time_to_target_s"], ".1f") + (" s" if r["time_to_target_s"] is not None else "")
                 lines.append(f"| {r['method']} | {r['samples_per_second']:.0f} | {fmt(r['speedup_vs_none'], '.2f')}x | "
                              f"{fmt(r['speedup_vs_fp16'], '.2f')}x | {r['bytes_per_step']:,} | {1e3 * r['step_s']:.0f} | "
+                             f"{len(r['runs_step_s'])}: {1e3 * r['runs_step_s'][0]:.0f}-{1e3 * r['runs_step_s'][-1]:.0f} | "
                              f"{1e3 * r['predicted_step_s']:.0f} | {fmt(r['test_accuracy'], '.4f')} | {ttt} |")
             lines.append("")
     return "\n".join(lines)
@@ -498,7 +514,7 @@ def stage_report(args, config: dict) -> list[dict]:
     quality = json.loads((args.out / "quality.json").read_text()) if (args.out / "quality.json").exists() else []
     if not throughput:
         raise SystemExit(f"no throughput results in {args.out}; run --stage throughput first (as root)")
-    rows = combine(throughput, quality, config["quality"]["target_accuracy"], baselines(config))
+    rows = combine(over_runs(throughput), quality, config["quality"]["target_accuracy"], baselines(config))
     lines = claims(rows, config)
     write_results(rows, args.out, "bench_train", config, claims=lines, quality=quality)
     report = markdown(rows, config) + "\n" + "\n".join(f"- {c}" for c in lines) + "\n"

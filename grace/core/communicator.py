@@ -57,6 +57,11 @@ class Communicator:
     def alltoall_async(self, tensor, splits: Sequence[int], name: str) -> Callable[[], Any]:
         raise NotImplementedError(f"{type(self).__name__} has no alltoall: communicator='alltoall' needs one")
 
+    def alltoall_equal_async(self, tensor, splits: Sequence[int], name: str) -> Callable[[], Any]:
+        """``alltoall_async`` where every split is as long as every other, on every rank (a
+        toolkit that must tell the receivers their sizes then skips that exchange)."""
+        return self.alltoall_async(tensor, splits, name)
+
     def allgather_equal_async(self, tensor, name: str) -> Callable[[], Any]:
         """``allgather_async`` where every rank sends as many elements as this one (a toolkit
         whose allgather needs equal lengths then skips exchanging them)."""

@@ -58,6 +58,11 @@ class GradientCompression:
         if self.collective is Collective.ALLTOALL:
             _check_alltoall(compressor, self.bucket_mb, scope)
 
+    def via(self, communicator: Union[str, Collective]) -> "GradientCompression":
+        """This method and these buckets on ``communicator`` (``via(c.collective)``: its own
+        collective, where it would default to 'auto')."""
+        return GradientCompression(self.compressor, self.memory, communicator, self.bucket_mb, self.scope)
+
     @property
     def flags_overflow(self) -> bool:
         """Whether each exchange carries an overflow flag and is undone on an inf or NaN: every

@@ -304,8 +304,11 @@ class Exchange:
 
     def _check_loaded(self, state, tensors) -> None:
         """A ValueError naming the parameter where a loaded ``state`` cannot be this exchange's."""
-        # (compressor state is per bucket where a bucket is compressed as a whole, or cut into shards)
-        per_name = self.compression.scope == "tensor" and self.compression.collective is not Collective.ALLTOALL
+        # (compressor state is per bucket where a bucket is compressed as a whole, or cut into shards,
+        # as 'auto' may do)
+        compression = self.compression
+        per_name = compression.scope == "tensor" and compression.collective is not Collective.ALLTOALL \
+            and not compression.auto
         checkpoint.check_state(state, self.compression, tensors, per_name_state=per_name)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -69,7 +69,12 @@ class ProcessGroupCommunicator(Communicator):
         sent = torch.tensor(list(splits), dtype=torch.int64, device=tensor.device)
         sizes = torch.empty_like(sent)  # what each rank sends this one: told first
         dist.all_to_all_single(sizes, sent, group=self.group)
-        sizes = sizes.tolist()
+        return self._all_to_all(tensor, splits, sizes.tolist())
+
+    def alltoall_equal_async(self, tensor, splits, name):
+        return self._all_to_all(tensor, splits, list(splits))  # (every rank sends this one what it sends each)
+
+    def _all_to_all(self, tensor, splits, sizes):
         out = tensor.new_empty(sum(sizes))
         work = dist.all_to_all_single(out, tensor, sizes, list(splits), group=self.group, async_op=True)
         return self._launched(work, out)

@@ -90,6 +90,14 @@ def test_steps_to_target_counts_whole_epochs():
     assert bench_train.steps_to_target(q, 0.95) is None
 
 
+def test_repeated_runs_report_the_median_run_and_the_spread():
+    rows = [{"link": "100mbit", "model": "mlp", "method": m, "step_s": t, "run": r}
+            for m, times in (("none", [3.0, 1.0, 2.0]), ("topk", [0.5])) for r, t in enumerate(times)]
+    got = {r["method"]: r for r in bench_train.over_runs(rows)}
+    assert got["none"]["step_s"] == 2.0 and got["none"]["run"] == 2 and got["none"]["runs_step_s"] == [1.0, 2.0, 3.0]
+    assert got["topk"]["step_s"] == 0.5 and got["topk"]["runs_step_s"] == [0.5]
+
+
 DDP_CONFIG = {
     **CONFIG, "engine": "ddp", "models": {"mlp": CONFIG["models"]["mlp"]},
     "target": {**CONFIG["target"], "vs_fp16": 2},

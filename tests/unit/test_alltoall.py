@@ -83,6 +83,20 @@ def test_an_overflow_costs_one_step_owner_memory_included(xp, label, bad):
             assert_same(xp, want[name], got[name], f"{label} step {s} {name}")
 
 
+@pytest.mark.parametrize("communicator", ["alltoall", "auto"])
+@pytest.mark.parametrize("label", ["topk", "signum"])
+def test_an_exchange_in_use_takes_a_checkpoint_of_its_own_buckets(xp, label, communicator):
+    """Signum keeps its momentum per bucket when shards cut it (also where 'auto' chose the two
+    phases): an exchange that already knows its gradients takes such a checkpoint back."""
+    exchange = grace.Exchange(two_phase(label, communicator), ReplicaCommunicator(8))
+    exchange.exchange(gradients(xp, 0))
+    assert set(exchange.stats.plans.values()) == {"alltoall"}  # (at 8 ranks 'auto' takes it too)
+    state = exchange.state_dict()
+    exchange.exchange(gradients(xp, 1))
+    exchange.load_state_dict(state)
+    assert exchange.state_dict()["steps"] == state["steps"]
+
+
 @pytest.mark.parametrize("label", ["topk", "onebit", "dgc", "qsgd", "signum"])
 @pytest.mark.parametrize("bucket_mb", [25, 0.002])
 def test_a_checkpoint_resumes_bit_for_bit_owner_memory_included(xp, label, bucket_mb):

@@ -79,8 +79,8 @@ class AllToAll(WholeBucket):
                 s.journal.set("memory", unit.name, memory.update(xp, p, p_hat[:n], pending.old[0]))
         sizes = [xp.numel(t) for t, _ in parts]
         with s.phase("collective"):
-            pending.wait = s.communicator.alltoall_async(xp.concat([t for t, _ in parts]), sizes,
-                                                         f"{self.bucket.key}.shards")
+            scatter = s.communicator.alltoall_async if self.variable else s.communicator.alltoall_equal_async
+            pending.wait = scatter(xp.concat([t for t, _ in parts]), sizes, f"{self.bucket.key}.shards")
         s.transport.stats.add(sum(sizes) - sizes[s.communicator.rank], 0)
         return pending
 

@@ -121,9 +121,7 @@ BROADCAST_VARIANTS = {f"{label}_via_broadcast": Variant(lambda make=variant.make
 
 def _via(make, communicator: str):
     """``make()``'s method and buckets, exchanged by ``communicator``."""
-    compression = make()
-    return grace.GradientCompression(compression.compressor, compression.memory, communicator,
-                                     bucket_mb=compression.bucket_mb)
+    return make().via(communicator)
 
 
 # Every allgather method once more with communicator='alltoall' (each rank owns a shard of the
@@ -217,7 +215,9 @@ def save(out: Path, label: str, rank: int, results: dict) -> None:
 
 # --- elastic training (torch_elastic.py, tensorflow_elastic.py) ------------------------------
 ELASTIC_STEPS, FAIL_AT, GROW_AT = 12, 4, 8  # rank 1 dies at FAIL_AT; a host is added at GROW_AT
-ELASTIC_METHODS = {"none": grace.none, "topk": lambda: grace.topk(0.25), "randomk": lambda: grace.randomk(0.25)}
+ELASTIC_METHODS = {"none": grace.none, "topk": lambda: grace.topk(0.25, communicator="allgather"),
+                   "topk_alltoall": lambda: grace.topk(0.25, communicator="alltoall"),
+                   "randomk": lambda: grace.randomk(0.25)}
 
 
 def parse_elastic_args():
