@@ -409,7 +409,7 @@ def markdown(rows: list[dict], config: dict) -> str:
             lines += [f"### {model} ({sel[0]['parameters'] / 1e6:.2f}M parameters), {link} "
                       f"(measured {mbit:.0f} Mbit/s, {sel[0]['link_status']}), {config['ranks']} ranks", "",
                       f"| method | samples/s | vs none | vs fp16 | bytes/step | step ms | runs: ms, fastest-slowest "
-                      f"| predicted ms | accuracy | time to {target:.0%} |", "|---|---|---|---|---|---|---|---|---|---|"]
+                      f"| predicted ms | accuracy | time to {target:.0%} |", "|---" * 10 + "|"]
             for r in sel:
                 def fmt(v, spec):
                     return "-" if v is None else format(v, spec)
@@ -417,7 +417,8 @@ def markdown(rows: list[dict], config: dict) -> str:
                     else fmt(r["time_to_target_s"], ".1f") + (" s" if r["time_to_target_s"] is not None else "")
                 lines.append(f"| {r['method']} | {r['samples_per_second']:.0f} | {fmt(r['speedup_vs_none'], '.2f')}x | "
                              f"{fmt(r['speedup_vs_fp16'], '.2f')}x | {r['bytes_per_step']:,} | {1e3 * r['step_s']:.0f} | "
-                             f"{len(r['runs_step_s'])}: {1e3 * r['runs_step_s'][0]:.0f}-{1e3 * r['runs_step_s'][-1]:.0f} | "
+                             f"{len(r['runs_step_s'])}: "
+                             f"{1e3 * r['runs_step_s'][0]:.0f}-{1e3 * r['runs_step_s'][-1]:.0f} | "
                              f"{1e3 * r['predicted_step_s']:.0f} | {fmt(r['test_accuracy'], '.4f')} | {ttt} |")
             lines.append("")
     return "\n".join(lines)
