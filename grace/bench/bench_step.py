@@ -321,7 +321,7 @@ def print_row(method: str, row: dict) -> None:
           f"{row['bucketed_plans']}", flush=True)
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp48", "resnet50", "transformer"])
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=sorted(METHODS))
@@ -343,6 +343,11 @@ def main():
     args = parser.parse_args()
     if args.accelerator_path and args.device != "cpu":
         parser.error("--accelerator-path is for a CPU (on a GPU that path runs anyway)")
+    return args
+
+
+def main():
+    args = parse_args()
     waits = take_accelerator_path() if args.accelerator_path else None
     if args.threads:  # forward and backward, and the compression work, on as many threads
         torch.set_num_threads(args.threads)

@@ -21,7 +21,7 @@ WHOLE_BUCKET = {"topk_ef_step": ("topk_ef_step_many", "topk_ef_step_segments"),
 
 
 def run(method, device, steps=3):
-    exchange = Exchange(METHODS[method](), ReplicaCommunicator(3))
+    exchange = Exchange(METHODS[method]().via("allgather"), ReplicaCommunicator(3))  # (not 'auto': one way)
     outs = []
     for step in range(steps):
         grads = {"w": on(device, gradient(4097 * 3, seed=step).reshape(3, 4097)), "b": on(device, gradient(77, seed=9))}
@@ -60,7 +60,8 @@ def test_a_cpu_bucket_takes_one_native_call_with_the_per_tensor_results(method, 
             "qsgd": lambda **kw: grace.qsgd(127, **kw), "dgc": lambda **kw: grace.dgc(0.01, sample_ratio=0.1, **kw)}
 
     def steps(bucket_mb):
-        exchange, outs = Exchange(make[method](bucket_mb=bucket_mb), ReplicaCommunicator(3)), []
+        compression = make[method](bucket_mb=bucket_mb, communicator="allgather")  # (not 'auto': one way)
+        exchange, outs = Exchange(compression, ReplicaCommunicator(3)), []
         for step in range(3):
             grads = {"w": torch.from_numpy(gradient(4097 * 3, seed=step).reshape(3, 4097)),
                      "b": torch.from_numpy(gradient(77, seed=9))}

@@ -5,7 +5,8 @@ with grace's communication hook (one torchrun launch).
 Methods with error feedback must end within 3 points of uncompressed, and top-k(0.01) (the main
 job) within 2 points while sending >= 20x fewer bytes; every method must learn (well above the
 10% of chance) and leave all ranks with the same model. The two engines must agree: the same
-bytes per step for every method and the same accuracy within noise. The tables are printed so
+bytes per step for every fixed-length method (variable-length ones within 2%: their shards'
+lengths follow each engine's bucket order) and the same accuracy within noise. The tables are printed so
 the CI log records accuracy, bytes per step and steps per second per method.
 """
 from __future__ import annotations
@@ -65,7 +66,12 @@ def test_ddp_matches_horovod(table):
     horovod, ddp = table("horovod"), table("ddp")
     assert horovod.keys() == ddp.keys()
     for method in horovod:
-        assert ddp[method]["bytes_per_step"] == horovod[method]["bytes_per_step"], method
+        if registry.examples(method=method)[method]().compressor.traits.variable_length:
+            # in two phases a shard's length depends on which gradients it holds, and DDP's buckets
+            # (its first, then the one it rebuilds) need not order them as grace's do
+            assert ddp[method]["bytes_per_step"] == pytest.approx(horovod[method]["bytes_per_step"], rel=0.02), method
+        else:
+            assert ddp[method]["bytes_per_step"] == horovod[method]["bytes_per_step"], method
         assert abs(ddp[method]["test_accuracy"] - horovod[method]["test_accuracy"]) <= 0.02, \
             (method, ddp[method]["test_accuracy"], horovod[method]["test_accuracy"])
 
