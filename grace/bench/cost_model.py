@@ -5,6 +5,8 @@ the link). For n ranks (Horovod's ring algorithms, one rank per host):
 
     allreduce  2 (n - 1) alpha + 2 (n - 1) / n * beta * m      m = one rank's payload
     allgather    (n - 1) alpha +   (n - 1)     * beta * m      every rank receives n - 1 payloads
+    alltoall   2 (n - 1) alpha + 2 (n - 1) / n * beta * m      m = its n - 1 shards and its owner frame:
+                                                           (n - 1) / n of m each way, then n - 1 frames of m / n
     broadcast  n rounds of a binomial tree: n * log2(n) * (alpha + beta * m)
 
 A step is predicted as compute + compression + communication, all measured apart:
@@ -37,13 +39,13 @@ def collective_seconds(collective: str, nbytes: float, ranks: int, link: Link, r
     n = ranks
     if n == 1:
         return 0.0
-    if collective == "allreduce":
+    if collective in ("allreduce", "alltoall"):  # (the two phases move what a ring allreduce moves)
         return rounds * 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * link.beta * nbytes
     if collective == "allgather":
         return rounds * (n - 1) * link.alpha + (n - 1) * link.beta * nbytes
     if collective == "broadcast":
         return n * math.log2(n) * (rounds * link.alpha + link.beta * nbytes)
-    raise ValueError(f"unknown collective {collective!r}; expected allreduce, allgather or broadcast")
+    raise ValueError(f"unknown collective {collective!r}; expected allreduce, allgather, alltoall or broadcast")
 
 
 def alpha_from_allreduce(seconds: float, ranks: int) -> float:
