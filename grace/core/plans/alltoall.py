@@ -12,8 +12,9 @@ the bytes a rank moves and the payloads it decodes do not grow with the number o
 
 Per rank about 2 (N-1)/N payloads of the bucket travel, and one shard's N payloads plus the
 bucket's N shards are decoded, whatever N is. Each rank's overflow flag rides on its phase-2
-frame alone; a variable-length encoding larger than its shard travels as the shard's values. What a method does in each role (its second
-compression, the shard alignment) is its ``Owner`` (``grace.core.plans.owner``).
+frame alone; a variable-length encoding larger than its shard travels as the shard's values.
+What a method does in each role (its second compression, the shard alignment) is its ``Owner``
+(``grace.core.plans.owner``).
 """
 from __future__ import annotations
 
