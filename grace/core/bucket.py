@@ -158,6 +158,12 @@ def frame_size(counts: Sequence, dtypes: Sequence[str], with_header: bool, flagg
     return size + (-size % ALIGN)
 
 
+def dense_frame_size(numel: int, dtype: str, header_pieces: int, flagged: bool = False) -> int:
+    """Bytes of a frame that carries ``numel`` dense values of ``dtype`` instead of an encoding:
+    ``dense_frame``'s, whose header keeps a count per payload tensor (0 for fixed-length frames)."""
+    return 8 * header_pieces + frame_size([numel], [dtype], False, flagged)
+
+
 @dataclass
 class Dense:
     """What a dense frame carried: the sending rank's whole bucket."""

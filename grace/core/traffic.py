@@ -58,16 +58,16 @@ def received(compression, numel: int, ranks: int) -> Dict[str, int]:
         out["allreduce"] = int(ring * sum(xp.nbytes(t) for t in payload))
         return out
     payload, _ = compressor.compress(xp, _probe(numel), info)
-    dense_frame = frames.frame_size([numel], ["float32"], False, flagged) + (8 * len(payload) if variable else 0)
+    dense_frame = frames.dense_frame_size(numel, "float32", len(payload) if variable else 0, flagged)
     out["allgather"] = (ranks - 1) * min(_frame(xp, payload, variable, flagged), dense_frame)
     owner = owner_of(compressor)
-    if owner.refusal() is None:
+    if owner.refusal() is None and compression.scope == "tensor":  # (a bucket compressed whole is not sharded)
         size = shard_size(numel, ranks, owner.align)
         first, _ = owner.compress(xp, _probe(size), info)
         second, _ = owner.compress_again(xp, _probe(size), info)
         frames_of = [_frame(xp, first, variable, False), _frame(xp, second, variable, flagged)]
         if variable:  # (a larger encoding goes dense)
-            frames_of = [min(f, frames.frame_size([size], ["float32"], False, flag) + 8 * len(payload))
+            frames_of = [min(f, frames.dense_frame_size(size, "float32", len(payload), flag))
                          for f, flag, payload in zip(frames_of, (False, flagged), (first, second))]
         out["alltoall"] = (ranks - 1) * sum(frames_of)
     return out

@@ -177,8 +177,7 @@ class Transport:
         join = functools.partial(self.buffers.concat_into_kept, xp, f"{bucket.key}.frame")
         frame = self._finish_frame(pending) if pending.framed is not None else \
             frames.frame(xp, pieces, variable, g, flag, join, pending.dtypes, pending.counts)
-        header = 8 * len(pieces) if variable else 0
-        dense_size = frames.frame_size([bucket.numel], [bucket.dtype], False, flagged) + header
+        dense_size = frames.dense_frame_size(bucket.numel, bucket.dtype, len(pieces) if variable else 0, flagged)
         # Fixed-length methods: every rank decides alike. A length known only when a traced
         # TensorFlow step runs is never replaced (the frame's layout is fixed at trace time).
         if isinstance(xp.numel(frame), int) and xp.numel(frame) > dense_size:

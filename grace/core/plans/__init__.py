@@ -78,8 +78,6 @@ def _auto(services: Services, bucket):
     if not compression.auto or ranks < 2 or compression.collective is Collective.ALLREDUCE:
         return None, ""  # (a summed payload's traffic is already a ring allreduce's)
     costs = traffic.received(compression, bucket.numel, ranks)
-    if compression.scope != "tensor":
-        costs.pop("alltoall", None)  # (a bucket compressed as one tensor is not sharded)
     way = traffic.chosen(compression, costs, ranks)
     shown = ", ".join(f"{name} {nbytes}" for name, nbytes in costs.items())
     measured = " (on a probe: its lengths vary)" if compression.compressor.traits.variable_length else ""

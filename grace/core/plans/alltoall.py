@@ -116,8 +116,7 @@ class AllToAll(WholeBucket):
         variable-length encoding larger than the dense shard is sent dense, as the allgather's
         frames are, so neither phase moves more than a dense shard."""
         frame = frames.frame(xp, list(payload), self.variable, like, flag)
-        header = 8 * len(payload)
-        dense_size = frames.frame_size([xp.numel(values)], [xp.dtype(values)], False, flag is not None) + header
+        dense_size = frames.dense_frame_size(xp.numel(values), xp.dtype(values), len(payload), flag is not None)
         # (a length known only when a traced TensorFlow step runs is never replaced)
         if self.variable and isinstance(xp.numel(frame), int) and xp.numel(frame) > dense_size:
             return frames.dense_frame(xp, values, len(payload), like, flag), True
