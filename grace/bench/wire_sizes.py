@@ -7,8 +7,9 @@ the bits each rank receives per element in worlds of those sizes, by communicato
 The payload is measured on a standard-normal float32 tensor through a one-rank exchange. The
 traffic is the ring model of grace.core.traffic: dense and fp16 are Horovod's own ring
 allreduce; 'allgather' every other rank's frame; 'alltoall' the two phases; 'auto' the way
-communicator='auto' takes per bucket (here one bucket of the tensor): a fixed-length method's
-cheapest, a variable-length method's two phases from 3 ranks on.
+communicator='auto' takes per bucket (here one bucket of the tensor: by default a full bucket
+of the default 25 MB, as a model's buckets are but its last): a fixed-length method's cheapest,
+a variable-length method's two phases from 3 ranks on.
 """
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ import math
 
 import grace
 from grace.core import traffic
-from grace.core.compression import GradientCompression
+from grace.core.compression import DEFAULT_BUCKET_MB, GradientCompression
 from grace.core.wire import wire_report
 
 # settings for methods that have no default for them
 REQUIRED = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}, "dgc": {"ratio": 0.01},
             "threshold": {"threshold": 2.5}, "efsignsgd": {"lr": 0.1}}
+
+
+# what one bucket of grace's default size holds: the traffic is per bucket
+DEFAULT_BUCKET_ELEMENTS = int(DEFAULT_BUCKET_MB * 2**20) // 4
 
 
 def method(name: str) -> GradientCompression:
@@ -81,15 +86,16 @@ def traffic_report(numel: int, worlds) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", type=int, nargs="+", default=[1024, 1024],
-                        help="the tensor measured (default: 1024 1024)")
+    parser.add_argument("--shape", type=int, nargs="+",
+                        help="the tensor measured (default: 1024 1024; with --world, one full bucket of the "
+                             f"default bucket_mb={DEFAULT_BUCKET_MB:g}: {DEFAULT_BUCKET_ELEMENTS} float32 elements)")
     parser.add_argument("--world", type=int, nargs="+", metavar="N",
                         help="print the bits each rank receives per element in worlds of N ranks instead")
     args = parser.parse_args(argv)
     if args.world:
-        traffic_report(math.prod(args.shape), sorted(args.world))
+        traffic_report(math.prod(args.shape or [DEFAULT_BUCKET_ELEMENTS]), sorted(args.world))
     else:
-        sizes(args.shape)
+        sizes(args.shape or [1024, 1024])
 
 
 if __name__ == "__main__":

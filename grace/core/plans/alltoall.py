@@ -21,9 +21,10 @@ from __future__ import annotations
 from typing import Any, List
 
 from grace.core import bucket as frames
+from grace.core.buffers import assign
 from grace.core.compressor import TensorInfo
 from grace.core.plans.base import BucketPending, WholeBucket, with_dense
-from grace.core.plans.owner import owner_of
+from grace.core.plans.owner import Owner, owner_of
 
 
 def shard_size(numel: int, ranks: int, align: int = 1) -> int:
@@ -47,6 +48,9 @@ class AllToAll(WholeBucket):
         self.keeps_memory = services.compression.memory.needs_feedback and not self.owner.exact_again
         self.variable = services.compression.compressor.traits.variable_length
         self._owned_in = None  # the world size this rank's owner memory was cut for
+        #: a fixed-length method's full shards go through the memory's fused kernels, where it has them
+        self.fuses = services.compression.memory.needs_feedback and not self.variable and \
+            type(self.owner).prepare is Owner.prepare and type(self.owner).compress is Owner.compress
 
     def start(self, xp, grads, flat) -> BucketPending:
         s, owner, ranks = self.services, self.owner, self.services.communicator.size
@@ -58,21 +62,25 @@ class AllToAll(WholeBucket):
         if self.keeps_memory and self._owned_in != ranks and xp.mutable_tensors and not s.communicator.replicas:
             self._take_owned_memory(xp, g, size)
         with s.phase("compress"):
-            p = memory.compensate(xp, g, pending.old[0])
-            x, state = owner.prepare(xp, p, pending.info, states[0])
-            if state is not None:
-                s.journal.set("state", unit.name, state)
-            if size * ranks > n:
-                x = xp.concat([x, xp.zeros(size * ranks - n, xp.dtype(x), like=x)])
-            sent = [owner.compress(xp, x[j * size:(j + 1) * size], shard_info(pending.info, "shard", j))
-                    for j in range(ranks)]
+            fused = self._fused_shards(xp, g, pending, size, ranks) if self.fuses else None
+            if fused is None:
+                p = memory.compensate(xp, g, pending.old[0])
+                x, state = owner.prepare(xp, p, pending.info, states[0])
+                if state is not None:
+                    s.journal.set("state", unit.name, state)
+                x = padded(xp, x, size * ranks)
+                sent = [owner.compress(xp, x[j * size:(j + 1) * size], shard_info(pending.info, "shard", j))
+                        for j in range(ranks)]
+            else:
+                sent, x = fused
         pending.ctxs = [sent[0][1]]  # (equal shards: one ctx serves them all)
         payloads = [payload for payload, _ in sent]
         own = payloads[s.communicator.rank]
         pending.dtypes, pending.counts = [xp.dtype(t) for t in own], [xp.numel(t) for t in own]
         # (no flag here: each rank's own rides on its owner frame, which every rank receives)
-        parts = [self._frame(xp, payload, x[j * size:(j + 1) * size], g) for j, payload in enumerate(payloads)]
-        if memory.needs_feedback:
+        parts = [self._frame(xp, payload, None if x is None else x[j * size:(j + 1) * size], g)
+                 for j, payload in enumerate(payloads)]
+        if memory.needs_feedback and fused is None:
             with s.phase("feedback"):
                 p_hat = xp.concat([x[j * size:(j + 1) * size] if dense else
                                    xp.flatten(owner.decompress(xp, payload, pending.ctxs[0]))
@@ -111,14 +119,46 @@ class AllToAll(WholeBucket):
         overflow = s.journal.overflow(xp, [f for _, f in shards]) if flagged else None
         return self.deliver(pending, [g_hat], overflow, pending.outs or [None] * len(self.bucket.segments), into)
 
+    def _fused_shards(self, xp, g, pending, size: int, ranks: int):
+        """([(payload, ctx)] of every shard, None: no dense values), the shards that
+        lie whole in the bucket by the memory's fused kernel (compensate, compress and update in
+        one pass, the new memory written into a spare buffer), those past its end by the formula,
+        padded; or None where no kernel runs."""
+        s, memory, unit = self.services, self.services.compression.memory, pending.units[0]
+        n, old = self.bucket.numel, pending.old[0]
+        whole = min(ranks, n // size)
+        spare = s.buffers.take_spare(unit.name, xp, old) if whole else None
+        if spare is None:
+            return None
+        infos = [shard_info(pending.info, "shard", j) for j in range(ranks)]
+        steps = s.feedback.fused_steps(xp, s.kernels, [g[j * size:(j + 1) * size] for j in range(whole)],
+                                       [_cut(old, j * size, (j + 1) * size) for j in range(whole)], infos[:whole],
+                                       [_cut(spare, j * size, (j + 1) * size) for j in range(whole)])
+        if steps is None:
+            s.buffers.spares[unit.name] = spare
+            return None
+        sent, lo = [(payload, ctx) for payload, ctx, _ in steps], whole * size
+        if whole < ranks:
+            p = memory.compensate(xp, g[lo:], _cut(old, lo, n))
+            x = padded(xp, p, size * (ranks - whole))
+            sent += [self.owner.compress(xp, x[(j - whole) * size:(j - whole + 1) * size], infos[j])
+                     for j in range(whole, ranks)]
+            p_hat = xp.concat([xp.flatten(self.owner.decompress(xp, payload, sent[0][1])) for payload, _ in sent[whole:]])
+            assign(xp, _cut(spare, lo, n), memory.update(xp, p, p_hat[:n - lo], _cut(old, lo, n)))
+        s.journal.set("memory", unit.name, spare)
+        s.buffers.spares[unit.name] = old  # the old memory is the next step's spare
+        return sent, None
+
     def _frame(self, xp, payload, values, like, flag=None):
         """(A shard's frame, whether it carries the shard's dense ``values`` instead): a
         variable-length encoding larger than the dense shard is sent dense, as the allgather's
-        frames are, so neither phase moves more than a dense shard."""
+        frames are, so neither phase moves more than a dense shard (``values``: None for a
+        fixed-length method)."""
         frame = frames.frame(xp, list(payload), self.variable, like, flag)
-        dense_size = frames.dense_frame_size(xp.numel(values), xp.dtype(values), len(payload), flag is not None)
         # (a length known only when a traced TensorFlow step runs is never replaced)
-        if self.variable and isinstance(xp.numel(frame), int) and xp.numel(frame) > dense_size:
+        if not self.variable or not isinstance(xp.numel(frame), int):
+            return frame, False
+        if xp.numel(frame) > frames.dense_frame_size(xp.numel(values), xp.dtype(values), len(payload), flag is not None):
             return frames.dense_frame(xp, values, len(payload), like, flag), True
         return frame, False
 
@@ -171,3 +211,14 @@ class AllToAll(WholeBucket):
                                                     self.bucket.dtype, flagged)
             out.append((pieces if isinstance(pieces, frames.Dense) else tuple(pieces), flag))
         return out
+
+
+def padded(xp, x, length: int):
+    """``x`` with zeros after it up to ``length`` elements."""
+    n = xp.numel(x)
+    return x if n == length else xp.concat([x, xp.zeros(length - n, xp.dtype(x), like=x)])
+
+
+def _cut(state, lo: int, hi: int):
+    """Elements [lo, hi) of a flat memory (each tensor of one made of several)."""
+    return tuple(t[lo:hi] for t in state) if isinstance(state, tuple) else state[lo:hi]
