@@ -62,8 +62,9 @@ class AllToAll(WholeBucket):
         if self.keeps_memory and self._owned_in != ranks and xp.mutable_tensors and not s.communicator.replicas:
             self._take_owned_memory(xp, g, size)
         with s.phase("compress"):
-            fused = self._fused_shards(xp, g, pending, size, ranks) if self.fuses else None
-            if fused is None:
+            sent = self._fused_shards(xp, g, pending, size, ranks) if self.fuses else None
+            x = None  # (what the formula compressed: the frames' dense values, the feedback's p)
+            if sent is None:
                 p = memory.compensate(xp, g, pending.old[0])
                 x, state = owner.prepare(xp, p, pending.info, states[0])
                 if state is not None:
@@ -71,8 +72,6 @@ class AllToAll(WholeBucket):
                 x = padded(xp, x, size * ranks)
                 sent = [owner.compress(xp, x[j * size:(j + 1) * size], shard_info(pending.info, "shard", j))
                         for j in range(ranks)]
-            else:
-                sent, x = fused
         pending.ctxs = [sent[0][1]]  # (equal shards: one ctx serves them all)
         payloads = [payload for payload, _ in sent]
         own = payloads[s.communicator.rank]
@@ -80,7 +79,7 @@ class AllToAll(WholeBucket):
         # (no flag here: each rank's own rides on its owner frame, which every rank receives)
         parts = [self._frame(xp, payload, None if x is None else x[j * size:(j + 1) * size], g)
                  for j, payload in enumerate(payloads)]
-        if memory.needs_feedback and fused is None:
+        if memory.needs_feedback and x is not None:
             with s.phase("feedback"):
                 p_hat = xp.concat([x[j * size:(j + 1) * size] if dense else
                                    xp.flatten(owner.decompress(xp, payload, pending.ctxs[0]))
@@ -120,10 +119,9 @@ class AllToAll(WholeBucket):
         return self.deliver(pending, [g_hat], overflow, pending.outs or [None] * len(self.bucket.segments), into)
 
     def _fused_shards(self, xp, g, pending, size: int, ranks: int):
-        """([(payload, ctx)] of every shard, None: no dense values), the shards that
-        lie whole in the bucket by the memory's fused kernel (compensate, compress and update in
-        one pass, the new memory written into a spare buffer), those past its end by the formula,
-        padded; or None where no kernel runs."""
+        """[(payload, ctx)] of every shard: those that lie whole in the bucket by the memory's
+        fused kernel (compensate, compress and update in one pass, the new memory written into a
+        spare buffer), those past its end by the formula, padded; or None where no kernel runs."""
         s, memory, unit = self.services, self.services.compression.memory, pending.units[0]
         n, old = self.bucket.numel, pending.old[0]
         whole = min(ranks, n // size)
@@ -143,11 +141,12 @@ class AllToAll(WholeBucket):
             x = padded(xp, p, size * (ranks - whole))
             sent += [self.owner.compress(xp, x[(j - whole) * size:(j - whole + 1) * size], infos[j])
                      for j in range(whole, ranks)]
-            p_hat = xp.concat([xp.flatten(self.owner.decompress(xp, payload, sent[0][1])) for payload, _ in sent[whole:]])
+            p_hat = xp.concat([xp.flatten(self.owner.decompress(xp, payload, sent[0][1]))
+                               for payload, _ in sent[whole:]])
             assign(xp, _cut(spare, lo, n), memory.update(xp, p, p_hat[:n - lo], _cut(old, lo, n)))
         s.journal.set("memory", unit.name, spare)
         s.buffers.spares[unit.name] = old  # the old memory is the next step's spare
-        return sent, None
+        return sent
 
     def _frame(self, xp, payload, values, like, flag=None):
         """(A shard's frame, whether it carries the shard's dense ``values`` instead): a
@@ -158,7 +157,8 @@ class AllToAll(WholeBucket):
         # (a length known only when a traced TensorFlow step runs is never replaced)
         if not self.variable or not isinstance(xp.numel(frame), int):
             return frame, False
-        if xp.numel(frame) > frames.dense_frame_size(xp.numel(values), xp.dtype(values), len(payload), flag is not None):
+        dense_size = frames.dense_frame_size(xp.numel(values), xp.dtype(values), len(payload), flag is not None)
+        if xp.numel(frame) > dense_size:
             return frames.dense_frame(xp, values, len(payload), like, flag), True
         return frame, False
 
@@ -188,7 +188,7 @@ class AllToAll(WholeBucket):
         size = xp.numel(aggregate)
         lo, hi = self._owned(size)
         memory = s.store.get("owner", key, lambda t: xp.zeros_like(t), pending.g)
-        q = aggregate + xp.concat([memory[lo:hi], xp.zeros(size - (hi - lo), xp.dtype(memory), like=memory)])
+        q = aggregate + padded(xp, memory[lo:hi], size)
         payload, _ = owner.compress_again(xp, q, info)
         frame, dense = self._frame(xp, payload, q, pending.g, pending.flag)
         ranks = s.communicator.size
