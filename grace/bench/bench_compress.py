@@ -44,7 +44,6 @@ prints the table.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -58,7 +57,7 @@ import numpy as np
 import yaml
 
 import grace
-from grace.bench.common import REPO, load_config, write_results
+from grace.bench.common import REPO, help_parser, load_config, write_results
 from grace.backends import get_backend
 from grace.core.communicator import LocalCommunicator, ReplicaCommunicator
 from grace.core.exchange import Exchange
@@ -451,9 +450,10 @@ def native_status() -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=REPO / "configs" / "bench_compress.yaml")
-    parser.add_argument("--out", type=Path, default=REPO / "results" / NAME)
+    parser = help_parser(__doc__)
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "bench_compress.yaml",
+                        help="the YAML configuration")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / NAME, help="where the tables and plots go")
     parser.add_argument("--quick", action="store_true", help="apply the config's 'quick' overrides (small sizes)")
     parser.add_argument("--sizes", nargs="+", help="override the sizes: element counts or 2^k")
     parser.add_argument("--repeats", type=int, help="override the repeats")

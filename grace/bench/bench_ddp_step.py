@@ -13,7 +13,6 @@ the hook's own cost per step is ``step - DDP step``. Models and inputs: grace.be
 """
 from __future__ import annotations
 
-import argparse
 import gc
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import grace
 import grace.torch.ddp
-from grace.bench.common import write_results
+from grace.bench.common import help_parser, write_results
 from grace.bench.bench_step import METHODS, build, timed
 from grace.bench.ddp_baselines import DDPHook
 
@@ -92,15 +91,16 @@ def worker(rank: int, args) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["resnet50"])
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=sorted(METHODS))
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser = help_parser(__doc__)
+    parser.add_argument("--models", nargs="+", default=["resnet50"], help="the models trained (bench_step's)")
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=sorted(METHODS),
+                        help="grace's methods timed beside DDP's own hooks")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models train")
     parser.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on cuda, gloo on cpu")
     parser.add_argument("--world", type=int, default=1, help="processes on this machine (sharing its GPUs)")
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=10, help="timed steps per hook")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_ddp_step"))
+    parser.add_argument("--out", type=Path, default=Path("results/bench_ddp_step"), help="where the results go")
     args = parser.parse_args(argv)
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,6 @@ step, counted at Horovod's entry points (grace's async ops and Horovod's own all
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -22,6 +21,7 @@ from horovod.torch import mpi_ops, optimizer as horovod_optimizer
 import grace
 
 from grace.bench.bench_step import METHODS, build
+from grace.bench.common import help_parser
 
 CALLS = [0]
 
@@ -64,11 +64,12 @@ def run(model: str, compression, steps: int):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="mlp48")
-    parser.add_argument("--methods", nargs="+", default=["none", "topk"], choices=sorted(METHODS))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser = help_parser(__doc__)
+    parser.add_argument("--model", default="mlp48", help="the model trained (bench_step's)")
+    parser.add_argument("--methods", nargs="+", default=["none", "topk"], choices=sorted(METHODS),
+                        help="the methods timed")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per method")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="grace's bucket cap, in MB")
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)

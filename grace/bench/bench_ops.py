@@ -23,7 +23,6 @@ x86-64-v2`` times the native kernels of both builds in the same run, one row eac
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -39,6 +38,7 @@ import torch
 import grace
 import grace.native as gn
 from grace.backends import get_backend
+from grace.bench.common import help_parser
 from grace.core import bits
 from grace.core.compressor import TensorInfo, index_dtype
 
@@ -242,11 +242,11 @@ def cases(n: int, device: str):
 
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = help_parser(__doc__)
     parser.add_argument("--sizes", nargs="+", default=["16", "20", "24"],
                         help="element counts, or powers of two as exponents (<= 40)")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs of each op")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ops run")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--only", nargs="*", help="methods whose name starts with one of these")
     parser.add_argument("--builds", nargs="+", metavar="ISA",

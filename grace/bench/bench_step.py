@@ -38,7 +38,6 @@ defined here (25.6M parameters in 161 tensors either way).
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import time
@@ -50,7 +49,7 @@ from torch import nn
 import grace
 import grace.native
 from grace.backends.torch_backend import TorchBackend
-from grace.bench.common import write_results
+from grace.bench.common import help_parser, write_results
 from grace.core.communicator import ReplicaCommunicator
 from grace.core.phases import PhaseClock
 
@@ -322,20 +321,22 @@ def print_row(method: str, row: dict) -> None:
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["mlp48", "resnet50", "transformer"])
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=sorted(METHODS))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser = help_parser(__doc__)
+    parser.add_argument("--models", nargs="+", default=["mlp48", "resnet50", "transformer"],
+                        help="the models whose gradients are exchanged")
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=sorted(METHODS), help="the methods timed")
+    parser.add_argument("--device", default="cpu", help="a torch device: cpu, cuda, cuda:1 ...")
+    parser.add_argument("--iters", type=int, default=10, help="timed steps per method")
+    parser.add_argument("--world", type=int, default=4,
+                        help="the world one rank's work is timed in (the other ranks' payloads are this one's)")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="the bucket cap, in MB")
     parser.add_argument("--communicator", default="own", choices=["own", "auto", "allgather", "alltoall"],
                         help="how the allgather methods' buckets travel (default: their own allgather, the one-phase "
                              "exchange whose per-tensor and bucketed forms this compares; 'auto' is grace's default)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch's and grace's native threads on a CPU (0: their defaults)")
     parser.add_argument("--bucketed-only", action="store_true", help="skip the per-tensor exchange")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_step"))
+    parser.add_argument("--out", type=Path, default=Path("results/bench_step"), help="where the results go")
     parser.add_argument("--profile-top", type=int, default=0, metavar="N",
                         help="after each model's table, the N ops of a bucketed step that took the most time")
     parser.add_argument("--accelerator-path", action="store_true",

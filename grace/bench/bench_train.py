@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 import grace
 from grace.bench import cost_model
-from grace.bench.common import REPO, load_config, write_results
+from grace.bench.common import REPO, help_parser, load_config, write_results
 from grace.bench.ddp_baselines import DDPHook
 from grace.bench.train import ENGINES, MODEL_KINDS, OWN_MOMENTUM, DigitsRun, build_model, digits
 
@@ -531,10 +531,12 @@ def stage_report(args, config: dict) -> list[dict]:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "bench_train")
-    parser.add_argument("--stage", default="all", choices=["all", "throughput", "quality", "report"])
+    parser = help_parser(__doc__)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the YAML configuration")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "bench_train",
+                        help="where the runs, tables and plots go")
+    parser.add_argument("--stage", default="all", choices=["all", "throughput", "quality", "report"],
+                        help="throughput (the emulated links: root), quality, report (from saved runs), or all")
     parser.add_argument("--links", nargs="+", help="link presets (default: the config's)")
     parser.add_argument("--models", nargs="+", help="models (default: the config's)")
     parser.add_argument("--methods", nargs="+", help="methods by name (default: the config's); the stages merge "

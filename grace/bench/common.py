@@ -2,6 +2,7 @@
 results written as CSV (one row per measurement) and JSON (rows + configuration + versions)."""
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import json
@@ -13,6 +14,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]  # the source checkout (grace is installed editable)
 PACKAGES = ["grace", "torch", "horovod", "tensorflow-cpu", "numpy", "mpi4py"]
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The script's docstring as written, and each flag's default after its help (where the help
+    does not say it, and the flag has a value)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS) \
+                or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def help_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark script's argument parser: its docstring, every flag's help and default."""
+    return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
 
 
 def load_config(path: Path | str) -> dict:

@@ -40,7 +40,6 @@ not.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -52,6 +51,7 @@ import numpy as np
 
 import grace
 from grace.backends import get_backend
+from grace.bench.common import help_parser
 from grace.core.compressor import TensorInfo
 from grace.memories import ResidualMemory
 
@@ -313,18 +313,18 @@ def to_json(result: Result) -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--features", type=int, default=5000)
-    parser.add_argument("--steps", type=int, default=300)
+    parser = help_parser(__doc__)
+    parser.add_argument("--workers", type=int, default=8, help="workers simulated")
+    parser.add_argument("--features", type=int, default=5000, help="features of the regression")
+    parser.add_argument("--steps", type=int, default=300, help="SGD steps")
     parser.add_argument("--ratio", type=float, default=0.002, help="top-k: fraction of elements sent per step")
     parser.add_argument("--lr", type=float, default=1.0, help="in units of 1/L of the full loss")
     parser.add_argument("--batch", type=int, default=32, help="minibatch size per worker")
-    parser.add_argument("--samples-per-worker", type=int, default=256)
+    parser.add_argument("--samples-per-worker", type=int, default=256, help="training samples each worker holds")
     parser.add_argument("--scale-sigma", type=float, default=0.25, help="spread of the log-normal column scales")
     parser.add_argument("--active", type=float, default=0.2, help="fraction of features with a true weight")
     parser.add_argument("--tolerance", type=float, default=0.02, help="relative volume mismatch allowed")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the draws")
     parser.add_argument("--out", type=Path, default=Path("results/threshold_vs_topk"), help="plot directory")
     parser.add_argument("--json", type=Path, help="write the result, curves included, here")
     return parser.parse_args(argv)

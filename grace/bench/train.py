@@ -13,7 +13,6 @@ per step against uncompressed float32, steps per second); ``--json`` saves it.
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import gc
 import json
@@ -27,14 +26,15 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import grace
+from grace.bench.common import help_parser
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--framework", default="torch", choices=["torch", "tensorflow"])
+    parser = help_parser(__doc__)
+    parser.add_argument("--framework", default="torch", choices=["torch", "tensorflow"], help="the toolkit")
     parser.add_argument("--engine", default="horovod", choices=["horovod", "ddp"],
                         help="PyTorch: Horovod's DistributedOptimizer, or DDP with grace's hook (torchrun)")
-    parser.add_argument("--compressor", default="topk", choices=grace.methods())
+    parser.add_argument("--compressor", default="topk", choices=grace.methods(), help="the method")
     parser.add_argument("--ratio", type=float, default=0.01, help="topk, randomk, dgc, adaq: fraction sent")
     parser.add_argument("--threshold", type=float, default=0.01, help="threshold: |x| >= threshold is sent")
     parser.add_argument("--levels", type=int, default=127, help="qsgd: quantization levels")
@@ -42,16 +42,16 @@ def parse_args(argv=None):
     parser.add_argument("--memory", default=None, help="'residual' or 'none' (default: the method's own)")
     parser.add_argument("--communicator", default=None,
                         choices=["allreduce", "allgather", "broadcast", "alltoall", "auto"],
-                        help="how payloads travel (default: the method's own collective)")
-    parser.add_argument("--epochs", type=int, default=30)
+                        help="how payloads travel (default: the method's own: 'auto' for the allgather methods)")
+    parser.add_argument("--epochs", type=int, default=30, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.05, help="the learning rate")
     parser.add_argument("--momentum", type=float, default=0.9,
                         help="the optimizer's, or, for dgc and signum, the method's own")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=128, help="the MLP's hidden units")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the batches")
     parser.add_argument("--json", type=Path, help="write the summary here (rank 0)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
 

@@ -10,13 +10,13 @@ writes the table as CSV, JSON and Markdown. Methods with error feedback are expe
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 from pathlib import Path
 
 import grace
 from grace.bench import train
+from grace.bench.common import help_parser
 from grace.core import registry
 
 # command-line settings per method (the rest, and every setting of a method not listed, are
@@ -33,15 +33,18 @@ COLUMNS = ["method", "communicator", "settings", "error_feedback", "test_accurac
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", nargs="+", default=grace.methods(), choices=grace.methods())
+    parser = help_parser(__doc__)
+    parser.add_argument("--methods", nargs="+", default=grace.methods(), choices=grace.methods(),
+                        help="the methods trained, one after another (default: every one)")
     parser.add_argument("--communicators", nargs="+", default=["default"],
                         choices=["default", "allgather", "alltoall", "auto"],
                         help="train each allgather method under each of these ('default': none named, which is "
                              "'auto'; the methods that sum their payloads always take theirs); default: default")
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--engine", default="horovod", choices=["horovod", "ddp"])
-    parser.add_argument("--out", type=Path, default=Path("results/train_methods"))
+    parser.add_argument("--epochs", type=int, default=30, help="epochs per method")
+    parser.add_argument("--engine", default="horovod", choices=["horovod", "ddp"],
+                        help="Horovod's DistributedOptimizer, or DDP with grace's hook (torchrun)")
+    parser.add_argument("--out", type=Path, default=Path("results/train_methods"),
+                        help="where the table goes (CSV, JSON, Markdown)")
     return parser.parse_args(argv)
 
 

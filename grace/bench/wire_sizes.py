@@ -13,10 +13,10 @@ a variable-length method's two phases from 3 ranks on.
 """
 from __future__ import annotations
 
-import argparse
 import math
 
 import grace
+from grace.bench.common import help_parser
 from grace.core import traffic
 from grace.core.compression import DEFAULT_BUCKET_MB, GradientCompression
 from grace.core.wire import wire_report
@@ -85,7 +85,7 @@ def traffic_report(numel: int, worlds) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = help_parser(__doc__)
     parser.add_argument("--shape", type=int, nargs="+",
                         help="the tensor measured (default: 1024 1024; with --world, one full bucket of the "
                              f"default bucket_mb={DEFAULT_BUCKET_MB:g}: {DEFAULT_BUCKET_ELEMENTS} float32 elements)")
