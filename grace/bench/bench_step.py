@@ -324,7 +324,8 @@ def parse_args():
     parser = help_parser(__doc__)
     parser.add_argument("--models", nargs="+", default=["mlp48", "resnet50", "transformer"],
                         help="the models whose gradients are exchanged")
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=sorted(METHODS), help="the methods timed")
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=sorted(METHODS),
+                        help="the methods timed")
     parser.add_argument("--device", default="cpu", help="a torch device: cpu, cuda, cuda:1 ...")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per method")
     parser.add_argument("--world", type=int, default=4,
