@@ -9,7 +9,8 @@ every plan through its formula.
     powersgd.py     PowerSGD: a bucket's rounds batched, the residual fused in
     residual.py     residual memory: its steps in kept buffers, fused with the method's kernels
     dgc.py          DGC's memory: its steps in kept buffers, a bucket in one native call
-    owners.py       signSGD, Signum: the owner's exact vote in the two-phase exchange (communicator='alltoall')
+    owners.py       the owner's part in the two-phase exchange (communicator='alltoall'): signSGD's exact
+                    vote, QSGD's aligned shards, the wider second payload of top-k, DGC, AdaQ, onebit, EF-signSGD
 """
 # imported: each registers its kernels
 from grace.kernels import dgc, fp16, owners, powersgd, quantizers, randomk, residual, signs, sparse  # noqa: F401

@@ -5,7 +5,8 @@ Per bucket: each rank compensates its flat bucket, pads it with zeros to N equal
 compresses shard j under the name '<bucket>/shard<j>' (sent dense where a variable-length
 encoding is larger than the shard); the owner j aggregates the ranks' payloads of shard j by the
 method's own ``aggregate`` (its mean or vote, in the method's float32 order, the dense shards added),
-compresses that aggregate again under '<bucket>/owner<j>', with its own residual memory where
+compresses that aggregate again under '<bucket>/owner<j>' (top-k, DGC and AdaQ at BUDGET times their
+ratio, onebit and EF-signSGD in BUDGET passes), with its own residual memory where
 the method has error feedback (signSGD and Signum send the count's outcome exactly instead; a
 second encoding larger than the shard sends the shard, and the owner keeps nothing of it), and
 every rank receives every owner's decompressed shard. Only the method's own compress, decompress
@@ -14,10 +15,13 @@ results are compared bit for bit.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
-from grace.compressors import QSGD, SignSGD, Signum
+from grace.compressors import AdaQ, DGC, EFSignSGD, OneBit, QSGD, SignSGD, Signum, TopK
 from grace.core.compressor import TensorInfo
+from grace.kernels.owners import BUDGET
 from grace.memories import DGCMemory, ResidualMemory
 
 from tests.multiprocess.reference import bucket_key, buckets, pass_empty, xp
@@ -189,11 +193,22 @@ def second(compression, aggregate, held, start: int, n: int, name: str, step: in
     keeps = compression.memory.needs_feedback
     lo, hi = min(start, n), min(start + size, n)
     q = aggregate + np.concatenate([held[lo:hi], np.zeros(size - (hi - lo), np.float32)]) if keeps else aggregate
-    payload, ctx = compressor.compress(xp, q, TensorInfo(name, step, ranks, int(name.rsplit("owner", 1)[1])))
+    if isinstance(compressor, (TopK, DGC, AdaQ)):  # (the owner selects BUDGET times its share of k)
+        compressor = copy.copy(compressor)
+        compressor.ratio = min(1.0, compressor.ratio * BUDGET)
+    info = TensorInfo(name, step, ranks, int(name.rsplit("owner", 1)[1]))
+    payload, ctx = compressor.compress(xp, q, info)
     if goes_dense(compression, payload, size, flagged):
         held = np.concatenate([held[:lo], np.zeros(hi - lo, np.float32), held[hi:]]) if keeps else None
         return q, dense_bytes(payload, size, flagged), held
     decoded = compressor.decompress(xp, payload, ctx)
+    if isinstance(compressor, (OneBit, EFSignSGD)):  # BUDGET passes, each on what the ones before left
+        rest = q - decoded
+        for _ in range(BUDGET - 1):
+            part, ctx = compressor.compress(xp, rest, info)
+            payload += part
+            step_decoded = compressor.decompress(xp, part, ctx)
+            decoded, rest = decoded + step_decoded, rest - step_decoded
     held = np.concatenate([held[:lo], (q - decoded)[:hi - lo], held[hi:]]) if keeps else None
     return decoded, frame_bytes(compression, payload, flagged), held
 

@@ -136,7 +136,9 @@ def test_the_bytes_received_at_horovods_entry_points_are_the_traffic_table(ranks
     """horovodrun (Gloo), a small model: what each rank receives per step, counted at Horovod's
     own allgather and alltoall (their outputs less this rank's own part), is within 2% of
     grace.core.traffic's table for the buckets the run used, under allgather, alltoall and auto;
-    at 4 and 8 ranks the two phases receive less than the allgather."""
+    the two phases receive less than the allgather at 8 ranks, and at 4 for all but top-k and
+    onebit (whose owners send back four times a shard's payload: 3.75 payloads per rank against the
+    allgather's 3)."""
     methods = list(TRAFFIC_METHODS) if ranks < 8 else ["qsgd", "signsgd", "topk"]  # (8 processes on 2 cores)
     launch("horovodrun", ranks, WORKERS / "torch_traffic.py", "--out", tmp_path, "--methods", *methods, timeout=600)
     for rank in range(ranks):
@@ -153,5 +155,5 @@ def test_the_bytes_received_at_horovods_entry_points_are_the_traffic_table(ranks
             if communicator == "auto":
                 assert got["plans"] == ["alltoall" if way == "alltoall" else "per-gradient"], (key, got["plans"])
         if ranks >= 4:
-            for method in methods:
+            for method in methods if ranks == 8 else [m for m in methods if m not in ("topk", "onebit")]:
                 assert results[f"{method}/alltoall"]["received"][-1] < results[f"{method}/allgather"]["received"][-1]

@@ -4,8 +4,9 @@ compressor class beside its kernels: ``@owner_for(SignSGD)``, ``owner_of(compres
 The default is the method's formula in both roles: every rank compresses each shard as a tensor;
 the owner of a shard aggregates the ranks' payloads as an allgather would (``aggregate``: the
 mean, or a vote), then compresses that aggregate again with the same compressor (a stochastic
-quantizer re-quantizes it, a sparsifier selects its shard's share of k), keeping the error of
-that second compression as its own memory where the method has error feedback.
+quantizer re-quantizes it), keeping the error of that second compression as its own memory where
+the method has error feedback. The forms that differ (an exact vote, a wider second payload)
+are in ``grace.kernels.owners``.
 """
 from __future__ import annotations
 
