@@ -78,7 +78,8 @@ setup(
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16", "tf-keras", "ml_dtypes"],
         "mpi": ["mpi4py>=3.1"],
-        "test": ["pytest", "pytest-timeout", "scikit-learn", "mpi4py>=3.1"],
+        "test": ["pytest", "pytest-timeout", "scikit-learn", "mpi4py>=3.1", "sphinx>=9.0", "myst-parser>=5.0"],
+        "docs": ["sphinx>=9.0", "myst-parser>=5.0"],
         "bench": ["scikit-learn", "tqdm", "PyYAML", "matplotlib"],
     },
 )

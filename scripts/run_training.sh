@@ -9,5 +9,6 @@ if [[ "${1:-}" == "--ranks" ]]; then RANKS="$2"; shift 2; fi
 bash "$REPO/scripts/setup_env.sh"
 VENV="${GRACE_VENV:-$REPO/.venv}"
 export TF_CPP_MIN_LOG_LEVEL=2
-exec "$VENV/bin/horovodrun" -np "$RANKS" -H "localhost:$RANKS" --gloo \
+# horovodrun whose build check asks PyTorch first: TensorFlow's start-up lines stay out of the log
+exec "$VENV/bin/python" -m grace.bench.horovodrun -np "$RANKS" -H "localhost:$RANKS" --gloo \
     "$VENV/bin/python" "$REPO/scripts/train.py" --compressor topk --ratio 0.01 "$@"

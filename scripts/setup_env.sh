@@ -93,7 +93,8 @@ fi
 "$PY" "$REPO/csrc/build.py"
 
 # 5. Proof that Horovod sees every framework and controller we rely on.
-check="$("$VENV/bin/horovodrun" --check-build)"
+#    (its stderr, TensorFlow's start-up lines, is shown only if the check fails)
+check="$("$VENV/bin/horovodrun" --check-build 2>&1)"
 for want in "PyTorch" "TensorFlow" "MPI" "Gloo"; do
     if ! grep -q "\[X\] $want" <<<"$check"; then
         echo "$check" >&2

@@ -63,7 +63,7 @@ class DGC(Sparsifier):
         return xp.sort(xp.gather(selected, xp.topk_indices(candidates, k)))
 
     def select_segments(self, xp, p, table, infos):
-        """|p| >= each segment's threshold, as ``select`` finds it: one call for all the draws,
+        """``|p|`` >= each segment's threshold, as ``select`` finds it: one call for all the draws,
         one sort of the samples' magnitudes, keyed by segment (so each segment's sample lies
         ascending in a row), and each segment's need-th largest read from there."""
         sample, cut = self._layout(xp, table, infos[0].step, p)
@@ -79,7 +79,7 @@ class DGC(Sparsifier):
         return xp.abs(p) >= table.per_element(xp, thresholds)
 
     def cut_segments(self, xp, p, table, indices, counts, infos):
-        """Where a segment selected more than its k, the k largest |p| of those (ties: the
+        """Where a segment selected more than its k, the k largest ``|p|`` of those (ties: the
         first): one stable sort of the selected by segment, then magnitude descending, and
         each segment's first k of that order, put back in index order."""
         host, on_device = counts

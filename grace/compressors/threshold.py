@@ -32,5 +32,5 @@ class Threshold(Sparsifier):
 
 @register("threshold", threshold="threshold", examples=dict(threshold=example(0.5)))
 def threshold(threshold: float, *, memory="residual", communicator=None) -> GradientCompression:
-    """Hard threshold: every element with |x| >= threshold, with its index, by allgather."""
+    """Hard threshold: every element with ``|x|`` >= threshold, with its index, by allgather."""
     return GradientCompression(Threshold(threshold), make_memory(memory), communicator)

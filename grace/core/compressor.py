@@ -123,9 +123,9 @@ class Traits:
     passes_nonfinite: bool = False
     #: the payload tensor that holds an inf or a NaN wherever the input does, on every backend:
     #: top-k's values (0: they rank above every number, and k >= 1), EF-signSGD's and 1-bit
-    #: SGD's means and QSGD's norms (1: sums of |x|, x and x^2, which also flag a sum that
+    #: SGD's means and QSGD's norms (1: sums of ``|x|``, x and x^2, which also flag a sum that
     #: overflows). The overflow flag is read from those few numbers instead of from a pass
-    #: over the gradient. (Not TernGrad's max|x|: a GPU's max may drop a NaN.)
+    #: over the gradient. (Not TernGrad's ``max|x|``: a GPU's max may drop a NaN.)
     nonfinite_field: Optional[int] = None
     #: the per-tensor state is the same on every rank (PowerSGD's Q), not the rank's own
     shared_state: bool = False

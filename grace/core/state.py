@@ -33,7 +33,7 @@ class StateStore:
         return values.get(name)
 
     def value(self, table: str, name: str) -> Any:
-        """The current value of ``name`` (None where it has none), unchanged by later ``set``s."""
+        """The current value of ``name`` (None where it has none), unchanged by later calls of ``set``."""
         return self.tables[table].get(name)
 
     def set(self, table: str, name: str, value) -> None:
