@@ -164,8 +164,18 @@ class _Cut:
         return cls(ratio, ks, xp.asarray(np.int64(ks), like=like), xp.asarray(np.int64(at), like=like))
 
 
+def _no_clamp(on) -> dict:
+    """GRACE's ``gradient_clipping``: off is grace's default; on, GRACE clamps each element to the
+    ranks' mean gradient norm, which grace does not do."""
+    if on:
+        raise ValueError(f"dgc: gradient_clipping={on!r} (GRACE's clamp of each element to the ranks' mean "
+                         "gradient norm) is not offered; grace's dgc clips each gradient's norm: clip_norm=<max norm>")
+    return {}
+
+
 @register("dgc", compress_ratio="ratio", sample_ratio="sample_ratio", warmup_steps="warmup_steps",
-          momentum="momentum", clip_norm="clip_norm", seed="seed",
+          momentum="momentum", clip_norm="clip_norm", seed="seed", gradient_clipping=_no_clamp,
+          grace_defaults=dict(compress_ratio=0.3, momentum=0.3),  # (GRACE's PyTorch helper's)
           examples=dict(dgc=example(0.1), dgc_warmup=example(0.01, warmup_steps=5, sample_ratio=0.1)))
 def dgc(ratio: float, *, sample_ratio: float = 0.01, warmup_steps: int = 0, momentum: float = 0.9,
         clip_norm: float = 0.0, seed: int = 0, memory="dgc", communicator=None) -> GradientCompression:

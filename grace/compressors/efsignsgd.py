@@ -46,12 +46,11 @@ class EFSignSGD(SignBits):
         return False, (n, self.lr)  # the mean, over lr
 
 
-@register("efsignsgd", lr="lr", examples=dict(efsignsgd=example(0.1)))
+@register("efsignsgd", lr="lr", grace_defaults=dict(lr=0.3), examples=dict(efsignsgd=example(0.1)))
 def efsignsgd(lr: float, *, memory="efsignsgd", communicator=None) -> GradientCompression:
     """EF-signSGD: scaled sign (1 bit + 1 float) with error feedback; ``lr`` as the optimizer's."""
     compressor = EFSignSGD(lr)
-    memory = make_memory(memory, lr=compressor.lr)
-    if not (isinstance(memory, EFSignSGDMemory) and memory.gamma == compressor.lr):
+    if memory != "efsignsgd" and not (isinstance(memory, EFSignSGDMemory) and memory.gamma == compressor.lr):
         raise ValueError("efsignsgd works in model units: its memory must be 'efsignsgd' "
                          f"(error feedback with gamma = lr = {compressor.lr}); got {memory!r}")
-    return GradientCompression(compressor, memory, communicator)
+    return GradientCompression(compressor, make_memory(memory, lr=compressor.lr), communicator)

@@ -133,7 +133,13 @@ def _expand(xp, ps, qs, n, into, xs, residual_over):
     return approx, qs
 
 
-@register("powersgd", matrix_approximation_rank="rank", rank="rank", seed="seed",
+def _no_momentum(factor) -> dict:
+    raise ValueError(f"powersgd: momentum_factor={factor!r} (GRACE's momentum on the decoded gradient) is not "
+                     "offered; grace leaves momentum to the optimizer: torch.optim.SGD(..., momentum=...)")
+
+
+@register("powersgd", matrix_approximation_rank="rank", rank="rank", seed="seed", compress_rank="rank",
+          momentum_factor=_no_momentum,
           examples=dict(powersgd=example(2)))
 def powersgd(rank: int = 1, *, seed: int = 0, memory="powersgd", communicator=None) -> GradientCompression:
     """PowerSGD: rank-``rank`` approximation of each matrix, two allreduce rounds."""

@@ -83,7 +83,15 @@ class QSGD(Compressor):
         return xp.reshape(xp.cast(values, ctx.dtype), ctx.shape)
 
 
-@register("qsgd", quantum_num="levels", bucket_size="bucket_size", seed="seed",
+def _grace_levels(levels) -> dict:
+    """GRACE's ``quantum_num``: its helper's default, 256, needs wider codes than grace's 8 bits."""
+    if isinstance(levels, int) and not isinstance(levels, bool) and levels > 127:
+        raise ValueError(f"qsgd: quantum_num={levels} needs more than the 8-bit codes grace sends; "
+                         "it takes 1 to 127 levels (127 is its default)")
+    return {"levels": levels}
+
+
+@register("qsgd", quantum_num=_grace_levels, bucket_size="bucket_size", seed="seed",
           examples=dict(qsgd=example(4), qsgd_bucketed=example(127, bucket_size=64)))
 def qsgd(levels: int = 127, *, bucket_size: int = 0, seed: int = 0, memory="none",
          communicator=None) -> GradientCompression:

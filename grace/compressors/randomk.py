@@ -40,7 +40,7 @@ class RandomK(Compressor):
         return xp.reshape(xp.scatter_add(indices, payload[0], shape.numel), shape.shape)
 
 
-@register("randomk", compress_ratio="ratio", scale="scale", seed="seed",
+@register("randomk", compress_ratio="ratio", scale="scale", seed="seed", grace_defaults=dict(compress_ratio=0.3),
           examples=dict(randomk=example(0.1), randomk_scaled=example(0.1, scale=True)))
 def randomk(ratio: float, *, scale: bool = False, seed: int = 0, memory="residual",
             communicator=None) -> GradientCompression:

@@ -29,7 +29,7 @@ class TopK(Sparsifier):
         return segments.top_mask(xp, segments.magnitude_keys(xp, p), table, k)
 
 
-@register("topk", compress_ratio="ratio", examples=dict(topk=example(0.1)))
+@register("topk", compress_ratio="ratio", grace_defaults=dict(compress_ratio=0.3), examples=dict(topk=example(0.1)))
 def topk(ratio: float, *, memory="residual", communicator=None) -> GradientCompression:
     """Top-k: the ceil(ratio * d) largest magnitudes, with their indices, by allgather."""
     return GradientCompression(TopK(ratio), make_memory(memory), communicator)

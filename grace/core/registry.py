@@ -12,6 +12,7 @@ variable-length payload, rounds, unbiasedness) its compressor says (see ``Compre
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional
 
@@ -22,6 +23,18 @@ SHIPPED = "grace.compressors"
 # Keys of GRACE's parameter dictionary that every method accepts; world_size comes from Horovod.
 _COMMON_PARAMS = {"memory": "memory", "communicator": "communicator", "bucket_mb": "bucket_mb", "scope": "scope"}
 _IGNORED_PARAMS = {"world_size"}
+# GRACE's dictionary without a key: no compressor, no memory (its communicator default, allreduce,
+# carries only the methods that sum: the others keep their own, 'auto')
+_GRACE_DEFAULTS = {"compressor": "none", "memory": "none"}
+_GRACE_NAMES: Dict[str, str] = {}  # GRACE's method name -> grace's, where they differ
+_BUCKET_KEYWORDS = [inspect.Parameter("bucket_mb", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_BUCKET_MB,
+                                      annotation=float),
+                    inspect.Parameter("scope", inspect.Parameter.KEYWORD_ONLY, default="tensor", annotation=str)]
+_BUCKET_DOC = """
+
+``bucket_mb``: gradients travel in buckets of up to this many MB, one collective each (0: each
+gradient on its own). ``scope``: 'tensor' compresses each gradient of a bucket as its own tensor,
+'bucket' the whole bucket as one."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +53,11 @@ def example(*args, **kwargs) -> Example:
 class Method:
     name: str
     factory: Callable[..., GradientCompression]
-    grace_params: Dict[str, str]
+    #: GRACE dictionary key -> the factory's keyword, or a call turning the value into keywords
+    grace_params: Dict[str, Any]
     examples: Dict[str, Example]
+    #: values for keys a GRACE dictionary leaves out, as GRACE's own helper fills them in
+    grace_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def module(self) -> str:
@@ -56,9 +72,12 @@ class Method:
 _METHODS: Dict[str, Method] = {}
 
 
-def register(name: str, *, examples: Optional[Dict[str, Example]] = None, **grace_params: str):
+def register(name: str, *, examples: Optional[Dict[str, Example]] = None, grace_name: Optional[str] = None,
+             grace_defaults: Optional[Mapping[str, Any]] = None, **grace_params):
     """Register a factory under ``name``; ``grace_params`` maps GRACE dictionary keys to its
-    keyword arguments (e.g. ``compress_ratio="ratio"``); ``examples`` labels the arguments the
+    keyword arguments (e.g. ``compress_ratio="ratio"``, or a call from the value to keywords);
+    ``grace_name`` is GRACE's name for the method where it differs, ``grace_defaults`` the values
+    GRACE's helper gives keys a dictionary leaves out; ``examples`` labels the arguments the
     tests try it with, one labelled ``name`` among them (default: ``{name: example()}``, the
     factory's defaults). The registered factory also takes ``bucket_mb=`` and ``scope=`` (see
     ``GradientCompression``)."""
@@ -77,7 +96,13 @@ def register(name: str, *, examples: Optional[Dict[str, Example]] = None, **grac
             communicator = "auto" if method.auto else method.collective
             return GradientCompression(method.compressor, method.memory, communicator, bucket_mb, scope)
 
-        _METHODS[name] = Method(name, make, {**_COMMON_PARAMS, **grace_params}, examples)
+        # help() and the API reference show the two keywords every method takes
+        signature = inspect.signature(factory)
+        make.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *_BUCKET_KEYWORDS])
+        make.__doc__ = (factory.__doc__ or "").rstrip() + _BUCKET_DOC
+        _METHODS[name] = Method(name, make, {**_COMMON_PARAMS, **grace_params}, examples, dict(grace_defaults or {}))
+        if grace_name:
+            _GRACE_NAMES[grace_name] = name
         return make
 
     return decorate
@@ -111,20 +136,26 @@ def create(name: str, **kwargs) -> GradientCompression:
     return factory(name)(**kwargs)
 
 
-def from_params(params: dict) -> GradientCompression:
-    """Build a method from the original GRACE parameter dictionary, e.g.
-    ``{'compressor': 'topk', 'memory': 'residual', 'communicator': 'allgather', 'compress_ratio': 0.01}``."""
-    params = dict(params)
-    if "compressor" not in params:
-        raise ValueError("params needs a 'compressor' key naming the method")
-    name = params.pop("compressor")
-    make = factory(name)
-    accepted = _METHODS[name].grace_params
+def from_params(params: Mapping[str, Any]) -> GradientCompression:
+    """Build a method from a GRACE parameter dictionary, e.g. ``{'compressor': 'topk', 'memory':
+    'residual', 'communicator': 'allgather', 'compress_ratio': 0.01}``, with GRACE's key names and
+    defaults: a key left out takes the value GRACE's helper gives it (no compressor, no memory,
+    top-k's ratio 0.3, ...; ``{}`` is no compression), and ``world_size`` is Horovod's. A key the
+    method does not take raises ``ValueError`` naming the key and the keys it takes."""
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params must be a dict of GRACE parameters, got {type(params).__name__}")
+    given = {**_GRACE_DEFAULTS, **params}
+    grace_name = given.pop("compressor")
+    name = _GRACE_NAMES.get(grace_name, grace_name)
+    method = _METHODS.get(name) or factory(name)  # (factory: the unknown name's error)
+    given = {**method.grace_defaults, **given}
     kwargs = {}
-    for key, value in params.items():
+    for key, value in given.items():
         if key in _IGNORED_PARAMS:
             continue
-        if key not in accepted:
-            raise ValueError(f"{name} does not take parameter {key!r}; it takes {', '.join(sorted(accepted))}")
-        kwargs[accepted[key]] = value
-    return make(**kwargs)
+        if key not in method.grace_params:
+            raise ValueError(f"{name} does not take parameter {key!r}; it takes "
+                             f"{', '.join(sorted(method.grace_params))}")
+        target = method.grace_params[key]
+        kwargs.update(target(value) if callable(target) else {target: value})
+    return method.factory(**kwargs)

@@ -39,7 +39,7 @@ def test_ratio_outside_0_1_is_refused_at_construction(factory, ratio):
     (lambda: grace.ResidualMemory(beta=-1), "beta must be a finite number >= 0"),
     (lambda: grace.create("bogus"), "unknown compression method 'bogus'"),
     (lambda: grace.from_params({"compressor": "bogus"}), "unknown compression method 'bogus'"),
-    (lambda: grace.from_params({"memory": "residual"}), "needs a 'compressor' key"),
+    (lambda: grace.from_params(["topk"]), "params must be a dict of GRACE parameters"),
     (lambda: grace.from_params({"compressor": "topk", "compress_ratio": 0.1, "quantum_num": 4}),
      "topk does not take parameter 'quantum_num'"),
     (lambda: grace.from_params({"compressor": "topk", "compress_ratio": 2}), "ratio must be"),
