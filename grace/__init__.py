@@ -14,11 +14,12 @@ from grace import compressors as _compressors  # noqa: F401  (imports and so reg
 from grace import kernels as _kernels  # noqa: F401  (registers the methods' fast paths)
 from grace.core import Collective, Compressor, Exchange, GradientCompression, Memory, WireStats
 from grace.core.registry import create, factory as _factory, from_params, methods
+from grace.about import info
 from grace.memories import NoMemory, ResidualMemory
 
 __version__ = "0.1.0"
 __all__ = ["Collective", "Compressor", "Exchange", "GradientCompression", "Memory", "NoMemory",
-           "ResidualMemory", "WireStats", "create", "from_params", "methods"]
+           "ResidualMemory", "WireStats", "create", "from_params", "info", "methods"]
 # every method of grace/compressors as grace.<name>: grace.topk(0.01)
 for _name in methods():
     if _name in __all__:

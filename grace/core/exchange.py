@@ -35,6 +35,7 @@ from grace.core.plans import BucketPending, BucketPlan, Pending, PlanChoice, Ref
 from grace.core.plans.feedback import feedback_of
 from grace.core.plans.kernels import kernels_of
 from grace.core.state import TABLES, StateStore
+from grace.native.status import warn_if_missing
 from grace.core.transport import Transport, WireStats
 
 __all__ = ["BucketPending", "Exchange", "Pending", "PlanChoice", "WireStats"]
@@ -230,6 +231,7 @@ class Exchange:
         if self._agreed_in != self._world():
             self._agreed_in = self._world()
             agreement.agree(self, xp, like)
+            warn_if_missing(like)  # (a missing native library makes every step several times slower)
 
     def adopt_shared_state(self, root: int, like, name: str = "grace.shared_state") -> None:
         """Every rank takes rank ``root``'s ``shared_state()`` (step counters, PowerSGD's Q),

@@ -1,9 +1,13 @@
 """Whether the native kernels run: the libraries loaded, the inputs they take; the CPU's threads."""
 from __future__ import annotations
 
+import warnings
+
 from grace.native._arrays import NativeUnavailable, kind_of
 from grace.native._common import _FLOATS
-from grace.native._loader import library
+from grace.native._loader import enabled, library, load_error
+
+_warned: set = set()  # the devices whose missing library was reported
 
 
 def available(device: str = "cpu") -> bool:
@@ -33,3 +37,26 @@ def set_num_threads(n: int) -> None:
     lib = library("cpu")
     if lib is not None:
         lib.set_num_threads(int(n))
+
+
+def warn_if_missing(x) -> None:
+    """Once per device and process: warn where the native library of ``x``'s device (a gradient
+    the kernels would take) is missing or failed to load, naming why and how to build it. Silent
+    where dispatch is off on purpose (``GRACE_NATIVE=0``) and for tensors no kernel takes (a
+    traced TensorFlow step)."""
+    root = type(x).__module__.split(".")[0]
+    if root == "torch":
+        device = "cuda" if x.device.type == "cuda" else "cpu"
+    elif root == "numpy":
+        device = "cpu"
+    elif root == "tensorflow" and hasattr(x, "numpy"):  # (eager)
+        device = "cuda" if ":GPU:" in (getattr(x, "device", "") or "").upper() else "cpu"
+    else:
+        return
+    if device in _warned or not enabled() or library(device) is not None:
+        return
+    _warned.add(device)
+    warnings.warn(f"grace: the native {device} kernels are not loaded ({load_error(device) or 'not found'}); every "
+                  "method runs its tensor-op fallback, several times slower. Build them: python csrc/build.py "
+                  "(or pip install -e .); GRACE_NATIVE=0 runs without them and without this warning.",
+                  RuntimeWarning, stacklevel=4)
