@@ -39,7 +39,12 @@ defined here (25.6M parameters in 161 tensors either way).
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
+import re
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -228,6 +233,29 @@ def take_accelerator_path() -> dict:
     return counted
 
 
+# Kineto's line per profiler start and stop ("USDT:<date> <pid>:<tid> SyncActivityProfilerHandler.cpp:52]
+# profiler_start"), written to stderr whatever its log level
+_PROFILER_LINE = re.compile(r"^(USDT|STAGE|INFO):\d{4}-\d\d-\d\d [\d:]+ \d+:\d+ \w+\.cpp:\d+\]")
+
+
+@contextlib.contextmanager
+def profiler_lines_dropped():
+    """The profiler's own stderr lines dropped, so that they do not cut through the tables;
+    anything else written to stderr meanwhile still reaches it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            sys.stderr.writelines(line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                                  if not _PROFILER_LINE.match(line))
+
+
 def launches(fn, device: str, top: int = 0, waits=None) -> dict:
     """What one call of ``fn`` launches: {"ops": GPU kernels and copies, "waits": host waits
     for the GPU} on a GPU, {"ops": top-level torch ops} on a CPU, or where ``waits`` counts the
@@ -239,7 +267,8 @@ def launches(fn, device: str, top: int = 0, waits=None) -> dict:
 
     gpu = device != "cpu"
     before = waits["waits"] if waits else 0
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
+    with profiler_lines_dropped(), profile(activities=[ProfilerActivity.CPU,
+                                                       *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
         fn()
     events = prof.events()
     table = {"top": prof.key_averages().table(sort_by="self_device_time_total" if gpu else "self_cpu_time_total",

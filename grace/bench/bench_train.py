@@ -48,6 +48,7 @@ from tqdm import tqdm
 import grace
 from grace.bench import cost_model
 from grace.bench.common import REPO, help_parser, load_config, write_results
+from grace.bench.horovodrun import HOROVODRUN
 from grace.bench.ddp_baselines import DDPHook
 from grace.bench.train import ENGINES, MODEL_KINDS, OWN_MOMENTUM, DigitsRun, build_model, digits
 
@@ -340,7 +341,7 @@ def stage_quality(args, config: dict) -> None:
     if engine_name(config) == "ddp":
         launch = [str(bin_ / "torchrun"), "--standalone", "--nproc-per-node", str(ranks)]
     else:
-        launch = [str(bin_ / "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable]
+        launch = [*HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable]
     rows = []
     for model in args.models:
         with tempfile.TemporaryDirectory() as tmp:

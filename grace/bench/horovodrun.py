@@ -10,11 +10,14 @@ Everything else is horovodrun unchanged:
 """
 import sys
 
-from horovod.common import util
-from horovod.runner.launch import run_commandline
+#: the command that runs it, for a launch from Python
+HOROVODRUN = [sys.executable, "-m", "grace.bench.horovodrun"]
 
 
 def main() -> int:
+    from horovod.common import util  # (here: importing this module for HOROVODRUN needs no Horovod)
+    from horovod.runner.launch import run_commandline
+
     util.EXTENSIONS[:] = ["torch"] + [name for name in util.EXTENSIONS if name != "torch"]
     sys.argv[0] = "horovodrun"
     return run_commandline()

@@ -41,7 +41,10 @@ class GraceState:
                  process_group: Optional[dist.ProcessGroup] = None):
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"grace.torch.ddp needs a DistributedDataParallel model, got {type(model).__name__}")
-        group = process_group if process_group is not None else model.process_group
+        self._start(compression, process_group if process_group is not None else model.process_group)
+        self.attach(model)
+
+    def _start(self, compression: GradientCompression, group: Optional[dist.ProcessGroup]) -> None:
         # (refuses a non-grace compression); results are written into DDP's buffer where it saves work
         self.exchange = Exchange(compression, ProcessGroupCommunicator(group), in_place=True)
         if not compression.bucket_mb:
@@ -50,6 +53,18 @@ class GraceState:
         if compression.scope == "bucket" and type(compression.compressor).init_state is not Compressor.init_state:
             raise ValueError(f"scope='bucket' keeps {type(compression.compressor).__name__}'s state per bucket, "
                              "and DDP rebuilds its buckets after the first step; use scope='tensor'")
+        self._names: Dict[int, str] = {}
+        self._parameters = []
+        self._buckets: Dict[tuple, Bucket] = {}
+        self._lock = threading.Lock()
+        self._open = 0  # buckets launched and not finished in this step
+        self._last_launched = False
+
+    def attach(self, model: DistributedDataParallel) -> "GraceState":
+        """Bind the state to ``model``'s parameters (by name): done by the constructor, and needed
+        again after unpickling (``torch.load``), which keeps no model."""
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"grace.torch.ddp needs a DistributedDataParallel model, got {type(model).__name__}")
         sparse = [name for name, m in model.module.named_modules() if getattr(m, "sparse", False) is True]
         if sparse:
             raise ValueError(f"grace compresses dense gradients; {', '.join(sparse)} produce sparse ones "
@@ -57,13 +72,22 @@ class GraceState:
         ignored = getattr(model, "parameters_to_ignore", set())
         named = [(name, p) for name, p in model.module.named_parameters()
                  if p.requires_grad and name not in ignored]
-        self._names: Dict[int, str] = {id(p): name for name, p in named}
+        self._names = {id(p): name for name, p in named}
         self._parameters = [p for _, p in named]  # keeps the ids above valid
+        self._buckets = {}
         self.exchange.expect(gradient_specs(named))
-        self._buckets: Dict[tuple, Bucket] = {}
-        self._lock = threading.Lock()
-        self._open = 0  # buckets launched and not finished in this step
-        self._last_launched = False
+        return self
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """What ``torch.save(state)`` keeps: the method, and this rank's memory, method state and
+        step counters; not the process group or the model, as PyTorch's ``PowerSGDState`` drops
+        its group. Loaded again (``torch.load(..., weights_only=False)``), the state uses the
+        default process group and is bound to its model by ``attach(model)`` or ``register``."""
+        return {"compression": self.exchange.compression, "state": self.state_dict()}
+
+    def __setstate__(self, saved: Dict[str, Any]) -> None:
+        self._start(saved["compression"], None)
+        self.load_state_dict(saved["state"])
 
     @property
     def stats(self):
@@ -79,6 +103,9 @@ class GraceState:
 
     # --- one bucket ----------------------------------------------------------------------
     def launch(self, grad_bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if not self._names:
+            raise RuntimeError("grace: this GraceState is bound to no model (it was loaded from a pickle); "
+                               "bind it first: state.attach(model), or grace.torch.ddp.register(model, state)")
         buffer = grad_bucket.buffer()
         bucket, grads = self._bucket(grad_bucket)
         comm = self.exchange.communicator
@@ -142,10 +169,16 @@ def hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Future[tor
     return state.launch(bucket)
 
 
-def register(model: DistributedDataParallel, compression: GradientCompression,
+def register(model: DistributedDataParallel, compression: "GradientCompression | GraceState",
              process_group: Optional[dist.ProcessGroup] = None) -> "GraceState":
     """Register grace's hook for ``compression`` on ``model``; returns its state (checkpoint
-    it with ``state_dict()``)."""
-    state = GraceState(model, compression, process_group)
+    it with ``state_dict()``, or pickle it whole). ``compression`` may be a ``GraceState`` loaded
+    from a pickle: it is bound to ``model`` and registered."""
+    if isinstance(compression, GraceState):
+        if process_group is not None:
+            raise ValueError("a loaded GraceState uses the default process group; process_group cannot apply")
+        state = compression.attach(model)
+    else:
+        state = GraceState(model, compression, process_group)
     model.register_comm_hook(state, hook)
     return state

@@ -127,6 +127,40 @@ def test_checkpoint_loads_into_a_model_with_other_buckets():
 
 
 @pytest.mark.parametrize("method", ["grace.topk(0.05)", "grace.powersgd(1)", "grace.signum(0.5)"])
+def test_a_pickled_state_round_trips_as_pytorchs_hook_states_do(method, tmp_path):
+    """torch.save(state) after 2 steps, torch.load(..., weights_only=False), bound to a new DDP
+    model (another bucket size) with register(model, state): steps 3 and 4 equal those of the run
+    that never stopped. Unbound, the loaded state says what to do instead of exchanging."""
+    out = run(f"""
+    path = {str(tmp_path / "state.pt")!r}
+    ddp = model()
+    grace.torch.ddp.register(ddp, {method})
+    straight = [backward(ddp, s) for s in range(4)]
+    ddp = model()
+    state = grace.torch.ddp.register(ddp, {method})
+    for s in range(2):
+        backward(ddp, s)
+    torch.save(state, path)
+    loaded = torch.load(path, weights_only=False)
+    assert type(loaded) is grace.torch.ddp.GraceState and loaded.stats.bytes_sent == 0
+    ddp = model(cap_mb=25)
+    ddp.register_comm_hook(loaded, grace.torch.ddp.hook)
+    try:
+        backward(ddp, 2)
+    except Exception as exc:
+        print("unbound:", "state.attach(model)" in str(exc))
+    ddp = model(cap_mb=25)
+    grace.torch.ddp.register(ddp, torch.load(path, weights_only=False))
+    for s in (2, 3):
+        got = backward(ddp, s)
+        for name in got:
+            torch.testing.assert_close(got[name], straight[s][name], rtol=0, atol=0)
+    print("ok")
+    """)
+    assert out.split() == ["unbound:", "True", "ok"]
+
+
+@pytest.mark.parametrize("method", ["grace.topk(0.05)", "grace.powersgd(1)", "grace.signum(0.5)"])
 def test_an_overflow_costs_one_step_and_leaves_no_trace(method):
     out = run(f"""
     import copy

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from grace.bench.horovodrun import HOROVODRUN
+
 from .errors import ClusterError
 
 SHIMS = Path(__file__).resolve().parent / "shims"
@@ -86,8 +88,7 @@ class LaunchMixin:
         """argv for horovodrun (Gloo by default) over the emulated links; run it with ``env=cluster.env()``
         plus :meth:`horovodrun_env` (it finds ns_rsh as `ssh` on PATH)."""
         np, hosts = self._placement(np, ranks_per_host)
-        horovodrun = shutil.which("horovodrun") or str(Path(sys.executable).parent / "horovodrun")
-        args = [horovodrun, "-np", str(np), "-H", hosts, "--network-interface", "eth0"]
+        args = [*HOROVODRUN, "-np", str(np), "-H", hosts, "--network-interface", "eth0"]
         args += ["--gloo"] if gloo else ["--mpi", "--mpi-args",
                                          f"--mca plm_rsh_agent {NS_RSH} --mca pml ob1 --mca btl tcp,self "
                                          f"--mca btl_tcp_if_include {self.subnet} --mca oob_tcp_if_include {self.subnet} --bind-to none"]
