@@ -6,14 +6,7 @@ from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.mpi_ops import Average, global_process_set
 
 from grace.tensorflow.gradients import GradientExchange
-from grace.tensorflow.tape import check_arguments
-
-KERAS_3_MESSAGE = (
-    "Horovod's Keras optimizer needs Keras 2 (its code calls Variable.ref(), which Keras 3 "
-    "variables lack). Install tf-keras and set TF_USE_LEGACY_KERAS=1 in the environment before "
-    "TensorFlow is imported (then tf.keras is Keras 2)."
-)
-
+from grace.tensorflow.tape import KERAS_3_MESSAGE, check_arguments
 
 def check_keras_2(optimizer) -> None:
     """A clear error at construction instead of an AttributeError deep in Horovod."""

@@ -106,6 +106,34 @@ def test_keras_3_gets_a_clear_error_at_construction():
     assert "TF_USE_LEGACY_KERAS=1" in out and "Keras 3" in out
 
 
+def test_keras_3_variables_get_a_clear_error_on_the_tape():
+    """Horovod's tape reads Variable.ref(), which Keras 3 variables lack: grace says what to do
+    at the gradient, eager and traced, instead of Horovod's AttributeError."""
+    out = run("""
+    import keras
+    import grace
+    import horovod.tensorflow as hvd
+    hvd.init()
+    layer = keras.layers.Dense(3)
+    layer.build((None, 4))
+    x = tf.ones((2, 4))
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x))
+        tape = hvd.DistributedGradientTape(tape, compression=grace.topk(0.5))
+        return tape.gradient(loss, layer.trainable_variables)
+
+    for run in (step, tf.function(step)):
+        try:
+            run()
+            print("accepted")
+        except RuntimeError as e:
+            print("refused:", "TF_USE_LEGACY_KERAS=1" in str(e), "keras" in str(e))
+    """, legacy_keras=False)
+    assert out.split() == ["refused:", "True", "True"] * 2, out
+
+
 def test_exchange_state_round_trips_through_a_checkpoint():
     out = run("""
     import grace
