@@ -340,11 +340,16 @@ def print_header() -> None:
           f"{'(collective ms)':>16} {'(no clock ms)':>14}  plans")
 
 
+def _shown(value: float, spec: str, unit: str = "") -> str:
+    """``value`` formatted, or '-' for a part not run (--bucketed-only)."""
+    return "-" if value != value else format(value, spec) + unit  # (NaN)
+
+
 def print_row(method: str, row: dict) -> None:
-    print(f"{method:<10} {row['per_tensor_work_ms']:>13.2f} {row['per_tensor_share']:>7.1%} "
+    print(f"{method:<10} {_shown(row['per_tensor_work_ms'], '.2f'):>13} {_shown(row['per_tensor_share'], '.1%'):>7} "
           f"{row['per_tensor_calls']:>6} {row['per_tensor_ops']:>6} {row['bucketed_work_ms']:>12.2f} "
           f"{row['bucketed_share']:>7.1%} {row['bucketed_calls']:>6} {row['bucketed_ops']:>6} "
-          f"{row.get('bucketed_waits', '-'):>6} {row['speedup']:>7.2f}x {row['bucketed_bytes']:>12} "
+          f"{row.get('bucketed_waits', '-'):>6} {_shown(row['speedup'], '.2f', 'x'):>8} {row['bucketed_bytes']:>12} "
           f"{row['bucketed_collective_ms']:>16.2f} {row['bucketed_exchange_free_ms']:>14.2f}  "
           f"{row['bucketed_plans']}", flush=True)
 
