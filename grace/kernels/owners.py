@@ -9,10 +9,10 @@ with ``aggregate='mean'`` the sum in the bits it needs. The result is the allgat
 bit for bit; the owner keeps no memory.
 
 Top-k, DGC, AdaQ, onebit and EF-signSGD: the owner's second payload is ``BUDGET`` times a
-shard's first one. The sum of N ranks' selections holds up to N k elements, and the mean of N
-1-bit payloads up to 2^N levels; compressing it as hard as the first time leaves most of the
-step in the owner's memory, which cost 1.6 to 7 points of accuracy on the digits job at 8 ranks
-in 30 epochs (docs/methods.md). Top-k, DGC and AdaQ select ``BUDGET`` times their ratio; onebit
+shard's first one. The N ranks' selections of a shard, k / N each, sum to up to k non-zeros,
+and the mean of N 1-bit payloads has up to 2^N levels; compressing that as hard as the first
+time left most of each step in the owner's memory, which cost 1.6 to 7 points of accuracy on
+the digits job at 8 ranks in 30 epochs (docs/methods.md). Top-k, DGC and AdaQ select ``BUDGET`` times their ratio; onebit
 and EF-signSGD send ``BUDGET`` passes of the method, each on what the passes before it left. A
 rank then receives about (1 + BUDGET) (N - 1) / N payloads per step whatever N is, against the
 allgather's N - 1, and the accuracy is the allgather's.
@@ -85,7 +85,7 @@ class QSGDOwner(Owner):
         return self.compressor.bucket_size or 1
 
 
-#: how many times its share of k the owner of a shard selects again (top-k, DGC, AdaQ)
+#: the owner's second payload in first payloads: top-k, DGC and AdaQ's ratio times it, onebit and EF-signSGD's passes
 BUDGET = 4
 
 

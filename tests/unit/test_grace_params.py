@@ -91,8 +91,8 @@ def test_grace_dgc_memory_settings_reach_grace_memory():
     ({"compressor": "dgc", "memory": "dgc", "gradient_clipping": True}, "gradient_clipping=True"),
     ({"compressor": "powersgd", "memory": "powersgd", "momentum_factor": 0.9}, "momentum_factor=0.9"),
     ({"compressor": "qsgd", "quantum_num": 256}, "quantum_num=256"),
-    ({"compressor": "topk", "compress_ratio": 0.01, "quantum_num": 4}, "topk does not take parameter 'quantum_num'; "
-                                                                      "it takes bucket_mb, communicator, compress_ratio"),
+    ({"compressor": "topk", "compress_ratio": 0.01, "quantum_num": 4},
+     "topk does not take parameter 'quantum_num'; it takes bucket_mb, communicator, compress_ratio"),
     ({"compressor": "bogus"}, "unknown compression method 'bogus'"),
     # GRACE's PyTorch efsignsgd with a gradient-unit residual sums the signs over lr: grace keeps EF-signSGD's
     # error feedback in model units
