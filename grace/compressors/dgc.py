@@ -175,7 +175,7 @@ def _no_clamp(on) -> dict:
 
 @register("dgc", compress_ratio="ratio", sample_ratio="sample_ratio", warmup_steps="warmup_steps",
           momentum="momentum", clip_norm="clip_norm", seed="seed", gradient_clipping=_no_clamp,
-          grace_defaults=dict(compress_ratio=0.3, momentum=0.3),  # (GRACE's PyTorch helper's)
+          grace_defaults=dict(compress_ratio=0.3),  # (GRACE's helper's; its momentum default, 0.3, is not the paper's)
           examples=dict(dgc=example(0.1), dgc_warmup=example(0.01, warmup_steps=5, sample_ratio=0.1)))
 def dgc(ratio: float, *, sample_ratio: float = 0.01, warmup_steps: int = 0, momentum: float = 0.9,
         clip_norm: float = 0.0, seed: int = 0, memory="dgc", communicator=None) -> GradientCompression:

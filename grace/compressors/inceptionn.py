@@ -50,8 +50,7 @@ class Inceptionn(Compressor):
         return xp.reshape(xp.cast(out, ctx.dtype), ctx.shape)
 
 
-@register("inceptionn", error_bound="error_bound", grace_defaults=dict(error_bound=2e-10),
-          examples=dict(inceptionn=example(0.01)))
+@register("inceptionn", error_bound="error_bound", examples=dict(inceptionn=example(0.01)))
 def inceptionn(error_bound: float = 2.0**-12, *, memory="none", communicator=None) -> GradientCompression:
     """Error-bounded lossy floats: 2-bit tag plus 0, 8, 16 or 32 bits per element."""
     return GradientCompression(Inceptionn(error_bound), make_memory(memory), communicator)

@@ -59,8 +59,7 @@ class SketchML(Compressor):
         return xp.reshape(xp.cast(xp.scatter_add(positions, values, ctx.numel), ctx.dtype), ctx.shape)
 
 
-@register("sketchml", buckets="buckets", grace_name="sketch", quantiles="buckets", grace_defaults=dict(quantiles=64),
-          examples=dict(sketchml=example(16)))
+@register("sketchml", buckets="buckets", grace_name="sketch", quantiles="buckets", examples=dict(sketchml=example(16)))
 def sketchml(buckets: int = 256, *, memory="residual", communicator=None) -> GradientCompression:
     """SketchML: non-zeros as 8-bit quantile-bucket codes plus the bucket means."""
     return GradientCompression(SketchML(buckets), make_memory(memory), communicator)

@@ -23,9 +23,10 @@ SHIPPED = "grace.compressors"
 # Keys of GRACE's parameter dictionary that every method accepts; world_size comes from Horovod.
 _COMMON_PARAMS = {"memory": "memory", "communicator": "communicator", "bucket_mb": "bucket_mb", "scope": "scope"}
 _IGNORED_PARAMS = {"world_size"}
-# GRACE's dictionary without a key: no compressor, no memory (its communicator default, allreduce,
-# carries only the methods that sum: the others keep their own, 'auto')
-_GRACE_DEFAULTS = {"compressor": "none", "memory": "none"}
+# GRACE's dictionary without a compressor: no compression. Without a memory or communicator a method
+# keeps its own (its error feedback, 'auto'), where GRACE's helper would take none and allreduce,
+# which drops error feedback and cannot carry the allgather methods.
+_GRACE_DEFAULTS = {"compressor": "none"}
 _GRACE_NAMES: Dict[str, str] = {}  # GRACE's method name -> grace's, where they differ
 _BUCKET_KEYWORDS = [inspect.Parameter("bucket_mb", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_BUCKET_MB,
                                       annotation=float),
@@ -77,7 +78,7 @@ def register(name: str, *, examples: Optional[Dict[str, Example]] = None, grace_
     """Register a factory under ``name``; ``grace_params`` maps GRACE dictionary keys to its
     keyword arguments (e.g. ``compress_ratio="ratio"``, or a call from the value to keywords);
     ``grace_name`` is GRACE's name for the method where it differs, ``grace_defaults`` the values
-    GRACE's helper gives keys a dictionary leaves out; ``examples`` labels the arguments the
+    GRACE's helper gives keys a dictionary leaves out, for the arguments the factory requires; ``examples`` labels the arguments the
     tests try it with, one labelled ``name`` among them (default: ``{name: example()}``, the
     factory's defaults). The registered factory also takes ``bucket_mb=`` and ``scope=`` (see
     ``GradientCompression``)."""
@@ -139,8 +140,9 @@ def create(name: str, **kwargs) -> GradientCompression:
 def from_params(params: Mapping[str, Any]) -> GradientCompression:
     """Build a method from a GRACE parameter dictionary, e.g. ``{'compressor': 'topk', 'memory':
     'residual', 'communicator': 'allgather', 'compress_ratio': 0.01}``, with GRACE's key names and
-    defaults: a key left out takes the value GRACE's helper gives it (no compressor, no memory,
-    top-k's ratio 0.3, ...; ``{}`` is no compression), and ``world_size`` is Horovod's. A key the
+    defaults: a setting grace's factory requires takes, when left out, the value GRACE's helper
+    gives it (top-k's ratio 0.3, ...), any other the method's own default (its memory, 'auto'),
+    ``{}`` is no compression, and ``world_size`` is Horovod's. A key the
     method does not take raises ``ValueError`` naming the key and the keys it takes."""
     if not isinstance(params, Mapping):
         raise ValueError(f"params must be a dict of GRACE parameters, got {type(params).__name__}")

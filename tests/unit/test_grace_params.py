@@ -31,7 +31,10 @@ GRACE_DICTIONARIES = [
       "momentum": 0.9, "gradient_clipping": False}, "helper.py (dgc memory: momentum, gradient_clipping)",
      ("DGC", {"ratio": 0.01}), "DGCMemory", "allgather"),
     ({"compressor": "dgc", "memory": "dgc", "communicator": "allgather"},
-     "helper.py, PyTorch: ratio 0.3, momentum 0.3", ("DGC", {"ratio": 0.3}), "DGCMemory", "allgather"),
+     "helper.py, PyTorch: ratio 0.3", ("DGC", {"ratio": 0.3}), "DGCMemory", "allgather"),
+    ({"compressor": "topk", "compress_ratio": 0.01},
+     "examples: memory and communicator left out (grace keeps the method's own)", ("TopK", {"ratio": 0.01}),
+     "ResidualMemory", "allgather"),
     ({"compressor": "efsignsgd", "memory": "efsignsgd", "communicator": "allgather", "lr": 0.1},
      "helper.py (TensorFlow: the efsignsgd memory)", ("EFSignSGD", {"lr": 0.1}), "EFSignSGDMemory", "allgather"),
     ({"compressor": "efsignsgd", "memory": "efsignsgd"}, "helper.py (PyTorch: lr 0.3)",
@@ -57,10 +60,10 @@ GRACE_DICTIONARIES = [
     ({"compressor": "adaq", "memory": "residual", "communicator": "allgather", "compress_ratio": 0.01},
      "helper.py (TensorFlow)", ("AdaQ", {"ratio": 0.01}), "ResidualMemory", "allgather"),
     ({"compressor": "sketch", "memory": "residual", "communicator": "allgather"},
-     "helper.py (TensorFlow: 'sketch', quantiles 64)", ("SketchML", {"buckets": 64}), "ResidualMemory", "allgather"),
+     "helper.py (TensorFlow: 'sketch')", ("SketchML", {"buckets": 256}), "ResidualMemory", "allgather"),
     ({"compressor": "sketch", "memory": "none", "communicator": "allgather", "quantiles": 16},
      "helper.py (TensorFlow: quantiles)", ("SketchML", {"buckets": 16}), "NoMemory", "allgather"),
-    ({"compressor": "inceptionn", "memory": "none", "communicator": "allgather"},
+    ({"compressor": "inceptionn", "memory": "none", "communicator": "allgather", "error_bound": 2e-10},
      "helper.py (TensorFlow: error_bound 2e-10)", ("Inceptionn", {"error_bound": 2e-10}), "NoMemory", "allgather"),
     ({"compressor": "u8bit", "memory": "none", "communicator": "allgather"}, "helper.py (TensorFlow)",
      ("U8Bit", {}), "NoMemory", "allgather"),
@@ -84,7 +87,7 @@ def test_grace_dictionaries_build_the_method_grace_means(params, where, want, me
 def test_grace_dgc_memory_settings_reach_grace_memory():
     memory = grace.from_params({"compressor": "dgc", "memory": "dgc", "compress_ratio": 0.01, "momentum": 0.5}).memory
     assert memory.momentum == 0.5
-    assert grace.from_params({"compressor": "dgc", "memory": "dgc"}).memory.momentum == 0.3  # GRACE's default
+    assert grace.from_params({"compressor": "dgc", "memory": "dgc"}).memory.momentum == 0.9  # grace's default
 
 
 @pytest.mark.parametrize("params, message", [
