@@ -46,7 +46,7 @@ class EFSignSGD(SignBits):
         return False, (n, self.lr)  # the mean, over lr
 
 
-@register("efsignsgd", lr="lr", grace_defaults=dict(lr=0.3), examples=dict(efsignsgd=example(0.1)))
+@register("efsignsgd", lr="lr", examples=dict(efsignsgd=example(0.1)))  # (no default lr: it must be the optimizer's)
 def efsignsgd(lr: float, *, memory="efsignsgd", communicator=None) -> GradientCompression:
     """EF-signSGD: scaled sign (1 bit + 1 float) with error feedback; ``lr`` as the optimizer's."""
     compressor = EFSignSGD(lr)

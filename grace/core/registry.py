@@ -160,4 +160,9 @@ def from_params(params: Mapping[str, Any]) -> GradientCompression:
                              f"{', '.join(sorted(method.grace_params))}")
         target = method.grace_params[key]
         kwargs.update(target(value) if callable(target) else {target: value})
+    required = [p.name for p in inspect.signature(method.factory).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD and p.name not in kwargs]
+    if required:
+        keys = [key for key, target in method.grace_params.items() if target in required]
+        raise ValueError(f"{name} needs {' and '.join(map(repr, keys or required))} in the dictionary")
     return method.factory(**kwargs)

@@ -37,8 +37,6 @@ GRACE_DICTIONARIES = [
      "ResidualMemory", "allgather"),
     ({"compressor": "efsignsgd", "memory": "efsignsgd", "communicator": "allgather", "lr": 0.1},
      "helper.py (TensorFlow: the efsignsgd memory)", ("EFSignSGD", {"lr": 0.1}), "EFSignSGDMemory", "allgather"),
-    ({"compressor": "efsignsgd", "memory": "efsignsgd"}, "helper.py (PyTorch: lr 0.3)",
-     ("EFSignSGD", {"lr": 0.3}), "EFSignSGDMemory", "allgather"),
     ({"compressor": "signsgd", "memory": "none", "communicator": "allgather"}, "helper.py",
      ("SignSGD", {}), "NoMemory", "allgather"),
     ({"compressor": "signum", "memory": "none", "communicator": "allgather", "momentum": 0.9}, "helper.py",
@@ -97,6 +95,8 @@ def test_grace_dgc_memory_settings_reach_grace_memory():
     ({"compressor": "topk", "compress_ratio": 0.01, "quantum_num": 4},
      "topk does not take parameter 'quantum_num'; it takes bucket_mb, communicator, compress_ratio"),
     ({"compressor": "bogus"}, "unknown compression method 'bogus'"),
+    # GRACE's helper gives efsignsgd lr 0.3; it must be the optimizer's, so grace asks for it
+    ({"compressor": "efsignsgd", "memory": "efsignsgd"}, "efsignsgd needs 'lr' in the dictionary"),
     # GRACE's PyTorch efsignsgd with a gradient-unit residual sums the signs over lr: grace keeps EF-signSGD's
     # error feedback in model units
     ({"compressor": "efsignsgd", "memory": "residual", "lr": 0.1}, "efsignsgd works in model units"),
