@@ -69,8 +69,9 @@ def info(file=None) -> None:
 
 def report() -> str:
     """The report ``info`` prints."""
-    lines = ["grace " + versions()["grace"] + f" on {platform.system()} {platform.machine()}"]
-    lines += [f"  {name:<15} {version}" for name, version in versions().items() if name != "grace"]
+    installed = versions()
+    lines = [f"grace {installed.pop('grace')} on {platform.system()} {platform.machine()}"]
+    lines += [f"  {name:<15} {version}" for name, version in installed.items()]
     lines.append("native libraries:")
     lines += [f"  {device:<5} {what}" for device, what in libraries().items()]
     for device in ("cpu", "cuda"):

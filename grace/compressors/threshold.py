@@ -30,7 +30,8 @@ class Threshold(Sparsifier):
         return xp.abs(p) >= self.threshold
 
 
-@register("threshold", threshold="threshold", grace_defaults=dict(threshold=256.0), examples=dict(threshold=example(0.5)))
+@register("threshold", threshold="threshold", grace_defaults=dict(threshold=256.0),
+          examples=dict(threshold=example(0.5)))
 def threshold(threshold: float, *, memory="residual", communicator=None) -> GradientCompression:
     """Hard threshold: every element with ``|x|`` >= threshold, with its index, by allgather."""
     return GradientCompression(Threshold(threshold), make_memory(memory), communicator)

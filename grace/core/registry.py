@@ -77,11 +77,11 @@ def register(name: str, *, examples: Optional[Dict[str, Example]] = None, grace_
              grace_defaults: Optional[Mapping[str, Any]] = None, **grace_params):
     """Register a factory under ``name``; ``grace_params`` maps GRACE dictionary keys to its
     keyword arguments (e.g. ``compress_ratio="ratio"``, or a call from the value to keywords);
-    ``grace_name`` is GRACE's name for the method where it differs, ``grace_defaults`` the values
-    GRACE's helper gives keys a dictionary leaves out, for the arguments the factory requires; ``examples`` labels the arguments the
-    tests try it with, one labelled ``name`` among them (default: ``{name: example()}``, the
-    factory's defaults). The registered factory also takes ``bucket_mb=`` and ``scope=`` (see
-    ``GradientCompression``)."""
+    ``grace_name`` is GRACE's name for the method where it differs, ``grace_defaults`` the
+    values GRACE's helper gives keys a dictionary leaves out, for the arguments the factory
+    requires; ``examples`` labels the arguments the tests try it with, one labelled ``name``
+    among them (default: ``{name: example()}``, the factory's defaults). The registered factory
+    also takes ``bucket_mb=`` and ``scope=`` (see ``GradientCompression``)."""
     examples = dict(examples or {name: example()})
     if name not in examples:
         raise ValueError(f"{name}: one of its examples must be labelled {name!r} (its main one)")

@@ -9,13 +9,13 @@ with ``aggregate='mean'`` the sum in the bits it needs. The result is the allgat
 bit for bit; the owner keeps no memory.
 
 Top-k, DGC, AdaQ, onebit and EF-signSGD: the owner's second payload is ``BUDGET`` times a
-shard's first one. The N ranks' selections of a shard, k / N each, sum to up to k non-zeros,
-and the mean of N 1-bit payloads has up to 2^N levels; compressing that as hard as the first
-time left most of each step in the owner's memory, which cost 1.6 to 7 points of accuracy on
-the digits job at 8 ranks in 30 epochs (docs/methods.md). Top-k, DGC and AdaQ select ``BUDGET`` times their ratio; onebit
-and EF-signSGD send ``BUDGET`` passes of the method, each on what the passes before it left. A
-rank then receives about (1 + BUDGET) (N - 1) / N payloads per step whatever N is, against the
-allgather's N - 1, and the accuracy is the allgather's.
+shard's first one. The N ranks' selections of a shard, k / N each, sum to up to k non-zeros, and
+the mean of N 1-bit payloads has up to 2^N levels; compressing that as hard as the first time
+left most of each step in the owner's memory, which cost 1.6 to 7 points of accuracy on the
+digits job at 8 ranks in 30 epochs (docs/methods.md). Top-k, DGC and AdaQ select ``BUDGET``
+times their ratio; onebit and EF-signSGD send ``BUDGET`` passes of the method, each on what the
+passes before it left. A rank then receives about (1 + BUDGET) (N - 1) / N payloads per step
+whatever N is, against the allgather's N - 1, and the accuracy is the allgather's.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from horovod.tensorflow.mpi_ops import Average, global_process_set
 from grace.tensorflow.gradients import GradientExchange
 from grace.tensorflow.tape import KERAS_3_MESSAGE, check_arguments
 
+
 def check_keras_2(optimizer) -> None:
     """A clear error at construction instead of an AttributeError deep in Horovod."""
     version = getattr(getattr(tf, "keras", None), "__version__", "")

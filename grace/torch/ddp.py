@@ -39,8 +39,7 @@ class GraceState:
 
     def __init__(self, model: DistributedDataParallel, compression: GradientCompression,
                  process_group: Optional[dist.ProcessGroup] = None):
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"grace.torch.ddp needs a DistributedDataParallel model, got {type(model).__name__}")
+        _check_ddp(model)
         self._start(compression, process_group if process_group is not None else model.process_group)
         self.attach(model)
 
@@ -63,8 +62,7 @@ class GraceState:
     def attach(self, model: DistributedDataParallel) -> "GraceState":
         """Bind the state to ``model``'s parameters (by name): done by the constructor, and needed
         again after unpickling (``torch.load``), which keeps no model."""
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"grace.torch.ddp needs a DistributedDataParallel model, got {type(model).__name__}")
+        _check_ddp(model)
         sparse = [name for name, m in model.module.named_modules() if getattr(m, "sparse", False) is True]
         if sparse:
             raise ValueError(f"grace compresses dense gradients; {', '.join(sparse)} produce sparse ones "
@@ -162,6 +160,11 @@ class GraceState:
             key = bucket_key(grad_bucket.index(), names, prefix="grace.ddp")  # new when DDP rebuilds its buckets
             bucket = self._buckets[names] = Bucket(key, dtype, tuple(segments))
         return bucket, [g for g, p in zip(grads, params) if p.numel()]
+
+
+def _check_ddp(model) -> None:
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"grace.torch.ddp needs a DistributedDataParallel model, got {type(model).__name__}")
 
 
 def hook(state: GraceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "run_training.sh"
-TENSORFLOW_LINE = re.compile(r"^(\[\d+\]<std(out|err)>:)?\s*([IWEF]\d{4} \d\d:\d\d:|WARNING: All log messages before absl"
+TENSORFLOW_LINE = re.compile(r"^(\[\d+\]<std(out|err)>:)?\s*([IWEF]\d{4} \d\d:\d\d:"
+                             r"|WARNING: All log messages before absl"
                              r"|.*(oneDNN custom operations|cudart_stub|cpu_feature_guard|This TensorFlow binary))")
 
 
