@@ -16,7 +16,10 @@ State lives in ``GraceState``, keyed by parameter name, so it survives DDP rebui
 buckets after the first step, and ``state_dict()`` goes into a checkpoint (one per rank: the
 memory is this rank's unsent gradient).
 """
+import atexit
 import threading
+import time
+import weakref
 from typing import Any, Dict, Optional
 
 import torch
@@ -122,8 +125,8 @@ class GraceState:
             done = torch.futures.Future()
             done.set_result(self._finish(pending, buffer, grads))
             return done
-        return torch.futures.collect_all(futures).then(
-            lambda _: self._finish(pending, buffer, grads))
+        return torch.futures.collect_all(futures).then(_CALLBACKS.track(
+            lambda _: self._finish(pending, buffer, grads)))
 
     def _finish(self, pending, buffer: torch.Tensor, grads) -> torch.Tensor:
         results = self.exchange.finish_bucket(pending, into=buffer)
@@ -160,6 +163,37 @@ class GraceState:
             key = bucket_key(grad_bucket.index(), names, prefix="grace.ddp")  # new when DDP rebuilds its buckets
             bucket = self._buckets[names] = Bucket(key, dtype, tuple(segments))
         return bucket, [g for g, p in zip(grads, params) if p.numel()]
+
+
+class _Callbacks:
+    """The bucket callbacks PyTorch has not dropped yet. A communication thread runs a callback,
+    then drops it, which takes the GIL; a thread that does so while the interpreter exits aborts
+    the process ("terminate called without an active exception"). So at exit grace waits for the
+    last one to be dropped (microseconds after the step's end)."""
+
+    def __init__(self, patience_s: float = 10.0):
+        self._lock = threading.Lock()
+        self._held = 0
+        self.patience_s = patience_s
+
+    def track(self, fn):
+        with self._lock:
+            self._held += 1
+        weakref.finalize(fn, self._dropped).atexit = False
+        return fn
+
+    def _dropped(self) -> None:
+        with self._lock:
+            self._held -= 1
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + self.patience_s
+        while self._held and time.monotonic() < deadline:
+            time.sleep(0.001)  # (releases the GIL the communication thread needs)
+
+
+_CALLBACKS = _Callbacks()
+atexit.register(_CALLBACKS.wait)
 
 
 def _check_ddp(model) -> None:
