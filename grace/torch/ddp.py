@@ -17,6 +17,9 @@ buckets after the first step, and ``state_dict()`` goes into a checkpoint (one p
 memory is this rank's unsent gradient).
 """
 import atexit
+import collections
+import ctypes
+import queue
 import threading
 import time
 import weakref
@@ -61,6 +64,11 @@ class GraceState:
         self._lock = threading.Lock()
         self._open = 0  # buckets launched and not finished in this step
         self._last_launched = False
+        # The collectives' works of this step and the last two, held so that a communication thread
+        # never drops the last reference to one (see _AtExit)
+        self._step_works = []
+        self._works = collections.deque(maxlen=2)
+        _AT_EXIT.states.add(self)
 
     def attach(self, model: DistributedDataParallel) -> "GraceState":
         """Bind the state to ``model``'s parameters (by name): done by the constructor, and needed
@@ -110,12 +118,13 @@ class GraceState:
         buffer = grad_bucket.buffer()
         bucket, grads = self._bucket(grad_bucket)
         comm = self.exchange.communicator
-        futures = []
-        comm.watch = futures.append
+        works = []
+        comm.watch = works.append
         try:
             pending = self.exchange.start_bucket(bucket, grads, flat=buffer)
         finally:
             comm.watch = None
+        self._step_works.extend(works)
         with self._lock:
             self._open += 1
             self._last_launched |= grad_bucket.is_last()
@@ -125,7 +134,7 @@ class GraceState:
             done = torch.futures.Future()
             done.set_result(self._finish(pending, buffer, grads))
             return done
-        return torch.futures.collect_all(futures).then(_CALLBACKS.track(
+        return torch.futures.collect_all([work.get_future() for work in works]).then(_AT_EXIT.track(
             lambda _: self._finish(pending, buffer, grads)))
 
     def _finish(self, pending, buffer: torch.Tensor, grads) -> torch.Tensor:
@@ -142,6 +151,8 @@ class GraceState:
             if self._last_launched and not self._open:  # the step's last bucket
                 self._last_launched = False
                 self.exchange.end_step()
+                self._works.append(self._step_works)
+                self._step_works = []
         return buffer
 
     def _bucket(self, grad_bucket: dist.GradBucket):
@@ -165,35 +176,44 @@ class GraceState:
         return bucket, [g for g, p in zip(grads, params) if p.numel()]
 
 
-class _Callbacks:
-    """The bucket callbacks PyTorch has not dropped yet. A communication thread runs a callback,
-    then drops it, which takes the GIL; a thread that does so while the interpreter exits aborts
-    the process ("terminate called without an active exception"). So at exit grace waits for the
-    last one to be dropped (microseconds after the step's end)."""
+class _AtExit:
+    """What a communication thread must not do while the interpreter exits: take the GIL, which
+    aborts the process ("terminate called without an active exception"). It would, to drop a
+    bucket's callback, or a collective's work holding tensors whose Python objects only it still
+    references. So at exit grace waits until every callback is dropped, signalled by a weak
+    reference's callback that runs no Python code (``SimpleQueue.put``: the thread then gives
+    the GIL back for good), and keeps the last steps' works forever: the thread's reference to
+    a work is then never the last."""
 
     def __init__(self, patience_s: float = 10.0):
-        self._lock = threading.Lock()
-        self._held = 0
+        self._held = set()  # weak references to the callbacks in flight
+        self._dropped = queue.SimpleQueue()  # ... those whose callback was dropped
         self.patience_s = patience_s
+        self.states = weakref.WeakSet()  # every GraceState, for its works
 
     def track(self, fn):
-        with self._lock:
-            self._held += 1
-        weakref.finalize(fn, self._dropped).atexit = False
+        self._forget(block=False)
+        self._held.add(weakref.ref(fn, self._dropped.put))
         return fn
 
-    def _dropped(self) -> None:
-        with self._lock:
-            self._held -= 1
+    def _forget(self, block: bool, deadline: float = 0.0) -> None:
+        while self._held:
+            try:
+                ref = self._dropped.get(timeout=max(0.0, deadline - time.monotonic())) if block else \
+                    self._dropped.get_nowait()
+            except queue.Empty:
+                return
+            self._held.discard(ref)
 
-    def wait(self) -> None:
-        deadline = time.monotonic() + self.patience_s
-        while self._held and time.monotonic() < deadline:
-            time.sleep(0.001)  # (releases the GIL the communication thread needs)
+    def __call__(self) -> None:
+        self._forget(block=True, deadline=time.monotonic() + self.patience_s)
+        for state in list(self.states):
+            for works in (state._works, state._step_works):
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(works))  # never freed: the process is ending
 
 
-_CALLBACKS = _Callbacks()
-atexit.register(_CALLBACKS.wait)
+_AT_EXIT = _AtExit()
+atexit.register(_AT_EXIT)
 
 
 def _check_ddp(model) -> None:

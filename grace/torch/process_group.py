@@ -2,9 +2,9 @@
 
 ``torch.distributed`` collectives work in place and need equal lengths for an allgather, so a
 receiver's broadcast gets a fresh buffer and an allgather of unequal lengths first gathers
-the lengths (a small collective, awaited before the data's is launched). The future of
-every collective launched is also handed to ``watch`` where one is set, so that a DDP hook
-can chain its own future on them. Imports no Horovod module.
+the lengths (a small collective, awaited before the data's is launched). The work of every
+collective launched is also handed to ``watch`` where one is set, so that a DDP hook can chain
+its own future on theirs. Imports no Horovod module.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class ProcessGroupCommunicator(Communicator):
     def __init__(self, group: Optional[dist.ProcessGroup] = None):
         self.group = group
-        self.watch: Optional[Callable[[torch.futures.Future], None]] = None
+        self.watch: Optional[Callable[[dist.Work], None]] = None
 
     @property
     def rank(self) -> int:
@@ -35,7 +35,7 @@ class ProcessGroupCommunicator(Communicator):
     def _launched(self, work: dist.Work, result) -> Callable[[], torch.Tensor]:
         future = work.get_future()  # (Gloo: Work.wait() inside a callback of its future would hang)
         if self.watch is not None:
-            self.watch(future)
+            self.watch(work)
 
         def wait():
             future.wait()
