@@ -1,7 +1,7 @@
 """Deep Gradient Compression (Lin et al. 2018): a threshold estimated from a sample.
 
-    k   = max(1, ceil(ratio_t * d));   ratio_t = ratio, or during warm-up
-          ratio^((t + 1) / (warmup_steps + 1)): the sparsity rises exponentially
+    k   = max(1, ceil(ratio_t * d));   ratio_t = ratio, or during the sparsity warm-up
+          ratio^((t + 1) / (sparsity_warmup_steps + 1)): the sparsity rises exponentially
     thr = the ceil(ratio_t * s)-th largest |v| of s = ceil(sample_ratio * d) random elements
     send v where |v| >= thr; if that is more than k elements, the k largest of them
 
@@ -22,7 +22,7 @@ import numpy as np
 from grace.compressors.sparse import Sparsifier
 from grace.core import segments
 from grace.core.compression import GradientCompression
-from grace.core.compressor import check_ratio, check_seed
+from grace.core.compressor import check_ratio, check_seed, check_steps
 from grace.core.registry import example, register
 from grace.memories import DGCMemory, make_memory
 
@@ -30,19 +30,17 @@ from grace.memories import DGCMemory, make_memory
 class DGC(Sparsifier):
     traits = replace(Sparsifier.traits, variable_length=True)
 
-    def __init__(self, ratio: float, sample_ratio: float = 0.01, warmup_steps: int = 0, seed: int = 0):
+    def __init__(self, ratio: float, sample_ratio: float = 0.01, sparsity_warmup_steps: int = 0, seed: int = 0):
         self.ratio = check_ratio(ratio)
         self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-        self.warmup_steps = warmup_steps
+        self.sparsity_warmup_steps = check_steps(sparsity_warmup_steps, "sparsity_warmup_steps")
         self.seed = check_seed(seed)
 
     def ratio_at(self, xp, step):
         """The target ratio at ``step`` (an int, or a tensor inside a traced step)."""
-        if not self.warmup_steps:
+        if not self.sparsity_warmup_steps:
             return self.ratio
-        return self.ratio ** xp.minimum((step + 1) / (self.warmup_steps + 1), 1.0)
+        return self.ratio ** xp.minimum((step + 1) / (self.sparsity_warmup_steps + 1), 1.0)
 
     def select(self, xp, flat, info):
         d = xp.numel(flat)
@@ -173,13 +171,14 @@ def _no_clamp(on) -> dict:
     return {}
 
 
-@register("dgc", compress_ratio="ratio", sample_ratio="sample_ratio", warmup_steps="warmup_steps",
+@register("dgc", compress_ratio="ratio", sample_ratio="sample_ratio",
+          sparsity_warmup_steps="sparsity_warmup_steps",
           momentum="momentum", clip_norm="clip_norm", seed="seed", gradient_clipping=_no_clamp,
           grace_defaults=dict(compress_ratio=0.3),  # (GRACE's helper's; its momentum default, 0.3, is not the paper's)
-          examples=dict(dgc=example(0.1), dgc_warmup=example(0.01, warmup_steps=5, sample_ratio=0.1)))
-def dgc(ratio: float, *, sample_ratio: float = 0.01, warmup_steps: int = 0, momentum: float = 0.9,
+          examples=dict(dgc=example(0.1), dgc_warmup=example(0.01, sparsity_warmup_steps=5, sample_ratio=0.1)))
+def dgc(ratio: float, *, sample_ratio: float = 0.01, sparsity_warmup_steps: int = 0, momentum: float = 0.9,
         clip_norm: float = 0.0, seed: int = 0, memory="dgc", communicator=None) -> GradientCompression:
     """DGC: sampled-threshold sparsification with momentum correction (use an optimizer
     without momentum), factor masking, optional clipping and sparsity warm-up."""
     memory = DGCMemory(momentum, clip_norm) if memory == "dgc" else make_memory(memory)
-    return GradientCompression(DGC(ratio, sample_ratio, warmup_steps, seed), memory, communicator)
+    return GradientCompression(DGC(ratio, sample_ratio, sparsity_warmup_steps, seed), memory, communicator)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from grace.core.compressor import Collective, Compressor
+from grace.core.compressor import Collective, Compressor, check_steps
 from grace.core.memory import Memory
 
 
@@ -21,11 +21,12 @@ class GradientCompression:
     """``bucket_mb``: the cap of a bucket of gradients exchanged together (0: one exchange per
     gradient). ``scope``: 'tensor' compresses each gradient as its own tensor; 'bucket'
     compresses a bucket's flat buffer as one tensor (for example one global top-k), which is
-    a different method with its own accuracy."""
+    a different method with its own accuracy. ``warmup_steps``: the first steps send every
+    gradient uncompressed, by a plain allreduce, leaving the memory untouched."""
 
     def __init__(self, compressor: Compressor, memory: Memory,
                  communicator: Optional[Union[str, Collective]] = None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, scope: str = "tensor"):
+                 bucket_mb: float = DEFAULT_BUCKET_MB, scope: str = "tensor", warmup_steps: int = 0):
         self.compressor = compressor
         self.memory = memory
         if not memory.fits(compressor):
@@ -42,6 +43,7 @@ class GradientCompression:
                              "it works on each gradient's matrix shape")
         self.bucket_mb = float(bucket_mb)
         self.scope = scope
+        self.warmup_steps = check_steps(warmup_steps)
         #: 'auto' (the default of every allgather method): per bucket and world size, the method's own
         #: collective (below), the two-phase alltoall or dense, by the bytes received (grace.core.traffic)
         self.auto = communicator == "auto" or (communicator is None and compressor.collective is Collective.ALLGATHER)
@@ -61,17 +63,20 @@ class GradientCompression:
     def via(self, communicator: Union[str, Collective]) -> "GradientCompression":
         """This method and these buckets on ``communicator`` (``via(c.collective)``: its own
         collective, where it would default to 'auto')."""
-        return GradientCompression(self.compressor, self.memory, communicator, self.bucket_mb, self.scope)
+        return GradientCompression(self.compressor, self.memory, communicator, self.bucket_mb, self.scope,
+                                   self.warmup_steps)
 
     @property
     def flags_overflow(self) -> bool:
         """Whether each exchange carries an overflow flag and is undone on an inf or NaN: every
         method but those that pass an inf through by themselves and keep no memory (``none``,
-        ``fp16``), which have nothing to undo."""
-        return not (self.compressor.traits.passes_nonfinite and not self.memory.needs_feedback)
+        ``fp16``), which have nothing to undo, unless they count warm-up steps."""
+        return not (self.compressor.traits.passes_nonfinite and not self.memory.needs_feedback) \
+            or self.warmup_steps > 0
 
     def __repr__(self) -> str:
         scope = f", scope='{self.scope}'" if self.scope != "tensor" else ""
+        scope += f", warmup_steps={self.warmup_steps}" if self.warmup_steps else ""
         communicator = "auto" if self.auto else self.collective.value
         return (f"grace({self.compressor!r}, memory={self.memory!r}, communicator='{communicator}', "
                 f"bucket_mb={self.bucket_mb:g}{scope})")

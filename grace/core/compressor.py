@@ -282,6 +282,13 @@ def check_seed(seed) -> int:
     return seed
 
 
+def check_steps(steps, name: str = "warmup_steps") -> int:
+    """An integer >= 0; else a ValueError naming ``name``."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {steps!r}")
+    return steps
+
+
 def check_float_dtype(dtype: str, method: str) -> None:
     if dtype not in FLOAT_DTYPES:
         raise TypeError(

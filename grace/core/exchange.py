@@ -34,13 +34,14 @@ from grace.core.phases import NO_CLOCK, PhaseClock
 from grace.core.plans import BucketPending, BucketPlan, Pending, PlanChoice, Reference, Services, choose
 from grace.core.plans.feedback import feedback_of
 from grace.core.plans.kernels import kernels_of
+from grace.core.plans.warmup import WarmUp
 from grace.core.state import TABLES, StateStore
 from grace.native.status import warn_if_missing
 from grace.core.transport import Transport, WireStats
 
 __all__ = ["BucketPending", "Exchange", "Pending", "PlanChoice", "WireStats"]
 
-_EMPTY = object()  # ctx of an empty tensor, which is not exchanged
+_DIRECT = object()  # ctx of a gradient whose handle gives its result (an empty one, one in warm-up)
 _PROCESS = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # this process, in saved states
 
 
@@ -101,14 +102,20 @@ class Exchange:
             self._check_loaded(mine, {(name, xp.shape(g), xp.dtype(g))})
         self._agree_once(xp, g)
         if xp.numel(g) == 0:  # nothing to send, nothing to remember
-            return Pending(name, xp, _EMPTY, Handle(lambda: g, 0))
+            return Pending(name, xp, _DIRECT, Handle(lambda: g, 0))
+        out = g if self.services.writes_over(xp, g) else None
+        if self._warming(name, xp, g):
+            warmup = WarmUp.of_gradient(self.services, name, xp.shape(g), xp.dtype(g))
+            started = warmup.start(xp, [g], None)
+            started.outs = None if out is None else [out]
+            return Pending(name, xp, _DIRECT, Handle(lambda: warmup.finish(started)[0], 0))
         with self._phase("compress"):
             pending = self.reference.start(name, xp, g)
-        pending.out = g if self.services.writes_over(xp, g) else None
+        pending.out = out
         return pending
 
     def finish(self, pending: Pending):
-        if pending.ctx is _EMPTY:
+        if pending.ctx is _DIRECT:
             return pending.handle.wait()
         with self._phase("decompress"):
             return self.reference.finish(pending)
@@ -161,7 +168,10 @@ class Exchange:
         self._agree_once(xp, grads[0])
         with self._phase("compress"):
             plan = self._plans.get(bucket.key) or self._take_over(bucket, xp, grads[0])
+            if self._warming(bucket.key, xp, grads[0]):
+                plan = WarmUp(self.services, bucket, "warm-up")
             pending = plan.start(xp, grads, flat)
+        pending.plan = plan
         pending.outs = list(grads) if self.services.writes_over(xp, grads[0]) else None
         return pending
 
@@ -171,7 +181,23 @@ class Exchange:
         exchanged as one flat tensor has its result written, in one copy; the results are then
         views of it."""
         with self._phase("decompress"):
-            return self._plans[pending.bucket.key].finish(pending, into)
+            return pending.plan.finish(pending, into)
+
+    def _warming(self, key: str, xp, like) -> bool:
+        """Whether ``key``'s exchange is one of the first ``warmup_steps`` (its step counter, read
+        on the host: the choice is made before the step is launched)."""
+        steps = self.compression.warmup_steps
+        if not steps:
+            return False
+        step = self.store.get("steps", key, lambda _: 0, like)
+        if not isinstance(step, int):
+            step = xp.host_ints(xp.reshape(xp.cast(step, "int64"), (1,)), 1)[0]
+        if not isinstance(step, int):
+            raise NotImplementedError(
+                "grace: warmup_steps chooses between a plain allreduce and the method on the host, before each "
+                "step; a traced tf.function bakes one choice in. Run the step eagerly (model.compile(..., "
+                "run_eagerly=True)), or leave warmup_steps=0")
+        return step < steps
 
     def plan_of(self, name: str) -> PlanChoice:
         """Which plan gradient ``name`` takes, in which bucket, and why (after its first step)."""

@@ -21,7 +21,8 @@ from grace.core.compression import DEFAULT_BUCKET_MB, GradientCompression
 #: where grace's own methods live; the others (plug-ins, test fixtures) register from elsewhere
 SHIPPED = "grace.compressors"
 # Keys of GRACE's parameter dictionary that every method accepts; world_size comes from Horovod.
-_COMMON_PARAMS = {"memory": "memory", "communicator": "communicator", "bucket_mb": "bucket_mb", "scope": "scope"}
+_COMMON_PARAMS = {"memory": "memory", "communicator": "communicator", "bucket_mb": "bucket_mb", "scope": "scope",
+                  "warmup_steps": "warmup_steps"}
 _IGNORED_PARAMS = {"world_size"}
 # GRACE's dictionary without a compressor: no compression. Without a memory or communicator a method
 # keeps its own (its error feedback, 'auto'), where GRACE's helper would take none and allreduce,
@@ -30,12 +31,14 @@ _GRACE_DEFAULTS = {"compressor": "none"}
 _GRACE_NAMES: Dict[str, str] = {}  # GRACE's method name -> grace's, where they differ
 _BUCKET_KEYWORDS = [inspect.Parameter("bucket_mb", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_BUCKET_MB,
                                       annotation=float),
-                    inspect.Parameter("scope", inspect.Parameter.KEYWORD_ONLY, default="tensor", annotation=str)]
+                    inspect.Parameter("scope", inspect.Parameter.KEYWORD_ONLY, default="tensor", annotation=str),
+                    inspect.Parameter("warmup_steps", inspect.Parameter.KEYWORD_ONLY, default=0, annotation=int)]
 _BUCKET_DOC = """
 
 ``bucket_mb``: gradients travel in buckets of up to this many MB, one collective each (0: each
 gradient on its own). ``scope``: 'tensor' compresses each gradient of a bucket as its own tensor,
-'bucket' the whole bucket as one."""
+'bucket' the whole bucket as one. ``warmup_steps``: the first steps send every gradient
+uncompressed, by a plain allreduce, and leave the memory untouched."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ def register(name: str, *, examples: Optional[Dict[str, Example]] = None, grace_
     values GRACE's helper gives keys a dictionary leaves out, for the arguments the factory
     requires; ``examples`` labels the arguments the tests try it with, one labelled ``name``
     among them (default: ``{name: example()}``, the factory's defaults). The registered factory
-    also takes ``bucket_mb=`` and ``scope=`` (see ``GradientCompression``)."""
+    also takes ``bucket_mb=``, ``scope=`` and ``warmup_steps=`` (see ``GradientCompression``)."""
     examples = dict(examples or {name: example()})
     if name not in examples:
         raise ValueError(f"{name}: one of its examples must be labelled {name!r} (its main one)")
@@ -92,12 +95,13 @@ def register(name: str, *, examples: Optional[Dict[str, Example]] = None, grace_
 
     def decorate(factory):
         @functools.wraps(factory)
-        def make(*args, bucket_mb: float = DEFAULT_BUCKET_MB, scope: str = "tensor", **kwargs):
+        def make(*args, bucket_mb: float = DEFAULT_BUCKET_MB, scope: str = "tensor", warmup_steps: int = 0,
+                 **kwargs):
             method = factory(*args, **kwargs)
             communicator = "auto" if method.auto else method.collective
-            return GradientCompression(method.compressor, method.memory, communicator, bucket_mb, scope)
+            return GradientCompression(method.compressor, method.memory, communicator, bucket_mb, scope, warmup_steps)
 
-        # help() and the API reference show the two keywords every method takes
+        # help() and the API reference show the keywords every method takes
         signature = inspect.signature(factory)
         make.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *_BUCKET_KEYWORDS])
         make.__doc__ = (factory.__doc__ or "").rstrip() + _BUCKET_DOC

@@ -91,7 +91,7 @@ def test_efsignsgd_is_a_scaled_sign_in_model_units(xp):
 
 
 def test_dgc_warm_up_raises_the_sparsity_exponentially(xp):
-    compressor = grace.dgc(0.001, warmup_steps=3).compressor
+    compressor = grace.dgc(0.001, sparsity_warmup_steps=3).compressor
     ratios = [round(float(compressor.ratio_at(xp, t)), 6) for t in range(5)]
     assert ratios == [0.177828, 0.031623, 0.005623, 0.001, 0.001]
 

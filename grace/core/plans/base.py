@@ -92,6 +92,7 @@ class BucketPending:
     outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None
     framed: Any = None  # (frame buffer, flag's byte or None, pieces' end) where a bucket kernel wrote them
     defer: bool = False  # the overflow count stays on the device until end_step (a flat result on an accelerator)
+    plan: Any = None  # the plan that started it: the bucket's own, or the warm-up
 
 
 class BucketPlan:

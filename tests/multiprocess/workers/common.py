@@ -61,11 +61,14 @@ VARIANTS = {
     "topk_sum": Variant(lambda: grace.topk(0.1), op="sum"),
     "topk_checkpoint": Variant(lambda: grace.topk(0.1), checkpoint_after=1),
     "topk_eager": Variant(lambda: grace.topk(0.1), eager=True),
+    # warm-up: two steps by plain allreduce, then the method (TensorFlow: eagerly, as it must)
+    "topk_warmup": Variant(lambda: grace.topk(0.1, warmup_steps=2), eager=True),
+    "qsgd_warmup_unbucketed": Variant(lambda: grace.qsgd(4, warmup_steps=1, bucket_mb=0), eager=True),
     "threshold_broadcast": Variant(lambda: grace.threshold(1.5, communicator="broadcast")),
     "randomk_passes2": Variant(lambda: grace.randomk(0.25), passes=2),
     "randomk_unnamed": Variant(lambda: grace.randomk(0.25), named=False),
     "qsgd_bucketed_broadcast": Variant(lambda: grace.qsgd(16, bucket_size=50, communicator="broadcast")),
-    "dgc_warmup_broadcast": Variant(lambda: grace.dgc(0.01, warmup_steps=2, communicator="broadcast")),
+    "dgc_warmup_broadcast": Variant(lambda: grace.dgc(0.01, sparsity_warmup_steps=2, communicator="broadcast")),
     "powersgd_checkpoint": Variant(lambda: grace.powersgd(1), checkpoint_after=1),
     "signum_checkpoint": Variant(lambda: grace.signum(0.5), checkpoint_after=0),
     # every variant above exchanges one 25 MB bucket; these exchange each tensor alone ...
