@@ -15,6 +15,7 @@ communicator, and the ranks' first-step agreement (``grace.core.agreement``).
 """
 from __future__ import annotations
 
+import numbers
 import os
 import socket
 import uuid
@@ -190,7 +191,9 @@ class Exchange:
         if not steps:
             return False
         step = self.store.get("steps", key, lambda _: 0, like)
-        if not isinstance(step, int):
+        if isinstance(step, numbers.Integral):  # (an int; a NumPy integer from a loaded checkpoint)
+            step = int(step)
+        else:
             step = xp.host_ints(xp.reshape(xp.cast(step, "int64"), (1,)), 1)[0]
         if not isinstance(step, int):
             raise NotImplementedError(
