@@ -106,7 +106,7 @@ class Exchange:
             return Pending(name, xp, _DIRECT, Handle(lambda: g, 0))
         out = g if self.services.writes_over(xp, g) else None
         if self._warming(name, xp, g):
-            warmup = WarmUp.of_gradient(self.services, name, xp.shape(g), xp.dtype(g))
+            warmup = WarmUp.of_gradient(self.services, name, xp, g)
             started = warmup.start(xp, [g], None)
             started.outs = None if out is None else [out]
             return Pending(name, xp, _DIRECT, Handle(lambda: warmup.finish(started)[0], 0))

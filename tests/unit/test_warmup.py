@@ -8,6 +8,7 @@ import pytest
 
 import grace
 from grace.backends import get_backend
+from grace.core import registry
 from grace.core.communicator import ReplicaCommunicator
 from tests.unit.test_buckets import assert_same, gradients
 from tests.unit.test_overflow import overflowing
@@ -74,11 +75,8 @@ def test_a_checkpoint_resumes_past_the_warm_up(xp):
 
 
 def test_every_method_takes_it_and_shows_it():
-    for name in grace.methods():
-        assert grace.create(name, **({"ratio": 0.1} if name in ("topk", "randomk", "dgc") else
-                                     {"threshold": 1.0} if name == "threshold" else
-                                     {"lr": 0.1} if name == "efsignsgd" else {}),
-                            warmup_steps=5).warmup_steps == 5, name
+    for label, make in registry.examples(registry.SHIPPED).items():  # (each with its example's arguments)
+        assert make(warmup_steps=5).warmup_steps == 5, label
     assert "warmup_steps=5" in repr(grace.qsgd(4, warmup_steps=5))
     assert grace.from_params({"compressor": "qsgd", "quantum_num": 4, "warmup_steps": 5}).warmup_steps == 5
     for bad in (-1, 1.5, True):

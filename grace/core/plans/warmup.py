@@ -21,10 +21,10 @@ class WarmUp(BucketPlan):
     name = "warmup"
 
     @classmethod
-    def of_gradient(cls, services, name: str, shape, dtype: str) -> "WarmUp":
-        """The plan for one gradient exchanged on its own (``bucket_mb=0``), counted under its name."""
-        return cls(services, Bucket(name, dtype, (Segment(name, tuple(shape), 0, _numel(shape)),)),
-                   "warm-up: one gradient")
+    def of_gradient(cls, services, name: str, xp, g) -> "WarmUp":
+        """The plan for gradient ``g`` exchanged on its own (``bucket_mb=0``), counted under its name."""
+        segment = Segment(name, tuple(xp.shape(g)), 0, xp.numel(g))
+        return cls(services, Bucket(name, xp.dtype(g), (segment,)), "warm-up: one gradient")
 
     def start(self, xp, grads, flat) -> BucketPending:
         s, bucket = self.services, self.bucket
@@ -40,10 +40,3 @@ class WarmUp(BucketPlan):
         summed, overflow, fresh = pending.wait()
         g_hat = [s.averaged(xp, payload[0], fresh, None) for payload in summed]
         return self.deliver(pending, g_hat, overflow, pending.outs or [None] * len(self.bucket.segments), into)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
