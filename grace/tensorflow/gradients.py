@@ -17,6 +17,7 @@ from grace.core.compression import GradientCompression
 from grace.core import portable
 from grace.core.exchange import Exchange
 from grace.core.state import TABLES
+from grace.tensorflow import retrace
 from grace.tensorflow.communicator import HorovodCommunicator
 from grace.tensorflow.state import VariableStore, VariableWireStats
 
@@ -107,13 +108,15 @@ class GradientExchange:
         reduced = self._reduce(grads, variables, use_generic_names)
         if tf.executing_eagerly():
             return reduced
-        # A traced step has the world size in its graph; Horovod's elastic training can change it.
+        # A traced step has the world in its graph: after an elastic reset it is traced again
+        # (grace.tensorflow.retrace); a run of this trace in another world still stops here.
+        retrace.record((mpi_ops.rank(), mpi_ops.size()))
         size = self._exchange.communicator.size
         check = tf.debugging.assert_equal(
             mpi_ops.size_op(self._arguments[3].process_set_id), size,
-            message=f"grace: this step was traced for a world of {size} ranks and the world has changed "
-                    "(Horovod's elastic training); build the tf.function again in a reset callback "
-                    "(state.register_reset_callbacks)")
+            message=f"grace: this step was traced for a world of {size} ranks and runs in another one (Horovod's "
+                    "elastic training), and grace could not have it traced again; build the tf.function again "
+                    "in a reset callback (state.register_reset_callbacks)")
         with tf.control_dependencies([check]):
             return [None if g is None else tf.identity(g) for g in reduced]
 
@@ -172,6 +175,12 @@ def restore_states() -> None:
     for key, exchange in _running_exchanges().items():
         if key in _SAVED:
             exchange.exchange.load_state_dict(_SAVED[key])
+
+
+def follow_world() -> None:
+    """After Horovod's elastic reset: the steps traced in another world are traced again at their
+    next call (``grace.tensorflow.retrace``)."""
+    retrace.follow((mpi_ops.rank(), mpi_ops.size()))
 
 
 def sync_shared_state() -> None:

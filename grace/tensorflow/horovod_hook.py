@@ -42,11 +42,13 @@ def install(hvd_tf) -> None:
 def _keep_with_elastic_states() -> None:
     """Horovod's elastic state objects (all ``ObjectState``s) keep grace's state with theirs: a
     commit saves it, a reset restores it (a failed step leaves no trace, as in PyTorch's
-    TorchState, which saves the optimizer's state_dict), and a sync broadcasts rank 0's shared
-    state (step counters, PowerSGD's Q) when the world changes."""
+    TorchState, which saves the optimizer's state_dict), a sync broadcasts rank 0's shared
+    state (step counters, PowerSGD's Q) when the world changes, and a reset has the steps traced
+    in the old world traced again."""
     from horovod.common.elastic import ObjectState
 
-    extra = {"save": "save_states", "restore": "restore_states", "sync": "sync_shared_state"}
+    # (reset: after Horovod's own, before the user's reset callbacks)
+    extra = {"save": "save_states", "restore": "restore_states", "sync": "sync_shared_state", "reset": "follow_world"}
     for method, then in extra.items():
         original = getattr(ObjectState, method)
         if hasattr(original, "__grace_original__"):

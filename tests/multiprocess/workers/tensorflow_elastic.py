@@ -5,9 +5,10 @@ with grace, while the world shrinks from 2 ranks to 1 and grows back to 2.
         python tensorflow_elastic.py --out DIR --hosts HOSTS_FILE --grow-host HOST --method none
 
 As the PyTorch worker (torch_elastic.py): rank 1's process exits at step FAIL_AT, a third host
-is listed at GROW_AT. The step is a tf.function, built again in a reset callback (a traced
-step holds the world size). Every step checks the averaged gradient against the mean of all
-current ranks' own gradients (Horovod's plain allgather) and that all ranks hold one model.
+is listed at GROW_AT. The step is one tf.function, traced once per world: grace has it traced
+again after each reset, with no reset callback of ours. Every step checks the averaged gradient
+against the mean of all current ranks' own gradients (Horovod's plain allgather) and that all
+ranks hold one model.
 """
 import os
 
@@ -65,20 +66,19 @@ def main():
     def loss_of(x, y):
         return tf.reduce_mean(tf.square(model(x) - y))
 
-    def make_step():
-        @tf.function
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_of(x, y)
-            tape = hvd.DistributedGradientTape(tape, compression=compression)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return grads
-        return step
+    traced_for = []  # the world size of each trace (Python in a tf.function runs when it is traced)
+
+    @tf.function
+    def train_step(x, y):
+        traced_for.append(hvd.size())
+        with tf.GradientTape() as tape:
+            loss = loss_of(x, y)
+        tape = hvd.DistributedGradientTape(tape, compression=compression)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return grads
 
     state = KerasModelState(model, step=0, failed_once=False, log=[])
-    steps = [make_step()]
-    state.register_reset_callbacks([lambda: steps.__setitem__(0, make_step())])
 
     @hvd.elastic.run
     def train(state):
@@ -89,12 +89,13 @@ def main():
             with tf.GradientTape() as tape:
                 loss = loss_of(x, y)
             own = tape.gradient(loss, model.trainable_variables)
-            reduced = steps[0](x, y)
+            reduced = train_step(x, y)
             mean = [tf.reduce_mean(hvd.allgather(g[None], name=f"check.grad.{i}"), 0) for i, g in enumerate(own)]
             error = max(float(tf.reduce_max(tf.abs(r - m))) for r, m in zip(reduced, mean))
             params = tf.concat([tf.reshape(v, (-1,)) for v in model.trainable_variables], 0)
             spread = float(tf.reduce_max(tf.abs(hvd.allgather(params[None], name="check.params") - params)))
-            state.log.append({"step": step, "size": size, "error": error, "spread": spread})
+            state.log.append({"step": step, "size": size, "error": error, "spread": spread,
+                              "traced_for": traced_for[-1], "traces": len(traced_for)})
             state.step += 1
             if size == 1:
                 state.failed_once = True
