@@ -37,6 +37,7 @@ def install(hvd_tf) -> None:
     """For horovod.tensorflow."""
     _route(hvd_tf, "DistributedGradientTape", "grace.tensorflow.tape.DistributedGradientTape")
     _keep_with_elastic_states()
+    _reset_on_every_failed_collective()
 
 
 def _keep_with_elastic_states() -> None:
@@ -61,6 +62,37 @@ def _keep_with_elastic_states() -> None:
 
         wrapped.__grace_original__ = original
         setattr(ObjectState, method, functools.wraps(original)(wrapped))
+
+
+def _reset_on_every_failed_collective() -> None:
+    """Horovod's TensorFlow ``elastic.run`` resets after a failed collective only where the error
+    names an allreduce, allgather or broadcast, and on any other ``UnknownError`` ends the training
+    function as if it had returned: a rank lost during an alltoall (grace's two phases) would end
+    training early with no error. This ``run`` resets after any failed Horovod collective and lets
+    every other error through."""
+    from horovod.common.elastic import run_fn
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.tensorflow import elastic
+
+    original = elastic.run
+    if hasattr(original, "__grace_original__"):
+        return
+
+    def run(func):
+        def wrapper(state, *args, **kwargs):
+            try:
+                return func(state, *args, **kwargs)
+            except tf.errors.UnknownError as e:
+                if any(f"Horovod{kind}" in e.message for kind in _COLLECTIVES):
+                    raise HorovodInternalError(e) from e
+                raise
+        return run_fn(wrapper, elastic._reset)
+
+    run.__grace_original__ = original
+    elastic.run = functools.wraps(original)(run)
+
+
+_COLLECTIVES = ("Allreduce", "Allgather", "Broadcast", "Alltoall", "Reducescatter")
 
 
 def install_keras(hvd_keras) -> None:

@@ -134,6 +134,28 @@ def test_keras_3_variables_get_a_clear_error_on_the_tape():
     assert out.split() == ["refused:", "True", "True"] * 2, out
 
 
+def test_elastic_run_lets_an_error_of_the_users_own_through():
+    """Horovod's TensorFlow elastic.run ends the training function silently on an UnknownError
+    that names no allreduce, allgather or broadcast (a failed alltoall among them: that one
+    resets, see tests/multiprocess/test_elastic.py); with grace imported the error is raised."""
+    out = run("""
+    import grace
+    import horovod.tensorflow as hvd
+    hvd.init()
+    state = hvd.elastic.ObjectState(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, step=0)
+
+    @hvd.elastic.run
+    def train(state):
+        raise tf.errors.UnknownError(None, None, "a failure of the user's own")
+
+    try:
+        print("returned", train(state))
+    except tf.errors.UnknownError as e:
+        print("raised:", e.message)
+    """)
+    assert "raised: a failure of the user's own" in out, out
+
+
 def test_exchange_state_round_trips_through_a_checkpoint():
     out = run("""
     import grace

@@ -59,8 +59,9 @@ class AllToAll(WholeBucket):
         g, unit, pending.info = g_units[0], pending.units[0], infos[0]
         pending.flag = xp.nonfinite([g]) if s.journal.guarded else None
         size = shard_size(n, ranks, owner.align)
-        if self.keeps_memory and self._owned_in != ranks and xp.mutable_tensors and not s.communicator.replicas:
-            self._take_owned_memory(xp, g, size)
+        if self.keeps_memory and self._owned_in != ranks and not s.communicator.replicas:
+            with s.store.eager():  # (a TensorFlow trace: once, when the step is traced for this world)
+                self._take_owned_memory(xp, g, size)
         with s.phase("compress"):
             sent = self._fused_shards(xp, g, pending, size, ranks) if self.fuses else None
             x = None  # (what the formula compressed: the frames' dense values, the feedback's p)
@@ -166,7 +167,8 @@ class AllToAll(WholeBucket):
         """At a plan's first step, and after the world changed (elastic training): every rank's
         owner memory summed, and this rank keeps the part of the shard it now owns. Shards that
         stay put give each rank its own memory back; after a change no surviving rank's mass is
-        lost. (A traced TensorFlow step keeps the world it was traced for.)"""
+        lost. (A traced TensorFlow step does this when it is traced for a world: see
+        grace.tensorflow.retrace.)"""
         s, key, n = self.services, self.bucket.key, self.bucket.numel
         held = s.store.value("owner", key)
         held = xp.copy(held) if held is not None else xp.zeros(n, xp.dtype(like), like=like)

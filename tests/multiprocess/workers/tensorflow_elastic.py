@@ -8,7 +8,7 @@ As the PyTorch worker (torch_elastic.py): rank 1's process exits at step FAIL_AT
 is listed at GROW_AT. The step is one tf.function, traced once per world: grace has it traced
 again after each reset, with no reset callback of ours. Every step checks the averaged gradient
 against the mean of all current ranks' own gradients (Horovod's plain allgather) and that all
-ranks hold one model.
+ranks hold one model, and that no gradient mass is lost.
 """
 import os
 
@@ -78,6 +78,16 @@ def main():
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return grads
 
+    def held():
+        """This rank's memories, flat in the variables' order: error feedback e, the owners' o (of
+        the averaged gradient); zeros where the method keeps none."""
+        saved = grace.tensorflow.exchange_for(compression).exchange.state_dict()
+        return [tf.concat([tf.reshape(saved[table].get(v.name.removesuffix(":0"), tf.zeros_like(v)), (-1,))
+                           for v in model.trainable_variables], 0) for table in ("memory", "owner")]
+
+    def total(x, name):
+        return hvd.allreduce(x, op=hvd.Sum, name=name)
+
     state = KerasModelState(model, step=0, failed_once=False, log=[])
 
     @hvd.elastic.run
@@ -89,12 +99,21 @@ def main():
             with tf.GradientTape() as tape:
                 loss = loss_of(x, y)
             own = tape.gradient(loss, model.trainable_variables)
+            e_old, o_old = held()
             reduced = train_step(x, y)
+            # no mass lost (as in torch_elastic.py): result + sum(e)/N + sum(o) after the step =
+            # (sum(g) + sum(e))/N + sum(o) before it, the owners' hand-over in a new world included
+            e_new, o_new = held()
+            result = tf.concat([tf.reshape(r, (-1,)) for r in reduced], 0)
+            g = tf.concat([tf.reshape(t, (-1,)) for t in own], 0)
+            after = result + total(e_new, "check.e_new") / size + total(o_new, "check.o_new")
+            before = (total(g, "check.g") + total(e_old, "check.e_old")) / size + total(o_old, "check.o_old")
+            mass = float(tf.reduce_max(tf.abs(after - before)))
             mean = [tf.reduce_mean(hvd.allgather(g[None], name=f"check.grad.{i}"), 0) for i, g in enumerate(own)]
             error = max(float(tf.reduce_max(tf.abs(r - m))) for r, m in zip(reduced, mean))
             params = tf.concat([tf.reshape(v, (-1,)) for v in model.trainable_variables], 0)
             spread = float(tf.reduce_max(tf.abs(hvd.allgather(params[None], name="check.params") - params)))
-            state.log.append({"step": step, "size": size, "error": error, "spread": spread,
+            state.log.append({"step": step, "size": size, "error": error, "spread": spread, "mass": mass,
                               "traced_for": traced_for[-1], "traces": len(traced_for)})
             state.step += 1
             if size == 1:
