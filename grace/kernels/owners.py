@@ -8,6 +8,12 @@ of the ranks' signs in 2 bits (-1, 0 or +1; a tie is 0, as the allgather exchang
 with ``aggregate='mean'`` the sum in the bits it needs. The result is the allgather exchange's,
 bit for bit; the owner keeps no memory.
 
+SketchML: a shard's sketch has at most one bucket mean per ``ELEMENTS_PER_MEAN`` elements (from
+``MIN_BUCKETS`` up to the method's own count). Every frame carries its sketch's means (32 bits
+each), and a rank receives N - 1 shard frames and N - 1 owner frames per bucket: with the
+method's 256 means in each, the means alone would grow with N (7% of a 25 MB bucket's bytes at
+512 ranks). Sized by the shard, they stay a fixed share of it.
+
 Top-k, DGC, AdaQ, onebit and EF-signSGD: the owner's second payload is ``BUDGET`` times a
 shard's first one. The N ranks' selections of a shard, k / N each, sum to up to k non-zeros, and
 the mean of N 1-bit payloads has up to 2^N levels; compressing that as hard as the first time
@@ -27,6 +33,7 @@ from grace.compressors.efsignsgd import EFSignSGD
 from grace.compressors.onebit import OneBit
 from grace.compressors.qsgd import QSGD
 from grace.compressors.signsgd import SignSGD
+from grace.compressors.sketchml import SketchML
 from grace.compressors.signum import Signum
 from grace.compressors.topk import TopK
 from grace.core import bits
@@ -83,6 +90,22 @@ class QSGDOwner(Owner):
     @property
     def align(self) -> int:
         return self.compressor.bucket_size or 1
+
+
+#: a shard's SketchML sketch: a 32-bit mean per 512 elements at most (1/16 bit each), and no fewer than MIN_BUCKETS
+ELEMENTS_PER_MEAN, MIN_BUCKETS = 512, 16
+
+
+@owner_for(SketchML)
+class ShardSketch(Owner):
+    """Each shard's sketch (and the owner's, of the shard's aggregate) sized by the shard."""
+
+    def _sketch(self, xp, x) -> SketchML:
+        own = self.compressor.buckets
+        return SketchML(min(own, max(MIN_BUCKETS, xp.numel(x) // ELEMENTS_PER_MEAN)))
+
+    def compress(self, xp, x, info):  # (and compress_again, of the aggregate)
+        return self._sketch(xp, x).compress(xp, x, info)
 
 
 #: the owner's second payload in first payloads: top-k, DGC and AdaQ's ratio times it, onebit and EF-signSGD's passes

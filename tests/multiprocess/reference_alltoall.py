@@ -6,8 +6,8 @@ compresses shard j under the name '<bucket>/shard<j>' (sent dense where a variab
 encoding is larger than the shard); the owner j aggregates the ranks' payloads of shard j by the
 method's own ``aggregate`` (its mean or vote, in the method's float32 order, the dense shards added),
 compresses that aggregate again under '<bucket>/owner<j>' (top-k, DGC and AdaQ at BUDGET times their
-ratio, onebit and EF-signSGD in BUDGET passes), with its own residual memory where
-the method has error feedback (signSGD and Signum send the count's outcome exactly instead; a
+ratio, onebit and EF-signSGD in BUDGET passes; SketchML's sketches sized by the shard), with its
+own residual memory where the method has error feedback (signSGD and Signum send the count's outcome exactly instead; a
 second encoding larger than the shard sends the shard, and the owner keeps nothing of it), and
 every rank receives every owner's decompressed shard. Only the method's own compress, decompress
 and aggregate run here, so the owner's random draws see the very aggregate grace must compute:
@@ -19,9 +19,9 @@ import copy
 
 import numpy as np
 
-from grace.compressors import AdaQ, DGC, EFSignSGD, OneBit, QSGD, SignSGD, Signum, TopK
+from grace.compressors import AdaQ, DGC, EFSignSGD, OneBit, QSGD, SignSGD, Signum, SketchML, TopK
 from grace.core.compressor import TensorInfo
-from grace.kernels.owners import BUDGET
+from grace.kernels.owners import BUDGET, ELEMENTS_PER_MEAN, MIN_BUCKETS
 from grace.memories import DGCMemory, ResidualMemory
 
 from tests.multiprocess.reference import bucket_key, buckets, pass_empty, xp
@@ -54,7 +54,8 @@ def expected_alltoall(variant, ranks: int, layouts=None):
                 hand_over(owners, group, n, size, ranks)
             shards = [np.concatenate([x[r], np.zeros(size * ranks - n, np.float32)]).reshape(ranks, size)
                       for r in range(ranks)]
-            first = [[compressor.compress(xp, shards[r][j], TensorInfo(f"{key}/shard{j}", step, ranks, r))
+            sharded = of_shard(compressor, size)
+            first = [[sharded.compress(xp, shards[r][j], TensorInfo(f"{key}/shard{j}", step, ranks, r))
                       for j in range(ranks)] for r in range(ranks)]
             # a variable-length encoding larger than the dense shard goes dense
             dense = [[goes_dense(compression, first[r][j][0], size, False) for j in range(ranks)] for r in range(ranks)]
@@ -196,6 +197,7 @@ def second(compression, aggregate, held, start: int, n: int, name: str, step: in
     if isinstance(compressor, (TopK, DGC, AdaQ)):  # (the owner selects BUDGET times its share of k)
         compressor = copy.copy(compressor)
         compressor.ratio = min(1.0, compressor.ratio * BUDGET)
+    compressor = of_shard(compressor, size)
     info = TensorInfo(name, step, ranks, int(name.rsplit("owner", 1)[1]))
     payload, ctx = compressor.compress(xp, q, info)
     if goes_dense(compression, payload, size, flagged):
@@ -211,6 +213,14 @@ def second(compression, aggregate, held, start: int, n: int, name: str, step: in
             decoded, rest = decoded + step_decoded, rest - step_decoded
     held = np.concatenate([held[:lo], (q - decoded)[:hi - lo], held[hi:]]) if keeps else None
     return decoded, frame_bytes(compression, payload, flagged), held
+
+
+def of_shard(compressor, size: int):
+    """The compressor of a shard of ``size`` elements: SketchML's sketch sized by the shard (one
+    mean per ELEMENTS_PER_MEAN elements, MIN_BUCKETS to its own count); the others as they are."""
+    if isinstance(compressor, SketchML):
+        return SketchML(min(compressor.buckets, max(MIN_BUCKETS, size // ELEMENTS_PER_MEAN)))
+    return compressor
 
 
 def frame_bytes(compression, payload, flagged: bool) -> int:

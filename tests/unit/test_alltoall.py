@@ -9,7 +9,10 @@ import pytest
 import grace
 from grace.core import traffic
 from grace.core.communicator import LocalCommunicator, ReplicaCommunicator
+from grace.core.compressor import TensorInfo
 from grace.core.plans.alltoall import shard_size
+from grace.core.plans.owner import owner_of
+from grace.core.tensors import get_backend
 from tests.unit.conftest import METHODS
 from tests.unit.test_buckets import assert_same, gradients
 from tests.unit.test_overflow import assert_same_state, overflowing
@@ -129,6 +132,32 @@ def test_auto_never_receives_more_than_a_dense_ring_allreduce(label, ranks):
                 (label, numel, costs)
         else:
             assert costs[way] == min(costs.values()) <= costs["dense"], (label, numel, costs)
+
+
+# (signSGD with aggregate='mean' sends the exact sum of N signs back, in log2(2N + 1) bits: by design)
+@pytest.mark.parametrize("label", sorted({*TWO_PHASE, "sketchml_256"} - {"signsgd_mean"}))
+def test_two_phase_bytes_per_rank_barely_grow_from_4_to_512_ranks(label):
+    """The two phases' bytes received per rank for a default (25 MB) bucket: at 512 ranks within
+    1.35x of 4 ranks' (the ring's (N-1)/N alone is 1.33x), per-shard headers, scales and
+    sketches included."""
+    compression = grace.sketchml(256, communicator="alltoall") if label == "sketchml_256" else two_phase(label)
+    numel = 25 * 2**20 // 4
+    at = {ranks: traffic.received(compression, numel, ranks)["alltoall"] for ranks in (4, 512)}
+    assert at[512] / at[4] <= 1.35, at
+
+
+@pytest.mark.parametrize("size, buckets", [(100, 16), (512 * 100, 100), (512 * 1000, 256)])
+def test_a_shards_sketchml_sketch_is_sized_by_the_shard(size, buckets):
+    """SketchML's means travel in every shard's frame: one per ELEMENTS_PER_MEAN elements of the
+    shard at most (MIN_BUCKETS at least, the method's own count at most), so they do not grow
+    with the number of shards a rank receives."""
+    owner = owner_of(grace.sketchml(256).compressor)
+    x = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    info = TensorInfo("b/shard0", 0, 4, 0)
+    for compress in (owner.compress, owner.compress_again):
+        payload, ctx = compress(get_backend("numpy"), x, info)
+        assert payload[2].size == buckets
+        assert np.unique(owner.decompress(get_backend("numpy"), payload, ctx)).size == buckets
 
 
 @pytest.mark.parametrize("label", ["topk", "qsgd", "signsgd", "terngrad"])

@@ -137,6 +137,8 @@ ALLTOALL_VARIANTS = {f"{label}_via_alltoall": Variant(lambda make=variant.make: 
 ALLTOALL_VARIANTS.update({
     "threshold_dense_via_alltoall": Variant(lambda: grace.threshold(1e-3, communicator="alltoall")),
     "threshold_sometimes_dense_via_alltoall": Variant(lambda: grace.threshold(0.42, communicator="alltoall")),
+    # (the method's 256 means; a shard's sketch has fewer: grace.kernels.owners.ShardSketch)
+    "sketchml_256_via_alltoall": Variant(lambda: grace.sketchml(256, communicator="alltoall")),
 })
 
 
