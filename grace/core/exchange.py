@@ -32,7 +32,7 @@ from grace.core.compression import GradientCompression
 from grace.core.compressor import FLOAT_DTYPES, Collective
 from grace.core.journal import Journal
 from grace.core.phases import NO_CLOCK, PhaseClock
-from grace.core.plans import BucketPending, BucketPlan, Pending, PlanChoice, Reference, Services, choose
+from grace.core.plans import BucketPending, BucketPlan, Pending, PlanChoice, Reference, Services, choose, outgrown
 from grace.core.plans.feedback import feedback_of
 from grace.core.plans.kernels import kernels_of
 from grace.core.plans.warmup import WarmUp
@@ -228,6 +228,18 @@ class Exchange:
                 self.store.set(table, bucket.key, value)
         return plan
 
+    def _plan_again(self) -> None:
+        """The world changed size: a bucket that 'auto' would now send another way hands its
+        state back per gradient name and is planned again at its next step (``outgrown``)."""
+        if not self.compression.auto:
+            return
+        for key, plan in list(self._plans.items()):
+            if outgrown(self.services, plan):
+                with self.store.eager():
+                    plan.leave()
+                    states.release(plan.bucket, self.store)
+                self._end_plan(key, plan)
+
     def _release_overlapping(self, bucket: Bucket) -> None:
         """Buckets in use that held some of ``bucket``'s gradients (DDP rebuilds its buckets after
         the first step; another layout) hand their state back per gradient name, and end."""
@@ -236,11 +248,14 @@ class Exchange:
             old = plan.bucket
             if key == bucket.key or names.isdisjoint(old.names):
                 continue
-            states.release(old, self.store.tables)
-            del self._plans[key]
-            self.stats.plans.pop(key, None)
+            states.release(old, self.store)
+            self._end_plan(key, plan)
             self._buckets.pop(key, None)
-            self.buffers.forget(key, old.names)
+
+    def _end_plan(self, key: str, plan: BucketPlan) -> None:
+        del self._plans[key]
+        self.stats.plans.pop(key, None)
+        self.buffers.forget(key, plan.bucket.names)
 
     # --- the ranks' agreement ----------------------------------------------------------------
     def expect(self, tensors: Sequence[tuple]) -> None:
@@ -258,6 +273,8 @@ class Exchange:
         """The ranks' agreement (``grace.core.agreement``) before the first exchange, and again
         after the world changed (elastic training) or after ``hvd.join()``."""
         if self._agreed_in != self._world():
+            if self._agreed_in is not None and self._agreed_in[1] != self.communicator.size:
+                self._plan_again()
             self._agreed_in = self._world()
             agreement.agree(self, xp, like)
             warn_if_missing(like)  # (a missing native library makes every step several times slower)

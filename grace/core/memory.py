@@ -43,6 +43,12 @@ class Memory:
     def update(self, xp, p, p_hat, state: Optional[Any]) -> Optional[Any]:
         return None
 
+    def absorb(self, xp, state: Optional[Any], extra) -> Optional[Any]:
+        """The state whose ``compensate`` gives ``extra`` more (what a bucket's two-phase owner
+        had not sent yet, handed back when the bucket leaves the two phases); None where this
+        memory cannot hold it."""
+        return None
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({params})"

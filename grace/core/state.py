@@ -104,13 +104,15 @@ def gather(bucket, tables: Dict[str, Dict[str, Any]], memory, xp, like, flat_mem
     return out
 
 
-def release(old, tables: Dict[str, Dict[str, Any]]) -> None:
+def release(old, store: StateStore) -> None:
     """Bucket ``old`` hands its step counter and memory back per gradient name (its layout
-    ended: DDP rebuilt its buckets, or another plan took its gradients). Per-bucket compressor
-    state (``scope='bucket'``) belongs to the old layout and ends with it."""
+    ended: DDP rebuilt its buckets, another plan took its gradients, or the world changed size).
+    Per-bucket compressor state (``scope='bucket'``) belongs to the old layout and ends with it.
+    Stored through ``store`` (TensorFlow keeps each in a variable; call it eagerly)."""
+    tables = store.tables
     for table in ("steps", "memory", "owner"):
         value = tables[table].pop(old.key, None)
         if value is not None:
             for s in old.segments:
-                tables[table][s.name] = value if table == "steps" else copied(state_view(value, s))
+                store.set(table, s.name, value if table == "steps" else copied(state_view(value, s)))
     tables["state"].pop(old.key, None)

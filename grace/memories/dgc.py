@@ -39,6 +39,10 @@ class DGCMemory(Memory):
         u, v = state
         return v + (self.momentum * u + self.clipped(xp, g))
 
+    def absorb(self, xp, state, extra):
+        u, v = state
+        return u, v + extra
+
     def update(self, xp, p, p_hat, state):
         u = p - state[1]  # p = v_old + u_new
         sent = p_hat != 0

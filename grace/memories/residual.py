@@ -26,3 +26,8 @@ class ResidualMemory(Memory):
 
     def update(self, xp, p, p_hat, residual):
         return p - p_hat
+
+    def absorb(self, xp, residual, extra):
+        if self.beta == 0.0:
+            return None
+        return residual + (extra if self.beta == 1.0 else extra / self.beta)

@@ -179,6 +179,67 @@ def get_numpy():
     return get_backend("numpy")
 
 
+@pytest.mark.parametrize("label", ["u8bit", "dgc"])
+@pytest.mark.parametrize("old, new", [(2, 4), (4, 2)], ids=["grows", "shrinks"])
+def test_auto_plans_a_bucket_again_when_the_world_changes_size(label, old, new):
+    """Elastic training (threads; the first ranks keep their exchanges, joiners come with rank 0's
+    step counters, leavers take their memory along): u8bit's bucket is allgathered at 2 ranks and
+    sent in two phases at 4, DGC's likewise. Every rank takes the new world's way at its first step
+    there (else a joiner and a survivor would launch different collectives), and the step's result
+    and the memories after it hold what came in: the owners' memory, when the bucket leaves the
+    two phases, goes into each owner's own error feedback."""
+    from tests.fixtures.thread_world import ThreadWorld
+
+    make = lambda: two_phase(label, "auto")  # noqa: E731
+    ways = {2: "per-gradient", 4: "alltoall"}
+    rng = np.random.default_rng(3)
+    grads = lambda: {"w": rng.standard_normal(300).astype(np.float32),  # noqa: E731
+                     "b": rng.standard_normal(20).astype(np.float32)}
+    kept = {}
+
+    def old_world(comm):
+        exchange = grace.Exchange(make(), comm)
+        for _ in range(3):
+            exchange.exchange(grads())
+        kept[comm.rank] = exchange, comm
+        return exchange.plan_of("w").plan
+
+    assert set(ThreadWorld(old).run(old_world)) == {ways[old]}
+    shared = kept[0][0].shared_state()
+    world = ThreadWorld(new)
+    inputs = [grads() for _ in range(new)]
+
+    def flat(values):
+        parts = []
+        for name, n in (("w", 300), ("b", 20)):
+            value = values.get(name, np.zeros(n, np.float32))
+            parts.append(np.ravel(value[-1] if isinstance(value, tuple) else value))  # (DGC's residual v)
+        return np.concatenate(parts)
+
+    def new_world(comm):
+        if comm.rank in kept:
+            exchange, own = kept[comm.rank]
+            own.world, own.size = world, new  # (the same communicator object, as Horovod's after a reset)
+        else:
+            exchange = grace.Exchange(make(), comm)
+            exchange.load_shared_state(shared)
+        state = exchange.state_dict()
+        held = flat(state["memory"]), flat(state["owner"])
+        out = exchange.exchange(dict(inputs[comm.rank]))
+        state = exchange.state_dict()
+        return exchange.plan_of("w").plan, held, flat(out), flat(state["memory"]), flat(state["owner"])
+
+    results = world.run(new_world)
+    assert {plan for plan, *_ in results} == {ways[new]}
+    if ways[new] != "alltoall":  # (no memory left that no plan reads)
+        assert not any(r[4].any() for r in results)
+    if label == "dgc":  # (its momentum re-enters p: what came in is not a sum of memories)
+        return
+    before = (sum(flat(g) for g in inputs) + sum(r[1][0] for r in results)) / new + sum(r[1][1] for r in results)
+    after = results[0][2] + sum(r[3] for r in results) / new + sum(r[4] for r in results)
+    np.testing.assert_allclose(after, before, atol=1e-5)
+
+
 def test_the_owners_memory_follows_the_shards_when_the_world_changes():
     """3 ranks (threads) leave owner memory on their shards; 2 of them go on in a world of 2
     (elastic). Lossless second compression (none with residual memory) and zero gradients: the

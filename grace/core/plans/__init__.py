@@ -1,4 +1,5 @@
-"""Plans: the ways an exchange sends a bucket, one file each, chosen once per bucket layout.
+"""Plans: the ways an exchange sends a bucket, one file each, chosen once per bucket layout
+(and, under 'auto', again where a new world size changes the cheapest way: ``outgrown``).
 
     reference     one gradient at a time, the GRACE pipeline as written (bucket_mb=0)
     per-gradient  each gradient compressed alone, all payloads in one collective (a CPU)
@@ -54,6 +55,15 @@ def choose(services: Services, bucket, xp, like) -> BucketPlan:
     return plan
 
 
+def outgrown(services: Services, plan: BucketPlan) -> bool:
+    """Whether 'auto' would send ``plan``'s bucket another way in the world as it is now (it
+    changed size: elastic training). Every rank must take the way a rank that just joined
+    takes, and an allgather's bytes grow with N."""
+    way, _ = _auto(services, plan.bucket)
+    ways = (AllToAll.name, Dense.name)
+    return (way if way in ways else None) != (plan.name if plan.name in ways else None)
+
+
 def _own(services: Services, bucket, xp, like) -> BucketPlan:
     """The plan of the method's own collective."""
     compression = services.compression
@@ -103,4 +113,4 @@ def _why_not_segmented(compression, kernels, bucket, xp, like):
 
 
 __all__ = ["AllToAll", "BucketPending", "BucketPlan", "Dense", "Flat", "MultiRound", "Pending", "PerGradient",
-           "PlanChoice", "Reference", "Segmented", "Services", "choose"]
+           "PlanChoice", "Reference", "Segmented", "Services", "choose", "outgrown"]

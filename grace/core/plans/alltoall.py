@@ -25,6 +25,7 @@ from grace.core.buffers import assign
 from grace.core.compressor import TensorInfo
 from grace.core.plans.base import BucketPending, WholeBucket, with_dense
 from grace.core.plans.owner import Owner, owner_of
+from grace.core.tensors import backend_for
 
 
 def shard_size(numel: int, ranks: int, align: int = 1) -> int:
@@ -178,6 +179,24 @@ class AllToAll(WholeBucket):
                           xp.zeros(n - hi, xp.dtype(total), like=total)])
         s.store.set("owner", key, kept)
         self._owned_in = s.communicator.size
+
+    def leave(self) -> None:
+        """This rank's owner memory goes into its own error feedback, N times it where the
+        result is a mean (a rank's memory reaches the result divided by N), so no memory that
+        no plan reads keeps gradient mass. A memory that cannot hold it keeps it per gradient
+        name, for the next time the bucket takes the two phases."""
+        s, key = self.services, self.bucket.key
+        held = s.store.value("owner", key)
+        if held is None or not self.keeps_memory:
+            return
+        xp = backend_for(held)
+        memory = s.compression.memory
+        state = s.store.value("memory", key)
+        state = memory.init(xp, held) if state is None else state
+        absorbed = memory.absorb(xp, state, held * s.communicator.size if s.average else held)
+        if absorbed is not None:
+            s.store.set("memory", key, absorbed)
+            s.store.set("owner", key, None)
 
     def _compressed_again(self, xp, aggregate, pending):
         """(The owner's frame of its shard's aggregate, its payload), with its memory where it keeps one."""

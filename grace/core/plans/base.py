@@ -107,6 +107,10 @@ class BucketPlan:
         self.bucket = bucket
         self.why = why
 
+    def leave(self) -> None:
+        """Before the bucket is planned another way (the world changed size): hand back what
+        only this plan would read. Its gradients' state goes back per name afterwards."""
+
     def _units(self, xp, grads, flat):
         """(units, their gradients, what new tensors are made like): each gradient as it is."""
         return list(self.bucket.segments), list(grads), grads[0]
