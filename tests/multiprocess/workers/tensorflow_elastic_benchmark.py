@@ -12,8 +12,8 @@ only grace line being the compression:
         python tensorflow_elastic_benchmark.py --compression "grace.topk(0.01)" --out DIR
 
 Rank 0 prints ``iteration I on N ranks`` as it goes (the test removes a host on that cue); the
-run stops after a few iterations on one rank. Rank 0 writes DIR/result.json: the world of each iteration, the world each trace of the step was made
-for, and the exchange's step counter.
+run stops after a few iterations on one rank. Rank 0 writes DIR/result.json: the world of each
+iteration, the world each trace of the step was made for, and the exchange's step counter.
 """
 import os
 
