@@ -110,7 +110,7 @@ class GradientExchange:
             return reduced
         # A traced step has the world in its graph: after an elastic reset it is traced again
         # (grace.tensorflow.retrace); a run of this trace in another world still stops here.
-        retrace.record((mpi_ops.rank(), mpi_ops.size()))
+        retrace.record(_horovod_world())
         size = self._exchange.communicator.size
         check = tf.debugging.assert_equal(
             mpi_ops.size_op(self._arguments[3].process_set_id), size,
@@ -180,7 +180,12 @@ def restore_states() -> None:
 def follow_world() -> None:
     """After Horovod's elastic reset: the steps traced in another world are traced again at their
     next call (``grace.tensorflow.retrace``)."""
-    retrace.follow((mpi_ops.rank(), mpi_ops.size()))
+    retrace.follow(_horovod_world())
+
+
+def _horovod_world() -> retrace.World:
+    """(rank, size) in Horovod's global world: what a trace is recorded with and compared to."""
+    return mpi_ops.rank(), mpi_ops.size()
 
 
 def sync_shared_state() -> None:
