@@ -7,8 +7,9 @@ encoding is larger than the shard); the owner j aggregates the ranks' payloads o
 method's own ``aggregate`` (its mean or vote, in the method's float32 order, the dense shards added),
 compresses that aggregate again under '<bucket>/owner<j>' (top-k, DGC and AdaQ at BUDGET times their
 ratio, onebit and EF-signSGD in BUDGET passes; SketchML's sketches sized by the shard), with its
-own residual memory where the method has error feedback (signSGD and Signum send the count's outcome exactly instead; a
-second encoding larger than the shard sends the shard, and the owner keeps nothing of it), and
+own residual memory where the method has error feedback (signSGD and Signum send the count's
+outcome exactly instead; a second encoding larger than the shard sends the shard, and the owner
+keeps nothing of it), and
 every rank receives every owner's decompressed shard. Only the method's own compress, decompress
 and aggregate run here, so the owner's random draws see the very aggregate grace must compute:
 results are compared bit for bit.
