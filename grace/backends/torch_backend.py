@@ -39,9 +39,7 @@ def _counter_hashes(counts, seeds, device):
 
 def _drawn_natively(name: str, dtype, counts, seeds, device):
     """grace.native's kernel ``name`` (uniform_segments, hash_keys_segments: one launch for all
-    segments) into a new tensor on a GPU, or None where it is not built."""
-    if device.type != "cuda" or not _native.available("cuda"):
-        return None
+    segments) into a new tensor on ``device``, or None where it does not run there."""
     out = torch.empty(sum(counts), dtype=dtype, device=device)
     return _native.run(name, out, counts, [draws.seed_words(seed) for seed in seeds], out)
 
@@ -60,11 +58,16 @@ def _column_layout(rows: tuple, device):
     return counts.to(device), first.to(device)
 
 
-def _counter_indices(device) -> bool:
-    """Whether random indices on ``device`` are the k smallest hashes (accelerators: one sort
-    over a bucket); on a CPU they are the first k distinct index draws, the NumPy backend's
+def _like(host, like):
+    """A tensor made on the host, on like's device."""
+    return host if like is None else host.to(like.device)
+
+
+def _counter_indices(backend, like) -> bool:
+    """Whether random indices are those of the k smallest hashes (an accelerator: one sort over a
+    bucket); elsewhere they are the first k distinct index draws, the NumPy backend's
     (grace.core.draws)."""
-    return device.type != "cpu"
+    return like is not None and backend.on_accelerator(like)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -254,7 +257,7 @@ class TorchBackend:
         return x.max() if axis is None else x.max(dim=axis).values
 
     def norm(self, x, axis=None):
-        if axis is None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
+        if axis is None and x.dtype == torch.float32 and not self.on_accelerator(x) and not x.requires_grad:
             out = _native.run("norm", x, x)  # NumPy's sum, bit for bit (one pass in csrc/) when built
             if out is not None:
                 return out.reshape(())
@@ -268,9 +271,9 @@ class TorchBackend:
     def uniform_segments(self, counts, seeds, like=None):
         """``uniform(counts[s], seeds[s])`` for every s, in a row: by one native call where
         built, elsewhere by whole-buffer ops for all segments at once."""
-        device = like.device if like is not None else torch.device("cpu")
-        if device.type == "cpu":
-            return torch.from_numpy(draws.uniform_host(counts, seeds))
+        if like is None or not self.on_accelerator(like):
+            return _like(torch.from_numpy(draws.uniform_host(counts, seeds)), like)
+        device = like.device
         drawn = _drawn_natively("uniform_segments", torch.float32, counts, seeds, device)
         if drawn is not None:
             return drawn
@@ -284,9 +287,9 @@ class TorchBackend:
         """``random_indices(numels[s], ks[s], seeds[s])`` for every s, in a row. On a GPU a
         segment's indices are those of its ks[s] smallest hashes (ties: the lowest index),
         from one stable sort of (segment, hash) over all segments."""
+        if not _counter_indices(self, like):
+            return _like(torch.from_numpy(draws.random_indices_host(numels, ks, seeds)), like)
         device = like.device if like is not None else torch.device("cpu")
-        if not _counter_indices(device):
-            return torch.from_numpy(draws.random_indices_host(numels, ks, seeds))
         keys = _drawn_natively("hash_keys_segments", torch.int64, numels, seeds, device)
         if keys is None:
             hashes, segment, starts = _counter_hashes(numels, seeds, device)
@@ -323,7 +326,7 @@ class TorchBackend:
                 return torch.nonzero_static(mask, size=int(size)).reshape(-1)
             except NotImplementedError:  # a torch without the CUDA kernel
                 pass
-        if mask.dim() == 1 and not mask.is_cuda:  # on a GPU torch's own compaction is faster (H200)
+        if mask.dim() == 1 and not self.on_accelerator(mask):  # on a GPU torch's compaction is faster (H200)
             idx = _native.run("nonzero", mask, mask)
             if idx is not None:
                 return idx
@@ -332,7 +335,7 @@ class TorchBackend:
     def indices_abs_at_least(self, x, threshold):
         """Indices (int64, ascending) of the elements of the 1-d ``x`` with |x| >= threshold:
         on a CPU one native pass, with no |x| or mask tensor."""
-        if not x.is_cuda:
+        if not self.on_accelerator(x):
             idx = _native.run("threshold_indices", x, x, float(threshold))
             if idx is not None:
                 return idx

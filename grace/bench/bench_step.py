@@ -25,10 +25,13 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
   plans        the plans the buckets took (``Exchange.plan_of``: per-gradient, flat, segmented, ...)
 On a CPU a line above each table times plain torch passes over the model's gradients (read,
 write, g + e into a third buffer): what any error-feedback method pays before it compresses.
---accelerator-path (CPU): run the code path a GPU takes (segment-wise and whole buckets, the
-tensor ops that stand in for grace.native's CPU-only kernels) to count its operations and host
-waits where no GPU is at hand; ops then counts the operations a GPU launches as kernels (views
-and allocations left out). Its times are a CPU's, not a GPU's.
+--accelerator-path (CPU, buckets only): run the code path a GPU takes (segment-wise and whole
+buckets) to count its operations and host waits where no GPU is at hand, two ways: "native", a
+GPU with grace's CUDA library (each grace.native call counted at the kernels and memsets its
+CUDA code launches and the waits it makes, ``Kernel.launches``), and "fallback", a GPU without
+it (the tensor-op code). Ops are the operations a GPU launches kernels for (views, allocations
+and copies that copy nothing left out), also per bucket (and round, for multi-round plans),
+against the limits below the table. Its times are a CPU's, not a GPU's.
 The phase clock syncs the device at each phase boundary, which a GPU pays for per tensor: the
 JSON also holds ``exchange_free_ms``, whole steps timed with no clock (work and the stand-in
 collectives, as training runs them).
@@ -48,11 +51,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 import grace
 import grace.native
+from grace.core import draws
 from grace.backends.torch_backend import TorchBackend
 from grace.bench.common import help_parser, write_results
 from grace.core.communicator import ReplicaCommunicator
@@ -216,21 +221,65 @@ NO_KERNEL = {f"aten::{name}" for name in (
     "as_strided", "lift_fresh", "empty", "empty_like", "empty_strided", "unflatten")}
 
 
-def take_accelerator_path() -> dict:
+class AcceleratorPath:
     """From here on, the code path a GPU takes, on this CPU: the backend told that its tensors
-    are on an accelerator and grace.native's CPU-only kernels off (their tensor-op fallbacks
-    run, as on a GPU). Returns the counter of the reads back a GPU would wait for ("waits")."""
-    counted = {"waits": 0}
-    TorchBackend.on_accelerator = lambda self, x: True
-    kernel, read = grace.native.kernel, TorchBackend.host_ints
-    grace.native.kernel = lambda name, like: kernel(name, like) if grace.native.KERNELS[name].cuda else None
+    are on an accelerator, counted two ways (``mode``):
 
-    def host_ints(self, x, count: int):
-        counted["waits"] += 1
-        return read(self, x, count)
+      native    a GPU with grace's CUDA library: every grace.native call that has a CUDA kernel
+                runs here (the CPU library's, or a stand-in where only the GPU has it) and counts
+                as the launches and host waits its CUDA code makes (``Kernel.cuda_cost``);
+      fallback  a GPU without it: no native call, the tensor-op code runs.
 
-    TorchBackend.host_ints = host_ints
-    return counted
+    ``waits`` counts the reads back a GPU would wait for (``host_ints``)."""
+
+    MODES = ("native", "fallback")
+
+    def __init__(self):
+        self.waits, self.native = 0, True
+        TorchBackend.on_accelerator = lambda backend, x: True
+        kernel, read = grace.native.kernels.kernel, TorchBackend.host_ints
+        grace.native.kernel = grace.native.kernels.kernel = lambda name, like: self._kernel(kernel, name, like)
+
+        def host_ints(backend, x, count: int):
+            self.waits += 1
+            return read(backend, x, count)
+
+        TorchBackend.host_ints = host_ints
+
+    @contextlib.contextmanager
+    def mode(self, mode: str):
+        saved, self.native = self.native, mode == "native"
+        try:
+            yield
+        finally:
+            self.native = saved
+
+    def _kernel(self, kernel, name: str, like):
+        entry = grace.native.KERNELS[name]
+        function = (kernel(name, like) or STAND_INS.get(name)) if self.native and entry.cuda else None
+        if function is None:
+            return None
+
+        def call(*args, **kwargs):
+            launched, waits = entry.cuda_cost(*args, **kwargs)
+            with torch.profiler.record_function(f"{NATIVE_CALL}{name}|{launched}|{waits}"):
+                return function(*args, **kwargs)
+
+        return call
+
+
+NATIVE_CALL = "grace.native::"  # a native call's profiler range: grace.native::<name>|<launches>|<waits>
+
+
+def _hash_keys_here(counts, words, out):
+    """hash_keys_segments as its CUDA kernel makes them (the CPU library has no such kernel)."""
+    keys = [np.int64(s) << 32 | draws.draw_hashes(np.arange(n, dtype=np.int64), w)
+            for s, (n, w) in enumerate(zip(counts, words))]
+    out.copy_(torch.from_numpy(np.concatenate(keys) if keys else np.zeros(0, np.int64)))
+    return out
+
+
+STAND_INS = {"hash_keys_segments": _hash_keys_here}
 
 
 # Kineto's line per profiler start and stop ("USDT:<date> <pid>:<tid> SyncActivityProfilerHandler.cpp:52]
@@ -256,45 +305,82 @@ def profiler_lines_dropped():
                                   if not _PROFILER_LINE.match(line))
 
 
-def launches(fn, device: str, top: int = 0, waits=None) -> dict:
+# copies only where needed: a GPU launches nothing for these when no child op copies
+COPIES_IF_NEEDED = {"aten::to", "aten::contiguous", "aten::type_as", "aten::reshape"}
+
+
+def _launched_here(event) -> bool:
+    """Whether a top-level torch op on this CPU would launch a kernel on a GPU."""
+    if event.name in NO_KERNEL:
+        return False
+    return event.name not in COPIES_IF_NEEDED or bool(event.cpu_children)
+
+
+def _top_level(event) -> bool:
+    """An op or native call not made from within another."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(("aten::", NATIVE_CALL)):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def accelerator_counts(events) -> dict:
+    """{"ops", "waits"} of the accelerator path's profiled events: torch ops that would launch
+    kernels plus native calls at their CUDA launches; reads back (a scalar read, a compaction of
+    unknown size) plus the native calls' waits."""
+    ops = waits = 0
+    for event in events:
+        if not _top_level(event):
+            continue
+        if event.name.startswith(NATIVE_CALL):
+            launched, waited = event.name.rsplit("|", 2)[1:]
+            ops, waits = ops + int(launched), waits + int(waited)
+        elif event.name.startswith("aten::"):
+            ops += _launched_here(event)
+            waits += event.name in ("aten::_local_scalar_dense", "aten::nonzero")
+    return {"ops": ops, "waits": waits}
+
+
+def launches(fn, device: str, top: int = 0, path: AcceleratorPath = None) -> dict:
     """What one call of ``fn`` launches: {"ops": GPU kernels and copies, "waits": host waits
-    for the GPU} on a GPU, {"ops": top-level torch ops} on a CPU, or where ``waits`` counts the
-    accelerator path's reads back (``take_accelerator_path``) {"ops": its top-level operations
-    that would launch kernels, "waits": its reads back}; with ``top``, also "top": the
-    profiler's table of the ``top`` ops that took the most time (the device's, on a GPU)."""
+    for the GPU} on a GPU, {"ops": top-level torch ops} on a CPU, or on the accelerator path
+    (``path``) {"ops", "waits"} as ``accelerator_counts`` counts them; with ``top``, also "top":
+    the profiler's table of the ``top`` ops that took the most time (the device's, on a GPU)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     gpu = device != "cpu"
-    before = waits["waits"] if waits else 0
+    reads_before = path.waits if path else 0
     with profiler_lines_dropped(), profile(activities=[ProfilerActivity.CPU,
                                                        *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
         fn()
     events = prof.events()
     table = {"top": prof.key_averages().table(sort_by="self_device_time_total" if gpu else "self_cpu_time_total",
                                               row_limit=top)} if top else {}
+    if path is not None:
+        counted = accelerator_counts(events)
+        return {"ops": counted["ops"], "waits": counted["waits"] + path.waits - reads_before, **table}
     if not gpu:
-        top_level = [e.name for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
-        if waits is None:
-            return {"ops": len(top_level), **table}
-        # a read back: host_ints, a scalar read, or a compaction of unknown size (a GPU tells its size)
-        reads = sum(1 for e in events if e.name in ("aten::_local_scalar_dense", "aten::nonzero"))
-        return {"ops": sum(1 for name in top_level if name not in NO_KERNEL),
-                "waits": waits["waits"] - before + reads, **table}
+        return {"ops": sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")), **table}
     return {"ops": sum(1 for e in events if e.device_type == DeviceType.CUDA),
             "waits": sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                          "cudaEventSynchronize", "cudaMemcpy")), **table}
 
 
 def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int, top: int = 0,
-            waits=None, communicator: str = "own") -> dict:
-    comm = CountingReplica(world)
-    compression = grace.create(method, **METHODS[method], bucket_mb=bucket_mb)
-    if compression.collective is grace.Collective.ALLGATHER and bucket_mb:
-        compression = compression.via(compression.collective if communicator == "own" else communicator)
-    # as the adapters run it: results written over the gradients handed over (on a CPU), so
-    # each step gets this step's gradients again first, as backward would write them
-    exchange = grace.Exchange(compression, comm, in_place=True)
+            path: AcceleratorPath = None, communicator: str = "own") -> dict:
+    def new_exchange():
+        compression = grace.create(method, **METHODS[method], bucket_mb=bucket_mb)
+        if compression.collective is grace.Collective.ALLGATHER and bucket_mb:
+            compression = compression.via(compression.collective if communicator == "own" else communicator)
+        # as the adapters run it: results written over the gradients handed over (on a CPU), so
+        # each step gets this step's gradients again first, as backward would write them
+        return grace.Exchange(compression, CountingReplica(world), in_place=True)
+
+    exchange = new_exchange()
+    comm = exchange.communicator
     inputs = {name: g.clone() for name, g in grads.items()}
 
     def backward():
@@ -323,9 +409,19 @@ def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str,
     exchange.phases = None
     free = timed(lambda: exchange.exchange(inputs), device, iters, warmup=0, setup=backward)
     backward()
-    return {"work_ms": 1e3 * work, "exchange_ms": 1e3 * seconds, "collective_ms": 1e3 * collective,
-            "exchange_free_ms": 1e3 * free, "calls": calls, "bytes": nbytes, "plans": plans_taken(exchange),
-            **launches(lambda: exchange.exchange(inputs), device, top, waits)}
+    row = {"work_ms": 1e3 * work, "exchange_ms": 1e3 * seconds, "collective_ms": 1e3 * collective,
+           "exchange_free_ms": 1e3 * free, "calls": calls, "bytes": nbytes, "plans": plans_taken(exchange),
+           "buckets": len(exchange.bucket_plans()), **launches(lambda: exchange.exchange(inputs), device, top, path)}
+    if path is not None:  # the same step once more without grace's CUDA library (a fresh exchange)
+        with path.mode("fallback"):
+            fallback = new_exchange()
+            for _ in range(2):
+                backward()
+                fallback.exchange(inputs)
+            backward()
+            counted = launches(lambda: fallback.exchange(inputs), device, path=path)
+            row.update(fallback_ops=counted["ops"], fallback_waits=counted["waits"])
+    return row
 
 
 def plans_taken(exchange) -> str:
@@ -334,7 +430,11 @@ def plans_taken(exchange) -> str:
     return ", ".join(f"{name} x{count}" for name, count in sorted(plans.items())) or "reference"
 
 
-def print_header() -> None:
+def print_header(accelerator: bool = False) -> None:
+    if accelerator:  # the two paths' counts, per step and per bucket (and round: multi-round plans)
+        print(f"{'method':<10} {'bucketed ms':>12} {'calls':>6} {'native ops':>11} {'/bucket':>8} {'waits':>6} "
+              f"{'fallback ops':>13} {'/bucket':>8} {'waits':>6} {'bytes':>12}  plans")
+        return
     print(f"{'method':<10} {'per-tensor ms':>13} {'share':>7} {'calls':>6} {'ops':>6} {'bucketed ms':>12} "
           f"{'share':>7} {'calls':>6} {'ops':>6} {'waits':>6} {'speedup':>8} {'bytes':>12} "
           f"{'(collective ms)':>16} {'(no clock ms)':>14}  plans")
@@ -345,7 +445,40 @@ def _shown(value: float, spec: str, unit: str = "") -> str:
     return "-" if value != value else format(value, spec) + unit  # (NaN)
 
 
-def print_row(method: str, row: dict) -> None:
+# the most kernel-launching ops per bucket (and round, for multi-round plans) on a GPU with grace's
+# CUDA library and without it, and the most host waits per step
+LIMITS = {"native": 12, "fallback": 24}
+MULTI_ROUND_LIMITS = {"native": 30, "fallback": 60}
+WAITS_PER_STEP = 1
+
+
+def per_bucket(row: dict) -> dict:
+    """Each path's ops per bucket (and round) and its limit, from a bucketed row of the accelerator path."""
+    buckets = row["bucketed_buckets"]
+    multi_round = "multi-round" in row["bucketed_plans"]
+    units = row["bucketed_calls"] if multi_round else buckets  # a multi-round bucket: a collective a round
+    limits = MULTI_ROUND_LIMITS if multi_round else LIMITS
+    return {path: (row[f"bucketed_{key}"] / units, limits[path])
+            for path, key in (("native", "ops"), ("fallback", "fallback_ops"))}
+
+
+def over_limits(row: dict) -> list:
+    """What in a bucketed row of the accelerator path is above the limits, in words."""
+    over = [f"{path} {ops:.1f} ops per bucket > {limit}" for path, (ops, limit) in per_bucket(row).items()
+            if ops > limit]
+    return over + [f"{path} {row[key]} waits > {WAITS_PER_STEP}"
+                   for path, key in (("native", "bucketed_waits"), ("fallback", "bucketed_fallback_waits"))
+                   if row[key] > WAITS_PER_STEP]
+
+
+def print_row(method: str, row: dict, accelerator: bool = False) -> None:
+    if accelerator:
+        units = per_bucket(row)
+        print(f"{method:<10} {row['bucketed_work_ms']:>12.2f} {row['bucketed_calls']:>6} {row['bucketed_ops']:>11} "
+              f"{units['native'][0]:>8.1f} {row['bucketed_waits']:>6} {row['bucketed_fallback_ops']:>13} "
+              f"{units['fallback'][0]:>8.1f} {row['bucketed_fallback_waits']:>6} {row['bucketed_bytes']:>12}  "
+              f"{row['bucketed_plans']}", flush=True)
+        return
     print(f"{method:<10} {_shown(row['per_tensor_work_ms'], '.2f'):>13} {_shown(row['per_tensor_share'], '.1%'):>7} "
           f"{row['per_tensor_calls']:>6} {row['per_tensor_ops']:>6} {row['bucketed_work_ms']:>12.2f} "
           f"{row['bucketed_share']:>7.1%} {row['bucketed_calls']:>6} {row['bucketed_ops']:>6} "
@@ -384,7 +517,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    waits = take_accelerator_path() if args.accelerator_path else None
+    path = AcceleratorPath() if args.accelerator_path else None
     if args.threads:  # forward and backward, and the compression work, on as many threads
         torch.set_num_threads(args.threads)
         grace.native.set_num_threads(args.threads)
@@ -402,13 +535,13 @@ def main():
                   f"{passes['write_ms']:.2f} ms, g + e into a third buffer {passes['compensate_ms']:.2f} ms; "
                   f"error feedback's floor (that and a dense result) {passes['feedback_floor_ms']:.2f} ms, "
                   f"{passes['feedback_floor_ms'] / (1e3 * fwd_bwd):.1%} of fwd+bwd")
-        print_header()
+        print_header(path is not None)
         for method in args.methods:
             skipped = {"work_ms": float("nan"), "calls": "-", "ops": "-", "waits": "-"}
-            per_tensor = skipped if args.bucketed_only else measure(grads, method, 0, args.world, args.device,
-                                                                     args.iters, waits=waits)
+            per_tensor = skipped if args.bucketed_only or path else measure(grads, method, 0, args.world,
+                                                                             args.device, args.iters)
             bucketed = measure(grads, method, args.bucket_mb, args.world, args.device, args.iters,
-                               args.profile_top, waits, args.communicator)
+                               args.profile_top, path, args.communicator)
             if "top" in bucketed:
                 profiles.append(f"{model}, {method}, bucketed:\n{bucketed.pop('top')}")
             row = {"model": model, "device": args.device, "method": method, "tensors": len(grads),
@@ -419,7 +552,13 @@ def main():
                    "bucketed_share": bucketed["work_ms"] / (1e3 * fwd_bwd),
                    "speedup": per_tensor["work_ms"] / bucketed["work_ms"]}
             rows.append(row)
-            print_row(method, row)
+            print_row(method, row, path is not None)
+        if path is not None:
+            over = [f"{row['method']}: {', '.join(over_limits(row))}" for row in rows
+                    if row["model"] == model and over_limits(row)]
+            print(f"limits: ops per bucket {LIMITS['native']} native, {LIMITS['fallback']} fallback (multi-round: "
+                  f"{MULTI_ROUND_LIMITS['native']}, {MULTI_ROUND_LIMITS['fallback']} per bucket and round); "
+                  f"{WAITS_PER_STEP} host wait per step. Over them: {'; '.join(over) or 'none'}")
         print(*profiles, sep="\n\n")
         profiles.clear()
     path = write_results(rows, args.out, f"bench_step_{args.device}", vars(args) | {"out": str(args.out)},

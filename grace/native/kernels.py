@@ -4,8 +4,10 @@ or ``run(name, like, *args)`` (its result, else None). None sends the caller to 
 any error other than NativeUnavailable is a real one and propagates."""
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple, Union
+from typing import Callable, Dict, Mapping, Tuple, Union
 
 from grace.native._arrays import NativeUnavailable, kind_of
 from grace.native.dgc import dgc_compensate_into, dgc_step_many
@@ -34,6 +36,31 @@ from grace.native.terngrad import (terngrad_compress, terngrad_compress_drawn, t
                                    terngrad_decompress_sum_into)
 
 Symbols = Union[str, Tuple[str, ...]]
+Launches = Callable[[Mapping], int]
+
+SEGMENT_BATCH = 64  # segments per launch of a segment kernel (csrc/cuda/segments.cu's kSegBatch)
+
+
+def fixed(count: int) -> Launches:
+    """A CUDA call of ``count`` launches (kernels and memsets; at most, where the data can spare one)."""
+    return lambda arguments: count
+
+
+def per_batch(count: int, once: int = 0) -> Launches:
+    """A segment kernel's launches: ``count`` per batch of SEGMENT_BATCH segments, ``once`` per call."""
+    def counted(arguments):
+        segments = len(arguments["numels"] if "numels" in arguments else arguments["counts"])
+        return once + count * math.ceil(segments / SEGMENT_BATCH)
+    return counted
+
+
+def per_segment(count: int) -> Launches:
+    """A per-tensor CUDA kernel run on each segment in turn."""
+    return lambda arguments: count * len(arguments["numels"])
+
+
+# grace_cuda_topk: the state, three radix passes (memset, histogram, find), the compaction's three
+TOPK_LAUNCHES = 1 + 3 * 3 + 3
 
 
 @dataclass(frozen=True)
@@ -48,6 +75,15 @@ class Kernel:
     cpu: Tuple[str, ...] = ()
     cuda: Tuple[str, ...] = ()
     variable: Tuple[int, ...] = ()
+    #: on a GPU: the kernels and memsets one call launches, from its bound arguments (at most),
+    #: and the host waits it makes (a count of unknown size read back)
+    launches: Launches = fixed(1)
+    waits: int = 0
+
+    def cuda_cost(self, *args, **kwargs) -> Tuple[int, int]:
+        """(launches, host waits) of this call on a GPU."""
+        arguments = inspect.signature(self.function).bind(*args, **kwargs).arguments
+        return self.launches(arguments), self.waits
 
     @property
     def devices(self) -> Tuple[str, ...]:
@@ -85,25 +121,27 @@ KERNELS: Dict[str, Kernel] = {
     # building blocks (TorchBackend's ops, grace.core.draws)
     "pack": both(pack, "pack", "uint8"),
     "unpack": both(unpack, "unpack", "uint8"),
-    "topk_indices": both(topk_indices, "topk", "int64"),
-    "threshold_indices": both(threshold_indices, "threshold", "int64", variable=(0,)),
-    "nonzero": both(nonzero, "nonzero", "int64", variable=(0,)),
+    "topk_indices": both(topk_indices, "topk", "int64", launches=fixed(TOPK_LAUNCHES)),
+    "threshold_indices": both(threshold_indices, "threshold", "int64", variable=(0,), launches=fixed(4), waits=1),
+    "nonzero": both(nonzero, "nonzero", "int64", variable=(0,), launches=fixed(4), waits=1),
     "norm": cpu(norm, "qsgd_norms", "float32"),
-    "scatter_add": both(scatter_add, "scatter_add", "float32"),
-    "scatter_add_many": both(scatter_add_many, "scatter_add", "float32"),
-    "uniform_segments": both(uniform_segments, "uniform_segments", "float32"),
-    "hash_keys_segments": gpu(hash_keys_segments, "hash_keys_segments", "int64"),
+    "scatter_add": both(scatter_add, "scatter_add", "float32", launches=fixed(2)),
+    "scatter_add_many": both(scatter_add_many, "scatter_add", "float32",
+                             launches=lambda arguments: 1 + len(arguments["payloads"])),
+    "uniform_segments": both(uniform_segments, "uniform_segments", "float32", launches=per_batch(1)),
+    "hash_keys_segments": gpu(hash_keys_segments, "hash_keys_segments", "int64", launches=per_batch(1)),
     "random_indices_segments": cpu(random_indices_segments, "random_indices_segments", "int64"),
     # one tensor's compression or decompression in one pass
     "signsgd_compress": both(signsgd_compress, "sign_pack", "uint8"),
     "signsgd_decompress": both(signsgd_decompress, "sign_decode", "float32"),
-    "efsignsgd_compress": both(efsignsgd_compress, "efsign_compress", ("uint8", "float32")),
+    "efsignsgd_compress": both(efsignsgd_compress, "efsign_compress", ("uint8", "float32"), launches=fixed(2)),
     "efsignsgd_decompress": both(efsignsgd_decompress, "sign_decode", "float32"),
-    "onebit_compress": both(onebit_compress, "onebit_compress", ("uint8", "float32")),
+    "onebit_compress": both(onebit_compress, "onebit_compress", ("uint8", "float32"), launches=fixed(2)),
     "onebit_decompress": both(onebit_decompress, "onebit_decode", "float32"),
-    "terngrad_compress": both(terngrad_compress, ("maxabs", "terngrad_compress"), ("uint8", "float32")),
+    "terngrad_compress": both(terngrad_compress, ("maxabs", "terngrad_compress"), ("uint8", "float32"),
+                               launches=fixed(3)),
     "terngrad_decompress": both(terngrad_decompress, "terngrad_decode", "float32"),
-    "qsgd_compress": both(qsgd_compress, ("qsgd_norms", "qsgd_compress"), ("uint8", "float32")),
+    "qsgd_compress": both(qsgd_compress, ("qsgd_norms", "qsgd_compress"), ("uint8", "float32"), launches=fixed(3)),
     "qsgd_decompress": both(qsgd_decompress, "qsgd_decode", "float32"),
     "natural_compress": both(natural_compress, "natural_compress", ("uint8", "uint8")),
     "natural_decompress": both(natural_decompress, "natural_decode", "float32"),
@@ -126,30 +164,34 @@ KERNELS: Dict[str, Kernel] = {
     "scatter_add_segments_into": cpu(scatter_add_segments_into, "scatter_add_segments", "float32"),
     # a bucket's segments: each through the per-tensor function on a CPU, one launch per phase on a GPU
     "efsignsgd_compress_segments": both(efsignsgd_compress_segments, "efsign_compress", ("uint8", "float32"),
-                                        cuda="efsign_compress_segments"),
+                                        cuda="efsign_compress_segments", launches=per_batch(2)),
     "efsignsgd_decompress_segments": both(efsignsgd_decompress_segments, "sign_decode", "float32",
-                                          cuda="decode_segments"),
+                                          cuda="decode_segments", launches=per_batch(1)),
     "onebit_compress_segments": both(onebit_compress_segments, "onebit_compress", ("uint8", "float32"),
-                                     cuda="onebit_compress_segments"),
+                                     cuda="onebit_compress_segments", launches=per_batch(2)),
     "onebit_decompress_segments": both(onebit_decompress_segments, "onebit_decode", "float32",
-                                       cuda="decode_segments"),
+                                       cuda="decode_segments", launches=per_batch(1)),
     "terngrad_compress_segments": both(terngrad_compress_segments, ("maxabs", "terngrad_compress"),
-                                       ("uint8", "float32"), cuda="terngrad_compress_segments"),
+                                       ("uint8", "float32"), cuda="terngrad_compress_segments",
+                                       launches=per_batch(2, once=1)),
     "terngrad_decompress_segments": both(terngrad_decompress_segments, "terngrad_decode", "float32",
-                                         cuda="decode_segments"),
+                                         cuda="decode_segments", launches=per_batch(1)),
     "qsgd_compress_segments": both(qsgd_compress_segments, "qsgd_compress", ("uint8", "float32"),
-                                   cuda="qsgd_compress_segments"),
-    "qsgd_decompress_segments": both(qsgd_decompress_segments, "qsgd_decode", "float32", cuda="decode_segments"),
+                                   cuda="qsgd_compress_segments", launches=per_batch(3)),
+    "qsgd_decompress_segments": both(qsgd_decompress_segments, "qsgd_decode", "float32", cuda="decode_segments",
+                                     launches=per_batch(1)),
     "natural_compress_segments": both(natural_compress_segments, "natural_compress", ("uint8", "uint8"),
-                                      cuda="natural_compress_segments"),
+                                      cuda="natural_compress_segments", launches=per_batch(1)),
     "natural_decompress_segments": both(natural_decompress_segments, "natural_decode", "float32",
-                                        cuda="decode_segments"),
-    "topk_compress_segments": both(topk_compress_segments, "topk", ("float32", "int64")),
+                                        cuda="decode_segments", launches=per_batch(1)),
+    "topk_compress_segments": both(topk_compress_segments, "topk", ("float32", "int64"),
+                                   launches=per_segment(TOPK_LAUNCHES)),
     "topk_ef_step_segments": both(topk_ef_step_segments, "topk_ef", ("float32", "int64", "float32"),
-                                  cuda="topk_ef_segments"),
+                                  cuda="topk_ef_segments", launches=per_batch(14)),
     # error feedback fused with selection: one tensor, then a bucket in one call
-    "topk_ef_step": both(topk_ef_step, "topk_ef", ("float32", "index", "float32")),
-    "threshold_ef_step": both(threshold_ef_step, "threshold_ef", ("float32", "index", "float32"), variable=(0, 1)),
+    "topk_ef_step": both(topk_ef_step, "topk_ef", ("float32", "index", "float32"), launches=fixed(1 + TOPK_LAUNCHES)),
+    "threshold_ef_step": both(threshold_ef_step, "threshold_ef", ("float32", "index", "float32"), variable=(0, 1),
+                              launches=fixed(5), waits=1),
     "topk_ef_step_many": cpu(topk_ef_step_many, "topk_ef_many", ("float32", "index", "float32")),
     "threshold_ef_step_many": cpu(threshold_ef_step_many, "threshold_ef_many", ("float32", "index", "float32"),
                                   variable=(0, 1)),

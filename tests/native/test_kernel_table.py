@@ -83,3 +83,73 @@ def test_on_the_cpu_a_kernel_calls_only_the_c_functions_its_table_entry_lists(mo
         assert symbols <= set(gn.KERNELS[name].cpu), f"{name} called {symbols - set(gn.KERNELS[name].cpu)} on the CPU"
     assert len(seen) >= 30, sorted(seen)
     assert not strays, f"C functions called outside the kernel table: {sorted(set(strays))}"
+
+
+def test_a_segment_kernels_cuda_launches_grow_by_batches_of_segments():
+    """What bench_step's accelerator path counts for a native call: its CUDA launches, per batch
+    of SEGMENT_BATCH segments for the segment kernels, per call for the others."""
+    x = np.zeros(130, np.float32)
+    topk = gn.KERNELS["topk_ef_step_segments"]
+    for segments, batches in ((1, 1), (64, 1), (65, 2), (130, 3)):
+        numels = [130 // segments] * segments
+        starts = list(range(0, 130 // segments * segments, 130 // segments))
+        assert topk.cuda_cost(x, x, starts, numels, [1] * segments) == (14 * batches, 0)
+    assert gn.KERNELS["uniform_segments"].cuda_cost([5] * 65, [(1, 2)] * 65, x) == (2, 0)
+    assert gn.KERNELS["terngrad_compress_segments"].cuda_cost(x, [0], [130], x, [0]) == (1 + 2, 0)
+    assert gn.KERNELS["nonzero"].cuda_cost(x) == (4, 1)  # its count read back
+    assert gn.KERNELS["scatter_add_many"].cuda_cost([(x, x)] * 3, 130) == (1 + 3, 0)
+    assert gn.KERNELS["signsgd_decompress"].cuda_cost(x, 130) == (1, 0)
+
+
+CUDA_CALLS = {  # a call of each kernel the segmented plans make on a GPU: (name, arguments of a 1-d n, u, c)
+    "topk_ef_step_segments": lambda n, u, c: (n, u, [0, 1000], [1000, 2000], [10, 20]),
+    "efsignsgd_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000]),
+    "onebit_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000]),
+    "terngrad_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], u, [0, 1000]),
+    "qsgd_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], u, [0, 1000], 127, 8192),
+    "natural_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], u, [0, 1000]),
+    "uniform_segments": lambda n, u, c: ([1000, 2000], [(1, 2), (3, 4)], u),
+    "hash_keys_segments": lambda n, u, c: ([1000, 2000], [(1, 2), (3, 4)], c),
+    "signsgd_compress": lambda n, u, c: (n,),
+    "topk_indices": lambda n, u, c: (n, 30),
+    "nonzero": lambda n, u, c: (n > 0,),
+    "scatter_add_many": lambda n, u, c: ([(n[:10], c[:10]), (n[10:20], c[10:20])], 3000),
+}
+
+
+def _cuda_call_arguments(name: str, device: str):
+    from tests.native.conftest import torch
+
+    n = torch.randn(3000, device=device)
+    u = torch.rand(3000, device=device)
+    c = torch.arange(3000, device=device, dtype=torch.int64)
+    return CUDA_CALLS[name](n, u, c)
+
+
+@pytest.mark.parametrize("name", sorted(set(CUDA_CALLS) - {"hash_keys_segments"}))
+def test_the_cuda_launch_checks_call_their_kernels_rightly(name):
+    """The calls below, made here on the CPU library (which takes the same arguments): they run."""
+    assert gn.KERNELS[name].function(*_cuda_call_arguments(name, "cpu")) is not None
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_CALLS))
+def test_a_cuda_calls_launches_are_its_table_entrys(name):
+    """On a GPU: the kernels and memsets a native call launches, from torch's profiler (copies
+    back to the host left out: those are its waits), are what its table entry says (what
+    bench_step's accelerator path counts)."""
+    from tests.native.conftest import _cuda_ok, torch
+
+    if not _cuda_ok():
+        pytest.skip("no CUDA device or libgrace_cuda not built")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    args = _cuda_call_arguments(name, "cuda")
+    entry = gn.KERNELS[name]
+    entry.function(*args)  # (warm: the memory pool)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        entry.function(*args)
+        torch.cuda.synchronize()
+    launched = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith("Memcpy"))
+    assert launched == entry.cuda_cost(*args)[0], name

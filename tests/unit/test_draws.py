@@ -20,7 +20,7 @@ torch_backend = pytest.importorskip("grace.backends.torch_backend")
 
 @pytest.fixture
 def xp(monkeypatch):
-    monkeypatch.setattr(torch_backend, "_counter_indices", lambda device: True)
+    monkeypatch.setattr(torch_backend, "_counter_indices", lambda backend, like: True)
     return get_backend("torch")
 
 
@@ -101,7 +101,7 @@ def test_off_an_accelerator_every_backend_draws_the_same_indices(monkeypatch, na
     from grace import native as grace_native
     from grace.core import draws
 
-    monkeypatch.setattr(torch_backend, "_counter_indices", lambda device: False)
+    monkeypatch.setattr(torch_backend, "_counter_indices", lambda backend, like: False)
     numels, ks = [30, 40, 1, 7, 70_000, 5], [3, 4, 1, 7, 700, 0]
     seeds = [(1, 2), (3, 4), (5, 6), (7, 8), (2**40 + 9, 11), (1, 1)]
     want = np.concatenate([draws.random_indices_numpy(d, k, s) for d, k, s in zip(numels, ks, seeds)])

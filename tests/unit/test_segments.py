@@ -32,6 +32,18 @@ def gradients(xp, step: int, bad=None) -> dict:
     return {name: to_backend(xp, g) for name, g in grads.items()}
 
 
+@pytest.fixture(autouse=True)
+def _index_draws_by_device(monkeypatch):
+    """Random indices by the tensors' device, whichever path the backend is told it is on: these
+    tests compare plans, not the two rules of drawing indices (test_draws does)."""
+    try:
+        from grace.backends import torch_backend
+    except ImportError:
+        return
+    monkeypatch.setattr(torch_backend, "_counter_indices", lambda backend, like: like is not None and
+                        like.device.type != "cpu")
+
+
 @pytest.fixture
 def accelerator(xp, monkeypatch):
     """The backend told that its tensors are on an accelerator."""
@@ -249,7 +261,7 @@ def test_counter_draws_give_each_segment_its_tensors_own_draws(method, monkeypat
     CPU): a segment-wise bucket draws for each gradient what the gradient draws alone, so it
     equals the per-gradient exchange."""
     torch_backend = pytest.importorskip("grace.backends.torch_backend")
-    monkeypatch.setattr(torch_backend, "_counter_indices", lambda device: True)
+    monkeypatch.setattr(torch_backend, "_counter_indices", lambda backend, like: True)
     xp = torch_backend.TorchBackend()
     make = lambda: with_buckets(METHODS[method], 25)  # noqa: E731
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)
