@@ -238,8 +238,8 @@ class NumpyBackend:
         """Indices (int64, ascending) of the elements of the 1-d ``x`` with |x| >= threshold."""
         return self.nonzero(np.abs(x) >= threshold)
 
-    def gather(self, x, idx):
-        return x[idx.astype(np.int64, copy=False)]
+    def gather(self, x, idx, axis: int = 0):
+        return np.take(x, idx.astype(np.int64, copy=False), axis=axis)
 
     def cumsum(self, x, axis: int = 0):
         """Running sum of ``x`` along ``axis``, in its dtype."""

@@ -402,8 +402,8 @@ class TensorflowBackend:
         x = _to_tensor(x)
         return self.nonzero(tf.abs(x) >= tf.cast(threshold, x.dtype))
 
-    def gather(self, x, idx):
-        return tf.gather(_to_tensor(x), _to_tensor(idx, "int64"))
+    def gather(self, x, idx, axis: int = 0):
+        return tf.gather(_to_tensor(x), _to_tensor(idx, "int64"), axis=axis)
 
     def cumsum(self, x, axis: int = 0):
         """Running sum of ``x`` along ``axis``, in its dtype."""

@@ -341,8 +341,8 @@ class TorchBackend:
                 return idx
         return self.nonzero(x.abs() >= threshold)
 
-    def gather(self, x, idx):
-        return x[idx.long()]
+    def gather(self, x, idx, axis: int = 0):
+        return x.index_select(axis, idx.long()) if axis else x[idx.long()]
 
     def cumsum(self, x, axis: int = 0):
         return torch.cumsum(x, axis, dtype=x.dtype)

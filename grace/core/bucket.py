@@ -149,8 +149,20 @@ def _padded(xp, parts, like, flag=None, concat=None):
     size = sum(xp.numel(p) for p in parts)
     pad = -size % ALIGN
     if not isinstance(pad, int) or pad:
-        parts = [*parts, xp.zeros(pad, "uint8", like=like)]
+        parts = [*parts, _zeros(xp, pad, like)]
     return (concat or xp.concat)(parts) if len(parts) > 1 else parts[0]
+
+
+_PADS: dict = {}  # (backend, device, length) -> zero bytes, made once (no fill launched per frame)
+
+
+def _zeros(xp, pad, like):
+    if not (xp.mutable_tensors and isinstance(pad, int)):  # (a traced graph's tensors stay in their graph)
+        return xp.zeros(pad, "uint8", like=like)
+    key = (type(xp), None if like is None else xp.device(like), pad)
+    if key not in _PADS:
+        _PADS[key] = xp.zeros(pad, "uint8", like=like)
+    return _PADS[key]
 
 
 def frame_size(counts: Sequence, dtypes: Sequence[str], with_header: bool, flagged: bool = False):

@@ -63,8 +63,12 @@ class Journal:
         """How many ranks flagged an overflow (summed flags, or each rank's): read back now, or
         where ``defer`` (a flat result on an accelerator, poisoned on the device) left there as
         a tensor until ``end_step`` reads the whole step's at once: no stall per bucket."""
-        flags = [xp.cast(xp.flatten(f), "int64") for f in flags]
-        total = xp.sum(flags[0] if len(flags) == 1 else xp.concat(flags))
+        flags = [xp.flatten(f) for f in flags]
+        if len({xp.dtype(f) for f in flags}) > 1:
+            flags = [xp.cast(f, "int64") for f in flags]
+        total = xp.sum(flags[0] if len(flags) == 1 else xp.concat(flags))  # (integers: summed in int64)
+        if xp.dtype(total) != "int64":  # an allreduce's float flags, summed
+            total = xp.cast(total, "int64")
         if defer:
             self._deferred.append(total)
             return total

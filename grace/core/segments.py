@@ -106,7 +106,14 @@ class SegmentedFrame:
     """The frame of a bucket whose every segment sends pieces of fixed sizes: ``fields[j]`` is
     (element count per segment, wire dtype per segment) of payload position j. The frame is
     the one ``bucket.frame`` makes of the pieces in segment order (segment 0's payload, then
-    segment 1's...): pieces widest first, then the overflow flag, then padding."""
+    segment 1's...): pieces widest first, then the overflow flag, then padding.
+
+    Where a field's elements lie in the frame in its own order and at its own width, they are
+    written and read as they are. Otherwise (a sparsifier's values between its indices, indices
+    sent at each segment's width) the frame is one gather of bytes from the fields' bytes, and a
+    field one gather of bytes from the ranks' frames: a few operations per bucket, whatever its
+    widths and segments. (Integers are little-endian and non-negative: an index cast to a
+    narrower width is its low bytes, widened again its high bytes are zeros.)"""
 
     def __init__(self, xp, fields: Sequence[Tuple[Sequence[int], Sequence[str]]], flagged: bool, like):
         segments = len(fields[0][0])
@@ -118,106 +125,101 @@ class SegmentedFrame:
         self.field_dtypes = [d[0] if len(set(d)) == 1 else "int64" for _, d in fields]
         field_starts = [np.concatenate([[0], np.cumsum(c)[:-1]]).astype(np.int64) for c, _ in fields]
         self.flagged = flagged
-        # per element width: the positions of the frame's words in each field, in frame order
-        self.widths: List[int] = []
-        self.sources: dict = {}  # width -> [(field, positions in the field)] in frame order
+        # each field element's first byte in the frame and its width there
+        self._at = [np.zeros(size, np.int64) for size in self.field_sizes]
+        self._width = [np.zeros(size, np.int64) for size in self.field_sizes]
+        by_width: dict = {}  # width -> [(field, positions in the field)] in frame order
         for i in _order(dtypes):
             j, s = pieces[i]
-            width = ITEMSIZE[dtypes[i]]
-            if width not in self.sources:
-                self.widths.append(width)
-                self.sources[width] = []
-            self.sources[width].append((j, field_starts[j][s] + np.arange(counts[i], dtype=np.int64)))
-        self.words = {w: sum(len(p) for _, p in self.sources[w]) for w in self.widths}
-        size = sum(w * n for w, n in self.words.items()) + flagged
-        self.pad = -size % ALIGN
-        self.size = size + self.pad
-        # writing: the class's words gathered from its fields' elements, laid end to end (no
-        # gather where they are one field in order: a quantizer's codes, or its scalars)
-        self._write = {}
-        for w in self.widths:
-            fields_in = sorted({j for j, _ in self.sources[w]})
-            base = dict(zip(fields_in, np.cumsum([0] + [self.field_sizes[j] for j in fields_in[:-1]])))
-            gather = np.concatenate([base[j] + p for j, p in self.sources[w]])
-            in_order = len(fields_in) == 1 and np.array_equal(gather, np.arange(self.field_sizes[fields_in[0]]))
-            self._write[w] = (fields_in, None if in_order else xp.asarray(gather, like=like))
-        self._read: dict = {}
+            by_width.setdefault(ITEMSIZE[dtypes[i]], []).append((j, field_starts[j][s] + np.arange(counts[i])))
+        offset = 0
+        for width, sources in by_width.items():
+            for j, positions in sources:
+                self._at[j][positions] = offset + width * np.arange(len(positions))
+                self._width[j][positions] = width
+                offset += width * len(positions)
+        self.pad = -(offset + flagged) % ALIGN
+        self.size = offset + flagged + self.pad
+        self._flag_at = offset
+        # the fields laid in the frame as they are: j -> (first byte, bytes)
+        self._whole = {}
+        for j, size in enumerate(self.field_sizes):
+            width = ITEMSIZE[self.field_dtypes[j]]
+            if not size:
+                self._whole[j] = (0, 0)
+            elif np.all(self._width[j] == width) and np.array_equal(self._at[j], self._at[j][0] + width * np.arange(size)):
+                self._whole[j] = (int(self._at[j][0]), width * size)
         self._like = like
+        self._zero = xp.zeros(1, "uint8", like=like)  # (made once: the pad's and widened indices' bytes)
+        self._write_maps: dict = {}  # the fields' dtypes -> the frame's bytes in their bytes
+        self._read_maps: dict = {}  # field -> (its bytes in a frame, the mask of bytes widened, or None)
 
     def write(self, xp, fields: Sequence, flag=None):
         """This rank's frame from its ``fields`` (1-d, in segment order; integer fields are
         cast to each segment's wire dtype, floats keep theirs)."""
-        parts = []
-        for w in self.widths:
-            fields_in, gather = self._write[w]
-            source = [_as_words(xp, fields[j], w) for j in fields_in]
-            words = source[0] if len(source) == 1 else xp.concat(source)
-            parts.append(xp.to_bytes(words if gather is None else xp.gather(words, gather)))
+        if len(self._whole) == len(fields):  # every field as it is, in frame order
+            parts = [xp.to_bytes(_as_words(xp, fields[j], ITEMSIZE[self.field_dtypes[j]]))
+                     for j in sorted(self._whole, key=lambda j: self._whole[j][0])]
+        else:
+            dtypes = tuple(xp.dtype(f) for f in fields)
+            if dtypes not in self._write_maps:
+                self._write_maps[dtypes] = xp.asarray(self._write_map(dtypes), like=self._like)
+            parts = [xp.to_bytes(f) for f in fields]
+            if self.flagged:
+                parts.append(xp.cast(flag, "uint8"))
+            return xp.gather(xp.concat(parts + [self._zero]), self._write_maps[dtypes])
         if self.flagged:
             parts.append(xp.cast(flag, "uint8"))
         if self.pad:
-            parts.append(xp.zeros(self.pad, "uint8", like=self._like))
+            parts.append(self._zero if self.pad == 1 else xp.zeros(self.pad, "uint8", like=self._like))
         return xp.concat(parts) if len(parts) > 1 else parts[0]
+
+    def _write_map(self, dtypes) -> np.ndarray:
+        """For each byte of the frame, where it lies in the fields' bytes laid end to end, then
+        the flag byte, then a zero byte."""
+        sizes = [ITEMSIZE[d] for d in dtypes]
+        starts = np.cumsum([0] + [n * size for n, size in zip(self.field_sizes, sizes)])
+        zero = starts[-1] + self.flagged
+        out = np.full(self.size, zero, np.int64)
+        for j, size in enumerate(sizes):
+            byte = np.arange(int(self._width[j].max(initial=0)))
+            taken = byte[None, :] < np.minimum(self._width[j], size)[:, None]  # an element's bytes on the wire
+            frame = self._at[j][:, None] + byte[None, :]
+            source = starts[j] + size * np.arange(self.field_sizes[j])[:, None] + byte[None, :]
+            out[frame[taken]] = source[taken]
+        if self.flagged:
+            out[self._flag_at] = starts[-1]
+        return out
 
     def read(self, xp, received, ranks: int):
         """The fields of ``ranks`` frames laid end to end, as (ranks, field size) tensors (of the
         wire dtype; int64 for indices sent at several widths), and each rank's overflow flag
         (uint8) or None."""
-        if ranks not in self._read:
-            self._read[ranks] = self._reader(xp, ranks)
         rows = xp.reshape(received, (ranks, self.size))
-        words, offset = {}, 0
-        for w in self.widths:
-            end = offset + w * self.words[w]
-            words[w] = xp.from_bytes(xp.flatten(rows[:, offset:end]), _WORD[w])
-            offset = end
-        flags = xp.flatten(rows[:, offset:offset + 1]) if self.flagged else None
         out = []
         for j, dtype in enumerate(self.field_dtypes):
-            parts, order = self._read[ranks][j]
-            if len(parts) == 1 and order is None:  # one width, in field order: the words as they are
-                (w, positions), = parts
-                taken = words[w] if positions is None else xp.gather(words[w], positions)
-                values = xp.from_bytes(xp.to_bytes(taken), dtype)
+            if j in self._whole:
+                at, nbytes = self._whole[j]
+                values = xp.from_bytes(xp.flatten(rows[:, at:at + nbytes]), dtype)
             else:
-                pieces = [xp.cast(words[w] if positions is None else xp.gather(words[w], positions), "int64")
-                          for w, positions in parts]
-                values = pieces[0] if len(pieces) == 1 else xp.concat(pieces)
-                values = values if order is None else xp.gather(values, order)
+                if j not in self._read_maps:
+                    self._read_maps[j] = self._read_map(xp, j)
+                positions, mask = self._read_maps[j]
+                taken = xp.gather(rows, positions, axis=1)
+                values = xp.from_bytes(xp.flatten(taken if mask is None else taken * mask), dtype)
             out.append(xp.reshape(values, (ranks, self.field_sizes[j])))
+        flags = xp.flatten(rows[:, self._flag_at:self._flag_at + 1]) if self.flagged else None
         return out, flags
 
-    def _reader(self, xp, ranks: int):
-        """Per field: [(width, positions in that width's words of all ranks)] and, where the
-        parts are not already the field in order (an integer field sent at several widths),
-        the gather that puts their concatenation in (rank, field position) order; else None."""
-        per_field: dict = {}
-        for w in self.widths:
-            position = 0
-            for j, p in self.sources[w]:
-                per_field.setdefault(j, []).append((w, position + np.arange(len(p)), p))
-                position += len(p)
-        readers = []
-        for j, size in enumerate(self.field_sizes):
-            parts, where = [], []
-            for w in dict.fromkeys(w for w, _, _ in per_field[j]):
-                pos = np.concatenate([pos for ww, pos, _ in per_field[j] if ww == w])
-                positions = (np.arange(ranks)[:, None] * self.words[w] + pos).reshape(-1)
-                # (None: the words of all ranks are this field's, in order)
-                parts.append((w, None if np.array_equal(positions, np.arange(ranks * self.words[w]))
-                              else xp.asarray(positions, like=self._like)))
-                where.append(np.concatenate([p for ww, _, p in per_field[j] if ww == w]))
-            order = None
-            if len(parts) > 1 or not np.array_equal(where[0], np.arange(size)):
-                # element (rank r, i) of part w lies at offset_w + r * len(w) + i of the concatenation
-                order = np.empty(ranks * size, dtype=np.int64)
-                offset = 0
-                for w in where:
-                    order[(np.arange(ranks)[:, None] * size + w).reshape(-1)] = offset + np.arange(ranks * len(w))
-                    offset += ranks * len(w)
-                order = xp.asarray(order, like=self._like)
-            readers.append((parts, order))
-        return readers
+    def _read_map(self, xp, j: int):
+        """Field j's bytes in a frame (read at its dtype's width; a byte past an element's width
+        on the wire is taken as frame byte 0, then zeroed by the mask)."""
+        size = ITEMSIZE[self.field_dtypes[j]]
+        byte = np.arange(size)
+        taken = byte[None, :] < self._width[j][:, None]
+        positions = np.where(taken, self._at[j][:, None] + byte[None, :], 0).reshape(-1)
+        mask = None if taken.all() else xp.asarray(taken.reshape(-1).astype(np.uint8), like=self._like)
+        return xp.asarray(positions, like=self._like), mask
 
 
 _WORD = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}

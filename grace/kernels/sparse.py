@@ -106,10 +106,10 @@ class SparseKernels(MethodKernels):
         return xp.scatter_add(local + self._sent_starts(xp, table, values), values, table.numel)
 
     def aggregate_segments(self, xp, fields, ctx, table, ranks):
-        values, local = fields
-        starts = self._sent_starts(xp, table, values)
+        values, local = fields  # (ranks, sent) each: every rank's indices and shares by one op each
+        indices, shares = local + self._sent_starts(xp, table, values), values / ranks
         rows = range(ranks)  # payload after payload, as aggregate adds them
-        return xp.scatter_add_rows([local[r] + starts for r in rows], [values[r] / ranks for r in rows], table.numel)
+        return xp.scatter_add_rows([indices[r] for r in rows], [shares[r] for r in rows], table.numel)
 
 
 @kernels_for(TopK)

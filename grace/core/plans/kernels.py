@@ -168,10 +168,13 @@ class MethodKernels:
         """Residual memory's step for every segment in one go: (fields, ctx, new residual)."""
         return None
 
+    def _segment_decoder(self, xp, like):
+        return xp.native(f"{self.segment_kernel}_decompress_segments", like, "float32") if self.segment_kernel \
+            else None
+
     def decompress_segments(self, xp, fields, ctx, table):
         """Every segment's decompress, flat (allreduce methods: of the summed fields)."""
-        fused = xp.native(f"{self.segment_kernel}_decompress_segments", fields[0], "float32") \
-            if self.segment_kernel else None
+        fused = self._segment_decoder(xp, fields[0])
         if fused:
             return fused(*fields, table.numels, *self.arguments())
         offsets = table.cached("field offsets", lambda: [
@@ -183,10 +186,20 @@ class MethodKernels:
 
     def aggregate_segments(self, xp, fields, ctx, table, ranks: int):
         """Allgather methods: the flat mean over ``ranks`` of the received fields (each a (ranks,
-        field size) tensor): each rank's payloads decoded and added, rank after rank."""
-        total = self.decompress_segments(xp, [f[0] for f in fields], ctx, table)
-        for r in range(1, ranks):
-            total = total + self.decompress_segments(xp, [f[r] for f in fields], ctx, table)
+        field size) tensor): each rank's payloads decoded and added, rank after rank. The segment
+        kernel decodes all ranks' in one call: their fields in a row are the segments of every
+        rank in turn."""
+        fused = self._segment_decoder(xp, fields[0])
+        if fused:
+            numels = table.cached(f"numels of {ranks} ranks", lambda: list(table.numels) * ranks)
+            decoded = xp.reshape(fused(*[xp.flatten(f) for f in fields], numels, *self.arguments()),
+                                 (ranks, table.numel))
+            rows = [decoded[r] for r in range(ranks)]
+        else:
+            rows = [self.decompress_segments(xp, [f[r] for f in fields], ctx, table) for r in range(ranks)]
+        total = rows[0]
+        for row in rows[1:]:
+            total = total + row
         return total / ranks
 
 
