@@ -44,6 +44,17 @@ def _drawn_natively(name: str, dtype, counts, seeds, device):
     return _native.run(name, out, counts, [draws.seed_words(seed) for seed in seeds], out)
 
 
+@functools.lru_cache(maxsize=64)
+def _taken(numels: tuple, ks: tuple, device):
+    """Random indices of segments of ``numels`` elements, ``ks`` of each: where each taken one
+    lies in the segments' sorted elements, and its segment's start (int64 on ``device``; made
+    once per layout, as a bucket's is the same every step)."""
+    starts = _int64s([0, *np.cumsum(numels)[:-1].tolist()], device)
+    taken_segment, _, rank = _segments(ks, device)  # the taken: each one's segment and rank in it
+    first = starts[taken_segment]
+    return first + rank, first
+
+
 def _single_column(x) -> bool:
     return x.dim() == 2 and x.shape[1] == 1 and x.dtype in (torch.float32, torch.float64)
 
@@ -292,14 +303,11 @@ class TorchBackend:
         device = like.device if like is not None else torch.device("cpu")
         keys = _drawn_natively("hash_keys_segments", torch.int64, numels, seeds, device)
         if keys is None:
-            hashes, segment, starts = _counter_hashes(numels, seeds, device)
+            hashes, segment, _ = _counter_hashes(numels, seeds, device)
             keys = (segment << 32) | hashes
-        else:
-            starts = _int64s([0, *np.cumsum(numels)[:-1].tolist()], device)
         order = torch.sort(keys, stable=True).indices  # each segment's elements, in a row
-        taken_segment, _, rank = _segments(ks, device)  # the taken: each one's segment and rank in it
-        first = starts[taken_segment]  # each taken index's segment start
-        return torch.sort(order[first + rank]).values - first  # ascending within each segment
+        places, first = _taken(tuple(numels), tuple(ks), device)
+        return torch.sort(order[places]).values - first  # ascending within each segment
 
     def arange(self, n: int, like=None):
         return torch.arange(int(n), device=like.device if like is not None else None)

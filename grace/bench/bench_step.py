@@ -222,7 +222,8 @@ def gradients(net, x, y, loss, device: str, iters: int):
 NO_KERNEL = {f"aten::{name}" for name in (
     "view", "_unsafe_view", "reshape", "flatten", "view_as", "slice", "select", "narrow", "split", "split_with_sizes",
     "unbind", "detach", "alias", "expand", "expand_as", "permute", "t", "transpose", "unsqueeze", "squeeze",
-    "as_strided", "lift_fresh", "empty", "empty_like", "empty_strided", "unflatten")}
+    "as_strided", "lift_fresh", "empty", "empty_like", "empty_strided", "unflatten", "detach_", "numpy_T",
+    "resolve_conj", "resolve_neg")}
 
 
 class AcceleratorPath:
