@@ -123,6 +123,8 @@ class Segmented(BucketPlan):
         n = self.services.communicator.size
         pairs = [r for r in read if not isinstance(r, Dense)]
         dense = [r.values for r in read if isinstance(r, Dense)]
-        g_hat = xp.scatter_add_rows([i for _, i in pairs], [v / len(pairs) for v, _ in pairs], self.bucket.numel) \
-            if pairs else None
+        g_hat = None
+        if pairs:  # (every rank's values divided by one op)
+            shares = xp.split(xp.concat([v for v, _ in pairs]) / len(pairs), [xp.numel(v) for v, _ in pairs])
+            g_hat = xp.scatter_add_rows([i for _, i in pairs], shares, self.bucket.numel)
         return with_dense(g_hat, len(pairs), dense, n) if dense else g_hat
