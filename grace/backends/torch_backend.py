@@ -260,7 +260,8 @@ class TorchBackend:
         else:
             sums = [x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32) for x in xs]
             total = sums[0] if len(sums) == 1 else torch.stack([s.double() for s in sums]).sum()
-        return (~torch.isfinite(total)).to(torch.float32).reshape(1)
+        # total - total: +0 where finite, NaN where not (inf - inf): made the flag by one more op
+        return torch.nan_to_num((total - total).to(torch.float32), nan=1.0).reshape(1)
 
     def max(self, x, axis=None):
         if x.numel() == 0:
