@@ -31,6 +31,16 @@ def poisoned(xp, t, overflow):
     return xp.where(overflow > 0, float("nan"), t)
 
 
+def poisoned_many(xp, ts, overflow):
+    """``poisoned`` of several tensors; with the count left on the device, by one multi-tensor
+    division (by 1, exactly t; or by NaN)."""
+    if no_overflow(overflow):
+        return list(ts)
+    if isinstance(overflow, int):
+        return [t * float("nan") for t in ts]
+    return xp.divide_many(list(ts), xp.where(xp.reshape(overflow, ()) > 0, float("nan"), 1.0))
+
+
 def any_flag(xp, flags):
     """One overflow flag (1 where any is) from several."""
     return flags[0] if len(flags) == 1 else xp.reshape(xp.max(xp.concat(flags)), (1,))

@@ -141,6 +141,26 @@ def test_an_overflow_costs_one_segmented_step(accelerator, method, monkeypatch):
     assert_runs_equal(xp, units, segmented, method)
 
 
+@pytest.mark.parametrize("bucket_mb", [25, 0.002], ids=["one-bucket", "several-buckets"])
+def test_an_overflow_costs_powersgd_one_step_with_its_count_left_on_the_accelerator(accelerator, bucket_mb,
+                                                                                    monkeypatch):
+    """PowerSGD's buckets on an accelerator leave the count of flagged ranks on the device until
+    the step ends (its results poisoned by one multi-tensor division): NaN gradients in its bucket
+    that step, every state as before it, and otherwise the results bit for bit as on a CPU."""
+    xp = accelerator
+    make = lambda: with_buckets(METHODS["powersgd"], bucket_mb)  # noqa: E731
+    reads, read = [], type(xp).host_ints
+    monkeypatch.setattr(type(xp), "host_ints", lambda self, x, count: reads.append(count) or read(self, x, count))
+    on_device = run(xp, make(), steps=4, bad_step=1)
+    plans = on_device[0].bucket_plans().values()
+    assert {plan.name for plan in plans} == {"multi-round"}
+    assert reads.count(1) == 4  # the overflow count: one read a step, however many buckets
+    assert np.isnan(xp.to_numpy(on_device[1][1]["head"])).all()
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)
+    here = run(xp, make(), steps=4, bad_step=1)
+    assert_runs_equal(xp, here, on_device, "powersgd")
+
+
 @pytest.mark.parametrize("before, after", [(25, 0), (0, 25), (25, 0.002)])
 @pytest.mark.parametrize("method", SEGMENTED)
 def test_segmented_checkpoints_load_under_another_bucket_size(accelerator, method, before, after):

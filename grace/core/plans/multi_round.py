@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from grace.core.journal import any_flag
-from grace.core.plans.base import BucketPending, BucketPlan
+from grace.core.journal import any_flag, no_overflow, poisoned_many
+from grace.core.plans.base import BucketPending, BucketPlan, defers_on_device
 from grace.core.plans.reference import later_rounds
 
 
 class MultiRound(BucketPlan):
     name = "multi-round"
+
+    def _defers(self, xp, g) -> bool:
+        return defers_on_device(xp, g)  # (its results poisoned at once: ``poisoned_many``)
 
     def start(self, xp, grads, flat) -> BucketPending:
         s = self.services
@@ -42,7 +45,8 @@ class MultiRound(BucketPlan):
             pending.p[i] = p
         pending.rounds = s.kernels.rounds_many(xp, pending.p, infos, states, outs, firsts,
                                                               pending.updates)
-        pending.wait, nbytes = s.transport.allreduce_units(xp, self.bucket.key, next(pending.rounds), pending.flag)
+        pending.wait, nbytes = s.transport.allreduce_units(xp, self.bucket.key, next(pending.rounds), pending.flag,
+                                                           defer=pending.defer)
         s.transport.stats.add(nbytes, 0)
         return pending
 
@@ -93,8 +97,11 @@ class MultiRound(BucketPlan):
 
         results = later_rounds(s, pending.rounds, summed, allreduce)
         new_memory = self._new_memories(pending, results)
+        g_hats = [g_u for g_u, _, _ in results]
+        if pending.defer and not no_overflow(overflow):  # a count left on the device: all poisoned at once
+            g_hats, overflow = poisoned_many(xp, g_hats, overflow), None
         delivered = []
-        for i, (u, (g_u, _, state)) in enumerate(zip(pending.units, results)):
+        for i, (u, g_u, (_, _, state)) in enumerate(zip(pending.units, g_hats, results)):
             s.journal.set("state", u.name, state)
             if s.compression.memory.needs_feedback:
                 s.journal.set("memory", u.name, new_memory[i])
