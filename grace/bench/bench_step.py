@@ -21,6 +21,9 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
                (with the host syncs the step waits for), top-level torch ops on a CPU
   waits        host waits for the GPU per step (on a GPU; on a CPU with --accelerator-path,
                the reads back the GPU would wait for)
+  floor        on a CPU, bucketed work over the floor its target is set against, and the target:
+               error-feedback methods 2x error feedback's floor, none / fp16 / signsgd 1.5x a
+               read plus a write of the gradients (the line below each table names those over)
   bytes        bytes this rank hands to the collectives per step
   plans        the plans the buckets took (``Exchange.plan_of``: per-gradient, flat, segmented, ...)
 On a CPU a line above each table times plain torch passes over the model's gradients (read,
@@ -237,8 +240,6 @@ class AcceleratorPath:
 
     ``waits`` counts the reads back a GPU would wait for (``host_ints``)."""
 
-    MODES = ("native", "fallback")
-
     def __init__(self):
         self.waits, self.native = 0, True
         TorchBackend.on_accelerator = lambda backend, x: True
@@ -441,13 +442,31 @@ def print_header(accelerator: bool = False) -> None:
               f"{'fallback ops':>13} {'/bucket':>8} {'waits':>6} {'bytes':>12}  plans")
         return
     print(f"{'method':<10} {'per-tensor ms':>13} {'share':>7} {'calls':>6} {'ops':>6} {'bucketed ms':>12} "
-          f"{'share':>7} {'calls':>6} {'ops':>6} {'waits':>6} {'speedup':>8} {'bytes':>12} "
+          f"{'share':>7} {'calls':>6} {'ops':>6} {'waits':>6} {'speedup':>8} {'floor':>10} {'bytes':>12} "
           f"{'(collective ms)':>16} {'(no clock ms)':>14}  plans")
 
 
 def _shown(value: float, spec: str, unit: str = "") -> str:
     """``value`` formatted, or '-' for a part not run (--bucketed-only)."""
     return "-" if value != value else format(value, spec) + unit  # (NaN)
+
+
+# the CPU targets, relative to the floors of the same run: error-feedback methods' bucketed work
+# within 2x error feedback's floor; the methods that only read the gradients and write a result
+# within 1.5x a read plus a write of them
+FEEDBACK_TARGET, PASS_TARGET = 2.0, 1.5
+PASS_METHODS = ("none", "fp16", "signsgd")
+
+
+def against_floor(method: str, row: dict):
+    """(bucketed work over the method's floor, its target), or None for a method without one."""
+    if "feedback_floor_ms" not in row:
+        return None
+    if method in PASS_METHODS:
+        return row["bucketed_work_ms"] / (row["read_ms"] + row["write_ms"]), PASS_TARGET
+    if grace.create(method, **METHODS[method]).memory.needs_feedback:
+        return row["bucketed_work_ms"] / row["feedback_floor_ms"], FEEDBACK_TARGET
+    return None
 
 
 # the most kernel-launching ops per bucket (and round, for multi-round plans) on a GPU with grace's
@@ -476,6 +495,11 @@ def over_limits(row: dict) -> list:
                    if row[key] > WAITS_PER_STEP]
 
 
+def _floor(method: str, row: dict) -> str:
+    ratio = against_floor(method, row)
+    return "-" if ratio is None else f"{ratio[0]:.2f}x/{ratio[1]:g}"
+
+
 def print_row(method: str, row: dict, accelerator: bool = False) -> None:
     if accelerator:
         units = per_bucket(row)
@@ -487,7 +511,8 @@ def print_row(method: str, row: dict, accelerator: bool = False) -> None:
     print(f"{method:<10} {_shown(row['per_tensor_work_ms'], '.2f'):>13} {_shown(row['per_tensor_share'], '.1%'):>7} "
           f"{row['per_tensor_calls']:>6} {row['per_tensor_ops']:>6} {row['bucketed_work_ms']:>12.2f} "
           f"{row['bucketed_share']:>7.1%} {row['bucketed_calls']:>6} {row['bucketed_ops']:>6} "
-          f"{row.get('bucketed_waits', '-'):>6} {_shown(row['speedup'], '.2f', 'x'):>8} {row['bucketed_bytes']:>12} "
+          f"{row.get('bucketed_waits', '-'):>6} {_shown(row['speedup'], '.2f', 'x'):>8} {_floor(method, row):>10} "
+          f"{row['bucketed_bytes']:>12} "
           f"{row['bucketed_collective_ms']:>16.2f} {row['bucketed_exchange_free_ms']:>14.2f}  "
           f"{row['bucketed_plans']}", flush=True)
 
@@ -558,6 +583,13 @@ def main():
                    "speedup": per_tensor["work_ms"] / bucketed["work_ms"]}
             rows.append(row)
             print_row(method, row, path is not None)
+        if passes and path is None:
+            ratios = {row["method"]: against_floor(row["method"], row) for row in rows if row["model"] == model}
+            over = [f"{method} {ratio:.2f}x > {target:g}x" for method, (ratio, target) in
+                    ((m, r) for m, r in ratios.items() if r is not None) if ratio > target]
+            print(f"CPU targets: bucketed work within {FEEDBACK_TARGET:g}x error feedback's floor (error-feedback "
+                  f"methods), {PASS_TARGET:g}x a read plus a write ({', '.join(PASS_METHODS)}). Over them: "
+                  f"{'; '.join(over) or 'none'}")
         if path is not None:
             over = [f"{row['method']}: {', '.join(over_limits(row))}" for row in rows
                     if row["model"] == model and over_limits(row)]

@@ -17,7 +17,7 @@ that the segments' own payloads make; ``SparseFrames`` does so for a variable nu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Sequence, Tuple
 
 import numpy as np
 
@@ -147,7 +147,8 @@ class SegmentedFrame:
             width = ITEMSIZE[self.field_dtypes[j]]
             if not size:
                 self._whole[j] = (0, 0)
-            elif np.all(self._width[j] == width) and np.array_equal(self._at[j], self._at[j][0] + width * np.arange(size)):
+            elif np.all(self._width[j] == width) and \
+                    np.array_equal(self._at[j], self._at[j][0] + width * np.arange(size)):
                 self._whole[j] = (int(self._at[j][0]), width * size)
         self._like = like
         self._zero = xp.zeros(1, "uint8", like=like)  # (made once: the pad's and widened indices' bytes)

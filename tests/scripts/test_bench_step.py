@@ -3,6 +3,7 @@ with grace's work and the stand-in collectives timed apart."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,10 @@ def test_bench_step_reports_work_without_the_stand_in_collectives(tmp_path):
             assert 0 < row[f"{mode}_work_ms"] < row[f"{mode}_exchange_ms"]
     assert rows["topk"]["bucketed_bytes"] * 40 < rows["none"]["bucketed_bytes"]
     assert "mlp48 on cpu: 96 gradient tensors" in proc.stdout
+    # top-k's work against error feedback's floor, none's against a read plus a write: a ratio and its target
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.split()}
+    assert re.search(r" \d+\.\d\dx/2 ", lines["topk"]) and re.search(r" \d+\.\d\dx/1\.5 ", lines["none"])
+    assert "CPU targets: bucketed work within 2x error feedback's floor" in proc.stdout
 
 
 def test_the_accelerator_path_counted_on_a_cpu(tmp_path):
