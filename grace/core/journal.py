@@ -38,7 +38,9 @@ def poisoned_many(xp, ts, overflow):
         return list(ts)
     if isinstance(overflow, int):
         return [t * float("nan") for t in ts]
-    return xp.divide_many(list(ts), xp.where(xp.reshape(overflow, ()) > 0, float("nan"), 1.0))
+    ts = list(ts)
+    divisor = xp.cast(xp.where(xp.reshape(overflow, ()) > 0, float("nan"), 1.0), xp.dtype(ts[0]))
+    return xp.divide_many(ts, divisor)
 
 
 def any_flag(xp, flags):

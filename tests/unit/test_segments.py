@@ -156,6 +156,7 @@ def test_an_overflow_costs_powersgd_one_step_with_its_count_left_on_the_accelera
     assert {plan.name for plan in plans} == {"multi-round"}
     assert reads.count(1) == 4  # the overflow count: one read a step, however many buckets
     assert np.isnan(xp.to_numpy(on_device[1][1]["head"])).all()
+    assert {xp.dtype(g) for g in on_device[1][1].values()} == {"float32"}
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)
     here = run(xp, make(), steps=4, bad_step=1)
     assert_runs_equal(xp, here, on_device, "powersgd")
