@@ -21,7 +21,7 @@ from typing import Any, Sequence, Tuple
 
 import numpy as np
 
-from grace.core.bucket import ALIGN, DENSE, ITEMSIZE, Dense, _order, _padded, frame_size
+from grace.core.bucket import ALIGN, DENSE, ITEMSIZE, Dense, _order, _padded, _zeros, frame_size
 from grace.formats import index_dtype
 
 KEY_BITS = 31  # |x| of a float32, read as an integer: order-preserving, NaN above inf
@@ -150,30 +150,25 @@ class SegmentedFrame:
             elif np.all(self._width[j] == width) and \
                     np.array_equal(self._at[j], self._at[j][0] + width * np.arange(size)):
                 self._whole[j] = (int(self._at[j][0]), width * size)
+        # where every field lies whole: the fields in frame order (the frame is their join)
+        self._in_order = sorted(self._whole, key=lambda j: self._whole[j][0]) \
+            if len(self._whole) == len(self.field_sizes) else None
         self._like = like
-        self._zero = xp.zeros(1, "uint8", like=like)  # (made once: the pad's and widened indices' bytes)
         self._write_maps: dict = {}  # the fields' dtypes -> the frame's bytes in their bytes
         self._read_maps: dict = {}  # field -> (its bytes in a frame, the mask of bytes widened, or None)
 
     def write(self, xp, fields: Sequence, flag=None):
         """This rank's frame from its ``fields`` (1-d, in segment order; integer fields are
         cast to each segment's wire dtype, floats keep theirs)."""
-        if len(self._whole) == len(fields):  # every field as it is, in frame order
-            parts = [xp.to_bytes(_as_words(xp, fields[j], ITEMSIZE[self.field_dtypes[j]]))
-                     for j in sorted(self._whole, key=lambda j: self._whole[j][0])]
-        else:
-            dtypes = tuple(xp.dtype(f) for f in fields)
-            if dtypes not in self._write_maps:
-                self._write_maps[dtypes] = xp.asarray(self._write_map(dtypes), like=self._like)
-            parts = [xp.to_bytes(f) for f in fields]
-            if self.flagged:
-                parts.append(xp.cast(flag, "uint8"))
-            return xp.gather(xp.concat(parts + [self._zero]), self._write_maps[dtypes])
-        if self.flagged:
-            parts.append(xp.cast(flag, "uint8"))
-        if self.pad:
-            parts.append(self._zero if self.pad == 1 else xp.zeros(self.pad, "uint8", like=self._like))
-        return xp.concat(parts) if len(parts) > 1 else parts[0]
+        flag = flag if self.flagged else None
+        if self._in_order is not None:  # every field as it is
+            parts = [xp.to_bytes(_as_words(xp, fields[j], ITEMSIZE[self.field_dtypes[j]])) for j in self._in_order]
+            return _padded(xp, parts, self._like, flag)
+        dtypes = tuple(xp.dtype(f) for f in fields)
+        if dtypes not in self._write_maps:
+            self._write_maps[dtypes] = xp.asarray(self._write_map(dtypes), like=self._like)
+        parts = [xp.to_bytes(f) for f in fields] + ([] if flag is None else [xp.cast(flag, "uint8")])
+        return xp.gather(xp.concat(parts + [_zeros(xp, 1, self._like)]), self._write_maps[dtypes])
 
     def _write_map(self, dtypes) -> np.ndarray:
         """For each byte of the frame, where it lies in the fields' bytes laid end to end, then
