@@ -269,6 +269,34 @@ class NumpyBackend:
         """Each element of ``x`` repeated ``counts`` times (``total``: their sum)."""
         return np.repeat(x, counts)
 
+    def segment_max(self, x, counts):
+        """Per segment of ``counts`` elements in a row, the largest of the non-negative ``x``
+        (0 where empty, as ``max``)."""
+        counts = np.asarray(counts)
+        out = np.zeros(len(counts), x.dtype)
+        full = counts > 0
+        if full.any():
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            out[full] = np.maximum.reduceat(x, starts[full])
+        return out
+
+    def segment_sum(self, x, counts):
+        """Per segment of ``counts`` elements in a row, its sum in x's dtype (0 where empty):
+        each segment's own ``np.sum`` (NumPy's pairwise order, which grace.native's CPU kernels
+        reproduce), a run of equal segments summed as the rows of one matrix."""
+        counts = np.asarray(counts, np.int64)
+        out = np.zeros(len(counts), x.dtype)
+        s = start = 0
+        while s < len(counts):
+            e = s + 1
+            while e < len(counts) and counts[e] == counts[s]:
+                e += 1
+            size = int(counts[s]) * (e - s)
+            if size:
+                out[s:e] = np.sum(x[start:start + size].reshape(e - s, -1), axis=1)
+            s, start = e, start + size
+        return out
+
     def bincount(self, idx, length: int):
         """int64 counts of each value in [0, length) among the integers ``idx``."""
         return np.bincount(idx, minlength=int(length)).astype(np.int64, copy=False)
@@ -325,3 +353,4 @@ class NumpyBackend:
             return (np.eye(x.shape[0], 1) if norm == 0 else wide / norm).astype(x.dtype)
         q, r = np.linalg.qr(x, mode="reduced")
         return (q * np.where(np.diagonal(r) < 0, -1, 1)).astype(x.dtype, copy=False)
+

@@ -427,6 +427,17 @@ class TensorflowBackend:
     def repeat(self, x, counts, total: int):
         return tf.repeat(_to_tensor(x), _to_tensor(counts, "int64"))
 
+    def segment_max(self, x, counts):
+        counts = _to_tensor(counts, "int64")
+        ids = tf.repeat(tf.range(tf.size(counts, out_type=tf.int64)), counts)
+        return tf.maximum(tf.math.unsorted_segment_max(_to_tensor(x), ids, tf.size(counts)), 0)  # (x >= 0)
+
+    def segment_sum(self, x, counts):
+        counts = _to_tensor(counts, "int64")
+        ids = tf.repeat(tf.range(tf.size(counts, out_type=tf.int64)), counts)
+        x = _to_tensor(x)
+        return tf.cast(tf.math.unsorted_segment_sum(tf.cast(x, tf.float64), ids, tf.size(counts)), x.dtype)
+
     def scatter_add_rows(self, idx_rows, value_rows, numel: int):
         out = tf.zeros((int(numel),), _to_tensor(value_rows[0]).dtype)
         for idx, values in zip(idx_rows, value_rows):

@@ -327,6 +327,11 @@ class TorchBackend:
             idx = _native.run("topk_indices", x, x, k)
             if idx is not None:
                 return idx
+            # grace.native's rule, as NumPy's backend keeps it: of the elements equal to the k-th
+            # largest, the first ones (a stable sort; torch.topk takes ties in any order), NaN as inf
+            inf = float("inf")
+            keys = torch.nan_to_num(x, nan=inf, posinf=inf, neginf=-inf) if x.is_floating_point() else x
+            return torch.sort(torch.sort(keys, descending=True, stable=True).indices[:k]).values
         return torch.topk(x, k, sorted=False).indices
 
     def nonzero(self, mask, size=None):
@@ -379,6 +384,16 @@ class TorchBackend:
 
     def repeat(self, x, counts, total: int):
         return torch.repeat_interleave(x, counts, output_size=int(total))  # (the size given: no sync)
+
+    def segment_max(self, x, counts):
+        return torch.segment_reduce(x, "max", lengths=counts, unsafe=True, initial=0)  # (x >= 0)
+
+    def segment_sum(self, x, counts):
+        if not counts.numel():
+            return torch.zeros(0, dtype=x.dtype, device=x.device)
+        # in float64, each segment by its own block on a GPU (CUB), in turn on a CPU: alone, the
+        # same bits
+        return torch.segment_reduce(x.double(), "sum", lengths=counts, unsafe=True).to(x.dtype)
 
     def bincount(self, idx, length: int):
         # integer additions: the same counts in any order (torch.bincount reads its length

@@ -10,7 +10,7 @@
 from dataclasses import replace
 
 from grace.compressors.sign_bits import SignBits
-from grace.core import bits
+from grace.core import bits, segments
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Shape, check_number
 from grace.core.registry import example, register
@@ -28,8 +28,12 @@ class EFSignSGD(SignBits):
         if fused:
             return fused(x), Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
-        scale = xp.sum(xp.abs(flat)) / max(1, xp.numel(flat))
-        return (bits.pack(xp, flat >= 0, 1), xp.reshape(scale, (1,))), Shape(xp.shape(x), xp.dtype(x))
+        scale = self.scalars_of(xp, flat, segments.whole(xp, xp.numel(flat), flat))
+        return (bits.pack(xp, flat >= 0, 1), scale), Shape(xp.shape(x), xp.dtype(x))
+
+    def scalars_of(self, xp, flat, table):
+        """Per segment of ``flat`` (a tensor, or a bucket's gradients): its scale ||x||_1 / d."""
+        return xp.segment_sum(xp.abs(flat), table.counts) / table.counts_at_least_one(xp)
 
     def ideal_bits(self, xp, payload, ctx):
         return ctx.numel + 32  # bits + scale
@@ -39,8 +43,12 @@ class EFSignSGD(SignBits):
         fused = xp.native("efsignsgd_decompress", packed, ctx.dtype)
         if fused:
             return xp.reshape(fused(packed, scale, ctx.numel), ctx.shape)
-        signs = xp.cast(bits.unpack(xp, packed, 1, ctx.numel), "float32") * 2 - 1
-        return xp.reshape(xp.cast(signs * scale[0], ctx.dtype), ctx.shape)
+        values = self.values(xp, bits.unpack(xp, packed, 1, ctx.numel), scale, segments.whole(xp, ctx.numel, packed))
+        return xp.reshape(xp.cast(values, ctx.dtype), ctx.shape)
+
+    def values(self, xp, positive, scale, table):
+        """Element by element: the float32 values of the unpacked bits, each at its segment's scale."""
+        return (xp.cast(positive, "float32") * 2 - 1) * table.per_element(xp, scale)
 
     def finish(self, n):
         return False, (n, self.lr)  # the mean, over lr

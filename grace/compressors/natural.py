@@ -31,7 +31,12 @@ class Natural(Compressor):
         if native is not None:
             return native, Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
-        u = xp.uniform(xp.numel(flat), seed, like=flat)
+        negative, codes = self.codes(xp, flat, xp.uniform(xp.numel(flat), seed, like=flat))
+        return (bits.pack(xp, negative, 1), codes), Shape(xp.shape(x), xp.dtype(x))
+
+    def codes(self, xp, flat, u):
+        """Element by element (a bucket's segments at once as well): the sign bits (x < 0) and
+        the exponent codes of a float32 ``flat``, from its draws ``u``."""
         magnitude = xp.abs(flat)
         low_code = floor_log2(xp, magnitude, lowest=-_BIAS) + _BIAS  # 0 .. 254
         low = xp.where(low_code > 0, xp.exp2(low_code - _BIAS), magnitude * 0)
@@ -39,8 +44,7 @@ class Natural(Compressor):
         up = u < (magnitude - low) / (high - low)
         codes = low_code + xp.cast(up, "float32")
         codes = xp.where(codes > _TOP, codes * 0 + _TOP, codes)  # 2^128 is not a float32
-        negative = bits.pack(xp, flat < 0, 1)
-        return (negative, xp.cast(codes, "uint8")), Shape(xp.shape(x), xp.dtype(x))
+        return flat < 0, xp.cast(codes, "uint8")
 
     def ideal_bits(self, xp, payload, ctx):
         return 9 * ctx.numel  # sign + exponent
@@ -50,10 +54,14 @@ class Natural(Compressor):
         fused = xp.native("natural_decompress", codes, ctx.dtype)
         if fused:
             return xp.reshape(fused(negative, codes, ctx.numel), ctx.shape)
+        values = self.values(xp, bits.unpack(xp, negative, 1, ctx.numel), codes)
+        return xp.reshape(xp.cast(values, ctx.dtype), ctx.shape)
+
+    def values(self, xp, negative, codes):
+        """Element by element: the float32 values of the unpacked sign bits and the codes."""
         codes = xp.cast(codes, "float32")
         magnitude = xp.where(codes > 0, xp.exp2(codes - _BIAS), codes * 0)
-        sign = 1 - 2 * xp.cast(bits.unpack(xp, negative, 1, ctx.numel), "float32")
-        return xp.reshape(xp.cast(sign * magnitude, ctx.dtype), ctx.shape)
+        return (1 - 2 * xp.cast(negative, "float32")) * magnitude
 
 
 @register("natural", seed="seed")

@@ -6,7 +6,7 @@
 from dataclasses import replace
 
 from grace.compressors.sign_bits import SignBits
-from grace.core import bits
+from grace.core import bits, segments
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Shape
 from grace.core.registry import register
@@ -22,13 +22,18 @@ class OneBit(SignBits):
         if fused:
             return fused(x), Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
+        means = self.scalars_of(xp, flat, segments.whole(xp, xp.numel(flat), flat))
+        return (bits.pack(xp, flat >= 0, 1), means), Shape(xp.shape(x), xp.dtype(x))
+
+    def scalars_of(self, xp, flat, table):
+        """Per segment of ``flat`` (a tensor, or a bucket's gradients): mu0 and mu1 (a segment's
+        pair after another's)."""
         positive = flat >= 0
-        n_pos = xp.sum(xp.cast(positive, "float32"))
-        sum_pos = xp.sum(xp.where(positive, flat, flat * 0))
+        n_pos = xp.segment_sum(xp.cast(positive, "float32"), table.counts)
+        sum_pos = xp.segment_sum(xp.where(positive, flat, flat * 0), table.counts)
         mu1 = sum_pos / xp.clip_min(n_pos, 1)
-        mu0 = (xp.sum(flat) - sum_pos) / xp.clip_min(xp.numel(flat) - n_pos, 1)
-        means = xp.concat([xp.reshape(mu0, (1,)), xp.reshape(mu1, (1,))])
-        return (bits.pack(xp, positive, 1), means), Shape(xp.shape(x), xp.dtype(x))
+        mu0 = (xp.segment_sum(flat, table.counts) - sum_pos) / xp.clip_min(table.counts_at_least_one(xp) - n_pos, 1)
+        return xp.flatten(xp.transpose(xp.reshape(xp.concat([mu0, mu1]), (2, -1))))
 
     def ideal_bits(self, xp, payload, ctx):
         return ctx.numel + 64  # bits + two means
@@ -38,9 +43,14 @@ class OneBit(SignBits):
         fused = xp.native("onebit_decompress", packed, ctx.dtype)
         if fused:
             return xp.reshape(fused(packed, means, ctx.numel), ctx.shape)
-        bit = xp.cast(bits.unpack(xp, packed, 1, ctx.numel), "float32")
-        mu0, mu1 = means[0], means[1]
-        return xp.reshape(xp.cast(mu0 + bit * (mu1 - mu0), ctx.dtype), ctx.shape)
+        values = self.values(xp, bits.unpack(xp, packed, 1, ctx.numel), means, segments.whole(xp, ctx.numel, packed))
+        return xp.reshape(xp.cast(values, ctx.dtype), ctx.shape)
+
+    def values(self, xp, positive, means, table):
+        """Element by element: mu1 where the unpacked bit is set, else mu0, of its segment's means."""
+        pairs = xp.reshape(means, (-1, 2))
+        mu0, mu1 = pairs[:, 0], pairs[:, 1]
+        return table.per_element(xp, mu0) + xp.cast(positive, "float32") * table.per_element(xp, mu1 - mu0)
 
 
 @register("onebit")

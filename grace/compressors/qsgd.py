@@ -9,7 +9,7 @@ the norm (one float32 per bucket of ``bucket_size`` elements, or per tensor) tra
 """
 import math
 
-from grace.core import bits
+from grace.core import bits, segments
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_seed, Collective, Compressor, compressed_natively, Shape, Traits
 from grace.core.registry import example, register
@@ -35,14 +35,6 @@ class QSGD(Compressor):
         """The bucket of a tensor of d elements (a bucket_size beyond d is the whole tensor)."""
         return qsgd_bucket(d, self.bucket_size)
 
-    def _buckets(self, xp, flat, d):
-        """(rows, b) view of the flat tensor, zero-padded to whole buckets."""
-        b = self.bucket_of(d)
-        pad = -d % b
-        if pad:
-            flat = xp.concat([flat, xp.zeros(pad, xp.dtype(flat), like=flat)])
-        return xp.reshape(flat, (-1, b))
-
     def compress(self, xp, x, info):
         seed = info.rank_seed(self.seed)
         d = xp.numel(x)
@@ -51,17 +43,30 @@ class QSGD(Compressor):
         if native is not None:
             return native, Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
-        rows = self._buckets(xp, flat, d)
-        u = xp.uniform(xp.numel(rows), seed, like=flat)
-        norms = xp.norm(rows, axis=1)
-        safe = xp.where(norms > 0, norms, norms + 1)
-        r = xp.abs(rows) * self.levels / xp.reshape(safe, (-1, 1))
+        b, padded = self.bucket_of(d), self.rows_of(d) * self.bucket_of(d)
+        squares = flat * flat
+        if padded > d:
+            squares = xp.concat([squares, xp.zeros(padded - d, "float32", like=flat)])
+        norms = self.norms(xp, squares, segments.rows(xp, padded, b, flat))
+        u = xp.uniform(padded, seed, like=flat)[:d]  # (the padding drew too)
+        rows = segments.rows(xp, d, b, flat)
+        codes = self.codes(xp, flat, u, rows.per_element(xp, xp.where(norms > 0, norms, norms + 1)))
+        return (bits.pack(xp, codes, self.bits), norms), Shape(xp.shape(x), xp.dtype(x))
+
+    @staticmethod
+    def norms(xp, squares, rows):
+        """Each row's ||x||_2 from the squares of its elements (``rows``: a tensor's, or a
+        bucket's gradients', each row a whole bucket: a last one padded with zeros)."""
+        return xp.segment_sum(squares, rows.counts) ** 0.5
+
+    def codes(self, xp, flat, u, safe):
+        """Element by element: the codes of ``flat`` from its draws ``u``, each element at its
+        row's norm (``safe``: 1 where the norm is 0)."""
+        r = xp.abs(flat) * self.levels / safe
         low = xp.floor(r)
-        u = xp.reshape(u, xp.shape(rows))
         level = low + xp.cast(u < r - low, "float32")
         level = level - xp.cast(level > self.levels, "float32")  # r can pass s by a rounding error
-        codes = xp.cast(level * 2 + xp.cast(rows < 0, "float32"), "uint8")
-        return (bits.pack(xp, xp.flatten(codes)[:d], self.bits), norms), Shape(xp.shape(x), xp.dtype(x))
+        return xp.cast(level * 2 + xp.cast(flat < 0, "float32"), "uint8")
 
     def ideal_bits(self, xp, payload, ctx):
         buckets = self.rows_of(ctx.numel)
@@ -75,12 +80,15 @@ class QSGD(Compressor):
         fused = xp.native("qsgd_decompress", packed, ctx.dtype)
         if fused:
             return xp.reshape(fused(packed, norms, ctx.numel, self.levels, self.bucket_size), ctx.shape)
-        codes = xp.cast(bits.unpack(xp, packed, self.bits, ctx.numel), "float32")
-        level = xp.floor(codes / 2)
-        sign = 1 - 2 * (codes - 2 * level)
-        rows = self._buckets(xp, sign * level / self.levels, ctx.numel)
-        values = xp.flatten(rows * xp.reshape(norms, (-1, 1)))[:ctx.numel]
+        rows = segments.rows(xp, ctx.numel, self.bucket_of(ctx.numel), packed)
+        values = self.values(xp, bits.unpack(xp, packed, self.bits, ctx.numel), rows.per_element(xp, norms))
         return xp.reshape(xp.cast(values, ctx.dtype), ctx.shape)
+
+    def values(self, xp, codes, norms):
+        """Element by element: the float32 values of the codes, each at its row's norm."""
+        codes = xp.cast(codes, "float32")
+        level = xp.floor(codes / 2)
+        return (1 - 2 * (codes - 2 * level)) * level / self.levels * norms
 
 
 def _grace_levels(levels) -> dict:

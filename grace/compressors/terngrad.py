@@ -25,12 +25,22 @@ class TernGrad(Compressor):
         if native is not None:
             return native, Shape(xp.shape(x), xp.dtype(x))
         flat = xp.cast(xp.flatten(x), "float32")
-        u = xp.uniform(xp.numel(flat), seed, like=flat)
-        scale = xp.max(xp.abs(flat))
-        safe = xp.where(scale > 0, scale, scale + 1)
-        keep = u < xp.abs(flat) / safe
-        codes = xp.cast(keep, "uint8") * (1 + xp.cast(flat < 0, "uint8"))
+        magnitude = xp.abs(flat)
+        scale = xp.max(magnitude)
+        codes = self.codes(xp, flat, magnitude, xp.uniform(xp.numel(flat), seed, like=flat), self.safe(xp, scale))
         return (bits.pack(xp, codes, 2), xp.reshape(scale, (1,))), Shape(xp.shape(x), xp.dtype(x))
+
+    @staticmethod
+    def safe(xp, scale):
+        """The scale to divide by: 1 where it is 0 (then every |x| is 0, and no code is kept)."""
+        return xp.where(scale > 0, scale, scale + 1)
+
+    @staticmethod
+    def codes(xp, flat, magnitude, u, safe):
+        """Element by element (a bucket's segments at once as well, each element with its own
+        segment's ``safe`` scale): the 2-bit codes of ``flat``, from its draws ``u``."""
+        keep = u < magnitude / safe
+        return xp.cast(keep, "uint8") * (1 + xp.cast(flat < 0, "uint8"))
 
     def ideal_bits(self, xp, payload, ctx):
         return 2 * ctx.numel + 32  # codes + scale
@@ -40,9 +50,13 @@ class TernGrad(Compressor):
         fused = xp.native("terngrad_decompress", packed, ctx.dtype)
         if fused:
             return xp.reshape(fused(packed, scale, ctx.numel), ctx.shape)
-        codes = bits.unpack(xp, packed, 2, ctx.numel)
-        signed = xp.cast(codes > 0, "float32") - 2 * xp.cast(codes > 1, "float32")  # 0, +1, -1
-        return xp.reshape(xp.cast(signed * scale[0], ctx.dtype), ctx.shape)
+        values = self.values(xp, bits.unpack(xp, packed, 2, ctx.numel), scale[0])
+        return xp.reshape(xp.cast(values, ctx.dtype), ctx.shape)
+
+    @staticmethod
+    def values(xp, codes, scale):
+        """Element by element: the float32 values of the codes, each at its ``scale``."""
+        return (xp.cast(codes > 0, "float32") - 2 * xp.cast(codes > 1, "float32")) * scale  # 0, +1, -1
 
 
 @register("terngrad", seed="seed")

@@ -19,15 +19,31 @@ from grace.formats import code_width, packed_size  # noqa: F401  (re-exported)
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
-def _bit_planes(xp, codes, bits: int):
+def bit_planes(xp, codes, bits: int):
     """(numel * bits,) uint8 0/1: bit b of code i at position bits * i + b."""
     planes = xp.reshape(codes, (-1, 1)) // _place_values(xp, 1, codes)[:bits] % 2
     return xp.flatten(planes)
 
 
+def from_bit_planes(xp, planes, bits: int):
+    """``bit_planes``' inverse: the uint8 codes."""
+    planes = xp.reshape(planes, (-1, bits))  # 0/1 times 2**b fits uint8
+    return xp.cast(xp.sum(planes * _place_values(xp, 1, planes)[:bits], axis=1), "uint8")
+
+
+_PLACES: dict = {}  # (backend, device, bits) -> the place values there
+
+
 def _place_values(xp, bits: int, like):
-    """uint8 [1, 2**bits, 2**(2*bits), ...]: the value of a code's slot in its byte."""
-    return xp.cast(xp.asarray([1 << (bits * j) for j in range(8 // bits)], like=like), "uint8")
+    """uint8 [1, 2**bits, 2**(2*bits), ...]: the value of a code's slot in its byte (made once
+    per device where tensors persist: not a copy to the device per call)."""
+    key = (type(xp), xp.device(like), bits)
+    places = _PLACES.get(key)
+    if places is None:
+        places = xp.cast(xp.asarray([1 << (bits * j) for j in range(8 // bits)], like=like), "uint8")
+        if xp.mutable_tensors:  # (a traced graph's tensors stay in their graph)
+            _PLACES[key] = places
+    return places
 
 
 def pack(xp, codes, bits: int):
@@ -44,7 +60,7 @@ def pack_codes(xp, codes, bits: int):
     """``pack`` in tensor operations."""
     codes = xp.cast(xp.flatten(codes), "uint8")
     if 8 % bits:
-        return pack_codes(xp, _bit_planes(xp, codes, bits), 1)
+        return pack_codes(xp, bit_planes(xp, codes, bits), 1)
     per = 8 // bits
     if per == 1:
         return codes
@@ -57,8 +73,7 @@ def pack_codes(xp, codes, bits: int):
 def unpack_codes(xp, packed, bits: int, numel: int):
     """``unpack`` in tensor operations."""
     if 8 % bits:
-        planes = xp.reshape(unpack_codes(xp, packed, 1, numel * bits), (-1, bits))  # 0/1 times 2**b fits uint8
-        return xp.cast(xp.sum(planes * _place_values(xp, 1, packed)[:bits], axis=1), "uint8")
+        return from_bit_planes(xp, unpack_codes(xp, packed, 1, numel * bits), bits)
     per = 8 // bits
     if per == 1:
         return packed

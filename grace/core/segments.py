@@ -51,11 +51,43 @@ class SegmentTable:
         """A per-segment tensor spread over the elements."""
         return xp.repeat(per_segment, self.counts, self.numel)
 
-    def cached(self, name: str, make):
+    def cached(self, name, make):
         """``make()``, computed once per table."""
         if name not in self.cache:
             self.cache[name] = make()
         return self.cache[name]
+
+    def counts_at_least_one(self, xp):
+        """The segments' sizes as float32, 0 taken as 1: what a per-segment mean divides by."""
+        return self.cached("counts as divisors", lambda: xp.clip_min(xp.cast(self.counts, "float32"), 1))
+
+    def repeated(self, xp, times: int) -> "SegmentTable":
+        """The table of ``times`` such buckets end to end (every rank's fields in a row)."""
+        return self.cached(f"{times} times", lambda: SegmentTable.build(xp, self.numels * times, self.counts))
+
+
+_TENSOR_TABLES: dict = {}  # (backend, device, elements, row) -> SegmentTable
+
+
+def rows(xp, numel: int, row: int, like) -> SegmentTable:
+    """The table of one tensor of ``numel`` elements cut in rows of ``row`` (the last may be
+    shorter; none for an empty tensor): a per-tensor formula's reductions by the segment ops,
+    which give a row alone what they give it among a bucket's (cached where tensors persist)."""
+    key = (type(xp), None if like is None else xp.device(like), int(numel), int(row))
+    table = _TENSOR_TABLES.get(key)
+    if table is None:
+        full, rest = divmod(int(numel), int(row))
+        table = SegmentTable.build(xp, [row] * full + ([rest] if rest else []), like)
+        if xp.mutable_tensors:  # (a traced graph's tensors stay in their graph)
+            if len(_TENSOR_TABLES) > 4096:
+                _TENSOR_TABLES.clear()
+            _TENSOR_TABLES[key] = table
+    return table
+
+
+def whole(xp, numel: int, like) -> SegmentTable:
+    """The table of one tensor as one segment (an empty one too)."""
+    return rows(xp, numel, numel, like) if numel else SegmentTable.build(xp, [0], like)
 
 
 def magnitude_keys(xp, x):

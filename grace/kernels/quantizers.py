@@ -1,11 +1,14 @@
 """The random quantizers' fast paths (TernGrad, QSGD, natural compression): a bucket's payloads
 in one native call on a CPU (each gradient's draws from its own rank seed), the ranks' payloads
 decoded and summed in one pass, and the segment-wise form: every segment's own draws (one call
-for the bucket) and the per-tensor kernels on every segment in one call.
+for the bucket) and the per-tensor kernels on every segment in one call; without them, TernGrad's
+and natural compression's formulas on the whole bucket (each segment packed apart).
 """
 from grace.compressors.natural import Natural
 from grace.compressors.qsgd import QSGD
 from grace.compressors.terngrad import TernGrad
+from grace.core import segment_packing, segments
+from grace.core.compressor import uniform_draws
 from grace.core.plans.kernels import MethodKernels, kernels_for
 from grace.formats import packed_size
 
@@ -23,6 +26,17 @@ class TernGradKernels(MethodKernels):
 
     def draws(self, numels):
         return list(numels)
+
+    def encode_segments(self, xp, p, table, infos):
+        terngrad, magnitude = self.compressor, xp.abs(p)
+        scales = xp.segment_max(magnitude, table.counts)
+        u, _ = uniform_draws(xp, table.numels, infos, terngrad.seed, p)
+        codes = terngrad.codes(xp, p, magnitude, u, table.per_element(xp, terngrad.safe(xp, scales)))
+        return [segment_packing.pack(xp, codes, 2, table), scales]
+
+    def decode_segments(self, xp, fields, table):
+        packed, scales = fields
+        return self.compressor.values(xp, segment_packing.unpack(xp, packed, 2, table), table.per_element(xp, scales))
 
 
 @kernels_for(QSGD)
@@ -44,6 +58,31 @@ class QSGDKernels(MethodKernels):
         qsgd = self.compressor
         return [qsgd.rows_of(n) * qsgd.bucket_of(n) for n in numels]  # as compress draws
 
+    def _rows(self, xp, table):
+        """Every segment's rows (QSGD's buckets) in a row, a last one as long as it is and as
+        padded to a whole bucket; and each segment's bucket."""
+        def make():
+            qsgd, buckets = self.compressor, [self.compressor.bucket_of(d) for d in table.numels]
+            whole = [b for d, b in zip(table.numels, buckets) for _ in range(qsgd.rows_of(d))]
+            short = [n for d, b in zip(table.numels, buckets) for n in [b] * (d // b) + ([d % b] if d % b else [])]
+            return (segments.SegmentTable.build(xp, short, table.counts),
+                    segments.SegmentTable.build(xp, whole, table.counts), buckets)
+        return table.cached("qsgd rows", make)
+
+    def encode_segments(self, xp, p, table, infos):
+        qsgd, (rows, whole_rows, buckets) = self.compressor, self._rows(xp, table)
+        norms = qsgd.norms(xp, segment_packing.padded(xp, p * p, table, 1, buckets), whole_rows)
+        drawn, _ = uniform_draws(xp, self.draws(table.numels), infos, qsgd.seed, p)
+        u = segment_packing.unpadded(xp, drawn, table, 1, buckets)  # (the padding drew too)
+        codes = qsgd.codes(xp, p, u, rows.per_element(xp, xp.where(norms > 0, norms, norms + 1)))
+        return [segment_packing.pack(xp, codes, qsgd.bits, table), norms]
+
+    def decode_segments(self, xp, fields, table):
+        packed, norms = fields
+        rows = self._rows(xp, table)[0]
+        return self.compressor.values(xp, segment_packing.unpack(xp, packed, self.compressor.bits, table),
+                                      rows.per_element(xp, norms))
+
 
 @kernels_for(Natural)
 class NaturalKernels(MethodKernels):
@@ -58,3 +97,12 @@ class NaturalKernels(MethodKernels):
 
     def draws(self, numels):
         return list(numels)
+
+    def encode_segments(self, xp, p, table, infos):
+        u, _ = uniform_draws(xp, table.numels, infos, self.compressor.seed, p)
+        negative, codes = self.compressor.codes(xp, p, u)
+        return [segment_packing.pack(xp, negative, 1, table), codes]
+
+    def decode_segments(self, xp, fields, table):
+        negative, codes = fields
+        return self.compressor.values(xp, segment_packing.unpack(xp, negative, 1, table), codes)

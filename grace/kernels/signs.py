@@ -1,12 +1,13 @@
 """The sign family's fast paths: a bucket's payloads (signSGD) or residual steps (EF-signSGD,
 1-bit SGD) in one native call on a CPU, the ranks' bits decoded and summed in one pass, the
 residual written without a dense decompression, and the segment-wise form (the per-tensor
-kernels on every segment in one call).
+kernels on every segment in one call; without them, the formula on the whole bucket).
 """
 from grace.compressors.efsignsgd import EFSignSGD
 from grace.compressors.onebit import OneBit
 from grace.compressors.sign_bits import SignBits
 from grace.compressors.signsgd import SignSGD
+from grace.core import segment_packing
 from grace.core.compressor import Shape, native_or_none
 from grace.core.plans.kernels import MethodKernels, kernels_for
 from grace.formats import packed_size
@@ -40,6 +41,13 @@ class SignBitsKernels(MethodKernels):
         count = len(numels)
         return [([packed_size(n, 1) for n in numels], ["uint8"] * count),
                 ([self.compressor.scalars] * count, ["float32"] * count)]
+
+    def encode_segments(self, xp, p, table, infos):
+        return [segment_packing.pack(xp, p >= 0, 1, table), self.compressor.scalars_of(xp, p, table)]
+
+    def decode_segments(self, xp, fields, table):
+        packed, scalars = fields
+        return self.compressor.values(xp, segment_packing.unpack(xp, packed, 1, table), scalars, table)
 
 
 @kernels_for(EFSignSGD)

@@ -140,6 +140,19 @@ def test_sparse_payload_bytes(xp, method):
         assert k == math.ceil(0.1 * d)
 
 
+def test_without_native_kernels_torch_top_k_takes_the_first_ties_as_numpy_does():
+    """grace.native's rule for ties (the first ones; NaN ranks as inf) holds without it too."""
+    torch = pytest.importorskip("torch")
+    import grace.native as gn
+
+    numpy_xp, torch_xp = get_backend("numpy"), get_backend("torch")
+    x = np.array([1, 3, 3, np.nan, np.inf, 3, 2, np.inf, -np.inf, 3], np.float32)
+    with gn.disabled():
+        for k in range(1, x.size):
+            got = torch_xp.topk_indices(torch.from_numpy(x), k)
+            assert sorted(got.tolist()) == numpy_xp.topk_indices(x, k).tolist(), k
+
+
 def test_backend_max_is_the_maximum_and_zero_when_empty(xp):
     assert float(xp.max(to_backend(xp, np.array([-3.0, -2.0])))) == -2.0
     assert float(xp.max(to_backend(xp, np.zeros(0)))) == 0.0

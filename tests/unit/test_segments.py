@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import grace
-from grace.core import segments
+import grace.native as gn
+from grace.core import bits, segment_packing, segments
 from grace.core.communicator import ReplicaCommunicator
-from grace.core.plans.kernels import kernels_of
+from grace.core.plans.kernels import MethodKernels, kernels_of
 from tests.unit.conftest import METHODS, to_backend
 from tests.unit import test_buckets
 from tests.unit.test_buckets import assert_same, with_buckets
@@ -212,7 +213,7 @@ def test_the_segmented_ops_run_on_tensorflow_too():
     pytest.importorskip("tensorflow")
     from grace.backends import get_backend
 
-    results = []
+    results, sums = [], []
     for name in ("numpy", "tensorflow"):
         xp = get_backend(name)
         values = np.random.default_rng(3).standard_normal(3000).astype(np.float32)
@@ -225,9 +226,12 @@ def test_the_segmented_ops_run_on_tensorflow_too():
         fields, _, _ = kernels_of(grace.topk(0.01).compressor).compress_segments(xp, x, table, [None] * 3)
         frame = layout.write(xp, fields, xp.zeros(1, "uint8", like=x))
         read, flags = layout.read(xp, xp.concat([frame, frame]), 2)
-        results.append([xp.to_numpy(t) for t in (mask, frame, *read, flags)])
+        odd = segments.SegmentTable.build(xp, [0, 7, 993, 0, 2000], x)  # (empty segments too)
+        sums.append(xp.to_numpy(xp.segment_sum(x, odd.counts)))
+        results.append([xp.to_numpy(t) for t in (mask, frame, *read, flags, xp.segment_max(xp.abs(x), odd.counts))])
     for want, got in zip(*results):
         np.testing.assert_array_equal(want, got)
+    np.testing.assert_allclose(*sums, rtol=1e-6)  # (NumPy's pairwise float32 sums, TensorFlow's in float64)
 
 
 @pytest.mark.parametrize("memory", ["none", "residual"])
@@ -271,6 +275,47 @@ def test_native_segment_calls_refuse_segments_outside_their_buffers():
         gn.onebit_compress_segments(x, (0, 60), (60, 41))
     with pytest.raises(ValueError):
         gn.efsignsgd_decompress_segments(packed[:-1], scale, (50, 50))
+
+
+# methods with a whole-bucket tensor-op form: what runs where grace.native is not built
+WHOLE_BUCKET = [label for label in SEGMENTED
+                if type(kernels_of(METHODS[label]().compressor)).encode_segments is not MethodKernels.encode_segments]
+
+
+def test_the_sign_family_and_the_quantizers_have_whole_bucket_forms():
+    assert {"terngrad", "natural", "qsgd", "qsgd_bucketed", "efsignsgd", "onebit"} <= set(WHOLE_BUCKET)
+
+
+@pytest.mark.parametrize("bucket_mb", [25, 0.002], ids=["one-bucket", "several-buckets"])
+@pytest.mark.parametrize("method", SEGMENTED)
+def test_without_native_kernels_segmented_equals_per_tensor_bit_for_bit(xp, method, bucket_mb, monkeypatch):
+    """Without grace.native (a GPU without grace's CUDA library): the tensor-op forms (a
+    method's formula on the whole bucket, the radix selection) give every gradient, memory and
+    byte that the formula gives it alone."""
+    spy = []
+    kernels = type(kernels_of(METHODS[method]().compressor))
+    encode = kernels.encode_segments
+    monkeypatch.setattr(kernels, "encode_segments", lambda *args: spy.append(1) or encode(*args))
+    with gn.disabled():
+        test_segmented_equals_per_tensor_bit_for_bit(xp, method, METHODS[method]().collective.value, bucket_mb,
+                                                     monkeypatch)
+    assert bool(spy) == (method in WHOLE_BUCKET), "the whole-bucket form ran where there is one"
+
+
+@pytest.mark.parametrize("width", bits.WIDTHS)
+def test_segment_packing_is_each_segments_own(xp, width):
+    """Segments of sizes off every byte boundary (and empty ones) pack as each packs alone."""
+    numels = [0, 1, 7, 8, 9, 3, 0, 16, 13]
+    rng = np.random.default_rng(width)
+    codes = rng.integers(0, 2**width, sum(numels)).astype(np.uint8)
+    table = segments.SegmentTable.build(xp, numels, None if xp.name == "numpy" else to_backend(xp, [0.0]))
+    if xp.name != "numpy":
+        codes = xp.cast(to_backend(xp, codes), "uint8")
+    packed = segment_packing.pack(xp, codes, width, table)
+    alone = [bits.pack(xp, codes[s:s + n], width) for s, n in zip(table.starts, table.numels)]
+    assert_same(xp, xp.concat(alone), packed, "packed")
+    assert_same(xp, codes, segment_packing.unpack(xp, packed, width, table), "unpacked")
+
 
 
 RANDOM = [label for label in SEGMENTED if hasattr(METHODS[label]().compressor, "seed")]

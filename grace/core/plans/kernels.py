@@ -160,9 +160,23 @@ class MethodKernels:
             counts = table.cached("draws", lambda: self.draws(table.numels))
             drawn = () if counts is None else uniform_draws(xp, counts, infos, compressor.seed, p)
             return fused(p, table.starts, table.numels, *drawn, *self.arguments()), None, None
-        payloads = [compressor.compress(xp, p[start:start + n], info)[0]
+        return self.encode_segments(xp, p, table, infos), None, None
+
+    def encode_segments(self, xp, p, table, infos: Sequence[TensorInfo]):
+        """``compress`` of every segment in tensor ops, as fields. Here each segment's own
+        ``compress`` in turn; a method's whole-bucket form overrides it (a few ops per bucket)."""
+        payloads = [self.compressor.compress(xp, p[start:start + n], info)[0]
                     for start, n, info in zip(table.starts, table.numels, infos)]
-        return [xp.concat(list(field)) for field in zip(*payloads)], None, None
+        return [xp.concat(list(field)) for field in zip(*payloads)]
+
+    def decode_segments(self, xp, fields, table):
+        """``decompress`` of every segment in tensor ops, flat; as ``encode_segments``."""
+        offsets = table.cached("field offsets", lambda: [
+            [0, *itertools.accumulate(counts)] for counts, _ in self.segment_fields(table.numels, "float32")])
+        return xp.concat([
+            xp.flatten(self.compressor.decompress(xp, tuple(f[o[s]:o[s + 1]] for f, o in zip(fields, offsets)),
+                                                  Shape((n,), "float32")))
+            for s, n in enumerate(table.numels)])
 
     def compress_segments_with_residual(self, xp, g, residual, beta: float, gamma: float, table, infos):
         """Residual memory's step for every segment in one go: (fields, ctx, new residual)."""
@@ -177,26 +191,16 @@ class MethodKernels:
         fused = self._segment_decoder(xp, fields[0])
         if fused:
             return fused(*fields, table.numels, *self.arguments())
-        offsets = table.cached("field offsets", lambda: [
-            [0, *itertools.accumulate(counts)] for counts, _ in self.segment_fields(table.numels, "float32")])
-        return xp.concat([
-            xp.flatten(self.compressor.decompress(xp, tuple(f[o[s]:o[s + 1]] for f, o in zip(fields, offsets)),
-                                                  Shape((n,), "float32")))
-            for s, n in enumerate(table.numels)])
+        return self.decode_segments(xp, fields, table)
 
     def aggregate_segments(self, xp, fields, ctx, table, ranks: int):
         """Allgather methods: the flat mean over ``ranks`` of the received fields (each a (ranks,
-        field size) tensor): each rank's payloads decoded and added, rank after rank. The segment
-        kernel decodes all ranks' in one call: their fields in a row are the segments of every
-        rank in turn."""
-        fused = self._segment_decoder(xp, fields[0])
-        if fused:
-            numels = table.cached(f"numels of {ranks} ranks", lambda: list(table.numels) * ranks)
-            decoded = xp.reshape(fused(*[xp.flatten(f) for f in fields], numels, *self.arguments()),
-                                 (ranks, table.numel))
-            rows = [decoded[r] for r in range(ranks)]
-        else:
-            rows = [self.decompress_segments(xp, [f[r] for f in fields], ctx, table) for r in range(ranks)]
+        field size) tensor): each rank's payloads decoded and added, rank after rank. All ranks'
+        are decoded at once: their fields in a row are the segments of every rank in turn."""
+        every = table.repeated(xp, ranks)
+        decoded = xp.reshape(self.decompress_segments(xp, [xp.flatten(f) for f in fields], ctx, every),
+                             (ranks, table.numel))
+        rows = [decoded[r] for r in range(ranks)]
         total = rows[0]
         for row in rows[1:]:
             total = total + row
