@@ -217,7 +217,8 @@ class TensorflowBackend:
         return tf.sign(_to_tensor(x))
 
     def put(self, x, idx, values):  # a new tensor: TensorFlow's cannot be written in place
-        return tf.tensor_scatter_nd_update(_to_tensor(x), tf.reshape(_to_tensor(idx, "int64"), (-1, 1)), values)
+        idx = tf.reshape(_to_tensor(idx, "int64"), (-1, 1))
+        return tf.tensor_scatter_nd_update(_to_tensor(x), idx, tf.broadcast_to(values, tf.shape(idx)[:1]))
 
     def host_ints(self, x, count: int):
         """The ``count`` values of a 1-d integer tensor as Python ints; inside a trace, as

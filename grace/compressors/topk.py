@@ -25,8 +25,8 @@ class TopK(Sparsifier):
         return xp.sort(xp.topk_indices(xp.abs(flat), self.kernel_argument(xp.numel(flat))))
 
     def select_segments(self, xp, p, table, infos):
-        k = table.cached("k per segment", lambda: xp.asarray([self.kernel_argument(d) for d in table.numels], like=p))
-        return segments.top_mask(xp, segments.magnitude_keys(xp, p), table, k)
+        return segments.top_mask(xp, segments.magnitude_keys(xp, p), table,
+                                 [self.kernel_argument(d) for d in table.numels])
 
 
 @register("topk", compress_ratio="ratio", grace_defaults=dict(compress_ratio=0.3), examples=dict(topk=example(0.1)))

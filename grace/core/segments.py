@@ -6,7 +6,7 @@ operations here give each segment exactly what the per-tensor code gives it alon
 per-tensor path is their oracle, bit for bit), with a number of kernel launches and Python
 calls that does not grow with the number of segments: what a GPU needs, where a launch costs
 more than a small gradient's arithmetic. (Methods with native kernels run those per segment
-instead, from one call: ``MethodKernels.segment_kernel``; the radix selection here is top-k's
+instead, from one call: ``MethodKernels.segment_kernel``; the sorted selection here is top-k's
 tensor-op fallback.)
 
 ``SegmentedFrame`` writes and reads a bucket's frame (``grace.core.bucket``) from whole
@@ -25,7 +25,6 @@ from grace.core.bucket import ALIGN, DENSE, ITEMSIZE, Dense, _order, _padded, _z
 from grace.formats import index_dtype
 
 KEY_BITS = 31  # |x| of a float32, read as an integer: order-preserving, NaN above inf
-RADIX = (11, 10, 10)  # bits per pass of the selection, high to low
 
 
 @dataclass
@@ -95,43 +94,19 @@ def magnitude_keys(xp, x):
     return xp.from_bytes(xp.to_bytes(xp.abs(x)), "int32")
 
 
-def kth_largest(xp, keys, table: SegmentTable, k):
-    """Per segment, the k-th largest of its non-negative ``keys`` (``k``: int64 per segment,
-    1 <= k <= the segment's size) by radix selection, all segments at once: (the key T, how
-    many elements equal to T are among the k largest)."""
-    count = len(table.numels)
-    prefix = xp.zeros(count, "int64", like=keys)  # each segment's bits of T found so far
-    need = k
-    shift = KEY_BITS
-    for bits in RADIX:
-        shift -= bits
-        bins = 2 ** bits
-        # per element in int32, as the keys: half the memory traffic of int64
-        above = xp.shift_right(keys, shift + bits)  # the bits already decided
-        digit = xp.shift_right(keys, shift) - above * bins
-        running = above == table.per_element(xp, xp.cast(prefix, "int32"))
-        # bin b of a segment counts its running elements with digit bins-1-b: largest first
-        last_bin = table.per_element(xp, xp.cast(xp.arange(count, like=keys) * bins + (bins - 1), "int32"))
-        slot = xp.where(running, last_bin - digit, count * bins)
-        hist = xp.reshape(xp.bincount(slot, count * bins + 1)[:count * bins], (count, bins))
-        total = xp.cumsum(hist, axis=1)  # elements with a digit >= bins-1-b
-        b = xp.sum(xp.cast(total < xp.reshape(need, (-1, 1)), "int64"), axis=1)  # first bin reaching need
-        at = xp.arange(count, like=keys) * bins + b
-        need = need - (xp.gather(xp.flatten(total), at) - xp.gather(xp.flatten(hist), at))
-        prefix = prefix * bins + (bins - 1) - b
-    return prefix, need
-
-
-def top_mask(xp, keys, table: SegmentTable, k):
-    """True at each segment's k largest keys; among keys equal to the k-th, the first ones:
-    the rule of grace.native's top-k selection."""
-    threshold, need = kth_largest(xp, keys, table, k)
-    threshold = table.per_element(xp, xp.cast(threshold, "int32"))
-    equal = keys == threshold
-    ties = xp.cast(equal, "int64")
-    before = xp.cumsum(ties) - ties  # equal keys before each element, counted from the start
-    rank = before - table.per_element(xp, xp.gather(before, table.start))  # ... from its segment's start
-    return (keys > threshold) | (equal & (rank < table.per_element(xp, need)))
+def top_mask(xp, keys, table: SegmentTable, ks: Sequence[int]):
+    """True at each segment's ``ks[s]`` largest of its ``keys`` (non-negative int32); among keys
+    equal to the k-th, the first ones: the rule of grace.native's top-k selection. One stable
+    sort of the bucket by (segment, key descending): segment s holds places [start, start + n)
+    of that order whatever its keys, so its first k places are the ones taken."""
+    def make():
+        base = (np.arange(len(table.numels), dtype=np.int64) << KEY_BITS) + (2**KEY_BITS - 1)
+        places = np.concatenate([np.arange(start, start + k, dtype=np.int64) for start, k in zip(table.starts, ks)])
+        return (xp.asarray(base, like=table.counts), xp.asarray(places, like=table.counts),
+                xp.asarray(np.ones((), bool), like=table.counts))
+    base, places, true = table.cached(("top places", tuple(ks)), make)
+    order = xp.argsort(table.per_element(xp, base) - xp.cast(keys, "int64"))  # (segment, key descending)
+    return xp.put(xp.zeros(table.numel, "bool", like=keys), xp.gather(order, places), true)
 
 
 class SegmentedFrame:

@@ -120,7 +120,7 @@ def test_segmented_top_k_follows_the_native_rule_for_ties(xp, ratio):
     x = to_backend(xp, values)
     table = segments.SegmentTable.build(xp, numels, x)
     k = [min(d, max(1, int(np.ceil(ratio * d)))) for d in numels]
-    mask = xp.to_numpy(segments.top_mask(xp, segments.magnitude_keys(xp, x), table, xp.asarray(k, like=x)))
+    mask = xp.to_numpy(segments.top_mask(xp, segments.magnitude_keys(xp, x), table, k))
     for start, d, kk in zip(table.starts, numels, k):
         part = np.abs(values[start:start + d])
         want = np.zeros(d, bool)
@@ -219,8 +219,7 @@ def test_the_segmented_ops_run_on_tensorflow_too():
         values = np.random.default_rng(3).standard_normal(3000).astype(np.float32)
         x = xp.cast(values, "float32")
         table = segments.SegmentTable.build(xp, [100, 900, 2000], x)
-        k = xp.asarray([3, 9, 20], like=x)
-        mask = segments.top_mask(xp, segments.magnitude_keys(xp, x), table, k)
+        mask = segments.top_mask(xp, segments.magnitude_keys(xp, x), table, [3, 9, 20])
         layout = segments.SegmentedFrame(xp, kernels_of(grace.topk(0.01).compressor).segment_fields(table.numels, "float32"),
                                          True, x)
         fields, _, _ = kernels_of(grace.topk(0.01).compressor).compress_segments(xp, x, table, [None] * 3)
@@ -237,7 +236,7 @@ def test_the_segmented_ops_run_on_tensorflow_too():
 @pytest.mark.parametrize("memory", ["none", "residual"])
 def test_segmented_top_k_with_and_without_memory(xp, memory, monkeypatch):
     """With residual memory a bucket runs the fused error-feedback kernel segment by segment,
-    without it the selection alone (or, with no native library, the radix selection here)."""
+    without it the selection alone (or, with no native library, the sorted selection here)."""
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: False)
     per_tensor = run(xp, grace.topk(0.05, memory=memory, bucket_mb=0))
     monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
@@ -290,7 +289,7 @@ def test_the_sign_family_and_the_quantizers_have_whole_bucket_forms():
 @pytest.mark.parametrize("method", SEGMENTED)
 def test_without_native_kernels_segmented_equals_per_tensor_bit_for_bit(xp, method, bucket_mb, monkeypatch):
     """Without grace.native (a GPU without grace's CUDA library): the tensor-op forms (a
-    method's formula on the whole bucket, the radix selection) give every gradient, memory and
+    method's formula on the whole bucket, the sorted selection) give every gradient, memory and
     byte that the formula gives it alone."""
     spy = []
     kernels = type(kernels_of(METHODS[method]().compressor))
