@@ -152,8 +152,7 @@ class MethodKernels:
     def compress_segments(self, xp, p, table, infos: Sequence[TensorInfo]):
         """Every segment of the flat ``p`` compressed, as (fields, ctx, p_hat): field j holds all
         segments' j-th payload tensors in a row; p_hat is what ``p`` becomes (None: the caller
-        asks ``decompress_segments``). The segment kernels where built, else each segment's own
-        ``compress`` in turn."""
+        asks ``decompress_segments``). The segment kernels where built, else ``encode_segments``."""
         compressor = self.compressor
         fused = xp.native(f"{self.segment_kernel}_compress_segments", p, xp.dtype(p)) if self.segment_kernel else None
         if fused:
