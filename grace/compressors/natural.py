@@ -6,16 +6,19 @@
 Each element is a sign bit (packed 8 to a byte) and an 8-bit exponent code: code c >= 1 is
 2^(c - 127), code 0 is zero. Below 2^-126 the two neighbours are 0 and 2^-126, so the
 rounding stays unbiased there too.
+
+Both are read off the float's bits, exactly on every backend: a's code is |x|'s biased
+exponent (0 for zero and the subnormals), and (|x| - a) / a is its mantissa over 2^23 (for a
+subnormal, |x| / 2^-126 is too). A code's value is the float whose exponent field it is.
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_seed, Collective, Compressor, compressed_natively, Shape, Traits
-from grace.core.floats import floor_log2
 from grace.core.registry import register
 from grace.memories import make_memory
 
-_BIAS = 127  # code = exponent + 127, as in IEEE single precision
-_TOP = 254  # 2^127: the largest power of two a float32 holds
+_TOP = 254  # 2^127: the largest power of two a float32 holds (a code is an exponent field)
+_MANTISSA = 2**23  # one unit of a float32's exponent field, read as an integer
 
 
 class Natural(Compressor):
@@ -37,13 +40,10 @@ class Natural(Compressor):
     def codes(self, xp, flat, u):
         """Element by element (a bucket's segments at once as well): the sign bits (x < 0) and
         the exponent codes of a float32 ``flat``, from its draws ``u``."""
-        magnitude = xp.abs(flat)
-        low_code = floor_log2(xp, magnitude, lowest=-_BIAS) + _BIAS  # 0 .. 254
-        low = xp.where(low_code > 0, xp.exp2(low_code - _BIAS), magnitude * 0)
-        high = xp.exp2(low_code + 1 - _BIAS)
-        up = u < (magnitude - low) / (high - low)
-        codes = low_code + xp.cast(up, "float32")
-        codes = xp.where(codes > _TOP, codes * 0 + _TOP, codes)  # 2^128 is not a float32
+        field = xp.from_bytes(xp.to_bytes(xp.abs(flat)), "int32")
+        low_code = xp.shift_right(field, 23)  # 0 .. 255 (255: inf, NaN)
+        fraction = xp.cast(field - low_code * _MANTISSA, "float32") * (1.0 / _MANTISSA)
+        codes = xp.minimum(low_code + xp.cast(u < fraction, "int32"), _TOP)  # 2^128 is not a float32
         return flat < 0, xp.cast(codes, "uint8")
 
     def ideal_bits(self, xp, payload, ctx):
@@ -59,9 +59,8 @@ class Natural(Compressor):
 
     def values(self, xp, negative, codes):
         """Element by element: the float32 values of the unpacked sign bits and the codes."""
-        codes = xp.cast(codes, "float32")
-        magnitude = xp.where(codes > 0, xp.exp2(codes - _BIAS), codes * 0)
-        return (1 - 2 * xp.cast(negative, "float32")) * magnitude
+        field = xp.cast(codes, "int32") * _MANTISSA + xp.cast(negative, "int32") * -2**31  # (the sign bit)
+        return xp.from_bytes(xp.to_bytes(field), "float32")
 
 
 @register("natural", seed="seed")
