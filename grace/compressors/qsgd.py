@@ -9,10 +9,13 @@ the norm (one float32 per bucket of ``bucket_size`` elements, or per tensor) tra
 """
 import math
 
+import numpy as np
+
 from grace.core import bits, segments
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_seed, Collective, Compressor, compressed_natively, Shape, Traits
 from grace.core.registry import example, register
+from grace.core.tensors import constant
 from grace.formats import qsgd_bucket
 from grace.memories import make_memory
 
@@ -86,9 +89,15 @@ class QSGD(Compressor):
 
     def values(self, xp, codes, norms):
         """Element by element: the float32 values of the codes, each at its row's norm."""
-        codes = xp.cast(codes, "float32")
-        level = xp.floor(codes / 2)
-        return (1 - 2 * (codes - 2 * level)) * level / self.levels * norms
+        levels = constant(xp, ("qsgd levels", self.levels), lambda: xp.asarray(self._levels_of_codes(), like=codes),
+                          codes)
+        return xp.gather(levels, codes) * norms
+
+    def _levels_of_codes(self):
+        """sign * level / s of every code (level * 2 + negative), in float32 arithmetic."""
+        codes = np.arange(2 * (self.levels + 1), dtype=np.float32)
+        level = np.floor(codes / 2)
+        return (1 - 2 * (codes - 2 * level)) * level / np.float32(self.levels)
 
 
 def _grace_levels(levels) -> dict:

@@ -5,10 +5,13 @@
 
 Codes 0 (zero), 1 (+s), 2 (-s) at 2 bits; s travels as one float32.
 """
+import numpy as np
+
 from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_seed, Collective, Compressor, compressed_natively, Shape, Traits
 from grace.core.registry import register
+from grace.core.tensors import constant
 from grace.memories import make_memory
 
 
@@ -56,7 +59,8 @@ class TernGrad(Compressor):
     @staticmethod
     def values(xp, codes, scale):
         """Element by element: the float32 values of the codes, each at its ``scale``."""
-        return (xp.cast(codes > 0, "float32") - 2 * xp.cast(codes > 1, "float32")) * scale  # 0, +1, -1
+        signs = constant(xp, "terngrad signs", lambda: xp.asarray(np.float32([0, 1, -1]), like=codes), codes)
+        return xp.gather(signs, codes) * scale  # codes 0, 1, 2: 0, +s, -s
 
 
 @register("terngrad", seed="seed")

@@ -14,6 +14,7 @@ the same bytes; the others run ``pack_codes`` / ``unpack_codes``, the tensor-op 
 """
 from __future__ import annotations
 
+from grace.core.tensors import constant
 from grace.formats import code_width, packed_size  # noqa: F401  (re-exported)
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -31,19 +32,11 @@ def from_bit_planes(xp, planes, bits: int):
     return xp.cast(xp.sum(planes * _place_values(xp, 1, planes)[:bits], axis=1), "uint8")
 
 
-_PLACES: dict = {}  # (backend, device, bits) -> the place values there
-
-
 def _place_values(xp, bits: int, like):
     """uint8 [1, 2**bits, 2**(2*bits), ...]: the value of a code's slot in its byte (made once
-    per device where tensors persist: not a copy to the device per call)."""
-    key = (type(xp), xp.device(like), bits)
-    places = _PLACES.get(key)
-    if places is None:
-        places = xp.cast(xp.asarray([1 << (bits * j) for j in range(8 // bits)], like=like), "uint8")
-        if xp.mutable_tensors:  # (a traced graph's tensors stay in their graph)
-            _PLACES[key] = places
-    return places
+    per device)."""
+    return constant(xp, ("place values", bits), lambda: xp.cast(
+        xp.asarray([1 << (bits * j) for j in range(8 // bits)], like=like), "uint8"), like)
 
 
 def pack(xp, codes, bits: int):

@@ -26,6 +26,7 @@ from typing import Any, List, Sequence, Tuple
 
 from grace.core.communicator import _lengths
 from grace.core.compressor import FLOAT_DTYPES, Payload
+from grace.core.tensors import constant
 from grace.formats import ITEMSIZE
 
 ALIGN = 8
@@ -153,16 +154,11 @@ def _padded(xp, parts, like, flag=None, concat=None):
     return (concat or xp.concat)(parts) if len(parts) > 1 else parts[0]
 
 
-_PADS: dict = {}  # (backend, device, length) -> zero bytes, made once (no fill launched per frame)
-
-
 def _zeros(xp, pad, like):
-    if not (xp.mutable_tensors and isinstance(pad, int)):  # (a traced graph's tensors stay in their graph)
+    """``pad`` zero bytes, made once per device (no fill launched per frame)."""
+    if not isinstance(pad, int):  # (a length known only when a traced step runs)
         return xp.zeros(pad, "uint8", like=like)
-    key = (type(xp), None if like is None else xp.device(like), pad)
-    if key not in _PADS:
-        _PADS[key] = xp.zeros(pad, "uint8", like=like)
-    return _PADS[key]
+    return constant(xp, ("zero bytes", pad), lambda: xp.zeros(pad, "uint8", like=like), like)
 
 
 def frame_size(counts: Sequence, dtypes: Sequence[str], with_header: bool, flagged: bool = False):

@@ -22,6 +22,7 @@ from typing import Any, Sequence, Tuple
 import numpy as np
 
 from grace.core.bucket import ALIGN, DENSE, ITEMSIZE, Dense, _order, _padded, _zeros, frame_size
+from grace.core.tensors import constant
 from grace.formats import index_dtype
 
 KEY_BITS = 31  # |x| of a float32, read as an integer: order-preserving, NaN above inf
@@ -65,23 +66,13 @@ class SegmentTable:
         return self.cached(f"{times} times", lambda: SegmentTable.build(xp, self.numels * times, self.counts))
 
 
-_TENSOR_TABLES: dict = {}  # (backend, device, elements, row) -> SegmentTable
-
-
 def rows(xp, numel: int, row: int, like) -> SegmentTable:
     """The table of one tensor of ``numel`` elements cut in rows of ``row`` (the last may be
     shorter; none for an empty tensor): a per-tensor formula's reductions by the segment ops,
-    which give a row alone what they give it among a bucket's (cached where tensors persist)."""
-    key = (type(xp), None if like is None else xp.device(like), int(numel), int(row))
-    table = _TENSOR_TABLES.get(key)
-    if table is None:
-        full, rest = divmod(int(numel), int(row))
-        table = SegmentTable.build(xp, [row] * full + ([rest] if rest else []), like)
-        if xp.mutable_tensors:  # (a traced graph's tensors stay in their graph)
-            if len(_TENSOR_TABLES) > 4096:
-                _TENSOR_TABLES.clear()
-            _TENSOR_TABLES[key] = table
-    return table
+    which give a row alone what they give it among a bucket's (made once per device)."""
+    full, rest = divmod(int(numel), int(row))
+    return constant(xp, ("rows", int(numel), int(row)),
+                    lambda: SegmentTable.build(xp, [row] * full + ([rest] if rest else []), like), like)
 
 
 def whole(xp, numel: int, like) -> SegmentTable:

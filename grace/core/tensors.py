@@ -36,3 +36,21 @@ def backend_for(x):
     if root not in _MAKERS:
         raise TypeError(f"grace has no backend for tensors of type {type(x).__name__} ({root})")
     return _BY_TYPE.setdefault(type(x), get_backend(root))
+
+
+_CONSTANTS: Dict[tuple, Any] = {}  # (backend, device, key) -> what make() made there
+
+
+def constant(xp, key, make: Callable[[], Any], like):
+    """``make()``, something that depends on ``key`` alone (place values, a table, zeros), made
+    once per backend and device where tensors persist: no copy to the device or fill launched
+    per call. (A traced graph's tensors stay in their graph: there, made every time.)"""
+    if not xp.mutable_tensors:
+        return make()
+    full = (type(xp), None if like is None else xp.device(like), key)
+    made = _CONSTANTS.get(full)
+    if made is None:
+        if len(_CONSTANTS) > 4096:
+            _CONSTANTS.clear()
+        made = _CONSTANTS[full] = make()
+    return made
