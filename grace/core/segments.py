@@ -77,7 +77,9 @@ def rows(xp, numel: int, row: int, like) -> SegmentTable:
 
 def whole(xp, numel: int, like) -> SegmentTable:
     """The table of one tensor as one segment (an empty one too)."""
-    return rows(xp, numel, numel, like) if numel else SegmentTable.build(xp, [0], like)
+    if numel:
+        return rows(xp, numel, numel, like)
+    return constant(xp, ("rows", 0, 0), lambda: SegmentTable.build(xp, [0], like), like)
 
 
 def magnitude_keys(xp, x):

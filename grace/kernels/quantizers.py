@@ -1,8 +1,8 @@
 """The random quantizers' fast paths (TernGrad, QSGD, natural compression): a bucket's payloads
 in one native call on a CPU (each gradient's draws from its own rank seed), the ranks' payloads
 decoded and summed in one pass, and the segment-wise form: every segment's own draws (one call
-for the bucket) and the per-tensor kernels on every segment in one call; without them, TernGrad's
-and natural compression's formulas on the whole bucket (each segment packed apart).
+for the bucket) and the per-tensor kernels on every segment in one call; without them, each
+method's formula on the whole bucket (each segment packed apart).
 """
 from grace.compressors.natural import Natural
 from grace.compressors.qsgd import QSGD
