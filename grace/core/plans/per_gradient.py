@@ -205,6 +205,9 @@ class PerGradient(BucketPlan):
                                                        bucket.numel, bucket.dtype, flagged)
                 read.append(frame)
                 flags.append(flag)
+            if flagged and not variable:  # frames of one size: every rank's flag in one strided view, not a join
+                _, flag_at, size = frames.layout(dtypes, counts, False, flagged)
+                flags = [xp.reshape(received, (n, size))[:, flag_at]]
         if all_dense:
             read = [Dense(pieces[0]) for pieces in read]
         overflow = s.journal.overflow(xp, list(flags), pending.defer) if flagged else None
