@@ -353,4 +353,3 @@ class NumpyBackend:
             return (np.eye(x.shape[0], 1) if norm == 0 else wide / norm).astype(x.dtype)
         q, r = np.linalg.qr(x, mode="reduced")
         return (q * np.where(np.diagonal(r) < 0, -1, 1)).astype(x.dtype, copy=False)
-
