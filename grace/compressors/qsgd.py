@@ -52,8 +52,7 @@ class QSGD(Compressor):
             squares = xp.concat([squares, xp.zeros(padded - d, "float32", like=flat)])
         norms = self.norms(xp, squares, segments.rows(xp, padded, b, flat))
         u = xp.uniform(padded, seed, like=flat)[:d]  # (the padding drew too)
-        rows = segments.rows(xp, d, b, flat)
-        codes = self.codes(xp, flat, u, rows.per_element(xp, xp.where(norms > 0, norms, norms + 1)))
+        codes = self.codes(xp, flat, u, norms, segments.rows(xp, d, b, flat))
         return (bits.pack(xp, codes, self.bits), norms), Shape(xp.shape(x), xp.dtype(x))
 
     @staticmethod
@@ -62,10 +61,10 @@ class QSGD(Compressor):
         bucket's gradients', each row a whole bucket: a last one padded with zeros)."""
         return xp.segment_sum(squares, rows.counts) ** 0.5
 
-    def codes(self, xp, flat, u, safe):
+    def codes(self, xp, flat, u, norms, rows):
         """Element by element: the codes of ``flat`` from its draws ``u``, each element at its
-        row's norm (``safe``: 1 where the norm is 0)."""
-        r = xp.abs(flat) * self.levels / safe
+        row's norm (``rows``: a tensor's, or a bucket's gradients'; a zero norm divides as 1)."""
+        r = xp.abs(flat) * self.levels / rows.per_element(xp, xp.where(norms > 0, norms, norms + 1))
         low = xp.floor(r)
         level = low + xp.cast(u < r - low, "float32")
         level = level - xp.cast(level > self.levels, "float32")  # r can pass s by a rounding error

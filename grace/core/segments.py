@@ -66,13 +66,19 @@ class SegmentTable:
         return self.cached(f"{times} times", lambda: SegmentTable.build(xp, self.numels * times, self.counts))
 
 
-def rows(xp, numel: int, row: int, like) -> SegmentTable:
-    """The table of one tensor of ``numel`` elements cut in rows of ``row`` (the last may be
-    shorter; none for an empty tensor): a per-tensor formula's reductions by the segment ops,
-    which give a row alone what they give it among a bucket's (made once per device)."""
+def row_lengths(numel: int, row: int) -> list:
+    """``numel`` elements cut in rows of ``row``: the rows' lengths (the last may be shorter;
+    none for no elements)."""
     full, rest = divmod(int(numel), int(row))
+    return [int(row)] * full + ([rest] if rest else [])
+
+
+def rows(xp, numel: int, row: int, like) -> SegmentTable:
+    """The table of one tensor of ``numel`` elements cut in rows of ``row``: a per-tensor
+    formula's reductions by the segment ops, which give a row alone what they give it among a
+    bucket's (made once per device)."""
     return constant(xp, ("rows", int(numel), int(row)),
-                    lambda: SegmentTable.build(xp, [row] * full + ([rest] if rest else []), like), like)
+                    lambda: SegmentTable.build(xp, row_lengths(numel, row), like), like)
 
 
 def whole(xp, numel: int, like) -> SegmentTable:

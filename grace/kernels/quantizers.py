@@ -64,7 +64,7 @@ class QSGDKernels(MethodKernels):
         def make():
             qsgd, buckets = self.compressor, [self.compressor.bucket_of(d) for d in table.numels]
             whole = [b for d, b in zip(table.numels, buckets) for _ in range(qsgd.rows_of(d))]
-            short = [n for d, b in zip(table.numels, buckets) for n in [b] * (d // b) + ([d % b] if d % b else [])]
+            short = [n for d, b in zip(table.numels, buckets) for n in segments.row_lengths(d, b)]
             return (segments.SegmentTable.build(xp, short, table.counts),
                     segments.SegmentTable.build(xp, whole, table.counts), buckets)
         return table.cached("qsgd rows", make)
@@ -74,8 +74,7 @@ class QSGDKernels(MethodKernels):
         norms = qsgd.norms(xp, segment_packing.padded(xp, p * p, table, 1, buckets), whole_rows)
         drawn, _ = uniform_draws(xp, self.draws(table.numels), infos, qsgd.seed, p)
         u = segment_packing.unpadded(xp, drawn, table, 1, buckets)  # (the padding drew too)
-        codes = qsgd.codes(xp, p, u, rows.per_element(xp, xp.where(norms > 0, norms, norms + 1)))
-        return [segment_packing.pack(xp, codes, qsgd.bits, table), norms]
+        return [segment_packing.pack(xp, qsgd.codes(xp, p, u, norms, rows), qsgd.bits, table), norms]
 
     def decode_segments(self, xp, fields, table):
         packed, norms = fields
