@@ -109,6 +109,19 @@ __device__ inline T block_sum(T v, T* smem) {
   return v;
 }
 
+// Residual memory's compensation read element by element: p[i] = g[i] * gamma + r[i] * beta, each
+// factor applied only where flags says (1: gamma, 2: beta), as ResidualMemory.compensate
+struct Compensated {
+  const float* g;
+  const float* r;
+  float beta, gamma;
+  int flags;
+  __device__ __forceinline__ float operator[](int64_t i) const {
+    const float a = (flags & 1) ? __fmul_rn(g[i], gamma) : g[i];
+    return __fadd_rn(a, (flags & 2) ? __fmul_rn(r[i], beta) : r[i]);
+  }
+};
+
 constexpr int64_t kSegChunk = kThreads * 16;
 
 // QSGD's rows: `bucket` elements each, or the whole tensor (bucket 0, or one past its end);

@@ -40,25 +40,11 @@ __global__ void k_bits_sum(const uint8_t* packed, int64_t count, int64_t n, cons
   const int64_t row = mode == 3 ? (2 * n + 7) / 8 : (n + 7) / 8;
   GRID_STRIDE(i, n) {
     float acc = 0.0f;
-    for (int64_t j = 0; j < count; ++j) {
-      float lo, hi;
-      if (mode == 3) {  // TernGrad: 2-bit codes 0, +s, -s, -s
-        const float s = scalars[j];
-        const int code = (packed[j * row + (i >> 2)] >> (2 * (i & 3))) & 3;
-        const float v = code == 0 ? __fmul_rn(0.0f, s) : code == 1 ? __fmul_rn(1.0f, s) : __fmul_rn(-1.0f, s);
-        acc = j ? __fadd_rn(acc, v) : v;
-        continue;
-      }
-      if (mode == 2) {
-        const float mu0 = scalars[2 * j], d = __fsub_rn(scalars[2 * j + 1], mu0);
-        lo = __fadd_rn(mu0, __fmul_rn(0.0f, d));
-        hi = __fadd_rn(mu0, __fmul_rn(1.0f, d));
-      } else {
-        const float s = mode == 1 ? scalars[j] : 1.0f;
-        lo = __fmul_rn(-1.0f, s);
-        hi = __fmul_rn(1.0f, s);
-      }
-      const float v = (packed[j * row + (i >> 3)] >> (i & 7)) & 1 ? hi : lo;
+    for (int64_t j = 0; j < count; ++j) {  // mode 3 TernGrad, 2 1-bit SGD (two means), 1 a scale, 0 none
+      const uint8_t* bits = packed + j * row;
+      const float v = mode == 3   ? terngrad_value(bits, scalars + j, i)
+                      : mode == 2 ? onebit_value(bits, scalars + 2 * j, i)
+                                  : sign_value(bits, mode == 1 ? scalars + j : nullptr, i);
       acc = j ? __fadd_rn(acc, v) : v;
     }
     out[i] = acc;

@@ -23,7 +23,9 @@ __device__ inline void maxabs(const float* x, int64_t n, unsigned* out, int64_t 
 }
 
 // ---- terngrad, QSGD, natural: one thread per group of 8 elements ------------------------------
-__device__ inline void terngrad(const float* x, const float* u, int64_t n, const float* scale, uint8_t* out,
+// (u: the uniform draws, a pointer or any U with u[i]: counter-based draws made where they are used)
+template <class U>
+__device__ inline void terngrad(const float* x, U u, int64_t n, const float* scale, uint8_t* out,
                                 int64_t block, int64_t nblocks) {
   const float s = scale[0];
   const float safe = s > 0.0f ? s : s + 1.0f;
@@ -51,7 +53,8 @@ __device__ __forceinline__ uint8_t qsgd_code(float v, float u, float safe, float
   return c == c ? (uint8_t)(int)c : (uint8_t)0;
 }
 
-__device__ inline void qsgd(const float* x, const float* u, int64_t n, float flevels, int64_t b, int bits,
+template <class U>
+__device__ inline void qsgd(const float* x, U u, int64_t n, float flevels, int64_t b, int bits,
                             const float* norms, uint8_t* out, int64_t block, int64_t nblocks) {
   const int64_t groups = (n + 7) / 8;
   BLOCK_STRIDE(g, groups, block, nblocks) {
@@ -116,7 +119,8 @@ __device__ __forceinline__ uint8_t natural_code(float v, float u) {
   return (uint8_t)(e + (u < frac ? 1 : 0));
 }
 
-__device__ inline void natural(const float* x, const float* u, int64_t n, uint8_t* signs, uint8_t* codes, int64_t block,
+template <class U>
+__device__ inline void natural(const float* x, U u, int64_t n, uint8_t* signs, uint8_t* codes, int64_t block,
                                int64_t nblocks) {
   const int64_t groups = (n + 7) / 8;
   BLOCK_STRIDE(g, groups, block, nblocks) {

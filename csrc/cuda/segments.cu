@@ -4,6 +4,8 @@
 #include "select.cuh"
 #include "signs.cuh"
 
+#include <type_traits>
+
 namespace {
 // ---- a bucket's segments, one launch per kernel ---------------------------------------------------
 // A bucket's gradients lie one after another in a flat buffer. A batch of up to kSegBatch
@@ -53,12 +55,19 @@ __device__ __forceinline__ uint32_t draw_hash(int64_t j, int64_t words) {
   return hash32(hash32((uint32_t)j ^ (uint32_t)words) ^ (uint32_t)(words >> 32));
 }
 
+// draw j of the seed words (s0 | s1 << 32) as a uniform float, made where it is used
+struct Drawn {
+  int64_t words;
+  __device__ __forceinline__ float operator[](int64_t j) const { return (float)(draw_hash(j, words) >> 8) * 0x1p-24f; }
+};
+
 // counter-based draws: uniform floats, or the sort keys segment << 32 | hash (random indices)
 __global__ void k_uniform_seg(SegBatch t, float* out) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   float* o = out + t.x[s];
-  BLOCK_STRIDE(j, t.n[s], sb.block, sb.blocks) o[j] = (float)(draw_hash(j, t.u[s]) >> 8) * 0x1p-24f;
+  const Drawn u{t.u[s]};
+  BLOCK_STRIDE(j, t.n[s], sb.block, sb.blocks) o[j] = u[j];
 }
 
 __global__ void k_hash_keys_seg(SegBatch t, int64_t first, int64_t* out) {
@@ -75,16 +84,17 @@ __global__ void k_maxabs_seg(SegBatch t, const float* x, unsigned* out) {
   maxabs(x + t.x[s], t.n[s], out + t.q[s], sb.block, sb.blocks);
 }
 
-__global__ void k_terngrad_seg(SegBatch t, const float* x, const float* u, const float* scale, uint8_t* out) {
+// the quantizers, each segment's draws made from its seed words (t.u) where they are used
+__global__ void k_terngrad_seg(SegBatch t, const float* x, const float* scale, uint8_t* out) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
-  terngrad(x + t.x[s], u + t.u[s], t.n[s], scale + t.q[s], out + t.p[s], sb.block, sb.blocks);
+  terngrad(x + t.x[s], Drawn{t.u[s]}, t.n[s], scale + t.q[s], out + t.p[s], sb.block, sb.blocks);
 }
 
-__global__ void k_natural_seg(SegBatch t, const float* x, const float* u, uint8_t* signs, uint8_t* codes) {
+__global__ void k_natural_seg(SegBatch t, const float* x, uint8_t* signs, uint8_t* codes) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
-  natural(x + t.x[s], u + t.u[s], t.n[s], signs + t.p[s], codes + t.q[s], sb.block, sb.blocks);
+  natural(x + t.x[s], Drawn{t.u[s]}, t.n[s], signs + t.p[s], codes + t.q[s], sb.block, sb.blocks);
 }
 
 // QSGD's norms: rows of b <= 4096 a warp each; longer rows by chunks (partials from t.r[s]), then
@@ -115,12 +125,12 @@ __global__ void k_norms_final_seg(SegBatch t, int64_t bucket, float* norms, cons
   }
 }
 
-__global__ void k_qsgd_seg(SegBatch t, const float* x, const float* u, float flevels, int64_t bucket, int bits,
+__global__ void k_qsgd_seg(SegBatch t, const float* x, float flevels, int64_t bucket, int bits,
                            const float* norms, uint8_t* out) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   const int64_t n = t.n[s], b = qsgd_row(n, bucket);
-  qsgd(x + t.x[s], u + t.u[s], n, flevels, b, bits, norms + t.q[s], out + t.p[s], sb.block, sb.blocks);
+  qsgd(x + t.x[s], Drawn{t.u[s]}, n, flevels, b, bits, norms + t.q[s], out + t.p[s], sb.block, sb.blocks);
 }
 
 // the sign family's bits and scalars: each segment on red_grid(n) blocks, as alone
@@ -131,29 +141,101 @@ __global__ void k_sign_sums_seg(SegBatch t, const float* x, uint8_t* out, float*
   sign_sums<S>(x + t.x[s], t.n[s], out + t.p[s], partial + t.r[s], sb.block, sb.blocks);
 }
 
+// ... of the compensated gradient, made as it is read (residual memory's step, segment by segment)
+template <int S>
+__global__ void k_sign_ef_sums_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
+                                   uint8_t* out, float* partial) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  const Compensated p{g + t.x[s], r + t.x[s], beta, gamma, flags};
+  sign_sums<S>(p, t.n[s], out + t.p[s], partial + t.r[s], sb.block, sb.blocks);
+}
+
+// the new residual p - decode(bits, scalars), p made again as it was for the sums
+template <int S>
+__global__ void k_sign_residual_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
+                                    const uint8_t* bits, const float* scalars, float* new_r) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  const Compensated p{g + t.x[s], r + t.x[s], beta, gamma, flags};
+  const uint8_t* b = bits + t.p[s];
+  const float* q = scalars + t.q[s];
+  float* o = new_r + t.x[s];
+  BLOCK_STRIDE(i, t.n[s], sb.block, sb.blocks) {
+    o[i] = __fsub_rn(p[i], S == 1 ? sign_value(b, q, i) : onebit_value(b, q, i));
+  }
+}
+
 template <int S>
 __global__ void k_sign_final_seg(SegBatch t, const float* partial, float* scalars) {
   const int s = blockIdx.x;
   sign_final<S>(partial + t.r[s], red_grid(t.n[s]), t.n[s], scalars + t.q[s]);
 }
 
-// every segment's decompression into the flat out (Method: 0 sign bits, scalars[q] the scale or
-// NULL (signSGD), 1 1-bit SGD, 2 TernGrad, 3 QSGD, 4 natural compression (b: its codes))
+// Element i of a segment decoded (Method: 0 sign bits, b the scale or NULL (signSGD), 1 1-bit SGD,
+// 2 TernGrad, 3 QSGD, 4 natural compression (b: its codes)); a and b: the segment's own fields,
+// row: QSGD's row length
+template <int Method>
+__device__ __forceinline__ float decoded(const uint8_t* a, const void* b, float flevels, int64_t row, int bits,
+                                         int64_t i) {
+  const float* scalars = static_cast<const float*>(b);
+  if constexpr (Method == 0) return sign_value(a, scalars, i);
+  if constexpr (Method == 1) return onebit_value(a, scalars, i);
+  if constexpr (Method == 2) return terngrad_value(a, scalars, i);
+  if constexpr (Method == 3) return qsgd_value(a, flevels, row, bits, scalars, i);
+  if constexpr (Method == 4) return natural_value(a, static_cast<const uint8_t*>(b), i);
+}
+
+// a segment's b field from item q on (natural compression's codes are bytes, the others' floats)
+template <int Method>
+__device__ __forceinline__ const void* field_at(const void* b, int64_t q) {
+  if (!b) return nullptr;
+  if constexpr (Method == 4) return static_cast<const uint8_t*>(b) + q;
+  return static_cast<const float*>(b) + q;
+}
+
+// every segment's decompression into the flat out
 template <int Method>
 __global__ void k_decode_seg(SegBatch t, const uint8_t* a, const void* b, float flevels, int64_t bucket, int bits,
                              float* out) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
-  const int64_t n = t.n[s];
-  const float* scalars = static_cast<const float*>(b);
+  const int64_t n = t.n[s], row = qsgd_row(n, bucket);
+  const uint8_t* as = a + t.p[s];
+  const void* bs = field_at<Method>(b, t.q[s]);
   float* o = out + t.x[s];
-  if constexpr (Method == 0) sign_decode(a + t.p[s], n, scalars ? scalars + t.q[s] : nullptr, o, sb.block, sb.blocks);
-  if constexpr (Method == 1) onebit_decode(a + t.p[s], n, scalars + t.q[s], o, sb.block, sb.blocks);
-  if constexpr (Method == 2) terngrad_decode(a + t.p[s], n, scalars + t.q[s], o, sb.block, sb.blocks);
-  if constexpr (Method == 3)
-    qsgd_decode(a + t.p[s], n, flevels, qsgd_row(n, bucket), bits, scalars + t.q[s], o, sb.block, sb.blocks);
-  if constexpr (Method == 4)
-    natural_decode(a + t.p[s], static_cast<const uint8_t*>(b) + t.q[s], n, o, sb.block, sb.blocks);
+  BLOCK_STRIDE(i, n, sb.block, sb.blocks) o[i] = decoded<Method>(as, bs, flevels, row, bits, i);
+}
+
+// How an aggregate follows from the decoded sum (Compressor.finish): times 1 / d for each divisor d
+// in turn, as torch divides by a number on a GPU (a * (1 / d), 1 / d rounded to float first)
+struct Reciprocals {
+  int count;
+  float r[4];
+};
+
+// every segment's aggregate over `ranks` ranks: rank r's fields at a + r * a_rank bytes and at
+// item r * b_rank of b, decoded and added rank after rank, then times each reciprocal; NaN
+// everywhere where *overflow > 0 (the ranks that flagged an inf or a NaN; NULL: none counted)
+template <int Method>
+__global__ void k_mean_seg(SegBatch t, int ranks, const uint8_t* a, int64_t a_rank, const void* b, int64_t b_rank,
+                           float flevels, int64_t bucket, int bits, Reciprocals finish, const int64_t* overflow,
+                           float* out) {
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  const int64_t n = t.n[s], row = qsgd_row(n, bucket);
+  const bool poisoned = overflow && *overflow > 0;
+  float* o = out + t.x[s];
+  BLOCK_STRIDE(i, n, sb.block, sb.blocks) {
+    float acc = 0.0f;
+    for (int r = 0; r < ranks; ++r) {
+      const float v = decoded<Method>(a + r * a_rank + t.p[s], field_at<Method>(b, r * b_rank + t.q[s]), flevels,
+                                      row, bits, i);
+      acc = r ? __fadd_rn(acc, v) : v;
+    }
+    for (int d = 0; d < finish.count; ++d) acc = __fmul_rn(acc, finish.r[d]);
+    o[i] = poisoned ? __uint_as_float(0x7fc00000u) : acc;
+  }
 }
 
 // top-k with error feedback (grace_cuda_topk_ef) of every segment: t.u holds its k, t.p its first
@@ -253,13 +335,13 @@ inline dim3 per_byte(SegBatch& t) {
 
 inline int64_t packed_bytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
 
-// The fields every drawn segment of a compress batch fills alike: its size, where its input and its
-// draws start, and where its codes (`bits` per element, from a byte boundary) go, `bytes` on past them
-inline void drawn_segment(SegBatch& t, int k, int64_t n, int64_t start, int64_t draw_start, int bits,
+// The fields every drawn segment of a compress batch fills alike: its size, where its input starts,
+// its seed words, and where its codes (`bits` per element, from a byte boundary) go, `bytes` on past them
+inline void drawn_segment(SegBatch& t, int k, int64_t n, int64_t start, uint32_t s0, uint32_t s1, int bits,
                           int64_t& bytes) {
   t.n[k] = n;
   t.x[k] = start;
-  t.u[k] = draw_start;
+  t.u[k] = (int64_t)s0 | (int64_t)s1 << 32;
   t.p[k] = bytes;
   bytes += packed_bytes(n, bits);
 }
@@ -308,7 +390,7 @@ API int grace_cuda_hash_keys_segments(int64_t segments, const int64_t* numels, c
 // the segments' payloads in a row: codes (packed per segment, each from a byte boundary) and
 // the scalars, as terngrad_compress / qsgd_compress / natural_compress make them for each alone
 API int grace_cuda_terngrad_compress_segments(const float* x, int64_t segments, const int64_t* starts,
-                                              const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                              const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                               uint8_t* out, float* scale, void* stream) {
   cudaStream_t st = as_stream(stream);
   if (segments > 0) cudaMemsetAsync(scale, 0, segments * sizeof(float), st);
@@ -316,38 +398,38 @@ API int grace_cuda_terngrad_compress_segments(const float* x, int64_t segments, 
   return for_batches(
       segments,
       [&](SegBatch& t, int k, int64_t s) {
-        drawn_segment(t, k, numels[s], starts[s], draw_starts[s], 2, bytes);
+        drawn_segment(t, k, numels[s], starts[s], s0[s], s1[s], 2, bytes);
         t.q[k] = s;
       },
       [&](SegBatch& t, int64_t) {
         const dim3 max_grid = seg_grid(t, [&](int k) { return red_grid(t.n[k]); });
         k_maxabs_seg<<<max_grid, kThreads, 0, st>>>(t, x, reinterpret_cast<unsigned*>(scale));
         const dim3 grid = per_byte(t);
-        k_terngrad_seg<<<grid, kThreads, 0, st>>>(t, x, u, scale, out);
+        k_terngrad_seg<<<grid, kThreads, 0, st>>>(t, x, scale, out);
         return 0;
       });
 }
 
 API int grace_cuda_natural_compress_segments(const float* x, int64_t segments, const int64_t* starts,
-                                             const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                             const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                              uint8_t* signs, uint8_t* codes, void* stream) {
   int64_t bytes = 0, at = 0;
   return for_batches(
       segments,
       [&](SegBatch& t, int k, int64_t s) {
-        drawn_segment(t, k, numels[s], starts[s], draw_starts[s], 1, bytes);
+        drawn_segment(t, k, numels[s], starts[s], s0[s], s1[s], 1, bytes);
         t.q[k] = at;
         at += numels[s];
       },
       [&](SegBatch& t, int64_t) {
         const dim3 grid = per_byte(t);
-        k_natural_seg<<<grid, kThreads, 0, as_stream(stream)>>>(t, x, u, signs, codes);
+        k_natural_seg<<<grid, kThreads, 0, as_stream(stream)>>>(t, x, signs, codes);
         return 0;
       });
 }
 
 API int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, const int64_t* starts,
-                                          const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                          const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                           int levels, int64_t bucket, int bits, uint8_t* out, float* norms,
                                           void* stream) {
   if (bits < 1 || bits > 8 || levels < 1 || bucket < 0) return -1;
@@ -367,7 +449,7 @@ API int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, cons
       segments,
       [&](SegBatch& t, int k, int64_t s) {
         const int64_t n = numels[s], b = qsgd_row(n, bucket), rows = qsgd_rows(n, b);
-        drawn_segment(t, k, n, starts[s], draw_starts[s], bits, bytes);
+        drawn_segment(t, k, n, starts[s], s0[s], s1[s], bits, bytes);
         t.q[k] = row;
         t.r[k] = slot;
         row += rows;
@@ -391,16 +473,25 @@ API int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, cons
           k_norms_final_seg<<<final_grid, kThreads, 0, st>>>(t, bucket, norms, partial);
         }
         const dim3 grid = per_byte(t);
-        k_qsgd_seg<<<grid, kThreads, 0, st>>>(t, x, u, (float)levels, bucket, bits, norms, out);
+        k_qsgd_seg<<<grid, kThreads, 0, st>>>(t, x, (float)levels, bucket, bits, norms, out);
         return 0;
       });
 }
 
-// EF-signSGD's (S = 1: the scale) and 1-bit SGD's (S = 3: the two means) bits and scalars of
-// every segment, as efsign_compress / onebit_compress make them for each alone
+// Residual memory's step around a sign compression: p = compensate(g, r) compressed, new_r = p - its
+// decoding (new_r may be r)
+struct SignEF {
+  const float* r;
+  float beta, gamma;
+  int flags;
+  float* new_r;
+};
+
+// the sign family's bits and scalars of every segment, as efsign_compress / onebit_compress make them
+// for each alone; with ef, of the compensated x, then the new residuals
 template <int S>
-static int sign_compress_segments(const float* x, int64_t segments, const int64_t* starts, const int64_t* numels,
-                                  uint8_t* out, float* scalars, cudaStream_t st) {
+static int sign_segments(const float* x, const SignEF* ef, int64_t segments, const int64_t* starts,
+                         const int64_t* numels, uint8_t* out, float* scalars, cudaStream_t st) {
   int64_t slots = 0;
   for (int64_t s = 0; s < segments; ++s) slots += S * red_grid(numels[s]);
   Scratch sc(slots * sizeof(float), st);
@@ -420,53 +511,121 @@ static int sign_compress_segments(const float* x, int64_t segments, const int64_
       },
       [&](SegBatch& t, int64_t) {
         const dim3 grid = seg_grid(t, [&](int k) { return red_grid(t.n[k]); });
-        k_sign_sums_seg<S><<<grid, kThreads, 0, st>>>(t, x, out, sc.at<float>(0));
-        k_sign_final_seg<S><<<t.count, 1024, 0, st>>>(t, sc.at<float>(0), scalars);
+        float* partial = sc.at<float>(0);
+        if (ef) {
+          k_sign_ef_sums_seg<S><<<grid, kThreads, 0, st>>>(t, x, ef->r, ef->beta, ef->gamma, ef->flags, out, partial);
+        } else {
+          k_sign_sums_seg<S><<<grid, kThreads, 0, st>>>(t, x, out, partial);
+        }
+        k_sign_final_seg<S><<<t.count, 1024, 0, st>>>(t, partial, scalars);
+        if (ef) {
+          k_sign_residual_seg<S><<<per_element(t), kThreads, 0, st>>>(t, x, ef->r, ef->beta, ef->gamma, ef->flags,
+                                                                       out, scalars, ef->new_r);
+        }
         return 0;
       });
 }
 
+API int grace_cuda_efsign_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                      const int64_t* numels, float beta, float gamma, int flags, uint8_t* out,
+                                      float* scale, float* new_r, void* stream) {
+  const SignEF ef{r, beta, gamma, flags, new_r};
+  return sign_segments<1>(g, &ef, segments, starts, numels, out, scale, as_stream(stream));
+}
+
+API int grace_cuda_onebit_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                      const int64_t* numels, float beta, float gamma, int flags, uint8_t* out,
+                                      float* means, float* new_r, void* stream) {
+  const SignEF ef{r, beta, gamma, flags, new_r};
+  return sign_segments<3>(g, &ef, segments, starts, numels, out, means, as_stream(stream));
+}
+
 API int grace_cuda_efsign_compress_segments(const float* x, int64_t segments, const int64_t* starts,
                                             const int64_t* numels, uint8_t* out, float* scale, void* stream) {
-  return sign_compress_segments<1>(x, segments, starts, numels, out, scale, as_stream(stream));
+  return sign_segments<1>(x, nullptr, segments, starts, numels, out, scale, as_stream(stream));
 }
 
 API int grace_cuda_onebit_compress_segments(const float* x, int64_t segments, const int64_t* starts,
                                             const int64_t* numels, uint8_t* out, float* means, void* stream) {
-  return sign_compress_segments<3>(x, segments, starts, numels, out, means, as_stream(stream));
+  return sign_segments<3>(x, nullptr, segments, starts, numels, out, means, as_stream(stream));
 }
+
+namespace {
+// The decoders' segments: each one's size, first element, first packed byte and first scalar (natural
+// compression: first code); `bytes` and `scalars` run on past them (after the last: one rank's fields)
+struct DecodeLayout {
+  int method, code_bits;
+  int64_t bucket, bytes = 0, at = 0, scalars = 0;
+  DecodeLayout(int method_, int bits, int64_t bucket_)
+      : method(method_), code_bits(method_ == 2 ? 2 : (method_ == 3 ? bits : 1)), bucket(bucket_) {}
+  bool valid(int levels, int bits) const {
+    return method >= 0 && method <= 4 && (method != 3 || (bits >= 1 && bits <= 8 && levels >= 1 && bucket >= 0));
+  }
+  void fill(SegBatch& t, int k, int64_t n) {
+    t.n[k] = n;
+    t.x[k] = at;
+    t.p[k] = bytes;
+    t.q[k] = method == 4 ? at : scalars;
+    bytes += packed_bytes(n, code_bits);
+    at += n;
+    scalars += method == 1 ? 2 : (method == 3 ? qsgd_rows(n, qsgd_row(n, bucket)) : 1);
+  }
+};
+
+// launch(the method as a std::integral_constant): its decoder's kernels chosen at compile time
+template <class Launch>
+void by_method(int method, Launch launch) {
+  switch (method) {
+    case 0: launch(std::integral_constant<int, 0>{}); break;
+    case 1: launch(std::integral_constant<int, 1>{}); break;
+    case 2: launch(std::integral_constant<int, 2>{}); break;
+    case 3: launch(std::integral_constant<int, 3>{}); break;
+    default: launch(std::integral_constant<int, 4>{}); break;
+  }
+}
+}  // namespace
 
 // every segment's payload decompressed into the flat out (segments in a row): method 0 sign
 // bits (b: a scale per segment, or NULL), 1 1-bit SGD (two means each), 2 TernGrad (a scale
 // each), 3 QSGD (its norms), 4 natural compression (a: sign bits, b: codes)
 API int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* numels, const uint8_t* a,
                                    const void* b, int levels, int64_t bucket, int bits, float* out, void* stream) {
-  if (method < 0 || method > 4 || (method == 3 && (bits < 1 || bits > 8 || levels < 1 || bucket < 0))) return -1;
-  const int code_bits = method == 2 ? 2 : (method == 3 ? bits : 1);
-  int64_t bytes = 0, at = 0, scalar = 0;
+  DecodeLayout layout(method, bits, bucket);
+  if (!layout.valid(levels, bits)) return -1;
   return for_batches(
-      segments,
-      [&](SegBatch& t, int k, int64_t s) {
-        const int64_t n = numels[s];
-        t.n[k] = n;
-        t.x[k] = at;
-        t.p[k] = bytes;
-        t.q[k] = method == 4 ? at : scalar;
-        bytes += packed_bytes(n, code_bits);
-        at += n;
-        scalar += method == 1 ? 2 : (method == 3 ? qsgd_rows(n, qsgd_row(n, bucket)) : 1);
-      },
+      segments, [&](SegBatch& t, int k, int64_t s) { layout.fill(t, k, numels[s]); },
       [&](SegBatch& t, int64_t) {
         const dim3 grid = per_element(t);
         cudaStream_t st = as_stream(stream);
-        const float fl = (float)levels;
-        switch (method) {
-          case 0: k_decode_seg<0><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
-          case 1: k_decode_seg<1><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
-          case 2: k_decode_seg<2><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
-          case 3: k_decode_seg<3><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
-          default: k_decode_seg<4><<<grid, kThreads, 0, st>>>(t, a, b, fl, bucket, bits, out); break;
-        }
+        by_method(method, [&](auto m) {
+          k_decode_seg<decltype(m)::value><<<grid, kThreads, 0, st>>>(t, a, b, (float)levels, bucket, bits, out);
+        });
+        return 0;
+      });
+}
+
+// every segment's aggregate over `ranks` ranks into the flat out: a and b hold each rank's fields
+// in a row (as decode_segments takes one rank's), rank after rank; the decoded sum divided by
+// divisors[0 .. ndiv) in turn (ndiv <= 4); NaN where the device's *overflow > 0 (overflow may be NULL)
+API int grace_cuda_mean_segments(int method, int64_t segments, const int64_t* numels, int ranks, const uint8_t* a,
+                                 const void* b, int levels, int64_t bucket, int bits, const float* divisors, int ndiv,
+                                 const int64_t* overflow, float* out, void* stream) {
+  DecodeLayout layout(method, bits, bucket), rank(method, bits, bucket);
+  if (!layout.valid(levels, bits) || ranks < 1 || ndiv < 0 || ndiv > 4 || segments < 0) return -1;
+  SegBatch scratch;
+  for (int64_t s = 0; s < segments; ++s) rank.fill(scratch, 0, numels[s]);  // one rank's bytes and scalars
+  Reciprocals finish{ndiv, {}};
+  for (int d = 0; d < ndiv; ++d) finish.r[d] = 1.0f / divisors[d];
+  return for_batches(
+      segments, [&](SegBatch& t, int k, int64_t s) { layout.fill(t, k, numels[s]); },
+      [&](SegBatch& t, int64_t) {
+        const dim3 grid = per_element(t);
+        cudaStream_t st = as_stream(stream);
+        by_method(method, [&](auto m) {
+          k_mean_seg<decltype(m)::value><<<grid, kThreads, 0, st>>>(
+              t, ranks, a, rank.bytes, b, method == 4 ? rank.at : rank.scalars, (float)levels, bucket, bits, finish,
+              overflow, out);
+        });
         return 0;
       });
 }

@@ -220,9 +220,7 @@ __device__ inline void write(Pred pred, int64_t n, const SelState* st_, const lo
 
 __device__ inline void compensate(const float* g, const float* r, int64_t n, float beta, float gamma, int flags,
                                   float* p, int64_t block, int64_t nblocks) {
-  BLOCK_STRIDE(i, n, block, nblocks) {
-    float a = (flags & 1) ? __fmul_rn(g[i], gamma) : g[i];
-    p[i] = __fadd_rn(a, (flags & 2) ? __fmul_rn(r[i], beta) : r[i]);
-  }
+  const Compensated c{g, r, beta, gamma, flags};
+  BLOCK_STRIDE(i, n, block, nblocks) p[i] = c[i];
 }
 }  // namespace

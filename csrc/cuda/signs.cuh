@@ -21,10 +21,10 @@ __host__ __device__ inline int red_grid(int64_t n) {
 }
 
 // bits (x >= 0) and per-block partial sums: S = 1: |x|; S = 3: count(x >= 0), sum(x >= 0), sum
-// (block `block` of a grid of nblocks: partial[s * nblocks + block])
-template <int S>
-__device__ inline void sign_sums(const float* x, int64_t n, uint8_t* out, float* partial, int64_t block,
-                                 int64_t nblocks) {
+// (block `block` of a grid of nblocks: partial[s * nblocks + block]); x: a pointer, or any X with
+// x[i] (the compensated gradient, made as it is read)
+template <int S, class X>
+__device__ inline void sign_sums(X x, int64_t n, uint8_t* out, float* partial, int64_t block, int64_t nblocks) {
   __shared__ float smem[32];
   const int lane = threadIdx.x & 31;
   float acc[S];

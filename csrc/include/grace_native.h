@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 13
+#define GRACE_NATIVE_ABI 14
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -240,27 +240,37 @@ int64_t grace_cuda_threshold_ef(const float* g, const float* r, int64_t n, float
                                 int flags, float* values, void* idx, int idx_type, float* new_r, void* stream);
 /* a bucket's segments (gradients in a row in a flat buffer) in one launch per kernel, each with
  * what its per-tensor function gives it alone (the reductions on the same blocks, in the same
- * order). Host arrays of the segments' sizes, starts (elements of x) and draw starts (elements
- * of u); payloads in a row, each segment's codes from a byte boundary, its scalars after the
- * previous segment's. */
+ * order). Host arrays of the segments' sizes, starts (elements of x) and seed words; payloads in
+ * a row, each segment's codes from a byte boundary, its scalars after the previous segment's. */
 int grace_cuda_uniform_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                 float* out, void* stream);
 /* out[j] = segment << 32 | the 32-bit hash of its draw (draws in a row): random indices' sort keys */
 int grace_cuda_hash_keys_segments(int64_t segments, const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                   int64_t* out, void* stream);
+/* the quantizers' segments: segment s's draws are those of the seed words (s0[s], s1[s]) (draw i of
+ * grace_cuda_uniform_segments for element i), made where they are used */
 int grace_cuda_terngrad_compress_segments(const float* x, int64_t segments, const int64_t* starts,
-                                          const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                          const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                           uint8_t* out, float* scale, void* stream);
 int grace_cuda_natural_compress_segments(const float* x, int64_t segments, const int64_t* starts,
-                                         const int64_t* numels, const float* u, const int64_t* draw_starts,
+                                         const int64_t* numels, const uint32_t* s0, const uint32_t* s1,
                                          uint8_t* signs, uint8_t* codes, void* stream);
 int grace_cuda_qsgd_compress_segments(const float* x, int64_t segments, const int64_t* starts, const int64_t* numels,
-                                      const float* u, const int64_t* draw_starts, int levels, int64_t bucket, int bits,
+                                      const uint32_t* s0, const uint32_t* s1, int levels, int64_t bucket, int bits,
                                       uint8_t* out, float* norms, void* stream);
 int grace_cuda_efsign_compress_segments(const float* x, int64_t segments, const int64_t* starts,
                                         const int64_t* numels, uint8_t* out, float* scale, void* stream);
 int grace_cuda_onebit_compress_segments(const float* x, int64_t segments, const int64_t* starts,
                                         const int64_t* numels, uint8_t* out, float* means, void* stream);
+/* residual memory's step with EF-signSGD's (scale) or 1-bit SGD's (means) compression, every segment:
+ * p = g * gamma + r * beta (each where flags says: 1 gamma, 2 beta) compressed as *_compress_segments
+ * compresses it, the new residual p - its decoding into new_r at the segments' starts */
+int grace_cuda_efsign_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                  const int64_t* numels, float beta, float gamma, int flags, uint8_t* out,
+                                  float* scale, float* new_r, void* stream);
+int grace_cuda_onebit_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                  const int64_t* numels, float beta, float gamma, int flags, uint8_t* out,
+                                  float* means, float* new_r, void* stream);
 /* grace_cuda_topk_ef of every segment (0 <= ks[s] <= numels[s]): values and int64 indices (in the
  * segment) of the segments in a row, the new residuals in new_r at the segments' starts */
 int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
@@ -271,6 +281,13 @@ int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments
  * 4 natural compression (a: sign bits, b: codes) */
 int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* numels, const uint8_t* a, const void* b,
                                int levels, int64_t bucket, int bits, float* out, void* stream);
+/* every segment's aggregate over `ranks` ranks into the flat out: a and b hold each rank's fields as
+ * decode_segments takes them, rank after rank; each element's decodings added rank after rank, then
+ * divided by divisors[0 .. ndiv) in turn (ndiv <= 4) as torch divides by a number on a GPU (times its
+ * float reciprocal); NaN everywhere where *overflow (a device int64, or NULL) is positive */
+int grace_cuda_mean_segments(int method, int64_t segments, const int64_t* numels, int ranks, const uint8_t* a,
+                             const void* b, int levels, int64_t bucket, int bits, const float* divisors, int ndiv,
+                             const int64_t* overflow, float* out, void* stream);
 /* dense is zeroed by the call; payloads are added one after another (deterministic when the
  * indices within one payload are distinct); out-of-range indices are skipped */
 int grace_cuda_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,

@@ -175,11 +175,11 @@ class NumpyBackend:
         floating = x.dtype.kind == "f" or x.dtype.name == "bfloat16"  # ml_dtypes' bfloat16 has kind 'V'
         return np.sum(x, axis=axis, dtype=x.dtype if floating else np.int64)
 
-    def nonfinite(self, xs):
-        """A one-element float32 flag: 1 where any of the tensors ``xs`` holds an inf or a NaN.
+    def nonfinite(self, xs, dtype: str = "float32"):
+        """A one-element flag in ``dtype``: 1 where any of the tensors ``xs`` holds an inf or a NaN.
         One summing pass each (half precision sums in float32, which cannot overflow)."""
         total = sum(float(np.sum(x, dtype=np.float64 if x.dtype == np.float64 else np.float32)) for x in xs)
-        return np.asarray([0.0 if np.isfinite(total) else 1.0], np.float32)
+        return np.asarray([0 if np.isfinite(total) else 1], dtype)
 
     def max(self, x, axis=None):
         """Maximum; 0 for an empty tensor, like the other backends."""

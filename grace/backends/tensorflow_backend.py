@@ -305,12 +305,12 @@ class TensorflowBackend:
             return tf.reduce_sum(x, axis=axis)
         return tf.reduce_sum(tf.cast(x, tf.int64), axis=axis)
 
-    def nonfinite(self, xs):
-        """A one-element float32 flag: 1 where any of the tensors ``xs`` holds an inf or a NaN
+    def nonfinite(self, xs, dtype: str = "float32"):
+        """A one-element flag in ``dtype``: 1 where any of the tensors ``xs`` holds an inf or a NaN
         (a summing pass each; half precision sums in float32, which cannot overflow)."""
         sums = [tf.reduce_sum(tf.cast(x, tf.float64 if x.dtype == tf.float64 else tf.float32)) for x in xs]
         total = tf.add_n([tf.cast(s, tf.float64) for s in sums]) if len(sums) > 1 else sums[0]
-        return tf.reshape(tf.cast(tf.logical_not(tf.math.is_finite(total)), tf.float32), [1])
+        return tf.reshape(tf.cast(tf.logical_not(tf.math.is_finite(total)), dtype), [1])
 
     def max(self, x, axis=None):
         """Maximum; 0 for an empty tensor, like the other backends."""

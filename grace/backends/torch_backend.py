@@ -246,10 +246,11 @@ class TorchBackend:
             return x.sum() if axis is None else x.sum(dim=axis)
         return x.sum(dtype=torch.int64) if axis is None else x.sum(dim=axis, dtype=torch.int64)
 
-    def nonfinite(self, xs):
-        """A one-element float32 flag: 1 where any of the tensors ``xs`` holds an inf or a NaN.
-        One pass over them on the device, with no read back to the host (half precision summed
-        in float32, which cannot overflow)."""
+    def nonfinite(self, xs, dtype: str = "float32"):
+        """A one-element flag: 1 where any of the tensors ``xs`` holds an inf or a NaN, in ``dtype``
+        (float32: an allreduce's extra element; uint8: a frame's byte). One pass over them on the
+        device, with no read back to the host (half precision summed in float32, which cannot
+        overflow)."""
         xs = list(xs)
         if len(xs) > 1 and self.on_accelerator(xs[0]) \
                 and all(x.dtype in (torch.float16, torch.bfloat16, torch.float32) for x in xs):
@@ -261,7 +262,9 @@ class TorchBackend:
             sums = [x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32) for x in xs]
             total = sums[0] if len(sums) == 1 else torch.stack([s.double() for s in sums]).sum()
         # total - total: +0 where finite, NaN where not (inf - inf): made the flag by one more op
-        return torch.nan_to_num((total - total).to(torch.float32), nan=1.0).reshape(1)
+        if dtype == "uint8":
+            return (total - total).ne(0).view(torch.uint8).reshape(1)
+        return torch.nan_to_num((total - total).to(_dtype(dtype)), nan=1.0).reshape(1)
 
     def max(self, x, axis=None):
         if x.numel() == 0:

@@ -32,7 +32,6 @@ segment-wise forms) is registered apart, per method (``grace.core.plans.kernels`
 from __future__ import annotations
 
 import enum
-import itertools
 import math
 import numbers
 import zlib
@@ -246,9 +245,8 @@ def divided(xp, x, d, in_place: bool):
 
 def uniform_draws(xp, counts: Sequence[int], infos: Sequence[TensorInfo], seed: int, like):
     """Each segment's uniform draws, ``counts[s]`` from its own rank seed, as its per-tensor
-    compress draws them, in a row; and where each segment's draws start."""
-    drawn = xp.uniform_segments(counts, [info.rank_seed(seed) for info in infos], like=like)
-    return drawn, tuple(itertools.accumulate(counts, initial=0))[:-1]
+    compress draws them, in a row."""
+    return xp.uniform_segments(counts, [info.rank_seed(seed) for info in infos], like=like)
 
 
 def sent_count(ratio: float, d: int) -> int:

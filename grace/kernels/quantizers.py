@@ -30,7 +30,7 @@ class TernGradKernels(MethodKernels):
     def encode_segments(self, xp, p, table, infos):
         terngrad, magnitude = self.compressor, xp.abs(p)
         scales = xp.segment_max(magnitude, table.counts)
-        u, _ = uniform_draws(xp, table.numels, infos, terngrad.seed, p)
+        u = uniform_draws(xp, table.numels, infos, terngrad.seed, p)
         codes = terngrad.codes(xp, p, magnitude, u, table.per_element(xp, terngrad.safe(xp, scales)))
         return [segment_packing.pack(xp, codes, 2, table), scales]
 
@@ -72,7 +72,7 @@ class QSGDKernels(MethodKernels):
     def encode_segments(self, xp, p, table, infos):
         qsgd, (rows, whole_rows, buckets) = self.compressor, self._rows(xp, table)
         norms = qsgd.norms(xp, segment_packing.padded(xp, p * p, table, 1, buckets), whole_rows)
-        drawn, _ = uniform_draws(xp, self.draws(table.numels), infos, qsgd.seed, p)
+        drawn = uniform_draws(xp, self.draws(table.numels), infos, qsgd.seed, p)
         u = segment_packing.unpadded(xp, drawn, table, 1, buckets)  # (the padding drew too)
         return [segment_packing.pack(xp, qsgd.codes(xp, p, u, norms, rows), qsgd.bits, table), norms]
 
@@ -98,7 +98,7 @@ class NaturalKernels(MethodKernels):
         return list(numels)
 
     def encode_segments(self, xp, p, table, infos):
-        u, _ = uniform_draws(xp, table.numels, infos, self.compressor.seed, p)
+        u = uniform_draws(xp, table.numels, infos, self.compressor.seed, p)
         negative, codes = self.compressor.codes(xp, p, u)
         return [segment_packing.pack(xp, negative, 1, table), codes]
 

@@ -37,6 +37,13 @@ class SignBitsKernels(MethodKernels):
         return [(payload, Shape(xp.shape(g), xp.dtype(g)), xp.reshape(e, xp.shape(g)))
                 for payload, e, g in zip(payloads, news, gs)]
 
+    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
+        fused = xp.native(f"{self.segment_kernel}_ef_step_segments", g, xp.dtype(g))
+        if not fused:
+            return None
+        packed, scalars, new_residual = fused(g, residual, table.starts, table.numels, beta, gamma)
+        return [packed, scalars], None, new_residual
+
     def segment_fields(self, numels, dtype):
         count = len(numels)
         return [([packed_size(n, 1) for n in numels], ["uint8"] * count),
@@ -54,9 +61,6 @@ class SignBitsKernels(MethodKernels):
 class EFSignSGDKernels(SignBitsKernels):
     segment_kernel = "efsignsgd"
     sum_kernel = "efsignsgd_decompress_sum"
-
-    def aggregate_segments(self, xp, fields, ctx, table, ranks):
-        return super().aggregate_segments(xp, fields, ctx, table, ranks) / self.compressor.lr
 
 
 @kernels_for(OneBit)

@@ -13,6 +13,7 @@ from grace.compressors.threshold import Threshold
 from grace.compressors.topk import TopK
 from grace.core import draws
 from grace.core.compressor import Shape, index_dtype, native_or_none
+from grace.core.journal import poisoned
 from grace.core.plans.kernels import MethodKernels, kernels_for
 
 
@@ -105,11 +106,12 @@ class SparseKernels(MethodKernels):
         values, local = fields
         return xp.scatter_add(local + self._sent_starts(xp, table, values), values, table.numel)
 
-    def aggregate_segments(self, xp, fields, ctx, table, ranks):
+    def aggregate_segments(self, xp, fields, ctx, table, ranks, overflow=None):
         values, local = fields  # (ranks, sent) each: every rank's indices and shares by one op each
         indices, shares = local + self._sent_starts(xp, table, values), values / ranks
         rows = range(ranks)  # payload after payload, as aggregate adds them
-        return xp.scatter_add_rows([indices[r] for r in rows], [shares[r] for r in rows], table.numel)
+        return poisoned(xp, xp.scatter_add_rows([indices[r] for r in rows], [shares[r] for r in rows], table.numel),
+                        overflow)
 
 
 @kernels_for(TopK)

@@ -26,11 +26,13 @@ from here (the last imports below). Which module holds which:
                     topk_ / threshold_ef_step, topk_compress_segments, topk_ef_step_segments,
                     topk_ / threshold_ / randomk_ef_step_many, scatter_add_segments_into
     signs.py        signsgd_, efsignsgd_, onebit_: compress, decompress, decompress_sum(_into);
-                    efsignsgd_, onebit_: compress_segments, decompress_segments, ef_step_many, residual_into
+                    efsignsgd_, onebit_: compress_segments, decompress_segments, ef_step_many, ef_step_segments,
+                    residual_into
     terngrad.py     terngrad_: compress, compress_drawn, decompress, (de)compress_segments, decompress_sum(_into)
     qsgd.py         qsgd_: the same; norm
     natural.py      natural_: the same
     quantizers.py   compress_many (a bucket's payloads), fp16_compress_many_into, fp16_decompress_many_into
+    means.py        efsignsgd_, onebit_, terngrad_, qsgd_, natural_mean_segments (a bucket's aggregate)
     lowrank.py      PowerSGD's products: lowrank_project, lowrank_back, lowrank_expand and their _many forms
     dgc.py          dgc_compensate_into, dgc_step_many
     draws.py        uniform_segments, hash_keys_segments, random_indices_segments
@@ -48,6 +50,8 @@ from grace.native.draws import hash_keys_segments, random_indices_segments, unif
 from grace.native.kernels import KERNELS, Kernel, kernel, run
 from grace.native.lowrank import (lowrank_back, lowrank_back_many, lowrank_expand, lowrank_expand_many,
                                   lowrank_project, lowrank_project_many)
+from grace.native.means import (efsignsgd_mean_segments, natural_mean_segments, onebit_mean_segments,
+                                qsgd_mean_segments, terngrad_mean_segments)
 from grace.native.natural import (natural_compress, natural_compress_drawn, natural_compress_segments,
                                   natural_decompress, natural_decompress_segments, natural_decompress_sum,
                                   natural_decompress_sum_into)
@@ -57,10 +61,10 @@ from grace.native.qsgd import (norm, qsgd_compress, qsgd_compress_drawn, qsgd_co
 from grace.native.quantizers import compress_many, fp16_compress_many_into, fp16_decompress_many_into
 from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments, efsignsgd_decompress,
                                 efsignsgd_decompress_segments, efsignsgd_decompress_sum, efsignsgd_decompress_sum_into,
-                                efsignsgd_ef_step_many, efsignsgd_residual_into, onebit_compress,
-                                onebit_compress_segments, onebit_decompress, onebit_decompress_segments,
-                                onebit_decompress_sum, onebit_decompress_sum_into, onebit_ef_step_many,
-                                onebit_residual_into, signsgd_compress, signsgd_decompress, signsgd_decompress_sum,
+                                efsignsgd_ef_step_many, efsignsgd_ef_step_segments, efsignsgd_residual_into,
+                                onebit_compress, onebit_compress_segments, onebit_decompress,
+                                onebit_decompress_segments, onebit_decompress_sum, onebit_decompress_sum_into,
+                                onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress, signsgd_decompress, signsgd_decompress_sum,
                                 signsgd_decompress_sum_into)
 from grace.native.sparse import (nonzero, randomk_ef_step_many, scatter_add, scatter_add_many,
                                  scatter_add_segments_into, threshold_compress, threshold_ef_step,
@@ -80,20 +84,21 @@ __all__ = [
     "KERNELS", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build", "cpu_isa",
     "dgc_compensate_into", "dgc_step_many", "disabled", "dlpack_info", "efsignsgd_compress",
     "efsignsgd_compress_segments", "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
-    "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_residual_into", "enabled",
-    "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces", "hash_keys_segments", "kernel",
-    "load_error", "lowrank_back", "lowrank_back_many", "lowrank_expand", "lowrank_expand_many", "lowrank_project",
-    "lowrank_project_many", "natural_compress", "natural_compress_drawn", "natural_compress_segments",
-    "natural_decompress", "natural_decompress_segments", "natural_decompress_sum", "natural_decompress_sum_into",
-    "nonzero", "norm", "onebit_compress", "onebit_compress_segments", "onebit_decompress",
-    "onebit_decompress_segments", "onebit_decompress_sum", "onebit_decompress_sum_into", "onebit_ef_step_many",
-    "onebit_residual_into", "pack", "qsgd_compress", "qsgd_compress_drawn", "qsgd_compress_segments",
-    "qsgd_decompress", "qsgd_decompress_segments", "qsgd_decompress_sum", "qsgd_decompress_sum_into",
+    "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_ef_step_segments", "efsignsgd_mean_segments",
+    "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces",
+    "hash_keys_segments", "kernel", "load_error", "lowrank_back", "lowrank_back_many", "lowrank_expand",
+    "lowrank_expand_many", "lowrank_project", "lowrank_project_many", "natural_compress", "natural_compress_drawn",
+    "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "natural_decompress_sum",
+    "natural_decompress_sum_into", "natural_mean_segments", "nonzero", "norm", "onebit_compress",
+    "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments", "onebit_decompress_sum",
+    "onebit_decompress_sum_into", "onebit_ef_step_many", "onebit_ef_step_segments", "onebit_mean_segments",
+    "onebit_residual_into", "pack", "qsgd_compress", "qsgd_compress_drawn", "qsgd_compress_segments", "qsgd_decompress",
+    "qsgd_decompress_segments", "qsgd_decompress_sum", "qsgd_decompress_sum_into", "qsgd_mean_segments",
     "random_indices_segments", "randomk_ef_step_many", "run", "scatter_add", "scatter_add_many",
     "scatter_add_segments_into", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
-    "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports", "terngrad_compress",
-    "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",
-    "terngrad_decompress_sum", "terngrad_decompress_sum_into", "threshold_compress", "threshold_ef_step",
+    "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports", "terngrad_compress", "terngrad_compress_drawn",
+    "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments", "terngrad_decompress_sum",
+    "terngrad_decompress_sum_into", "terngrad_mean_segments", "threshold_compress", "threshold_ef_step",
     "threshold_ef_step_many", "threshold_indices", "topk_compress", "topk_compress_segments", "topk_ef_step",
-    "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack",
+    "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack"
 ]

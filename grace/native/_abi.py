@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 13  # GRACE_NATIVE_ABI
+ABI = 14  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -103,8 +103,11 @@ CUDA = {
     "qsgd_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _I, _L, _I, _P, _P, _P]),
     "efsign_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _P]),
     "onebit_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _P]),
+    "efsign_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
+    "onebit_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
     "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
     "decode_segments": (_I, [_I, _L, _P, _P, _P, _I, _L, _I, _P, _P]),
+    "mean_segments": (_I, [_I, _L, _P, _I, _P, _P, _I, _L, _I, _P, _I, _P, _P, _P]),
     "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P, _P]),
 }
 
@@ -114,5 +117,6 @@ CUDA_STREAM = frozenset({
     "qsgd_compress", "natural_compress", "sign_decode", "onebit_decode", "bits_sum", "terngrad_decode", "qsgd_decode",
     "natural_decode", "topk", "topk_ef", "threshold", "nonzero", "threshold_ef", "uniform_segments",
     "hash_keys_segments", "terngrad_compress_segments", "natural_compress_segments", "qsgd_compress_segments",
-    "efsign_compress_segments", "onebit_compress_segments", "topk_ef_segments", "decode_segments", "scatter_add",
+    "efsign_compress_segments", "onebit_compress_segments", "efsign_ef_segments", "onebit_ef_segments",
+    "topk_ef_segments", "decode_segments", "mean_segments", "scatter_add",
 })

@@ -215,14 +215,15 @@ def _segments_fit(n: int, starts, numels, what: str) -> None:
                          f"do not fit in {n} {what}")
 
 
-def _segment_inputs(x, u, starts, numels, draw_starts, draws):
-    """The flat float32 ``x`` and draws ``u``, checked: every segment in x, and its ``draws``
-    (per segment) in u from its draw start."""
+def _drawn_segments(x, starts, numels, words, draws):
+    """The flat float32 ``x`` with every segment in it checked, and each segment's seed words
+    (``draws[s]`` draws of them, at most 2**32) as two C arrays: (kind, x, s0, s1)."""
     kind = kind_of(x)
-    b, ub = _float32(kind, x, ("float32",)), _same_kind(kind, u, "float32")
+    b = _float32(kind, x, ("float32",))
     _check_segments(b.n, starts, numels)
-    _check_segments(ub.n, draw_starts, draws, "draws")
-    return kind, b, ub
+    if len(words) != len(numels) or any(d > 2**32 for d in draws):
+        raise ValueError(f"{len(words)} seeds for {len(numels)} segments (at most 2**32 draws each)")
+    return (kind, b, *_seed_word_arrays(words))
 
 
 def _draws(kind, u, n: int) -> Buf:
@@ -248,6 +249,22 @@ def _flag(kind, nonfinite):
     if b.n != 1:
         raise ValueError("the overflow flag is one float32 element")
     return b.ptr
+
+
+def _ef_inputs(g, residual, out):
+    """A residual step's gradient, residual and output (new where ``out`` is None) as buffers:
+    (kind, gradient, residual, output)."""
+    kind = kind_of(g)
+    gb = kind.flat(g)
+    rb = _same_kind(kind, residual)
+    if gb.dtype != "float32" or rb.dtype != "float32":
+        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
+    if gb.n != rb.n:
+        raise ValueError(f"gradient has {gb.n} elements, residual {rb.n}")
+    ob = kind.empty(gb.n, "float32") if out is None else _same_kind(kind, out)
+    if ob.n != gb.n or ob.dtype != "float32":
+        raise ValueError("out must be a float32 array of the gradient's size")
+    return kind, gb, rb, ob
 
 
 def _ef_many_inputs(gs, residuals, outs):

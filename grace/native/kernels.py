@@ -13,6 +13,8 @@ from grace.native._arrays import NativeUnavailable, kind_of
 from grace.native.dgc import dgc_compensate_into, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
 from grace.native.lowrank import lowrank_back_many, lowrank_expand_many, lowrank_project_many
+from grace.native.means import (efsignsgd_mean_segments, natural_mean_segments, onebit_mean_segments,
+                                qsgd_mean_segments, terngrad_mean_segments)
 from grace.native.natural import (natural_compress, natural_compress_drawn, natural_compress_segments,
                                   natural_decompress, natural_decompress_segments, natural_decompress_sum,
                                   natural_decompress_sum_into)
@@ -22,10 +24,10 @@ from grace.native.qsgd import (norm, qsgd_compress, qsgd_compress_drawn, qsgd_co
 from grace.native.quantizers import compress_many, fp16_compress_many_into, fp16_decompress_many_into
 from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments, efsignsgd_decompress,
                                 efsignsgd_decompress_segments, efsignsgd_decompress_sum, efsignsgd_decompress_sum_into,
-                                efsignsgd_ef_step_many, efsignsgd_residual_into, onebit_compress,
-                                onebit_compress_segments, onebit_decompress, onebit_decompress_segments,
-                                onebit_decompress_sum, onebit_decompress_sum_into, onebit_ef_step_many,
-                                onebit_residual_into, signsgd_compress, signsgd_decompress, signsgd_decompress_sum,
+                                efsignsgd_ef_step_many, efsignsgd_ef_step_segments, efsignsgd_residual_into,
+                                onebit_compress, onebit_compress_segments, onebit_decompress,
+                                onebit_decompress_segments, onebit_decompress_sum, onebit_decompress_sum_into,
+                                onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress, signsgd_decompress, signsgd_decompress_sum,
                                 signsgd_decompress_sum_into)
 from grace.native.sparse import (nonzero, randomk_ef_step_many, scatter_add, scatter_add_many,
                                  scatter_add_segments_into, threshold_ef_step, threshold_ef_step_many,
@@ -171,21 +173,33 @@ KERNELS: Dict[str, Kernel] = {
                                      cuda="onebit_compress_segments", launches=per_batch(2)),
     "onebit_decompress_segments": both(onebit_decompress_segments, "onebit_decode", "float32",
                                        cuda="decode_segments", launches=per_batch(1)),
-    "terngrad_compress_segments": both(terngrad_compress_segments, ("maxabs", "terngrad_compress"),
+    "terngrad_compress_segments": both(terngrad_compress_segments, "terngrad_compress_drawn",
                                        ("uint8", "float32"), cuda="terngrad_compress_segments",
                                        launches=per_batch(2, once=1)),
     "terngrad_decompress_segments": both(terngrad_decompress_segments, "terngrad_decode", "float32",
                                          cuda="decode_segments", launches=per_batch(1)),
-    "qsgd_compress_segments": both(qsgd_compress_segments, "qsgd_compress", ("uint8", "float32"),
+    "qsgd_compress_segments": both(qsgd_compress_segments, "qsgd_compress_drawn", ("uint8", "float32"),
                                    cuda="qsgd_compress_segments", launches=per_batch(3)),
     "qsgd_decompress_segments": both(qsgd_decompress_segments, "qsgd_decode", "float32", cuda="decode_segments",
                                      launches=per_batch(1)),
-    "natural_compress_segments": both(natural_compress_segments, "natural_compress", ("uint8", "uint8"),
+    "natural_compress_segments": both(natural_compress_segments, "natural_compress_drawn", ("uint8", "uint8"),
                                       cuda="natural_compress_segments", launches=per_batch(1)),
     "natural_decompress_segments": both(natural_decompress_segments, "natural_decode", "float32",
                                         cuda="decode_segments", launches=per_batch(1)),
+    # ... every rank's fields of a bucket decoded, added and divided (the allgather's aggregate)
+    **{f"{method}_mean_segments": both(function, symbol, "float32", cuda="mean_segments", launches=per_batch(1))
+       for method, function, symbol in (
+           ("efsignsgd", efsignsgd_mean_segments, "bits_sum_segments"),
+           ("onebit", onebit_mean_segments, "bits_sum_segments"),
+           ("terngrad", terngrad_mean_segments, "bits_sum_segments"),
+           ("qsgd", qsgd_mean_segments, "qsgd_sum_segments"),
+           ("natural", natural_mean_segments, "natural_sum_segments"))},
     "topk_compress_segments": both(topk_compress_segments, "topk", ("float32", "int64"),
                                    launches=per_segment(TOPK_LAUNCHES)),
+    "efsignsgd_ef_step_segments": both(efsignsgd_ef_step_segments, "bits_ef_many", ("uint8", "float32", "float32"),
+                                       cuda="efsign_ef_segments", launches=per_batch(3)),
+    "onebit_ef_step_segments": both(onebit_ef_step_segments, "bits_ef_many", ("uint8", "float32", "float32"),
+                                    cuda="onebit_ef_segments", launches=per_batch(3)),
     "topk_ef_step_segments": both(topk_ef_step_segments, "topk_ef", ("float32", "int64", "float32"),
                                   cuda="topk_ef_segments", launches=per_batch(14)),
     # error feedback fused with selection: one tensor, then a bucket in one call

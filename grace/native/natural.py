@@ -2,7 +2,7 @@
 
     natural_compress(x, u) -> (signs, codes), natural_decompress(signs, codes, numel)
     natural_compress_drawn(x, words): the draws made inside (CPU)
-    natural_compress_segments(x, starts, numels, u, draw_starts), natural_decompress_segments(signs, codes,
+    natural_compress_segments(x, starts, numels, words), natural_decompress_segments(signs, codes,
     numels); natural_decompress_sum(signs_rows, codes_rows, numel), natural_decompress_sum_into(payloads, outs)
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from grace.formats import packed_size
 from grace.native._arrays import call, kind_of
 from grace.native._common import (_check_payload, _check_sums, _cpu_kind, _decode_out, _decode_segments, _draws,
                                   _finish_args, _float32, _in_place_all, _int64s, _on_gpu, _packed_total,
-                                  _pointers, _rows, _same_kind, _same_kind_all, _segment_inputs, _wrap)
+                                  _pointers, _rows, _same_kind, _same_kind_all, _drawn_segments, _wrap)
 
 
 # --- fused compress / decompress ------------------------------------------------------------------
@@ -49,18 +49,19 @@ def natural_decompress(signs, codes, numel: int):
 
 
 # --- segment by segment (draws: each segment's own, in a row) -------------------------------------
-def natural_compress_segments(x, starts, numels, u, draw_starts):
-    """natural_compress of each segment: (every segment's sign bits in a row, its codes in a row)."""
-    kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, numels)
+def natural_compress_segments(x, starts, numels, words):
+    """natural_compress of each segment, with the counter-based draws of segment s's seed words
+    ``words[s]``: (every segment's sign bits in a row, its codes in a row)."""
+    kind, b, s0, s1 = _drawn_segments(x, starts, numels, words, numels)
     signs = kind.empty(_packed_total(tuple(numels), 1), "uint8")
     codes = kind.empty(sum(numels), "uint8")
     if _on_gpu(kind):
-        call(kind, "natural_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), ub.ptr,
-             _int64s(draw_starts), signs.ptr, codes.ptr)
+        call(kind, "natural_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), s0, s1,
+             signs.ptr, codes.ptr)
         return _wrap(kind, signs, codes)
     at, code = 0, 0  # (the codes in a row: a segment's start in x may lie past its first code)
-    for start, n, drawn in zip(starts, numels, draw_starts):
-        call(kind, "natural_compress", b.ptr + 4 * start, ub.ptr + 4 * drawn, n, signs.ptr + at, codes.ptr + code)
+    for s, (start, n) in enumerate(zip(starts, numels)):
+        call(kind, "natural_compress_drawn", b.ptr + 4 * start, n, s0[s], s1[s], signs.ptr + at, codes.ptr + code)
         at, code = at + packed_size(n, 1), code + n
     return _wrap(kind, signs, codes)
 

@@ -3,7 +3,7 @@
     qsgd_compress(x, u, levels, bucket_size=0, norms=None) -> (packed, norms)
     qsgd_decompress(packed, norms, numel, levels, bucket_size=0)
     qsgd_compress_drawn(x, words, levels, bucket_size): the draws made inside (CPU); norm(x) (CPU)
-    qsgd_compress_segments(x, starts, numels, u, draw_starts, levels, bucket_size), qsgd_decompress_segments(
+    qsgd_compress_segments(x, starts, numels, words, levels, bucket_size), qsgd_decompress_segments(
     packed, norms, numels, levels, bucket_size); qsgd_decompress_sum(packed_rows, norms_rows, numel, levels,
     bucket_size), qsgd_decompress_sum_into(payloads, outs, levels, bucket_size, finish) (CPU)
 """
@@ -15,7 +15,7 @@ from grace.formats import code_width, packed_size, qsgd_bucket
 from grace.native._arrays import NativeUnavailable, call, kind_of
 from grace.native._common import (_check_payload, _check_sums, _cpu_kind, _decode_out, _decode_segments, _draws,
                                   _finish_args, _float32, _in_place_all, _int64s, _on_gpu, _packed_total,
-                                  _pointers, _rows, _same_kind, _same_kind_all, _segment_inputs, _wrap)
+                                  _pointers, _rows, _same_kind, _same_kind_all, _drawn_segments, _wrap)
 
 
 # --- fused compress / decompress ------------------------------------------------------------------
@@ -92,23 +92,22 @@ def _qsgd_rows_total(numels: tuple, bucket_size: int) -> int:
     return sum(_qsgd_rows(n, bucket_size) for n in numels)
 
 
-def qsgd_compress_segments(x, starts, numels, u, draw_starts, levels: int, bucket_size: int = 0):
-    """qsgd_compress of each segment: (every segment's codes in a row, its norms in a row);
-    segment s draws one per element of its whole buckets of ``bucket_size``."""
+def qsgd_compress_segments(x, starts, numels, words, levels: int, bucket_size: int = 0):
+    """qsgd_compress of each segment, with the counter-based draws of segment s's seed words
+    ``words[s]`` (one per element of its rows): (every segment's codes in a row, its norms in a row)."""
     padded = [_qsgd_rows(n, bucket_size) * qsgd_bucket(n, bucket_size) for n in numels]
-    kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, padded)
+    kind, b, s0, s1 = _drawn_segments(x, starts, numels, words, padded)
     bits = code_width(2 * (levels + 1))
     out = kind.empty(_packed_total(tuple(numels), bits), "uint8")
     norms = kind.empty(_qsgd_rows_total(tuple(numels), int(bucket_size)), "float32")
     if _on_gpu(kind):
-        call(kind, "qsgd_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), ub.ptr,
-             _int64s(draw_starts), int(levels), int(bucket_size), bits, out.ptr, norms.ptr)
+        call(kind, "qsgd_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), s0, s1,
+             int(levels), int(bucket_size), bits, out.ptr, norms.ptr)
         return _wrap(kind, out, norms)
     at, row = 0, 0
-    for start, n, drawn in zip(starts, numels, draw_starts):
-        rc = call(kind, "qsgd_compress", b.ptr + 4 * start, ub.ptr + 4 * drawn, n, int(levels),
-                  qsgd_bucket(n, bucket_size), bits, norms.ptr + 4 * row, 0, out.ptr + at)
-        if rc != 0:
+    for s, (start, n) in enumerate(zip(starts, numels)):
+        if call(kind, "qsgd_compress_drawn", b.ptr + 4 * start, n, s0[s], s1[s], int(levels),
+                qsgd_bucket(n, bucket_size), bits, norms.ptr + 4 * row, out.ptr + at) != 0:
             raise ValueError(f"bad QSGD parameters: levels={levels}, bits={bits}")
         at, row = at + packed_size(n, bits), row + _qsgd_rows(n, bucket_size)
     return _wrap(kind, out, norms)

@@ -8,19 +8,22 @@
     onebit_decompress_sum(packed_rows, means, numel); signsgd_, efsignsgd_, onebit_decompress_sum_into(payloads,
     outs): every gradient of a bucket in one call (CPU)
     segment by segment: efsignsgd_compress_segments(x, starts, numels), efsignsgd_decompress_segments(packed,
-    scale, numels), onebit_compress_segments(x, starts, numels), onebit_decompress_segments(packed, means, numels)
+    scale, numels), onebit_compress_segments(x, starts, numels), onebit_decompress_segments(packed, means, numels);
+    with residual memory's step: efsignsgd_, onebit_ef_step_segments(g, residual, starts, numels, beta, gamma)
     error feedback (CPU): efsignsgd_, onebit_ef_step_many(gs, residuals, beta, gamma, outs);
     efsignsgd_, onebit_residual_into(p, ..., out)
 The bit-code sums (``_bits_sum``, ``_bits_sum_into``) serve TernGrad's 2-bit codes too (terngrad.py).
 """
 from __future__ import annotations
 
+import itertools
+
 from grace.formats import packed_size
 from grace.native._arrays import call, kind_of
-from grace.native._common import (_FLOATS, _check_segments, _cpu_kind, _decode_out, _decode_segments,
-                                  _ef_flags, _ef_many_inputs, _every, _finish_args, _flag, _float32, _in_place,
-                                  _in_place_all, _int64s, _on_gpu, _packed_total, _placed, _pointers, _same_kind,
-                                  _same_kind_all, _wrap)
+from grace.native._common import (_FLOATS, _addresses, _check_segments, _cpu_kind, _decode_out, _decode_segments,
+                                  _ef_flags, _ef_inputs, _ef_many_inputs, _every, _finish_args, _flag, _float32,
+                                  _in_place, _in_place_all, _int64s, _on_gpu, _packed_total, _placed, _pointers,
+                                  _same_kind, _same_kind_all, _wrap)
 
 
 # --- fused compress / decompress ------------------------------------------------------------------
@@ -211,6 +214,37 @@ def onebit_compress_segments(x, starts, numels):
 def onebit_decompress_segments(packed, means, numels):
     """onebit_decompress of each segment, the results in a row."""
     return _sign_decode_segments("onebit_decode", 2, packed, means, numels)
+
+
+def _sign_ef_segments(mode: int, symbol: str, scalars: int, g, residual, starts, numels, beta, gamma, out):
+    """Residual memory's step with a sign compression on every segment of the flat ``g``:
+    (bits in a row, scalars in a row, the new residual of the whole buffer)."""
+    kind, gb, rb, ob = _ef_inputs(g, residual, out)
+    _check_segments(gb.n, starts, numels)
+    sizes = [packed_size(n, 1) for n in numels]
+    packed, sc = kind.empty(sum(sizes), "uint8"), kind.empty(scalars * len(numels), "float32")
+    flags = _ef_flags(beta, gamma)
+    if _on_gpu(kind):
+        call(kind, f"{symbol}_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels),
+             float(beta), float(gamma), flags, packed.ptr, sc.ptr, ob.ptr)
+        return _wrap(kind, packed, sc, ob)
+    at = [0, *itertools.accumulate(sizes)][:-1]
+    call(kind, "bits_ef_many", len(numels), _addresses(gb, [4 * s for s in starts]),
+         _addresses(rb, [4 * s for s in starts]), _addresses(ob, [4 * s for s in starts]), _int64s(numels),
+         float(beta), float(gamma), flags, mode, _addresses(packed, at),
+         _addresses(sc, [4 * scalars * s for s in range(len(numels))]), None)
+    return _wrap(kind, packed, sc, ob)
+
+
+def efsignsgd_ef_step_segments(g, residual, starts, numels, beta: float = 1.0, gamma: float = 1.0, out=None):
+    """Residual memory's step with efsignsgd_compress on each segment (``starts``, ``numels``):
+    p = g * gamma + residual * beta; (bits in a row, a scale per segment, p - its decoding)."""
+    return _sign_ef_segments(_EFSIGNSGD, "efsign", 1, g, residual, starts, numels, beta, gamma, out)
+
+
+def onebit_ef_step_segments(g, residual, starts, numels, beta: float = 1.0, gamma: float = 1.0, out=None):
+    """The same with onebit_compress: (bits in a row, two means per segment, p - its decoding)."""
+    return _sign_ef_segments(_ONEBIT, "onebit", 2, g, residual, starts, numels, beta, gamma, out)
 
 
 # --- error feedback, a bucket in one call (CPU) ---------------------------------------------------

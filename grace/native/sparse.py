@@ -17,8 +17,8 @@ import itertools
 
 from grace.formats import ITEMSIZE, index_dtype
 from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, kind_of
-from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_many_inputs, _every,
-                                  _flag, _float32, _head, _in_place_all, _index_buf, _index_codes, _int64s,
+from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
+                                  _every, _flag, _float32, _head, _in_place_all, _index_buf, _index_codes, _int64s,
                                   _on_gpu, _placed, _pointers, _same_kind, _same_kind_all, _wrap)
 
 
@@ -193,20 +193,6 @@ def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, ga
 
 
 # --- fused error feedback -------------------------------------------------------------------------
-def _ef_inputs(g, residual, out):
-    kind = kind_of(g)
-    gb = kind.flat(g)
-    rb = _same_kind(kind, residual)
-    if gb.dtype != "float32" or rb.dtype != "float32":
-        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
-    if gb.n != rb.n:
-        raise ValueError(f"gradient has {gb.n} elements, residual {rb.n}")
-    ob = kind.empty(gb.n, "float32") if out is None else _same_kind(kind, out)
-    if ob.n != gb.n or ob.dtype != "float32":
-        raise ValueError("out must be a float32 array of the gradient's size")
-    return kind, gb, rb, ob
-
-
 def topk_ef_step(g, residual, k: int, beta: float = 1.0, gamma: float = 1.0, out=None):
     """Residual memory + TopK in one kernel: p = g*gamma + residual*beta (each factor applied
     only when != 1, as ResidualMemory), the k largest |p| (ties to the lowest index);

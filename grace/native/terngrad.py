@@ -2,7 +2,7 @@
 
     terngrad_compress(x, u, scale=None) -> (packed, scale), terngrad_decompress(packed, scale, numel)
     terngrad_compress_drawn(x, words): the same with the draws made inside (CPU)
-    terngrad_compress_segments(x, starts, numels, u, draw_starts), terngrad_decompress_segments(packed, scale,
+    terngrad_compress_segments(x, starts, numels, words), terngrad_decompress_segments(packed, scale,
     numels); terngrad_decompress_sum(packed_rows, scales, numel), terngrad_decompress_sum_into(payloads, outs)
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from grace.formats import packed_size
 from grace.native._arrays import call, kind_of
 from grace.native._common import (_check_payload, _cpu_kind, _decode_out, _decode_segments, _draws, _float32,
-                                  _int64s, _on_gpu, _packed_total, _same_kind, _segment_inputs, _wrap)
+                                  _int64s, _on_gpu, _packed_total, _same_kind, _drawn_segments, _wrap)
 from grace.native.signs import _TERNGRAD, _bits_sum, _bits_sum_into
 
 
@@ -52,20 +52,20 @@ def terngrad_compress_drawn(x, words):
 
 
 # --- segment by segment (draws: each segment's own, in a row) -------------------------------------
-def terngrad_compress_segments(x, starts, numels, u, draw_starts):
-    """terngrad_compress of each segment of the flat float32 ``x``, with the draws of segment s
-    at ``u[draw_starts[s]:]``: (every segment's codes in a row, one scale per segment)."""
-    kind, b, ub = _segment_inputs(x, u, starts, numels, draw_starts, numels)
+def terngrad_compress_segments(x, starts, numels, words):
+    """terngrad_compress of each segment of the flat float32 ``x``, with the counter-based draws
+    of segment s's seed words ``words[s]`` (as terngrad_compress_drawn): (every segment's codes
+    in a row, one scale per segment)."""
+    kind, b, s0, s1 = _drawn_segments(x, starts, numels, words, numels)
     out = kind.empty(_packed_total(tuple(numels), 2), "uint8")
     scale = kind.empty(len(numels), "float32")
     if _on_gpu(kind):
-        call(kind, "terngrad_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), ub.ptr,
-             _int64s(draw_starts), out.ptr, scale.ptr)
+        call(kind, "terngrad_compress_segments", b.ptr, len(numels), _int64s(starts), _int64s(numels), s0, s1,
+             out.ptr, scale.ptr)
         return _wrap(kind, out, scale)
     at = 0
-    for s, (start, n, drawn) in enumerate(zip(starts, numels, draw_starts)):
-        call(kind, "maxabs", b.ptr + 4 * start, n, scale.ptr + 4 * s)
-        call(kind, "terngrad_compress", b.ptr + 4 * start, ub.ptr + 4 * drawn, n, scale.ptr + 4 * s, out.ptr + at)
+    for s, (start, n) in enumerate(zip(starts, numels)):
+        call(kind, "terngrad_compress_drawn", b.ptr + 4 * start, n, s0[s], s1[s], scale.ptr + 4 * s, out.ptr + at)
         at += packed_size(n, 2)
     return _wrap(kind, out, scale)
 

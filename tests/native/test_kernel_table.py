@@ -95,7 +95,8 @@ def test_a_segment_kernels_cuda_launches_grow_by_batches_of_segments():
         starts = list(range(0, 130 // segments * segments, 130 // segments))
         assert topk.cuda_cost(x, x, starts, numels, [1] * segments) == (14 * batches, 0)
     assert gn.KERNELS["uniform_segments"].cuda_cost([5] * 65, [(1, 2)] * 65, x) == (2, 0)
-    assert gn.KERNELS["terngrad_compress_segments"].cuda_cost(x, [0], [130], x, [0]) == (1 + 2, 0)
+    assert gn.KERNELS["terngrad_compress_segments"].cuda_cost(x, [0], [130], [(1, 2)]) == (1 + 2, 0)
+    assert gn.KERNELS["terngrad_mean_segments"].cuda_cost(x, x, [5] * 65, 4, (4,), None) == (2, 0)
     assert gn.KERNELS["nonzero"].cuda_cost(x) == (4, 1)  # its count read back
     assert gn.KERNELS["scatter_add_many"].cuda_cost([(x, x)] * 3, 130) == (1 + 3, 0)
     assert gn.KERNELS["signsgd_decompress"].cuda_cost(x, 130) == (1, 0)
@@ -105,9 +106,13 @@ CUDA_CALLS = {  # a call of each kernel the segmented plans make on a GPU: (name
     "topk_ef_step_segments": lambda n, u, c: (n, u, [0, 1000], [1000, 2000], [10, 20]),
     "efsignsgd_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000]),
     "onebit_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000]),
-    "terngrad_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], u, [0, 1000]),
-    "qsgd_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], u, [0, 1000], 127, 8192),
-    "natural_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], u, [0, 1000]),
+    "efsignsgd_ef_step_segments": lambda n, u, c: (n, u, [0, 1000], [1000, 2000], 1.0, 0.1),
+    "onebit_ef_step_segments": lambda n, u, c: (n, u, [0, 1000], [1000, 2000], 0.9, 1.0),
+    "terngrad_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], [(1, 2), (3, 4)]),
+    "qsgd_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], [(1, 2), (3, 4)], 127, 8192),
+    "natural_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], [(1, 2), (3, 4)]),
+    # every rank's fields (3 ranks) of two segments of 1000 and 2000 elements: 2-bit codes and a scale each
+    "terngrad_mean_segments": lambda n, u, c: ((c[:3 * 750] % 256).byte(), u[:6], [1000, 2000], 3, (3,), c[:1] - 1),
     "uniform_segments": lambda n, u, c: ([1000, 2000], [(1, 2), (3, 4)], u),
     "hash_keys_segments": lambda n, u, c: ([1000, 2000], [(1, 2), (3, 4)], c),
     "signsgd_compress": lambda n, u, c: (n,),

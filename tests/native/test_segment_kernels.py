@@ -36,14 +36,16 @@ def test_segments_in_one_call_equal_each_segment_alone(device, method, levels, b
     starts, total = _layout(sizes)
     x = on(device, gradient(total, seed=3))
     drawn = [(_rows(n, bucket) * (bucket or n)) if method == "qsgd" else n for n in sizes]
-    u = on(device, np.random.default_rng(4).random(sum(drawn) + 5, dtype=np.float32))
+    seeds = [(4, s) for s in range(len(sizes))]  # (each segment's draws made in the call from its seed words)
+    u = on(device, draws.uniform_numpy(drawn, seeds))
     draw_starts = list(itertools.accumulate([0] + drawn[:-1]))
     extra = {"qsgd": (levels, bucket)}.get(method, ())
     if method in ("efsignsgd", "onebit"):
         fields = getattr(gn, f"{method}_compress_segments")(x, starts, sizes)
         alone = [getattr(gn, f"{method}_compress")(x[s:s + n]) for s, n in zip(starts, sizes)]
     else:
-        fields = getattr(gn, f"{method}_compress_segments")(x, starts, sizes, u, draw_starts, *extra)
+        words = [draws.seed_words(seed) for seed in seeds]
+        fields = getattr(gn, f"{method}_compress_segments")(x, starts, sizes, words, *extra)
         alone = [getattr(gn, f"{method}_compress")(x[s:s + n], u[d:d + m], *extra)
                  for s, n, d, m in zip(starts, sizes, draw_starts, drawn)]
     for j, field in enumerate(fields):
@@ -83,7 +85,9 @@ def test_counter_draws_of_many_segments_equal_numpys(device):
 def test_segment_calls_refuse_what_does_not_fit(device):
     x = on(device, np.zeros(100, np.float32))
     with pytest.raises(ValueError, match="do not fit"):
-        gn.terngrad_compress_segments(x, [0, 90], [50, 20], on(device, np.zeros(70, np.float32)), [0, 50])
+        gn.terngrad_compress_segments(x, [0, 90], [50, 20], [(1, 2), (3, 4)])
+    with pytest.raises(ValueError, match="seeds for"):
+        gn.terngrad_compress_segments(x, [0, 50], [50, 20], [(1, 2)])
     with pytest.raises(ValueError, match="32-bit"):
         gn.uniform_segments([2**32 + 1], [(0, 0)], on(device, np.zeros(1, np.float32)))
     with pytest.raises(ValueError, match="packed bytes"):
@@ -112,3 +116,65 @@ def test_top_k_steps_of_many_segments_equal_each_segments_step(device, ratio, be
         same_bytes(idx[at:at + k], host(want_i).astype(np.int64), f"indices of segment {s}")
         same_bytes(new_r[start:start + n], want_r, f"new residual of segment {s}")
         at += k
+
+
+def _fields_of_ranks(device, method, sizes, starts, total, ranks, extra):
+    """Each of ``ranks`` ranks' fields of the segments (its own gradient and draws), and all
+    ranks' fields in a row (as a received frame holds them)."""
+    per_rank = []
+    for r in range(ranks):
+        x = on(device, gradient(total, seed=20 + r))
+        if method in ("efsignsgd", "onebit"):
+            per_rank.append(getattr(gn, f"{method}_compress_segments")(x, starts, sizes))
+        else:
+            words = [draws.seed_words((r, s)) for s in range(len(sizes))]
+            per_rank.append(getattr(gn, f"{method}_compress_segments")(x, starts, sizes, words, *extra))
+    return per_rank, [on(device, np.concatenate([host(f[j]).reshape(-1) for f in per_rank]))
+                      for j in range(len(per_rank[0]))]
+
+
+@pytest.mark.parametrize("method, levels, bucket, divisors", [
+    ("terngrad", 0, 0, (3,)), ("natural", 0, 0, (3,)), ("qsgd", 127, 0, (3,)), ("qsgd", 7, 512, (3,)),
+    ("efsignsgd", 0, 0, (3, 0.1)), ("onebit", 0, 0, (3,))])
+def test_a_buckets_mean_in_one_call_equals_each_ranks_decoding_added(device, method, levels, bucket, divisors):
+    """*_mean_segments against each rank's decompress_segments, added rank after rank and divided
+    by tensor ops on the same device (a GPU divides by a number as times its reciprocal); every
+    element NaN where the overflow count is positive, untouched where it is 0."""
+    from tests.native.conftest import torch
+
+    sizes, ranks = SIZES, 3
+    starts, total = _layout(sizes)
+    extra = {"qsgd": (levels, bucket)}.get(method, ())
+    per_rank, fields = _fields_of_ranks(device, method, sizes, starts, total, ranks, extra)
+    decoded = [getattr(gn, f"{method}_decompress_segments")(*f, sizes, *extra) for f in per_rank]
+    want = decoded[0]
+    for d in decoded[1:]:
+        want = want + d
+    for d in divisors:
+        want = want / d
+    mean = getattr(gn, f"{method}_mean_segments")
+    for count in (None, 0):
+        overflow = None if count is None else on(device, np.array([count], np.int64))
+        same_bytes(mean(*fields, sizes, ranks, divisors, overflow, *extra), want, f"{method} mean")
+    poisoned = mean(*fields, sizes, ranks, divisors, on(device, np.array([2], np.int64)), *extra)
+    assert bool(torch.isnan(poisoned).all())
+    with pytest.raises(ValueError, match="ranks"):
+        mean(*[f[:-1] if j == 0 else f for j, f in enumerate(fields)], sizes, ranks, divisors, None, *extra)
+
+
+@pytest.mark.parametrize("method", ["efsignsgd", "onebit"])
+@pytest.mark.parametrize("beta, gamma", [(1.0, 1.0), (1.0, 0.1), (0.9, 1.0)])
+def test_sign_residual_steps_of_many_segments_equal_compensate_compress_and_update(device, method, beta, gamma):
+    """*_ef_step_segments against residual memory's step by tensor ops and the segment calls:
+    p = g * gamma + r * beta, its fields, and p minus their decoding."""
+    sizes = SIZES
+    starts, total = _layout(sizes)
+    g, r = on(device, gradient(total, seed=8)), on(device, gradient(total, seed=9))
+    p = (g if gamma == 1.0 else g * gamma) + (r if beta == 1.0 else r * beta)
+    packed, scalars, new_r = getattr(gn, f"{method}_ef_step_segments")(g, r, starts, sizes, beta, gamma)
+    want = getattr(gn, f"{method}_compress_segments")(p, starts, sizes)
+    same_bytes(packed, want[0], "bits")
+    same_bytes(scalars, want[1], "scalars")
+    decoded = getattr(gn, f"{method}_decompress_segments")(*want, sizes)
+    for s, (start, n, at) in enumerate(zip(starts, sizes, itertools.accumulate([0] + sizes[:-1]))):
+        same_bytes(new_r[start:start + n], p[start:start + n] - decoded[at:at + n], f"new residual of segment {s}")

@@ -258,8 +258,8 @@ def test_native_segment_calls_refuse_segments_outside_their_buffers():
     x, u = torch.randn(100), torch.rand(100)
     with pytest.raises(ValueError, match="do not fit in 100 elements"):
         gn.onebit_compress_segments(x, [0, 60], [60, 41])
-    with pytest.raises(ValueError, match="do not fit in 100 draws"):
-        gn.terngrad_compress_segments(x, [0, 50], [50, 50], u, [0, 60])
+    with pytest.raises(ValueError, match="2 seeds for 3 segments"):
+        gn.terngrad_compress_segments(x, [0, 50, 80], [50, 30, 20], [(1, 2), (3, 4)])
     with pytest.raises(ValueError, match="do not fit"):
         gn.topk_ef_step_segments(x, torch.zeros(100), [0, 90], [90, 20], [1, 1])
     packed, scale = gn.efsignsgd_compress_segments(x, [0, 50], [50, 50])

@@ -58,7 +58,7 @@ class AllToAll(WholeBucket):
         memory, n = s.compression.memory, self.bucket.numel
         pending, g_units, infos, states = self.begin(xp, grads, flat)
         g, unit, pending.info = g_units[0], pending.units[0], infos[0]
-        pending.flag = xp.nonfinite([g]) if s.journal.guarded else None
+        pending.flag = xp.nonfinite([g], self.flag_dtype()) if s.journal.guarded else None
         size = shard_size(n, ranks, owner.align)
         if self.keeps_memory and self._owned_in != ranks and not s.communicator.replicas:
             with s.store.eager():  # (a TensorFlow trace: once, when the step is traced for this world)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from grace.core.bucket import Bucket, Segment
-from grace.core.compressor import TensorInfo, divided, written
+from grace.core.compressor import Collective, TensorInfo, divided, written
 from grace.core.journal import no_overflow, poisoned
 
 
@@ -119,6 +119,11 @@ class BucketPlan:
         """Whether the overflow count is left on the device until the step ends."""
         return False
 
+
+    def flag_dtype(self) -> str:
+        """The overflow flag's dtype, as its collective carries it (made so: no cast launched):
+        an allreduce's extra element, else a frame's byte."""
+        return "float32" if self.services.compression.collective is Collective.ALLREDUCE else "uint8"
 
     def begin(self, xp, grads, flat):
         """A step's start, common to the plans over units: the step counted, and each unit's

@@ -19,8 +19,8 @@ import numbers
 from typing import Any, Sequence
 
 from grace.core import draws
-from grace.core.compressor import (Compressor, Payload, Shape, TensorInfo, finished, native_or_none,
-                                   uniform_draws)
+from grace.core.compressor import Compressor, Payload, Shape, TensorInfo, finished, native_or_none
+from grace.core.journal import poisoned
 from grace.core.plans.by_class import ByClass
 
 
@@ -155,10 +155,10 @@ class MethodKernels:
         asks ``decompress_segments``). The segment kernels where built, else ``encode_segments``."""
         compressor = self.compressor
         fused = xp.native(f"{self.segment_kernel}_compress_segments", p, xp.dtype(p)) if self.segment_kernel else None
-        if fused:
+        if fused:  # (a random method's draws made in the kernel, from each segment's seed words)
             counts = table.cached("draws", lambda: self.draws(table.numels))
-            drawn = () if counts is None else uniform_draws(xp, counts, infos, compressor.seed, p)
-            return fused(p, table.starts, table.numels, *drawn, *self.arguments()), None, None
+            words = () if counts is None else ([draws.seed_words(info.rank_seed(compressor.seed)) for info in infos],)
+            return fused(p, table.starts, table.numels, *words, *self.arguments()), None, None
         return self.encode_segments(xp, p, table, infos), None, None
 
     def encode_segments(self, xp, p, table, infos: Sequence[TensorInfo]):
@@ -192,18 +192,25 @@ class MethodKernels:
             return fused(*fields, table.numels, *self.arguments())
         return self.decode_segments(xp, fields, table)
 
-    def aggregate_segments(self, xp, fields, ctx, table, ranks: int):
-        """Allgather methods: the flat mean over ``ranks`` of the received fields (each a (ranks,
-        field size) tensor): each rank's payloads decoded and added, rank after rank. All ranks'
-        are decoded at once: their fields in a row are the segments of every rank in turn."""
-        every = table.repeated(xp, ranks)
-        decoded = xp.reshape(self.decompress_segments(xp, [xp.flatten(f) for f in fields], ctx, every),
-                             (ranks, table.numel))
-        rows = [decoded[r] for r in range(ranks)]
-        total = rows[0]
-        for row in rows[1:]:
-            total = total + row
-        return total / ranks
+    def aggregate_segments(self, xp, fields, ctx, table, ranks: int, overflow=None):
+        """Allgather methods: the flat aggregate over ``ranks`` of the received fields (each a
+        (ranks, field size) tensor): each rank's payloads decoded and added, rank after rank, then
+        finished (``Compressor.finish``); poisoned where ``overflow`` counts a rank. The native
+        kernel does it all in one call (with the count left on the device); else all ranks' are
+        decoded at once: their fields in a row are the segments of every rank in turn."""
+        flat = [xp.flatten(f) for f in fields]
+        vote, divisors = self.compressor.finish(ranks)
+        fused = xp.native(f"{self.segment_kernel}_mean_segments", flat[0]) if self.segment_kernel and not vote \
+            else None
+        if fused:
+            count = overflow if overflow is not None and not isinstance(overflow, int) else None
+            mean = fused(*flat, table.numels, ranks, divisors, count, *self.arguments())
+            return mean if count is not None else poisoned(xp, mean, overflow)
+        decoded = xp.reshape(self.decompress_segments(xp, flat, ctx, table.repeated(xp, ranks)), (ranks, table.numel))
+        total = decoded[0]
+        for r in range(1, ranks):
+            total = total + decoded[r]
+        return poisoned(xp, finished(self.compressor, xp, total, ranks, True), overflow)
 
 
 _REGISTRY = ByClass(MethodKernels)

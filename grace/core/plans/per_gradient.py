@@ -32,7 +32,7 @@ class PerGradient(BucketPlan):
         guarded = s.journal.guarded
         in_call = guarded and len(units) > 1 and xp.mutable_tensors and not xp.on_accelerator(g)
         if guarded and not s.flags_from_payload and not in_call:
-            pending.flag = xp.nonfinite(g_units)
+            pending.flag = xp.nonfinite(g_units, self.flag_dtype())
         if not self._compressed_into_one_buffer(pending, g_units, infos):
             self._compress(pending, g_units, infos, states, in_call)
         return pending
@@ -111,7 +111,7 @@ class PerGradient(BucketPlan):
         if in_call and steps is not None:
             pending.flag = flag
         elif in_call and not s.flags_from_payload:
-            pending.flag = xp.nonfinite(g_units)
+            pending.flag = xp.nonfinite(g_units, self.flag_dtype())
         return steps
 
     def _unit_step(self, xp, name: str, g, info, state, e, spare, fused):

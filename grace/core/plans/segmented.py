@@ -40,7 +40,7 @@ class Segmented(BucketPlan):
         pending = BucketPending(bucket, xp, [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], g, [e],
                                 defer=defers_on_device(xp, g))
         if s.journal.guarded:
-            pending.flag = xp.nonfinite([g])
+            pending.flag = xp.nonfinite([g], self.flag_dtype())
         infos = [s.info(name, step) for name in bucket.names]
         fused = s.feedback.fused_segments(xp, s.kernels, g, e, self.table, infos)
         e_new = None  # the new memory where a fused kernel made it and it stands
@@ -92,7 +92,8 @@ class Segmented(BucketPlan):
         return self.deliver(pending, [flat], overflow, pending.outs or [None] * len(self.bucket.segments), into)
 
     def _mean(self, pending: BucketPending):
-        """The flat mean of the bucket's exchange, and the overflow count (or None)."""
+        """The flat mean of the bucket's exchange, and the overflow count (None: not guarded, or
+        poisoned in already)."""
         s, xp, bucket, n = self.services, pending.xp, self.bucket, self.services.communicator.size
         compressor, table, flagged = s.compression.compressor, self.table, pending.flag is not None
         if compressor.collective is Collective.ALLREDUCE:
@@ -111,10 +112,10 @@ class Segmented(BucketPlan):
             rows = xp.reshape(received, (n, frames.frame_size([bucket.numel], [bucket.dtype], False, flagged)))
             g_hat = with_dense(None, 0, [xp.from_bytes(rows[r, :nbytes], bucket.dtype) for r in range(n)], n)
             flags = rows[:, nbytes] if flagged else None
-        else:
-            fields, flags = self.layout.read(xp, received, n)
-            g_hat = s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n)
-        return g_hat, s.journal.overflow(xp, [flags], pending.defer) if flagged else None
+            return g_hat, s.journal.overflow(xp, [flags], pending.defer) if flagged else None
+        fields, flags = self.layout.read(xp, received, n)  # (poisoned by the aggregate)
+        overflow = s.journal.overflow(xp, [flags], pending.defer) if flagged else None
+        return s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n, overflow), None
 
     def _sparse_mean(self, xp, read):
         """The flat mean of the ranks' (value, index) pairs and dense buckets (``read``), with
