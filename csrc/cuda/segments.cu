@@ -194,32 +194,25 @@ __device__ __forceinline__ const void* field_at(const void* b, int64_t q) {
   return static_cast<const float*>(b) + q;
 }
 
-// every segment's decompression into the flat out
-template <int Method>
-__global__ void k_decode_seg(SegBatch t, const uint8_t* a, const void* b, float flevels, int64_t bucket, int bits,
-                             float* out) {
-  const SegBlock sb = seg_block(t);
-  const int s = sb.s;
-  const int64_t n = t.n[s], row = qsgd_row(n, bucket);
-  const uint8_t* as = a + t.p[s];
-  const void* bs = field_at<Method>(b, t.q[s]);
-  float* o = out + t.x[s];
-  BLOCK_STRIDE(i, n, sb.block, sb.blocks) o[i] = decoded<Method>(as, bs, flevels, row, bits, i);
-}
-
-// How an aggregate follows from the decoded sum (Compressor.finish): times 1 / d for each divisor d
-// in turn, as torch divides by a number on a GPU (a * (1 / d), 1 / d rounded to float first)
-struct Reciprocals {
-  int count;
+// How an aggregate follows from the decoded sum (Compressor.finish): its sign where vote (a majority
+// vote), then times 1 / d for each divisor d in turn, as torch divides by a number on a GPU (a * (1 / d),
+// 1 / d rounded to float first)
+struct Finish {
+  int vote, count;
   float r[4];
+  __device__ __forceinline__ float operator()(float a) const {
+    if (vote) a = a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : a);  // (torch's sign but at -0 and NaN: no sum of +-1)
+    for (int d = 0; d < count; ++d) a = __fmul_rn(a, r[d]);
+    return a;
+  }
 };
 
 // every segment's aggregate over `ranks` ranks: rank r's fields at a + r * a_rank bytes and at
-// item r * b_rank of b, decoded and added rank after rank, then times each reciprocal; NaN
-// everywhere where *overflow > 0 (the ranks that flagged an inf or a NaN; NULL: none counted)
+// item r * b_rank of b, decoded and added rank after rank, then finished; NaN everywhere where
+// *overflow > 0 (the ranks that flagged an inf or a NaN; NULL: none counted)
 template <int Method>
 __global__ void k_mean_seg(SegBatch t, int ranks, const uint8_t* a, int64_t a_rank, const void* b, int64_t b_rank,
-                           float flevels, int64_t bucket, int bits, Reciprocals finish, const int64_t* overflow,
+                           float flevels, int64_t bucket, int bits, Finish finish, const int64_t* overflow,
                            float* out) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
@@ -233,8 +226,7 @@ __global__ void k_mean_seg(SegBatch t, int ranks, const uint8_t* a, int64_t a_ra
                                       row, bits, i);
       acc = r ? __fadd_rn(acc, v) : v;
     }
-    for (int d = 0; d < finish.count; ++d) acc = __fmul_rn(acc, finish.r[d]);
-    o[i] = poisoned ? __uint_as_float(0x7fc00000u) : acc;
+    o[i] = poisoned ? __uint_as_float(0x7fc00000u) : finish(acc);
   }
 }
 
@@ -585,36 +577,18 @@ void by_method(int method, Launch launch) {
 }
 }  // namespace
 
-// every segment's payload decompressed into the flat out (segments in a row): method 0 sign
-// bits (b: a scale per segment, or NULL), 1 1-bit SGD (two means each), 2 TernGrad (a scale
-// each), 3 QSGD (its norms), 4 natural compression (a: sign bits, b: codes)
-API int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* numels, const uint8_t* a,
-                                   const void* b, int levels, int64_t bucket, int bits, float* out, void* stream) {
-  DecodeLayout layout(method, bits, bucket);
-  if (!layout.valid(levels, bits)) return -1;
-  return for_batches(
-      segments, [&](SegBatch& t, int k, int64_t s) { layout.fill(t, k, numels[s]); },
-      [&](SegBatch& t, int64_t) {
-        const dim3 grid = per_element(t);
-        cudaStream_t st = as_stream(stream);
-        by_method(method, [&](auto m) {
-          k_decode_seg<decltype(m)::value><<<grid, kThreads, 0, st>>>(t, a, b, (float)levels, bucket, bits, out);
-        });
-        return 0;
-      });
-}
-
 // every segment's aggregate over `ranks` ranks into the flat out: a and b hold each rank's fields
-// in a row (as decode_segments takes one rank's), rank after rank; the decoded sum divided by
-// divisors[0 .. ndiv) in turn (ndiv <= 4); NaN where the device's *overflow > 0 (overflow may be NULL)
+// in a row (as decode_segments takes one rank's), rank after rank; the decoded sum's sign where vote,
+// divided by divisors[0 .. ndiv) in turn (ndiv <= 4); NaN where the device's *overflow > 0 (overflow
+// may be NULL)
 API int grace_cuda_mean_segments(int method, int64_t segments, const int64_t* numels, int ranks, const uint8_t* a,
-                                 const void* b, int levels, int64_t bucket, int bits, const float* divisors, int ndiv,
-                                 const int64_t* overflow, float* out, void* stream) {
+                                 const void* b, int levels, int64_t bucket, int bits, int vote, const float* divisors,
+                                 int ndiv, const int64_t* overflow, float* out, void* stream) {
   DecodeLayout layout(method, bits, bucket), rank(method, bits, bucket);
   if (!layout.valid(levels, bits) || ranks < 1 || ndiv < 0 || ndiv > 4 || segments < 0) return -1;
   SegBatch scratch;
   for (int64_t s = 0; s < segments; ++s) rank.fill(scratch, 0, numels[s]);  // one rank's bytes and scalars
-  Reciprocals finish{ndiv, {}};
+  Finish finish{vote != 0, ndiv, {}};
   for (int d = 0; d < ndiv; ++d) finish.r[d] = 1.0f / divisors[d];
   return for_batches(
       segments, [&](SegBatch& t, int k, int64_t s) { layout.fill(t, k, numels[s]); },
@@ -628,6 +602,16 @@ API int grace_cuda_mean_segments(int method, int64_t segments, const int64_t* nu
         });
         return 0;
       });
+}
+
+// every segment's payload decompressed into the flat out (segments in a row): method 0 sign
+// bits (b: a scale per segment, or NULL), 1 1-bit SGD (two means each), 2 TernGrad (a scale
+// each), 3 QSGD (its norms), 4 natural compression (a: sign bits, b: codes). One rank's
+// aggregate, unfinished: each element its decoding.
+API int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* numels, const uint8_t* a,
+                                   const void* b, int levels, int64_t bucket, int bits, float* out, void* stream) {
+  return grace_cuda_mean_segments(method, segments, numels, 1, a, b, levels, bucket, bits, 0, nullptr, 0, nullptr, out,
+                                  stream);
 }
 
 // grace_cuda_topk_ef of every segment (0 <= ks[s] <= numels[s]): p = compensate(g, r) into new_r,

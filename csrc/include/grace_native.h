@@ -282,12 +282,13 @@ int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments
 int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* numels, const uint8_t* a, const void* b,
                                int levels, int64_t bucket, int bits, float* out, void* stream);
 /* every segment's aggregate over `ranks` ranks into the flat out: a and b hold each rank's fields as
- * decode_segments takes them, rank after rank; each element's decodings added rank after rank, then
- * divided by divisors[0 .. ndiv) in turn (ndiv <= 4) as torch divides by a number on a GPU (times its
- * float reciprocal); NaN everywhere where *overflow (a device int64, or NULL) is positive */
+ * decode_segments takes them, rank after rank (b may be NULL for method 0); each element's decodings
+ * added rank after rank, then its sign where vote, then divided by divisors[0 .. ndiv) in turn (ndiv <= 4)
+ * as torch divides by a number on a GPU (times its float reciprocal); NaN everywhere where *overflow (a
+ * device int64, or NULL) is positive */
 int grace_cuda_mean_segments(int method, int64_t segments, const int64_t* numels, int ranks, const uint8_t* a,
-                             const void* b, int levels, int64_t bucket, int bits, const float* divisors, int ndiv,
-                             const int64_t* overflow, float* out, void* stream);
+                             const void* b, int levels, int64_t bucket, int bits, int vote, const float* divisors,
+                             int ndiv, const int64_t* overflow, float* out, void* stream);
 /* dense is zeroed by the call; payloads are added one after another (deterministic when the
  * indices within one payload are distinct); out-of-range indices are skipped */
 int grace_cuda_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,

@@ -16,6 +16,7 @@ from grace.formats import packed_size
 @kernels_for(SignSGD)
 class SignSGDKernels(MethodKernels):
     sum_kernel = "signsgd_decompress_sum"
+    mean_kernel = "signsgd_mean_segments"
     many_kernel = "signsgd"
 
 

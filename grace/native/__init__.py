@@ -32,7 +32,7 @@ from here (the last imports below). Which module holds which:
     qsgd.py         qsgd_: the same; norm
     natural.py      natural_: the same
     quantizers.py   compress_many (a bucket's payloads), fp16_compress_many_into, fp16_decompress_many_into
-    means.py        efsignsgd_, onebit_, terngrad_, qsgd_, natural_mean_segments (a bucket's aggregate)
+    means.py        signsgd_, efsignsgd_, onebit_, terngrad_, qsgd_, natural_mean_segments (a bucket's aggregate)
     lowrank.py      PowerSGD's products: lowrank_project, lowrank_back, lowrank_expand and their _many forms
     dgc.py          dgc_compensate_into, dgc_step_many
     draws.py        uniform_segments, hash_keys_segments, random_indices_segments
@@ -51,7 +51,7 @@ from grace.native.kernels import KERNELS, Kernel, kernel, run
 from grace.native.lowrank import (lowrank_back, lowrank_back_many, lowrank_expand, lowrank_expand_many,
                                   lowrank_project, lowrank_project_many)
 from grace.native.means import (efsignsgd_mean_segments, natural_mean_segments, onebit_mean_segments,
-                                qsgd_mean_segments, terngrad_mean_segments)
+                                qsgd_mean_segments, signsgd_mean_segments, terngrad_mean_segments)
 from grace.native.natural import (natural_compress, natural_compress_drawn, natural_compress_segments,
                                   natural_decompress, natural_decompress_segments, natural_decompress_sum,
                                   natural_decompress_sum_into)
@@ -64,8 +64,8 @@ from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments,
                                 efsignsgd_ef_step_many, efsignsgd_ef_step_segments, efsignsgd_residual_into,
                                 onebit_compress, onebit_compress_segments, onebit_decompress,
                                 onebit_decompress_segments, onebit_decompress_sum, onebit_decompress_sum_into,
-                                onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress, signsgd_decompress, signsgd_decompress_sum,
-                                signsgd_decompress_sum_into)
+                                onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress,
+                                signsgd_decompress, signsgd_decompress_sum, signsgd_decompress_sum_into)
 from grace.native.sparse import (nonzero, randomk_ef_step_many, scatter_add, scatter_add_many,
                                  scatter_add_segments_into, threshold_compress, threshold_ef_step,
                                  threshold_ef_step_many, threshold_indices, topk_compress, topk_compress_segments,
@@ -96,9 +96,9 @@ __all__ = [
     "qsgd_decompress_segments", "qsgd_decompress_sum", "qsgd_decompress_sum_into", "qsgd_mean_segments",
     "random_indices_segments", "randomk_ef_step_many", "run", "scatter_add", "scatter_add_many",
     "scatter_add_segments_into", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
-    "signsgd_decompress_sum", "signsgd_decompress_sum_into", "supports", "terngrad_compress", "terngrad_compress_drawn",
-    "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments", "terngrad_decompress_sum",
-    "terngrad_decompress_sum_into", "terngrad_mean_segments", "threshold_compress", "threshold_ef_step",
-    "threshold_ef_step_many", "threshold_indices", "topk_compress", "topk_compress_segments", "topk_ef_step",
-    "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack"
+    "signsgd_decompress_sum", "signsgd_decompress_sum_into", "signsgd_mean_segments", "supports", "terngrad_compress",
+    "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",
+    "terngrad_decompress_sum", "terngrad_decompress_sum_into", "terngrad_mean_segments", "threshold_compress",
+    "threshold_ef_step", "threshold_ef_step_many", "threshold_indices", "topk_compress", "topk_compress_segments",
+    "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack"
 ]

@@ -107,7 +107,7 @@ CUDA = {
     "onebit_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
     "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
     "decode_segments": (_I, [_I, _L, _P, _P, _P, _I, _L, _I, _P, _P]),
-    "mean_segments": (_I, [_I, _L, _P, _I, _P, _P, _I, _L, _I, _P, _I, _P, _P, _P]),
+    "mean_segments": (_I, [_I, _L, _P, _I, _P, _P, _I, _L, _I, _I, _P, _I, _P, _P, _P]),
     "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P, _P]),
 }
 

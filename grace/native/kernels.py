@@ -14,7 +14,7 @@ from grace.native.dgc import dgc_compensate_into, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
 from grace.native.lowrank import lowrank_back_many, lowrank_expand_many, lowrank_project_many
 from grace.native.means import (efsignsgd_mean_segments, natural_mean_segments, onebit_mean_segments,
-                                qsgd_mean_segments, terngrad_mean_segments)
+                                qsgd_mean_segments, signsgd_mean_segments, terngrad_mean_segments)
 from grace.native.natural import (natural_compress, natural_compress_drawn, natural_compress_segments,
                                   natural_decompress, natural_decompress_segments, natural_decompress_sum,
                                   natural_decompress_sum_into)
@@ -27,8 +27,8 @@ from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments,
                                 efsignsgd_ef_step_many, efsignsgd_ef_step_segments, efsignsgd_residual_into,
                                 onebit_compress, onebit_compress_segments, onebit_decompress,
                                 onebit_decompress_segments, onebit_decompress_sum, onebit_decompress_sum_into,
-                                onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress, signsgd_decompress, signsgd_decompress_sum,
-                                signsgd_decompress_sum_into)
+                                onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress,
+                                signsgd_decompress, signsgd_decompress_sum, signsgd_decompress_sum_into)
 from grace.native.sparse import (nonzero, randomk_ef_step_many, scatter_add, scatter_add_many,
                                  scatter_add_segments_into, threshold_ef_step, threshold_ef_step_many,
                                  threshold_indices, topk_compress_segments, topk_ef_step, topk_ef_step_many,
@@ -189,6 +189,7 @@ KERNELS: Dict[str, Kernel] = {
     # ... every rank's fields of a bucket decoded, added and divided (the allgather's aggregate)
     **{f"{method}_mean_segments": both(function, symbol, "float32", cuda="mean_segments", launches=per_batch(1))
        for method, function, symbol in (
+           ("signsgd", signsgd_mean_segments, "bits_sum_segments"),
            ("efsignsgd", efsignsgd_mean_segments, "bits_sum_segments"),
            ("onebit", onebit_mean_segments, "bits_sum_segments"),
            ("terngrad", terngrad_mean_segments, "bits_sum_segments"),

@@ -1,9 +1,11 @@
 """A bucket's aggregate over the ranks in one call: every rank's fields of every segment decoded,
-added rank after rank and divided by the compressor's divisors in turn (``Compressor.finish``,
-without a vote); NaN everywhere where the ranks' overflow count is positive.
+added rank after rank and finished as the compressor says (``Compressor.finish``: (vote, divisors),
+its sign where vote, then divided by each divisor in turn); NaN everywhere where the ranks'
+overflow count is positive.
 
-    terngrad_mean_segments(packed, scale, numels, ranks, divisors, overflow)
+    terngrad_mean_segments(packed, scale, numels, ranks, finish, overflow)
     efsignsgd_mean_segments(packed, scale, ...), onebit_mean_segments(packed, means, ...)
+    signsgd_mean_segments(packed, numels, ranks, finish, overflow)
     natural_mean_segments(signs, codes, ...), qsgd_mean_segments(packed, norms, ..., levels, bucket_size=0)
 
 The fields hold the ranks' payloads rank after rank, each as ``*_decompress_segments`` takes one
@@ -24,7 +26,7 @@ from grace.native._arrays import call, kind_of
 from grace.native._common import (_DECODE, _check_payload, _decode_out, _finish_args, _int64s, _on_gpu, _same_kind,
                                   _wrap)
 from grace.native.qsgd import _qsgd_rows
-from grace.native.signs import _EFSIGNSGD, _ONEBIT, _TERNGRAD
+from grace.native.signs import _EFSIGNSGD, _ONEBIT, _SIGNSGD, _TERNGRAD
 
 
 @functools.lru_cache(maxsize=256)
@@ -32,43 +34,47 @@ def _starts(sizes: tuple) -> tuple:
     return tuple(itertools.accumulate(sizes, initial=0))
 
 
-def _mean_segments(decoder: str, a, b, numels, ranks: int, divisors, overflow, code_bits: int, scalars: tuple,
+def _mean_segments(decoder: str, a, b, numels, ranks: int, finish, overflow, code_bits: int, scalars: tuple,
                    cpu_sum, **qsgd):
     """The aggregate of every segment (``numels``) over ``ranks``: ``a`` the codes (``code_bits``
     each, every segment from a byte), ``b`` its ``scalars[s]`` float32 scalars (natural
-    compression: bytes, its codes); ``cpu_sum(a_rows, b_rows, outs, finish)`` the CPU's call."""
+    compression: bytes, its codes; signSGD: None); ``cpu_sum(a_rows, b_rows, outs, finish)`` the
+    CPU's call."""
     kind, numels = kind_of(a), tuple(numels)
-    fa, fb = kind.flat(a), _same_kind(kind, b, "uint8" if decoder == "natural_decode" else "float32")
+    fa = kind.flat(a)
+    fb = None if b is None else _same_kind(kind, b, "uint8" if decoder == "natural_decode" else "float32")
     sizes = tuple(packed_size(n, code_bits) for n in numels)
     a_starts, b_starts = _starts(sizes), _starts(scalars)
     _check_payload(fa, ranks * a_starts[-1], f"bytes of {ranks} ranks' codes")
-    _check_payload(fb, ranks * b_starts[-1], f"scalars of {ranks} ranks")
+    if fb is not None:
+        _check_payload(fb, ranks * b_starts[-1], f"scalars of {ranks} ranks")
     count = None if overflow is None else _same_kind(kind, overflow, "int64")
     out = _decode_out(kind, sum(numels))
+    vote, divisors = finish
     if _on_gpu(kind):
-        _, div, ndiv = _finish_args((False, tuple(divisors)))
-        call(kind, "mean_segments", _DECODE[decoder], len(numels), _int64s(numels), int(ranks), fa.ptr, fb.ptr,
-             int(qsgd.get("levels", 0)), int(qsgd.get("bucket_size", 0)), int(qsgd.get("bits", 0)), div, ndiv,
-             count.ptr if count is not None else None, out.ptr)
+        call(kind, "mean_segments", _DECODE[decoder], len(numels), _int64s(numels), int(ranks), fa.ptr,
+             fb.ptr if fb is not None else None, int(qsgd.get("levels", 0)), int(qsgd.get("bucket_size", 0)),
+             int(qsgd.get("bits", 0)), *_finish_args((vote, tuple(divisors))), count.ptr if count is not None else None,
+             out.ptr)
         return _wrap(kind, out)
     if count is not None and ctypes.c_int64.from_address(count.ptr).value > 0:
         divisors = (*divisors, float("nan"))  # (any value over NaN: NaN, as poisoned makes it)
     item = 1 if decoder == "natural_decode" else 4
     rows = range(ranks)
     a_rows = [fa.ptr + r * a_starts[-1] + at for at in a_starts[:-1] for r in rows]
-    b_rows = [fb.ptr + item * (r * b_starts[-1] + at) for at in b_starts[:-1] for r in rows]
+    b_rows = [fb.ptr + item * (r * b_starts[-1] + at) for at in b_starts[:-1] for r in rows] if fb else []
     outs = [out.ptr + 4 * at for at in _starts(numels)[:-1]]
-    arrays = [(ctypes.c_void_p * len(p))(*p) for p in (a_rows, b_rows, outs)]
-    cpu_sum(kind, *arrays, _finish_args((False, tuple(divisors))))
+    arrays = [(ctypes.c_void_p * len(p))(*p) if p else None for p in (a_rows, b_rows, outs)]
+    cpu_sum(kind, *arrays, _finish_args((vote, tuple(divisors))))
     return _wrap(kind, out)
 
 
 def _bits_mean(mode: int, decoder: str, per_segment: int):
-    def mean_segments(packed, scalars, numels, ranks, divisors, overflow):
+    def mean_segments(packed, scalars, numels, ranks, finish, overflow):
         def cpu_sum(kind, a_rows, b_rows, outs, finish):
             call(kind, "bits_sum_segments", len(numels), int(ranks), a_rows, b_rows, mode, _int64s(tuple(numels)),
                  *finish, outs)
-        return _mean_segments(decoder, packed, scalars, numels, ranks, divisors, overflow,
+        return _mean_segments(decoder, packed, scalars, numels, ranks, finish, overflow,
                               2 if mode == _TERNGRAD else 1, (per_segment,) * len(numels), cpu_sum)
     return mean_segments
 
@@ -78,21 +84,25 @@ efsignsgd_mean_segments = _bits_mean(_EFSIGNSGD, "sign_decode", 1)
 onebit_mean_segments = _bits_mean(_ONEBIT, "onebit_decode", 2)
 
 
-def natural_mean_segments(signs, codes, numels, ranks, divisors, overflow):
+def signsgd_mean_segments(packed, numels, ranks, finish, overflow):
+    return _bits_mean(_SIGNSGD, "sign_decode", 0)(packed, None, numels, ranks, finish, overflow)
+
+
+def natural_mean_segments(signs, codes, numels, ranks, finish, overflow):
     def cpu_sum(kind, a_rows, b_rows, outs, finish):
         call(kind, "natural_sum_segments", len(numels), int(ranks), a_rows, b_rows, _int64s(tuple(numels)), *finish,
              outs)
-    return _mean_segments("natural_decode", signs, codes, numels, ranks, divisors, overflow, 1, tuple(numels),
+    return _mean_segments("natural_decode", signs, codes, numels, ranks, finish, overflow, 1, tuple(numels),
                           cpu_sum)
 
 
-def qsgd_mean_segments(packed, norms, numels, ranks, divisors, overflow, levels: int, bucket_size: int = 0):
+def qsgd_mean_segments(packed, norms, numels, ranks, finish, overflow, levels: int, bucket_size: int = 0):
     bits = code_width(2 * (levels + 1))
 
     def cpu_sum(kind, a_rows, b_rows, outs, finish):
         if call(kind, "qsgd_sum_segments", len(numels), int(ranks), a_rows, b_rows, _int64s(tuple(numels)),
                 int(levels), int(bucket_size), bits, *finish, outs) != 0:
             raise ValueError(f"bad QSGD parameters: levels={levels}")
-    return _mean_segments("qsgd_decode", packed, norms, numels, ranks, divisors, overflow, bits,
+    return _mean_segments("qsgd_decode", packed, norms, numels, ranks, finish, overflow, bits,
                           tuple(_qsgd_rows(n, bucket_size) for n in numels), cpu_sum, levels=levels,
                           bucket_size=bucket_size, bits=bits)

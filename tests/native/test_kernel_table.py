@@ -96,7 +96,7 @@ def test_a_segment_kernels_cuda_launches_grow_by_batches_of_segments():
         assert topk.cuda_cost(x, x, starts, numels, [1] * segments) == (14 * batches, 0)
     assert gn.KERNELS["uniform_segments"].cuda_cost([5] * 65, [(1, 2)] * 65, x) == (2, 0)
     assert gn.KERNELS["terngrad_compress_segments"].cuda_cost(x, [0], [130], [(1, 2)]) == (1 + 2, 0)
-    assert gn.KERNELS["terngrad_mean_segments"].cuda_cost(x, x, [5] * 65, 4, (4,), None) == (2, 0)
+    assert gn.KERNELS["terngrad_mean_segments"].cuda_cost(x, x, [5] * 65, 4, (False, (4,)), None) == (2, 0)
     assert gn.KERNELS["nonzero"].cuda_cost(x) == (4, 1)  # its count read back
     assert gn.KERNELS["scatter_add_many"].cuda_cost([(x, x)] * 3, 130) == (1 + 3, 0)
     assert gn.KERNELS["signsgd_decompress"].cuda_cost(x, 130) == (1, 0)
@@ -112,7 +112,9 @@ CUDA_CALLS = {  # a call of each kernel the segmented plans make on a GPU: (name
     "qsgd_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], [(1, 2), (3, 4)], 127, 8192),
     "natural_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], [(1, 2), (3, 4)]),
     # every rank's fields (3 ranks) of two segments of 1000 and 2000 elements: 2-bit codes and a scale each
-    "terngrad_mean_segments": lambda n, u, c: ((c[:3 * 750] % 256).byte(), u[:6], [1000, 2000], 3, (3,), c[:1] - 1),
+    "terngrad_mean_segments": lambda n, u, c: ((c[:3 * 750] % 256).byte(), u[:6], [1000, 2000], 3, (False, (3,)),
+                                               c[:1] - 1),
+    "signsgd_mean_segments": lambda n, u, c: ((c[:3 * 375] % 256).byte(), [1000, 2000], 3, (True, ()), None),
     "uniform_segments": lambda n, u, c: ([1000, 2000], [(1, 2), (3, 4)], u),
     "hash_keys_segments": lambda n, u, c: ([1000, 2000], [(1, 2), (3, 4)], c),
     "signsgd_compress": lambda n, u, c: (n,),

@@ -118,13 +118,23 @@ def test_top_k_steps_of_many_segments_equal_each_segments_step(device, ratio, be
         at += k
 
 
+def _signs_decoded(packed, sizes):
+    """signsgd_decompress of every segment's bits (each from a byte boundary), in a row."""
+    from tests.native.conftest import torch
+
+    at = itertools.accumulate([0] + [-(-n // 8) for n in sizes[:-1]])
+    return torch.cat([gn.signsgd_decompress(packed[a:a + -(-n // 8)], n) for a, n in zip(at, sizes)])
+
+
 def _fields_of_ranks(device, method, sizes, starts, total, ranks, extra):
     """Each of ``ranks`` ranks' fields of the segments (its own gradient and draws), and all
     ranks' fields in a row (as a received frame holds them)."""
     per_rank = []
     for r in range(ranks):
         x = on(device, gradient(total, seed=20 + r))
-        if method in ("efsignsgd", "onebit"):
+        if method == "signsgd":  # (the bits of EF-signSGD's segments, without their scales)
+            per_rank.append(gn.efsignsgd_compress_segments(x, starts, sizes)[:1])
+        elif method in ("efsignsgd", "onebit"):
             per_rank.append(getattr(gn, f"{method}_compress_segments")(x, starts, sizes))
         else:
             words = [draws.seed_words((r, s)) for s in range(len(sizes))]
@@ -133,33 +143,38 @@ def _fields_of_ranks(device, method, sizes, starts, total, ranks, extra):
                       for j in range(len(per_rank[0]))]
 
 
-@pytest.mark.parametrize("method, levels, bucket, divisors", [
-    ("terngrad", 0, 0, (3,)), ("natural", 0, 0, (3,)), ("qsgd", 127, 0, (3,)), ("qsgd", 7, 512, (3,)),
-    ("efsignsgd", 0, 0, (3, 0.1)), ("onebit", 0, 0, (3,))])
-def test_a_buckets_mean_in_one_call_equals_each_ranks_decoding_added(device, method, levels, bucket, divisors):
-    """*_mean_segments against each rank's decompress_segments, added rank after rank and divided
-    by tensor ops on the same device (a GPU divides by a number as times its reciprocal); every
-    element NaN where the overflow count is positive, untouched where it is 0."""
+@pytest.mark.parametrize("method, levels, bucket, finish", [
+    ("terngrad", 0, 0, (False, (3,))), ("natural", 0, 0, (False, (3,))), ("qsgd", 127, 0, (False, (3,))),
+    ("qsgd", 7, 512, (False, (3,))), ("efsignsgd", 0, 0, (False, (3, 0.1))), ("onebit", 0, 0, (False, (3,))),
+    ("signsgd", 0, 0, (True, ())), ("signsgd", 0, 0, (False, (3,)))])
+def test_a_buckets_mean_in_one_call_equals_each_ranks_decoding_added(device, method, levels, bucket, finish):
+    """*_mean_segments against each rank's decompress_segments, added rank after rank and finished
+    by tensor ops on the same device (a vote's sign; a GPU divides by a number as times its
+    reciprocal); every element NaN where the overflow count is positive, untouched where it is 0."""
     from tests.native.conftest import torch
 
     sizes, ranks = SIZES, 3
     starts, total = _layout(sizes)
     extra = {"qsgd": (levels, bucket)}.get(method, ())
+    vote, divisors = finish
     per_rank, fields = _fields_of_ranks(device, method, sizes, starts, total, ranks, extra)
-    decoded = [getattr(gn, f"{method}_decompress_segments")(*f, sizes, *extra) for f in per_rank]
+    decoded = [_signs_decoded(f[0], sizes) if method == "signsgd" else
+               getattr(gn, f"{method}_decompress_segments")(*f, sizes, *extra) for f in per_rank]
     want = decoded[0]
     for d in decoded[1:]:
         want = want + d
+    if vote:
+        want = torch.sign(want)
     for d in divisors:
         want = want / d
     mean = getattr(gn, f"{method}_mean_segments")
     for count in (None, 0):
         overflow = None if count is None else on(device, np.array([count], np.int64))
-        same_bytes(mean(*fields, sizes, ranks, divisors, overflow, *extra), want, f"{method} mean")
-    poisoned = mean(*fields, sizes, ranks, divisors, on(device, np.array([2], np.int64)), *extra)
+        same_bytes(mean(*fields, sizes, ranks, finish, overflow, *extra), want, f"{method} mean")
+    poisoned = mean(*fields, sizes, ranks, finish, on(device, np.array([2], np.int64)), *extra)
     assert bool(torch.isnan(poisoned).all())
     with pytest.raises(ValueError, match="ranks"):
-        mean(*[f[:-1] if j == 0 else f for j, f in enumerate(fields)], sizes, ranks, divisors, None, *extra)
+        mean(*[f[:-1] if j == 0 else f for j, f in enumerate(fields)], sizes, ranks, finish, None, *extra)
 
 
 @pytest.mark.parametrize("method", ["efsignsgd", "onebit"])

@@ -34,11 +34,17 @@ class MethodKernels:
     segment_kernel = ""
     #: grace.native's kernel that decodes every rank's payload of a tensor and adds them in one pass
     sum_kernel = ""
+    #: grace.native's kernel that decodes, adds and finishes every rank's payloads of a tensor or of
+    #: every segment in one pass (the segment kernels' "<name>_mean_segments")
     #: grace.native.compress_many's name for this method (a bucket's payloads in one call, CPU)
     many_kernel = ""
 
     def __init__(self, compressor):
         self.compressor = compressor
+
+    @property
+    def mean_kernel(self) -> str:
+        return f"{self.segment_kernel}_mean_segments" if self.segment_kernel else ""
 
     def arguments(self) -> tuple:
         """What the native kernels take after the tensors (and draws): the method's parameters."""
@@ -51,14 +57,19 @@ class MethodKernels:
 
     # --- every plan: the ranks' payloads of a tensor ----------------------------------------
     def aggregate(self, xp, payloads: Sequence[Payload], ctx) -> Any:
-        """``compressor.aggregate``, with every rank's payload decoded and summed in one native
-        pass where the method has one (``sum_kernel``)."""
-        fused = xp.native(self.sum_kernel, payloads[0][0], ctx.dtype) if self.sum_kernel else None
+        """``compressor.aggregate``, with every rank's payload decoded, summed (and finished, by
+        ``mean_kernel``) in one native pass where the method has one."""
+        mean = xp.native(self.mean_kernel, payloads[0][0], ctx.dtype) if self.mean_kernel else None
+        fused = mean or (xp.native(self.sum_kernel, payloads[0][0], ctx.dtype) if self.sum_kernel else None)
         if not fused:
             return self.compressor.aggregate(xp, payloads, ctx)
+        n = len(payloads)
         rows = [xp.concat([xp.flatten(p[i]) for p in payloads]) for i in range(len(payloads[0]))]
+        if mean:
+            return xp.reshape(mean(*rows, (ctx.numel,), n, self.compressor.finish(n), None, *self.arguments()),
+                              ctx.shape)
         total = xp.reshape(fused(*rows, ctx.numel, *self.arguments()), ctx.shape)
-        return finished(self.compressor, xp, total, len(payloads), len(payloads) > 1)
+        return finished(self.compressor, xp, total, n, n > 1)
 
     # --- fused with residual memory (grace.kernels.residual) ------------------------------
     def compress_with_residual(self, xp, g, residual, beta: float, gamma: float, info: TensorInfo, out=None):
@@ -199,12 +210,10 @@ class MethodKernels:
         kernel does it all in one call (with the count left on the device); else all ranks' are
         decoded at once: their fields in a row are the segments of every rank in turn."""
         flat = [xp.flatten(f) for f in fields]
-        vote, divisors = self.compressor.finish(ranks)
-        fused = xp.native(f"{self.segment_kernel}_mean_segments", flat[0]) if self.segment_kernel and not vote \
-            else None
+        fused = xp.native(self.mean_kernel, flat[0]) if self.mean_kernel else None
         if fused:
             count = overflow if overflow is not None and not isinstance(overflow, int) else None
-            mean = fused(*flat, table.numels, ranks, divisors, count, *self.arguments())
+            mean = fused(*flat, table.numels, ranks, self.compressor.finish(ranks), count, *self.arguments())
             return mean if count is not None else poisoned(xp, mean, overflow)
         decoded = xp.reshape(self.decompress_segments(xp, flat, ctx, table.repeated(xp, ranks)), (ranks, table.numel))
         total = decoded[0]
