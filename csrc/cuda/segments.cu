@@ -236,17 +236,14 @@ __host__ __device__ __forceinline__ bool selects(const SegBatch& t, int s) { ret
 
 constexpr int kHistBins = 2048;
 
-__global__ void k_compensate_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
-                                 float* p) {
+// p = compensate(g, r) of every segment; the first block of each also starts its selection state
+__global__ void k_compensate_init_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
+                                      float* p, SelState* st) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   const int64_t o = t.x[s];
+  if (sb.block == 0 && threadIdx.x == 0) st[s] = SelState{0u, 0u, (long long)t.u[s]};
   compensate(g + o, r + o, t.n[s], beta, gamma, flags, p + o, sb.block, sb.blocks);
-}
-
-__global__ void k_topk_init_seg(SegBatch t, SelState* st) {
-  const int s = threadIdx.x;
-  if (s < t.count) st[s] = SelState{0u, 0u, (long long)t.u[s]};
 }
 
 __global__ void k_topk_hist_seg(SegBatch t, const float* p, const SelState* st, int shift, int nbins,
@@ -626,7 +623,8 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
     most_tiles += tiles_of(numels[s]);
   }
   cudaStream_t st = as_stream(stream);
-  const size_t hist_bytes = align256((size_t)kSegBatch * kHistBins * sizeof(unsigned long long));
+  constexpr int kPasses = 3;  // the radix passes: 11 + 11 + 10 bits, a histogram each, all zeroed at once
+  const size_t hist_bytes = align256((size_t)kPasses * kSegBatch * kHistBins * sizeof(unsigned long long));
   const size_t state_bytes = align256(kSegBatch * sizeof(SelState));
   const size_t totals_bytes = align256(2 * kSegBatch * sizeof(long long));
   Scratch sc(hist_bytes + state_bytes + totals_bytes + 2 * std::max<int64_t>(most_tiles, 1) * sizeof(long long), st);
@@ -650,16 +648,16 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
       },
       [&](SegBatch& t, int64_t) {
         const dim3 grid = per_element(t);
-        k_compensate_seg<<<grid, kThreads, 0, st>>>(t, g, r, beta, gamma, flags, new_r);
-        k_topk_init_seg<<<1, kSegBatch, 0, st>>>(t, state);
-        const int shifts[3] = {21, 10, 0}, bins[3] = {2048, 2048, 1024};
+        const size_t pass_bins = (size_t)t.count * kHistBins;  // a pass's histograms, for this batch
+        cudaMemsetAsync(h, 0, kPasses * pass_bins * sizeof(unsigned long long), st);
+        k_compensate_init_seg<<<grid, kThreads, 0, st>>>(t, g, r, beta, gamma, flags, new_r, state);
+        const int shifts[kPasses] = {21, 10, 0}, bins[kPasses] = {2048, 2048, 1024};
         // (segments that send all or nothing select nothing: a block each, which returns)
         const dim3 hist_grid =
             seg_grid(t, [&](int k) { return selects(t, k) ? grid_for(t.n[k], kThreads * 16, 2048) : 1; });
-        for (int d = 0; d < 3; ++d) {
-          cudaMemsetAsync(h, 0, (size_t)t.count * kHistBins * sizeof(unsigned long long), st);
-          k_topk_hist_seg<<<hist_grid, kThreads, 0, st>>>(t, new_r, state, shifts[d], bins[d], h);
-          k_topk_find_seg<<<t.count, 32, 0, st>>>(t, h, bins[d], shifts[d], state);
+        for (int d = 0; d < kPasses; ++d) {
+          k_topk_hist_seg<<<hist_grid, kThreads, 0, st>>>(t, new_r, state, shifts[d], bins[d], h + d * pass_bins);
+          k_topk_find_seg<<<t.count, 32, 0, st>>>(t, h + d * pass_bins, bins[d], shifts[d], state);
         }
         const dim3 tile_grid = seg_grid(t, [&](int k) { return selects(t, k) ? tiles_of(t.n[k]) : 1; });
         k_topk_count_seg<<<tile_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce);

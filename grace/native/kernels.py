@@ -63,6 +63,9 @@ def per_segment(count: int) -> Launches:
 
 # grace_cuda_topk: the state, three radix passes (memset, histogram, find), the compaction's three
 TOPK_LAUNCHES = 1 + 3 * 3 + 3
+# grace_cuda_topk_ef_segments, per batch: one memset of the three passes' histograms, the compensation
+# (which starts the states), three passes (histogram, find), the compaction's three
+SEGMENT_TOPK_LAUNCHES = 1 + 1 + 3 * 2 + 3
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,7 @@ KERNELS: Dict[str, Kernel] = {
     "onebit_ef_step_segments": both(onebit_ef_step_segments, "bits_ef_many", ("uint8", "float32", "float32"),
                                     cuda="onebit_ef_segments", launches=per_batch(3)),
     "topk_ef_step_segments": both(topk_ef_step_segments, "topk_ef", ("float32", "int64", "float32"),
-                                  cuda="topk_ef_segments", launches=per_batch(14)),
+                                  cuda="topk_ef_segments", launches=per_batch(SEGMENT_TOPK_LAUNCHES)),
     # error feedback fused with selection: one tensor, then a bucket in one call
     "topk_ef_step": both(topk_ef_step, "topk_ef", ("float32", "index", "float32"), launches=fixed(1 + TOPK_LAUNCHES)),
     "threshold_ef_step": both(threshold_ef_step, "threshold_ef", ("float32", "index", "float32"), variable=(0, 1),
