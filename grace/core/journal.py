@@ -76,6 +76,10 @@ class Journal:
         where ``defer`` (a flat result on an accelerator, poisoned on the device) left there as
         a tensor until ``end_step`` reads the whole step's at once: no stall per bucket."""
         flags = [xp.flatten(f) for f in flags]
+        if defer and len(flags) == 1 and xp.dtype(flags[0]).startswith(("float", "bfloat")) \
+                and xp.numel(flags[0]) == 1:  # an allreduce's summed flag: the count already (no sum, no cast)
+            self._deferred.append(flags[0])
+            return flags[0]
         if len({xp.dtype(f) for f in flags}) > 1:
             flags = [xp.cast(f, "int64") for f in flags]
         total = xp.sum(flags[0] if len(flags) == 1 else xp.concat(flags))  # (integers: summed in int64)
