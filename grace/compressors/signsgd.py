@@ -2,12 +2,14 @@
 
     compress:  bit = (x >= 0), packed 8 to a byte
     decode:    2 * bit - 1  in {-1, +1}
-    aggregate: majority vote sign(sum_i decode_i)  (or, with aggregate='mean', their mean)
+    aggregate: majority vote sign(sum_i decode_i) = sign(2 * count_i(bit_i) - n)  (or, with
+               aggregate='mean', their mean)
 """
 from grace.core import bits
 from grace.core.compression import GradientCompression
 from grace.core.compressor import Collective, Compressor, Shape, Traits
 from grace.core.registry import example, register
+from grace.formats import packed_size
 from grace.memories import make_memory
 
 
@@ -34,6 +36,17 @@ class SignSGD(Compressor):
             return xp.reshape(fused(payload[0], ctx.numel), ctx.shape)
         signs = xp.cast(bits.unpack(xp, payload[0], 1, ctx.numel), ctx.dtype) * 2 - 1
         return xp.reshape(signs, ctx.shape)
+
+    def aggregate(self, xp, payloads, ctx):
+        """The majority vote from all ranks' bits at once: an element's count c of + bits gives
+        the sum of the ranks' +-1, 2c - n, exactly (integers), so its sign is the vote the
+        decoded sum gives, in a few operations however many ranks there are."""
+        if self.aggregate_by == "mean":
+            return super().aggregate(xp, payloads, ctx)
+        n, row = len(payloads), packed_size(ctx.numel, 1)
+        planes = bits.unpack(xp, xp.concat([xp.flatten(payload[0]) for payload in payloads]), 1, n * row * 8)
+        ones = xp.sum(xp.reshape(planes, (n, row * 8))[:, :ctx.numel], axis=0)
+        return xp.reshape(xp.cast(xp.sign(ones * 2 - n), ctx.dtype), ctx.shape)
 
     def finish(self, n):
         # the majority: the sign of a sum of +-1 (never -0.0), which is the mean's sign
