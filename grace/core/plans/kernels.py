@@ -34,8 +34,6 @@ class MethodKernels:
     segment_kernel = ""
     #: grace.native's kernel that decodes every rank's payload of a tensor and adds them in one pass
     sum_kernel = ""
-    #: grace.native's kernel that decodes, adds and finishes every rank's payloads of a tensor or of
-    #: every segment in one pass (the segment kernels' "<name>_mean_segments")
     #: grace.native.compress_many's name for this method (a bucket's payloads in one call, CPU)
     many_kernel = ""
 
@@ -44,6 +42,8 @@ class MethodKernels:
 
     @property
     def mean_kernel(self) -> str:
+        """grace.native's kernel that decodes every rank's payloads (of a tensor, or of every
+        segment), adds and finishes them in one pass: the segment kernels' "<name>_mean_segments"."""
         return f"{self.segment_kernel}_mean_segments" if self.segment_kernel else ""
 
     def arguments(self) -> tuple:
