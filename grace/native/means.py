@@ -23,8 +23,8 @@ import itertools
 
 from grace.formats import code_width, packed_size
 from grace.native._arrays import call, kind_of
-from grace.native._common import (_DECODE, _check_payload, _decode_out, _finish_args, _int64s, _on_gpu, _same_kind,
-                                  _wrap)
+from grace.native._common import (_DECODE, _addresses, _check_payload, _decode_out, _finish_args, _int64s, _on_gpu,
+                                  _same_kind, _wrap)
 from grace.native.qsgd import _qsgd_rows
 from grace.native.signs import _EFSIGNSGD, _ONEBIT, _SIGNSGD, _TERNGRAD
 
@@ -59,13 +59,12 @@ def _mean_segments(decoder: str, a, b, numels, ranks: int, finish, overflow, cod
         return _wrap(kind, out)
     if count is not None and ctypes.c_int64.from_address(count.ptr).value > 0:
         divisors = (*divisors, float("nan"))  # (any value over NaN: NaN, as poisoned makes it)
-    item = 1 if decoder == "natural_decode" else 4
-    rows = range(ranks)
-    a_rows = [fa.ptr + r * a_starts[-1] + at for at in a_starts[:-1] for r in rows]
-    b_rows = [fb.ptr + item * (r * b_starts[-1] + at) for at in b_starts[:-1] for r in rows] if fb else []
-    outs = [out.ptr + 4 * at for at in _starts(numels)[:-1]]
-    arrays = [(ctypes.c_void_p * len(p))(*p) if p else None for p in (a_rows, b_rows, outs)]
-    cpu_sum(kind, *arrays, _finish_args((vote, tuple(divisors))))
+    item, rows = 1 if decoder == "natural_decode" else 4, range(ranks)  # (segment s's rank r at [s * ranks + r])
+    a_rows = _addresses(fa, [r * a_starts[-1] + at for at in a_starts[:-1] for r in rows])
+    b_rows = None if fb is None else \
+        _addresses(fb, [item * (r * b_starts[-1] + at) for at in b_starts[:-1] for r in rows])
+    outs = _addresses(out, [4 * at for at in _starts(numels)[:-1]])
+    cpu_sum(kind, a_rows, b_rows, outs, _finish_args((vote, tuple(divisors))))
     return _wrap(kind, out)
 
 

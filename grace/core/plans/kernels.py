@@ -33,6 +33,7 @@ class MethodKernels:
     #: kernels on every segment in one call
     segment_kernel = ""
     #: grace.native's kernel that decodes every rank's payload of a tensor and adds them in one pass
+    #: (its "_into" form: a bucket's gradients at once, CPU)
     sum_kernel = ""
     #: grace.native.compress_many's name for this method (a bucket's payloads in one call, CPU)
     many_kernel = ""
@@ -57,19 +58,14 @@ class MethodKernels:
 
     # --- every plan: the ranks' payloads of a tensor ----------------------------------------
     def aggregate(self, xp, payloads: Sequence[Payload], ctx) -> Any:
-        """``compressor.aggregate``, with every rank's payload decoded, summed (and finished, by
-        ``mean_kernel``) in one native pass where the method has one."""
+        """``compressor.aggregate``, with every rank's payload decoded, summed and finished in one
+        native pass where the method has one (``mean_kernel``)."""
         mean = xp.native(self.mean_kernel, payloads[0][0], ctx.dtype) if self.mean_kernel else None
-        fused = mean or (xp.native(self.sum_kernel, payloads[0][0], ctx.dtype) if self.sum_kernel else None)
-        if not fused:
+        if not mean:
             return self.compressor.aggregate(xp, payloads, ctx)
         n = len(payloads)
         rows = [xp.concat([xp.flatten(p[i]) for p in payloads]) for i in range(len(payloads[0]))]
-        if mean:
-            return xp.reshape(mean(*rows, (ctx.numel,), n, self.compressor.finish(n), None, *self.arguments()),
-                              ctx.shape)
-        total = xp.reshape(fused(*rows, ctx.numel, *self.arguments()), ctx.shape)
-        return finished(self.compressor, xp, total, n, n > 1)
+        return xp.reshape(mean(*rows, (ctx.numel,), n, self.compressor.finish(n), None, *self.arguments()), ctx.shape)
 
     # --- fused with residual memory (grace.kernels.residual) ------------------------------
     def compress_with_residual(self, xp, g, residual, beta: float, gamma: float, info: TensorInfo, out=None):
