@@ -118,6 +118,7 @@ struct Compensated {
   int flags;
   __device__ __forceinline__ float operator[](int64_t i) const {
     const float a = (flags & 1) ? __fmul_rn(g[i], gamma) : g[i];
+    if (flags & 4) return a;  // no residual: p is g itself (-0.0 kept)
     return __fadd_rn(a, (flags & 2) ? __fmul_rn(r[i], beta) : r[i]);
   }
 };

@@ -613,11 +613,13 @@ API int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* 
 
 // grace_cuda_topk_ef of every segment (0 <= ks[s] <= numels[s]): p = compensate(g, r) into new_r,
 // the ks[s] largest |p| (ties to the lowest index) into values and idx (int64, in the segment)
-// from the previous segments' ks on, new_r = 0 where sent; one launch per kernel per 64 segments
+// from the previous segments' ks on, new_r = 0 where sent; one launch per kernel per 64 segments.
+// flags & 4: p = g (r unread, may be NULL): a bucket's plain top-k, new_r its scratch
 API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                     const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
                                     float* values, int64_t* idx, float* new_r, void* stream) {
   int64_t most_tiles = 0;
+  if (!r && !(flags & 4)) return -1;
   for (int64_t s = 0; s < segments; ++s) {
     if (numels[s] < 0 || ks[s] < 0 || ks[s] > numels[s]) return -1;
     most_tiles += tiles_of(numels[s]);

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 14
+#define GRACE_NATIVE_ABI 15
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -272,7 +272,8 @@ int grace_cuda_onebit_ef_segments(const float* g, const float* r, int64_t segmen
                                   const int64_t* numels, float beta, float gamma, int flags, uint8_t* out,
                                   float* means, float* new_r, void* stream);
 /* grace_cuda_topk_ef of every segment (0 <= ks[s] <= numels[s]): values and int64 indices (in the
- * segment) of the segments in a row, the new residuals in new_r at the segments' starts */
+ * segment) of the segments in a row, the new residuals in new_r at the segments' starts; flags & 4:
+ * no residual (r may be NULL), p = g: each segment's top-k, new_r a scratch buffer */
 int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                 const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
                                 float* values, int64_t* idx, float* new_r, void* stream);

@@ -8,10 +8,13 @@
 Momentum correction and factor masking are the 'dgc' memory (grace/memories/dgc.py); the
 selection here sees v. The sample is each rank's own, so lengths differ between ranks.
 
-On an accelerator a bucket is selected segment-wise (``select_segments``, ``cut_segments``):
-every gradient's draws in one call, the samples' magnitudes keyed by their segment and
-sorted at once, each segment's threshold read from that, and where a sample underestimated
-it, the k largest of each segment's selected elements by one stable sort of them.
+On an accelerator a bucket is selected segment-wise: every gradient's draws in one call, the
+samples' magnitudes keyed by their segment and sorted at once, each segment's threshold read
+from that (``segment_thresholds``). The k largest of a segment are then its selection where it
+selected more than k, and hold it where it selected fewer: so without a warm-up a segment sends
+its k largest, those under its threshold as +0.0, in frames of one size (no count read back).
+During a warm-up, the selected elements (``select_segments``) are cut to the k largest by one
+stable sort of them (``cut_segments``).
 """
 import math
 from dataclasses import dataclass, replace
@@ -60,8 +63,14 @@ class DGC(Sparsifier):
         candidates = xp.abs(xp.gather(flat, selected))
         return xp.sort(xp.gather(selected, xp.topk_indices(candidates, k)))
 
+    def kernel_argument(self, d: int) -> int:
+        return _at_most(self.ratio * d, d)  # k after the warm-up
+
     def select_segments(self, xp, p, table, infos):
-        """``|p|`` >= each segment's threshold, as ``select`` finds it: one call for all the draws,
+        return xp.abs(p) >= table.per_element(xp, self.segment_thresholds(xp, p, table, infos))
+
+    def segment_thresholds(self, xp, p, table, infos):
+        """Each segment's threshold (float32), as ``select`` finds it: one call for all the draws,
         one sort of the samples' magnitudes, keyed by segment (so each segment's sample lies
         ascending in a row), and each segment's need-th largest read from there."""
         sample, cut = self._layout(xp, table, infos[0].step, p)
@@ -73,8 +82,7 @@ class DGC(Sparsifier):
             at = drawn if at is None else xp.concat([drawn, at])
         keys = xp.cast(segments.magnitude_keys(xp, xp.gather(p, at)), "int64") + sample.segment_bits
         chosen = xp.gather(xp.sort(keys), cut.threshold_at) - sample.bits_of_segment
-        thresholds = xp.from_bytes(xp.to_bytes(xp.cast(chosen, "int32")), "float32")
-        return xp.abs(p) >= table.per_element(xp, thresholds)
+        return xp.from_bytes(xp.to_bytes(xp.cast(chosen, "int32")), "float32")
 
     def cut_segments(self, xp, p, table, indices, counts, infos):
         """Where a segment selected more than its k, the k largest ``|p|`` of those (ties: the

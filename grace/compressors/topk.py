@@ -5,7 +5,6 @@ Indices are sent sorted. Every rank sends the same k, so allgather needs no leng
 from dataclasses import replace
 
 from grace.compressors.sparse import Sparsifier
-from grace.core import segments
 from grace.core.compressor import check_ratio, sent_count
 from grace.core.compression import GradientCompression
 from grace.core.registry import example, register
@@ -23,10 +22,6 @@ class TopK(Sparsifier):
 
     def select(self, xp, flat, info):
         return xp.sort(xp.topk_indices(xp.abs(flat), self.kernel_argument(xp.numel(flat))))
-
-    def select_segments(self, xp, p, table, infos):
-        return segments.top_mask(xp, segments.magnitude_keys(xp, p), table,
-                                 [self.kernel_argument(d) for d in table.numels])
 
 
 @register("topk", compress_ratio="ratio", grace_defaults=dict(compress_ratio=0.3), examples=dict(topk=example(0.1)))

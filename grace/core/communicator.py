@@ -208,6 +208,7 @@ class ReplicaCommunicator(Communicator):
 
     def __init__(self, size: int):
         self.size = size
+        self._sent = {}  # per exchange's name: what this rank broadcast
 
     def allreduce_async(self, tensor, name):
         out = tensor * self.size
@@ -242,7 +243,13 @@ class ReplicaCommunicator(Communicator):
         return lambda: out
 
     def broadcast_async(self, tensor, root, name):
-        return lambda: tensor
+        # every root sends what this rank does: a receiver's buffer gets this rank's own
+        # broadcast of the same exchange (the roots go in turn, this one first)
+        if root == self.rank:
+            self._sent[name.rsplit(".from", 1)[0]] = tensor
+            return lambda: tensor
+        out = self._sent.get(name.rsplit(".from", 1)[0], tensor)
+        return lambda: out
 
 
 def _lengths(xp, flat: Sequence):

@@ -240,11 +240,13 @@ def _as_words(xp, field, width: int):
 class SparseFrames:
     """The frames of a bucket whose segments each send a number of (value, index) pairs that
     varies by step and rank (a threshold's selection): c_s values in the bucket's dtype and c_s
-    indices within the segment, in the smallest integer type that holds its size. Byte for
-    byte the frame ``bucket.frame`` makes of the segments' own payloads: each piece's count,
-    the pieces widest first (the values beside the int32 indices, in segment order), the
-    overflow flag, padding. A frame is written with a split and a join of whole tensors
-    (one per index type), whatever the number of segments."""
+    indices within the segment, in the smallest integer type that holds its size. A rank sends
+    a header, each piece's count (int64), by an allgather of equal sizes, and beside it its
+    frame: the pieces widest first (the values beside the int32 indices, in segment order), the
+    overflow flag, padding. Header and frame end to end are byte for byte the frame
+    ``bucket.frame`` makes of the segments' own payloads; sent apart, every rank's counts are
+    read back at once, not one rank's after another. A frame is written with a split and a
+    join of whole tensors (one per index type), whatever the number of segments."""
 
     def __init__(self, xp, table: SegmentTable, dtype: str, flagged: bool, like):
         self.dtype, self.flagged, self.numel = dtype, flagged, table.numel
@@ -260,46 +262,52 @@ class SparseFrames:
         self._like = like
 
     def size(self, counts: Sequence[int]) -> int:
-        """The bytes of a frame whose segments send ``counts`` pairs."""
+        """The bytes a rank sends (header and frame) where its segments send ``counts`` pairs."""
         return frame_size([c for c in counts for _ in (0, 1)], self.dtypes, True, self.flagged)
 
     def dense_size(self) -> int:
-        """The bytes of a frame that carries the dense bucket instead."""
+        """The bytes a rank sends (header and frame) where it sends the dense bucket instead."""
         return self.header + frame_size([self.numel], [self.dtype], False, self.flagged)
 
     def write(self, xp, values, indices, counts, flag=None):
-        """This rank's frame: ``values`` and ``indices`` hold each segment's ``counts[s]``
-        pairs in a row (the indices within their segment); ``counts``: (host ints, the same
-        as an int64 tensor, whose elements twice each are the header: no copy to the device);
-        ``flag``: the overflow flag."""
+        """This rank's (header, frame): ``values`` and ``indices`` hold each segment's
+        ``counts[s]`` pairs in a row (the indices within their segment); ``counts``: (host
+        ints, the same as an int64 tensor, whose elements twice each are the header: no copy
+        to the device); ``flag``: the overflow flag."""
         counts, on_device = counts
         header = xp.repeat(on_device, self._twice, len(self.dtypes))
         pieces = {0: xp.split(xp.to_bytes(values), [c * ITEMSIZE[self.dtype] for c in counts])}
         for d in self.kinds:
             pieces[d] = xp.split(xp.to_bytes(xp.cast(indices, d)), [c * ITEMSIZE[d] for c in counts])
         parts = [pieces[0 if i % 2 == 0 else self.dtypes[i]][i // 2] for i in self.order]
-        return _padded(xp, [xp.to_bytes(header), *parts], self._like, flag)
+        return header, _padded(xp, parts, self._like, flag)
 
-    def read(self, xp, received, ranks: int):
-        """The ranks' frames (end to end in ``received``, or a list of them): per rank its
-        pairs as (values, indices in the bucket (int64)), or ``Dense``; and the ranks' overflow
-        flags (uint8), or None. The headers are read back first, one after another with no
-        work queued between them; then every sparse frame's pairs come from a few joins of
-        whole tensors (``_pairs``), whatever the number of ranks and segments."""
+    def write_dense(self, xp, flat, flag=None):
+        """This rank's (header, frame) where it sends the dense bucket ``flat``."""
+        header = constant(xp, ("dense header", len(self.dtypes)), lambda: xp.cast(
+            xp.asarray([DENSE] + [0] * (len(self.dtypes) - 1), like=self._like), "int64"), self._like)
+        return header, _padded(xp, [xp.to_bytes(flat)], self._like, flag)
+
+    def read(self, xp, received, headers, ranks: int):
+        """The ranks' frames (end to end in ``received``, or a list of them) and their headers
+        (end to end in ``headers``, on the device): per rank its pairs as (values, indices in
+        the bucket (int64)), or ``Dense``; and the ranks' overflow flags (uint8), or None.
+        Every rank's counts are read back at once; then every sparse frame's pairs come from a
+        few joins of whole tensors (``_pairs``), whatever the number of ranks and segments."""
+        width = len(self.dtypes)
+        counts = xp.host_ints(headers, ranks * width)
         frames, flags, start = [], [], 0
         for r in range(ranks):
             data, pos = (received[r], 0) if isinstance(received, list) else (received, start)
-            header = xp.from_bytes(data[pos:pos + self.header], "int64")
-            head = xp.host_ints(header, len(self.dtypes))
-            pos += self.header
+            head = counts[r * width:(r + 1) * width]
             if head[0] == DENSE:
                 end = pos + self.numel * ITEMSIZE[self.dtype]
                 frames.append(Dense(xp.from_bytes(data[pos:end], self.dtype)))
-                start = pos - self.header + self.dense_size()
+                start = pos + self.dense_size() - self.header
             else:
                 end = pos + sum(c * ITEMSIZE[d] for c, d in zip(head, self.dtypes))
-                frames.append((data[pos:end], head, header))
-                start = pos - self.header + self.size(head[0::2])
+                frames.append((data[pos:end], head, headers[r * width:(r + 1) * width]))
+                start = pos + self.size(head[0::2]) - self.header
             if self.flagged:
                 flags.append(data[end:end + 1])
         sparse = [f for f in frames if not isinstance(f, Dense)]

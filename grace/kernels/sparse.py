@@ -11,7 +11,7 @@ from grace.compressors.dgc import DGC
 from grace.compressors.sparse import Sparsifier
 from grace.compressors.threshold import Threshold
 from grace.compressors.topk import TopK
-from grace.core import draws
+from grace.core import draws, segments
 from grace.core.compressor import Shape, index_dtype, native_or_none
 from grace.core.journal import poisoned
 from grace.core.plans.kernels import MethodKernels, kernels_for
@@ -23,9 +23,6 @@ class SparseKernels(MethodKernels):
     residual_kernel = None
     #: grace.native's residual step for a whole bucket in one call (CPU), if it has one
     residual_kernel_many = None
-    #: grace.native's selection with values, if it has one (segment-wise: "<kernel>_segments",
-    #: the per-tensor kernel on each segment; so does the residual step)
-    select_kernel = None
 
     def compress_with_residual(self, xp, g, residual, beta, gamma, info, out=None):
         fused = xp.native(self.residual_kernel, g, xp.dtype(g)) if self.residual_kernel else None
@@ -65,12 +62,17 @@ class SparseKernels(MethodKernels):
         return table.cached("sent starts", lambda: xp.asarray(np.repeat(table.starts, self._ks(table)), like=like))
 
     def compress_segments(self, xp, p, table, infos):
-        if self.compressor.traits.variable_length:
+        if self.variable_segments:
             return self._selected_segments(xp, p, table, infos)
-        fused = xp.native(f"{self.select_kernel}_segments", p, xp.dtype(p)) if self.select_kernel else None
+        return self._top_segments(xp, p, table)
+
+    def _top_segments(self, xp, p, table):
+        """Each segment's k largest ``|p|`` (ties: the first), as the per-tensor top-k has them:
+        ((values, indices within their segment), None, p_hat or None)."""
+        fused = xp.native("topk_compress_segments", p, xp.dtype(p))
         if fused:  # the per-tensor kernel on each segment
             return fused(p, table.starts, table.numels, self._ks(table)), None, None
-        take = self.compressor.select_segments(xp, p, table, infos)
+        take = segments.top_mask(xp, segments.magnitude_keys(xp, p), table, self._ks(table))
         starts = self._sent_starts(xp, table, p)
         indices = xp.nonzero(take, size=xp.numel(starts))  # ascending: k_i per segment, in order
         return (xp.gather(p, indices), indices - starts), None, xp.where(take, p, 0.0)
@@ -94,7 +96,7 @@ class SparseKernels(MethodKernels):
         return (values, local), (host, counts), xp.scatter_add(indices, values, table.numel)
 
     def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
-        if self.compressor.traits.variable_length:  # (selected by tensor ops: _selected_segments)
+        if self.variable_segments:  # (selected by tensor ops: _selected_segments)
             return None
         fused = xp.native(f"{self.residual_kernel}_segments", g, xp.dtype(g)) if self.residual_kernel else None
         if not fused:
@@ -119,7 +121,6 @@ class TopKKernels(SparseKernels):
     segmented = True
     residual_kernel = "topk_ef_step"
     residual_kernel_many = "topk_ef_step_many"
-    select_kernel = "topk_compress"
 
 
 @kernels_for(Threshold)
@@ -132,6 +133,22 @@ class ThresholdKernels(SparseKernels):
 @kernels_for(DGC)
 class DGCKernels(SparseKernels):
     segmented = True  # (with the 'dgc' memory only without clipping: a norm per tensor)
+
+    @property
+    def variable_segments(self) -> bool:
+        """Without a warm-up, a segment sends k slots: its k largest, those under its threshold
+        as +0.0 (which adds nothing where a sum starts from +0.0), so that no rank waits for a
+        count; during one, k changes every step (a frame per step: variable lengths)."""
+        return self.compressor.sparsity_warmup_steps > 0
+
+    def compress_segments(self, xp, p, table, infos):
+        if self.variable_segments:
+            return self._selected_segments(xp, p, table, infos)
+        (values, local), _, _ = self._top_segments(xp, p, table)
+        slots = table.cached("slot segments", lambda: xp.asarray(  # each slot's segment
+            np.repeat(np.arange(len(table.numels), dtype=np.int64), self._ks(table)), like=p))
+        thresholds = xp.gather(self.compressor.segment_thresholds(xp, p, table, infos), slots)
+        return (xp.where(xp.abs(values) >= thresholds, values, 0.0), local), None, None
 
     def compress_many_with_momentum(self, xp, gs, states, momentum, infos, outs, flag=None, factor=None):
         """DGC memory's fused step with this selection for every gradient of a bucket, in one

@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 14  # GRACE_NATIVE_ABI
+ABI = 15  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {

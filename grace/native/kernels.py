@@ -56,11 +56,6 @@ def per_batch(count: int, once: int = 0) -> Launches:
     return counted
 
 
-def per_segment(count: int) -> Launches:
-    """A per-tensor CUDA kernel run on each segment in turn."""
-    return lambda arguments: count * len(arguments["numels"])
-
-
 # grace_cuda_topk: the state, three radix passes (memset, histogram, find), the compaction's three
 TOPK_LAUNCHES = 1 + 3 * 3 + 3
 # grace_cuda_topk_ef_segments, per batch: one memset of the three passes' histograms, the compensation
@@ -198,8 +193,8 @@ KERNELS: Dict[str, Kernel] = {
            ("terngrad", terngrad_mean_segments, "bits_sum_segments"),
            ("qsgd", qsgd_mean_segments, "qsgd_sum_segments"),
            ("natural", natural_mean_segments, "natural_sum_segments"))},
-    "topk_compress_segments": both(topk_compress_segments, "topk", ("float32", "int64"),
-                                   launches=per_segment(TOPK_LAUNCHES)),
+    "topk_compress_segments": both(topk_compress_segments, "topk", ("float32", "int64"), cuda="topk_ef_segments",
+                                   launches=per_batch(SEGMENT_TOPK_LAUNCHES)),
     "efsignsgd_ef_step_segments": both(efsignsgd_ef_step_segments, "bits_ef_many", ("uint8", "float32", "float32"),
                                        cuda="efsign_ef_segments", launches=per_batch(3)),
     "onebit_ef_step_segments": both(onebit_ef_step_segments, "bits_ef_many", ("uint8", "float32", "float32"),

@@ -160,6 +160,13 @@ def topk_compress_segments(x, starts, numels, ks):
     b = _float32(kind, x, ("float32",))
     _check_segments(b.n, starts, numels)
     values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
+    if _on_gpu(kind):  # the bucket's kernels (topk_ef_step_segments' with no residual: flag 4)
+        if any(not 0 <= k <= n for k, n in zip(ks, numels)):
+            raise ValueError("each segment's k must lie in [0, its size]")
+        scratch = kind.empty(b.n, "float32")
+        call(kind, "topk_ef_segments", b.ptr, 0, len(numels), _int64s(starts), _int64s(numels), _int64s(ks), 1.0,
+             1.0, 4, values.ptr, idx.ptr, scratch.ptr)
+        return _wrap(kind, values, idx)
     at = 0
     for start, n, k in zip(starts, numels, ks):
         got = call(kind, "topk", b.ptr + 4 * start, 0, n, k, 1, idx.ptr + 8 * at, INDEX_CODES["int64"],

@@ -106,7 +106,7 @@ def _why_not_segmented(compression, kernels, bucket, xp, like):
         (own_collective, "the method runs on another collective than its own"),
         (compression.memory.elementwise, f"{type(compression.memory).__name__} does not treat elements alone"),
         (bucket.dtype == "float32", f"segment-wise kernels read float32, the bucket is {bucket.dtype}"),
-        (xp.mutable_tensors or not compressor.traits.variable_length,
+        (xp.mutable_tensors or not kernels.variable_segments,
          "variable lengths are read back, which a traced step cannot"),
     ]
     return next((why for holds, why in rules if not holds), None)

@@ -79,6 +79,7 @@ class BucketPending:
     old: List[Any]  # each unit's memory before this step
     ctxs: List[Any] = field(default_factory=list)
     wait: Any = None
+    header_wait: Any = None  # variable-length frames sent with a header apart: the ranks' headers
     sent_dense: bool = False
     flag: Any = None  # this rank's overflow flag (guarded methods): 1 if its gradients hold an inf or NaN
     structure: List[int] = field(default_factory=list)  # tensors per unit's payload

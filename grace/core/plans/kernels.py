@@ -42,6 +42,11 @@ class MethodKernels:
         self.compressor = compressor
 
     @property
+    def variable_segments(self) -> bool:
+        """Whether a segment-wise bucket's frames vary in length (each rank's, each step)."""
+        return self.compressor.traits.variable_length
+
+    @property
     def mean_kernel(self) -> str:
         """grace.native's kernel that decodes every rank's payloads (of a tensor, or of every
         segment), adds and finishes them in one pass: the segment kernels' "<name>_mean_segments"."""

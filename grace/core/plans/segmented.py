@@ -23,10 +23,9 @@ class Segmented(BucketPlan):
 
     def __init__(self, services, bucket, why: str, xp, like):
         super().__init__(services, bucket, why)
-        compressor, guarded = services.compression.compressor, services.journal.guarded
+        guarded, self.variable = services.journal.guarded, services.kernels.variable_segments
         self.table = segments.SegmentTable.build(xp, bucket.numels, like)
-        self.layout = segments.SparseFrames(xp, self.table, bucket.dtype, guarded, like) \
-            if compressor.traits.variable_length else \
+        self.layout = segments.SparseFrames(xp, self.table, bucket.dtype, guarded, like) if self.variable else \
             segments.SegmentedFrame(xp, services.kernels.segment_fields(self.table.numels, bucket.dtype), guarded,
                                    like)
 
@@ -55,7 +54,7 @@ class Segmented(BucketPlan):
             pending.wait, nbytes = s.transport.allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag,
                                                                defer=pending.defer)
         else:
-            frame, p = self._frame(pending, fields, p)
+            (header, frame), p = self._frame(pending, fields, p)
             if pending.sent_dense:
                 p_hat, e_new = p, None
         if memory.needs_feedback:
@@ -66,26 +65,26 @@ class Segmented(BucketPlan):
                     e_new = memory.update(xp, p, p_hat, e)
                 s.journal.set("memory", bucket.key, e_new)
         if frame is not None:
-            nbytes = s.transport.send_frame(pending, frame, compressor.traits.variable_length)
+            nbytes = s.transport.send_frame(pending, frame, self.variable, header)
         s.transport.stats.add(nbytes, 0)
         return pending
 
     def _frame(self, pending: BucketPending, fields, p):
-        """This rank's frame, and p; the dense bucket where its encoding would be larger (fixed
-        sizes: every rank decides alike; variable ones: each rank for its own frame)."""
-        s, xp, layout = self.services, pending.xp, self.layout
-        variable = s.compression.compressor.traits.variable_length
+        """This rank's (header, frame), and p; the dense bucket where its encoding would be
+        larger (fixed sizes: every rank decides alike, and the frame has no header; variable
+        ones: each rank for its own frame)."""
+        s, xp, layout, variable = self.services, pending.xp, self.layout, self.variable
         dense = layout.size(pending.segment_ctx[0]) > layout.dense_size() if variable else \
             layout.size > frames.frame_size([self.bucket.numel], [self.bucket.dtype], False, s.journal.guarded)
         if not dense:
-            frame = layout.write(xp, *fields, pending.segment_ctx, pending.flag) if variable else \
-                layout.write(xp, fields, pending.flag)
-            return frame, p
+            sent = layout.write(xp, *fields, pending.segment_ctx, pending.flag) if variable else \
+                (None, layout.write(xp, fields, pending.flag))
+            return sent, p
         p = s.compression.memory.compensate(xp, pending.g, pending.old[0]) if p is None else p
         pending.sent_dense = True
-        frame = frames.dense_frame(xp, p, len(layout.dtypes), pending.g, pending.flag) if variable else \
-            frames.frame(xp, [p], False, pending.g, pending.flag)
-        return frame, p
+        sent = layout.write_dense(xp, p, pending.flag) if variable else \
+            (None, frames.frame(xp, [p], False, pending.g, pending.flag))
+        return sent, p
 
     def finish(self, pending: BucketPending, into=None) -> List[Any]:
         flat, overflow = self._mean(pending)
@@ -101,8 +100,8 @@ class Segmented(BucketPlan):
             return divided(xp, s.kernels.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
                 overflow
         received = s.transport.wait(pending.wait)
-        if compressor.traits.variable_length:
-            read, flags = self.layout.read(xp, received, n)
+        if self.variable:
+            read, flags = self.layout.read(xp, received, s.transport.wait(pending.header_wait), n)
             return self._sparse_mean(xp, read), \
                 s.journal.overflow(xp, [flags], pending.defer) if flagged else None
         if isinstance(received, list):  # broadcasts: one frame per rank
