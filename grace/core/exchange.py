@@ -15,6 +15,7 @@ communicator, and the ranks' first-step agreement (``grace.core.agreement``).
 """
 from __future__ import annotations
 
+import itertools
 import numbers
 import os
 import socket
@@ -137,6 +138,7 @@ class Exchange:
                 if 0 in shape:
                     out[name] = g
             started = [self.start_bucket(b, [grads[s] for s in b.names]) for b in self.bucket_layout(specs)]
+            self.read_counts(started)
             for pending in started:
                 out.update(zip(pending.bucket.names, self.finish_bucket(pending)))
             out = {name: out[name] for name in grads}
@@ -175,6 +177,19 @@ class Exchange:
         pending.plan = plan
         pending.outs = list(grads) if self.services.writes_over(xp, grads[0]) else None
         return pending
+
+    def read_counts(self, pendings: Sequence[BucketPending]) -> None:
+        """Read back what the launched buckets ``pendings`` read first (variable lengths:
+        ``BucketPlan.headers``) in one wait for all of them, not one per bucket."""
+        with self._phase("decompress"):
+            ahead = [(p, h) for p in pendings for h in [p.plan.headers(p)] if h is not None]
+            if len(ahead) < 2:  # (a bucket alone reads its own)
+                return
+            xp = ahead[0][0].xp
+            sizes = [xp.numel(h) for _, h in ahead]
+            counts = xp.host_ints(xp.concat([h for _, h in ahead]), sum(sizes))
+            for (pending, _), start, size in zip(ahead, itertools.accumulate([0] + sizes), sizes):
+                pending.header_counts = counts[start:start + size]
 
     def finish_bucket(self, pending: BucketPending, into=None) -> List[Any]:
         """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order.

@@ -43,6 +43,8 @@ class ReadyBuckets:
                 missing = [n for n in bucket.names if n not in self._ready[bucket.key]]
                 raise RuntimeError(f"grace: the bucket of {name!r} was awaited before the gradients of "
                                    f"{', '.join(map(repr, missing))} were ready")
+            if not self._results:  # the step's first: every launched bucket's lengths read at once
+                self.exchange.read_counts(list(self._pending.values()))
             results = self.exchange.finish_bucket(self._pending.pop(bucket.key))
             self._results[bucket.key] = dict(zip(bucket.names, results))
         return self._results[bucket.key][name]

@@ -288,14 +288,15 @@ class SparseFrames:
             xp.asarray([DENSE] + [0] * (len(self.dtypes) - 1), like=self._like), "int64"), self._like)
         return header, _padded(xp, [xp.to_bytes(flat)], self._like, flag)
 
-    def read(self, xp, received, headers, ranks: int):
+    def read(self, xp, received, headers, ranks: int, counts=None):
         """The ranks' frames (end to end in ``received``, or a list of them) and their headers
-        (end to end in ``headers``, on the device): per rank its pairs as (values, indices in
-        the bucket (int64)), or ``Dense``; and the ranks' overflow flags (uint8), or None.
-        Every rank's counts are read back at once; then every sparse frame's pairs come from a
-        few joins of whole tensors (``_pairs``), whatever the number of ranks and segments."""
+        (end to end in ``headers``, on the device; ``counts``: the same as host ints, where
+        read back already): per rank its pairs as (values, indices in the bucket (int64)), or
+        ``Dense``; and the ranks' overflow flags (uint8), or None. Every rank's counts are read
+        back at once; then every sparse frame's pairs come from a few joins of whole tensors
+        (``_pairs``), whatever the number of ranks and segments."""
         width = len(self.dtypes)
-        counts = xp.host_ints(headers, ranks * width)
+        counts = xp.host_ints(headers, ranks * width) if counts is None else counts
         frames, flags, start = [], [], 0
         for r in range(ranks):
             data, pos = (received[r], 0) if isinstance(received, list) else (received, start)

@@ -410,3 +410,45 @@ def test_sparse_frames_are_the_frames_of_the_segments_payloads(xp):
         order = np.argsort(xp.to_numpy(got[1]))  # (read back grouped by index width)
         np.testing.assert_array_equal(xp.to_numpy(got[1])[order], expected[1])
         np.testing.assert_array_equal(xp.to_numpy(got[0])[order], expected[0])
+
+
+@pytest.mark.parametrize("through", ["exchange", "ready buckets"])
+def test_a_step_of_variable_buckets_reads_every_buckets_headers_at_once(accelerator, through, monkeypatch):
+    """Threshold's buckets: each reads back its own counts before it sends, and then the step
+    reads every bucket's ranks' headers in one wait (whether all buckets finish in one call or
+    each when its first gradient is asked for, as Horovod's optimizer does), and the overflow
+    flags once at its end; with the results of each bucket reading its own."""
+    from grace.core.ready import ReadyBuckets
+
+    xp = accelerator
+    reads = []
+    host_ints = type(xp).host_ints
+    monkeypatch.setattr(type(xp), "host_ints", lambda self, x, count: reads.append(count) or host_ints(self, x, count))
+    make = lambda: grace.threshold(2.0, communicator="allgather", bucket_mb=0.002)  # noqa: E731
+    want = run(xp, make(), steps=2)[1]
+    monkeypatch.setattr(grace.Exchange, "read_counts", lambda self, pendings: None)
+    alone = run(xp, make(), steps=2)
+    monkeypatch.undo()
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
+    monkeypatch.setattr(type(xp), "host_ints", lambda self, x, count: reads.append(count) or host_ints(self, x, count))
+    exchange = grace.Exchange(make(), ReplicaCommunicator(3))
+    for step in range(2):
+        grads = gradients(xp, step)
+        reads.clear()
+        if through == "exchange":
+            got = exchange.exchange(grads)
+        else:
+            specs = [(name, tuple(xp.shape(g)), xp.dtype(g), xp.device(g)) for name, g in grads.items()]
+            ready = ReadyBuckets(exchange, exchange.bucket_layout(specs))
+            waits = {name: ready.add(name, g) for name, g in grads.items()}
+            got = {name: wait() for name, wait in waits.items()}
+            exchange.end_step()
+        plans = segmented_plans(exchange)
+        assert len(plans) > 2 and all(plan.variable for plan in plans)
+        if step:  # (the first step's agreement reads back too) each bucket's counts, then one read of
+            # every bucket's headers, then the step's flags
+            assert len(reads) == len(plans) + 2, reads
+            assert reads[len(plans)] == 3 * sum(len(plan.layout.dtypes) for plan in plans)
+        for name in want[step]:
+            assert_same(xp, want[step][name], got[name], f"{through} step {step}: {name}")
+            assert_same(xp, alone[1][step][name], got[name], f"{through} step {step}: {name}")

@@ -101,7 +101,7 @@ class Segmented(BucketPlan):
                 overflow
         received = s.transport.wait(pending.wait)
         if self.variable:
-            read, flags = self.layout.read(xp, received, s.transport.wait(pending.header_wait), n)
+            read, flags = self.layout.read(xp, received, self.headers(pending), n, pending.header_counts)
             return self._sparse_mean(xp, read), \
                 s.journal.overflow(xp, [flags], pending.defer) if flagged else None
         if isinstance(received, list):  # broadcasts: one frame per rank
@@ -115,6 +115,11 @@ class Segmented(BucketPlan):
         fields, flags = self.layout.read(xp, received, n)  # (poisoned by the aggregate)
         overflow = s.journal.overflow(xp, [flags], pending.defer) if flagged else None
         return s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n, overflow), None
+
+    def headers(self, pending: BucketPending):
+        if pending.header_wait is not None and pending.headers is None:
+            pending.headers = self.services.transport.wait(pending.header_wait)
+        return pending.headers
 
     def _sparse_mean(self, xp, read):
         """The flat mean of the ranks' (value, index) pairs and dense buckets (``read``), with
