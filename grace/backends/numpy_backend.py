@@ -304,7 +304,7 @@ class NumpyBackend:
     def scatter_add_rows(self, idx_rows, value_rows, numel: int):
         """``numel`` zeros with each row of values added at its row of indices, row after row:
         the additions of ``scatter_add`` over the rows' concatenation, in that order on every
-        backend and device."""
+        backend and device. No row holds an index twice (a sparsifier's payload)."""
         out = np.zeros(int(numel), dtype=value_rows[0].dtype)
         for idx, values in zip(idx_rows, value_rows):
             np.add.at(out, idx, values)

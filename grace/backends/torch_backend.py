@@ -409,9 +409,8 @@ class TorchBackend:
         if out is not None:
             return out
         out = torch.zeros(int(numel), dtype=value_rows[0].dtype, device=value_rows[0].device)
-        for idx, values in zip(idx_rows, value_rows):  # index_add_'s atomics would add in any order
-            idx = idx.long()
-            out.index_put_((idx,), out[idx] + values)
+        for idx, values in zip(idx_rows, value_rows):  # a sparsifier's row: no index twice, so a
+            out.index_add_(0, idx.long(), values)  # GPU's atomics add one value per element per row
         return out
 
     # --- native kernels ------------------------------------------------------------------

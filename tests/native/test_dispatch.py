@@ -89,6 +89,21 @@ def test_backend_ops_dispatch(device):
     same_bytes(TX.scatter_add(ints, ints, 10), on(device, np.arange(10, dtype=np.int32)))
 
 
+def test_rows_scattered_row_after_row_with_and_without_native(device):
+    """scatter_add_rows: each row's values added at its distinct indices, row after row (rows
+    collide with each other), bit for bit NumPy's additions in that order, natively or not."""
+    rng = np.random.default_rng(5)
+    rows = [np.sort(rng.choice(3000, 700, replace=False)) for _ in range(4)]
+    values = [(rng.standard_normal(700) * 10.0 ** rng.integers(-3, 4, 700)).astype(np.float32) for _ in rows]
+    want = np.zeros(3000, np.float32)
+    for idx, v in zip(rows, values):
+        np.add.at(want, idx, v)
+    args = ([on(device, i) for i in rows], [on(device, v) for v in values], 3000)
+    with gn.disabled():
+        same_bytes(TX.scatter_add_rows(*args), want)
+    same_bytes(TX.scatter_add_rows(*args), want)
+
+
 def test_out_of_range_index_still_raises_through_the_fallback():
     with pytest.raises((IndexError, RuntimeError)):
         TX.scatter_add(torch.tensor([0, 7]), torch.ones(2), 5)
