@@ -69,6 +69,10 @@ class DGC(Sparsifier):
     def select_segments(self, xp, p, table, infos):
         return xp.abs(p) >= table.per_element(xp, self.segment_thresholds(xp, p, table, infos))
 
+    def segment_ks(self, xp, table, step, like):
+        """Each segment's k at ``step`` (host ints)."""
+        return self._layout(xp, table, step, like)[1].ks
+
     def segment_thresholds(self, xp, p, table, infos):
         """Each segment's threshold (float32), as ``select`` finds it: one call for all the draws,
         one sort of the samples' magnitudes, keyed by segment (so each segment's sample lies

@@ -57,6 +57,14 @@ class SegmentTable:
             self.cache[name] = make()
         return self.cache[name]
 
+    def latest(self, name, key, make):
+        """``make()`` for ``key``, kept for the latest key only (values that change for a while,
+        as DGC's k during its warm-up: one kept, not one per step)."""
+        held = self.cache.get(name)
+        if held is None or held[0] != key:
+            held = self.cache[name] = (key, make())
+        return held[1]
+
     def counts_at_least_one(self, xp):
         """The segments' sizes as float32, 0 taken as 1: what a per-segment mean divides by."""
         return self.cached("counts as divisors", lambda: xp.clip_min(xp.cast(self.counts, "float32"), 1))

@@ -50,32 +50,36 @@ class SparseKernels(MethodKernels):
                               [[(p[0], p[1]) for p in rows] for rows in payloads], outs, len(payloads[0]))
 
     # --- a bucket at once (a fixed k per segment, or a variable number) -------------------
-    def segment_fields(self, numels, dtype):
-        k = [self.compressor.kernel_argument(d) for d in numels]
+    def segment_fields(self, numels, dtype, ks=None):
+        k = [self.compressor.kernel_argument(d) for d in numels] if ks is None else list(ks)
         return [(k, [dtype] * len(k)), (k, [index_dtype(d) for d in numels])]
 
-    def _ks(self, table):
-        return table.cached("k", lambda: [self.compressor.kernel_argument(d) for d in table.numels])
+    def _ks(self, table, ctx=None):
+        """Each segment's k: a fixed-k ctx is this step's where k changes by step, else None."""
+        if ctx is not None:
+            return ctx
+        return table.cached("k", lambda: tuple(self.compressor.kernel_argument(d) for d in table.numels))
 
-    def _sent_starts(self, xp, table, like):
+    def _sent_starts(self, xp, table, like, ctx=None):
         """Each sent element's segment start (k_i of each segment, in order)."""
-        return table.cached("sent starts", lambda: xp.asarray(np.repeat(table.starts, self._ks(table)), like=like))
+        ks = self._ks(table, ctx)
+        return table.latest("sent starts", ks, lambda: xp.asarray(np.repeat(table.starts, ks), like=like))
 
     def compress_segments(self, xp, p, table, infos):
         if self.variable_segments:
             return self._selected_segments(xp, p, table, infos)
         return self._top_segments(xp, p, table)
 
-    def _top_segments(self, xp, p, table):
+    def _top_segments(self, xp, p, table, ctx=None):
         """Each segment's k largest ``|p|`` (ties: the first), as the per-tensor top-k has them:
-        ((values, indices within their segment), None, p_hat or None)."""
+        ((values, indices within their segment), ctx, p_hat or None)."""
         fused = xp.native("topk_compress_segments", p, xp.dtype(p))
         if fused:  # the per-tensor kernel on each segment
-            return fused(p, table.starts, table.numels, self._ks(table)), None, None
-        take = segments.top_mask(xp, segments.magnitude_keys(xp, p), table, self._ks(table))
-        starts = self._sent_starts(xp, table, p)
+            return fused(p, table.starts, table.numels, self._ks(table, ctx)), ctx, None
+        take = segments.top_mask(xp, segments.magnitude_keys(xp, p), table, self._ks(table, ctx))
+        starts = self._sent_starts(xp, table, p, ctx)
         indices = xp.nonzero(take, size=xp.numel(starts))  # ascending: k_i per segment, in order
-        return (xp.gather(p, indices), indices - starts), None, xp.where(take, p, 0.0)
+        return (xp.gather(p, indices), indices - starts), ctx, xp.where(take, p, 0.0)
 
     def _selected_segments(self, xp, p, table, infos):
         """A variable-length selection of every segment (``select_segments``, then
@@ -106,11 +110,11 @@ class SparseKernels(MethodKernels):
 
     def decompress_segments(self, xp, fields, ctx, table):
         values, local = fields
-        return xp.scatter_add(local + self._sent_starts(xp, table, values), values, table.numel)
+        return xp.scatter_add(local + self._sent_starts(xp, table, values, ctx), values, table.numel)
 
     def aggregate_segments(self, xp, fields, ctx, table, ranks, overflow=None):
         values, local = fields  # (ranks, sent) each: every rank's indices and shares by one op each
-        indices, shares = local + self._sent_starts(xp, table, values), values / ranks
+        indices, shares = local + self._sent_starts(xp, table, values, ctx), values / ranks
         rows = range(ranks)  # payload after payload, as aggregate adds them
         return poisoned(xp, xp.scatter_add_rows([indices[r] for r in rows], [shares[r] for r in rows], table.numel),
                         overflow)
@@ -136,19 +140,21 @@ class DGCKernels(SparseKernels):
 
     @property
     def variable_segments(self) -> bool:
-        """Without a warm-up, a segment sends k slots: its k largest, those under its threshold
-        as +0.0 (which adds nothing where a sum starts from +0.0), so that no rank waits for a
-        count; during one, k changes every step (a frame per step: variable lengths)."""
-        return self.compressor.sparsity_warmup_steps > 0
+        """A segment sends k slots: its k largest, those under its threshold as +0.0 (which adds
+        nothing where a sum starts from +0.0), so that no rank waits for a count."""
+        return False
 
     def compress_segments(self, xp, p, table, infos):
-        if self.variable_segments:
-            return self._selected_segments(xp, p, table, infos)
-        (values, local), _, _ = self._top_segments(xp, p, table)
-        slots = table.cached("slot segments", lambda: xp.asarray(  # each slot's segment
-            np.repeat(np.arange(len(table.numels), dtype=np.int64), self._ks(table)), like=p))
+        ks = tuple(self.compressor.segment_ks(xp, table, infos[0].step, p))
+        (values, local), ctx, _ = self._top_segments(xp, p, table, None if ks == self._ks(table) else ks)
+        slots = table.latest("slot segments", ks, lambda: xp.asarray(  # each slot's segment
+            np.repeat(np.arange(len(table.numels), dtype=np.int64), ks), like=p))
         thresholds = xp.gather(self.compressor.segment_thresholds(xp, p, table, infos), slots)
-        return (xp.where(xp.abs(values) >= thresholds, values, 0.0), local), None, None
+        return (xp.where(xp.abs(values) >= thresholds, values, 0.0), local), ctx, None
+
+    def step_fields(self, numels, dtype, ctx):
+        """During the warm-up, k changes every step (``ctx``: this step's)."""
+        return None if ctx is None else self.segment_fields(numels, dtype, ctx)
 
     def compress_many_with_momentum(self, xp, gs, states, momentum, infos, outs, flag=None, factor=None):
         """DGC memory's fused step with this selection for every gradient of a bucket, in one

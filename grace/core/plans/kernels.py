@@ -161,6 +161,11 @@ class MethodKernels:
         segment of ``numels`` elements would send alone."""
         raise NotImplementedError
 
+    def step_fields(self, numels: Sequence[int], dtype: str, ctx):
+        """``segment_fields`` of this step's frame where they change by step (``ctx``: what
+        ``compress_segments`` gave this step); None: the bucket's own, every step."""
+        return None
+
     def compress_segments(self, xp, p, table, infos: Sequence[TensorInfo]):
         """Every segment of the flat ``p`` compressed, as (fields, ctx, p_hat): field j holds all
         segments' j-th payload tensors in a row; p_hat is what ``p`` becomes (None: the caller

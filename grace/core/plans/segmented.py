@@ -25,9 +25,20 @@ class Segmented(BucketPlan):
         super().__init__(services, bucket, why)
         guarded, self.variable = services.journal.guarded, services.kernels.variable_segments
         self.table = segments.SegmentTable.build(xp, bucket.numels, like)
-        self.layout = segments.SparseFrames(xp, self.table, bucket.dtype, guarded, like) if self.variable else \
-            segments.SegmentedFrame(xp, services.kernels.segment_fields(self.table.numels, bucket.dtype), guarded,
-                                   like)
+        self.layout = self.own_layout = segments.SparseFrames(xp, self.table, bucket.dtype, guarded, like) \
+            if self.variable else self._fixed(xp, services.kernels.segment_fields(self.table.numels, bucket.dtype), like)
+
+    def _fixed(self, xp, fields, like):
+        return segments.SegmentedFrame(xp, fields, self.services.journal.guarded, like)
+
+    def _layout_of(self, xp, ctx, like):
+        """This step's layout: the bucket's own, unless its fields change by step (``step_fields``:
+        then the latest step's is kept, not one per step)."""
+        fields = None if self.variable else self.services.kernels.step_fields(self.table.numels, self.bucket.dtype, ctx)
+        if fields is None:
+            return self.own_layout
+        key = tuple((tuple(counts), tuple(dtypes)) for counts, dtypes in fields)
+        return self.table.latest("step layout", key, lambda: self._fixed(xp, fields, like))
 
     def start(self, xp, grads, flat) -> BucketPending:
         s, bucket = self.services, self.bucket
@@ -49,6 +60,7 @@ class Segmented(BucketPlan):
         else:
             p = memory.compensate(xp, g, e)
             fields, pending.segment_ctx, p_hat = s.kernels.compress_segments(xp, p, self.table, infos)
+        self.layout = self._layout_of(xp, pending.segment_ctx, g)
         frame = None
         if compressor.collective is Collective.ALLREDUCE:  # (fixed sizes: never more than dense)
             pending.wait, nbytes = s.transport.allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag,
