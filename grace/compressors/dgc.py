@@ -11,10 +11,8 @@ selection here sees v. The sample is each rank's own, so lengths differ between 
 On an accelerator a bucket is selected segment-wise: every gradient's draws in one call, the
 samples' magnitudes keyed by their segment and sorted at once, each segment's threshold read
 from that (``segment_thresholds``). The k largest of a segment are then its selection where it
-selected more than k, and hold it where it selected fewer: so without a warm-up a segment sends
-its k largest, those under its threshold as +0.0, in frames of one size (no count read back).
-During a warm-up, the selected elements (``select_segments``) are cut to the k largest by one
-stable sort of them (``cut_segments``).
+selected more than k, and hold it where it selected fewer: so a segment sends its k largest,
+those under its threshold as +0.0, in frames whose size every rank knows (no count read back).
 """
 import math
 from dataclasses import dataclass, replace
@@ -66,9 +64,6 @@ class DGC(Sparsifier):
     def kernel_argument(self, d: int) -> int:
         return _at_most(self.ratio * d, d)  # k after the warm-up
 
-    def select_segments(self, xp, p, table, infos):
-        return xp.abs(p) >= table.per_element(xp, self.segment_thresholds(xp, p, table, infos))
-
     def segment_ks(self, xp, table, step, like):
         """Each segment's k at ``step`` (host ints)."""
         return self._layout(xp, table, step, like)[1].ks
@@ -88,23 +83,6 @@ class DGC(Sparsifier):
         chosen = xp.gather(xp.sort(keys), cut.threshold_at) - sample.bits_of_segment
         return xp.from_bytes(xp.to_bytes(xp.cast(chosen, "int32")), "float32")
 
-    def cut_segments(self, xp, p, table, indices, counts, infos):
-        """Where a segment selected more than its k, the k largest ``|p|`` of those (ties: the
-        first): one stable sort of the selected by segment, then magnitude descending, and
-        each segment's first k of that order, put back in index order."""
-        host, on_device = counts
-        sample, cut = self._layout(xp, table, infos[0].step, p)
-        kept = [min(c, k) for c, k in zip(host, cut.ks)]
-        if kept == list(host):
-            return indices, counts
-        total, k = sum(host), xp.minimum(on_device, cut.k)
-        keys = xp.cast(segments.magnitude_keys(xp, xp.gather(p, indices)), "int64")
-        order = xp.argsort(xp.repeat(sample.bits_of_segment + _LARGEST_KEY, on_device, total) - keys)
-        first = xp.cumsum(on_device) - on_device  # where each segment's run of the order starts
-        place = xp.arange(total, like=keys) - xp.repeat(first, on_device, total)
-        chosen = xp.gather(order, xp.nonzero(place < xp.repeat(k, on_device, total), size=sum(kept)))
-        return xp.gather(indices, xp.sort(chosen)), (kept, k)
-
     def _layout(self, xp, table, step, like):
         """The bucket's sample (made once) and its k and threshold places at this step's ratio
         (kept for the latest ratio: it changes only during warm-up)."""
@@ -114,9 +92,6 @@ class DGC(Sparsifier):
         if cut is None or cut.ratio != ratio:
             cut = table.cache["dgc cut"] = _Cut.of(xp, table, sample, ratio, like)
         return sample, cut
-
-
-_LARGEST_KEY = 2**31 - 1  # of segments.magnitude_keys
 
 
 def _at_most(x: float, d: int) -> int:
@@ -158,12 +133,11 @@ class _Sample:
 
 @dataclass
 class _Cut:
-    """At one ratio: each segment's k (host ints, and int64 on the device) and where its
-    threshold lies among the sorted sample keys (the need-th largest of its s)."""
+    """At one ratio: each segment's k (host ints) and where its threshold lies among the sorted
+    sample keys (the need-th largest of its s)."""
 
     ratio: float
     ks: Sequence[int]
-    k: Any
     threshold_at: Any
 
     @classmethod
@@ -171,7 +145,7 @@ class _Cut:
         ks = [_at_most(ratio * d, d) for d in table.numels]
         ends = np.cumsum(sample.sizes)
         at = [end - _at_most(ratio * s, s) for end, s in zip(ends, sample.sizes)]
-        return cls(ratio, ks, xp.asarray(np.int64(ks), like=like), xp.asarray(np.int64(at), like=like))
+        return cls(ratio, ks, xp.asarray(np.int64(at), like=like))
 
 
 def _no_clamp(on) -> dict:

@@ -42,10 +42,5 @@ class Sparsifier(Compressor):
     # --- a bucket at once (segmented methods: a fixed k per segment, or a variable number) --
     def select_segments(self, xp, p, table, infos):
         """A mask of the elements of the flat ``p`` that each segment sends (a variable-length
-        method's: that it may send, ``cut_segments`` then keeping some of them)."""
+        method's; a fixed k per segment is each segment's k largest)."""
         raise NotImplementedError
-
-    def cut_segments(self, xp, p, table, indices, counts, infos):
-        """A variable-length selection cut once its counts are known: (indices, counts) as
-        ``_selected_segments`` has them; here kept as they are."""
-        return indices, counts

@@ -82,10 +82,10 @@ class SparseKernels(MethodKernels):
         return (xp.gather(p, indices), indices - starts), ctx, xp.where(take, p, 0.0)
 
     def _selected_segments(self, xp, p, table, infos):
-        """A variable-length selection of every segment (``select_segments``, then
-        ``cut_segments``): ((values, indices within their segment), (each segment's count as
-        host ints, and as a tensor: the frame's header), p_hat as ``decompress`` makes it).
-        Its only wait for the device is the counts."""
+        """A variable-length selection of every segment (``select_segments``): ((values,
+        indices within their segment), (each segment's count as host ints, and as a tensor:
+        the frame's header), p_hat as ``decompress`` makes it). Its only wait for the device
+        is the counts."""
         take = self.compressor.select_segments(xp, p, table, infos)
         running = xp.cumsum(xp.cast(take, "int64"))
         last = table.cached("last elements", lambda: xp.asarray(  # (buckets hold no empty gradients)
@@ -94,7 +94,6 @@ class SparseKernels(MethodKernels):
         counts = at_last - xp.concat([xp.zeros(1, "int64", like=p), at_last[:-1]])
         host = xp.host_ints(counts, len(table.numels))
         indices = xp.nonzero(take, size=sum(host))  # ascending: each segment's in a row
-        indices, (host, counts) = self.compressor.cut_segments(xp, p, table, indices, (host, counts), infos)
         values = xp.gather(p, indices)
         local = indices - xp.repeat(table.start, counts, sum(host))
         return (values, local), (host, counts), xp.scatter_add(indices, values, table.numel)
