@@ -185,8 +185,7 @@ class Exchange:
             ahead = [(p, h) for p in pendings for h in [p.plan.headers(p)] if h is not None]
             if len(ahead) < 2:  # (a bucket alone reads its own)
                 return
-            xp = ahead[0][0].xp
-            sizes = [xp.numel(h) for _, h in ahead]
+            xp, sizes = ahead[0][0].xp, [ahead[0][0].xp.numel(h) for _, h in ahead]
             counts = xp.host_ints(xp.concat([h for _, h in ahead]), sum(sizes))
             for (pending, _), start, size in zip(ahead, itertools.accumulate([0] + sizes), sizes):
                 pending.header_counts = counts[start:start + size]
