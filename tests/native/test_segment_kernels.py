@@ -118,6 +118,28 @@ def test_top_k_steps_of_many_segments_equal_each_segments_step(device, ratio, be
         at += k
 
 
+@pytest.mark.parametrize("ratio", [0.01, 0.3, 1.0])
+def test_top_k_of_many_segments_equals_each_segments_top_k(device, ratio):
+    """topk_compress_segments (on a GPU the bucket's kernels with no residual: p is g) against
+    topk_compress per segment: values (-0.0 kept), indices (ties to the lowest index); k = 0 and
+    k = n segments too."""
+    sizes = SIZES
+    starts, total = _layout(sizes)
+    rng = np.random.default_rng(8)
+    g = gradient(total, seed=9)
+    g[rng.integers(0, total, total // 3)] = np.float32(0.5)  # many ties, often at the cut
+    g[rng.integers(0, total, total // 50)] = np.float32(-0.0)
+    ks = [min(n, max(1, int(np.ceil(ratio * n)))) for n in sizes]
+    ks[3], ks[4] = 0, sizes[4]
+    values, idx = gn.topk_compress_segments(on(device, g), starts, sizes, ks)
+    at = 0
+    for s, (start, n, k) in enumerate(zip(starts, sizes, ks)):
+        want_v, want_i = gn.topk_compress(on(device, g[start:start + n]), k)
+        same_bytes(values[at:at + k], want_v, f"values of segment {s}")
+        same_bytes(idx[at:at + k], host(want_i).astype(np.int64), f"indices of segment {s}")
+        at += k
+
+
 def _signs_decoded(packed, sizes):
     """signsgd_decompress of every segment's bits (each from a byte boundary), in a row."""
     from tests.native.conftest import torch
