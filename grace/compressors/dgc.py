@@ -10,7 +10,7 @@ selection here sees v. The sample is each rank's own, so lengths differ between 
 
 On an accelerator a bucket is selected segment-wise: every gradient's draws in one call, the
 samples' magnitudes keyed by their segment and sorted at once, each segment's threshold read
-from that (``segment_thresholds``). The k largest of a segment are then its selection where it
+from that (``segment_cut``). The k largest of a segment are then its selection where it
 selected more than k, and hold it where it selected fewer: so a segment sends its k largest,
 those under its threshold as +0.0, in frames whose size every rank knows (no count read back).
 """
@@ -64,14 +64,11 @@ class DGC(Sparsifier):
     def kernel_argument(self, d: int) -> int:
         return _at_most(self.ratio * d, d)  # k after the warm-up
 
-    def segment_ks(self, xp, table, step, like):
-        """Each segment's k at ``step`` (host ints)."""
-        return self._layout(xp, table, step, like)[1].ks
-
-    def segment_thresholds(self, xp, p, table, infos):
-        """Each segment's threshold (float32), as ``select`` finds it: one call for all the draws,
-        one sort of the samples' magnitudes, keyed by segment (so each segment's sample lies
-        ascending in a row), and each segment's need-th largest read from there."""
+    def segment_cut(self, xp, p, table, infos):
+        """Each segment's k at this step (host ints) and its threshold (float32), as ``select``
+        finds it: one call for all the draws, one sort of the samples' magnitudes, keyed by
+        segment (so each segment's sample lies ascending in a row), and each segment's need-th
+        largest read from there."""
         sample, cut = self._layout(xp, table, infos[0].step, p)
         at = sample.whole
         if sample.drawn_counts:
@@ -81,7 +78,7 @@ class DGC(Sparsifier):
             at = drawn if at is None else xp.concat([drawn, at])
         keys = xp.cast(segments.magnitude_keys(xp, xp.gather(p, at)), "int64") + sample.segment_bits
         chosen = xp.gather(xp.sort(keys), cut.threshold_at) - sample.bits_of_segment
-        return xp.from_bytes(xp.to_bytes(xp.cast(chosen, "int32")), "float32")
+        return cut.ks, xp.from_bytes(xp.to_bytes(xp.cast(chosen, "int32")), "float32")
 
     def _layout(self, xp, table, step, like):
         """The bucket's sample (made once) and its k and threshold places at this step's ratio

@@ -138,10 +138,15 @@ def frame(xp, pieces: Sequence, with_header: bool, like, flag=None, concat=None,
     return _padded(xp, parts, like, flag, concat)
 
 
+def dense_header(xp, pieces: int, like):
+    """The header of a dense variable-length frame: DENSE, then zeros (int64; made once per device)."""
+    return constant(xp, ("dense header", pieces), lambda: xp.cast(
+        xp.asarray([DENSE] + [0] * (pieces - 1), like=like), "int64"), like)
+
+
 def dense_frame(xp, flat, pieces: int, like, flag=None, concat=None) -> Any:
     """A variable-length frame that carries the bucket's dense values instead of its encoding."""
-    header = xp.cast(xp.asarray([DENSE] + [0] * (pieces - 1), like=like), "int64")
-    return _padded(xp, [xp.to_bytes(header), xp.to_bytes(flat)], like, flag, concat)
+    return _padded(xp, [xp.to_bytes(dense_header(xp, pieces, like)), xp.to_bytes(flat)], like, flag, concat)
 
 
 def _padded(xp, parts, like, flag=None, concat=None):

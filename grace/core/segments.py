@@ -21,7 +21,7 @@ from typing import Any, Sequence, Tuple
 
 import numpy as np
 
-from grace.core.bucket import ALIGN, DENSE, ITEMSIZE, Dense, _order, _padded, _zeros, frame_size
+from grace.core.bucket import ALIGN, DENSE, ITEMSIZE, Dense, _order, _padded, _zeros, dense_header, frame_size
 from grace.core.tensors import constant
 from grace.formats import index_dtype
 
@@ -292,9 +292,7 @@ class SparseFrames:
 
     def write_dense(self, xp, flat, flag=None):
         """This rank's (header, frame) where it sends the dense bucket ``flat``."""
-        header = constant(xp, ("dense header", len(self.dtypes)), lambda: xp.cast(
-            xp.asarray([DENSE] + [0] * (len(self.dtypes) - 1), like=self._like), "int64"), self._like)
-        return header, _padded(xp, [xp.to_bytes(flat)], self._like, flag)
+        return dense_header(xp, len(self.dtypes), self._like), _padded(xp, [xp.to_bytes(flat)], self._like, flag)
 
     def read(self, xp, received, headers, ranks: int, counts=None):
         """The ranks' frames (end to end in ``received``, or a list of them) and their headers

@@ -144,12 +144,12 @@ class DGCKernels(SparseKernels):
         return False
 
     def compress_segments(self, xp, p, table, infos):
-        ks = tuple(self.compressor.segment_ks(xp, table, infos[0].step, p))
+        ks, thresholds = self.compressor.segment_cut(xp, p, table, infos)
+        ks = tuple(ks)
         (values, local), ctx, _ = self._top_segments(xp, p, table, None if ks == self._ks(table) else ks)
         slots = table.latest("slot segments", ks, lambda: xp.asarray(  # each slot's segment
             np.repeat(np.arange(len(table.numels), dtype=np.int64), ks), like=p))
-        thresholds = xp.gather(self.compressor.segment_thresholds(xp, p, table, infos), slots)
-        return (xp.where(xp.abs(values) >= thresholds, values, 0.0), local), ctx, None
+        return (xp.where(xp.abs(values) >= xp.gather(thresholds, slots), values, 0.0), local), ctx, None
 
     def step_fields(self, numels, dtype, ctx):
         """During the warm-up, k changes every step (``ctx``: this step's)."""

@@ -91,6 +91,7 @@ class BucketPending:
     rounds: Any = None  # multi-round methods: the bucket's rounds, suspended (MethodKernels.rounds_many)
     updates: List[bool] = field(default_factory=list)  # multi-round: whose rounds write the new memory over p
     segment_ctx: Any = None  # segment-wise buckets: the compressor's ctx
+    layout: Any = None  # ... and this step's frame layout
     info: Any = None  # the two-phase plan: the bucket's TensorInfo (its step seeds the owner's draws)
     outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None
     framed: Any = None  # (frame buffer, flag's byte or None, pieces' end) where a bucket kernel wrote them

@@ -25,7 +25,7 @@ class Segmented(BucketPlan):
         super().__init__(services, bucket, why)
         guarded, self.variable = services.journal.guarded, services.kernels.variable_segments
         self.table = segments.SegmentTable.build(xp, bucket.numels, like)
-        self.layout = self.own_layout = segments.SparseFrames(xp, self.table, bucket.dtype, guarded, like) \
+        self.own_layout = segments.SparseFrames(xp, self.table, bucket.dtype, guarded, like) \
             if self.variable else self._fixed(xp, services.kernels.segment_fields(self.table.numels, bucket.dtype), like)
 
     def _fixed(self, xp, fields, like):
@@ -60,7 +60,7 @@ class Segmented(BucketPlan):
         else:
             p = memory.compensate(xp, g, e)
             fields, pending.segment_ctx, p_hat = s.kernels.compress_segments(xp, p, self.table, infos)
-        self.layout = self._layout_of(xp, pending.segment_ctx, g)
+        pending.layout = self._layout_of(xp, pending.segment_ctx, g)
         frame = None
         if compressor.collective is Collective.ALLREDUCE:  # (fixed sizes: never more than dense)
             pending.wait, nbytes = s.transport.allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag,
@@ -85,7 +85,7 @@ class Segmented(BucketPlan):
         """This rank's (header, frame), and p; the dense bucket where its encoding would be
         larger (fixed sizes: every rank decides alike, and the frame has no header; variable
         ones: each rank for its own frame)."""
-        s, xp, layout, variable = self.services, pending.xp, self.layout, self.variable
+        s, xp, layout, variable = self.services, pending.xp, pending.layout, self.variable
         dense = layout.size(pending.segment_ctx[0]) > layout.dense_size() if variable else \
             layout.size > frames.frame_size([self.bucket.numel], [self.bucket.dtype], False, s.journal.guarded)
         if not dense:
@@ -113,7 +113,7 @@ class Segmented(BucketPlan):
                 overflow
         received = s.transport.wait(pending.wait)
         if self.variable:
-            read, flags = self.layout.read(xp, received, self.headers(pending), n, pending.header_counts)
+            read, flags = pending.layout.read(xp, received, self.headers(pending), n, pending.header_counts)
             return self._sparse_mean(xp, read), \
                 s.journal.overflow(xp, [flags], pending.defer) if flagged else None
         if isinstance(received, list):  # broadcasts: one frame per rank
@@ -124,7 +124,7 @@ class Segmented(BucketPlan):
             g_hat = with_dense(None, 0, [xp.from_bytes(rows[r, :nbytes], bucket.dtype) for r in range(n)], n)
             flags = rows[:, nbytes] if flagged else None
             return g_hat, s.journal.overflow(xp, [flags], pending.defer) if flagged else None
-        fields, flags = self.layout.read(xp, received, n)  # (poisoned by the aggregate)
+        fields, flags = pending.layout.read(xp, received, n)  # (poisoned by the aggregate)
         overflow = s.journal.overflow(xp, [flags], pending.defer) if flagged else None
         return s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n, overflow), None
 
