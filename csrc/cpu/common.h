@@ -115,6 +115,19 @@ inline void store4(float* out, __m128 v, bool stream) {
     _mm_storeu_ps(out, v);
 }
 #endif
+// n values of a small buffer stored at out: streamed where `stream` (out 16-byte aligned), else copied
+template <class T>
+inline void store_block(T* out, const T* in, int64_t n, bool stream) {
+  int64_t i = 0;
+#if defined(__SSE2__)
+  if (stream && sizeof(T) == 4) {
+    for (; i + 4 <= n; i += 4) _mm_stream_ps((float*)(out + i), _mm_load_ps((const float*)(in + i)));
+  } else if (stream && sizeof(T) == 8) {
+    for (; i + 2 <= n; i += 2) _mm_stream_pd((double*)(out + i), _mm_load_pd((const double*)(in + i)));
+  }
+#endif
+  std::memcpy(out + i, in + i, sizeof(T) * (n - i));
+}
 // after a kernel's streamed stores: they land before the caller's next reads
 inline void fence_streams(bool stream) {
 #if defined(__SSE2__)

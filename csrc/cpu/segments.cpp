@@ -15,35 +15,91 @@ inline int64_t read_index(const void* idx, int t, int64_t j) {
 }
 
 // Whether every index of the payloads is in [0, numel) (checked before anything is written, so
-// that a bad index leaves no partial sums behind).
-bool scatter_in_bounds(int count, const void* const* idx, const int* types, const int64_t* lengths, int64_t numel) {
+// that a bad index leaves no partial sums behind); and, into *ascending where given, whether each
+// payload's indices ascend (none smaller than the one before).
+bool scatter_in_bounds(int count, const void* const* idx, const int* types, const int64_t* lengths, int64_t numel,
+                       bool* ascending = nullptr) {
   for (int p = 0; p < count; ++p)
     if (!idx_type_ok(types[p]) || lengths[p] < 0) return false;
-  std::atomic<int> bad{0};
+  bool bad = false, unordered = false;
   for (int p = 0; p < count; ++p) {
     const int64_t len = lengths[p];
-    const void* ip = idx[p];
-    const int t = types[p];
-#pragma omp parallel for num_threads(threads_for(len)) if (len > 2 * kGrain)
-    for (int64_t j = 0; j < len; ++j) {
-      int64_t i = read_index(ip, t, j);
-      if (i < 0 || i >= numel) bad.store(1, std::memory_order_relaxed);
+    auto check = [&](auto* ix) {  // (the index type picked once per payload)
+      int64_t below = 0, above = 0, down = 0;
+#pragma omp parallel for num_threads(threads_for(len)) if (len > 2 * kGrain) reduction(+ : below, above, down)
+      for (int64_t j = 0; j < len; ++j) {
+        const int64_t i = (int64_t)ix[j];
+        below += i < 0;
+        above += i >= numel;
+        down += j && i < (int64_t)ix[j - 1];
+      }
+      bad |= below || above;
+      unordered |= down != 0;
+    };
+    switch (types[p]) {
+      case GRACE_U8: check((const uint8_t*)idx[p]); break;
+      case GRACE_I16: check((const int16_t*)idx[p]); break;
+      case GRACE_I32: check((const int32_t*)idx[p]); break;
+      default: check((const int64_t*)idx[p]);
     }
   }
-  return !bad.load();
+  if (ascending) *ascending = !unordered;
+  return !bad;
 }
 
 // dense = zeros, then each payload's values (each divided by `divisor` where it is not 1) added
 // at its indices, payload after payload. The indices are in bounds.
 template <class T>
 void scatter_add_apply(int count, const void* const* idx, const int* types, const void* const* values,
-                       const int64_t* lengths, int64_t numel, T divisor, T* dense) {
+                       const int64_t* lengths, int64_t numel, T divisor, T* dense, bool ascending = false,
+                       bool stream = false) {
   int64_t m = 0;
   for (int p = 0; p < count; ++p) m += lengths[p];
   const bool divide = divisor != T(1);
   auto value = [&](const T* v, int64_t j) { return divide ? v[j] / divisor : v[j]; };
   const int nc = threads_for(numel + m);
-  if (nc > 1 && m >= kGrain) {
+  if (ascending) {
+    // Block by block, each block summed in a buffer that stays in the L1 cache and then stored
+    // (streamed where `stream`): the output is written once, not zeroed and then read again
+    // where the pairs land. Each payload's pairs of a block are the next ones in its order.
+    constexpr int64_t kBlock = 4096;
+    for_chunks(numel, kBlock, nc, [&](int, int64_t lo, int64_t hi) {
+      alignas(64) T block[kBlock];
+      std::vector<int64_t> next(count);
+      for (int p = 0; p < count; ++p) {  // the chunk's first pair of each payload
+        int64_t a = 0, b = lengths[p];
+        while (a < b) {
+          const int64_t mid = (a + b) / 2;
+          if (read_index(idx[p], types[p], mid) < lo) a = mid + 1; else b = mid;
+        }
+        next[p] = a;
+      }
+      for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
+        const int64_t b1 = std::min(hi, b0 + kBlock);
+        std::fill(block, block + (b1 - b0), T(0));
+        for (int p = 0; p < count; ++p) {
+          const T* v = (const T*)values[p];
+          const int64_t len = lengths[p];
+          int64_t j = next[p];
+          auto add = [&](auto* ix) {  // (the index type picked once per payload, not per pair)
+            if (divide)
+              for (; j < len && (int64_t)ix[j] < b1; ++j) block[ix[j] - b0] += v[j] / divisor;
+            else
+              for (; j < len && (int64_t)ix[j] < b1; ++j) block[ix[j] - b0] += v[j];
+          };
+          switch (types[p]) {
+            case GRACE_U8: add((const uint8_t*)idx[p]); break;
+            case GRACE_I16: add((const int16_t*)idx[p]); break;
+            case GRACE_I32: add((const int32_t*)idx[p]); break;
+            default: add((const int64_t*)idx[p]);
+          }
+          next[p] = j;
+        }
+        store_block(dense + b0, block, b1 - b0, stream);
+      }
+      fence_streams(stream);
+    });
+  } else if (nc > 1 && m >= kGrain) {
     // each thread owns a range of the output and applies, in order, the updates that fall in it
     for_chunks(numel, 16, nc, [&](int, int64_t lo, int64_t hi) {
       std::fill(dense + lo, dense + hi, T(0));
@@ -70,8 +126,10 @@ void scatter_add_apply(int count, const void* const* idx, const int* types, cons
 template <class T>
 int scatter_add_typed(int count, const void* const* idx, const int* types, const void* const* values,
                       const int64_t* lengths, int64_t numel, T* dense) {
-  if (!scatter_in_bounds(count, idx, types, lengths, numel)) return -1;
-  scatter_add_apply(count, idx, types, values, lengths, numel, T(1), dense);
+  bool ascending = false;
+  if (!scatter_in_bounds(count, idx, types, lengths, numel, &ascending)) return -1;
+  scatter_add_apply(count, idx, types, values, lengths, numel, T(1), dense, ascending,
+                    streams(dense, (int64_t)sizeof(T) * numel));
   return 0;
 }
 }  // namespace
@@ -181,13 +239,18 @@ API int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* 
                                        const void* const* values, const int64_t* lengths, float divisor,
                                        const int64_t* numels, float* const* dense) {
   if (segments < 0 || ranks < 0) return -1;
-  for (int64_t s = 0; s < segments; ++s)
+  std::vector<char> ascending(segments);
+  for (int64_t s = 0; s < segments; ++s) {
+    bool up = false;
     if (numels[s] < 0 ||
-        !scatter_in_bounds(ranks, idx + s * ranks, idx_types + s * ranks, lengths + s * ranks, numels[s]))
+        !scatter_in_bounds(ranks, idx + s * ranks, idx_types + s * ranks, lengths + s * ranks, numels[s], &up))
       return -1;
+    ascending[s] = up;
+  }
+  const int64_t bytes = bucket_bytes(segments, numels);
   for (int64_t s = 0; s < segments; ++s)
     scatter_add_apply(ranks, idx + s * ranks, idx_types + s * ranks, values + s * ranks, lengths + s * ranks,
-                      numels[s], divisor, dense[s]);
+                      numels[s], divisor, dense[s], (bool)ascending[s], streams(dense[s], bytes));
   return 0;
 }
 

@@ -177,6 +177,34 @@ def test_a_bucket_in_one_call_equals_each_gradient_alone():
         same_bytes(gn.scatter_add_many([(v / ranks, i) for v, i in rows], n), d)
 
 
+@pytest.mark.parametrize("order", ["ascending", "repeats", "unordered"])
+def test_a_sparse_aggregate_beyond_the_caches_adds_rank_after_rank(order):
+    """scatter_add_segments_into over a bucket of more than 8 MB (its blocks summed in the cache
+    and streamed out where each rank's indices ascend, repeats included; zeroed and scattered
+    otherwise) is NumPy's in-order additions of each rank's values over the ranks: 0 + v first,
+    so a -0.0 lands as +0.0; a misaligned output and a one-element gradient alike."""
+    rng = np.random.default_rng(11)
+    sizes, ranks = [3_000_001, 1, 70_000], 4
+    payloads, dense, want = [], [], []
+    for n in sizes:
+        rows, total = [], np.zeros(n, np.float32)
+        for r in range(ranks):
+            k = max(1, n // 50)
+            idx = rng.integers(0, n, k) if order != "ascending" else rng.choice(n, size=k, replace=False)
+            idx = idx if order == "unordered" else np.sort(idx)
+            v = gradient(k, seed=r)
+            v[::7] = -0.0
+            rows.append((torch.from_numpy(v), torch.from_numpy(idx.astype(np.int64 if r % 2 else np.int32))))
+            np.add.at(total, idx, v / np.float32(ranks))
+        payloads.append(rows)
+        want.append(total)
+        dense.append(torch.full((n + 1,), 5.0)[1:])  # (4 bytes past an aligned start: not streamed)
+    dense[0] = torch.full((sizes[0],), 5.0)
+    assert gn.scatter_add_segments_into(payloads, dense, ranks) is dense
+    for w, d in zip(want, dense):
+        same_bytes(w, d)
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
 def test_the_residual_steps_of_a_bucket_beyond_the_caches_stream_alike(in_place):
     """A bucket of more than 8 MB streams its new residuals (threshold's and random-k's bucket
