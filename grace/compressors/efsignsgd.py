@@ -47,8 +47,10 @@ class EFSignSGD(SignBits):
         return xp.reshape(xp.cast(values, ctx.dtype), ctx.shape)
 
     def values(self, xp, positive, scale, table):
-        """Element by element: the float32 values of the unpacked bits, each at its segment's scale."""
-        return (xp.cast(positive, "float32") * 2 - 1) * table.per_element(xp, scale)
+        """Element by element: the float32 values of the unpacked bits (or the signs' mask), each
+        its segment's scale or that times -1."""
+        scales = table.per_element(xp, scale)
+        return xp.where(xp.cast(positive, "bool"), scales, scales * -1.0)
 
     def finish(self, n):
         return False, (n, self.lr)  # the mean, over lr

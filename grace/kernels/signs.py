@@ -53,6 +53,13 @@ class SignBitsKernels(MethodKernels):
     def encode_segments(self, xp, p, table, infos):
         return [segment_packing.pack(xp, p >= 0, 1, table), self.compressor.scalars_of(xp, p, table)]
 
+    def compress_segments(self, xp, p, table, infos):
+        fields, ctx, p_hat = super().compress_segments(xp, p, table, infos)
+        if self._segment_decoder(xp, p):  # (decoded by its kernel, where the memory needs it)
+            return fields, ctx, p_hat
+        # without the kernels, p_hat from the signs themselves, not from the bits unpacked again
+        return fields, ctx, self.compressor.values(xp, p >= 0, fields[1], table)
+
     def decode_segments(self, xp, fields, table):
         packed, scalars = fields
         return self.compressor.values(xp, segment_packing.unpack(xp, packed, 1, table), scalars, table)
