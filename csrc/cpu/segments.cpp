@@ -14,6 +14,17 @@ inline int64_t read_index(const void* idx, int t, int64_t j) {
   }
 }
 
+// f(the indices as a typed pointer): the index type picked once per payload, not per index
+template <class F>
+inline void with_indices(const void* idx, int t, F&& f) {
+  switch (t) {
+    case GRACE_U8: return f((const uint8_t*)idx);
+    case GRACE_I16: return f((const int16_t*)idx);
+    case GRACE_I32: return f((const int32_t*)idx);
+    default: return f((const int64_t*)idx);
+  }
+}
+
 // Whether every index of the payloads is in [0, numel) (checked before anything is written, so
 // that a bad index leaves no partial sums behind); and, into *ascending where given, whether each
 // payload's indices ascend (none smaller than the one before).
@@ -24,7 +35,7 @@ bool scatter_in_bounds(int count, const void* const* idx, const int* types, cons
   bool bad = false, unordered = false;
   for (int p = 0; p < count; ++p) {
     const int64_t len = lengths[p];
-    auto check = [&](auto* ix) {  // (the index type picked once per payload)
+    with_indices(idx[p], types[p], [&](auto* ix) {
       int64_t below = 0, above = 0, down = 0;
 #pragma omp parallel for num_threads(threads_for(len)) if (len > 2 * kGrain) reduction(+ : below, above, down)
       for (int64_t j = 0; j < len; ++j) {
@@ -35,13 +46,7 @@ bool scatter_in_bounds(int count, const void* const* idx, const int* types, cons
       }
       bad |= below || above;
       unordered |= down != 0;
-    };
-    switch (types[p]) {
-      case GRACE_U8: check((const uint8_t*)idx[p]); break;
-      case GRACE_I16: check((const int16_t*)idx[p]); break;
-      case GRACE_I32: check((const int32_t*)idx[p]); break;
-      default: check((const int64_t*)idx[p]);
-    }
+    });
   }
   if (ascending) *ascending = !unordered;
   return !bad;
@@ -81,18 +86,12 @@ void scatter_add_apply(int count, const void* const* idx, const int* types, cons
           const T* v = (const T*)values[p];
           const int64_t len = lengths[p];
           int64_t j = next[p];
-          auto add = [&](auto* ix) {  // (the index type picked once per payload, not per pair)
+          with_indices(idx[p], types[p], [&](auto* ix) {
             if (divide)
               for (; j < len && (int64_t)ix[j] < b1; ++j) block[ix[j] - b0] += v[j] / divisor;
             else
               for (; j < len && (int64_t)ix[j] < b1; ++j) block[ix[j] - b0] += v[j];
-          };
-          switch (types[p]) {
-            case GRACE_U8: add((const uint8_t*)idx[p]); break;
-            case GRACE_I16: add((const int16_t*)idx[p]); break;
-            case GRACE_I32: add((const int32_t*)idx[p]); break;
-            default: add((const int64_t*)idx[p]);
-          }
+          });
           next[p] = j;
         }
         store_block(dense + b0, block, b1 - b0, stream);
