@@ -6,17 +6,28 @@ imported, and that the hook's state follows DDP's bucket rebuild, a checkpoint a
 """
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 
 from tests.conftest import run_snippet
 
 PRELUDE = """
-import atexit, sys, torch, torch.distributed as dist
+import atexit, os, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 import grace, grace.torch.ddp
 from grace.core.communicator import LocalCommunicator
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-atexit.register(dist.destroy_process_group)  # (Gloo's threads torn down at exit can abort the process)
+atexit.register(dist.destroy_process_group)
+
+def leave():
+    # A snippet that ran to its end leaves without the interpreter's teardown, where DDP's and
+    # Gloo's threads still alive can abort the process after every check has passed
+    # ("terminate called without an active exception", a PyTorch race). One that raised exits as usual.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    dist.destroy_process_group()
+    os._exit(0)
 
 def model(cap_mb=0.002, **kwargs):
     torch.manual_seed(0)
@@ -40,7 +51,7 @@ def local_gradients(ddp, step):
 
 
 def run(code: str) -> str:
-    return run_snippet(PRELUDE, code)
+    return run_snippet(PRELUDE, textwrap.dedent(code) + "\nleave()\n")
 
 
 def test_importing_the_hook_imports_no_horovod():

@@ -1,6 +1,6 @@
-"""Every method trains the 4-rank digits model (scripts/train_methods.py, PyTorch, 30 epochs as
-in README's table), once through Horovod (one horovodrun launch) and once through PyTorch DDP
-with grace's communication hook (one torchrun launch).
+"""Every method trains the digits model (scripts/train_methods.py, PyTorch, 30 epochs as in
+README's table, on 2 ranks where README's has 4), once through Horovod (one horovodrun launch)
+and once through PyTorch DDP with grace's communication hook (one torchrun launch).
 
 Methods with error feedback must end within 3 points of uncompressed, and top-k(0.01) (the main
 job) within 2 points while sending >= 20x fewer bytes; every method must learn (well above the
@@ -24,6 +24,9 @@ from tests.conftest import launch
 SCRIPT = Path(__file__).parents[2] / "scripts" / "train_methods.py"
 README = Path(__file__).parents[2] / "README.md"
 EPOCHS = 30
+# more ranks than CI's 2 cores: Horovod's waits spin (sched_yield), 6x slower per step, and
+# this test took 13 of CI's 64 minutes; test_digits trains on 4
+RANKS = 2
 LAUNCHER = {"horovod": "horovodrun", "ddp": "torchrun"}
 
 
@@ -34,7 +37,7 @@ def table(tmp_path_factory):
     def get(engine: str) -> dict:
         if engine not in done:
             out = tmp_path_factory.mktemp(f"train_methods_{engine}")
-            output = launch(LAUNCHER[engine], 4, SCRIPT, "--engine", engine, "--epochs", EPOCHS, "--out", out,
+            output = launch(LAUNCHER[engine], RANKS, SCRIPT, "--engine", engine, "--epochs", EPOCHS, "--out", out,
                             "--methods", *grace.methods(), timeout=1800)  # every method grace ships
             print(f"\n{engine}:\n" + output[output.find("| method"):])
             done[engine] = {r["method"]: r for r in json.loads((out / "table.json").read_text())["runs"]}
@@ -50,7 +53,7 @@ def test_every_method_trains_and_error_feedback_keeps_accuracy(engine, table):
     baseline = runs["none"]["test_accuracy"]
     assert baseline > 0.9
     for method, run in runs.items():
-        assert run["engine"] == engine and run["ranks"] == 4
+        assert run["engine"] == engine and run["ranks"] == RANKS
         assert run["ranks_agree"], method
         assert run["test_accuracy"] > 0.5, (method, run["test_accuracy"])
         if run["error_feedback"]:
