@@ -65,7 +65,7 @@ class DGC(Sparsifier):
         return _at_most(self.ratio * d, d)  # k after the warm-up
 
     def segment_cut(self, xp, p, table, infos):
-        """Each segment's k at this step (host ints) and its threshold (float32), as ``select``
+        """Each segment's k at this step (a tuple of host ints) and its threshold (float32), as ``select``
         finds it: one call for all the draws, one sort of the samples' magnitudes, keyed by
         segment (so each segment's sample lies ascending in a row), and each segment's need-th
         largest read from there."""
@@ -134,12 +134,12 @@ class _Cut:
     sample keys (the need-th largest of its s)."""
 
     ratio: float
-    ks: Sequence[int]
+    ks: tuple  # (a tuple: it keys caches)
     threshold_at: Any
 
     @classmethod
     def of(cls, xp, table, sample: _Sample, ratio: float, like) -> "_Cut":
-        ks = [_at_most(ratio * d, d) for d in table.numels]
+        ks = tuple(_at_most(ratio * d, d) for d in table.numels)
         ends = np.cumsum(sample.sizes)
         at = [end - _at_most(ratio * s, s) for end, s in zip(ends, sample.sizes)]
         return cls(ratio, ks, xp.asarray(np.int64(at), like=like))

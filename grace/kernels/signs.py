@@ -50,15 +50,17 @@ class SignBitsKernels(MethodKernels):
         return [([packed_size(n, 1) for n in numels], ["uint8"] * count),
                 ([self.compressor.scalars] * count, ["float32"] * count)]
 
-    def encode_segments(self, xp, p, table, infos):
-        return [segment_packing.pack(xp, p >= 0, 1, table), self.compressor.scalars_of(xp, p, table)]
+    def encode_segments(self, xp, p, table, infos, signs=None):
+        signs = p >= 0 if signs is None else signs
+        return [segment_packing.pack(xp, signs, 1, table), self.compressor.scalars_of(xp, p, table)]
 
     def compress_segments(self, xp, p, table, infos):
-        fields, ctx, p_hat = super().compress_segments(xp, p, table, infos)
-        if self._segment_decoder(xp, p):  # (decoded by its kernel, where the memory needs it)
-            return fields, ctx, p_hat
+        if self._segment_decoder(xp, p):  # (its kernels compress, and decode where the memory needs it)
+            return super().compress_segments(xp, p, table, infos)
         # without the kernels, p_hat from the signs themselves, not from the bits unpacked again
-        return fields, ctx, self.compressor.values(xp, p >= 0, fields[1], table)
+        signs = p >= 0
+        fields = self.encode_segments(xp, p, table, infos, signs)
+        return fields, None, self.compressor.values(xp, signs, fields[1], table)
 
     def decode_segments(self, xp, fields, table):
         packed, scalars = fields

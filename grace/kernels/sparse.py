@@ -145,7 +145,6 @@ class DGCKernels(SparseKernels):
 
     def compress_segments(self, xp, p, table, infos):
         ks, thresholds = self.compressor.segment_cut(xp, p, table, infos)
-        ks = tuple(ks)
         (values, local), ctx, _ = self._top_segments(xp, p, table, None if ks == self._ks(table) else ks)
         slots = table.latest("slot segments", ks, lambda: xp.asarray(  # each slot's segment
             np.repeat(np.arange(len(table.numels), dtype=np.int64), ks), like=p))

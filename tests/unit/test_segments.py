@@ -70,8 +70,7 @@ def last_step_layout(xp, exchange, plan):
     steps, name = exchange.state_dict()["steps"], plan.bucket.names[0]  # (kept by gradient name)
     step = int(np.asarray(steps[name])) - 1 if name in steps else 0  # (unguarded: every step is step 0)
     ks = exchange.compression.compressor._layout(xp, plan.table, step, plan.table.start)[1].ks
-    return plan._layout_of(xp, None if tuple(ks) == plan.services.kernels._ks(plan.table) else tuple(ks),
-                           plan.table.start)
+    return plan._layout_of(xp, None if ks == plan.services.kernels._ks(plan.table) else ks, plan.table.start)
 
 
 def assert_runs_equal(xp, want, got, what):
