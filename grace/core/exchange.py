@@ -15,7 +15,6 @@ communicator, and the ranks' first-step agreement (``grace.core.agreement``).
 """
 from __future__ import annotations
 
-import itertools
 import numbers
 import os
 import socket
@@ -36,6 +35,7 @@ from grace.core.phases import NO_CLOCK, PhaseClock
 from grace.core.plans import BucketPending, BucketPlan, Pending, PlanChoice, Reference, Services, choose, outgrown
 from grace.core.plans.feedback import feedback_of
 from grace.core.plans.kernels import kernels_of
+from grace.core.plans.segmented import read_headers
 from grace.core.plans.warmup import WarmUp
 from grace.core.state import TABLES, StateStore
 from grace.native.status import warn_if_missing
@@ -179,16 +179,10 @@ class Exchange:
         return pending
 
     def read_counts(self, pendings: Sequence[BucketPending]) -> None:
-        """Read back what the launched buckets ``pendings`` read first (variable lengths:
-        ``BucketPlan.headers``) in one wait for all of them, not one per bucket."""
+        """Read back the headers of the launched buckets ``pendings`` (variable lengths) in one
+        wait for all, not one per bucket, and send the frames that waited for them."""
         with self._phase("decompress"):
-            ahead = [(p, h) for p in pendings for h in [p.plan.headers(p)] if h is not None]
-            if len(ahead) < 2:  # (a bucket alone reads its own)
-                return
-            xp, sizes = ahead[0][0].xp, [ahead[0][0].xp.numel(h) for _, h in ahead]
-            counts = xp.host_ints(xp.concat([h for _, h in ahead]), sum(sizes))
-            for (pending, _), start, size in zip(ahead, itertools.accumulate([0] + sizes), sizes):
-                pending.header_counts = counts[start:start + size]
+            read_headers(pendings)
 
     def finish_bucket(self, pending: BucketPending, into=None) -> List[Any]:
         """Wait for the bucket's collective; the averaged (or summed) gradients, in segment order.

@@ -92,6 +92,12 @@ class Journal:
         self._counts.append(count)
         return count
 
+    def counted(self, count: int) -> int:
+        """How many ranks flagged an overflow, where it was read back already (with a bucket's
+        headers)."""
+        self._counts.append(count)
+        return count
+
     def end_step(self, spares: Dict[str, Any]) -> None:
         """Close a step: where any rank flagged an overflow, put back every value it changed.
         ``spares``: the exchange's spare memory buffers (an old memory put back is no longer

@@ -21,7 +21,7 @@ from typing import Any, Sequence, Tuple
 
 import numpy as np
 
-from grace.core.bucket import ALIGN, DENSE, ITEMSIZE, Dense, _order, _padded, _zeros, dense_header, frame_size
+from grace.core.bucket import ALIGN, ITEMSIZE, Dense, _order, _padded, _zeros, frame_size
 from grace.core.tensors import constant
 from grace.formats import index_dtype
 
@@ -245,6 +245,9 @@ def _as_words(xp, field, width: int):
     return xp.cast(field, _WORD[width])
 
 
+FLAG_SHIFT = 62  # the bit of a header's last count that carries the overflow flag (counts stay below 2**62)
+
+
 class SparseFrames:
     """The frames of a bucket whose segments each send a number of (value, index) pairs that
     varies by step and rank (a threshold's selection): c_s values in the bucket's dtype and c_s
@@ -252,9 +255,13 @@ class SparseFrames:
     a header, each piece's count (int64), by an allgather of equal sizes, and beside it its
     frame: the pieces widest first (the values beside the int32 indices, in segment order), the
     overflow flag, padding. Header and frame end to end are byte for byte the frame
-    ``bucket.frame`` makes of the segments' own payloads; sent apart, every rank's counts are
-    read back at once, not one rank's after another. A frame is written with a split and a
-    join of whole tensors (one per index type), whatever the number of segments."""
+    ``bucket.frame`` makes of the segments' own payloads (but for the flag, which the header
+    carries too, where the ranks read it: ``header_of``); sent apart, every rank's counts are
+    read back at once, not one rank's after another, and the header goes before the frame is
+    made (whose size needs the counts on the host). A rank whose frame would be larger than the
+    dense bucket sends that instead, after the same header (``sends_dense``). A frame is
+    written with a split and a join of whole tensors (one per index type), whatever the number
+    of segments."""
 
     def __init__(self, xp, table: SegmentTable, dtype: str, flagged: bool, like):
         self.dtype, self.flagged, self.numel = dtype, flagged, table.numel
@@ -267,6 +274,8 @@ class SparseFrames:
         self._starts = np.asarray(table.starts, np.int64)
         self._spread = {}  # per number of sparse frames read at once: see _spread_of
         self._twice = xp.asarray(np.full(len(table.numels), 2, np.int64), like=like)
+        # the overflow flag, on top of the header's last count: read back with the counts
+        self._flag_place = xp.asarray(np.int64([0] * (len(self.dtypes) - 1) + [1 << FLAG_SHIFT]), like=like)
         self._like = like
 
     def size(self, counts: Sequence[int]) -> int:
@@ -277,28 +286,37 @@ class SparseFrames:
         """The bytes a rank sends (header and frame) where it sends the dense bucket instead."""
         return self.header + frame_size([self.numel], [self.dtype], False, self.flagged)
 
+    def sends_dense(self, counts: Sequence[int]) -> bool:
+        """Whether a rank whose segments select ``counts`` sends the dense bucket instead (its
+        frame would be larger): every rank tells it of every rank from the headers."""
+        return self.size(counts) > self.dense_size()
+
+    def header_of(self, xp, counts, flag=None):
+        """A rank's header from its segments' counts (int64, on the device): each count twice,
+        one per piece (no copy to the device, no wait); and its overflow ``flag`` (1 or 0) as
+        the last count's bit ``FLAG_SHIFT``, so that every rank reads every rank's flag with
+        the counts, not with the frames once they arrive: no second read back in a step."""
+        header = xp.repeat(counts, self._twice, len(self.dtypes))
+        return header if flag is None else header + xp.cast(flag, "int64") * self._flag_place
+
     def write(self, xp, values, indices, counts, flag=None):
-        """This rank's (header, frame): ``values`` and ``indices`` hold each segment's
-        ``counts[s]`` pairs in a row (the indices within their segment); ``counts``: (host
-        ints, the same as an int64 tensor, whose elements twice each are the header: no copy
-        to the device); ``flag``: the overflow flag."""
-        counts, on_device = counts
-        header = xp.repeat(on_device, self._twice, len(self.dtypes))
+        """This rank's frame: ``values`` and ``indices`` hold each segment's ``counts[s]`` (host
+        ints) pairs in a row (the indices within their segment); ``flag``: the overflow flag."""
         pieces = {0: xp.split(xp.to_bytes(values), [c * ITEMSIZE[self.dtype] for c in counts])}
         for d in self.kinds:
             pieces[d] = xp.split(xp.to_bytes(xp.cast(indices, d)), [c * ITEMSIZE[d] for c in counts])
         parts = [pieces[0 if i % 2 == 0 else self.dtypes[i]][i // 2] for i in self.order]
-        return header, _padded(xp, parts, self._like, flag)
+        return _padded(xp, parts, self._like, flag)
 
     def write_dense(self, xp, flat, flag=None):
-        """This rank's (header, frame) where it sends the dense bucket ``flat``."""
-        return dense_header(xp, len(self.dtypes), self._like), _padded(xp, [xp.to_bytes(flat)], self._like, flag)
+        """This rank's frame where it sends the dense bucket ``flat`` (``sends_dense``)."""
+        return _padded(xp, [xp.to_bytes(flat)], self._like, flag)
 
     def read(self, xp, received, headers, ranks: int, counts=None):
         """The ranks' frames (end to end in ``received``, or a list of them) and their headers
         (end to end in ``headers``, on the device; ``counts``: the same as host ints, where
         read back already): per rank its pairs as (values, indices in the bucket (int64)), or
-        ``Dense``; and the ranks' overflow flags (uint8), or None. Every rank's counts are read
+        ``Dense``; and the ranks' overflow flags (host ints, from the headers), or None. Every rank's counts are read
         back at once; then every sparse frame's pairs come from a few joins of whole tensors
         (``_pairs``), whatever the number of ranks and segments."""
         width = len(self.dtypes)
@@ -306,8 +324,10 @@ class SparseFrames:
         frames, flags, start = [], [], 0
         for r in range(ranks):
             data, pos = (received[r], 0) if isinstance(received, list) else (received, start)
-            head = counts[r * width:(r + 1) * width]
-            if head[0] == DENSE:
+            head = list(counts[r * width:(r + 1) * width])
+            flags.append(head[-1] >> FLAG_SHIFT)
+            head[-1] &= (1 << FLAG_SHIFT) - 1
+            if self.sends_dense(head[0::2]):
                 end = pos + self.numel * ITEMSIZE[self.dtype]
                 frames.append(Dense(xp.from_bytes(data[pos:end], self.dtype)))
                 start = pos + self.dense_size() - self.header
@@ -315,12 +335,10 @@ class SparseFrames:
                 end = pos + sum(c * ITEMSIZE[d] for c, d in zip(head, self.dtypes))
                 frames.append((data[pos:end], head, headers[r * width:(r + 1) * width]))
                 start = pos + self.size(head[0::2]) - self.header
-            if self.flagged:
-                flags.append(data[end:end + 1])
         sparse = [f for f in frames if not isinstance(f, Dense)]
         pairs = iter(self._pairs(xp, sparse) if sparse else ())
         return [f if isinstance(f, Dense) else next(pairs) for f in frames], \
-            (xp.concat(flags) if self.flagged else None)
+            (flags if self.flagged else None)
 
     def _pairs(self, xp, frames):
         """Every sparse frame's (values, indices in the bucket), from ``frames``: (its pieces,

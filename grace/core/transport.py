@@ -187,16 +187,18 @@ class Transport:
                      else frames.frame(xp, [p], False, g, flag, join))
         return self.send_frame(pending, frame, variable)
 
-    def send_frame(self, pending, frame, variable: bool, header=None) -> int:
-        """Launch the allgather (or the broadcasts) of this rank's ``frame``, and first that of
-        its ``header`` where it has one apart (equal sizes: ``pending.header_wait``); the bytes
-        sent."""
+    def send_header(self, pending, header) -> int:
+        """Launch the allgather of this rank's ``header``, sent apart from its frame (equal
+        sizes: ``pending.header_wait``); the bytes sent."""
+        with self.phase("collective"):
+            pending.header_wait = self.communicator.allgather_equal_async(header, f"{pending.bucket.key}.counts")
+        return pending.xp.nbytes(header)
+
+    def send_frame(self, pending, frame, variable: bool) -> int:
+        """Launch the allgather (or the broadcasts) of this rank's ``frame``; the bytes sent."""
         xp, comm, bucket, g = pending.xp, self.communicator, pending.bucket, pending.g
         nbytes = xp.numel(frame)
         with self.phase("collective"):
-            if header is not None:
-                pending.header_wait = comm.allgather_equal_async(header, f"{bucket.key}.counts")
-                nbytes += xp.nbytes(header)
             if self.compression.collective is Collective.ALLGATHER:
                 gather = comm.allgather_async if variable else comm.allgather_equal_async
                 pending.wait = gather(frame, bucket.key)

@@ -66,9 +66,7 @@ class SparseKernels(MethodKernels):
         return table.latest("sent starts", ks, lambda: xp.asarray(np.repeat(table.starts, ks), like=like))
 
     def compress_segments(self, xp, p, table, infos):
-        if self.variable_segments:
-            return self._selected_segments(xp, p, table, infos)
-        return self._top_segments(xp, p, table)
+        return self._top_segments(xp, p, table)  # (a variable-length selection: select_segments)
 
     def _top_segments(self, xp, p, table, ctx=None):
         """Each segment's k largest ``|p|`` (ties: the first), as the per-tensor top-k has them:
@@ -81,25 +79,29 @@ class SparseKernels(MethodKernels):
         indices = xp.nonzero(take, size=xp.numel(starts))  # ascending: k_i per segment, in order
         return (xp.gather(p, indices), indices - starts), ctx, xp.where(take, p, 0.0)
 
-    def _selected_segments(self, xp, p, table, infos):
-        """A variable-length selection of every segment (``select_segments``): ((values,
-        indices within their segment), (each segment's count as host ints, and as a tensor:
-        the frame's header), p_hat as ``decompress`` makes it). Its only wait for the device
-        is the counts."""
+    def select_segments(self, xp, p, table, infos):
+        """A variable-length selection of every segment (``Sparsifier.select_segments``): the
+        mask of the selected, and each segment's count (int64, on the device: no wait for it
+        here; the plan reads it back with the ranks' headers)."""
         take = self.compressor.select_segments(xp, p, table, infos)
         running = xp.cumsum(xp.cast(take, "int64"))
         last = table.cached("last elements", lambda: xp.asarray(  # (buckets hold no empty gradients)
             np.asarray(table.starts, np.int64) + np.asarray(table.numels, np.int64) - 1, like=p))
         at_last = xp.gather(running, last)  # selected up to each segment's end
-        counts = at_last - xp.concat([xp.zeros(1, "int64", like=p), at_last[:-1]])
-        host = xp.host_ints(counts, len(table.numels))
+        return take, at_last - xp.concat([xp.zeros(1, "int64", like=p), at_last[:-1]])
+
+    def selected_pairs(self, xp, p, take, counts, table):
+        """The selection's pairs, once its counts are known (``counts``: host ints, and the same
+        as a tensor): (values, indices within their segment), and p_hat as ``decompress``
+        makes it."""
+        host, on_device = counts
         indices = xp.nonzero(take, size=sum(host))  # ascending: each segment's in a row
         values = xp.gather(p, indices)
-        local = indices - xp.repeat(table.start, counts, sum(host))
-        return (values, local), (host, counts), xp.scatter_add(indices, values, table.numel)
+        local = indices - xp.repeat(table.start, on_device, sum(host))
+        return (values, local), xp.scatter_add(indices, values, table.numel)
 
     def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
-        if self.variable_segments:  # (selected by tensor ops: _selected_segments)
+        if self.variable_segments:  # (selected by tensor ops: select_segments)
             return None
         fused = xp.native(f"{self.residual_kernel}_segments", g, xp.dtype(g)) if self.residual_kernel else None
         if not fused:

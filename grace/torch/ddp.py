@@ -122,6 +122,8 @@ class GraceState:
         comm.watch = works.append
         try:
             pending = self.exchange.start_bucket(bucket, grads, flat=buffer)
+            if pending.selection is not None:  # (a frame sized by the ranks' counts: sent in hook order, as the rest)
+                self.exchange.read_counts([pending])
         finally:
             comm.watch = None
         self._step_works.extend(works)

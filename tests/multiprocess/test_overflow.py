@@ -13,9 +13,11 @@ from tests.multiprocess.workers.common import VARIANTS
 
 WORKER = Path(__file__).parent / "workers" / "torch_amp.py"
 OVERFLOW_STEP, STEPS, SCALE, RANKS = 2, 6, 1024.0, 2
-# every method once, and the ways a bucket can travel: per tensor, whole, by broadcast, dense
+# every method once, and the ways a bucket can travel: per tensor, whole, by broadcast, dense,
+# segment-wise (an accelerator's plan)
 LABELS = ["none", "fp16", "bf16", "topk", "topk_per_tensor", "topk_bucket_scope", "topk_broadcast",
-          "topk_nomemory", "threshold", "threshold_per_tensor", "threshold_dense", "randomk",
+          "topk_nomemory", "threshold", "threshold_per_tensor", "threshold_dense", "threshold_segmented_small_buckets",
+          "threshold_segmented_sometimes_dense", "randomk",
           "randomk_scaled", "signsgd", "signsgd_mean", "onebit", "qsgd", "qsgd_bucketed_broadcast",
           "terngrad", "natural", "u8bit", "inceptionn", "signum", "efsignsgd", "dgc", "adaq",
           "sketchml", "powersgd", "powersgd_per_tensor", "powersgd_small_buckets"]

@@ -374,7 +374,8 @@ def test_segmented_threshold_sends_what_the_buckets_of_gradients_send(xp, commun
 def test_sparse_frames_are_the_frames_of_the_segments_payloads(xp):
     """SparseFrames writes a header and a frame that, end to end, are byte for byte the frame of
     each segment's own (values, indices) (every index width, empty segments' selections, the
-    flag), and reads a run of frames with a dense one among them, from their headers."""
+    flag), and reads a run of frames with a dense one among them (counts whose frame would be
+    larger), and every rank's overflow flag, from their headers."""
     from grace.core import bucket as frames
     from grace.formats import index_dtype
 
@@ -383,15 +384,18 @@ def test_sparse_frames_are_the_frames_of_the_segments_payloads(xp):
     like = to_backend(xp, np.zeros(1, np.float32))
     table = segments.SegmentTable.build(xp, numels, like)
     layout = segments.SparseFrames(xp, table, "float32", True, like)
-    flag = to_backend(xp, np.ones(1, np.float32))
     received, headers, want = [], [], []
-    for counts in ([5, 0, 3, 17, 0, 256], "dense", [0, 0, 0, 0, 0, 0], [1, 900, 1, 2, 40, 9]):
-        if counts == "dense":
+    over = [100, 40000, 3, 150, 2500, 200]  # half of the elements: pairs larger than the dense bucket
+    assert layout.sends_dense(over) and not layout.sends_dense([c - 1 for c in numels[:1]] + [0] * 5)
+    raised = [1, 0, 0, 1]  # each rank's overflow flag
+    for counts, raise_flag in zip(([5, 0, 3, 17, 0, 256], over, [0, 0, 0, 0, 0, 0], [1, 900, 1, 2, 40, 9]), raised):
+        flag = to_backend(xp, np.float32([raise_flag]))
+        if counts is over:
             dense = rng.standard_normal(sum(numels)).astype(np.float32)
-            header, frame = layout.write_dense(xp, to_backend(xp, dense), flag)
+            header, frame = layout.header_of(xp, to_backend(xp, counts, "int64"), flag), layout.write_dense(
+                xp, to_backend(xp, dense), flag)
             whole = frames.dense_frame(xp, to_backend(xp, dense), 2 * len(numels), like, flag)
-            assert xp.to_numpy(xp.to_bytes(header)).tobytes() + xp.to_numpy(frame).tobytes() == \
-                xp.to_numpy(whole).tobytes()
+            assert xp.to_numpy(frame).tobytes() == xp.to_numpy(whole).tobytes()[xp.nbytes(header):]
             assert xp.nbytes(header) + xp.numel(frame) == layout.dense_size()
             received.append(frame)
             headers.append(header)
@@ -401,17 +405,18 @@ def test_sparse_frames_are_the_frames_of_the_segments_payloads(xp):
         values = [rng.standard_normal(c).astype(np.float32) for c in counts]
         pieces = [to_backend(xp, t, t.dtype.name) for v, i, n in zip(values, local, numels)
                   for t in (v, i.astype(index_dtype(n)))]
-        header, frame = layout.write(xp, to_backend(xp, np.concatenate(values)),
-                             to_backend(xp, np.concatenate(local), "int64"), (counts, to_backend(xp, counts, "int64")),
-                             flag)
-        assert xp.to_numpy(xp.to_bytes(header)).tobytes() + xp.to_numpy(frame).tobytes() == \
+        header = layout.header_of(xp, to_backend(xp, counts, "int64"), flag)
+        frame = layout.write(xp, to_backend(xp, np.concatenate(values)), to_backend(xp, np.concatenate(local), "int64"),
+                             counts, flag)
+        unflagged = layout.header_of(xp, to_backend(xp, counts, "int64"))  # (the flag's bit aside)
+        assert xp.to_numpy(xp.to_bytes(unflagged)).tobytes() + xp.to_numpy(frame).tobytes() == \
             xp.to_numpy(frames.frame(xp, pieces, True, like, flag)).tobytes()
         assert xp.nbytes(header) + xp.numel(frame) == layout.size(counts)
         want.append((np.concatenate(values), np.concatenate([i + s for i, s in zip(local, table.starts)])))
         received.append(frame)
         headers.append(header)
     read, flags = layout.read(xp, xp.concat(received), xp.concat(headers), len(received))
-    assert xp.to_numpy(flags).tolist() == [1] * len(received)
+    assert flags == raised
     for got, expected in zip(read, want):
         if isinstance(expected, np.ndarray):
             np.testing.assert_array_equal(xp.to_numpy(got.values), expected)
@@ -423,10 +428,10 @@ def test_sparse_frames_are_the_frames_of_the_segments_payloads(xp):
 
 @pytest.mark.parametrize("through", ["exchange", "ready buckets"])
 def test_a_step_of_variable_buckets_reads_every_buckets_headers_at_once(accelerator, through, monkeypatch):
-    """Threshold's buckets: each reads back its own counts before it sends, and then the step
-    reads every bucket's ranks' headers in one wait (whether all buckets finish in one call or
-    each when its first gradient is asked for, as Horovod's optimizer does), and the overflow
-    flags once at its end; with the results of each bucket reading its own."""
+    """Threshold's buckets: each sends its header (its counts and overflow flag) at once and its
+    frame once the step has read every bucket's ranks' headers in one wait, the step's only
+    one (whether all buckets finish in one call or each when its first gradient is asked for,
+    as Horovod's optimizer does); with the results of each bucket reading its own."""
     from grace.core.ready import ReadyBuckets
 
     xp = accelerator
@@ -454,10 +459,8 @@ def test_a_step_of_variable_buckets_reads_every_buckets_headers_at_once(accelera
             exchange.end_step()
         plans = segmented_plans(exchange)
         assert len(plans) > 2 and all(plan.variable for plan in plans)
-        if step:  # (the first step's agreement reads back too) each bucket's counts, then one read of
-            # every bucket's headers, then the step's flags
-            assert len(reads) == len(plans) + 2, reads
-            assert reads[len(plans)] == 3 * sum(len(plan.own_layout.dtypes) for plan in plans)
+        if step:  # (the first step's agreement reads back too)
+            assert reads == [3 * sum(len(plan.own_layout.dtypes) for plan in plans)]
         for name in want[step]:
             assert_same(xp, want[step][name], got[name], f"{through} step {step}: {name}")
             assert_same(xp, alone[1][step][name], got[name], f"{through} step {step}: {name}")

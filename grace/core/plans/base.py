@@ -82,6 +82,7 @@ class BucketPending:
     header_wait: Any = None  # variable-length frames sent with a header apart: the ranks' headers
     headers: Any = None  # ... once received (on the device)
     header_counts: Any = None  # ... read back with other buckets' (``Exchange.read_counts``), or None
+    selection: Any = None  # a variable-length segment-wise bucket's (p, mask, counts) until its frame goes
     sent_dense: bool = False
     flag: Any = None  # this rank's overflow flag (guarded methods): 1 if its gradients hold an inf or NaN
     structure: List[int] = field(default_factory=list)  # tensors per unit's payload
@@ -122,12 +123,6 @@ class BucketPlan:
     def _defers(self, xp, g) -> bool:
         """Whether the overflow count is left on the device until the step ends."""
         return False
-
-    def headers(self, pending: BucketPending):
-        """What ``finish`` reads back first, on the device (every rank's header of a bucket
-        of variable lengths), so that the step's buckets read theirs at once; None: nothing."""
-        return None
-
 
     def flag_dtype(self) -> str:
         """The overflow flag's dtype, as its collective carries it (made so: no cast launched):

@@ -8,7 +8,8 @@ a frame larger than the dense bucket is sent dense.
 """
 from __future__ import annotations
 
-from typing import Any, List
+import itertools
+from typing import Any, List, Sequence
 
 from grace.core import bucket as frames
 from grace.core import segments
@@ -34,7 +35,7 @@ class Segmented(BucketPlan):
     def _layout_of(self, xp, ctx, like):
         """This step's layout: the bucket's own, unless its fields change by step (``step_fields``:
         then the latest step's is kept, not one per step)."""
-        fields = None if self.variable else self.services.kernels.step_fields(self.table.numels, self.bucket.dtype, ctx)
+        fields = self.services.kernels.step_fields(self.table.numels, self.bucket.dtype, ctx)
         if fields is None:
             return self.own_layout
         key = tuple((tuple(counts), tuple(dtypes)) for counts, dtypes in fields)
@@ -52,6 +53,13 @@ class Segmented(BucketPlan):
         if s.journal.guarded:
             pending.flag = xp.nonfinite([g], self.flag_dtype())
         infos = [s.info(name, step) for name in bucket.names]
+        if self.variable:  # the counts go now, the frame once they are read back (``send_selected``)
+            p = memory.compensate(xp, g, e)
+            take, counts = s.kernels.select_segments(xp, p, self.table, infos)
+            pending.selection, pending.layout = (p, take, counts), self.own_layout
+            header = self.own_layout.header_of(xp, counts, pending.flag)
+            s.transport.stats.add(s.transport.send_header(pending, header), 0)
+            return pending
         fused = s.feedback.fused_segments(xp, s.kernels, g, e, self.table, infos)
         e_new = None  # the new memory where a fused kernel made it and it stands
         if fused is not None:  # compensate, compress and the new memory in one go
@@ -66,7 +74,7 @@ class Segmented(BucketPlan):
             pending.wait, nbytes = s.transport.allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag,
                                                                defer=pending.defer)
         else:
-            (header, frame), p = self._frame(pending, fields, p)
+            frame, p = self._frame(pending, fields, p)
             if pending.sent_dense:
                 p_hat, e_new = p, None
         if memory.needs_feedback:
@@ -77,26 +85,39 @@ class Segmented(BucketPlan):
                     e_new = memory.update(xp, p, p_hat, e)
                 s.journal.set("memory", bucket.key, e_new)
         if frame is not None:
-            nbytes = s.transport.send_frame(pending, frame, self.variable, header)
+            nbytes = s.transport.send_frame(pending, frame, False)
         s.transport.stats.add(nbytes, 0)
         return pending
 
     def _frame(self, pending: BucketPending, fields, p):
-        """This rank's (header, frame), and p; the dense bucket where its encoding would be
-        larger (fixed sizes: every rank decides alike, and the frame has no header; variable
-        ones: each rank for its own frame)."""
-        s, xp, layout, variable = self.services, pending.xp, pending.layout, self.variable
-        dense = layout.size(pending.segment_ctx[0]) > layout.dense_size() if variable else \
-            layout.size > frames.frame_size([self.bucket.numel], [self.bucket.dtype], False, s.journal.guarded)
-        if not dense:
-            sent = layout.write(xp, *fields, pending.segment_ctx, pending.flag) if variable else \
-                (None, layout.write(xp, fields, pending.flag))
-            return sent, p
+        """This rank's frame, and p; the dense bucket where the encoding would be larger (fixed
+        sizes: every rank decides alike)."""
+        s, xp, layout = self.services, pending.xp, pending.layout
+        if layout.size <= frames.frame_size([self.bucket.numel], [self.bucket.dtype], False, s.journal.guarded):
+            return layout.write(xp, fields, pending.flag), p
         p = s.compression.memory.compensate(xp, pending.g, pending.old[0]) if p is None else p
         pending.sent_dense = True
-        sent = layout.write_dense(xp, p, pending.flag) if variable else \
-            (None, frames.frame(xp, [p], False, pending.g, pending.flag))
-        return sent, p
+        return frames.frame(xp, [p], False, pending.g, pending.flag), p
+
+    def send_selected(self, pending: BucketPending) -> None:
+        """A variable-length bucket's frame, once the ranks' counts are read back
+        (``Exchange.read_counts``, or ``finish``): this rank's pairs, or its dense bucket where
+        their frame would be larger; and its new memory. No wait for the device at ``start``."""
+        s, xp, layout = self.services, pending.xp, pending.layout
+        (p, take, counts), pending.selection = pending.selection, None
+        width, rank = len(layout.dtypes), s.communicator.rank
+        own = self.counts(pending)[rank * width:(rank + 1) * width:2]
+        if layout.sends_dense(own):
+            pending.sent_dense = True
+            frame, p_hat = layout.write_dense(xp, p, pending.flag), p
+        else:
+            fields, p_hat = s.kernels.selected_pairs(xp, p, take, (own, counts), self.table)
+            frame = layout.write(xp, *fields, own, pending.flag)
+        memory = s.compression.memory
+        if memory.needs_feedback:
+            with s.phase("feedback"):
+                s.journal.set("memory", self.bucket.key, memory.update(xp, p, p_hat, pending.old[0]))
+        s.transport.stats.add(s.transport.send_frame(pending, frame, True), 0)
 
     def finish(self, pending: BucketPending, into=None) -> List[Any]:
         flat, overflow = self._mean(pending)
@@ -111,11 +132,13 @@ class Segmented(BucketPlan):
             (summed,), overflow, fresh = pending.wait()  # (its waits are timed inside)
             return divided(xp, s.kernels.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
                 overflow
-        received = s.transport.wait(pending.wait)
         if self.variable:
-            read, flags = pending.layout.read(xp, received, self.headers(pending), n, pending.header_counts)
-            return self._sparse_mean(xp, read), \
-                s.journal.overflow(xp, [flags], pending.defer) if flagged else None
+            if pending.selection is not None:  # (a bucket alone, or awaited before read_counts)
+                self.send_selected(pending)
+            read, flags = pending.layout.read(xp, s.transport.wait(pending.wait), self.headers(pending), n,
+                                              self.counts(pending))
+            return self._sparse_mean(xp, read), s.journal.counted(sum(flags)) if flagged else None
+        received = s.transport.wait(pending.wait)
         if isinstance(received, list):  # broadcasts: one frame per rank
             received = xp.concat(received)
         if pending.sent_dense:
@@ -129,9 +152,17 @@ class Segmented(BucketPlan):
         return s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n, overflow), None
 
     def headers(self, pending: BucketPending):
+        """Every rank's header of the bucket, on the device (awaited once)."""
         if pending.header_wait is not None and pending.headers is None:
             pending.headers = self.services.transport.wait(pending.header_wait)
         return pending.headers
+
+    def counts(self, pending: BucketPending):
+        """Every rank's header as host ints: read back with other buckets' already, or now."""
+        if pending.header_counts is None:
+            width = len(pending.layout.dtypes) * self.services.communicator.size
+            pending.header_counts = pending.xp.host_ints(self.headers(pending), width)
+        return pending.header_counts
 
     def _sparse_mean(self, xp, read):
         """The flat mean of the ranks' (value, index) pairs and dense buckets (``read``), with
@@ -145,3 +176,17 @@ class Segmented(BucketPlan):
             shares = xp.split(xp.concat([v for v, _ in pairs]) / len(pairs), [xp.numel(v) for v, _ in pairs])
             g_hat = xp.scatter_add_rows([i for _, i in pairs], shares, self.bucket.numel)
         return with_dense(g_hat, len(pairs), dense, n) if dense else g_hat
+
+
+def read_headers(pendings: Sequence[BucketPending]) -> None:
+    """The ranks' headers of the variable-length buckets among ``pendings``, read back in one
+    wait (not one per bucket); then each one's frame sent (``Segmented.send_selected``)."""
+    held = [p for p in pendings if p.selection is not None]
+    if len(held) > 1:  # (a bucket alone reads its own)
+        xp, headers = held[0].xp, [p.plan.headers(p) for p in held]
+        sizes = [xp.numel(h) for h in headers]
+        counts = xp.host_ints(xp.concat(headers), sum(sizes))
+        for pending, start, size in zip(held, itertools.accumulate([0] + sizes), sizes):
+            pending.header_counts = counts[start:start + size]
+    for pending in held:
+        pending.plan.send_selected(pending)

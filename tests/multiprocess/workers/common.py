@@ -6,12 +6,14 @@ process can recompute all ranks' inputs and the expected result without any comm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import numpy as np
 
@@ -43,6 +45,7 @@ class Variant:
     eager: bool = False  # TensorFlow: run the step eagerly instead of inside tf.function
     unused: tuple = ()  # parameters rank 0 does not use (DDP: find_unused_parameters=True)
     ddp: tuple = ()  # DistributedDataParallel options, as (name, value) pairs
+    accelerator: bool = False  # PyTorch: an accelerator's plans (segment-wise buckets) for these CPU tensors
 
 
 VARIANTS = {
@@ -89,6 +92,11 @@ VARIANTS = {
     "threshold_dense": Variant(lambda: grace.threshold(1e-3), eager=True),
     # about 2 in 3 elements pass: some ranks and steps go dense, others not (residuals non-zero)
     "threshold_sometimes_dense": Variant(lambda: grace.threshold(0.42), eager=True),
+    # PyTorch takes an accelerator's plan: each bucket's counts go first, its frame once every
+    # bucket's are read back (for the other toolkits, the plain variants once more)
+    "threshold_segmented": Variant(lambda: grace.threshold(1.5), accelerator=True),
+    "threshold_segmented_small_buckets": Variant(lambda: grace.threshold(1.5, bucket_mb=0.005), accelerator=True),
+    "threshold_segmented_sometimes_dense": Variant(lambda: grace.threshold(0.42), eager=True, accelerator=True),
 }
 # each on its method's own collective (AUTO_VARIANTS below take the default, 'auto')
 VARIANTS = {label: replace(variant, make=on_own_collective(variant.make)) for label, variant in VARIANTS.items()}
@@ -152,6 +160,15 @@ TRAFFIC_METHODS = {"qsgd": lambda c: grace.qsgd(127, communicator=c), "terngrad"
                    "natural": lambda c: grace.natural(communicator=c),
                    "signsgd": lambda c: grace.signsgd(communicator=c), "onebit": lambda c: grace.onebit(communicator=c),
                    "topk": lambda c: grace.topk(0.01, communicator=c), "u8bit": lambda c: grace.u8bit(communicator=c)}
+
+
+def plans_for(variant: Variant):
+    """Where ``variant.accelerator`` asks: a context in which PyTorch plans CPU tensors' buckets
+    as an accelerator's (``grace.core.plans.choose``)."""
+    if not variant.accelerator:
+        return contextlib.nullcontext()
+    from grace.backends.torch_backend import TorchBackend
+    return mock.patch.object(TorchBackend, "on_accelerator", lambda self, x: True)
 
 
 def names(variant: Variant):

@@ -13,7 +13,7 @@ import horovod.torch as hvd
 import grace  # noqa: F401
 import numpy as np
 import torch
-from common import VARIANTS, parse_args, save, state_arrays
+from common import VARIANTS, parse_args, plans_for, save, state_arrays
 
 STEPS, OVERFLOW_STEP, SCALE = 6, 2, 1024.0
 
@@ -77,7 +77,8 @@ def main():
     hvd.init()
     for label in args.variants:
         for run in ("faulty", "skipped"):
-            save(args.out, f"{label}.{run}", hvd.rank(), train(VARIANTS[label], run == "faulty"))
+            with plans_for(VARIANTS[label]):
+                save(args.out, f"{label}.{run}", hvd.rank(), train(VARIANTS[label], run == "faulty"))
 
 
 if __name__ == "__main__":

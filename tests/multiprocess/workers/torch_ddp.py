@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
-from common import ALLTOALL_VARIANTS, DDP_VARIANTS, PARAMS, STEPS, gradient, names, parse_args, save, state_arrays
+from common import (ALLTOALL_VARIANTS, DDP_VARIANTS, PARAMS, STEPS, gradient, names, parse_args, plans_for, save,
+                    state_arrays)
 from torch.nn.parallel import DistributedDataParallel
 
 import grace.torch.ddp
@@ -74,7 +75,9 @@ def main():
     args = parse_args(DDP_VARIANTS)
     dist.init_process_group("gloo")
     for label in args.variants:
-        save(args.out, label, dist.get_rank(), run(label, {**DDP_VARIANTS, **ALLTOALL_VARIANTS}[label]))
+        variant = {**DDP_VARIANTS, **ALLTOALL_VARIANTS}[label]
+        with plans_for(variant):
+            save(args.out, label, dist.get_rank(), run(label, variant))
     dist.destroy_process_group()
     # Leave without the interpreter's teardown: a Gloo thread still dropping the step's last finished
     # work (its tensors are Python objects) aborts the process if Python is finalizing meanwhile.

@@ -8,7 +8,8 @@ import io
 import horovod.torch as hvd  # the user's two lines, in this order here ...
 import grace  # noqa: F401   (... and in the other order in the training test)
 import torch
-from common import ALLTOALL_VARIANTS, PARAMS, STEPS, VARIANTS, gradient, names, parse_args, save, state_arrays
+from common import (ALLTOALL_VARIANTS, PARAMS, STEPS, VARIANTS, gradient, names, parse_args, plans_for, save,
+                    state_arrays)
 from horovod.torch import mpi_ops
 
 CALLS = [0]  # collectives launched, counted at Horovod's own entry points
@@ -70,7 +71,9 @@ def main():
     args = parse_args()
     hvd.init()
     for label in args.variants:
-        save(args.out, label, hvd.rank(), run(label, {**VARIANTS, **ALLTOALL_VARIANTS}[label]))
+        variant = {**VARIANTS, **ALLTOALL_VARIANTS}[label]
+        with plans_for(variant):
+            save(args.out, label, hvd.rank(), run(label, variant))
 
 
 if __name__ == "__main__":
