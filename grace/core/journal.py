@@ -88,9 +88,7 @@ class Journal:
         if defer:
             self._deferred.append(total)
             return total
-        count = xp.host_ints(xp.reshape(total, (1,)), 1)[0]
-        self._counts.append(count)
-        return count
+        return self.counted(xp.host_ints(xp.reshape(total, (1,)), 1)[0])
 
     def counted(self, count: int) -> int:
         """How many ranks flagged an overflow, where it was read back already (with a bucket's

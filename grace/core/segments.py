@@ -316,9 +316,9 @@ class SparseFrames:
         """The ranks' frames (end to end in ``received``, or a list of them) and their headers
         (end to end in ``headers``, on the device; ``counts``: the same as host ints, where
         read back already): per rank its pairs as (values, indices in the bucket (int64)), or
-        ``Dense``; and the ranks' overflow flags (host ints, from the headers), or None. Every rank's counts are read
-        back at once; then every sparse frame's pairs come from a few joins of whole tensors
-        (``_pairs``), whatever the number of ranks and segments."""
+        ``Dense``; and the ranks' overflow flags (host ints, from the headers), or None. Every
+        rank's counts are read back at once; then every sparse frame's pairs come from a few
+        joins of whole tensors (``_pairs``), whatever the number of ranks and segments."""
         width = len(self.dtypes)
         counts = xp.host_ints(headers, ranks * width) if counts is None else counts
         frames, flags, start = [], [], 0
