@@ -23,11 +23,13 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
                the reads back the GPU would wait for)
   floor        on a CPU, bucketed work over the floor its target is set against, and the target:
                error-feedback methods 2x error feedback's floor, none / fp16 / signsgd 1.5x a
-               read plus a write of the gradients (the line below each table names those over)
+               read plus a write of the gradients, the passes timed again just before each
+               method's steps (the line below each table names the methods over their target)
   bytes        bytes this rank hands to the collectives per step
   plans        the plans the buckets took (``Exchange.plan_of``: per-gradient, flat, segmented, ...)
 On a CPU a line above each table times plain torch passes over the model's gradients (read,
 write, g + e into a third buffer): what any error-feedback method pays before it compresses.
+Threshold's lambda is the magnitude that 1% of the model's gradient elements exceed (printed).
 --accelerator-path (CPU, buckets only): run the code path a GPU takes (segment-wise and whole
 buckets) to count its operations and host waits where no GPU is at hand, two ways: "native", a
 GPU with grace's CUDA library (each grace.native call counted at the kernels and memsets its
@@ -72,8 +74,22 @@ METHODS = {  # the arguments each method is benchmarked with
     "terngrad": {}, "natural": {}, "qsgd": {"levels": 127}, "u8bit": {}, "dgc": {"ratio": 0.01},
     "powersgd": {"rank": 1},
 }
+#: the share of a model's gradient elements that threshold's lambda lets pass on the step's own
+#: gradients, as top-k's, random-k's and DGC's ratio does: a fixed lambda sends most of one model
+#: (0.01: 70% of ResNet-50 here) and almost none of another, where a user tunes it to a density
+THRESHOLD_DENSITY = 0.01
 DEFAULT_METHODS = ["none", "fp16", "topk", "randomk", "threshold", "signsgd", "efsignsgd", "onebit", "terngrad",
                    "natural", "qsgd", "dgc", "powersgd"]
+
+
+def arguments(method: str, grads: dict) -> dict:
+    """The arguments ``method`` is benchmarked with on ``grads``: ``METHODS``', but threshold's
+    lambda, the magnitude that THRESHOLD_DENSITY of the gradients' elements exceed."""
+    if method != "threshold":
+        return METHODS[method]
+    magnitudes = torch.cat([g.detach().abs().flatten() for g in grads.values()])
+    passing = max(1, int(THRESHOLD_DENSITY * magnitudes.numel()))
+    return {"threshold": float(magnitudes.kthvalue(magnitudes.numel() - passing).values)}
 
 
 # --- models ------------------------------------------------------------------------------
@@ -378,7 +394,7 @@ def launches(fn, device: str, top: int = 0, path: AcceleratorPath = None) -> dic
 def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int, top: int = 0,
             path: AcceleratorPath = None, communicator: str = "own") -> dict:
     def new_exchange():
-        compression = grace.create(method, **METHODS[method], bucket_mb=bucket_mb)
+        compression = grace.create(method, **arguments(method, grads), bucket_mb=bucket_mb)
         if compression.collective is grace.Collective.ALLGATHER and bucket_mb:
             compression = compression.via(compression.collective if communicator == "own" else communicator)
         # as the adapters run it: results written over the gradients handed over (on a CPU), so
@@ -434,6 +450,21 @@ def plans_taken(exchange) -> str:
     """The plans the exchange's buckets took, with how many took each (``Exchange.plan_of``)."""
     plans = collections.Counter(plan.name for plan in exchange.bucket_plans().values())
     return ", ".join(f"{name} x{count}" for name, count in sorted(plans.items())) or "reference"
+
+
+def print_model(model: str, args, grads: dict, fwd_bwd: float, passes: dict) -> None:
+    """The lines above a model's table: its gradients, the memory passes, threshold's lambda."""
+    params = sum(g.numel() for g in grads.values())
+    print(f"\n{model} on {args.device}: {len(grads)} gradient tensors, {params / 1e6:.1f}M parameters, "
+          f"fwd+bwd {1e3 * fwd_bwd:.1f} ms; compression work of one rank in a world of {args.world}")
+    if passes:
+        print(f"memory passes (torch, gradient by gradient): read {passes['read_ms']:.2f} ms, write "
+              f"{passes['write_ms']:.2f} ms, g + e into a third buffer {passes['compensate_ms']:.2f} ms; "
+              f"error feedback's floor (that and a dense result) {passes['feedback_floor_ms']:.2f} ms, "
+              f"{passes['feedback_floor_ms'] / (1e3 * fwd_bwd):.1%} of fwd+bwd")
+    if "threshold" in args.methods:
+        print(f"threshold's lambda: {arguments('threshold', grads)['threshold']:.3g}, which "
+              f"{THRESHOLD_DENSITY:.0%} of the gradients' elements exceed")
 
 
 def print_header(accelerator: bool = False) -> None:
@@ -557,14 +588,8 @@ def main():
         net, x, y, loss = build(model, args.device)
         fwd_bwd, grads = gradients(net, x, y, loss, args.device, args.iters)
         params = sum(g.numel() for g in grads.values())
-        print(f"\n{model} on {args.device}: {len(grads)} gradient tensors, {params / 1e6:.1f}M parameters, "
-              f"fwd+bwd {1e3 * fwd_bwd:.1f} ms; compression work of one rank in a world of {args.world}")
         passes = memory_passes(grads, args.iters) if args.device == "cpu" else {}
-        if passes:
-            print(f"memory passes (torch, gradient by gradient): read {passes['read_ms']:.2f} ms, write "
-                  f"{passes['write_ms']:.2f} ms, g + e into a third buffer {passes['compensate_ms']:.2f} ms; "
-                  f"error feedback's floor (that and a dense result) {passes['feedback_floor_ms']:.2f} ms, "
-                  f"{passes['feedback_floor_ms'] / (1e3 * fwd_bwd):.1%} of fwd+bwd")
+        print_model(model, args, grads, fwd_bwd, passes)
         print_header(path is not None)
         for method in args.methods:
             skipped = {"work_ms": float("nan"), "calls": "-", "ops": "-", "waits": "-"}
@@ -574,8 +599,11 @@ def main():
                                args.profile_top, path, args.communicator)
             if "top" in bucketed:
                 profiles.append(f"{model}, {method}, bucketed:\n{bucketed.pop('top')}")
-            row = {"model": model, "device": args.device, "method": method, "tensors": len(grads),
-                   "parameters": params, "fwd_bwd_ms": 1e3 * fwd_bwd, **passes,
+            row = {"model": model, "device": args.device, "method": method,
+                   "arguments": arguments(method, grads), "tensors": len(grads),
+                   "parameters": params, "fwd_bwd_ms": 1e3 * fwd_bwd,
+                   # the floor again beside the method's own steps: a shared machine's load drifts
+                   **(memory_passes(grads, args.iters) if passes and path is None else passes),
                    **{f"per_tensor_{k}": v for k, v in per_tensor.items()},
                    **{f"bucketed_{k}": v for k, v in bucketed.items()},
                    "per_tensor_share": per_tensor["work_ms"] / (1e3 * fwd_bwd),

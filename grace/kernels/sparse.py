@@ -14,7 +14,7 @@ from grace.compressors.topk import TopK
 from grace.core import draws, segments
 from grace.core.compressor import Shape, index_dtype, native_or_none
 from grace.core.journal import poisoned
-from grace.core.plans.kernels import MethodKernels, kernels_for
+from grace.core.plans.kernels import MethodKernels, kernels_for, ranks_of
 
 
 @kernels_for(Sparsifier)
@@ -46,8 +46,7 @@ class SparseKernels(MethodKernels):
 
     def aggregate_many(self, xp, payloads, ctxs, outs):
         # each rank's values divided by n, added payload after payload: as aggregate
-        return native_or_none(xp, "scatter_add_segments_into", outs[0],
-                              [[(p[0], p[1]) for p in rows] for rows in payloads], outs, len(payloads[0]))
+        return native_or_none(xp, "scatter_add_segments_into", outs[0], payloads, outs, ranks_of(payloads))
 
     # --- a bucket at once (a fixed k per segment, or a variable number) -------------------
     def segment_fields(self, numels, dtype, ks=None):

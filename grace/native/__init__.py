@@ -37,13 +37,15 @@ from here (the last imports below). Which module holds which:
     dgc.py          dgc_compensate_into, dgc_step_many
     draws.py        uniform_segments, hash_keys_segments, random_indices_segments
     kernels.py      KERNELS (the kernel table), Kernel, kernel, run
-    _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments)
+    _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments), and
+                    FrameRows (every rank's pieces of frames of one layout, which the decoded sums take)
     _arrays.py      any toolkit's array as (pointer, length, dtype, stream); outputs of the same kind
     _loader.py      the libraries, their C functions' argument types, the switch (disabled, set_enabled)
 """
 from __future__ import annotations
 
 from grace.native._arrays import NativeUnavailable, dlpack_info
+from grace.native._common import FrameRows
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, load_error, set_enabled
 from grace.native.dgc import dgc_compensate_into, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
@@ -81,7 +83,7 @@ from grace.native._common import _placed, _same_kind  # noqa: F401
 from grace.native._loader import library  # noqa: F401
 
 __all__ = [
-    "KERNELS", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build", "cpu_isa",
+    "FrameRows", "KERNELS", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build", "cpu_isa",
     "dgc_compensate_into", "dgc_step_many", "disabled", "dlpack_info", "efsignsgd_compress",
     "efsignsgd_compress_segments", "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
     "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_ef_step_segments", "efsignsgd_mean_segments",

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Sequence
+
+import numpy as np
 
 from grace.formats import ITEMSIZE, packed_size
 from grace.native import _arrays
@@ -295,6 +298,94 @@ def _finish_args(finish):
 def _rows(buf: Buf, count: int, itemsize: int, per_row: int):
     """A C array of the pointers to ``count`` rows of ``per_row`` items in a row in ``buf``."""
     return (ctypes.c_void_p * count)(*[buf.ptr + j * per_row * itemsize for j in range(count)])
+
+
+# --- every rank's payloads of a bucket (the decoded sums' input) ---------------------------------
+class FrameRows:
+    """Every rank's payloads of a bucket in frames of one layout, end to end in ``data`` (an
+    allgather's result, uint8; frame r at byte ``starts[r]``; ``layout``: each piece's (byte
+    offset in a frame, count, dtype), payload after payload, ``structure[i]`` pieces in unit
+    i's), for the bucket-at-once sums (CPU) in place of ``payloads[unit][rank]``: field j of
+    every unit's payload as one C array of pointers in (unit, rank) order, made by one NumPy
+    sum. The Python work does not grow with the ranks (no object per rank and piece)."""
+
+    def __init__(self, data, starts: Sequence[int], layout: Sequence, structure: Sequence[int]):
+        kind = _cpu_kind(data)
+        b = kind.flat(data)
+        if b.dtype != "uint8":
+            raise ValueError(f"frames are uint8, got {b.dtype}")
+        starts = np.asarray(starts, np.int64)
+        end = max((offset + count * ITEMSIZE[dtype] for offset, count, dtype in layout), default=0)
+        if len(starts) and (starts.min() < 0 or starts.max() + end > b.n):
+            raise ValueError(f"a piece past the end of {b.n} bytes of frames")
+        self.ranks, self.units, self.keep = len(starts), len(structure), data
+        self._layout, self._structure = layout, list(structure)
+        self._first = np.cumsum([0, *structure[:-1]]).astype(np.int64)  # each unit's first piece
+        self._frames = b.ptr + starts  # each frame's first byte
+        self._fields: dict = {}
+
+    def field(self, j: int):
+        """Field j of every unit's payload: (a C array of its pointers, unit-major; each unit's
+        element count; each unit's dtype)."""
+        if j not in self._fields:
+            if any(n <= j for n in self._structure):
+                raise ValueError(f"a payload without a field {j}")
+            pieces = [self._layout[i] for i in self._first + j]
+            offsets = np.asarray([offset for offset, _, _ in pieces], np.int64)
+            pointers = (offsets[:, None] + self._frames[None, :]).reshape(-1)
+            self._fields[j] = ((ctypes.c_void_p * len(pointers)).from_buffer(pointers),
+                               [count for _, count, _ in pieces], [dtype for _, _, dtype in pieces])
+        return self._fields[j]
+
+
+def _ranks(payloads) -> int:
+    """The ranks of a bucket's payloads (``payloads[unit][rank]``, or a ``FrameRows``), each unit
+    with as many."""
+    if isinstance(payloads, FrameRows):
+        return payloads.ranks
+    ranks = len(payloads[0])
+    if any(len(rows) != ranks for rows in payloads):
+        raise ValueError(f"each gradient needs {ranks} ranks' payloads")
+    return ranks
+
+
+class _Field:
+    """Field j of a bucket's payloads for a sum's C call (``_field``): the pointers of every
+    unit's ranks' pieces (unit, rank order), and the counts and dtypes of its entries: one per
+    piece, or one per unit (``per_unit``) where a ``FrameRows`` gives them, every rank's alike."""
+
+    def __init__(self, pointers, counts, dtypes, ranks: int, per_unit: bool):
+        self.pointers, self.counts, self.dtypes = pointers, counts, dtypes
+        self.ranks, self.per_unit = ranks, per_unit
+
+    def per_entry(self, unit_values) -> list:
+        """Per-unit values as one per entry (to compare with ``counts`` and ``dtypes``)."""
+        return list(unit_values) if self.per_unit else [v for v in unit_values for _ in range(self.ranks)]
+
+    def per_piece(self, entry_values) -> tuple:
+        """Per-entry values as one per piece."""
+        return tuple(v for v in entry_values for _ in range(self.ranks if self.per_unit else 1))
+
+    def lengths(self):
+        """The pieces' element counts, a C array."""
+        return _int64s(self.per_piece(self.counts))
+
+    def index_codes(self):
+        """The pieces' index type codes, a C array."""
+        return _index_codes(self.per_piece(self.dtypes))
+
+
+def _field(kind, payloads, j: int, dtype: str = None) -> _Field:
+    """Field j of every unit's ranks' payloads (``payloads[unit][rank]``, or a ``FrameRows``);
+    NativeUnavailable where a piece is not of ``dtype``."""
+    ranks = _ranks(payloads)
+    if isinstance(payloads, FrameRows):
+        pointers, counts, dtypes = payloads.field(j)
+        if dtype is not None and any(d != dtype for d in dtypes):
+            raise NativeUnavailable(f"a frame's piece of another dtype than {dtype}")
+        return _Field(pointers, counts, dtypes, ranks, True)
+    bufs = _same_kind_all(kind, [p[j] for rows in payloads for p in rows], dtype)
+    return _Field(_pointers(bufs), [b.n for b in bufs], [b.dtype for b in bufs], ranks, False)
 
 
 def _check_sums(ok: bool, what: str) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from grace.formats import packed_size
 from grace.native._arrays import call, kind_of
 from grace.native._common import (_check_payload, _check_sums, _cpu_kind, _decode_out, _decode_segments, _draws,
-                                  _finish_args, _float32, _in_place_all, _int64s, _on_gpu, _packed_total,
-                                  _pointers, _rows, _same_kind, _same_kind_all, _drawn_segments, _wrap)
+                                  _field, _finish_args, _float32, _in_place_all, _int64s, _on_gpu, _packed_total,
+                                  _pointers, _rows, _same_kind, _drawn_segments, _wrap)
 
 
 # --- fused compress / decompress ------------------------------------------------------------------
@@ -105,14 +105,11 @@ def natural_decompress_sum_into(payloads, outs, finish=None):
     ``outs``: ``payloads[s]`` holds each rank's payload (sign bits, codes) of gradient s; each
     sum then finished as ``finish`` says."""
     kind = _cpu_kind(outs[0])
-    ranks = len(payloads[0])
     ob = _in_place_all(kind, outs, "float32")
-    signs = _same_kind_all(kind, [p[0] for rows in payloads for p in rows])
-    codes = _same_kind_all(kind, [p[1] for rows in payloads for p in rows])
-    numels = [o.n for o in ob for _ in range(ranks)]
-    _check_sums(all(len(rows) == ranks for rows in payloads)
-                and all(a.dtype == b.dtype == "uint8" and a.n == packed_size(n, 1) and b.n == n
-                        for a, b, n in zip(signs, codes, numels)), "sign bits and exponent codes")
-    call(kind, "natural_sum_segments", len(ob), ranks, _pointers(signs), _pointers(codes), _int64s([o.n for o in ob]),
-         *_finish_args(finish), _pointers(ob))
+    signs, codes = _field(kind, payloads, 0), _field(kind, payloads, 1)
+    _check_sums(all(d == "uint8" for d in signs.dtypes + codes.dtypes)
+                and signs.counts == signs.per_entry([packed_size(o.n, 1) for o in ob])
+                and codes.counts == codes.per_entry([o.n for o in ob]), "sign bits and exponent codes")
+    call(kind, "natural_sum_segments", len(ob), signs.ranks, signs.pointers, codes.pointers,
+         _int64s([o.n for o in ob]), *_finish_args(finish), _pointers(ob))
     return outs

@@ -14,8 +14,8 @@ import functools
 from grace.formats import code_width, packed_size, qsgd_bucket
 from grace.native._arrays import NativeUnavailable, call, kind_of
 from grace.native._common import (_check_payload, _check_sums, _cpu_kind, _decode_out, _decode_segments, _draws,
-                                  _finish_args, _float32, _in_place_all, _int64s, _on_gpu, _packed_total,
-                                  _pointers, _rows, _same_kind, _same_kind_all, _drawn_segments, _wrap)
+                                  _field, _finish_args, _float32, _in_place_all, _int64s, _on_gpu, _packed_total,
+                                  _pointers, _rows, _same_kind, _drawn_segments, _wrap)
 
 
 # --- fused compress / decompress ------------------------------------------------------------------
@@ -157,15 +157,14 @@ def qsgd_decompress_sum_into(payloads, outs, levels: int, bucket_size: int = 0, 
     ``outs``: ``payloads[s]`` holds each rank's payload (codes, norms) of gradient s; each sum
     then finished as ``finish`` says ((vote, divisors): Compressor.finish)."""
     kind = _cpu_kind(outs[0])
-    ranks, bits = len(payloads[0]), code_width(2 * (levels + 1))
+    bits = code_width(2 * (levels + 1))
     ob = _in_place_all(kind, outs, "float32")
-    packed = _same_kind_all(kind, [p[0] for rows in payloads for p in rows])
-    norms = _same_kind_all(kind, [p[1] for rows in payloads for p in rows], "float32")
-    sizes = [(packed_size(o.n, bits), _qsgd_rows(o.n, bucket_size)) for o in ob for _ in range(ranks)]
-    _check_sums(all(len(rows) == ranks for rows in payloads)
-                and all(p.dtype == "uint8" and p.n == size and q.n == rows
-                        for p, q, (size, rows) in zip(packed, norms, sizes)), f"{bits}-bit codes with their norms")
-    rc = call(kind, "qsgd_sum_segments", len(ob), ranks, _pointers(packed), _pointers(norms),
+    packed, norms = _field(kind, payloads, 0), _field(kind, payloads, 1, "float32")
+    _check_sums(all(d == "uint8" for d in packed.dtypes)
+                and packed.counts == packed.per_entry([packed_size(o.n, bits) for o in ob])
+                and norms.counts == norms.per_entry([_qsgd_rows(o.n, bucket_size) for o in ob]),
+                f"{bits}-bit codes with their norms")
+    rc = call(kind, "qsgd_sum_segments", len(ob), packed.ranks, packed.pointers, norms.pointers,
               _int64s([o.n for o in ob]), int(levels), int(bucket_size), bits, *_finish_args(finish), _pointers(ob))
     if rc != 0:
         raise ValueError(f"bad QSGD parameters: levels={levels}")

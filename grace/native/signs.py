@@ -21,9 +21,9 @@ import itertools
 from grace.formats import packed_size
 from grace.native._arrays import call, kind_of
 from grace.native._common import (_FLOATS, _addresses, _check_segments, _cpu_kind, _decode_out, _decode_segments,
-                                  _ef_flags, _ef_inputs, _ef_many_inputs, _every, _finish_args, _flag, _float32,
+                                  _ef_flags, _ef_inputs, _ef_many_inputs, _every, _field, _finish_args, _flag, _float32,
                                   _in_place, _in_place_all, _int64s, _on_gpu, _packed_total, _placed, _pointers,
-                                  _same_kind, _same_kind_all, _wrap)
+                                  _same_kind, _wrap)
 
 
 # --- fused compress / decompress ------------------------------------------------------------------
@@ -125,17 +125,15 @@ def onebit_decompress_sum(packed_rows, means, numel: int):
 def _bits_sum_into(mode: int, payloads, outs, finish=None):
     per_row = _SCALARS[mode]
     kind = _cpu_kind(outs[0])
-    ranks = len(payloads[0])
     ob = _in_place_all(kind, outs, "float32")
-    packed = _same_kind_all(kind, [p[0] for rows in payloads for p in rows])
-    scalars = _same_kind_all(kind, [p[1] for rows in payloads for p in rows], "float32") if per_row else None
-    sizes = [packed_size(o.n, _CODE_BITS[mode]) for o in ob for _ in range(ranks)]
-    if any(len(rows) != ranks for rows in payloads) \
-            or any(p.dtype != "uint8" or p.n != n for p, n in zip(packed, sizes)) \
-            or (scalars is not None and any(s.n != per_row for s in scalars)):
-        raise ValueError(f"each gradient needs {ranks} rows of its bits, with {per_row} scalars each")
-    call(kind, "bits_sum_segments", len(ob), ranks, _pointers(packed), _pointers(scalars) if scalars else None, mode,
-         _int64s([o.n for o in ob]), *_finish_args(finish), _pointers(ob))
+    packed = _field(kind, payloads, 0)
+    scalars = _field(kind, payloads, 1, "float32") if per_row else None
+    if any(d != "uint8" for d in packed.dtypes) \
+            or packed.counts != packed.per_entry([packed_size(o.n, _CODE_BITS[mode]) for o in ob]) \
+            or (scalars is not None and scalars.counts != scalars.per_entry([per_row] * len(ob))):
+        raise ValueError(f"each gradient needs {packed.ranks} rows of its bits, with {per_row} scalars each")
+    call(kind, "bits_sum_segments", len(ob), packed.ranks, packed.pointers, scalars.pointers if scalars else None,
+         mode, _int64s([o.n for o in ob]), *_finish_args(finish), _pointers(ob))
     return outs
 
 

@@ -18,7 +18,8 @@ import itertools
 from grace.formats import ITEMSIZE, index_dtype
 from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, kind_of
 from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
-                                  _every, _flag, _float32, _head, _in_place_all, _index_buf, _index_codes, _int64s,
+                                  _every, _field, _flag, _float32, _head, _in_place_all, _index_buf, _index_codes,
+                                  _int64s,
                                   _on_gpu, _placed, _pointers, _same_kind, _same_kind_all, _wrap)
 
 
@@ -135,18 +136,14 @@ def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
     rank's (values, indices) in ``payloads[s]`` divided by ``divisor`` and added, rank after
     rank (as scatter_add_many of the divided values). Returns ``outs``."""
     kind = _cpu_kind(outs[0])
-    ranks = len(payloads[0])
     ob = _in_place_all(kind, outs, "float32")
-    vals = _same_kind_all(kind, [v for rows in payloads for v, _ in rows])
-    indices = [i for rows in payloads for _, i in rows]
-    idxs = [_index_buf(kind, i, b) for i, b in zip(indices, _same_kind_all(kind, indices))]
-    if any(len(rows) != ranks for rows in payloads) or any(v.dtype != "float32" for v in vals):
-        raise NativeUnavailable("scatter_add_segments_into takes float32 values, as many per gradient")
-    if any(v.n != i.n for v, i in zip(vals, idxs)):
-        raise ValueError("as many values as indices, per payload")
-    rc = call(kind, "scatter_add_segments", len(ob), ranks, _pointers(idxs), _index_codes([i.dtype for i in idxs]),
-              _pointers(vals),
-              _int64s([v.n for v in vals]), float(divisor), _int64s([o.n for o in ob]), _pointers(ob))
+    vals, idxs = _field(kind, payloads, 0), _field(kind, payloads, 1)
+    if any(d != "float32" for d in vals.dtypes) or any(d not in INDEX_CODES for d in idxs.dtypes):
+        raise NativeUnavailable("scatter_add_segments_into takes float32 values and integer indices")
+    if vals.counts != idxs.counts or len(vals.per_piece(vals.counts)) != len(ob) * vals.ranks:
+        raise ValueError("as many values as indices, per payload, and every rank's payload of each gradient")
+    rc = call(kind, "scatter_add_segments", len(ob), vals.ranks, idxs.pointers, idxs.index_codes(), vals.pointers,
+              vals.lengths(), float(divisor), _int64s([o.n for o in ob]), _pointers(ob))
     if rc != 0:
         raise IndexError("an index is out of range for its gradient")
     return outs

@@ -297,6 +297,42 @@ def test_frame_pieces_point_at_each_ranks_pieces(backend):
         gn._same_kind(None, rows[0][1], "float32")
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_frame_rows_point_at_every_ranks_pieces_unit_by_unit(backend):
+    """``grace.native.FrameRows``: frames of one layout, two units' payloads of two pieces and
+    one piece each: field j's pointers in (unit, rank) order land on each rank's piece, with
+    each unit's count and dtype; a unit without field j, or a piece past the end, is refused.
+    (The sums fed from it: ``test_bucketed_equals_per_tensor_bit_for_bit``.)"""
+    import ctypes
+
+    import grace.native as gn
+
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    xp = get_backend(backend)
+    ranks = [[np.arange(5, dtype=np.float32) + r, np.arange(4, dtype=np.int16) * (r + 1),
+              np.arange(3, dtype=np.uint8) + 7 * r] for r in range(3)]
+    sent = [frames.frame(xp, [xp.asarray(a) for a in row], False, None) for row in ranks]
+    data, size = xp.concat(sent), xp.numel(sent[0])
+    layout = frames.layout(["float32", "int16", "uint8"], [5, 4, 3], False)[0]
+    rows = gn.FrameRows(data, [0, size, 2 * size], layout, [2, 1])
+    assert (rows.ranks, rows.units) == (3, 2)
+    for j, units in ((0, (0, 2)), (1, (1,))):
+        if j == 1:
+            with pytest.raises(ValueError, match="without a field 1"):
+                rows.field(j)
+            continue
+        pointers, counts, dtypes = rows.field(j)
+        assert counts == [ranks[0][i].size for i in units] and dtypes == [str(ranks[0][i].dtype) for i in units]
+        for u, piece in enumerate(units):
+            for r in range(3):
+                want = ranks[r][piece]
+                got = np.frombuffer((ctypes.c_char * want.nbytes).from_address(pointers[u * 3 + r]), want.dtype)
+                np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="past the end"):
+        gn.FrameRows(data, [0, size, 2 * size + 8], layout, [2, 1])
+
+
 # --- arguments ---------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
     (dict(bucket_mb=-1), "bucket_mb must be a finite number >= 0"),

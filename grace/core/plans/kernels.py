@@ -18,10 +18,16 @@ import itertools
 import numbers
 from typing import Any, Sequence
 
+from grace import native
 from grace.core import draws
 from grace.core.compressor import Compressor, Payload, Shape, TensorInfo, finished, native_or_none
 from grace.core.journal import poisoned
 from grace.core.plans.by_class import ByClass
+
+
+def ranks_of(payloads) -> int:
+    """The ranks whose payloads ``aggregate_many`` gets."""
+    return payloads.ranks if isinstance(payloads, native.FrameRows) else len(payloads[0])
 
 
 class MethodKernels:
@@ -127,10 +133,11 @@ class MethodKernels:
 
     def aggregate_many(self, xp, payloads: Sequence[Sequence[Payload]], ctxs, outs) -> Any:
         """``aggregate`` of every gradient of a bucket (``payloads[i]``: the ranks' payloads of
-        gradient i), written into ``outs`` in one call: the list of ``outs``."""
+        gradient i, or a ``grace.native.FrameRows`` of them), written into ``outs`` in one call:
+        the list of ``outs``."""
         # each sum finished (the mean, ...) as the kernel stores it
         return native_or_none(xp, self.sum_kernel and f"{self.sum_kernel}_into", outs[0], payloads, outs,
-                              *self.arguments(), finish=self.compressor.finish(len(payloads[0])))
+                              *self.arguments(), finish=self.compressor.finish(ranks_of(payloads)))
 
     # --- the multi-round plan ---------------------------------------------------------------
     def rounds_many(self, xp, xs, infos: Sequence[TensorInfo], states, outs=None, firsts=None, residual_over=None):

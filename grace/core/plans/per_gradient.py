@@ -235,18 +235,29 @@ class PerGradient(BucketPlan):
     def _aggregate_natively(self, pending: BucketPending, received, outs):
         """Every rank's frame, all in one tensor, handed to the method's bucket-at-once aggregate
         as native buffers at their offsets (a tensor view per piece costs more than the kernel on
-        small gradients), the flags read in one gather: (the aggregates written into ``outs``, the
-        overflow count or None), or None where no such aggregate runs or a rank sent dense."""
+        small gradients; frames of one layout as C arrays, ``native.FrameRows``), the flags read
+        in one view or gather: (the aggregates written into ``outs``, the overflow count or
+        None), or None where no such aggregate runs or a rank sent dense."""
         s, xp, dtypes, flagged = self.services, pending.xp, pending.dtypes, pending.flag is not None
-        variable = s.compression.compressor.traits.variable_length
+        variable, n = s.compression.compressor.traits.variable_length, s.communicator.size
+        if not variable:  # every rank's frame of one layout: its pieces as C arrays, no object per rank
+            pieces, flag_at, size = frames.layout(dtypes, pending.counts, False, flagged)
+            try:
+                rows = native.FrameRows(received, range(0, n * size, size), pieces, pending.structure)
+            except native.NativeUnavailable:
+                return None
+            done = s.kernels.aggregate_many(xp, rows, pending.ctxs, outs)
+            if done is None:
+                return None
+            flags = xp.reshape(received, (n, size))[:, flag_at] if flagged else None
+            return done, s.journal.overflow(xp, [flags]) if flagged else None
         starts, layouts, flags, start = [], [], [], 0
-        alike = None if variable else frames.layout(dtypes, pending.counts, False, flagged)  # every rank's frame
-        for _ in range(s.communicator.size):
-            if variable:  # this rank's counts, from its frame's header
-                counts = xp.host_ints(xp.from_bytes(received[start:start + 8 * len(dtypes)], "int64"), len(dtypes))
-                if counts[0] == frames.DENSE:
-                    return None
-            pieces, flag_at, size = frames.layout(dtypes, counts, True, flagged) if variable else alike
+        for _ in range(n):
+            # this rank's counts, from its frame's header
+            counts = xp.host_ints(xp.from_bytes(received[start:start + 8 * len(dtypes)], "int64"), len(dtypes))
+            if counts[0] == frames.DENSE:
+                return None
+            pieces, flag_at, size = frames.layout(dtypes, counts, True, flagged)
             starts.append(start)
             layouts.append(pieces)
             flags.append(start + flag_at if flagged else None)
