@@ -254,6 +254,38 @@ API int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* 
 }
 
 
+// The ranks' fixed-k sparse frames read in place: every index checked first, then the fill (NaN
+// where a rank flagged an overflow) and each rank's pairs added in turn, as scatter-add does.
+API int grace_cpu_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t frame_size, const int64_t* slots,
+                                     int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out) {
+  if (ranks < 0 || count < 0 || numel < 0 || frame_size < 0) return -1;
+  const int64_t *value_at = slots, *index_at = slots + count, *width = slots + 2 * count, *base = slots + 3 * count;
+  auto index_of = [&](const uint8_t* frame, int64_t j) {
+    uint64_t x = 0;  // (little-endian, non-negative: an index's low bytes)
+    std::memcpy(&x, frame + index_at[j], (size_t)width[j]);
+    return base[j] + (int64_t)x;
+  };
+  bool poisoned = false;
+  for (int r = 0; r < ranks && flag_at >= 0; ++r) poisoned |= frames[r * frame_size + flag_at] != 0;
+  for (int r = 0; r < ranks; ++r)
+    for (int64_t j = 0; j < count; ++j) {
+      if (width[j] < 1 || width[j] > 8) return -1;
+      const int64_t i = index_of(frames + r * frame_size, j);
+      if (i < 0 || i >= numel) return -1;
+    }
+  std::fill(out, out + numel, poisoned ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+  if (poisoned) return 0;
+  for (int r = 0; r < ranks; ++r) {
+    const uint8_t* frame = frames + r * frame_size;
+    for (int64_t j = 0; j < count; ++j) {
+      float v;
+      std::memcpy(&v, frame + value_at[j], 4);
+      out[index_of(frame, j)] += v / divisor;
+    }
+  }
+  return 0;
+}
+
 // Segment s: the first ks[s] distinct of the index draws floor(hash_j * n / 2^32), j = 0, 1, ...,
 // ascending, into out (the segments one after another): a bitmap of the n indices marks those
 // drawn, and a scan of it writes them in order. Returns -1 where k > n or n > 2^32.

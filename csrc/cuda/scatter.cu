@@ -29,7 +29,54 @@ __global__ void k_scatter(const void* idx, int t, const T* v, int64_t len, int64
     if (i >= 0 && i < numel) add_exact(&dense[i], v[j]);
   }
 }
+
+// Whether any rank's frame carries its overflow flag (the block's first thread reads them all).
+__device__ __forceinline__ bool block_poisoned(const uint8_t* frames, int ranks, int64_t frame_size,
+                                               int64_t flag_at) {
+  __shared__ int poisoned;
+  if (threadIdx.x == 0) {
+    int p = 0;
+    for (int r = 0; r < ranks && flag_at >= 0; ++r) p |= frames[r * frame_size + flag_at];
+    poisoned = p != 0;
+  }
+  __syncthreads();
+  return poisoned != 0;
+}
+
+__global__ void k_frames_fill(const uint8_t* frames, int ranks, int64_t frame_size, int64_t flag_at, int64_t numel,
+                              float* out) {
+  const float v = block_poisoned(frames, ranks, frame_size, flag_at) ? __int_as_float(0x7fc00000) : 0.0f;
+  GRID_STRIDE(i, numel) out[i] = v;
+}
+
+// One rank's pairs (the indices of a rank's frame are distinct: no atomics), added to out.
+__global__ void k_frame_pairs(const uint8_t* frame, const uint8_t* frames, int ranks, int64_t frame_size,
+                              int64_t flag_at, const int64_t* slots, int64_t count, float divisor, int64_t numel,
+                              float* out) {
+  if (block_poisoned(frames, ranks, frame_size, flag_at)) return;  // (out stays NaN)
+  GRID_STRIDE(j, count) {
+    const uint8_t* at = frame + slots[count + j];
+    uint64_t x = 0;  // byte loads: a narrow index need not be aligned to 8
+    for (int b = 0; b < (int)slots[2 * count + j]; ++b) x |= (uint64_t)at[b] << (8 * b);
+    const int64_t i = slots[3 * count + j] + (int64_t)x;
+    const float v = *reinterpret_cast<const float*>(frame + slots[j]);  // (values lie 4-aligned)
+    if (i >= 0 && i < numel) out[i] = __fadd_rn(out[i], __fdiv_rn(v, divisor));
+  }
+}
 }  // namespace
+
+API int grace_cuda_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t frame_size, const int64_t* slots,
+                                      int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out,
+                                      void* stream) {
+  if (ranks < 0 || count < 0 || numel < 0 || frame_size < 0) return -1;
+  cudaStream_t s = as_stream(stream);
+  if (numel == 0) return status();
+  k_frames_fill<<<grid_for(numel), kThreads, 0, s>>>(frames, ranks, frame_size, flag_at, numel, out);
+  for (int r = 0; r < ranks && count > 0; ++r)
+    k_frame_pairs<<<grid_for(count), kThreads, 0, s>>>(frames + r * frame_size, frames, ranks, frame_size, flag_at,
+                                                       slots, count, divisor, numel, out);
+  return status();
+}
 
 API int grace_cuda_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,
                                const int64_t* lengths, int val_type, int64_t numel, void* dense, void* stream) {

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 15
+#define GRACE_NATIVE_ABI 16
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -163,6 +163,14 @@ int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const float*
 int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* const* idx, const int* idx_types,
                                    const void* const* values, const int64_t* lengths, float divisor,
                                    const int64_t* numels, float* const* dense);
+/* The mean of `ranks` frames of a bucket whose segments send k (value, index) pairs each, end to end in
+ * `frames` (`frame_size` bytes each), read in place: out[numel] = 0, or NaN everywhere where a rank's
+ * overflow flag byte (at `flag_at` in its frame; -1: none) is set; else, rank after rank, each pair j
+ * of `count` added: its float32 value (at byte slots[j] of the frame) / divisor, at its index (the
+ * little-endian integer of slots[2 * count + j] bytes at byte slots[count + j]) plus its segment's
+ * start slots[3 * count + j]. 0, or -1 (CPU: nothing written) where an index falls outside [0, numel). */
+int grace_cpu_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t frame_size, const int64_t* slots,
+                                 int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out);
 
 /* natural_compress with counter-based draws of seed words (s0, s1) (draw i of grace_cpu_uniform_segments
  * for element i), made where they are used */
@@ -294,6 +302,11 @@ int grace_cuda_mean_segments(int method, int64_t segments, const int64_t* numels
  * indices within one payload are distinct); out-of-range indices are skipped */
 int grace_cuda_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,
                            const int64_t* lengths, int val_type, int64_t numel, void* dense, void* stream);
+/* grace_cpu_sparse_frames_mean (slots on the device): one fill and one launch per rank; an index
+ * outside [0, numel) is skipped */
+int grace_cuda_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t frame_size, const int64_t* slots,
+                                  int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out,
+                                  void* stream);
 
 #ifdef __cplusplus
 }

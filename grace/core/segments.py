@@ -170,6 +170,8 @@ class SegmentedFrame:
         self._like = like
         self._write_maps: dict = {}  # the fields' dtypes -> the frame's bytes in their bytes
         self._read_maps: dict = {}  # field -> (its bytes in a frame, the mask of bytes widened, or None)
+        self._counts = [list(c) for c, _ in fields]  # each field's elements per segment
+        self._slots = None  # pair_slots'
 
     def write(self, xp, fields: Sequence, flag=None):
         """This rank's frame from its ``fields`` (1-d, in segment order; integer fields are
@@ -218,8 +220,23 @@ class SegmentedFrame:
                 taken = xp.gather(rows, positions, axis=1)
                 values = xp.from_bytes(xp.flatten(taken if mask is None else taken * mask), dtype)
             out.append(xp.reshape(values, (ranks, self.field_sizes[j])))
-        flags = xp.flatten(rows[:, self._flag_at:self._flag_at + 1]) if self.flagged else None
-        return out, flags
+        return out, self.flags(xp, received, ranks)
+
+    def flags(self, xp, received, ranks: int):
+        """Each rank's overflow flag byte in ``ranks`` frames end to end: a view, or None."""
+        return xp.flatten(xp.reshape(received, (ranks, self.size))[:, self._flag_at:self._flag_at + 1]) \
+            if self.flagged else None
+
+    def pair_slots(self, xp, starts):
+        """For frames of (values, indices) pairs, what the native mean reads in place
+        (``grace.native.sparse_frames_mean``): each pair's value byte in a frame, its index's
+        byte and width, and its segment's start (``starts``: each segment's in the bucket), as
+        one int64 (4, pairs) tensor on the device, made once; and the flag's byte (-1: none)."""
+        if self._slots is None:
+            assert set(self._width[0].tolist()) <= {4}, "float32 values"
+            base = np.repeat(np.asarray(starts, np.int64), self._counts[1])
+            self._slots = xp.asarray(np.stack([self._at[0], self._at[1], self._width[1], base]), like=self._like)
+        return self._slots, (self._flag_at if self.flagged else -1)
 
     def _read_map(self, xp, j: int):
         """Field j's bytes in a frame (read at its dtype's width; a byte past an element's width

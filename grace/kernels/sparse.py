@@ -112,6 +112,16 @@ class SparseKernels(MethodKernels):
         values, local = fields
         return xp.scatter_add(local + self._sent_starts(xp, table, values, ctx), values, table.numel)
 
+    def frames_mean(self, xp, received, layout, table, ranks: int):
+        """k pairs per segment (top-k, DGC): each rank's values over the ranks added at their
+        indices, rank after rank, read from the frames in place (one fill and one launch per
+        rank on a GPU, not the fields read, then scattered, divided and poisoned)."""
+        mean = xp.native("sparse_frames_mean", received)
+        if mean is None:
+            return None
+        slots, flag_at = layout.pair_slots(xp, table.starts)
+        return mean(received, ranks, layout.size, slots, flag_at, ranks, table.numel)
+
     def aggregate_segments(self, xp, fields, ctx, table, ranks, overflow=None):
         values, local = fields  # (ranks, sent) each: every rank's indices and shares by one op each
         indices, shares = local + self._sent_starts(xp, table, values, ctx), values / ranks

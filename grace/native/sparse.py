@@ -149,6 +149,26 @@ def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
     return outs
 
 
+def sparse_frames_mean(frames, ranks: int, frame_size: int, slots, flag_at: int, divisor: float, numel: int):
+    """The mean of ``ranks`` frames of a bucket whose segments send k (value, index) pairs each
+    (uint8, end to end, ``frame_size`` bytes each), read where they lie: a float32 array of
+    ``numel`` zeros, NaN everywhere where a rank's flag byte (at ``flag_at``; -1: none) is set;
+    else each rank's pairs added in turn, value / divisor at index. ``slots``: int64 (4, k),
+    each pair's value byte, index byte, index width and segment start
+    (``SegmentedFrame.pair_slots``). One fill and one launch per rank on a GPU."""
+    kind = kind_of(frames)
+    fb, sb = kind.flat(frames), _same_kind(kind, slots)
+    if fb.dtype != "uint8" or fb.n != ranks * frame_size:
+        raise ValueError(f"{fb.n} {fb.dtype} bytes are not {ranks} frames of {frame_size} bytes")
+    if sb.dtype != "int64" or sb.n % 4:
+        raise ValueError("slots are int64, four rows")
+    out = kind.empty(int(numel), "float32")
+    if call(kind, "sparse_frames_mean", fb.ptr, int(ranks), int(frame_size), sb.ptr, sb.n // 4, int(flag_at),
+            float(divisor), int(numel), out.ptr) != 0:
+        raise IndexError(f"an index of a rank's frame is out of range for {numel} elements")
+    return _wrap(kind, out)
+
+
 # --- top-k, segment by segment --------------------------------------------------------------------
 def topk_compress_segments(x, starts, numels, ks):
     """topk_compress of each segment (k = ks[s]) of the flat float32 ``x``: (every segment's

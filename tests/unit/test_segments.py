@@ -291,6 +291,44 @@ def test_native_segment_calls_refuse_segments_outside_their_buffers():
         gn.efsignsgd_decompress_segments(packed[:-1], scale, (50, 50))
 
 
+def test_sparse_frames_mean_reads_the_frames_in_place_and_refuses_stray_indices():
+    """``grace.native.sparse_frames_mean`` (top-k's and DGC's aggregate on an accelerator, from
+    the received frames as they lie): bit for bit the fields read and scattered rank after
+    rank, every width of index; NaN everywhere where one rank flagged an overflow; an index
+    outside the bucket refused, not written."""
+    torch = pytest.importorskip("torch")
+    if not gn.available("cpu"):
+        pytest.skip("no native CPU library")
+    from grace.backends import get_backend
+
+    xp, rng = get_backend("torch"), np.random.default_rng(5)
+    like = torch.zeros(1)
+    table = segments.SegmentTable.build(xp, [100, 900, 40000], like)  # uint8, int16 and int32 indices
+    kernels = kernels_of(grace.topk(0.01).compressor)
+    layout = segments.SegmentedFrame(xp, kernels.segment_fields(table.numels, "float32"), True, like)
+
+    def frames(flags):
+        sent = []
+        for flag in flags:
+            fields, ctx, _ = kernels.compress_segments(xp, torch.from_numpy(rng.standard_normal(41000, np.float32)),
+                                                       table, [None] * 3)
+            sent.append(layout.write(xp, fields, torch.tensor([flag], dtype=torch.uint8)))
+        return torch.cat(sent), ctx
+
+    received, ctx = frames([0, 0, 0])
+    want = kernels.aggregate_segments(xp, layout.read(xp, received, 3)[0], ctx, table, 3)
+    got = kernels.frames_mean(xp, received, layout, table, 3)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    flagged, _ = frames([0, 1, 0])
+    assert torch.isnan(kernels.frames_mean(xp, flagged, layout, table, 3)).all()
+    slots, _ = layout.pair_slots(xp, table.starts)
+    at, width = int(slots[1, -1]), int(slots[2, -1])  # the last pair's index: 4 bytes
+    stray = received.clone()
+    stray[2 * layout.size + at:2 * layout.size + at + width] = 0x7F
+    with pytest.raises(IndexError, match="out of range"):
+        kernels.frames_mean(xp, stray, layout, table, 3)
+
+
 # methods with a whole-bucket tensor-op form: what runs where grace.native is not built
 WHOLE_BUCKET = [label for label in SEGMENTED
                 if type(kernels_of(METHODS[label]().compressor)).encode_segments is not MethodKernels.encode_segments]

@@ -216,6 +216,12 @@ class MethodKernels:
             return fused(*fields, table.numels, *self.arguments())
         return self.decode_segments(xp, fields, table)
 
+    def frames_mean(self, xp, received, layout, table, ranks: int):
+        """Allgather methods: ``aggregate_segments`` of the ranks' frames (``received``, end to
+        end, of ``layout``) by one native call that reads them where they lie, poisoned by their
+        flags; None where the method has no such call (the fields are read first)."""
+        return None
+
     def aggregate_segments(self, xp, fields, ctx, table, ranks: int, overflow=None):
         """Allgather methods: the flat aggregate over ``ranks`` of the received fields (each a
         (ranks, field size) tensor): each rank's payloads decoded and added, rank after rank, then

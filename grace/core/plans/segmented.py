@@ -147,9 +147,13 @@ class Segmented(BucketPlan):
             g_hat = with_dense(None, 0, [xp.from_bytes(rows[r, :nbytes], bucket.dtype) for r in range(n)], n)
             flags = rows[:, nbytes] if flagged else None
             return g_hat, s.journal.overflow(xp, [flags], pending.defer) if flagged else None
-        fields, flags = pending.layout.read(xp, received, n)  # (poisoned by the aggregate)
+        flags = pending.layout.flags(xp, received, n)
         overflow = s.journal.overflow(xp, [flags], pending.defer) if flagged else None
-        return s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n, overflow), None
+        mean = s.kernels.frames_mean(xp, received, pending.layout, table, n)  # (poisoned by the aggregate)
+        if mean is None:
+            fields, _ = pending.layout.read(xp, received, n)
+            mean = s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n, overflow)
+        return mean, None
 
     def headers(self, pending: BucketPending):
         """Every rank's header of the bucket, on the device (awaited once)."""
