@@ -23,7 +23,7 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
                the reads back the GPU would wait for)
   floor        on a CPU, bucketed work over the floor its target is set against, and the target:
                error-feedback methods 2x error feedback's floor, none / fp16 / signsgd 1.5x a
-               read plus a write of the gradients, the passes timed again just before each
+               read plus a write of the gradients, the passes timed again right after each
                method's steps (the line below each table names the methods over their target)
   bytes        bytes this rank hands to the collectives per step
   plans        the plans the buckets took (``Exchange.plan_of``: per-gradient, flat, segmented, ...)
