@@ -391,10 +391,11 @@ def launches(fn, device: str, top: int = 0, path: AcceleratorPath = None) -> dic
                                                          "cudaEventSynchronize", "cudaMemcpy")), **table}
 
 
-def measure(grads: dict, method: str, bucket_mb: float, world: int, device: str, iters: int, top: int = 0,
-            path: AcceleratorPath = None, communicator: str = "own") -> dict:
+def measure(grads: dict, method: str, kwargs: dict, bucket_mb: float, world: int, device: str, iters: int,
+            top: int = 0, path: AcceleratorPath = None, communicator: str = "own") -> dict:
+    """One method's row (``kwargs``: its arguments, ``arguments``') in one way of exchanging."""
     def new_exchange():
-        compression = grace.create(method, **arguments(method, grads), bucket_mb=bucket_mb)
+        compression = grace.create(method, **kwargs, bucket_mb=bucket_mb)
         if compression.collective is grace.Collective.ALLGATHER and bucket_mb:
             compression = compression.via(compression.collective if communicator == "own" else communicator)
         # as the adapters run it: results written over the gradients handed over (on a CPU), so
@@ -452,8 +453,9 @@ def plans_taken(exchange) -> str:
     return ", ".join(f"{name} x{count}" for name, count in sorted(plans.items())) or "reference"
 
 
-def print_model(model: str, args, grads: dict, fwd_bwd: float, passes: dict) -> None:
-    """The lines above a model's table: its gradients, the memory passes, threshold's lambda."""
+def print_model(model: str, args, grads: dict, fwd_bwd: float, passes: dict, kwargs: dict) -> None:
+    """The lines above a model's table: its gradients, the memory passes, threshold's lambda
+    (``kwargs``: each method's arguments)."""
     params = sum(g.numel() for g in grads.values())
     print(f"\n{model} on {args.device}: {len(grads)} gradient tensors, {params / 1e6:.1f}M parameters, "
           f"fwd+bwd {1e3 * fwd_bwd:.1f} ms; compression work of one rank in a world of {args.world}")
@@ -462,8 +464,8 @@ def print_model(model: str, args, grads: dict, fwd_bwd: float, passes: dict) -> 
               f"{passes['write_ms']:.2f} ms, g + e into a third buffer {passes['compensate_ms']:.2f} ms; "
               f"error feedback's floor (that and a dense result) {passes['feedback_floor_ms']:.2f} ms, "
               f"{passes['feedback_floor_ms'] / (1e3 * fwd_bwd):.1%} of fwd+bwd")
-    if "threshold" in args.methods:
-        print(f"threshold's lambda: {arguments('threshold', grads)['threshold']:.3g}, which "
+    if "threshold" in kwargs:
+        print(f"threshold's lambda: {kwargs['threshold']['threshold']:.3g}, which "
               f"{THRESHOLD_DENSITY:.0%} of the gradients' elements exceed")
 
 
@@ -589,18 +591,19 @@ def main():
         fwd_bwd, grads = gradients(net, x, y, loss, args.device, args.iters)
         params = sum(g.numel() for g in grads.values())
         passes = memory_passes(grads, args.iters) if args.device == "cpu" else {}
-        print_model(model, args, grads, fwd_bwd, passes)
+        kwargs = {method: arguments(method, grads) for method in args.methods}
+        print_model(model, args, grads, fwd_bwd, passes, kwargs)
         print_header(path is not None)
         for method in args.methods:
             skipped = {"work_ms": float("nan"), "calls": "-", "ops": "-", "waits": "-"}
-            per_tensor = skipped if args.bucketed_only or path else measure(grads, method, 0, args.world,
-                                                                             args.device, args.iters)
-            bucketed = measure(grads, method, args.bucket_mb, args.world, args.device, args.iters,
+            per_tensor = skipped if args.bucketed_only or path else measure(grads, method, kwargs[method], 0,
+                                                                             args.world, args.device, args.iters)
+            bucketed = measure(grads, method, kwargs[method], args.bucket_mb, args.world, args.device, args.iters,
                                args.profile_top, path, args.communicator)
             if "top" in bucketed:
                 profiles.append(f"{model}, {method}, bucketed:\n{bucketed.pop('top')}")
             row = {"model": model, "device": args.device, "method": method,
-                   "arguments": arguments(method, grads), "tensors": len(grads),
+                   "arguments": kwargs[method], "tensors": len(grads),
                    "parameters": params, "fwd_bwd_ms": 1e3 * fwd_bwd,
                    # the floor again beside the method's own steps: a shared machine's load drifts
                    **(memory_passes(grads, args.iters) if passes and path is None else passes),

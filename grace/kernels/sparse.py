@@ -7,6 +7,7 @@ import numbers
 
 import numpy as np
 
+from grace import native
 from grace.compressors.dgc import DGC
 from grace.compressors.sparse import Sparsifier
 from grace.compressors.threshold import Threshold
@@ -14,7 +15,7 @@ from grace.compressors.topk import TopK
 from grace.core import draws, segments
 from grace.core.compressor import Shape, index_dtype, native_or_none
 from grace.core.journal import poisoned
-from grace.core.plans.kernels import MethodKernels, kernels_for, ranks_of
+from grace.core.plans.kernels import MethodKernels, kernels_for
 
 
 @kernels_for(Sparsifier)
@@ -46,7 +47,8 @@ class SparseKernels(MethodKernels):
 
     def aggregate_many(self, xp, payloads, ctxs, outs):
         # each rank's values divided by n, added payload after payload: as aggregate
-        return native_or_none(xp, "scatter_add_segments_into", outs[0], payloads, outs, ranks_of(payloads))
+        return native_or_none(xp, "scatter_add_segments_into", outs[0], payloads, outs,
+                              native.payload_ranks(payloads))
 
     # --- a bucket at once (a fixed k per segment, or a variable number) -------------------
     def segment_fields(self, numels, dtype, ks=None):

@@ -38,14 +38,15 @@ from here (the last imports below). Which module holds which:
     draws.py        uniform_segments, hash_keys_segments, random_indices_segments
     kernels.py      KERNELS (the kernel table), Kernel, kernel, run
     _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments), and
-                    FrameRows (every rank's pieces of frames of one layout, which the decoded sums take)
+                    FrameRows (every rank's pieces of frames of one layout, which the decoded sums take),
+                    payload_ranks
     _arrays.py      any toolkit's array as (pointer, length, dtype, stream); outputs of the same kind
     _loader.py      the libraries, their C functions' argument types, the switch (disabled, set_enabled)
 """
 from __future__ import annotations
 
 from grace.native._arrays import NativeUnavailable, dlpack_info
-from grace.native._common import FrameRows
+from grace.native._common import FrameRows, payload_ranks
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, load_error, set_enabled
 from grace.native.dgc import dgc_compensate_into, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
@@ -94,9 +95,9 @@ __all__ = [
     "natural_decompress_sum_into", "natural_mean_segments", "nonzero", "norm", "onebit_compress",
     "onebit_compress_segments", "onebit_decompress", "onebit_decompress_segments", "onebit_decompress_sum",
     "onebit_decompress_sum_into", "onebit_ef_step_many", "onebit_ef_step_segments", "onebit_mean_segments",
-    "onebit_residual_into", "pack", "qsgd_compress", "qsgd_compress_drawn", "qsgd_compress_segments", "qsgd_decompress",
-    "qsgd_decompress_segments", "qsgd_decompress_sum", "qsgd_decompress_sum_into", "qsgd_mean_segments",
-    "random_indices_segments", "randomk_ef_step_many", "run", "scatter_add", "scatter_add_many",
+    "onebit_residual_into", "pack", "payload_ranks", "qsgd_compress", "qsgd_compress_drawn", "qsgd_compress_segments",
+    "qsgd_decompress", "qsgd_decompress_segments", "qsgd_decompress_sum", "qsgd_decompress_sum_into",
+    "qsgd_mean_segments", "random_indices_segments", "randomk_ef_step_many", "run", "scatter_add", "scatter_add_many",
     "scatter_add_segments_into", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
     "signsgd_decompress_sum", "signsgd_decompress_sum_into", "signsgd_mean_segments", "sparse_frames_mean", "supports",
     "terngrad_compress", "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress",

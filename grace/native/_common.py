@@ -338,9 +338,9 @@ class FrameRows:
         return self._fields[j]
 
 
-def _ranks(payloads) -> int:
-    """The ranks of a bucket's payloads (``payloads[unit][rank]``, or a ``FrameRows``), each unit
-    with as many."""
+def payload_ranks(payloads) -> int:
+    """How many ranks' payloads a bucket-at-once sum gets (``payloads[unit][rank]``, each unit
+    with as many, or a ``FrameRows``)."""
     if isinstance(payloads, FrameRows):
         return payloads.ranks
     ranks = len(payloads[0])
@@ -378,7 +378,7 @@ class _Field:
 def _field(kind, payloads, j: int, dtype: str = None) -> _Field:
     """Field j of every unit's ranks' payloads (``payloads[unit][rank]``, or a ``FrameRows``);
     NativeUnavailable where a piece is not of ``dtype``."""
-    ranks = _ranks(payloads)
+    ranks = payload_ranks(payloads)
     if isinstance(payloads, FrameRows):
         pointers, counts, dtypes = payloads.field(j)
         if dtype is not None and any(d != dtype for d in dtypes):

@@ -25,11 +25,6 @@ from grace.core.journal import poisoned
 from grace.core.plans.by_class import ByClass
 
 
-def ranks_of(payloads) -> int:
-    """The ranks whose payloads ``aggregate_many`` gets."""
-    return payloads.ranks if isinstance(payloads, native.FrameRows) else len(payloads[0])
-
-
 class MethodKernels:
     """The formula's own forms: no native call; the segment-wise forms absent."""
 
@@ -136,8 +131,9 @@ class MethodKernels:
         gradient i, or a ``grace.native.FrameRows`` of them), written into ``outs`` in one call:
         the list of ``outs``."""
         # each sum finished (the mean, ...) as the kernel stores it
+        finish = self.compressor.finish(native.payload_ranks(payloads))
         return native_or_none(xp, self.sum_kernel and f"{self.sum_kernel}_into", outs[0], payloads, outs,
-                              *self.arguments(), finish=self.compressor.finish(ranks_of(payloads)))
+                              *self.arguments(), finish=finish)
 
     # --- the multi-round plan ---------------------------------------------------------------
     def rounds_many(self, xp, xs, infos: Sequence[TensorInfo], states, outs=None, firsts=None, residual_over=None):
