@@ -236,39 +236,66 @@ __host__ __device__ __forceinline__ bool selects(const SegBatch& t, int s) { ret
 
 constexpr int kHistBins = 2048;
 
-// p = compensate(g, r) of every segment; the first block of each also starts its selection state
-__global__ void k_compensate_init_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
-                                      float* p, SelState* st) {
+// The selection's launches share their reductions' last steps: each segment's last block of a
+// histogram pass narrows its state (find), and its last block of the tile counts scans them
+// (last_of, one ticket counter per segment and launch: `tickets`, zeroed with the histograms).
+constexpr int kTicketSets = 4;  // the three passes, the counts
+
+// |p|'s key, p = compensate(g, r) written to p on the way: the first pass reads each element once
+struct KeyAbsCompensated {
+  Compensated c;
+  float* p;
+  __device__ __forceinline__ uint32_t operator()(int64_t i) const {
+    const float v = c[i];
+    p[i] = v;
+    return __float_as_uint(v) & 0x7fffffffu;
+  }
+};
+
+// a segment's last block of a pass: its state narrowed to the bin where the count reaches need
+__device__ inline void find_if_last(const SegBlock& sb, unsigned* tickets, const unsigned long long* h, int nbins,
+                                    int shift, SelState* st) {
+  if (last_of(tickets + sb.s, sb.blocks) && threadIdx.x < 32) find(h, nbins, shift, st);
+}
+
+// p = compensate(g, r) of every segment and, for those that select, the first pass: the state
+// starts at (prefix 0, mask 0, need k), so the pass needs no state read
+__global__ void k_compensate_hist_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
+                                      float* p, SelState* st, int shift, int nbins, unsigned long long* h,
+                                      unsigned* tickets) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   const int64_t o = t.x[s];
-  if (sb.block == 0 && threadIdx.x == 0) st[s] = SelState{0u, 0u, (long long)t.u[s]};
-  compensate(g + o, r + o, t.n[s], beta, gamma, flags, p + o, sb.block, sb.blocks);
+  const Compensated c{g + o, r + o, beta, gamma, flags};
+  if (!selects(t, s)) {
+    BLOCK_STRIDE(i, t.n[s], sb.block, sb.blocks) p[o + i] = c[i];
+    return;
+  }
+  const SelState start{0u, 0u, (long long)t.u[s]};
+  hist(KeyAbsCompensated{c, p + o}, t.n[s], &start, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
+  if (!last_of(tickets + s, sb.blocks)) return;
+  if (threadIdx.x == 0) st[s] = start;
+  __syncthreads();
+  if (threadIdx.x < 32) find(h + (int64_t)s * kHistBins, nbins, shift, st + s);
 }
 
-__global__ void k_topk_hist_seg(SegBatch t, const float* p, const SelState* st, int shift, int nbins,
-                                unsigned long long* h) {
+__global__ void k_topk_hist_seg(SegBatch t, const float* p, SelState* st, int shift, int nbins,
+                                unsigned long long* h, unsigned* tickets) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   if (!selects(t, s)) return;
   hist(KeyAbs{p + t.x[s]}, t.n[s], st + s, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
+  find_if_last(sb, tickets, h + (int64_t)s * kHistBins, nbins, shift, st + s);
 }
 
-__global__ void k_topk_find_seg(SegBatch t, const unsigned long long* h, int nbins, int shift, SelState* st) {
-  const int s = blockIdx.x;
-  if (selects(t, s)) find(h + (int64_t)s * kHistBins, nbins, shift, st + s);
-}
-
-__global__ void k_topk_count_seg(SegBatch t, const float* p, const SelState* st, long long* cg, long long* ce) {
+// each tile's counts; a segment's last block scans them into the tiles' offsets
+__global__ void k_topk_count_seg(SegBatch t, const float* p, const SelState* st, long long* cg, long long* ce,
+                                 long long* totals, unsigned* tickets) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   if (!selects(t, s)) return;
   count(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, t.n[s], st + s, cg + t.q[s], ce + t.q[s], sb.block);
-}
-
-__global__ void k_topk_scan_seg(SegBatch t, long long* cg, long long* ce, long long* totals) {
-  const int s = blockIdx.x;
-  if (selects(t, s)) scan2(cg + t.q[s], ce + t.q[s], tiles_of(t.n[s]), totals + 2 * s);
+  if (last_of(tickets + s, sb.blocks)) scan2<kThreads>(cg + t.q[s], ce + t.q[s], tiles_of(t.n[s]), totals + 2 * s);
 }
 
 __global__ void k_topk_write_seg(SegBatch t, float* p, const SelState* st, const long long* cg, const long long* ce,
@@ -626,15 +653,18 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
   }
   cudaStream_t st = as_stream(stream);
   constexpr int kPasses = 3;  // the radix passes: 11 + 11 + 10 bits, a histogram each, all zeroed at once
-  const size_t hist_bytes = align256((size_t)kPasses * kSegBatch * kHistBins * sizeof(unsigned long long));
+  const size_t ticket_bytes = align256(kTicketSets * kSegBatch * sizeof(unsigned));  // (just before them)
+  const size_t hist_bytes = ticket_bytes + (size_t)kPasses * kSegBatch * kHistBins * sizeof(unsigned long long);
   const size_t state_bytes = align256(kSegBatch * sizeof(SelState));
   const size_t totals_bytes = align256(2 * kSegBatch * sizeof(long long));
-  Scratch sc(hist_bytes + state_bytes + totals_bytes + 2 * std::max<int64_t>(most_tiles, 1) * sizeof(long long), st);
+  Scratch sc(align256(hist_bytes) + state_bytes + totals_bytes + 2 * std::max<int64_t>(most_tiles, 1) * sizeof(long long),
+             st);
   if (!sc.p) return -3;
-  unsigned long long* h = sc.at<unsigned long long>(0);
-  SelState* state = sc.at<SelState>(hist_bytes);
-  long long* totals = sc.at<long long>(hist_bytes + state_bytes);
-  long long* cg = sc.at<long long>(hist_bytes + state_bytes + totals_bytes);
+  unsigned* tickets = sc.at<unsigned>(0);
+  unsigned long long* h = sc.at<unsigned long long>(ticket_bytes);
+  SelState* state = sc.at<SelState>(align256(hist_bytes));
+  long long* totals = sc.at<long long>(align256(hist_bytes) + state_bytes);
+  long long* cg = sc.at<long long>(align256(hist_bytes) + state_bytes + totals_bytes);
   long long* ce = cg + std::max<int64_t>(most_tiles, 1);
   int64_t sent = 0, tile = 0;
   return for_batches(
@@ -649,21 +679,23 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
         tile += tiles_of(numels[s]);
       },
       [&](SegBatch& t, int64_t) {
-        const dim3 grid = per_element(t);
         const size_t pass_bins = (size_t)t.count * kHistBins;  // a pass's histograms, for this batch
-        cudaMemsetAsync(h, 0, kPasses * pass_bins * sizeof(unsigned long long), st);
-        k_compensate_init_seg<<<grid, kThreads, 0, st>>>(t, g, r, beta, gamma, flags, new_r, state);
+        cudaMemsetAsync(tickets, 0, ticket_bytes + kPasses * pass_bins * sizeof(unsigned long long), st);
         const int shifts[kPasses] = {21, 10, 0}, bins[kPasses] = {2048, 2048, 1024};
-        // (segments that send all or nothing select nothing: a block each, which returns)
+        // (segments that send all or nothing select nothing: their blocks only compensate)
+        const dim3 first_grid = seg_grid(t, [&](int k) {
+          return selects(t, k) ? grid_for(t.n[k], kThreads * 16, 2048) : (t.n[k] + kThreads - 1) / kThreads;
+        });
+        k_compensate_hist_seg<<<first_grid, kThreads, 0, st>>>(t, g, r, beta, gamma, flags, new_r, state, shifts[0],
+                                                                bins[0], h, tickets);
         const dim3 hist_grid =
             seg_grid(t, [&](int k) { return selects(t, k) ? grid_for(t.n[k], kThreads * 16, 2048) : 1; });
-        for (int d = 0; d < kPasses; ++d) {
-          k_topk_hist_seg<<<hist_grid, kThreads, 0, st>>>(t, new_r, state, shifts[d], bins[d], h + d * pass_bins);
-          k_topk_find_seg<<<t.count, 32, 0, st>>>(t, h + d * pass_bins, bins[d], shifts[d], state);
-        }
+        for (int d = 1; d < kPasses; ++d)
+          k_topk_hist_seg<<<hist_grid, kThreads, 0, st>>>(t, new_r, state, shifts[d], bins[d], h + d * pass_bins,
+                                                          tickets + d * kSegBatch);
         const dim3 tile_grid = seg_grid(t, [&](int k) { return selects(t, k) ? tiles_of(t.n[k]) : 1; });
-        k_topk_count_seg<<<tile_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce);
-        k_topk_scan_seg<<<t.count, 1024, 0, st>>>(t, cg, ce, totals);
+        k_topk_count_seg<<<tile_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce, totals,
+                                                         tickets + kPasses * kSegBatch);
         const dim3 write_grid = seg_grid(t, [&](int k) {  // all: a thread per element; none: a block
           return t.u[k] >= t.n[k] ? (t.n[k] + kThreads - 1) / kThreads : (t.u[k] > 0 ? tiles_of(t.n[k]) : 1);
         });

@@ -60,7 +60,7 @@ __device__ inline void find(const unsigned long long* hist, int nbins, int shift
   const int lane = threadIdx.x;
   const int per = nbins / 32;
   long long s = 0;
-  for (int j = 0; j < per; ++j) s += (long long)hist[nbins - lane * per - 1 - j];
+  for (int j = 0; j < per; ++j) s += (long long)__ldcg(&hist[nbins - lane * per - 1 - j]);  // (L2: other blocks' adds)
   long long incl = s;
   for (int o = 1; o < 32; o <<= 1) {
     long long t = __shfl_up_sync(kFull, incl, o);
@@ -75,7 +75,7 @@ __device__ inline void find(const unsigned long long* hist, int nbins, int shift
     long long acc = excl;
     int b = nbins - L * per - 1;
     for (; b > nbins - (L + 1) * per; --b) {
-      long long h = (long long)hist[b];
+      long long h = (long long)__ldcg(&hist[b]);
       if (acc + h >= need) break;
       acc += h;
     }
@@ -83,6 +83,18 @@ __device__ inline void find(const unsigned long long* hist, int nbins, int shift
     st->prefix |= (uint32_t)b << shift;
     st->mask |= (uint32_t)(nbins - 1) << shift;
   }
+}
+
+// Whether this block is the last of its segment's `blocks` to finish, by a ticket each taken
+// after a fence that publishes the block's writes: that block then reads what all of them
+// wrote (through L2, __ldcg), so a reduction and the step that needs its total share a launch.
+__device__ inline bool last_of(unsigned* tickets, int64_t blocks) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(tickets, 1u) == (unsigned)(blocks - 1);
+  __syncthreads();
+  return last;
 }
 
 constexpr int kItems = 16;
@@ -126,18 +138,19 @@ __device__ inline void count(Pred pred, int64_t n, const SelState* st_, long lon
   }
 }
 
-// one block of 1024: exclusive scans of both count arrays; totals[0..1] their sums
+// one block of kT threads: exclusive scans of both count arrays; totals[0..1] their sums
+template <int kT>
 __device__ inline void scan2(long long* a, long long* b, int64_t m, long long* totals) {
-  __shared__ long long sa[1024], sb[1024];
+  __shared__ long long sa[kT], sb[kT];
   const int t = threadIdx.x;
   long long ca = 0, cb = 0;
-  for (int64_t base = 0; base < m; base += 1024) {
+  for (int64_t base = 0; base < m; base += kT) {
     int64_t i = base + t;
-    long long va = i < m ? a[i] : 0, vb = i < m ? b[i] : 0;
+    long long va = i < m ? __ldcg(&a[i]) : 0, vb = i < m ? __ldcg(&b[i]) : 0;  // (L2: other blocks' counts)
     sa[t] = va;
     sb[t] = vb;
     __syncthreads();
-    for (int o = 1; o < 1024; o <<= 1) {
+    for (int o = 1; o < kT; o <<= 1) {
       long long ta = t >= o ? sa[t - o] : 0, tb = t >= o ? sb[t - o] : 0;
       __syncthreads();
       sa[t] += ta;
@@ -148,8 +161,8 @@ __device__ inline void scan2(long long* a, long long* b, int64_t m, long long* t
       a[i] = ca + sa[t] - va;
       b[i] = cb + sb[t] - vb;
     }
-    ca += sa[1023];
-    cb += sb[1023];
+    ca += sa[kT - 1];
+    cb += sb[kT - 1];
     __syncthreads();
   }
   if (t == 0) {

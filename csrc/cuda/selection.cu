@@ -3,19 +3,17 @@
 #include "select.cuh"
 
 namespace {
-__global__ void k_init_state(SelState* st, long long need) {
-  st->prefix = 0;
-  st->mask = 0;
-  st->need = need;
-}
-
+// A pass of the radix select over one tensor's keys; the last block to finish narrows the state
+// (find). The first pass starts the state at (0, 0, need) there: it reads none before.
 template <class Key>
-__global__ void k_hist(Key key, int64_t n, const SelState* st, int shift, int nbins, unsigned long long* h) {
-  hist(key, n, st, shift, nbins, h, blockIdx.x, gridDim.x);
-}
-
-__global__ void k_find(const unsigned long long* hist, int nbins, int shift, SelState* st) {
-  find(hist, nbins, shift, st);
+__global__ void k_hist_find(Key key, int64_t n, SelState* st, long long need, bool first, int shift, int nbins,
+                            unsigned long long* h, unsigned* ticket) {
+  const SelState start{0u, 0u, need};
+  hist(key, n, first ? &start : st, shift, nbins, h, blockIdx.x, gridDim.x);
+  if (!last_of(ticket, gridDim.x)) return;
+  if (first && threadIdx.x == 0) *st = start;
+  __syncthreads();
+  if (threadIdx.x < 32) find(h, nbins, shift, st);
 }
 
 struct ThresholdPredF {
@@ -37,12 +35,13 @@ struct MaskPred {
   }
 };
 
+// each tile's counts; the last block to finish scans them into the tiles' offsets
 template <class Pred>
-__global__ void k_count(Pred pred, int64_t n, const SelState* st_, long long* cnt_gt, long long* cnt_eq) {
+__global__ void k_count_scan(Pred pred, int64_t n, const SelState* st_, long long* cnt_gt, long long* cnt_eq,
+                             long long* totals, unsigned* ticket) {
   count(pred, n, st_, cnt_gt, cnt_eq, blockIdx.x);
+  if (last_of(ticket, gridDim.x)) scan2<kThreads>(cnt_gt, cnt_eq, tiles_of(n), totals);
 }
-
-__global__ void k_scan2(long long* a, long long* b, int64_t m, long long* totals) { scan2(a, b, m, totals); }
 
 template <class Pred>
 __global__ void k_write(Pred pred, int64_t n, const SelState* st_, const long long* off_gt, const long long* off_eq,
@@ -59,19 +58,18 @@ __global__ void k_take_all(int64_t n, EmitIdx emit) {
   GRID_STRIDE(i, n) emit(i, i);
 }
 
-// Ordered compaction by `pred`; st_dev must be valid. Returns 0, or < 0 on a CUDA error.
-// If total_host is not NULL, the number written is copied there (synchronizing the stream).
+// Ordered compaction by `pred`; st_dev must be valid, `ticket` zero. Returns 0, or < 0 on a CUDA
+// error. If total_host is not NULL, the number written is copied there (synchronizing the stream).
 template <class Pred>
-int compact(Pred pred, int64_t n, const SelState* st_dev, const EmitIdx& emit, long long* total_host,
-            cudaStream_t s) {
+int compact(Pred pred, int64_t n, const SelState* st_dev, unsigned* ticket, const EmitIdx& emit,
+            long long* total_host, cudaStream_t s) {
   const int64_t tiles = tiles_of(n);
   Scratch sc(align256(4 * tiles * sizeof(long long)) + 256, s);
   if (!sc.p) return -3;
   long long* cg = sc.at<long long>(0);
   long long* ce = cg + tiles;
   long long* totals = sc.at<long long>(align256(4 * tiles * sizeof(long long)));
-  k_count<<<(unsigned)tiles, kThreads, 0, s>>>(pred, n, st_dev, cg, ce);
-  k_scan2<<<1, 1024, 0, s>>>(cg, ce, tiles, totals);
+  k_count_scan<<<(unsigned)tiles, kThreads, 0, s>>>(pred, n, st_dev, cg, ce, totals, ticket);
   k_write<<<(unsigned)tiles, kThreads, 0, s>>>(pred, n, st_dev, cg, ce, emit);
   if (total_host) {
     long long t[2];
@@ -82,28 +80,29 @@ int compact(Pred pred, int64_t n, const SelState* st_dev, const EmitIdx& emit, l
   return status();
 }
 
-// Radix select (11 + 11 + 10 bits) of the k largest keys, then the ordered compaction.
+// Radix select (11 + 11 + 10 bits) of the k largest keys, then the ordered compaction: one
+// memset of the tickets (a pass's each, the counts') and the three histograms.
 template <class Key>
 int topk_run(Key key, int64_t n, int64_t k, const EmitIdx& emit, cudaStream_t s) {
-  Scratch sc(align256(2048 * sizeof(unsigned long long)) + 256, s);
+  const size_t tickets_bytes = 256, hist_bytes = 3 * 2048 * sizeof(unsigned long long);
+  Scratch sc(tickets_bytes + hist_bytes + 256, s);
   if (!sc.p) return -3;
-  unsigned long long* hist = sc.at<unsigned long long>(0);
-  SelState* st = sc.at<SelState>(align256(2048 * sizeof(unsigned long long)));
-  k_init_state<<<1, 1, 0, s>>>(st, k);
+  unsigned* tickets = sc.at<unsigned>(0);
+  unsigned long long* hist = sc.at<unsigned long long>(tickets_bytes);
+  SelState* st = sc.at<SelState>(tickets_bytes + hist_bytes);
+  cudaMemsetAsync(tickets, 0, tickets_bytes + hist_bytes, s);
   const int shifts[3] = {21, 10, 0}, bins[3] = {2048, 2048, 1024};
   const int grid = grid_for(n, kThreads * 16, 2048);
-  for (int d = 0; d < 3; ++d) {
-    cudaMemsetAsync(hist, 0, bins[d] * sizeof(unsigned long long), s);
-    k_hist<<<grid, kThreads, 0, s>>>(key, n, st, shifts[d], bins[d], hist);
-    k_find<<<1, 32, 0, s>>>(hist, bins[d], shifts[d], st);
-  }
-  return compact(TopkPred<Key>{key}, n, st, emit, nullptr, s);
+  for (int d = 0; d < 3; ++d)
+    k_hist_find<<<grid, kThreads, 0, s>>>(key, n, st, k, d == 0, shifts[d], bins[d], hist + d * 2048, tickets + d);
+  return compact(TopkPred<Key>{key}, n, st, tickets + 3, emit, nullptr, s);
 }
 
-// state for a threshold (no ties): need = 0
-int threshold_state(SelState** st, Scratch& sc, cudaStream_t s) {
-  *st = sc.at<SelState>(0);
-  k_init_state<<<1, 1, 0, s>>>(*st, 0);
+// a threshold's state (no ties: need = 0, all zero) and the compaction's ticket, by one memset
+int threshold_state(SelState** st, unsigned** ticket, Scratch& sc, cudaStream_t s) {
+  *ticket = sc.at<unsigned>(0);
+  *st = sc.at<SelState>(128);
+  cudaMemsetAsync(sc.p, 0, 256, s);
   return status();
 }
 }  // namespace
@@ -149,9 +148,10 @@ int64_t compact_kept(const Pred& pred, int64_t n, const EmitIdx& emit, void* str
   Scratch sc(256, s);
   if (!sc.p) return -3;
   SelState* st;
-  threshold_state(&st, sc, s);
+  unsigned* ticket;
+  threshold_state(&st, &ticket, sc, s);
   long long total = 0;
-  int rc = compact(pred, n, st, emit, &total, s);
+  int rc = compact(pred, n, st, ticket, emit, &total, s);
   return rc ? rc : total;
 }
 }  // namespace
@@ -178,9 +178,10 @@ API int64_t grace_cuda_threshold_ef(const float* g, const float* r, int64_t n, f
   Scratch sc(256, s);
   if (!sc.p) return -3;
   SelState* st;
-  threshold_state(&st, sc, s);
+  unsigned* ticket;
+  threshold_state(&st, &ticket, sc, s);
   EmitIdx emit{idx, idx_type, new_r, values, new_r};
   long long total = 0;
-  int rc = compact(ThresholdPredF{new_r, thr, 1}, n, st, emit, &total, s);
+  int rc = compact(ThresholdPredF{new_r, thr, 1}, n, st, ticket, emit, &total, s);
   return rc ? rc : total;
 }

@@ -56,11 +56,15 @@ def per_batch(count: int, once: int = 0) -> Launches:
     return counted
 
 
-# grace_cuda_topk: the state, three radix passes (memset, histogram, find), the compaction's three
-TOPK_LAUNCHES = 1 + 3 * 3 + 3
-# grace_cuda_topk_ef_segments, per batch: one memset of the three passes' histograms, the compensation
-# (which starts the states), three passes (histogram, find), the compaction's three
-SEGMENT_TOPK_LAUNCHES = 1 + 1 + 3 * 2 + 3
+# grace_cuda_topk: one memset of the histograms and tickets, three radix passes (each one's last block
+# narrows the state), the counts (their last block scans them), the writes
+TOPK_LAUNCHES = 1 + 3 + 1 + 1
+# grace_cuda_threshold, grace_cuda_nonzero: one memset (the state, the ticket), the counts and scan, the writes
+COMPACT_LAUNCHES = 1 + 1 + 1
+# grace_cuda_topk_ef_segments, per batch: one memset of the three passes' histograms and tickets, the
+# compensation with the first pass, two more passes (each segment's last block narrows its state), the
+# counts (its last block scans them), the writes
+SEGMENT_TOPK_LAUNCHES = 1 + 1 + 2 + 1 + 1
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,9 @@ KERNELS: Dict[str, Kernel] = {
     "pack": both(pack, "pack", "uint8"),
     "unpack": both(unpack, "unpack", "uint8"),
     "topk_indices": both(topk_indices, "topk", "int64", launches=fixed(TOPK_LAUNCHES)),
-    "threshold_indices": both(threshold_indices, "threshold", "int64", variable=(0,), launches=fixed(4), waits=1),
-    "nonzero": both(nonzero, "nonzero", "int64", variable=(0,), launches=fixed(4), waits=1),
+    "threshold_indices": both(threshold_indices, "threshold", "int64", variable=(0,), launches=fixed(COMPACT_LAUNCHES),
+                              waits=1),
+    "nonzero": both(nonzero, "nonzero", "int64", variable=(0,), launches=fixed(COMPACT_LAUNCHES), waits=1),
     "norm": cpu(norm, "qsgd_norms", "float32"),
     "scatter_add": both(scatter_add, "scatter_add", "float32", launches=fixed(2)),
     "scatter_add_many": both(scatter_add_many, "scatter_add", "float32",
@@ -206,7 +211,7 @@ KERNELS: Dict[str, Kernel] = {
     # error feedback fused with selection: one tensor, then a bucket in one call
     "topk_ef_step": both(topk_ef_step, "topk_ef", ("float32", "index", "float32"), launches=fixed(1 + TOPK_LAUNCHES)),
     "threshold_ef_step": both(threshold_ef_step, "threshold_ef", ("float32", "index", "float32"), variable=(0, 1),
-                              launches=fixed(5), waits=1),
+                              launches=fixed(1 + COMPACT_LAUNCHES), waits=1),
     "topk_ef_step_many": cpu(topk_ef_step_many, "topk_ef_many", ("float32", "index", "float32")),
     "threshold_ef_step_many": cpu(threshold_ef_step_many, "threshold_ef_many", ("float32", "index", "float32"),
                                   variable=(0, 1)),
