@@ -286,6 +286,20 @@ API int grace_cpu_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t f
   return 0;
 }
 
+// The allreduced sum's indices checked first; then the fill (NaN where a rank flagged an
+// overflow) and each value / divisor added (0 + v / n: the decompressed sum divided, to the bit).
+API int grace_cpu_sparse_sum_mean(const float* values, const int64_t* idx, int64_t count, float divisor,
+                                  const float* flag, int64_t numel, float* out) {
+  if (count < 0 || numel < 0) return -1;
+  for (int64_t j = 0; j < count; ++j)
+    if (idx[j] < 0 || idx[j] >= numel) return -1;
+  const bool poisoned = flag && *flag > 0.0f;
+  std::fill(out, out + numel, poisoned ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+  if (!poisoned)
+    for (int64_t j = 0; j < count; ++j) out[idx[j]] += values[j] / divisor;
+  return 0;
+}
+
 // Segment s: the first ks[s] distinct of the index draws floor(hash_j * n / 2^32), j = 0, 1, ...,
 // ascending, into out (the segments one after another): a bitmap of the n indices marks those
 // drawn, and a scan of it writes them in order. Returns -1 where k > n or n > 2^32.

@@ -63,7 +63,33 @@ __global__ void k_frame_pairs(const uint8_t* frame, const uint8_t* frames, int r
     if (i >= 0 && i < numel) out[i] = __fadd_rn(out[i], __fdiv_rn(v, divisor));
   }
 }
+
+// an allreduced sum's mean: 0, or NaN everywhere where the summed flag is above 0
+__global__ void k_flagged_fill(const float* flag, int64_t numel, float* out) {
+  const float v = flag && *flag > 0.0f ? __int_as_float(0x7fc00000) : 0.0f;
+  GRID_STRIDE(i, numel) out[i] = v;
+}
+
+// its values / divisor added at their indices (distinct: no atomics)
+__global__ void k_sum_pairs(const float* values, const int64_t* idx, int64_t count, float divisor, const float* flag,
+                            int64_t numel, float* out) {
+  if (flag && *flag > 0.0f) return;  // (out stays NaN)
+  GRID_STRIDE(j, count) {
+    const int64_t i = idx[j];
+    if (i >= 0 && i < numel) out[i] = __fadd_rn(out[i], __fdiv_rn(values[j], divisor));
+  }
+}
 }  // namespace
+
+API int grace_cuda_sparse_sum_mean(const float* values, const int64_t* idx, int64_t count, float divisor,
+                                   const float* flag, int64_t numel, float* out, void* stream) {
+  if (count < 0 || numel < 0) return -1;
+  cudaStream_t s = as_stream(stream);
+  if (numel == 0) return status();
+  k_flagged_fill<<<grid_for(numel), kThreads, 0, s>>>(flag, numel, out);
+  if (count > 0) k_sum_pairs<<<grid_for(count), kThreads, 0, s>>>(values, idx, count, divisor, flag, numel, out);
+  return status();
+}
 
 API int grace_cuda_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t frame_size, const int64_t* slots,
                                       int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out,

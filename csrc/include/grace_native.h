@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 16
+#define GRACE_NATIVE_ABI 17
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -171,6 +171,12 @@ int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* cons
  * start slots[3 * count + j]. 0, or -1 (CPU: nothing written) where an index falls outside [0, numel). */
 int grace_cpu_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t frame_size, const int64_t* slots,
                                  int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out);
+/* The mean of an allreduced sparse sum (random-k's): out[numel] = 0, or NaN everywhere where `flag` (the
+ * ranks' summed overflow flags, one float; NULL: none) is above 0; else each of the `count` summed values
+ * / divisor added at its index (distinct). 0, or -1 (CPU: nothing written) where an index falls outside
+ * [0, numel). */
+int grace_cpu_sparse_sum_mean(const float* values, const int64_t* idx, int64_t count, float divisor, const float* flag,
+                              int64_t numel, float* out);
 
 /* natural_compress with counter-based draws of seed words (s0, s1) (draw i of grace_cpu_uniform_segments
  * for element i), made where they are used */
@@ -307,6 +313,10 @@ int grace_cuda_scatter_add(int count, const void* const* idx, const int* idx_typ
 int grace_cuda_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t frame_size, const int64_t* slots,
                                   int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out,
                                   void* stream);
+/* grace_cpu_sparse_sum_mean (its flag on the device): one fill, one launch; an index outside [0, numel) is
+ * skipped */
+int grace_cuda_sparse_sum_mean(const float* values, const int64_t* idx, int64_t count, float divisor,
+                               const float* flag, int64_t numel, float* out, void* stream);
 
 #ifdef __cplusplus
 }

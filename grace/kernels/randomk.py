@@ -48,6 +48,14 @@ class RandomKKernels(MethodKernels):
         return native_or_none(xp, "scatter_add_segments_into", outs[0],
                               [[(payload[0], ctx[1])] for payload, ctx in zip(summed, ctxs)], outs, n)
 
+    def summed_mean(self, xp, summed, indices, table, ranks: int, overflow):
+        """The summed values at their indices, over the ranks, poisoned by the summed flags on the
+        device: one fill and one scatter (0 + v / n, the decompressed sum divided to the bit)."""
+        if isinstance(overflow, int) and overflow:  # (read back already: poisoned after)
+            return None
+        flag = overflow if overflow is not None and not isinstance(overflow, int) else None
+        return native_or_none(xp, "sparse_sum_mean", summed[0], summed[0], indices, ranks, flag, table.numel)
+
     def segment_fields(self, numels, dtype):
         return [([sent_count(self.compressor.ratio, d) for d in numels], [dtype] * len(numels))]
 

@@ -30,7 +30,7 @@ from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments,
                                 onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress,
                                 signsgd_decompress, signsgd_decompress_sum, signsgd_decompress_sum_into)
 from grace.native.sparse import (nonzero, randomk_ef_step_many, scatter_add, scatter_add_many,
-                                 scatter_add_segments_into, sparse_frames_mean, threshold_ef_step,
+                                 scatter_add_segments_into, sparse_frames_mean, sparse_sum_mean, threshold_ef_step,
                                  threshold_ef_step_many, threshold_indices, topk_compress_segments, topk_ef_step,
                                  topk_ef_step_many, topk_ef_step_segments, topk_indices)
 from grace.native.terngrad import (terngrad_compress, terngrad_compress_drawn, terngrad_compress_segments,
@@ -135,6 +135,7 @@ KERNELS: Dict[str, Kernel] = {
                              launches=lambda arguments: 1 + len(arguments["payloads"])),
     "sparse_frames_mean": both(sparse_frames_mean, "sparse_frames_mean", "float32",
                                launches=lambda arguments: 1 + arguments["ranks"]),
+    "sparse_sum_mean": both(sparse_sum_mean, "sparse_sum_mean", "float32", launches=fixed(2)),
     "uniform_segments": both(uniform_segments, "uniform_segments", "float32", launches=per_batch(1)),
     "hash_keys_segments": gpu(hash_keys_segments, "hash_keys_segments", "int64", launches=per_batch(1)),
     "random_indices_segments": cpu(random_indices_segments, "random_indices_segments", "int64"),

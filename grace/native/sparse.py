@@ -169,6 +169,26 @@ def sparse_frames_mean(frames, ranks: int, frame_size: int, slots, flag_at: int,
     return _wrap(kind, out)
 
 
+def sparse_sum_mean(values, idx, divisor: float, flag, numel: int):
+    """The mean of an allreduced sparse sum (random-k's): a float32 array of ``numel`` zeros,
+    NaN everywhere where ``flag`` (the ranks' summed overflow flags, one float32 on the same
+    device; None: none) is above 0; else each of the summed float32 ``values`` / divisor added
+    at its int64 index of ``idx`` (distinct): 0 + v / n, the decompressed sum divided to the
+    bit. One fill and one launch on a GPU."""
+    kind = kind_of(values)
+    vb, ib = kind.flat(values), _same_kind(kind, idx)
+    fb = _same_kind(kind, flag) if flag is not None else None
+    if vb.dtype != "float32" or ib.dtype != "int64" or vb.n != ib.n:
+        raise NativeUnavailable("sparse_sum_mean takes float32 values and as many int64 indices")
+    if fb is not None and (fb.dtype != "float32" or fb.n != 1):
+        raise NativeUnavailable("sparse_sum_mean takes one float32 flag")
+    out = kind.empty(int(numel), "float32")
+    if call(kind, "sparse_sum_mean", vb.ptr, ib.ptr, vb.n, float(divisor), fb.ptr if fb is not None else None,
+            int(numel), out.ptr) != 0:
+        raise IndexError(f"an index of the sum is out of range for {numel} elements")
+    return _wrap(kind, out)
+
+
 # --- top-k, segment by segment --------------------------------------------------------------------
 def topk_compress_segments(x, starts, numels, ks):
     """topk_compress of each segment (k = ks[s]) of the flat float32 ``x``: (every segment's

@@ -123,6 +123,8 @@ CUDA_CALLS = {  # a call of each kernel the segmented plans make on a GPU: (name
     "topk_indices": lambda n, u, c: (n, 30),
     "nonzero": lambda n, u, c: (n > 0,),
     "scatter_add_many": lambda n, u, c: ([(n[:10], c[:10]), (n[10:20], c[10:20])], 3000),
+    # random-k's summed values of 100 distinct indices, a summed flag of 0
+    "sparse_sum_mean": lambda n, u, c: (n[:100], c[:100] * 7, 3.0, u[:1] * 0, 3000),
     # 3 ranks' frames of 64 bytes (zeros: values 0.0 at index 0), two pairs each: a fill and 3 launches
     "sparse_frames_mean": lambda n, u, c: ((c[:192] * 0).byte(), 3, 64,
                                            c.new_tensor([[0, 4], [8, 12], [4, 4], [0, 100]]), 60, 3.0, 3000),

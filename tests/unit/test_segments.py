@@ -12,6 +12,7 @@ import grace
 import grace.native as gn
 from grace.core import bits, segment_packing, segments
 from grace.core.communicator import ReplicaCommunicator
+from grace.core.compressor import TensorInfo
 from grace.core.plans.kernels import MethodKernels, kernels_of
 from tests.unit.conftest import METHODS, to_backend
 from tests.unit import test_buckets
@@ -327,6 +328,33 @@ def test_sparse_frames_mean_reads_the_frames_in_place_and_refuses_stray_indices(
     stray[2 * layout.size + at:2 * layout.size + at + width] = 0x7F
     with pytest.raises(IndexError, match="out of range"):
         kernels.frames_mean(xp, stray, layout, table, 3)
+
+
+def test_sparse_sum_mean_is_the_decompressed_sum_divided_and_poisoned_by_the_summed_flag():
+    """``grace.native.sparse_sum_mean`` (random-k's allreduced mean on an accelerator): bit for
+    bit the summed values decompressed, then divided (-0.0 and subnormal values included); NaN
+    everywhere where the summed flag is above 0; an index outside the bucket refused."""
+    torch = pytest.importorskip("torch")
+    if not gn.available("cpu"):
+        pytest.skip("no native CPU library")
+    from grace.backends import get_backend
+
+    xp, rng = get_backend("torch"), np.random.default_rng(6)
+    table = segments.SegmentTable.build(xp, [100, 900, 40000], torch.zeros(1))
+    kernels = kernels_of(grace.randomk(0.05).compressor)
+    (values,), indices, _ = kernels.compress_segments(xp, torch.from_numpy(rng.standard_normal(41000, np.float32)),
+                                                      table, [TensorInfo(f"g{s}", 0, 3) for s in range(3)])
+    values[:3] = torch.tensor([-0.0, 1e-40, -3e-39])
+    want = kernels.decompress_segments(xp, (values,), indices, table) / 3
+    for flag in (None, torch.zeros(1)):
+        got = kernels.summed_mean(xp, (values,), indices, table, 3, flag)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.isnan(kernels.summed_mean(xp, (values,), indices, table, 3, torch.ones(1))).all()
+    assert kernels.summed_mean(xp, (values,), indices, table, 3, 1) is None  # (a count read back: poisoned after)
+    stray = indices.clone()
+    stray[-1] = table.numel
+    with pytest.raises(IndexError, match="out of range"):
+        kernels.summed_mean(xp, (values,), stray, table, 3, None)
 
 
 # methods with a whole-bucket tensor-op form: what runs where grace.native is not built

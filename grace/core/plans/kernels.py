@@ -212,6 +212,12 @@ class MethodKernels:
             return fused(*fields, table.numels, *self.arguments())
         return self.decode_segments(xp, fields, table)
 
+    def summed_mean(self, xp, summed, ctx, table, ranks: int, overflow):
+        """Allreduce methods: ``decompress_segments`` of the summed fields divided by ``ranks``,
+        NaN where ``overflow`` (the summed flags, left on the device) counts a rank, by one native
+        call; None where the method has no such call (decoded, divided, then poisoned)."""
+        return None
+
     def frames_mean(self, xp, received, layout, table, ranks: int):
         """Allgather methods: ``aggregate_segments`` of the ranks' frames (``received``, end to
         end, of ``layout``) by one native call that reads them where they lie, poisoned by their

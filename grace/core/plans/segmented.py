@@ -130,6 +130,9 @@ class Segmented(BucketPlan):
         compressor, table, flagged = s.compression.compressor, self.table, pending.flag is not None
         if compressor.collective is Collective.ALLREDUCE:
             (summed,), overflow, fresh = pending.wait()  # (its waits are timed inside)
+            mean = s.kernels.summed_mean(xp, summed, pending.segment_ctx, table, n, overflow)
+            if mean is not None:
+                return mean, None  # (poisoned in it)
             return divided(xp, s.kernels.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
                 overflow
         if self.variable:
