@@ -300,6 +300,44 @@ API int grace_cpu_sparse_sum_mean(const float* values, const int64_t* idx, int64
   return 0;
 }
 
+// The draws ranked by hash, as a GPU's stable sort by (segment, hash) takes them (~hash: the
+// smallest first; the selection's ties go to the lowest index); the residual step as randomk_ef.
+API int grace_cpu_randomk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                      const int64_t* numels, const int64_t* ks, const uint32_t* s0,
+                                      const uint32_t* s1, const float* scales, float beta, float gamma, int flags,
+                                      float* values, int64_t* idx, float* new_r) {
+  for (int64_t s = 0; s < segments; ++s)
+    if (numels[s] < 0 || ks[s] < 0 || ks[s] > numels[s]) return -1;
+  int64_t at = 0;
+  std::vector<int64_t> sel;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t n = numels[s], k = ks[s], o = starts[s];
+    float* p = new_r + o;
+    compensate_into(g + o, r + o, n, beta, gamma, flags, p);
+    sel.clear();
+    if (k >= n) {
+      for (int64_t i = 0; i < n; ++i) sel.push_back(i);
+    } else if (k > 0) {
+      const uint32_t a = s0[s], b = s1[s];
+      auto key = [&](int64_t i) { return (uint32_t)~hash32(hash32((uint64_t)i ^ a) ^ b); };
+      auto hist1 = [&](int, int64_t lo, int64_t hi, int64_t* h, int shift) {
+        for (int64_t i = lo; i < hi; ++i) h[key(i) >> shift]++;
+      };
+      topk_select<uint32_t>(n, k, 32, hist1, key, sel);
+    }
+    const float scale = scales ? scales[s] : 1.0f;
+    for (int64_t j = 0; j < (int64_t)sel.size(); ++j) {
+      const int64_t i = sel[j];
+      const float v = scale == 1.0f ? p[i] : p[i] * scale;
+      values[at + j] = v;
+      idx[at + j] = o + i;
+      p[i] = p[i] - (0.0f + v);
+    }
+    at += k;
+  }
+  return 0;
+}
+
 // Segment s: the first ks[s] distinct of the index draws floor(hash_j * n / 2^32), j = 0, 1, ...,
 // ascending, into out (the segments one after another): a bitmap of the n indices marks those
 // drawn, and a scan of it writes them in order. Returns -1 where k > n or n > 2^32.

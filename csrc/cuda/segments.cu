@@ -5,6 +5,7 @@
 #include "signs.cuh"
 
 #include <type_traits>
+#include <vector>
 
 namespace {
 // ---- a bucket's segments, one launch per kernel ---------------------------------------------------
@@ -22,7 +23,8 @@ struct SegBatch {
   int64_t u[kSegBatch];    // first draw; the draws' kernels: the seed words s0 | s1 << 32
   int64_t p[kSegBatch];    // first byte of its packed codes (natural compression: of its sign bits)
   int64_t q[kSegBatch];    // first scalar (scale, means, norms); natural compression: first code
-  int64_t r[kSegBatch];    // first slot of its partial sums in the scratch
+  int64_t r[kSegBatch];    // first slot of its partial sums in the scratch; random-k: its seed words
+  float f[kSegBatch];      // random-k: the factor its values are sent times (d / k, or 1)
   int block0[kSegBatch + 1];  // this launch's blocks of segment k: [block0[k], block0[k + 1])
 };
 
@@ -230,8 +232,11 @@ __global__ void k_mean_seg(SegBatch t, int ranks, const uint8_t* a, int64_t a_ra
   }
 }
 
-// top-k with error feedback (grace_cuda_topk_ef) of every segment: t.u holds its k, t.p its first
-// value and index, t.q its first compaction tile; selection state s and histogram s per segment
+// A selection with error feedback of every segment: t.u holds its k, t.p its first value and
+// index, t.q its first compaction tile; selection state s and histogram s per segment. What it
+// ranks by is `By`'s: top-k's |p| (grace_cuda_topk_ef), or random-k's draws (the k smallest
+// hashes of draws 0 .. n - 1 of the seed words t.r[s], ties to the lowest index, as one stable
+// sort by (segment, hash) takes them), sent times t.f[s] at indices in the bucket.
 __host__ __device__ __forceinline__ bool selects(const SegBatch& t, int s) { return t.u[s] > 0 && t.u[s] < t.n[s]; }
 
 constexpr int kHistBins = 2048;
@@ -252,6 +257,40 @@ struct KeyAbsCompensated {
   }
 };
 
+// a draw's key: the smallest hashes rank first
+struct KeyDrawn {
+  int64_t words;
+  __device__ __forceinline__ uint32_t operator()(int64_t i) const { return ~draw_hash(i, words); }
+};
+
+// `key`, with p = compensate(g, r) written on the way (keys that do not read p)
+template <class Key>
+struct Compensating {
+  Compensated c;
+  float* p;
+  Key key;
+  __device__ __forceinline__ uint32_t operator()(int64_t i) const {
+    p[i] = c[i];
+    return key(i);
+  }
+};
+
+struct ByMagnitude {
+  static constexpr bool kInBucket = false;  // indices within their segment
+  __device__ static KeyAbs key(const SegBatch& t, int s, const float* p) { return KeyAbs{p + t.x[s]}; }
+  __device__ static KeyAbsCompensated first(const SegBatch& t, int s, const Compensated& c, float* p) {
+    return KeyAbsCompensated{c, p + t.x[s]};
+  }
+};
+
+struct ByDraws {
+  static constexpr bool kInBucket = true;  // indices in the bucket
+  __device__ static KeyDrawn key(const SegBatch& t, int s, const float*) { return KeyDrawn{t.r[s]}; }
+  __device__ static Compensating<KeyDrawn> first(const SegBatch& t, int s, const Compensated& c, float* p) {
+    return Compensating<KeyDrawn>{c, p + t.x[s], KeyDrawn{t.r[s]}};
+  }
+};
+
 // a segment's last block of a pass: its state narrowed to the bin where the count reaches need
 __device__ inline void find_if_last(const SegBlock& sb, unsigned* tickets, const unsigned long long* h, int nbins,
                                     int shift, SelState* st) {
@@ -260,6 +299,7 @@ __device__ inline void find_if_last(const SegBlock& sb, unsigned* tickets, const
 
 // p = compensate(g, r) of every segment and, for those that select, the first pass: the state
 // starts at (prefix 0, mask 0, need k), so the pass needs no state read
+template <class By>
 __global__ void k_compensate_hist_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
                                       float* p, SelState* st, int shift, int nbins, unsigned long long* h,
                                       unsigned* tickets) {
@@ -272,44 +312,50 @@ __global__ void k_compensate_hist_seg(SegBatch t, const float* g, const float* r
     return;
   }
   const SelState start{0u, 0u, (long long)t.u[s]};
-  hist(KeyAbsCompensated{c, p + o}, t.n[s], &start, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
+  hist(By::first(t, s, c, p), t.n[s], &start, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
   if (!last_of(tickets + s, sb.blocks)) return;
   if (threadIdx.x == 0) st[s] = start;
   __syncthreads();
   if (threadIdx.x < 32) find(h + (int64_t)s * kHistBins, nbins, shift, st + s);
 }
 
-__global__ void k_topk_hist_seg(SegBatch t, const float* p, SelState* st, int shift, int nbins,
-                                unsigned long long* h, unsigned* tickets) {
+template <class By>
+__global__ void k_select_hist_seg(SegBatch t, const float* p, SelState* st, int shift, int nbins,
+                                  unsigned long long* h, unsigned* tickets) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   if (!selects(t, s)) return;
-  hist(KeyAbs{p + t.x[s]}, t.n[s], st + s, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
+  hist(By::key(t, s, p), t.n[s], st + s, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
   find_if_last(sb, tickets, h + (int64_t)s * kHistBins, nbins, shift, st + s);
 }
 
 // each tile's counts; a segment's last block scans them into the tiles' offsets
-__global__ void k_topk_count_seg(SegBatch t, const float* p, const SelState* st, long long* cg, long long* ce,
-                                 long long* totals, unsigned* tickets) {
+template <class By>
+__global__ void k_select_count_seg(SegBatch t, const float* p, const SelState* st, long long* cg, long long* ce,
+                                   long long* totals, unsigned* tickets) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   if (!selects(t, s)) return;
-  count(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, t.n[s], st + s, cg + t.q[s], ce + t.q[s], sb.block);
+  using Key = decltype(By::key(t, s, p));
+  count(TopkPred<Key>{By::key(t, s, p)}, t.n[s], st + s, cg + t.q[s], ce + t.q[s], sb.block);
   if (last_of(tickets + s, sb.blocks)) scan2<kThreads>(cg + t.q[s], ce + t.q[s], tiles_of(t.n[s]), totals + 2 * s);
 }
 
-__global__ void k_topk_write_seg(SegBatch t, float* p, const SelState* st, const long long* cg, const long long* ce,
-                                 int64_t* idx, float* values) {
+template <class By>
+__global__ void k_select_write_seg(SegBatch t, float* p, const SelState* st, const long long* cg, const long long* ce,
+                                   int64_t* idx, float* values) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   const int64_t n = t.n[s], k = t.u[s];
-  const EmitIdx emit{idx + t.p[s], GRACE_I64, p + t.x[s], values + t.p[s], p + t.x[s]};
+  const EmitIdx emit{idx + t.p[s], GRACE_I64, p + t.x[s], values + t.p[s], p + t.x[s], t.f[s],
+                     By::kInBucket ? t.x[s] : 0};
   if (k >= n) {  // every element (k_take_all)
     BLOCK_STRIDE(i, n, sb.block, sb.blocks) emit(i, i);
     return;
   }
   if (k <= 0) return;
-  write(TopkPred<KeyAbs>{KeyAbs{p + t.x[s]}}, n, st + s, cg + t.q[s], ce + t.q[s], emit, sb.block);
+  using Key = decltype(By::key(t, s, p));
+  write(TopkPred<Key>{By::key(t, s, p)}, n, st + s, cg + t.q[s], ce + t.q[s], emit, sb.block);
 }
 
 // Runs launch(batch, its first segment) on each batch of up to kSegBatch segments, fill(batch,
@@ -638,13 +684,15 @@ API int grace_cuda_decode_segments(int method, int64_t segments, const int64_t* 
                                   stream);
 }
 
-// grace_cuda_topk_ef of every segment (0 <= ks[s] <= numels[s]): p = compensate(g, r) into new_r,
-// the ks[s] largest |p| (ties to the lowest index) into values and idx (int64, in the segment)
-// from the previous segments' ks on, new_r = 0 where sent; one launch per kernel per 64 segments.
-// flags & 4: p = g (r unread, may be NULL): a bucket's plain top-k, new_r its scratch
-API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
-                                    const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
-                                    float* values, int64_t* idx, float* new_r, void* stream) {
+namespace {
+// The selections with error feedback of every segment (0 <= ks[s] <= numels[s]), by `By`: p =
+// compensate(g, r) into new_r, the ks[s] chosen into values and idx (int64) from the previous
+// segments' ks on, new_r = p - (0 + value) where sent; one launch per kernel per 64 segments.
+// words, scales: random-k's seed words and factors per segment (NULL: none, 1).
+template <class By>
+int select_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts, const int64_t* numels,
+                       const int64_t* ks, const int64_t* words, const float* scales, float beta, float gamma,
+                       int flags, float* values, int64_t* idx, float* new_r, void* stream) {
   int64_t most_tiles = 0;
   if (!r && !(flags & 4)) return -1;
   for (int64_t s = 0; s < segments; ++s) {
@@ -675,6 +723,8 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
         t.u[k] = ks[s];
         t.p[k] = sent;
         t.q[k] = tile;
+        t.r[k] = words ? words[s] : 0;
+        t.f[k] = scales ? scales[s] : 1.0f;
         sent += ks[s];
         tile += tiles_of(numels[s]);
       },
@@ -686,20 +736,43 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
         const dim3 first_grid = seg_grid(t, [&](int k) {
           return selects(t, k) ? grid_for(t.n[k], kThreads * 16, 2048) : (t.n[k] + kThreads - 1) / kThreads;
         });
-        k_compensate_hist_seg<<<first_grid, kThreads, 0, st>>>(t, g, r, beta, gamma, flags, new_r, state, shifts[0],
-                                                                bins[0], h, tickets);
+        k_compensate_hist_seg<By><<<first_grid, kThreads, 0, st>>>(t, g, r, beta, gamma, flags, new_r, state,
+                                                                    shifts[0], bins[0], h, tickets);
         const dim3 hist_grid =
             seg_grid(t, [&](int k) { return selects(t, k) ? grid_for(t.n[k], kThreads * 16, 2048) : 1; });
         for (int d = 1; d < kPasses; ++d)
-          k_topk_hist_seg<<<hist_grid, kThreads, 0, st>>>(t, new_r, state, shifts[d], bins[d], h + d * pass_bins,
-                                                          tickets + d * kSegBatch);
+          k_select_hist_seg<By><<<hist_grid, kThreads, 0, st>>>(t, new_r, state, shifts[d], bins[d],
+                                                                h + d * pass_bins, tickets + d * kSegBatch);
         const dim3 tile_grid = seg_grid(t, [&](int k) { return selects(t, k) ? tiles_of(t.n[k]) : 1; });
-        k_topk_count_seg<<<tile_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce, totals,
-                                                         tickets + kPasses * kSegBatch);
+        k_select_count_seg<By><<<tile_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce, totals,
+                                                               tickets + kPasses * kSegBatch);
         const dim3 write_grid = seg_grid(t, [&](int k) {  // all: a thread per element; none: a block
           return t.u[k] >= t.n[k] ? (t.n[k] + kThreads - 1) / kThreads : (t.u[k] > 0 ? tiles_of(t.n[k]) : 1);
         });
-        k_topk_write_seg<<<write_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce, idx, values);
+        k_select_write_seg<By><<<write_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce, idx, values);
         return 0;
       });
+}
+}  // namespace
+
+// grace_cuda_topk_ef of every segment: the ks[s] largest |p| (ties to the lowest index), indices
+// in the segment. flags & 4: p = g (r unread, may be NULL): a bucket's plain top-k, new_r its scratch
+API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                    const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
+                                    float* values, int64_t* idx, float* new_r, void* stream) {
+  return select_ef_segments<ByMagnitude>(g, r, segments, starts, numels, ks, nullptr, nullptr, beta, gamma, flags,
+                                         values, idx, new_r, stream);
+}
+
+// random-k with residual memory of every segment: the indices of the ks[s] smallest hashes of
+// draws 0 .. numels[s] - 1 of the seed words (s0[s], s1[s]) (ties to the lowest index), in the
+// bucket, ascending; the values p times scales[s] (NULL: as they are)
+API int grace_cuda_randomk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                       const int64_t* numels, const int64_t* ks, const uint32_t* s0,
+                                       const uint32_t* s1, const float* scales, float beta, float gamma, int flags,
+                                       float* values, int64_t* idx, float* new_r, void* stream) {
+  std::vector<int64_t> words(std::max<int64_t>(segments, 0));
+  for (int64_t s = 0; s < segments; ++s) words[s] = (int64_t)((uint64_t)s0[s] | (uint64_t)s1[s] << 32);
+  return select_ef_segments<ByDraws>(g, r, segments, starts, numels, ks, words.data(), scales, beta, gamma, flags,
+                                     values, idx, new_r, stream);
 }

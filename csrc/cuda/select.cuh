@@ -177,13 +177,15 @@ struct EmitIdx {
   int idx_type;
   const float* values_src;  // NULL: no values
   float* values;
-  float* new_r;             // error feedback: new_r[i] = p - (0 + p) where sent
+  float* new_r;             // error feedback: new_r[i] = p - (0 + v) where sent
+  float scale = 1.0f;       // v = p * scale (random-k's d / k; 1: p itself)
+  int64_t base = 0;         // the index written: base + i
   __device__ void operator()(int64_t pos, int64_t i) const {
-    put_index(idx, idx_type, pos, i);
+    put_index(idx, idx_type, pos, base + i);
     if (values) {
-      float p = values_src[i];
-      values[pos] = p;
-      if (new_r) new_r[i] = __fsub_rn(p, __fadd_rn(0.0f, p));
+      const float p = values_src[i], v = scale == 1.0f ? p : __fmul_rn(p, scale);
+      values[pos] = v;
+      if (new_r) new_r[i] = __fsub_rn(p, __fadd_rn(0.0f, v));
     }
   }
 };

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 17
+#define GRACE_NATIVE_ABI 18
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -160,6 +160,15 @@ int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const floa
 int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                               const int64_t* n, const int64_t* k, const int64_t* const* idx, float beta, float gamma,
                               int flags, const float* scale, float* const* values, float* nonfinite);
+/* random-k's residual step for every segment of a flat bucket, the indices drawn as a GPU draws them: the
+ * k[s] smallest 32-bit hashes of draws 0 .. numels[s] - 1 of the seed words (s0[s], s1[s]) (ties to the
+ * lowest index), ascending, written in the bucket (starts[s] + i, int64); p = compensate(g, r) into new_r
+ * (the whole buffer), the values p times scales[s] (NULL: as they are), new_r there p - (0 + value).
+ * 0, or -1 where a k is outside [0, numels[s]]. */
+int grace_cpu_randomk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                  const int64_t* numels, const int64_t* ks, const uint32_t* s0, const uint32_t* s1,
+                                  const float* scales, float beta, float gamma, int flags, float* values, int64_t* idx,
+                                  float* new_r);
 int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* const* idx, const int* idx_types,
                                    const void* const* values, const int64_t* lengths, float divisor,
                                    const int64_t* numels, float* const* dense);
@@ -291,6 +300,11 @@ int grace_cuda_onebit_ef_segments(const float* g, const float* r, int64_t segmen
 int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                 const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
                                 float* values, int64_t* idx, float* new_r, void* stream);
+/* grace_cpu_randomk_ef_segments: the top-k segment kernels ranking each segment's draws by hash */
+int grace_cuda_randomk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
+                                   const int64_t* numels, const int64_t* ks, const uint32_t* s0, const uint32_t* s1,
+                                   const float* scales, float beta, float gamma, int flags, float* values,
+                                   int64_t* idx, float* new_r, void* stream);
 /* every segment's payload decoded into the flat out: method 0 sign bits (b: a scale per segment,
  * or NULL), 1 1-bit SGD (two means each), 2 TernGrad (a scale each), 3 QSGD (its norms),
  * 4 natural compression (a: sign bits, b: codes) */

@@ -202,6 +202,10 @@ class NumpyBackend:
         """``uniform(counts[s], seeds[s])`` for every s, in a row."""
         return draws.uniform_numpy(counts, seeds) if len(counts) else np.zeros(0, np.float32)
 
+    def indices_by_hash(self, like) -> bool:
+        """Whether random indices are the k smallest hashes of the draws: never here."""
+        return False
+
     def random_indices_segments(self, numels, ks, seeds, like=None):
         """``random_indices(numels[s], ks[s], seeds[s])`` for every s, in a row."""
         return _joined([self.random_indices(d, k, seed) for d, k, seed in zip(numels, ks, seeds)], np.int64)

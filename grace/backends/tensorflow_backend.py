@@ -357,6 +357,10 @@ class TensorflowBackend:
         """``uniform(counts[s], seeds[s])`` for every s, in a row."""
         return self.concat([self.uniform(c, seed, like) for c, seed in zip(counts, seeds)])
 
+    def indices_by_hash(self, like) -> bool:
+        """Whether random indices are the k smallest hashes of the draws: never here."""
+        return False
+
     def random_indices_segments(self, numels, ks, seeds, like=None):
         """``random_indices(numels[s], ks[s], seeds[s])`` for every s, in a row."""
         return self.concat([self.random_indices(d, k, seed, like) for d, k, seed in zip(numels, ks, seeds)])

@@ -298,6 +298,11 @@ class TorchBackend:
     def random_indices(self, numel: int, k: int, seed, like=None):
         return self.random_indices_segments([int(numel)], [int(k)], [seed], like)
 
+    def indices_by_hash(self, like) -> bool:
+        """Whether random indices for tensors ``like`` are the k smallest hashes of the draws (a
+        kernel that ranks the draws may make them instead)."""
+        return _counter_indices(self, like)
+
     def random_indices_segments(self, numels, ks, seeds, like=None):
         """``random_indices(numels[s], ks[s], seeds[s])`` for every s, in a row. On a GPU a
         segment's indices are those of its ks[s] smallest hashes (ties: the lowest index),

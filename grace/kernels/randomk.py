@@ -1,10 +1,13 @@
 """Random-k's fast paths: a bucket's residual steps in one native call (CPU, the indices drawn
 first for all gradients), the residual written at the sent indices only, the summed values of a
-bucket decoded in one call, and the segment-wise form (one draw, one gather, one scatter).
+bucket decoded in one call, and the segment-wise forms: the residual step by the segment kernels
+that rank the draws (a GPU's rule of indices), or one draw, one gather, one scatter; the mean
+of the allreduced sum by one fill and one scatter.
 """
 import numpy as np
 
 from grace.compressors.randomk import RandomK
+from grace.core import draws
 from grace.core.compressor import Shape, native_or_none, sent_count
 from grace.core.plans.kernels import MethodKernels, kernels_for
 
@@ -58,6 +61,23 @@ class RandomKKernels(MethodKernels):
 
     def segment_fields(self, numels, dtype):
         return [([sent_count(self.compressor.ratio, d) for d in numels], [dtype] * len(numels))]
+
+    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
+        """Residual memory's step of every segment where the indices are a GPU's draws (the k
+        smallest hashes): compensation, draws, gather and the new memory in the top-k segment
+        kernels (on a GPU no hash keys written and no sort of the bucket)."""
+        randomk = self.compressor
+        if not xp.indices_by_hash(g):  # (a CPU's are other draws: grace.core.draws)
+            return None
+        ks = [sent_count(randomk.ratio, d) for d in table.numels]
+        words = [draws.seed_words(info.seed(randomk.seed)) for info in infos]
+        scales = [d / k for d, k in zip(table.numels, ks)] if randomk.scale else None
+        done = native_or_none(xp, "randomk_ef_step_segments", g, g, residual, table.starts, table.numels, ks, words,
+                              scales, beta, gamma)
+        if done is None:
+            return None
+        values, indices, residual = done
+        return (values,), indices, residual
 
     def compress_segments(self, xp, p, table, infos):
         randomk = self.compressor

@@ -24,8 +24,8 @@ from here (the last imports below). Which module holds which:
     packing.py      pack, unpack, frame_pieces
     sparse.py       topk_indices, threshold_indices, nonzero, topk_ / threshold_compress, scatter_add(_many),
                     topk_ / threshold_ef_step, topk_compress_segments, topk_ef_step_segments,
-                    topk_ / threshold_ / randomk_ef_step_many, scatter_add_segments_into, sparse_frames_mean,
-                    sparse_sum_mean
+                    topk_ / threshold_ / randomk_ef_step_many, randomk_ef_step_segments, scatter_add_segments_into,
+                    sparse_frames_mean, sparse_sum_mean
     signs.py        signsgd_, efsignsgd_, onebit_: compress, decompress, decompress_sum(_into);
                     efsignsgd_, onebit_: compress_segments, decompress_segments, ef_step_many, ef_step_segments,
                     residual_into
@@ -70,7 +70,7 @@ from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments,
                                 onebit_decompress_segments, onebit_decompress_sum, onebit_decompress_sum_into,
                                 onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress,
                                 signsgd_decompress, signsgd_decompress_sum, signsgd_decompress_sum_into)
-from grace.native.sparse import (nonzero, randomk_ef_step_many, scatter_add, scatter_add_many,
+from grace.native.sparse import (nonzero, randomk_ef_step_many, randomk_ef_step_segments, scatter_add, scatter_add_many,
                                  scatter_add_segments_into, sparse_frames_mean, sparse_sum_mean, threshold_compress,
                                  threshold_ef_step, threshold_ef_step_many, threshold_indices, topk_compress,
                                  topk_compress_segments, topk_ef_step, topk_ef_step_many, topk_ef_step_segments,
@@ -99,12 +99,12 @@ __all__ = [
     "onebit_decompress_sum_into", "onebit_ef_step_many", "onebit_ef_step_segments", "onebit_mean_segments",
     "onebit_residual_into", "pack", "payload_ranks", "qsgd_compress", "qsgd_compress_drawn", "qsgd_compress_segments",
     "qsgd_decompress", "qsgd_decompress_segments", "qsgd_decompress_sum", "qsgd_decompress_sum_into",
-    "qsgd_mean_segments", "random_indices_segments", "randomk_ef_step_many", "run", "scatter_add", "scatter_add_many",
-    "scatter_add_segments_into", "set_enabled", "set_num_threads", "signsgd_compress", "signsgd_decompress",
-    "signsgd_decompress_sum", "signsgd_decompress_sum_into", "signsgd_mean_segments", "sparse_frames_mean",
-    "sparse_sum_mean", "supports", "terngrad_compress", "terngrad_compress_drawn", "terngrad_compress_segments",
-    "terngrad_decompress", "terngrad_decompress_segments", "terngrad_decompress_sum", "terngrad_decompress_sum_into",
-    "terngrad_mean_segments", "threshold_compress",
+    "qsgd_mean_segments", "random_indices_segments", "randomk_ef_step_many", "randomk_ef_step_segments", "run",
+    "scatter_add", "scatter_add_many", "scatter_add_segments_into", "set_enabled", "set_num_threads",
+    "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "signsgd_decompress_sum_into",
+    "signsgd_mean_segments", "sparse_frames_mean", "sparse_sum_mean", "supports", "terngrad_compress",
+    "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",
+    "terngrad_decompress_sum", "terngrad_decompress_sum_into", "terngrad_mean_segments", "threshold_compress",
     "threshold_ef_step", "threshold_ef_step_many", "threshold_indices", "topk_compress", "topk_compress_segments",
     "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack"
 ]

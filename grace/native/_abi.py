@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 17  # GRACE_NATIVE_ABI
+ABI = 18  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -58,6 +58,7 @@ CPU = {
     "bits_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _I, _I, _P, _P, _P]),
     "threshold_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _F, _I, _P, _P, _P, _P, _P]),
     "randomk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
+    "randomk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
     "scatter_add_segments": (_I, [_L, _I, _P, _P, _P, _P, _F, _P, _P]),
     "sparse_frames_mean": (_I, [_P, _I, _L, _P, _L, _L, _F, _L, _P]),
     "sparse_sum_mean": (_I, [_P, _P, _L, _F, _P, _L, _P]),
@@ -108,6 +109,7 @@ CUDA = {
     "efsign_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
     "onebit_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
     "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
+    "randomk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
     "decode_segments": (_I, [_I, _L, _P, _P, _P, _I, _L, _I, _P, _P]),
     "mean_segments": (_I, [_I, _L, _P, _I, _P, _P, _I, _L, _I, _I, _P, _I, _P, _P, _P]),
     "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P, _P]),
@@ -122,5 +124,6 @@ CUDA_STREAM = frozenset({
     "natural_decode", "topk", "topk_ef", "threshold", "nonzero", "threshold_ef", "uniform_segments",
     "hash_keys_segments", "terngrad_compress_segments", "natural_compress_segments", "qsgd_compress_segments",
     "efsign_compress_segments", "onebit_compress_segments", "efsign_ef_segments", "onebit_ef_segments",
-    "topk_ef_segments", "decode_segments", "mean_segments", "scatter_add", "sparse_frames_mean", "sparse_sum_mean",
+    "topk_ef_segments", "randomk_ef_segments", "decode_segments", "mean_segments", "scatter_add", "sparse_frames_mean",
+    "sparse_sum_mean",
 })

@@ -29,7 +29,7 @@ from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments,
                                 onebit_decompress_segments, onebit_decompress_sum, onebit_decompress_sum_into,
                                 onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress,
                                 signsgd_decompress, signsgd_decompress_sum, signsgd_decompress_sum_into)
-from grace.native.sparse import (nonzero, randomk_ef_step_many, scatter_add, scatter_add_many,
+from grace.native.sparse import (nonzero, randomk_ef_step_many, randomk_ef_step_segments, scatter_add, scatter_add_many,
                                  scatter_add_segments_into, sparse_frames_mean, sparse_sum_mean, threshold_ef_step,
                                  threshold_ef_step_many, threshold_indices, topk_compress_segments, topk_ef_step,
                                  topk_ef_step_many, topk_ef_step_segments, topk_indices)
@@ -207,6 +207,8 @@ KERNELS: Dict[str, Kernel] = {
                                        cuda="efsign_ef_segments", launches=per_batch(3)),
     "onebit_ef_step_segments": both(onebit_ef_step_segments, "bits_ef_many", ("uint8", "float32", "float32"),
                                     cuda="onebit_ef_segments", launches=per_batch(3)),
+    "randomk_ef_step_segments": both(randomk_ef_step_segments, "randomk_ef_segments", ("float32", "int64", "float32"),
+                                     launches=per_batch(SEGMENT_TOPK_LAUNCHES)),
     "topk_ef_step_segments": both(topk_ef_step_segments, "topk_ef", ("float32", "int64", "float32"),
                                   cuda="topk_ef_segments", launches=per_batch(SEGMENT_TOPK_LAUNCHES)),
     # error feedback fused with selection: one tensor, then a bucket in one call

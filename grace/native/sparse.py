@@ -19,8 +19,8 @@ from grace.formats import ITEMSIZE, index_dtype
 from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, kind_of
 from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
                                   _every, _field, _flag, _float32, _head, _in_place_all, _index_buf, _index_codes,
-                                  _int64s,
-                                  _on_gpu, _placed, _pointers, _same_kind, _same_kind_all, _wrap)
+                                  _int64s, _on_gpu, _placed, _pointers, _same_kind, _same_kind_all, _seed_word_arrays,
+                                  _wrap)
 
 
 # --- selection ------------------------------------------------------------------------------------
@@ -233,6 +233,24 @@ def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, ga
         if got != k:
             raise RuntimeError(f"native top-k step returned {got} of {k}")
         at += k
+    return _wrap(kind, values, idx, ob)
+
+
+def randomk_ef_step_segments(g, residual, starts, numels, ks, words, scales=None, beta: float = 1.0,
+                             gamma: float = 1.0, out=None):
+    """Random-k's residual step of every segment of a flat bucket, its indices drawn as on a GPU
+    (the ks[s] smallest hashes of draws 0 .. numels[s] - 1 of the seed words ``words[s]``, ties
+    to the lowest index, ascending; grace.core.draws): (values p[i] times ``scales[s]`` where
+    given, in a row; their indices in the bucket (int64); the new residual, p with p - (0 +
+    value) at them). On a GPU the top-k segment kernels rank the draws by their hashes."""
+    kind, gb, rb, ob = _ef_inputs(g, residual, out)
+    _check_segments(gb.n, starts, numels)
+    values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
+    s0, s1 = _seed_word_arrays(words)
+    scale = None if scales is None else (ctypes.c_float * len(ks))(*scales)
+    if call(kind, "randomk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels), _int64s(ks),
+            s0, s1, scale, float(beta), float(gamma), _ef_flags(beta, gamma), values.ptr, idx.ptr, ob.ptr) != 0:
+        raise ValueError("each segment's k must lie in [0, its size]")
     return _wrap(kind, values, idx, ob)
 
 

@@ -95,6 +95,8 @@ def test_a_segment_kernels_cuda_launches_grow_by_batches_of_segments():
         starts = list(range(0, 130 // segments * segments, 130 // segments))
         assert topk.cuda_cost(x, x, starts, numels, [1] * segments) == (6 * batches, 0)
         assert gn.KERNELS["topk_compress_segments"].cuda_cost(x, starts, numels, [1] * segments) == (6 * batches, 0)
+        assert gn.KERNELS["randomk_ef_step_segments"].cuda_cost(x, x, starts, numels, [1] * segments,
+                                                                 [(1, 2)] * segments) == (6 * batches, 0)
     assert gn.KERNELS["uniform_segments"].cuda_cost([5] * 65, [(1, 2)] * 65, x) == (2, 0)
     assert gn.KERNELS["terngrad_compress_segments"].cuda_cost(x, [0], [130], [(1, 2)]) == (1 + 2, 0)
     assert gn.KERNELS["terngrad_mean_segments"].cuda_cost(x, x, [5] * 65, 4, (False, (4,)), None) == (2, 0)
@@ -106,6 +108,8 @@ def test_a_segment_kernels_cuda_launches_grow_by_batches_of_segments():
 CUDA_CALLS = {  # a call of each kernel the segmented plans make on a GPU: (name, arguments of a 1-d n, u, c)
     "topk_ef_step_segments": lambda n, u, c: (n, u, [0, 1000], [1000, 2000], [10, 20]),
     "topk_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], [10, 20]),
+    "randomk_ef_step_segments": lambda n, u, c: (n, u, [0, 1000], [1000, 2000], [10, 20], [(1, 2), (3, 4)],
+                                                 [100.0, 100.0]),
     "efsignsgd_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000]),
     "onebit_compress_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000]),
     "efsignsgd_ef_step_segments": lambda n, u, c: (n, u, [0, 1000], [1000, 2000], 1.0, 0.1),

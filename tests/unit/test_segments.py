@@ -357,6 +357,30 @@ def test_sparse_sum_mean_is_the_decompressed_sum_divided_and_poisoned_by_the_sum
         kernels.summed_mean(xp, (values,), stray, table, 3, None)
 
 
+@pytest.mark.parametrize("method", ["randomk", "randomk_scaled"])
+def test_random_k_segments_rank_the_draws_as_a_gpus_sort_takes_them(method, monkeypatch):
+    """On an accelerator random-k's indices are the k smallest hashes of the draws (a stable sort
+    by segment and hash, gradient by gradient). The segment kernels that rank the draws instead
+    (``grace.native.randomk_ef_step_segments``, no sort) send the same values and keep the same
+    memory, bit for bit, over steps with an overflow."""
+    pytest.importorskip("torch")
+    if not gn.available("cpu"):
+        pytest.skip("no native CPU library")
+    from grace.backends import get_backend, torch_backend
+
+    xp = get_backend("torch")
+    monkeypatch.setattr(torch_backend, "_counter_indices", lambda backend, like: like is not None)
+    units = run(xp, with_buckets(METHODS[method], 25), steps=4, bad_step=1)  # gradient by gradient, sorted
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
+    sorted_draws = type(xp).random_indices_segments
+    with monkeypatch.context() as m:  # (the bucket's draws come from the kernel, not a sort)
+        m.setattr(type(xp), "random_indices_segments", lambda *a, **k: pytest.fail("drawn by a sort"))
+        segmented = run(xp, with_buckets(METHODS[method], 25), steps=4, bad_step=1)
+    assert type(xp).random_indices_segments is sorted_draws
+    assert segmented_plans(segmented[0]) and not segmented_plans(units[0])
+    assert_runs_equal(xp, units, segmented, method)
+
+
 # methods with a whole-bucket tensor-op form: what runs where grace.native is not built
 WHOLE_BUCKET = [label for label in SEGMENTED
                 if type(kernels_of(METHODS[label]().compressor)).encode_segments is not MethodKernels.encode_segments]
