@@ -305,15 +305,16 @@ API int grace_cpu_sparse_sum_mean(const float* values, const int64_t* idx, int64
 API int grace_cpu_randomk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                       const int64_t* numels, const int64_t* ks, const uint32_t* s0,
                                       const uint32_t* s1, const float* scales, float beta, float gamma, int flags,
-                                      float* values, int64_t* idx, float* new_r) {
+                                      float* values, int64_t* idx, float* new_r, void* flag, int flag_width) {
   for (int64_t s = 0; s < segments; ++s)
     if (numels[s] < 0 || ks[s] < 0 || ks[s] > numels[s]) return -1;
   int64_t at = 0;
   std::vector<int64_t> sel;
+  std::atomic<bool> bad{false};
   for (int64_t s = 0; s < segments; ++s) {
     const int64_t n = numels[s], k = ks[s], o = starts[s];
     float* p = new_r + o;
-    compensate_into(g + o, r + o, n, beta, gamma, flags, p);
+    compensate_into(g + o, r + o, n, beta, gamma, flags, p, flag ? &bad : nullptr);
     sel.clear();
     if (k >= n) {
       for (int64_t i = 0; i < n; ++i) sel.push_back(i);
@@ -335,6 +336,8 @@ API int grace_cpu_randomk_ef_segments(const float* g, const float* r, int64_t se
     }
     at += k;
   }
+  if (flag && flag_width == 1) *static_cast<uint8_t*>(flag) = bad ? 1 : 0;
+  else if (flag) *static_cast<float*>(flag) = bad ? 1.0f : 0.0f;
   return 0;
 }
 

@@ -246,13 +246,20 @@ constexpr int kHistBins = 2048;
 // (last_of, one ticket counter per segment and launch: `tickets`, zeroed with the histograms).
 constexpr int kTicketSets = 4;  // the three passes, the counts
 
+// g's inf or NaN told to `bad` (where given): the overflow flag made in the pass that reads g
+__device__ __forceinline__ void tell_nonfinite(float g, unsigned* bad) {
+  if (bad && !isfinite(g)) atomicOr(bad, 1u);
+}
+
 // |p|'s key, p = compensate(g, r) written to p on the way: the first pass reads each element once
 struct KeyAbsCompensated {
   Compensated c;
   float* p;
+  unsigned* bad;
   __device__ __forceinline__ uint32_t operator()(int64_t i) const {
     const float v = c[i];
     p[i] = v;
+    tell_nonfinite(c.g[i], bad);
     return __float_as_uint(v) & 0x7fffffffu;
   }
 };
@@ -268,9 +275,11 @@ template <class Key>
 struct Compensating {
   Compensated c;
   float* p;
+  unsigned* bad;
   Key key;
   __device__ __forceinline__ uint32_t operator()(int64_t i) const {
     p[i] = c[i];
+    tell_nonfinite(c.g[i], bad);
     return key(i);
   }
 };
@@ -278,16 +287,17 @@ struct Compensating {
 struct ByMagnitude {
   static constexpr bool kInBucket = false;  // indices within their segment
   __device__ static KeyAbs key(const SegBatch& t, int s, const float* p) { return KeyAbs{p + t.x[s]}; }
-  __device__ static KeyAbsCompensated first(const SegBatch& t, int s, const Compensated& c, float* p) {
-    return KeyAbsCompensated{c, p + t.x[s]};
+  __device__ static KeyAbsCompensated first(const SegBatch& t, int s, const Compensated& c, float* p, unsigned* bad) {
+    return KeyAbsCompensated{c, p + t.x[s], bad};
   }
 };
 
 struct ByDraws {
   static constexpr bool kInBucket = true;  // indices in the bucket
   __device__ static KeyDrawn key(const SegBatch& t, int s, const float*) { return KeyDrawn{t.r[s]}; }
-  __device__ static Compensating<KeyDrawn> first(const SegBatch& t, int s, const Compensated& c, float* p) {
-    return Compensating<KeyDrawn>{c, p + t.x[s], KeyDrawn{t.r[s]}};
+  __device__ static Compensating<KeyDrawn> first(const SegBatch& t, int s, const Compensated& c, float* p,
+                                                  unsigned* bad) {
+    return Compensating<KeyDrawn>{c, p + t.x[s], bad, KeyDrawn{t.r[s]}};
   }
 };
 
@@ -297,22 +307,26 @@ __device__ inline void find_if_last(const SegBlock& sb, unsigned* tickets, const
   if (last_of(tickets + sb.s, sb.blocks) && threadIdx.x < 32) find(h, nbins, shift, st);
 }
 
-// p = compensate(g, r) of every segment and, for those that select, the first pass: the state
-// starts at (prefix 0, mask 0, need k), so the pass needs no state read
+// p = compensate(g, r) of every segment (g's infs and NaNs told to `bad`, where given) and, for
+// those that select, the first pass: the state starts at (prefix 0, mask 0, need k), so the pass
+// needs no state read
 template <class By>
 __global__ void k_compensate_hist_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
                                       float* p, SelState* st, int shift, int nbins, unsigned long long* h,
-                                      unsigned* tickets) {
+                                      unsigned* tickets, unsigned* bad) {
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   const int64_t o = t.x[s];
   const Compensated c{g + o, r + o, beta, gamma, flags};
   if (!selects(t, s)) {
-    BLOCK_STRIDE(i, t.n[s], sb.block, sb.blocks) p[o + i] = c[i];
+    BLOCK_STRIDE(i, t.n[s], sb.block, sb.blocks) {
+      p[o + i] = c[i];
+      tell_nonfinite(c.g[i], bad);
+    }
     return;
   }
   const SelState start{0u, 0u, (long long)t.u[s]};
-  hist(By::first(t, s, c, p), t.n[s], &start, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
+  hist(By::first(t, s, c, p, bad), t.n[s], &start, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
   if (!last_of(tickets + s, sb.blocks)) return;
   if (threadIdx.x == 0) st[s] = start;
   __syncthreads();
@@ -341,9 +355,17 @@ __global__ void k_select_count_seg(SegBatch t, const float* p, const SelState* s
   if (last_of(tickets + s, sb.blocks)) scan2<kThreads>(cg + t.q[s], ce + t.q[s], tiles_of(t.n[s]), totals + 2 * s);
 }
 
+// the overflow flag, 1 where `bad` is set: a float32 or a byte (its width)
+__device__ __forceinline__ void write_flag(void* flag, int width, bool set) {
+  if (width == 1) *static_cast<uint8_t*>(flag) = set ? 1 : 0;
+  else *static_cast<float*>(flag) = set ? 1.0f : 0.0f;
+}
+
+// the selected written; the last batch's first thread also writes the overflow flag, where asked
 template <class By>
 __global__ void k_select_write_seg(SegBatch t, float* p, const SelState* st, const long long* cg, const long long* ce,
-                                   int64_t* idx, float* values) {
+                                   int64_t* idx, float* values, const unsigned* bad, void* flag, int flag_width) {
+  if (flag && blockIdx.x == 0 && threadIdx.x == 0) write_flag(flag, flag_width, *bad != 0);
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   const int64_t n = t.n[s], k = t.u[s];
@@ -692,7 +714,8 @@ namespace {
 template <class By>
 int select_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts, const int64_t* numels,
                        const int64_t* ks, const int64_t* words, const float* scales, float beta, float gamma,
-                       int flags, float* values, int64_t* idx, float* new_r, void* stream) {
+                       int flags, float* values, int64_t* idx, float* new_r, void* flag, int flag_width,
+                       void* stream) {
   int64_t most_tiles = 0;
   if (!r && !(flags & 4)) return -1;
   for (int64_t s = 0; s < segments; ++s) {
@@ -700,16 +723,20 @@ int select_ef_segments(const float* g, const float* r, int64_t segments, const i
     most_tiles += tiles_of(numels[s]);
   }
   cudaStream_t st = as_stream(stream);
+  if (segments == 0 && flag) cudaMemsetAsync(flag, 0, flag_width, st);
   constexpr int kPasses = 3;  // the radix passes: 11 + 11 + 10 bits, a histogram each, all zeroed at once
-  const size_t ticket_bytes = align256(kTicketSets * kSegBatch * sizeof(unsigned));  // (just before them)
-  const size_t hist_bytes = ticket_bytes + (size_t)kPasses * kSegBatch * kHistBins * sizeof(unsigned long long);
+  // the word that tells an inf or a NaN (zeroed with the first batch's), each batch's tickets, its histograms
+  const size_t bad_bytes = 256, ticket_bytes = align256(kTicketSets * kSegBatch * sizeof(unsigned));
+  const size_t hist_bytes =
+      bad_bytes + ticket_bytes + (size_t)kPasses * kSegBatch * kHistBins * sizeof(unsigned long long);
   const size_t state_bytes = align256(kSegBatch * sizeof(SelState));
   const size_t totals_bytes = align256(2 * kSegBatch * sizeof(long long));
-  Scratch sc(align256(hist_bytes) + state_bytes + totals_bytes + 2 * std::max<int64_t>(most_tiles, 1) * sizeof(long long),
-             st);
+  const size_t counts_bytes = 2 * std::max<int64_t>(most_tiles, 1) * sizeof(long long);
+  Scratch sc(align256(hist_bytes) + state_bytes + totals_bytes + counts_bytes, st);
   if (!sc.p) return -3;
-  unsigned* tickets = sc.at<unsigned>(0);
-  unsigned long long* h = sc.at<unsigned long long>(ticket_bytes);
+  unsigned* bad = sc.at<unsigned>(0);
+  unsigned* tickets = sc.at<unsigned>(bad_bytes);
+  unsigned long long* h = sc.at<unsigned long long>(bad_bytes + ticket_bytes);
   SelState* state = sc.at<SelState>(align256(hist_bytes));
   long long* totals = sc.at<long long>(align256(hist_bytes) + state_bytes);
   long long* cg = sc.at<long long>(align256(hist_bytes) + state_bytes + totals_bytes);
@@ -728,16 +755,20 @@ int select_ef_segments(const float* g, const float* r, int64_t segments, const i
         sent += ks[s];
         tile += tiles_of(numels[s]);
       },
-      [&](SegBatch& t, int64_t) {
+      [&](SegBatch& t, int64_t first) {
         const size_t pass_bins = (size_t)t.count * kHistBins;  // a pass's histograms, for this batch
-        cudaMemsetAsync(tickets, 0, ticket_bytes + kPasses * pass_bins * sizeof(unsigned long long), st);
+        const size_t zeroed = ticket_bytes + kPasses * pass_bins * sizeof(unsigned long long);
+        if (first == 0) cudaMemsetAsync(bad, 0, bad_bytes + zeroed, st);
+        else cudaMemsetAsync(tickets, 0, zeroed, st);
+        const bool last = first + t.count >= segments;
         const int shifts[kPasses] = {21, 10, 0}, bins[kPasses] = {2048, 2048, 1024};
         // (segments that send all or nothing select nothing: their blocks only compensate)
         const dim3 first_grid = seg_grid(t, [&](int k) {
           return selects(t, k) ? grid_for(t.n[k], kThreads * 16, 2048) : (t.n[k] + kThreads - 1) / kThreads;
         });
         k_compensate_hist_seg<By><<<first_grid, kThreads, 0, st>>>(t, g, r, beta, gamma, flags, new_r, state,
-                                                                    shifts[0], bins[0], h, tickets);
+                                                                    shifts[0], bins[0], h, tickets,
+                                                                    flag ? bad : nullptr);
         const dim3 hist_grid =
             seg_grid(t, [&](int k) { return selects(t, k) ? grid_for(t.n[k], kThreads * 16, 2048) : 1; });
         for (int d = 1; d < kPasses; ++d)
@@ -749,7 +780,8 @@ int select_ef_segments(const float* g, const float* r, int64_t segments, const i
         const dim3 write_grid = seg_grid(t, [&](int k) {  // all: a thread per element; none: a block
           return t.u[k] >= t.n[k] ? (t.n[k] + kThreads - 1) / kThreads : (t.u[k] > 0 ? tiles_of(t.n[k]) : 1);
         });
-        k_select_write_seg<By><<<write_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce, idx, values);
+        k_select_write_seg<By><<<write_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce, idx, values, bad,
+                                                                last ? flag : nullptr, flag_width);
         return 0;
       });
 }
@@ -759,9 +791,10 @@ int select_ef_segments(const float* g, const float* r, int64_t segments, const i
 // in the segment. flags & 4: p = g (r unread, may be NULL): a bucket's plain top-k, new_r its scratch
 API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                     const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
-                                    float* values, int64_t* idx, float* new_r, void* stream) {
+                                    float* values, int64_t* idx, float* new_r, void* flag, int flag_width,
+                                    void* stream) {
   return select_ef_segments<ByMagnitude>(g, r, segments, starts, numels, ks, nullptr, nullptr, beta, gamma, flags,
-                                         values, idx, new_r, stream);
+                                         values, idx, new_r, flag, flag_width, stream);
 }
 
 // random-k with residual memory of every segment: the indices of the ks[s] smallest hashes of
@@ -770,9 +803,10 @@ API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segm
 API int grace_cuda_randomk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                        const int64_t* numels, const int64_t* ks, const uint32_t* s0,
                                        const uint32_t* s1, const float* scales, float beta, float gamma, int flags,
-                                       float* values, int64_t* idx, float* new_r, void* stream) {
+                                       float* values, int64_t* idx, float* new_r, void* flag, int flag_width,
+                                       void* stream) {
   std::vector<int64_t> words(std::max<int64_t>(segments, 0));
   for (int64_t s = 0; s < segments; ++s) words[s] = (int64_t)((uint64_t)s0[s] | (uint64_t)s1[s] << 32);
   return select_ef_segments<ByDraws>(g, r, segments, starts, numels, ks, words.data(), scales, beta, gamma, flags,
-                                     values, idx, new_r, stream);
+                                     values, idx, new_r, flag, flag_width, stream);
 }

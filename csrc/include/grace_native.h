@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 18
+#define GRACE_NATIVE_ABI 19
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -163,12 +163,12 @@ int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const float*
 /* random-k's residual step for every segment of a flat bucket, the indices drawn as a GPU draws them: the
  * k[s] smallest 32-bit hashes of draws 0 .. numels[s] - 1 of the seed words (s0[s], s1[s]) (ties to the
  * lowest index), ascending, written in the bucket (starts[s] + i, int64); p = compensate(g, r) into new_r
- * (the whole buffer), the values p times scales[s] (NULL: as they are), new_r there p - (0 + value).
- * 0, or -1 where a k is outside [0, numels[s]]. */
+ * (the whole buffer), the values p times scales[s] (NULL: as they are), new_r there p - (0 + value);
+ * the overflow flag as grace_cuda_topk_ef_segments writes it. 0, or -1 where a k is outside [0, numels[s]]. */
 int grace_cpu_randomk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                   const int64_t* numels, const int64_t* ks, const uint32_t* s0, const uint32_t* s1,
                                   const float* scales, float beta, float gamma, int flags, float* values, int64_t* idx,
-                                  float* new_r);
+                                  float* new_r, void* flag, int flag_width);
 int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* const* idx, const int* idx_types,
                                    const void* const* values, const int64_t* lengths, float divisor,
                                    const int64_t* numels, float* const* dense);
@@ -296,15 +296,17 @@ int grace_cuda_onebit_ef_segments(const float* g, const float* r, int64_t segmen
                                   float* means, float* new_r, void* stream);
 /* grace_cuda_topk_ef of every segment (0 <= ks[s] <= numels[s]): values and int64 indices (in the
  * segment) of the segments in a row, the new residuals in new_r at the segments' starts; flags & 4:
- * no residual (r may be NULL), p = g: each segment's top-k, new_r a scratch buffer */
+ * no residual (r may be NULL), p = g: each segment's top-k, new_r a scratch buffer. `flag` (may be
+ * NULL) receives the overflow flag, 1 where g holds an inf or a NaN, else 0: a float32, or a byte
+ * where flag_width is 1 */
 int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                 const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
-                                float* values, int64_t* idx, float* new_r, void* stream);
+                                float* values, int64_t* idx, float* new_r, void* flag, int flag_width, void* stream);
 /* grace_cpu_randomk_ef_segments: the top-k segment kernels ranking each segment's draws by hash */
 int grace_cuda_randomk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                    const int64_t* numels, const int64_t* ks, const uint32_t* s0, const uint32_t* s1,
                                    const float* scales, float beta, float gamma, int flags, float* values,
-                                   int64_t* idx, float* new_r, void* stream);
+                                   int64_t* idx, float* new_r, void* flag, int flag_width, void* stream);
 /* every segment's payload decoded into the flat out: method 0 sign bits (b: a scale per segment,
  * or NULL), 1 1-bit SGD (two means each), 2 TernGrad (a scale each), 3 QSGD (its norms),
  * 4 natural compression (a: sign bits, b: codes) */

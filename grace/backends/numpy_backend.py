@@ -42,6 +42,9 @@ class NumpyBackend:
     def zeros_like(self, x):
         return np.zeros_like(x)
 
+    def empty(self, numel: int, dtype: str, like=None):
+        return self.zeros(numel, dtype, like)
+
     def to_numpy(self, x):
         return np.asarray(x)
 

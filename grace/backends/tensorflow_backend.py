@@ -138,6 +138,9 @@ class TensorflowBackend:
     def zeros_like(self, x):
         return tf.zeros_like(_to_tensor(x))
 
+    def empty(self, numel: int, dtype: str, like=None):
+        return self.zeros(numel, dtype, like)
+
     def to_numpy(self, x):
         if not _is_tensor(x):
             return np.asarray(x)

@@ -116,6 +116,10 @@ class TorchBackend:
     def zeros_like(self, x):
         return torch.zeros_like(x)
 
+    def empty(self, numel: int, dtype: str, like=None):
+        """Uninitialised: for a kernel that writes every element (no fill launched)."""
+        return torch.empty(int(numel), dtype=_dtype(dtype), device=like.device if like is not None else None)
+
     def to_numpy(self, x):
         if x.dtype == torch.bfloat16:
             x = x.float()

@@ -15,6 +15,7 @@ from grace.core.plans.kernels import MethodKernels, kernels_for
 @kernels_for(RandomK)
 class RandomKKernels(MethodKernels):
     segmented = True
+    flags_in_segment_steps = True
 
     def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None, into=None):
         """Residual memory's step for every gradient of a bucket in one native call (CPU):
@@ -62,7 +63,7 @@ class RandomKKernels(MethodKernels):
     def segment_fields(self, numels, dtype):
         return [([sent_count(self.compressor.ratio, d) for d in numels], [dtype] * len(numels))]
 
-    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
+    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None):
         """Residual memory's step of every segment where the indices are a GPU's draws (the k
         smallest hashes): compensation, draws, gather and the new memory in the top-k segment
         kernels (on a GPU no hash keys written and no sort of the bucket)."""
@@ -73,7 +74,7 @@ class RandomKKernels(MethodKernels):
         words = [draws.seed_words(info.seed(randomk.seed)) for info in infos]
         scales = [d / k for d, k in zip(table.numels, ks)] if randomk.scale else None
         done = native_or_none(xp, "randomk_ef_step_segments", g, g, residual, table.starts, table.numels, ks, words,
-                              scales, beta, gamma)
+                              scales, beta, gamma, nonfinite=nonfinite)
         if done is None:
             return None
         values, indices, residual = done

@@ -101,13 +101,14 @@ class SparseKernels(MethodKernels):
         local = indices - xp.repeat(table.start, on_device, sum(host))
         return (values, local), xp.scatter_add(indices, values, table.numel)
 
-    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos):
+    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None):
         if self.variable_segments:  # (selected by tensor ops: select_segments)
             return None
         fused = xp.native(f"{self.residual_kernel}_segments", g, xp.dtype(g)) if self.residual_kernel else None
         if not fused:
             return None
-        values, local, residual = fused(g, residual, table.starts, table.numels, self._ks(table), beta, gamma)
+        values, local, residual = fused(g, residual, table.starts, table.numels, self._ks(table), beta, gamma,
+                                        nonfinite=nonfinite)
         return (values, local), None, residual
 
     def decompress_segments(self, xp, fields, ctx, table):
@@ -135,6 +136,7 @@ class SparseKernels(MethodKernels):
 @kernels_for(TopK)
 class TopKKernels(SparseKernels):
     segmented = True
+    flags_in_segment_steps = True
     residual_kernel = "topk_ef_step"
     residual_kernel_many = "topk_ef_step_many"
 

@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 18  # GRACE_NATIVE_ABI
+ABI = 19  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -58,7 +58,7 @@ CPU = {
     "bits_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _I, _I, _P, _P, _P]),
     "threshold_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _F, _I, _P, _P, _P, _P, _P]),
     "randomk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
-    "randomk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
+    "randomk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I]),
     "scatter_add_segments": (_I, [_L, _I, _P, _P, _P, _P, _F, _P, _P]),
     "sparse_frames_mean": (_I, [_P, _I, _L, _P, _L, _L, _F, _L, _P]),
     "sparse_sum_mean": (_I, [_P, _P, _L, _F, _P, _L, _P]),
@@ -108,8 +108,8 @@ CUDA = {
     "onebit_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _P]),
     "efsign_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
     "onebit_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
-    "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
-    "randomk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
+    "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P]),
+    "randomk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P]),
     "decode_segments": (_I, [_I, _L, _P, _P, _P, _I, _L, _I, _P, _P]),
     "mean_segments": (_I, [_I, _L, _P, _I, _P, _P, _I, _L, _I, _I, _P, _I, _P, _P, _P]),
     "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P, _P]),

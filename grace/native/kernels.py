@@ -209,7 +209,7 @@ KERNELS: Dict[str, Kernel] = {
                                     cuda="onebit_ef_segments", launches=per_batch(3)),
     "randomk_ef_step_segments": both(randomk_ef_step_segments, "randomk_ef_segments", ("float32", "int64", "float32"),
                                      launches=per_batch(SEGMENT_TOPK_LAUNCHES)),
-    "topk_ef_step_segments": both(topk_ef_step_segments, "topk_ef", ("float32", "int64", "float32"),
+    "topk_ef_step_segments": both(topk_ef_step_segments, "topk_ef_many", ("float32", "int64", "float32"),
                                   cuda="topk_ef_segments", launches=per_batch(SEGMENT_TOPK_LAUNCHES)),
     # error feedback fused with selection: one tensor, then a bucket in one call
     "topk_ef_step": both(topk_ef_step, "topk_ef", ("float32", "index", "float32"), launches=fixed(1 + TOPK_LAUNCHES)),

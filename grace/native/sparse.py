@@ -18,9 +18,9 @@ import itertools
 from grace.formats import ITEMSIZE, index_dtype
 from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, kind_of
 from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
-                                  _every, _field, _flag, _float32, _head, _in_place_all, _index_buf, _index_codes,
-                                  _int64s, _on_gpu, _placed, _pointers, _same_kind, _same_kind_all, _seed_word_arrays,
-                                  _wrap)
+                                  _every, _field, _flag, _float32, _head, _in_place_all, _index_buf,
+                                  _index_codes, _int64s, _on_gpu, _placed, _pointers, _same_kind, _same_kind_all,
+                                  _seed_word_arrays, _wrap)
 
 
 # --- selection ------------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def topk_compress_segments(x, starts, numels, ks):
             raise ValueError("each segment's k must lie in [0, its size]")
         scratch = kind.empty(b.n, "float32")
         call(kind, "topk_ef_segments", b.ptr, 0, len(numels), _int64s(starts), _int64s(numels), _int64s(ks), 1.0,
-             1.0, 4, values.ptr, idx.ptr, scratch.ptr)
+             1.0, 4, values.ptr, idx.ptr, scratch.ptr, None, 0)
         return _wrap(kind, values, idx)
     at = 0
     for start, n, k in zip(starts, numels, ks):
@@ -214,44 +214,66 @@ def topk_compress_segments(x, starts, numels, ks):
     return _wrap(kind, values, idx)
 
 
-def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, gamma: float = 1.0, out=None):
+def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, gamma: float = 1.0, out=None,
+                          nonfinite=None):
     """topk_ef_step of each segment: (values in a row, indices in the segment (int64) in a row,
-    the new residual of the whole buffer)."""
+    the new residual of the whole buffer); the overflow flag into ``nonfinite`` where given (see
+    ``_flag_of``), from the pass that compensates."""
     kind, gb, rb, ob = _ef_inputs(g, residual, out)
     _check_segments(gb.n, starts, numels)
+    if any(not 0 <= k <= n for k, n in zip(ks, numels)):
+        raise ValueError("each segment's k must lie in [0, its size]")
     values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
-    at, flags = 0, _ef_flags(beta, gamma)
+    flag, width = _flag_of(kind, nonfinite)
     if _on_gpu(kind):
-        if any(not 0 <= k <= n for k, n in zip(ks, numels)):
-            raise ValueError("each segment's k must lie in [0, its size]")
         call(kind, "topk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels), _int64s(ks),
-             float(beta), float(gamma), flags, values.ptr, idx.ptr, ob.ptr)
+             float(beta), float(gamma), _ef_flags(beta, gamma), values.ptr, idx.ptr, ob.ptr, flag, width)
         return _wrap(kind, values, idx, ob)
-    for start, n, k in zip(starts, numels, ks):
-        got = call(kind, "topk_ef", gb.ptr + 4 * start, rb.ptr + 4 * start, n, k, float(beta), float(gamma), flags,
-                   values.ptr + 4 * at, idx.ptr + 8 * at, INDEX_CODES["int64"], ob.ptr + 4 * start)
-        if got != k:
-            raise RuntimeError(f"native top-k step returned {got} of {k}")
-        at += k
+    at = [0, *itertools.accumulate(ks[:-1])]  # (a CPU: the bucket step, each segment at its own pointers)
+    told = ctypes.c_float(0.0)
+    if call(kind, "topk_ef_many", len(numels), *(_addresses(b, [4 * s for s in starts]) for b in (gb, rb, ob)),
+            _int64s(numels), _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma),
+            _addresses(values, [4 * a for a in at]), _addresses(idx, [8 * a for a in at]),
+            _index_codes(["int64"] * len(ks)), ctypes.byref(told) if flag else None) != 0:
+        raise RuntimeError("native top-k steps failed")
+    if flag:
+        _put_flag(flag, width, told.value != 0)
     return _wrap(kind, values, idx, ob)
 
 
 def randomk_ef_step_segments(g, residual, starts, numels, ks, words, scales=None, beta: float = 1.0,
-                             gamma: float = 1.0, out=None):
+                             gamma: float = 1.0, out=None, nonfinite=None):
     """Random-k's residual step of every segment of a flat bucket, its indices drawn as on a GPU
     (the ks[s] smallest hashes of draws 0 .. numels[s] - 1 of the seed words ``words[s]``, ties
     to the lowest index, ascending; grace.core.draws): (values p[i] times ``scales[s]`` where
     given, in a row; their indices in the bucket (int64); the new residual, p with p - (0 +
-    value) at them). On a GPU the top-k segment kernels rank the draws by their hashes."""
+    value) at them); the overflow flag into ``nonfinite`` as topk_ef_step_segments. On a GPU
+    the top-k segment kernels rank the draws by their hashes."""
     kind, gb, rb, ob = _ef_inputs(g, residual, out)
     _check_segments(gb.n, starts, numels)
     values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
     s0, s1 = _seed_word_arrays(words)
     scale = None if scales is None else (ctypes.c_float * len(ks))(*scales)
     if call(kind, "randomk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels), _int64s(ks),
-            s0, s1, scale, float(beta), float(gamma), _ef_flags(beta, gamma), values.ptr, idx.ptr, ob.ptr) != 0:
+            s0, s1, scale, float(beta), float(gamma), _ef_flags(beta, gamma), values.ptr, idx.ptr, ob.ptr,
+            *_flag_of(kind, nonfinite)) != 0:
         raise ValueError("each segment's k must lie in [0, its size]")
     return _wrap(kind, values, idx, ob)
+
+
+def _flag_of(kind, nonfinite):
+    """A segment step's ``nonfinite`` as C arguments (pointer, width; or None, 0): one float32 (an
+    allreduce's) or uint8 (a frame's) that receives the overflow flag, 1 where g holds an inf or a NaN."""
+    b = _same_kind(kind, nonfinite) if nonfinite is not None else None
+    if b is None:
+        return None, 0
+    if b.n != 1 or b.dtype not in ("float32", "uint8"):
+        raise NativeUnavailable("the overflow flag is one float32 or uint8 element")
+    return b.ptr, ITEMSIZE[b.dtype]
+
+
+def _put_flag(address: int, width: int, set_: bool):  # (at a host address: a byte or a float32)
+    ctypes.memmove(address, ctypes.byref(ctypes.c_uint8(set_) if width == 1 else ctypes.c_float(set_)), width)
 
 
 # --- fused error feedback -------------------------------------------------------------------------

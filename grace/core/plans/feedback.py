@@ -57,8 +57,9 @@ class Feedback:
         writes the payload tensors, if it can (the exchange's frame buffer)."""
         return None
 
-    def fused_segments(self, xp, kernels, g, state: Optional[Any], table, infos):
-        """``fused_step`` for every segment of a flat bucket: (fields, ctx, new state), or None."""
+    def fused_segments(self, xp, kernels, g, state: Optional[Any], table, infos, nonfinite=None):
+        """``fused_step`` for every segment of a flat bucket: (fields, ctx, new state), or None;
+        the overflow flag into ``nonfinite`` where ``kernels.flags_in_segment_steps``."""
         return None
 
     def fused_firsts(self, xp, kernels, gs, states, infos, compressor_states, p_outs, nonfinite=None):

@@ -38,6 +38,9 @@ class MethodKernels:
     sum_kernel = ""
     #: grace.native.compress_many's name for this method (a bucket's payloads in one call, CPU)
     many_kernel = ""
+    #: compress_segments_with_residual, where it runs, writes the overflow flag into its
+    #: ``nonfinite`` (from the pass that reads g): no pass of the plan's own for it
+    flags_in_segment_steps = False
 
     def __init__(self, compressor):
         self.compressor = compressor
@@ -197,8 +200,10 @@ class MethodKernels:
                                                   Shape((n,), "float32")))
             for s, n in enumerate(table.numels)])
 
-    def compress_segments_with_residual(self, xp, g, residual, beta: float, gamma: float, table, infos):
-        """Residual memory's step for every segment in one go: (fields, ctx, new residual)."""
+    def compress_segments_with_residual(self, xp, g, residual, beta: float, gamma: float, table, infos,
+                                        nonfinite=None):
+        """Residual memory's step for every segment in one go: (fields, ctx, new residual); the
+        overflow flag into ``nonfinite`` where the kernels say they write it (``flags_in_segment_steps``)."""
         return None
 
     def _segment_decoder(self, xp, like):

@@ -50,7 +50,9 @@ class Segmented(BucketPlan):
         e = s.memory_state(xp, bucket.key, g)
         pending = BucketPending(bucket, xp, [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], g, [e],
                                 defer=defers_on_device(xp, g))
-        if s.journal.guarded:
+        # the overflow flag from one pass over g; or from the fused step's kernels, which read g anyway
+        in_call = s.journal.guarded and not self.variable and s.kernels.flags_in_segment_steps
+        if s.journal.guarded and not in_call:
             pending.flag = xp.nonfinite([g], self.flag_dtype())
         infos = [s.info(name, step) for name in bucket.names]
         if self.variable:  # the counts go now, the frame once they are read back (``send_selected``)
@@ -60,7 +62,10 @@ class Segmented(BucketPlan):
             header = self.own_layout.header_of(xp, counts, pending.flag)
             s.transport.stats.add(s.transport.send_header(pending, header), 0)
             return pending
-        fused = s.feedback.fused_segments(xp, s.kernels, g, e, self.table, infos)
+        flag = xp.empty(1, self.flag_dtype(), like=g) if in_call else None
+        fused = s.feedback.fused_segments(xp, s.kernels, g, e, self.table, infos, flag)
+        if in_call:
+            pending.flag = flag if fused is not None else xp.nonfinite([g], self.flag_dtype())
         e_new = None  # the new memory where a fused kernel made it and it stands
         if fused is not None:  # compensate, compress and the new memory in one go
             fields, pending.segment_ctx, e_new = fused
