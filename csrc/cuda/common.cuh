@@ -76,6 +76,12 @@ struct Scratch {
 
 inline size_t align256(size_t b) { return (b + 255) & ~size_t(255); }
 
+// the overflow flag: 1 where `set`, else 0, a float32 or (width 1) a byte
+__device__ __forceinline__ void write_flag(void* flag, int width, bool set) {
+  if (width == 1) *static_cast<uint8_t*>(flag) = set ? 1 : 0;
+  else *static_cast<float*>(flag) = set ? 1.0f : 0.0f;
+}
+
 __device__ __forceinline__ void put_index(void* idx, int t, int64_t pos, int64_t i) {
   switch (t) {
     case GRACE_U8: static_cast<uint8_t*>(idx)[pos] = (uint8_t)i; break;

@@ -155,8 +155,17 @@ __global__ void k_sign_ef_sums_seg(SegBatch t, const float* g, const float* r, f
 
 // the new residual p - decode(bits, scalars), p made again as it was for the sums
 template <int S>
+// (the last batch's first block also writes the overflow flag, where asked: 1 where any of the
+// bucket's `all` scalars is an inf or a NaN, as every inf and NaN of p makes its segment's)
 __global__ void k_sign_residual_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
-                                    const uint8_t* bits, const float* scalars, float* new_r) {
+                                    const uint8_t* bits, const float* scalars, float* new_r, const float* all,
+                                    int64_t count, void* flag, int flag_width) {
+  if (flag && blockIdx.x == 0) {
+    int bad = 0;
+    for (int64_t j = threadIdx.x; j < count; j += blockDim.x) bad |= !isfinite(all[j]);
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) write_flag(flag, flag_width, bad != 0);
+  }
   const SegBlock sb = seg_block(t);
   const int s = sb.s;
   const Compensated p{g + t.x[s], r + t.x[s], beta, gamma, flags};
@@ -353,12 +362,6 @@ __global__ void k_select_count_seg(SegBatch t, const float* p, const SelState* s
   using Key = decltype(By::key(t, s, p));
   count(TopkPred<Key>{By::key(t, s, p)}, t.n[s], st + s, cg + t.q[s], ce + t.q[s], sb.block);
   if (last_of(tickets + s, sb.blocks)) scan2<kThreads>(cg + t.q[s], ce + t.q[s], tiles_of(t.n[s]), totals + 2 * s);
-}
-
-// the overflow flag, 1 where `bad` is set: a float32 or a byte (its width)
-__device__ __forceinline__ void write_flag(void* flag, int width, bool set) {
-  if (width == 1) *static_cast<uint8_t*>(flag) = set ? 1 : 0;
-  else *static_cast<float*>(flag) = set ? 1.0f : 0.0f;
 }
 
 // the selected written; the last batch's first thread also writes the overflow flag, where asked
@@ -575,7 +578,9 @@ struct SignEF {
 // for each alone; with ef, of the compensated x, then the new residuals
 template <int S>
 static int sign_segments(const float* x, const SignEF* ef, int64_t segments, const int64_t* starts,
-                         const int64_t* numels, uint8_t* out, float* scalars, cudaStream_t st) {
+                         const int64_t* numels, uint8_t* out, float* scalars, cudaStream_t st, void* flag = nullptr,
+                         int flag_width = 0) {
+  if (segments == 0 && flag) cudaMemsetAsync(flag, 0, flag_width, st);
   int64_t slots = 0;
   for (int64_t s = 0; s < segments; ++s) slots += S * red_grid(numels[s]);
   Scratch sc(slots * sizeof(float), st);
@@ -593,7 +598,8 @@ static int sign_segments(const float* x, const SignEF* ef, int64_t segments, con
         bytes += packed_bytes(numels[s], 1);
         slot += S * red_grid(numels[s]);
       },
-      [&](SegBatch& t, int64_t) {
+      [&](SegBatch& t, int64_t first) {
+        const bool last = first + t.count >= segments;
         const dim3 grid = seg_grid(t, [&](int k) { return red_grid(t.n[k]); });
         float* partial = sc.at<float>(0);
         if (ef) {
@@ -604,7 +610,9 @@ static int sign_segments(const float* x, const SignEF* ef, int64_t segments, con
         k_sign_final_seg<S><<<t.count, 1024, 0, st>>>(t, partial, scalars);
         if (ef) {
           k_sign_residual_seg<S><<<per_element(t), kThreads, 0, st>>>(t, x, ef->r, ef->beta, ef->gamma, ef->flags,
-                                                                       out, scalars, ef->new_r);
+                                                                       out, scalars, ef->new_r, scalars,
+                                                                       per * segments, last ? flag : nullptr,
+                                                                       flag_width);
         }
         return 0;
       });
@@ -612,16 +620,16 @@ static int sign_segments(const float* x, const SignEF* ef, int64_t segments, con
 
 API int grace_cuda_efsign_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                       const int64_t* numels, float beta, float gamma, int flags, uint8_t* out,
-                                      float* scale, float* new_r, void* stream) {
+                                      float* scale, float* new_r, void* flag, int flag_width, void* stream) {
   const SignEF ef{r, beta, gamma, flags, new_r};
-  return sign_segments<1>(g, &ef, segments, starts, numels, out, scale, as_stream(stream));
+  return sign_segments<1>(g, &ef, segments, starts, numels, out, scale, as_stream(stream), flag, flag_width);
 }
 
 API int grace_cuda_onebit_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                       const int64_t* numels, float beta, float gamma, int flags, uint8_t* out,
-                                      float* means, float* new_r, void* stream) {
+                                      float* means, float* new_r, void* flag, int flag_width, void* stream) {
   const SignEF ef{r, beta, gamma, flags, new_r};
-  return sign_segments<3>(g, &ef, segments, starts, numels, out, means, as_stream(stream));
+  return sign_segments<3>(g, &ef, segments, starts, numels, out, means, as_stream(stream), flag, flag_width);
 }
 
 API int grace_cuda_efsign_compress_segments(const float* x, int64_t segments, const int64_t* starts,

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 19
+#define GRACE_NATIVE_ABI 20
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -287,13 +287,15 @@ int grace_cuda_onebit_compress_segments(const float* x, int64_t segments, const 
                                         const int64_t* numels, uint8_t* out, float* means, void* stream);
 /* residual memory's step with EF-signSGD's (scale) or 1-bit SGD's (means) compression, every segment:
  * p = g * gamma + r * beta (each where flags says: 1 gamma, 2 beta) compressed as *_compress_segments
- * compresses it, the new residual p - its decoding into new_r at the segments' starts */
+ * compresses it, the new residual p - its decoding into new_r at the segments' starts; the overflow
+ * flag as grace_cuda_topk_ef_segments writes it (from the scalars, which every inf and NaN of p makes
+ * non-finite) */
 int grace_cuda_efsign_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                   const int64_t* numels, float beta, float gamma, int flags, uint8_t* out,
-                                  float* scale, float* new_r, void* stream);
+                                  float* scale, float* new_r, void* flag, int flag_width, void* stream);
 int grace_cuda_onebit_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                   const int64_t* numels, float beta, float gamma, int flags, uint8_t* out,
-                                  float* means, float* new_r, void* stream);
+                                  float* means, float* new_r, void* flag, int flag_width, void* stream);
 /* grace_cuda_topk_ef of every segment (0 <= ks[s] <= numels[s]): values and int64 indices (in the
  * segment) of the segments in a row, the new residuals in new_r at the segments' starts; flags & 4:
  * no residual (r may be NULL), p = g: each segment's top-k, new_r a scratch buffer. `flag` (may be

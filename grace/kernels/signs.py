@@ -23,6 +23,7 @@ class SignSGDKernels(MethodKernels):
 @kernels_for(SignBits)
 class SignBitsKernels(MethodKernels):
     segmented = True
+    flags_in_segment_steps = True
 
     def residual_into(self, xp, p, payload, ctx, out):
         return native_or_none(xp, f"{self.segment_kernel}_residual_into", p, p, payload[0], payload[1], out)
@@ -42,7 +43,8 @@ class SignBitsKernels(MethodKernels):
         fused = xp.native(f"{self.segment_kernel}_ef_step_segments", g, xp.dtype(g))
         if not fused:
             return None
-        packed, scalars, new_residual = fused(g, residual, table.starts, table.numels, beta, gamma)
+        packed, scalars, new_residual = fused(g, residual, table.starts, table.numels, beta, gamma,
+                                              nonfinite=nonfinite)
         return [packed, scalars], None, new_residual
 
     def segment_fields(self, numels, dtype):

@@ -41,6 +41,7 @@ from here (the last imports below). Which module holds which:
     _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments), and
                     FrameRows (every rank's pieces of frames of one layout, which the decoded sums take),
                     payload_ranks
+    _flags.py       the overflow flag a segment step writes (a frame's byte or an allreduce's float)
     _arrays.py      any toolkit's array as (pointer, length, dtype, stream); outputs of the same kind
     _loader.py      the libraries, their C functions' argument types, the switch (disabled, set_enabled)
 """

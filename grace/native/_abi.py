@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 19  # GRACE_NATIVE_ABI
+ABI = 20  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -106,8 +106,8 @@ CUDA = {
     "qsgd_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _I, _L, _I, _P, _P, _P]),
     "efsign_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _P]),
     "onebit_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _P]),
-    "efsign_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
-    "onebit_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
+    "efsign_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P]),
+    "onebit_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P]),
     "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P]),
     "randomk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P]),
     "decode_segments": (_I, [_I, _L, _P, _P, _P, _I, _L, _I, _P, _P]),

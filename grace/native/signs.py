@@ -16,6 +16,7 @@ The bit-code sums (``_bits_sum``, ``_bits_sum_into``) serve TernGrad's 2-bit cod
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 from grace.formats import packed_size
@@ -24,6 +25,7 @@ from grace.native._common import (_FLOATS, _addresses, _check_segments, _cpu_kin
                                   _ef_flags, _ef_inputs, _ef_many_inputs, _every, _field, _finish_args, _flag, _float32,
                                   _in_place, _in_place_all, _int64s, _on_gpu, _packed_total, _placed, _pointers,
                                   _same_kind, _wrap)
+from grace.native._flags import _flag_of, _put_flag
 
 
 # --- fused compress / decompress ------------------------------------------------------------------
@@ -214,35 +216,41 @@ def onebit_decompress_segments(packed, means, numels):
     return _sign_decode_segments("onebit_decode", 2, packed, means, numels)
 
 
-def _sign_ef_segments(mode: int, symbol: str, scalars: int, g, residual, starts, numels, beta, gamma, out):
+def _sign_ef_segments(mode: int, symbol: str, scalars: int, g, residual, starts, numels, beta, gamma, out,
+                      nonfinite=None):
     """Residual memory's step with a sign compression on every segment of the flat ``g``:
-    (bits in a row, scalars in a row, the new residual of the whole buffer)."""
+    (bits in a row, scalars in a row, the new residual of the whole buffer); the overflow flag
+    into ``nonfinite`` where given (see ``_flag_of``)."""
     kind, gb, rb, ob = _ef_inputs(g, residual, out)
     _check_segments(gb.n, starts, numels)
     sizes = [packed_size(n, 1) for n in numels]
     packed, sc = kind.empty(sum(sizes), "uint8"), kind.empty(scalars * len(numels), "float32")
-    flags = _ef_flags(beta, gamma)
+    flags, (flag, width) = _ef_flags(beta, gamma), _flag_of(kind, nonfinite)
     if _on_gpu(kind):
         call(kind, f"{symbol}_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels),
-             float(beta), float(gamma), flags, packed.ptr, sc.ptr, ob.ptr)
+             float(beta), float(gamma), flags, packed.ptr, sc.ptr, ob.ptr, flag, width)
         return _wrap(kind, packed, sc, ob)
-    at = [0, *itertools.accumulate(sizes)][:-1]
+    at, told = [0, *itertools.accumulate(sizes)][:-1], ctypes.c_float(0.0)
     call(kind, "bits_ef_many", len(numels), _addresses(gb, [4 * s for s in starts]),
          _addresses(rb, [4 * s for s in starts]), _addresses(ob, [4 * s for s in starts]), _int64s(numels),
          float(beta), float(gamma), flags, mode, _addresses(packed, at),
-         _addresses(sc, [4 * scalars * s for s in range(len(numels))]), None)
+         _addresses(sc, [4 * scalars * s for s in range(len(numels))]), ctypes.byref(told) if flag else None)
+    if flag:
+        _put_flag(flag, width, told.value != 0)
     return _wrap(kind, packed, sc, ob)
 
 
-def efsignsgd_ef_step_segments(g, residual, starts, numels, beta: float = 1.0, gamma: float = 1.0, out=None):
+def efsignsgd_ef_step_segments(g, residual, starts, numels, beta: float = 1.0, gamma: float = 1.0, out=None,
+                               nonfinite=None):
     """Residual memory's step with efsignsgd_compress on each segment (``starts``, ``numels``):
     p = g * gamma + residual * beta; (bits in a row, a scale per segment, p - its decoding)."""
-    return _sign_ef_segments(_EFSIGNSGD, "efsign", 1, g, residual, starts, numels, beta, gamma, out)
+    return _sign_ef_segments(_EFSIGNSGD, "efsign", 1, g, residual, starts, numels, beta, gamma, out, nonfinite)
 
 
-def onebit_ef_step_segments(g, residual, starts, numels, beta: float = 1.0, gamma: float = 1.0, out=None):
+def onebit_ef_step_segments(g, residual, starts, numels, beta: float = 1.0, gamma: float = 1.0, out=None,
+                            nonfinite=None):
     """The same with onebit_compress: (bits in a row, two means per segment, p - its decoding)."""
-    return _sign_ef_segments(_ONEBIT, "onebit", 2, g, residual, starts, numels, beta, gamma, out)
+    return _sign_ef_segments(_ONEBIT, "onebit", 2, g, residual, starts, numels, beta, gamma, out, nonfinite)
 
 
 # --- error feedback, a bucket in one call (CPU) ---------------------------------------------------

@@ -21,6 +21,7 @@ from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_fl
                                   _every, _field, _flag, _float32, _head, _in_place_all, _index_buf,
                                   _index_codes, _int64s, _on_gpu, _placed, _pointers, _same_kind, _same_kind_all,
                                   _seed_word_arrays, _wrap)
+from grace.native._flags import _flag_of, _put_flag
 
 
 # --- selection ------------------------------------------------------------------------------------
@@ -259,21 +260,6 @@ def randomk_ef_step_segments(g, residual, starts, numels, ks, words, scales=None
             *_flag_of(kind, nonfinite)) != 0:
         raise ValueError("each segment's k must lie in [0, its size]")
     return _wrap(kind, values, idx, ob)
-
-
-def _flag_of(kind, nonfinite):
-    """A segment step's ``nonfinite`` as C arguments (pointer, width; or None, 0): one float32 (an
-    allreduce's) or uint8 (a frame's) that receives the overflow flag, 1 where g holds an inf or a NaN."""
-    b = _same_kind(kind, nonfinite) if nonfinite is not None else None
-    if b is None:
-        return None, 0
-    if b.n != 1 or b.dtype not in ("float32", "uint8"):
-        raise NativeUnavailable("the overflow flag is one float32 or uint8 element")
-    return b.ptr, ITEMSIZE[b.dtype]
-
-
-def _put_flag(address: int, width: int, set_: bool):  # (at a host address: a byte or a float32)
-    ctypes.memmove(address, ctypes.byref(ctypes.c_uint8(set_) if width == 1 else ctypes.c_float(set_)), width)
 
 
 # --- fused error feedback -------------------------------------------------------------------------
