@@ -156,13 +156,13 @@ __global__ void k_sign_ef_sums_seg(SegBatch t, const float* g, const float* r, f
 // the new residual p - decode(bits, scalars), p made again as it was for the sums
 template <int S>
 // (the last batch's first block also writes the overflow flag, where asked: 1 where any of the
-// bucket's `all` scalars is an inf or a NaN, as every inf and NaN of p makes its segment's)
+// bucket's `count` scalars is an inf or a NaN, as every inf and NaN of p makes its segment's)
 __global__ void k_sign_residual_seg(SegBatch t, const float* g, const float* r, float beta, float gamma, int flags,
-                                    const uint8_t* bits, const float* scalars, float* new_r, const float* all,
-                                    int64_t count, void* flag, int flag_width) {
+                                    const uint8_t* bits, const float* scalars, float* new_r, int64_t count,
+                                    void* flag, int flag_width) {
   if (flag && blockIdx.x == 0) {
     int bad = 0;
-    for (int64_t j = threadIdx.x; j < count; j += blockDim.x) bad |= !isfinite(all[j]);
+    for (int64_t j = threadIdx.x; j < count; j += blockDim.x) bad |= !isfinite(scalars[j]);
     bad = __syncthreads_or(bad);
     if (threadIdx.x == 0) write_flag(flag, flag_width, bad != 0);
   }
@@ -310,12 +310,6 @@ struct ByDraws {
   }
 };
 
-// a segment's last block of a pass: its state narrowed to the bin where the count reaches need
-__device__ inline void find_if_last(const SegBlock& sb, unsigned* tickets, const unsigned long long* h, int nbins,
-                                    int shift, SelState* st) {
-  if (last_of(tickets + sb.s, sb.blocks) && threadIdx.x < 32) find(h, nbins, shift, st);
-}
-
 // p = compensate(g, r) of every segment (g's infs and NaNs told to `bad`, where given) and, for
 // those that select, the first pass: the state starts at (prefix 0, mask 0, need k), so the pass
 // needs no state read
@@ -336,10 +330,7 @@ __global__ void k_compensate_hist_seg(SegBatch t, const float* g, const float* r
   }
   const SelState start{0u, 0u, (long long)t.u[s]};
   hist(By::first(t, s, c, p, bad), t.n[s], &start, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
-  if (!last_of(tickets + s, sb.blocks)) return;
-  if (threadIdx.x == 0) st[s] = start;
-  __syncthreads();
-  if (threadIdx.x < 32) find(h + (int64_t)s * kHistBins, nbins, shift, st + s);
+  narrow_if_last(tickets + s, sb.blocks, h + (int64_t)s * kHistBins, nbins, shift, st + s, &start);
 }
 
 template <class By>
@@ -349,7 +340,7 @@ __global__ void k_select_hist_seg(SegBatch t, const float* p, SelState* st, int 
   const int s = sb.s;
   if (!selects(t, s)) return;
   hist(By::key(t, s, p), t.n[s], st + s, shift, nbins, h + (int64_t)s * kHistBins, sb.block, sb.blocks);
-  find_if_last(sb, tickets, h + (int64_t)s * kHistBins, nbins, shift, st + s);
+  narrow_if_last(tickets + s, sb.blocks, h + (int64_t)s * kHistBins, nbins, shift, st + s);
 }
 
 // each tile's counts; a segment's last block scans them into the tiles' offsets
@@ -610,9 +601,8 @@ static int sign_segments(const float* x, const SignEF* ef, int64_t segments, con
         k_sign_final_seg<S><<<t.count, 1024, 0, st>>>(t, partial, scalars);
         if (ef) {
           k_sign_residual_seg<S><<<per_element(t), kThreads, 0, st>>>(t, x, ef->r, ef->beta, ef->gamma, ef->flags,
-                                                                       out, scalars, ef->new_r, scalars,
-                                                                       per * segments, last ? flag : nullptr,
-                                                                       flag_width);
+                                                                       out, scalars, ef->new_r, per * segments,
+                                                                       last ? flag : nullptr, flag_width);
         }
         return 0;
       });

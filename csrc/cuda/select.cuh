@@ -97,6 +97,16 @@ __device__ inline bool last_of(unsigned* tickets, int64_t blocks) {
   return last;
 }
 
+// A histogram pass's end: the last of its `blocks` to finish narrows the state (find); where the
+// pass was the first, it starts the state there first (at `start`: the pass read no state before).
+__device__ inline void narrow_if_last(unsigned* ticket, int64_t blocks, const unsigned long long* h, int nbins,
+                                      int shift, SelState* st, const SelState* start = nullptr) {
+  if (!last_of(ticket, blocks)) return;
+  if (start && threadIdx.x == 0) *st = *start;
+  __syncthreads();
+  if (threadIdx.x < 32) find(h, nbins, shift, st);
+}
+
 constexpr int kItems = 16;
 constexpr int64_t kTile = (int64_t)kThreads * kItems;
 

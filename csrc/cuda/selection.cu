@@ -10,10 +10,7 @@ __global__ void k_hist_find(Key key, int64_t n, SelState* st, long long need, bo
                             unsigned long long* h, unsigned* ticket) {
   const SelState start{0u, 0u, need};
   hist(key, n, first ? &start : st, shift, nbins, h, blockIdx.x, gridDim.x);
-  if (!last_of(ticket, gridDim.x)) return;
-  if (first && threadIdx.x == 0) *st = start;
-  __syncthreads();
-  if (threadIdx.x < 32) find(h, nbins, shift, st);
+  narrow_if_last(ticket, gridDim.x, h, nbins, shift, st, first ? &start : nullptr);
 }
 
 struct ThresholdPredF {

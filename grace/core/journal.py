@@ -21,6 +21,12 @@ def no_overflow(overflow) -> bool:
     return overflow is None or (isinstance(overflow, int) and not overflow)
 
 
+def left_on_device(overflow):
+    """The overflow count where it is left on the device (a tensor, for a kernel that poisons by
+    it); None where it is an int read back already, or not guarded."""
+    return overflow if overflow is not None and not isinstance(overflow, int) else None
+
+
 def poisoned(xp, t, overflow):
     """NaN everywhere when any rank flagged an overflow (``overflow``: how many did, an int or
     a traced tensor; None: not guarded), so that a loss scaler sees it and skips the step."""

@@ -9,6 +9,7 @@ import numpy as np
 from grace.compressors.randomk import RandomK
 from grace.core import draws
 from grace.core.compressor import Shape, native_or_none, sent_count
+from grace.core.journal import left_on_device
 from grace.core.plans.kernels import MethodKernels, kernels_for
 
 
@@ -57,8 +58,8 @@ class RandomKKernels(MethodKernels):
         device: one fill and one scatter (0 + v / n, the decompressed sum divided to the bit)."""
         if isinstance(overflow, int) and overflow:  # (read back already: poisoned after)
             return None
-        flag = overflow if overflow is not None and not isinstance(overflow, int) else None
-        return native_or_none(xp, "sparse_sum_mean", summed[0], summed[0], indices, ranks, flag, table.numel)
+        return native_or_none(xp, "sparse_sum_mean", summed[0], summed[0], indices, ranks, left_on_device(overflow),
+                              table.numel)
 
     def segment_fields(self, numels, dtype):
         return [([sent_count(self.compressor.ratio, d) for d in numels], [dtype] * len(numels))]

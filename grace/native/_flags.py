@@ -20,5 +20,16 @@ def _flag_of(kind, nonfinite):
     return b.ptr, ITEMSIZE[b.dtype]
 
 
-def _put_flag(address: int, width: int, set_: bool):  # (at a host address: a byte or a float32)
-    ctypes.memmove(address, ctypes.byref(ctypes.c_uint8(set_) if width == 1 else ctypes.c_float(set_)), width)
+class _HostFlag:
+    """A CPU bucket step's ``nonfinite``: the float32 its C function sets (``arg``, None where no
+    flag is asked), then written in the flag's own dtype (``put``)."""
+
+    def __init__(self, kind, nonfinite):
+        self.address, self.width = _flag_of(kind, nonfinite)
+        self.told = ctypes.c_float(0.0)
+        self.arg = ctypes.byref(self.told) if self.address else None
+
+    def put(self) -> None:
+        if self.address:
+            value = ctypes.c_uint8(self.told.value != 0) if self.width == 1 else ctypes.c_float(self.told.value != 0)
+            ctypes.memmove(self.address, ctypes.byref(value), self.width)

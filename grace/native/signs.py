@@ -16,7 +16,6 @@ The bit-code sums (``_bits_sum``, ``_bits_sum_into``) serve TernGrad's 2-bit cod
 """
 from __future__ import annotations
 
-import ctypes
 import itertools
 
 from grace.formats import packed_size
@@ -25,7 +24,7 @@ from grace.native._common import (_FLOATS, _addresses, _check_segments, _cpu_kin
                                   _ef_flags, _ef_inputs, _ef_many_inputs, _every, _field, _finish_args, _flag, _float32,
                                   _in_place, _in_place_all, _int64s, _on_gpu, _packed_total, _placed, _pointers,
                                   _same_kind, _wrap)
-from grace.native._flags import _flag_of, _put_flag
+from grace.native._flags import _flag_of, _HostFlag
 
 
 # --- fused compress / decompress ------------------------------------------------------------------
@@ -225,18 +224,17 @@ def _sign_ef_segments(mode: int, symbol: str, scalars: int, g, residual, starts,
     _check_segments(gb.n, starts, numels)
     sizes = [packed_size(n, 1) for n in numels]
     packed, sc = kind.empty(sum(sizes), "uint8"), kind.empty(scalars * len(numels), "float32")
-    flags, (flag, width) = _ef_flags(beta, gamma), _flag_of(kind, nonfinite)
+    flags = _ef_flags(beta, gamma)
     if _on_gpu(kind):
         call(kind, f"{symbol}_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels),
-             float(beta), float(gamma), flags, packed.ptr, sc.ptr, ob.ptr, flag, width)
+             float(beta), float(gamma), flags, packed.ptr, sc.ptr, ob.ptr, *_flag_of(kind, nonfinite))
         return _wrap(kind, packed, sc, ob)
-    at, told = [0, *itertools.accumulate(sizes)][:-1], ctypes.c_float(0.0)
+    at, flag = [0, *itertools.accumulate(sizes)][:-1], _HostFlag(kind, nonfinite)
     call(kind, "bits_ef_many", len(numels), _addresses(gb, [4 * s for s in starts]),
          _addresses(rb, [4 * s for s in starts]), _addresses(ob, [4 * s for s in starts]), _int64s(numels),
          float(beta), float(gamma), flags, mode, _addresses(packed, at),
-         _addresses(sc, [4 * scalars * s for s in range(len(numels))]), ctypes.byref(told) if flag else None)
-    if flag:
-        _put_flag(flag, width, told.value != 0)
+         _addresses(sc, [4 * scalars * s for s in range(len(numels))]), flag.arg)
+    flag.put()
     return _wrap(kind, packed, sc, ob)
 
 

@@ -21,7 +21,7 @@ from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_fl
                                   _every, _field, _flag, _float32, _head, _in_place_all, _index_buf,
                                   _index_codes, _int64s, _on_gpu, _placed, _pointers, _same_kind, _same_kind_all,
                                   _seed_word_arrays, _wrap)
-from grace.native._flags import _flag_of, _put_flag
+from grace.native._flags import _flag_of, _HostFlag
 
 
 # --- selection ------------------------------------------------------------------------------------
@@ -225,20 +225,19 @@ def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, ga
     if any(not 0 <= k <= n for k, n in zip(ks, numels)):
         raise ValueError("each segment's k must lie in [0, its size]")
     values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
-    flag, width = _flag_of(kind, nonfinite)
     if _on_gpu(kind):
         call(kind, "topk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels), _int64s(ks),
-             float(beta), float(gamma), _ef_flags(beta, gamma), values.ptr, idx.ptr, ob.ptr, flag, width)
+             float(beta), float(gamma), _ef_flags(beta, gamma), values.ptr, idx.ptr, ob.ptr,
+             *_flag_of(kind, nonfinite))
         return _wrap(kind, values, idx, ob)
     at = [0, *itertools.accumulate(ks[:-1])]  # (a CPU: the bucket step, each segment at its own pointers)
-    told = ctypes.c_float(0.0)
+    flag = _HostFlag(kind, nonfinite)
     if call(kind, "topk_ef_many", len(numels), *(_addresses(b, [4 * s for s in starts]) for b in (gb, rb, ob)),
             _int64s(numels), _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma),
             _addresses(values, [4 * a for a in at]), _addresses(idx, [8 * a for a in at]),
-            _index_codes(["int64"] * len(ks)), ctypes.byref(told) if flag else None) != 0:
+            _index_codes(["int64"] * len(ks)), flag.arg) != 0:
         raise RuntimeError("native top-k steps failed")
-    if flag:
-        _put_flag(flag, width, told.value != 0)
+    flag.put()
     return _wrap(kind, values, idx, ob)
 
 

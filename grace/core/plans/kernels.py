@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from grace import native
 from grace.core import draws
 from grace.core.compressor import Compressor, Payload, Shape, TensorInfo, finished, native_or_none
-from grace.core.journal import poisoned
+from grace.core.journal import left_on_device, poisoned
 from grace.core.plans.by_class import ByClass
 
 
@@ -238,7 +238,7 @@ class MethodKernels:
         flat = [xp.flatten(f) for f in fields]
         fused = xp.native(self.mean_kernel, flat[0]) if self.mean_kernel else None
         if fused:
-            count = overflow if overflow is not None and not isinstance(overflow, int) else None
+            count = left_on_device(overflow)
             mean = fused(*flat, table.numels, ranks, self.compressor.finish(ranks), count, *self.arguments())
             return mean if count is not None else poisoned(xp, mean, overflow)
         decoded = xp.reshape(self.decompress_segments(xp, flat, ctx, table.repeated(xp, ranks)), (ranks, table.numel))
