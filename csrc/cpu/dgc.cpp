@@ -2,6 +2,8 @@
 #include "draws.h"
 #include "select.h"
 
+#include <functional>
+
 // ---- DGC's momentum correction -----------------------------------------------------------------
 namespace {
 // DGC's momentum correction of elements [lo, hi): p = v + (m u + g) into v_out and p - v into
@@ -170,6 +172,86 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
       p[i] = value - sent;
     }
     counts[s] = c;
+  }
+  return 0;
+}
+
+// DGC's selection of every segment of a bucket from its compensated p (grace_cpu_dgc_compensate's):
+// each segment's ks[s] largest |p| (grace_cpu_topk: ties to the lowest index, ascending), p sent
+// where |p| >= cut[s] and +0.0 under it, and momentum factor masking where sent, as DGCMemory.update
+// makes it from the decompressed payload: p = p - (0 + value) over p, u = u * 0 where 0 + value != 0.
+// The flag (where given): whether any p is an inf or a NaN. Returns -1 (nothing written) on bad
+// arguments.
+API int grace_cpu_dgc_select_segments(float* p, float* u, int64_t segments, const int64_t* starts,
+                                      const int64_t* numels, const int64_t* ks, const float* cut, float* values,
+                                      int64_t* idx, void* flag, int flag_width, uint8_t* frame, const int64_t* slots,
+                                      int64_t pairs, int64_t zero_from, int64_t frame_size) {
+  if (segments < 0) return -1;
+  int64_t total = 0;
+  for (int64_t s = 0; s < segments; ++s) {
+    if (numels[s] < 0 || starts[s] < 0 || ks[s] < 0 || ks[s] > numels[s]) return -1;
+    total += ks[s];
+  }
+  if (frame && total != pairs) return -1;
+  std::vector<float> frame_values(frame ? total : 0);
+  std::vector<int64_t> frame_idx(frame ? total : 0);
+  if (frame) {  // (the pairs made here, then written into the frame)
+    values = frame_values.data();
+    idx = frame_idx.data();
+  }
+  bool bad = false;
+  for (int64_t s = 0, at = 0; s < segments; at += ks[s++]) {
+    float* ps = p + starts[s];
+    float* us = u + starts[s];
+    for (int64_t i = 0; i < numels[s]; ++i) bad |= !std::isfinite(ps[i]);
+    if (grace_cpu_topk(ps, GRACE_F32, numels[s], ks[s], 1, idx + at, GRACE_I64, values + at) != ks[s]) return -1;
+    for (int64_t j = at; j < at + ks[s]; ++j) {
+      const int64_t i = idx[j];
+      const float x = ps[i], v = std::fabs(x) >= cut[s] ? x : 0.0f, sent = 0.0f + v;
+      values[j] = v;
+      ps[i] = x - sent;
+      if (sent != 0.0f) us[i] = us[i] * 0.0f;
+    }
+  }
+  if (flag) {
+    if (flag_width == 1) *static_cast<uint8_t*>(flag) = bad;
+    else *static_cast<float*>(flag) = bad ? 1.0f : 0.0f;
+  }
+  if (frame) grace_cpu_pairs_into_frame(values, idx, pairs, slots, frame, zero_from, frame_size);
+  return 0;
+}
+
+// DGC's cut of every segment of a bucket (grace_native.h): each sample's key the bits of its |p|
+// (NaN above inf), the need[s]-th largest of them by nth_element.
+API int grace_cpu_dgc_cut_segments(const float* p, int64_t n, int64_t segments, const int64_t* starts,
+                                   const int64_t* numels, const int64_t* sizes, const int64_t* needs,
+                                   const uint32_t* s0, const uint32_t* s1, float* cut) {
+  if (n < 0 || segments < 0) return -1;
+  for (int64_t s = 0; s < segments; ++s)
+    if (numels[s] < 1 || starts[s] < 0 || starts[s] + numels[s] > n || sizes[s] < 1 || sizes[s] > numels[s] ||
+        needs[s] < 1 || needs[s] > sizes[s])
+      return -1;
+  std::vector<uint32_t> keys;
+  std::vector<float> u;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t d = numels[s], count = sizes[s];
+    const bool drawn = count < d;
+    keys.resize(count);
+    if (drawn) {
+      u.resize(count);
+      uniform_range(0, count, s0[s], s1[s], u.data());
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      // a drawn place: floor(u d) in float32, as the tensor ops round it (past the bucket: its last)
+      const int64_t i = drawn ? std::min<int64_t>(starts[s] + (int64_t)std::floor(u[j] * (float)d), n - 1)
+                              : starts[s] + j;
+      uint32_t bits;
+      std::memcpy(&bits, p + i, 4);
+      keys[j] = bits & 0x7fffffffu;
+    }
+    std::nth_element(keys.begin(), keys.begin() + (needs[s] - 1), keys.end(), std::greater<uint32_t>());
+    const uint32_t chosen = keys[needs[s] - 1];
+    std::memcpy(cut + s, &chosen, 4);
   }
   return 0;
 }

@@ -254,25 +254,34 @@ API int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* 
 }
 
 
+namespace {
+// an index on the wire: the little-endian integer of `width` bytes (non-negative), unaligned
+inline int64_t wire_index(const uint8_t* at, int64_t width) {
+  uint64_t x = 0;
+  std::memcpy(&x, at, (size_t)width);
+  return (int64_t)x;
+}
+}  // namespace
+
 // The ranks' fixed-k sparse frames read in place: every index checked first, then the fill (NaN
-// where a rank flagged an overflow) and each rank's pairs added in turn, as scatter-add does.
+// where a rank flagged an overflow) and each rank's pairs added in turn, as scatter-add does;
+// how many ranks flagged one into *flagged (where given).
 API int grace_cpu_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t frame_size, const int64_t* slots,
-                                     int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out) {
+                                     int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out,
+                                     float* flagged) {
   if (ranks < 0 || count < 0 || numel < 0 || frame_size < 0) return -1;
   const int64_t *value_at = slots, *index_at = slots + count, *width = slots + 2 * count, *base = slots + 3 * count;
-  auto index_of = [&](const uint8_t* frame, int64_t j) {
-    uint64_t x = 0;  // (little-endian, non-negative: an index's low bytes)
-    std::memcpy(&x, frame + index_at[j], (size_t)width[j]);
-    return base[j] + (int64_t)x;
-  };
-  bool poisoned = false;
-  for (int r = 0; r < ranks && flag_at >= 0; ++r) poisoned |= frames[r * frame_size + flag_at] != 0;
+  auto index_of = [&](const uint8_t* frame, int64_t j) { return base[j] + wire_index(frame + index_at[j], width[j]); };
+  int flags = 0;
+  for (int r = 0; r < ranks && flag_at >= 0; ++r) flags += frames[r * frame_size + flag_at] != 0;
   for (int r = 0; r < ranks; ++r)
     for (int64_t j = 0; j < count; ++j) {
       if (width[j] < 1 || width[j] > 8) return -1;
       const int64_t i = index_of(frames + r * frame_size, j);
       if (i < 0 || i >= numel) return -1;
     }
+  if (flagged) *flagged = (float)flags;
+  const bool poisoned = flags > 0;
   std::fill(out, out + numel, poisoned ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
   if (poisoned) return 0;
   for (int r = 0; r < ranks; ++r) {
@@ -281,6 +290,35 @@ API int grace_cpu_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t f
       float v;
       std::memcpy(&v, frame + value_at[j], 4);
       out[index_of(frame, j)] += v / divisor;
+    }
+  }
+  return 0;
+}
+
+// The ranks' variable-length sparse frames read in place (the rows of `table` in the header's
+// terms): every piece and index checked first, then the fill and each rank's pairs added in turn.
+API int grace_cpu_sparse_variable_mean(const uint8_t* frames, int64_t nbytes, const int64_t* table, int64_t segments,
+                                       int ranks, float divisor, int64_t numel, float* out) {
+  if (ranks < 0 || segments < 0 || numel < 0 || nbytes < 0) return -1;
+  const int64_t rows = (int64_t)ranks * segments;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t* t = table + GRACE_PAIR_COLUMNS * row;
+    const int64_t count = t[3], width = t[5];
+    if (count < 0 || width < 1 || width > 8 || t[0] < 0 || t[1] < 0 || t[0] + 4 * count > nbytes ||
+        t[1] + width * count > nbytes)
+      return -1;
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t i = t[4] + wire_index(frames + t[1] + width * j, width);
+      if (i < 0 || i >= numel) return -1;
+    }
+  }
+  std::fill(out, out + numel, 0.0f);
+  for (int64_t row = 0; row < rows; ++row) {  // (rank after rank: each rank's rows in a row)
+    const int64_t* t = table + GRACE_PAIR_COLUMNS * row;
+    for (int64_t j = 0; j < t[3]; ++j) {
+      float v;
+      std::memcpy(&v, frames + t[0] + 4 * j, 4);
+      out[t[4] + wire_index(frames + t[1] + t[5] * j, t[5])] += v / divisor;
     }
   }
   return 0;
@@ -454,4 +492,15 @@ API void grace_cpu_uniform_segments(int64_t segments, const int64_t* numels, con
                [&](int, int64_t lo, int64_t hi) { uniform_range(lo, hi, s0[s], s1[s], out + lo); });
     out += n;
   }
+}
+
+// The selected pairs written into a fixed layout's frame where `slots` lays them, then its bytes
+// [zero_from, frame_size) zeroed (grace_native.h)
+API void grace_cpu_pairs_into_frame(const float* values, const int64_t* idx, int64_t pairs, const int64_t* slots,
+                                    uint8_t* frame, int64_t zero_from, int64_t frame_size) {
+  for (int64_t j = 0; j < pairs; ++j) {
+    std::memcpy(frame + slots[j], values + j, 4);
+    std::memcpy(frame + slots[pairs + j], idx + j, (size_t)slots[2 * pairs + j]);  // (little-endian: its low bytes)
+  }
+  if (frame_size > zero_from) std::memset(frame + zero_from, 0, (size_t)(frame_size - zero_from));
 }

@@ -391,3 +391,65 @@ API int64_t grace_cpu_threshold_ef(const float* g, const float* r, int64_t n, fl
                                    int flags, float* values, void* idx, int idx_type, float* new_r) {
   return threshold_ef(g, r, n, thr, beta, gamma, flags, values, idx, idx_type, new_r, nullptr, streams(new_r, 4 * n));
 }
+
+// Threshold's selection of a bucket's contiguous segments before its frame is made: p, the mask,
+// each segment's count, the header (each count twice, the overflow flag on top of the last) and
+// the flag (any g non-finite), in one pass.
+API int grace_cpu_threshold_select_segments(const float* g, const float* r, int64_t n, const int64_t* starts,
+                                            int64_t segments, float thr, float beta, float gamma, int flags, float* p,
+                                            uint8_t* take, int64_t* counts, int64_t* header, void* flag,
+                                            int flag_width) {
+  if (n < 0 || segments < 1 || starts[0] != 0) return -1;
+  for (int64_t s = 1; s < segments; ++s)
+    if (starts[s] < starts[s - 1] || starts[s] > n) return -1;
+  bool bad = false;
+  for (int64_t s = 0, i = 0; s < segments; ++s) {
+    int64_t c = 0;
+    for (const int64_t end = s + 1 < segments ? starts[s + 1] : n; i < end; ++i) {
+      bad |= !std::isfinite(g[i]);
+      p[i] = compensate(g[i], r[i], beta, gamma, flags);
+      take[i] = std::fabs(p[i]) >= thr;
+      c += take[i];
+    }
+    counts[s] = header[2 * s] = header[2 * s + 1] = c;
+  }
+  if (flag && bad) header[2 * segments - 1] |= int64_t(1) << GRACE_FLAG_SHIFT;
+  if (flag) {
+    if (flag_width == 1) *static_cast<uint8_t*>(flag) = bad;
+    else *static_cast<float*>(flag) = bad ? 1.0f : 0.0f;
+  }
+  return 0;
+}
+
+// Threshold's frame from its selection: each segment's taken values and indices where its row of
+// `table` lays them, the new residual p - (0 + p) over p in their place, then the flag byte and
+// zeros; every row checked against the mask and the frame first.
+API int grace_cpu_threshold_write_segments(float* p, const uint8_t* take, int64_t n, const int64_t* table,
+                                           int64_t segments, uint8_t* frame, int64_t frame_size, int64_t tail,
+                                           const uint8_t* flag) {
+  if (n < 0 || segments < 1 || tail < 0 || tail > frame_size) return -1;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t* t = table + GRACE_PAIR_COLUMNS * s;
+    const int64_t end = s + 1 < segments ? t[GRACE_PAIR_COLUMNS + 4] : n;
+    if (t[4] < 0 || end < t[4] || end > n || t[5] < 1 || t[5] > 8 || t[0] < 0 || t[1] < 0 ||
+        t[0] + 4 * t[3] > tail || t[1] + t[5] * t[3] > tail)
+      return -1;
+    int64_t c = 0;
+    for (int64_t i = t[4]; i < end; ++i) c += take[i] != 0;
+    if (c != t[3]) return -1;
+  }
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t* t = table + GRACE_PAIR_COLUMNS * s;
+    const int64_t end = s + 1 < segments ? t[GRACE_PAIR_COLUMNS + 4] : n;
+    for (int64_t i = t[4], j = 0; i < end; ++i) {
+      if (!take[i]) continue;
+      const int64_t local = i - t[4];
+      std::memcpy(frame + t[0] + 4 * j, p + i, 4);
+      std::memcpy(frame + t[1] + t[5] * j, &local, (size_t)t[5]);  // (little-endian: its low bytes)
+      p[i] = p[i] - (0.0f + p[i]);
+      ++j;
+    }
+  }
+  for (int64_t b = tail; b < frame_size; ++b) frame[b] = b == tail && flag ? *flag : 0;
+  return 0;
+}

@@ -76,6 +76,17 @@ struct Scratch {
 
 inline size_t align256(size_t b) { return (b + 255) & ~size_t(255); }
 
+// A rank's pairs in its frame, by segment (a row of GRACE_PAIR_COLUMNS each, grace_native.h): the
+// row of its pair j, the last whose first pair is <= j (an empty segment's row is never the last).
+__device__ __forceinline__ const int64_t* pair_row(const int64_t* rows, int64_t segments, int64_t j) {
+  int64_t lo = 0, hi = segments;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (rows[mid * GRACE_PAIR_COLUMNS + 2] <= j) lo = mid; else hi = mid;
+  }
+  return rows + lo * GRACE_PAIR_COLUMNS;
+}
+
 // the overflow flag: 1 where `set`, else 0, a float32 or (width 1) a byte
 __device__ __forceinline__ void write_flag(void* flag, int width, bool set) {
   if (width == 1) *static_cast<uint8_t*>(flag) = set ? 1 : 0;

@@ -355,16 +355,34 @@ __global__ void k_select_count_seg(SegBatch t, const float* p, const SelState* s
   if (last_of(tickets + s, sb.blocks)) scan2<kThreads>(cg + t.q[s], ce + t.q[s], tiles_of(t.n[s]), totals + 2 * s);
 }
 
-// the selected written; the last batch's first thread also writes the overflow flag, where asked
-template <class By>
-__global__ void k_select_write_seg(SegBatch t, float* p, const SelState* st, const long long* cg, const long long* ce,
-                                   int64_t* idx, float* values, const unsigned* bad, void* flag, int flag_width) {
-  if (flag && blockIdx.x == 0 && threadIdx.x == 0) write_flag(flag, flag_width, *bad != 0);
-  const SegBlock sb = seg_block(t);
+// DGC's pair: p sent where |p| >= the segment's cut, +0.0 under it; momentum factor masking where
+// sent (p = p - (0 + value) over p, u = u * 0 where 0 + value != 0), as DGCMemory.update
+struct EmitCut {
+  int64_t* idx;
+  float* values;
+  float* p;
+  float* u;
+  float cut;
+  FramePairs out;  // where given, the pair goes there (as pair first + pos)
+  int64_t first;
+  __device__ void operator()(int64_t pos, int64_t i) const {
+    const float x = p[i], v = fabsf(x) >= cut ? x : 0.0f, sent = __fadd_rn(0.0f, v);
+    if (out.frame) {
+      out.put(first + pos, v, i);
+    } else {
+      idx[pos] = i;
+      values[pos] = v;
+    }
+    p[i] = __fsub_rn(x, sent);
+    if (sent != 0.0f) u[i] = __fmul_rn(u[i], 0.0f);
+  }
+};
+
+template <class By, class Emit>
+__device__ void write_seg(const SegBatch& t, const SegBlock& sb, const float* p, const SelState* st,
+                          const long long* cg, const long long* ce, const Emit& emit) {
   const int s = sb.s;
   const int64_t n = t.n[s], k = t.u[s];
-  const EmitIdx emit{idx + t.p[s], GRACE_I64, p + t.x[s], values + t.p[s], p + t.x[s], t.f[s],
-                     By::kInBucket ? t.x[s] : 0};
   if (k >= n) {  // every element (k_take_all)
     BLOCK_STRIDE(i, n, sb.block, sb.blocks) emit(i, i);
     return;
@@ -372,6 +390,34 @@ __global__ void k_select_write_seg(SegBatch t, float* p, const SelState* st, con
   if (k <= 0) return;
   using Key = decltype(By::key(t, s, p));
   write(TopkPred<Key>{By::key(t, s, p)}, n, st + s, cg + t.q[s], ce + t.q[s], emit, sb.block);
+}
+
+// A frame's bytes past its pairs that the last batch's first block zeroes: [zero_from, size)
+struct FrameTail {
+  uint8_t* frame = nullptr;
+  int64_t zero_from = 0, size = 0;
+};
+
+// the selected written (by EmitIdx, or where `cut` is given (this batch's segments' cuts), by
+// EmitCut; into the frame where out.frame is given); the last batch's first block also writes the
+// overflow flag, where asked, and the frame's tail (its flag byte is `flag`, then zeros)
+template <class By>
+__global__ void k_select_write_seg(SegBatch t, float* p, const SelState* st, const long long* cg, const long long* ce,
+                                   int64_t* idx, float* values, const unsigned* bad, void* flag, int flag_width,
+                                   const float* cut, float* u, FramePairs out, FrameTail tail) {
+  if (flag && blockIdx.x == 0 && threadIdx.x == 0) write_flag(flag, flag_width, *bad != 0);
+  if (tail.frame && blockIdx.x == 0)
+    for (int64_t b = tail.zero_from + threadIdx.x; b < tail.size; b += blockDim.x) tail.frame[b] = 0;
+  const SegBlock sb = seg_block(t);
+  const int s = sb.s;
+  if (cut) {
+    write_seg<By>(t, sb, p, st, cg, ce,
+                  EmitCut{idx + t.p[s], values + t.p[s], p + t.x[s], u + t.x[s], cut[s], out, t.p[s]});
+    return;
+  }
+  write_seg<By>(t, sb, p, st, cg, ce,
+                EmitIdx{idx + t.p[s], GRACE_I64, p + t.x[s], values + t.p[s], p + t.x[s], t.f[s],
+                        By::kInBucket ? t.x[s] : 0, out, t.p[s]});
 }
 
 // Runs launch(batch, its first segment) on each batch of up to kSegBatch segments, fill(batch,
@@ -708,12 +754,15 @@ namespace {
 // The selections with error feedback of every segment (0 <= ks[s] <= numels[s]), by `By`: p =
 // compensate(g, r) into new_r, the ks[s] chosen into values and idx (int64) from the previous
 // segments' ks on, new_r = p - (0 + value) where sent; one launch per kernel per 64 segments.
-// words, scales: random-k's seed words and factors per segment (NULL: none, 1).
+// words, scales: random-k's seed words and factors per segment (NULL: none, 1). cut, u: DGC's
+// cuts per segment and momenta (NULL: none; then EmitCut writes the selected). out, tail: the
+// frame the pairs go into instead of values and idx (out.frame NULL: none), and its tail.
 template <class By>
 int select_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts, const int64_t* numels,
                        const int64_t* ks, const int64_t* words, const float* scales, float beta, float gamma,
                        int flags, float* values, int64_t* idx, float* new_r, void* flag, int flag_width,
-                       void* stream) {
+                       void* stream, const float* cut = nullptr, float* u = nullptr, FramePairs out = {},
+                       FrameTail tail = {}) {
   int64_t most_tiles = 0;
   if (!r && !(flags & 4)) return -1;
   for (int64_t s = 0; s < segments; ++s) {
@@ -722,6 +771,8 @@ int select_ef_segments(const float* g, const float* r, int64_t segments, const i
   }
   cudaStream_t st = as_stream(stream);
   if (segments == 0 && flag) cudaMemsetAsync(flag, 0, flag_width, st);
+  if (segments == 0 && tail.frame && tail.size > tail.zero_from)
+    cudaMemsetAsync(tail.frame + tail.zero_from, 0, tail.size - tail.zero_from, st);
   constexpr int kPasses = 3;  // the radix passes: 11 + 11 + 10 bits, a histogram each, all zeroed at once
   // the word that tells an inf or a NaN (zeroed with the first batch's), each batch's tickets, its histograms
   const size_t bad_bytes = 256, ticket_bytes = align256(kTicketSets * kSegBatch * sizeof(unsigned));
@@ -779,20 +830,25 @@ int select_ef_segments(const float* g, const float* r, int64_t segments, const i
           return t.u[k] >= t.n[k] ? (t.n[k] + kThreads - 1) / kThreads : (t.u[k] > 0 ? tiles_of(t.n[k]) : 1);
         });
         k_select_write_seg<By><<<write_grid, kThreads, 0, st>>>(t, new_r, state, cg, ce, idx, values, bad,
-                                                                last ? flag : nullptr, flag_width);
+                                                                last ? flag : nullptr, flag_width,
+                                                                cut ? cut + first : nullptr, u, out,
+                                                                last ? tail : FrameTail{});
         return 0;
       });
 }
 }  // namespace
 
 // grace_cuda_topk_ef of every segment: the ks[s] largest |p| (ties to the lowest index), indices
-// in the segment. flags & 4: p = g (r unread, may be NULL): a bucket's plain top-k, new_r its scratch
+// in the segment. flags & 4: p = g (r unread, may be NULL): a bucket's plain top-k, new_r its scratch.
+// frame: where given, the pairs written there (FramePairs) and its bytes [zero_from, frame_size) zeroed
 API int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                     const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
                                     float* values, int64_t* idx, float* new_r, void* flag, int flag_width,
-                                    void* stream) {
+                                    uint8_t* frame, const int64_t* slots, int64_t pairs, int64_t zero_from,
+                                    int64_t frame_size, void* stream) {
   return select_ef_segments<ByMagnitude>(g, r, segments, starts, numels, ks, nullptr, nullptr, beta, gamma, flags,
-                                         values, idx, new_r, flag, flag_width, stream);
+                                         values, idx, new_r, flag, flag_width, stream, nullptr, nullptr,
+                                         FramePairs{frame, slots, pairs}, FrameTail{frame, zero_from, frame_size});
 }
 
 // random-k with residual memory of every segment: the indices of the ks[s] smallest hashes of
@@ -807,4 +863,80 @@ API int grace_cuda_randomk_ef_segments(const float* g, const float* r, int64_t s
   for (int64_t s = 0; s < segments; ++s) words[s] = (int64_t)((uint64_t)s0[s] | (uint64_t)s1[s] << 32);
   return select_ef_segments<ByDraws>(g, r, segments, starts, numels, ks, words.data(), scales, beta, gamma, flags,
                                      values, idx, new_r, flag, flag_width, stream);
+}
+
+// DGC's selection of every segment from its compensated p (grace_cpu_dgc_select_segments): top-k's
+// kernels on p (compensating nothing: flag 4), their writes by EmitCut
+API int grace_cuda_dgc_select_segments(float* p, float* u, int64_t segments, const int64_t* starts,
+                                       const int64_t* numels, const int64_t* ks, const float* cut, float* values,
+                                       int64_t* idx, void* flag, int flag_width, uint8_t* frame, const int64_t* slots,
+                                       int64_t pairs, int64_t zero_from, int64_t frame_size, void* stream) {
+  return select_ef_segments<ByMagnitude>(p, nullptr, segments, starts, numels, ks, nullptr, nullptr, 1.0f, 1.0f, 4,
+                                         values, idx, p, flag, flag_width, stream, cut, u,
+                                         FramePairs{frame, slots, pairs}, FrameTail{frame, zero_from, frame_size});
+}
+
+namespace {
+// DGC's cut of each segment of a batch, a block per segment: the need-th largest key (the bits of
+// |p|, NaN above inf) of its sample (t.q[s] elements: drawn at floor(u_j d) from t.r[s]'s draws
+// where fewer than d, else every one), by a radix select of 11 + 11 + 10 bits in shared memory.
+__global__ void k_dgc_cut_seg(SegBatch t, const float* p, int64_t n, float* cut) {
+  const int s = blockIdx.x;
+  const int64_t d = t.n[s], count = t.q[s];
+  const Drawn draw{t.r[s]};
+  __shared__ unsigned hist[2048];
+  __shared__ uint32_t prefix, mask;
+  __shared__ long long need;
+  if (threadIdx.x == 0) {
+    prefix = mask = 0;
+    need = t.u[s];
+  }
+  const int shifts[3] = {21, 10, 0}, bins[3] = {2048, 2048, 1024};
+  for (int pass = 0; pass < 3; ++pass) {
+    for (int b = threadIdx.x; b < 2048; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+    const uint32_t pre = prefix, msk = mask;
+    for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
+      const int64_t i = count < d ? min(t.x[s] + (int64_t)floorf(__fmul_rn(draw[j], (float)d)), n - 1) : t.x[s] + j;
+      const uint32_t key = __float_as_uint(p[i]) & 0x7fffffffu;
+      if ((key & msk) == pre) atomicAdd(&hist[(key >> shifts[pass]) & (bins[pass] - 1)], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // the bin holding the need-th largest, from the top
+      long long left = need;
+      int b = bins[pass] - 1;
+      for (; b > 0 && (long long)hist[b] < left; --b) left -= hist[b];
+      prefix = pre | (uint32_t)b << shifts[pass];
+      mask = msk | (uint32_t)(bins[pass] - 1) << shifts[pass];
+      need = left;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) cut[s] = __uint_as_float(prefix);
+}
+}  // namespace
+
+// grace_cpu_dgc_cut_segments on the device: a launch per 64 segments
+API int grace_cuda_dgc_cut_segments(const float* p, int64_t n, int64_t segments, const int64_t* starts,
+                                    const int64_t* numels, const int64_t* sizes, const int64_t* needs,
+                                    const uint32_t* s0, const uint32_t* s1, float* cut, void* stream) {
+  if (n < 0) return -1;
+  for (int64_t s = 0; s < segments; ++s)
+    if (numels[s] < 1 || starts[s] < 0 || starts[s] + numels[s] > n || sizes[s] < 1 || sizes[s] > numels[s] ||
+        needs[s] < 1 || needs[s] > sizes[s])
+      return -1;
+  cudaStream_t st = as_stream(stream);
+  return for_batches(
+      segments,
+      [&](SegBatch& t, int k, int64_t s) {
+        t.n[k] = numels[s];
+        t.x[k] = starts[s];
+        t.q[k] = sizes[s];
+        t.u[k] = needs[s];
+        t.r[k] = (int64_t)((uint64_t)s0[s] | (uint64_t)s1[s] << 32);
+      },
+      [&](SegBatch& t, int64_t first) {
+        k_dgc_cut_seg<<<t.count, kThreads, 0, st>>>(t, p, n, cut + first);
+        return 0;
+      });
 }

@@ -181,6 +181,22 @@ __device__ inline void scan2(long long* a, long long* b, int64_t m, long long* t
   }
 }
 
+// A fixed layout's frame that the selected pairs are written into, in place of values and indices
+// (frame NULL: none): pair j's float32 value at byte slots[j], its index's low slots[2 * pairs + j]
+// bytes (little-endian) at byte slots[pairs + j]; byte stores (pieces need not be aligned).
+struct FramePairs {
+  uint8_t* frame = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t pairs = 0;
+  __device__ void put(int64_t j, float v, int64_t i) const {
+    const uint32_t bits = __float_as_uint(v);
+    uint8_t* at = frame + slots[j];
+    for (int b = 0; b < 4; ++b) at[b] = (uint8_t)(bits >> (8 * b));
+    at = frame + slots[pairs + j];
+    for (int b = 0; b < (int)slots[2 * pairs + j]; ++b) at[b] = (uint8_t)(i >> (8 * b));
+  }
+};
+
 // Emit: what to write for a selected element i at output position pos.
 struct EmitIdx {
   void* idx;
@@ -190,22 +206,26 @@ struct EmitIdx {
   float* new_r;             // error feedback: new_r[i] = p - (0 + v) where sent
   float scale = 1.0f;       // v = p * scale (random-k's d / k; 1: p itself)
   int64_t base = 0;         // the index written: base + i
+  FramePairs out = {};      // where given, the pair goes there (as pair first + pos), not to idx and values
+  int64_t first = 0;
   __device__ void operator()(int64_t pos, int64_t i) const {
-    put_index(idx, idx_type, pos, base + i);
-    if (values) {
-      const float p = values_src[i], v = scale == 1.0f ? p : __fmul_rn(p, scale);
-      values[pos] = v;
-      if (new_r) new_r[i] = __fsub_rn(p, __fadd_rn(0.0f, v));
+    const float p = values_src ? values_src[i] : 0.0f, v = scale == 1.0f ? p : __fmul_rn(p, scale);
+    if (out.frame) {
+      out.put(first + pos, v, base + i);
+    } else {
+      put_index(idx, idx_type, pos, base + i);
+      if (values) values[pos] = v;
     }
+    if (values_src && new_r) new_r[i] = __fsub_rn(p, __fadd_rn(0.0f, v));
   }
 };
 
 // Warp w of a block owns kItems rounds of 32 consecutive elements of the block's tile, so the
 // block needs one synchronization (for the warps' counts); each warp keeps its ballots in
 // registers and writes in order with its own running offsets.
-template <class Pred>
+template <class Pred, class Emit>
 __device__ inline void write(Pred pred, int64_t n, const SelState* st_, const long long* off_gt,
-                             const long long* off_eq, const EmitIdx& emit, int64_t tile) {
+                             const long long* off_eq, const Emit& emit, int64_t tile) {
   __shared__ int wg[kThreads / 32], we[kThreads / 32];
   const SelState st = *st_;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;

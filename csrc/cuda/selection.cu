@@ -40,9 +40,9 @@ __global__ void k_count_scan(Pred pred, int64_t n, const SelState* st_, long lon
   if (last_of(ticket, gridDim.x)) scan2<kThreads>(cnt_gt, cnt_eq, tiles_of(n), totals);
 }
 
-template <class Pred>
+template <class Pred, class Emit>
 __global__ void k_write(Pred pred, int64_t n, const SelState* st_, const long long* off_gt, const long long* off_eq,
-                        EmitIdx emit) {
+                        Emit emit) {
   write(pred, n, st_, off_gt, off_eq, emit, blockIdx.x);
 }
 
@@ -57,8 +57,8 @@ __global__ void k_take_all(int64_t n, EmitIdx emit) {
 
 // Ordered compaction by `pred`; st_dev must be valid, `ticket` zero. Returns 0, or < 0 on a CUDA
 // error. If total_host is not NULL, the number written is copied there (synchronizing the stream).
-template <class Pred>
-int compact(Pred pred, int64_t n, const SelState* st_dev, unsigned* ticket, const EmitIdx& emit,
+template <class Pred, class Emit>
+int compact(Pred pred, int64_t n, const SelState* st_dev, unsigned* ticket, const Emit& emit,
             long long* total_host, cudaStream_t s) {
   const int64_t tiles = tiles_of(n);
   Scratch sc(align256(4 * tiles * sizeof(long long)) + 256, s);
@@ -181,4 +181,110 @@ API int64_t grace_cuda_threshold_ef(const float* g, const float* r, int64_t n, f
   long long total = 0;
   int rc = compact(ThresholdPredF{new_r, thr, 1}, n, st, ticket, emit, &total, s);
   return rc ? rc : total;
+}
+
+namespace {
+// the segment of element i: the last s whose start (a prefix sum of the sizes) is <= i
+__device__ __forceinline__ int64_t segment_of(const int64_t* starts, int64_t segments, int64_t i) {
+  int64_t lo = 0, hi = segments;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (__ldg(starts + mid) <= i) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// One pass over the bucket, a warp on 32 elements in a row: p, the mask, the counts (the lanes
+// of one segment add theirs by one integer atomic: the same counts in any order) and whether a g
+// is non-finite; the last block to finish writes the counts, the header and the flag.
+__global__ void k_threshold_select(Compensated c, int64_t n, const int64_t* starts, int64_t segments, float thr,
+                                   float* p, uint8_t* take, unsigned long long* tally, unsigned* state,
+                                   int64_t* counts, int64_t* header, void* flag, int flag_width) {
+  bool bad = false;
+  WARP_STRIDE(base, n) {
+    const int64_t i = base + (threadIdx.x & 31);
+    bool t = false;
+    int64_t s = -1;
+    if (i < n) {
+      const float v = c[i];
+      p[i] = v;
+      t = fabsf(v) >= thr;
+      take[i] = t;
+      bad |= !isfinite(c.g[i]);
+      s = segment_of(starts, segments, i);
+    }
+    const unsigned same = __match_any_sync(kFull, s), taken = __ballot_sync(kFull, t);
+    if (s >= 0 && (threadIdx.x & 31) == __ffs(same) - 1 && (same & taken))
+      atomicAdd(tally + s, (unsigned long long)__popc(same & taken));
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(state, 1u);
+  if (!last_of(state + 1, gridDim.x)) return;
+  const bool nonfinite = __ldcg(state) != 0;
+  for (int64_t s = threadIdx.x; s < segments; s += blockDim.x) {
+    const int64_t k = (int64_t)__ldcg(tally + s);
+    counts[s] = header[2 * s] = k;
+    header[2 * s + 1] = k | (flag && nonfinite && s == segments - 1 ? int64_t(1) << GRACE_FLAG_SHIFT : 0);
+  }
+  if (flag && threadIdx.x == 0) write_flag(flag, flag_width, nonfinite);
+}
+}  // namespace
+
+API int grace_cuda_threshold_select_segments(const float* g, const float* r, int64_t n, const int64_t* starts,
+                                             int64_t segments, float thr, float beta, float gamma, int flags, float* p,
+                                             uint8_t* take, int64_t* counts, int64_t* header, void* flag,
+                                             int flag_width, void* stream) {
+  if (n < 0 || segments < 1) return -1;
+  cudaStream_t s = as_stream(stream);
+  const size_t tally = align256(8 * (size_t)segments);
+  Scratch sc(tally + 8, s);
+  if (!sc.p) return -3;
+  cudaMemsetAsync(sc.p, 0, tally + 8, s);  // the counts, the non-finite bit, the ticket
+  k_threshold_select<<<grid_for(std::max<int64_t>(n, 1)), kThreads, 0, s>>>(
+      Compensated{g, r, beta, gamma, flags}, n, starts, segments, thr, p, take, sc.at<unsigned long long>(0),
+      sc.at<unsigned>(tally), counts, header, flag, flag_width);
+  return status();
+}
+
+namespace {
+// A threshold's pair written into its rank's frame where the segment's row of `table` lays it
+// (GRACE_PAIR_COLUMNS, grace_native.h; byte stores: pieces need not be aligned), and the new
+// residual over p in its place: p - (0 + p).
+struct EmitFrame {
+  float* p;
+  uint8_t* frame;
+  const int64_t* table;
+  int64_t segments;
+  __device__ void operator()(int64_t pos, int64_t i) const {
+    const int64_t* t = pair_row(table, segments, pos);
+    const int64_t j = pos - t[2], local = i - t[4];
+    const float v = p[i];
+    const uint32_t bits = __float_as_uint(v);
+    for (int b = 0; b < 4; ++b) frame[t[0] + 4 * j + b] = (uint8_t)(bits >> (8 * b));
+    for (int b = 0; b < (int)t[5]; ++b) frame[t[1] + t[5] * j + b] = (uint8_t)(local >> (8 * b));
+    p[i] = __fsub_rn(v, __fadd_rn(0.0f, v));
+  }
+};
+
+// the frame's end: the flag byte (where given) at `tail`, then zeros
+__global__ void k_frame_tail(uint8_t* frame, int64_t tail, int64_t size, const uint8_t* flag) {
+  for (int64_t b = tail + threadIdx.x; b < size; b += blockDim.x) frame[b] = b == tail && flag ? *flag : 0;
+}
+}  // namespace
+
+API int grace_cuda_threshold_write_segments(float* p, const uint8_t* take, int64_t n, const int64_t* table,
+                                            int64_t segments, uint8_t* frame, int64_t frame_size, int64_t tail,
+                                            const uint8_t* flag, void* stream) {
+  if (n < 0 || segments < 1 || tail < 0 || tail > frame_size) return -1;
+  cudaStream_t s = as_stream(stream);
+  Scratch sc(256, s);
+  if (!sc.p) return -3;
+  SelState* st;
+  unsigned* ticket;
+  threshold_state(&st, &ticket, sc, s);
+  if (n > 0) {
+    const int rc = compact(MaskPred{take}, n, st, ticket, EmitFrame{p, frame, table, segments}, nullptr, s);
+    if (rc) return rc;
+  }
+  if (frame_size > tail) k_frame_tail<<<1, kThreads, 0, s>>>(frame, tail, frame_size, flag);
+  return status();
 }

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 20
+#define GRACE_NATIVE_ABI 21
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -94,6 +94,31 @@ void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8_t* 
 /* DGC's momentum correction: p = v + (m * u + g) into v_out, p - v into u_out (one pass) */
 void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g, int64_t n, float m, float* u_out,
                               float* v_out);
+/* DGC's selection of every segment of a bucket from its compensated p (grace_cpu_dgc_compensate's v_out):
+ * each segment's ks[s] largest |p| (ties to the lowest index; indices in the segment, int64, ascending;
+ * values and idx from the previous segments' ks on), p sent where |p| >= cut[s] and +0.0 under it; and
+ * momentum factor masking where sent: p = p - (0 + value) over p, u = u * 0 where 0 + value != 0. Where
+ * `flag` is given, whether any p is an inf or a NaN into it (a float32, or a byte where flag_width is 1).
+ * Where `frame` is given, the pairs go there instead (grace_cpu_pairs_into_frame; `pairs` the sum of ks).
+ * 0, or -1 (nothing written) on bad arguments. */
+int grace_cpu_dgc_select_segments(float* p, float* u, int64_t segments, const int64_t* starts, const int64_t* numels,
+                                  const int64_t* ks, const float* cut, float* values, int64_t* idx, void* flag,
+                                  int flag_width, uint8_t* frame, const int64_t* slots, int64_t pairs,
+                                  int64_t zero_from, int64_t frame_size);
+/* The selected pairs (float32 values, int64 indices in their segment) written into a fixed layout's frame
+ * instead (grace_cuda_topk_ef_segments' `frame`): pair j's value at byte slots[j], its index's low
+ * slots[2 * pairs + j] bytes (little-endian) at byte slots[pairs + j]; then the frame's bytes
+ * [zero_from, frame_size) zeroed (its padding, after the flag byte). */
+void grace_cpu_pairs_into_frame(const float* values, const int64_t* idx, int64_t pairs, const int64_t* slots,
+                                uint8_t* frame, int64_t zero_from, int64_t frame_size);
+/* DGC's cut of every segment of a bucket of n elements (numels[s] from starts[s]): the needs[s]-th largest
+ * |p| of a sample of sizes[s] elements (1 <= needs[s] <= sizes[s] <= numels[s]), as DGC.segment_cut finds it:
+ * where sizes[s] < numels[s] (d) those at floor(u_j * d) (u_j, j < sizes[s]: the uniform draws of the seed
+ * words (s0[s], s1[s]); the product in float32; a place past the bucket read at its last), else every
+ * element; into cut[s]. 0, or -1 on bad arguments. */
+int grace_cpu_dgc_cut_segments(const float* p, int64_t n, int64_t segments, const int64_t* starts,
+                               const int64_t* numels, const int64_t* sizes, const int64_t* needs, const uint32_t* s0,
+                               const uint32_t* s1, float* cut);
 /* DGC's whole step for each gradient s of a bucket: the momentum correction above, the threshold
  * from a sample of |p| (counter-based draws of s0[s], s1[s]), the selection (at most k; counts[s]
  * of them: values[s] and idx[s] of type idx_types[s]) and momentum factor masking; g[s] taken as
@@ -177,9 +202,39 @@ int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* cons
  * overflow flag byte (at `flag_at` in its frame; -1: none) is set; else, rank after rank, each pair j
  * of `count` added: its float32 value (at byte slots[j] of the frame) / divisor, at its index (the
  * little-endian integer of slots[2 * count + j] bytes at byte slots[count + j]) plus its segment's
- * start slots[3 * count + j]. 0, or -1 (CPU: nothing written) where an index falls outside [0, numel). */
+ * start slots[3 * count + j]. `flagged` (NULL: not asked): the number of ranks that flagged an overflow,
+ * as one float. 0, or -1 (CPU: nothing written) where an index falls outside [0, numel). */
 int grace_cpu_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t frame_size, const int64_t* slots,
-                                 int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out);
+                                 int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out,
+                                 float* flagged);
+/* The mean of `ranks` frames of a bucket whose `segments` send a number of (value, index) pairs that
+ * varies by rank and step, end to end in `frames` (`nbytes`), read in place: out[numel] = 0, then rank
+ * after rank, each pair's float32 value / divisor added at its index. `table` has a row of
+ * GRACE_PAIR_COLUMNS int64 per (rank, segment), ranks first: the byte of the segment's first value,
+ * of its first index, its first pair among the rank's pairs, its count, the segment's start in the
+ * bucket and its indices' width (1 to 8 bytes, little-endian; values and indices lie in a row each).
+ * 0, or -1 (CPU: nothing written) where a piece lies outside the frames or an index outside [0, numel). */
+#define GRACE_PAIR_COLUMNS 6
+int grace_cpu_sparse_variable_mean(const uint8_t* frames, int64_t nbytes, const int64_t* table, int64_t segments,
+                                   int ranks, float divisor, int64_t numel, float* out);
+/* Threshold's selection of a bucket of `segments` segments in a row (starting at starts[s]; starts[0] = 0,
+ * the last one ending at n) before its frame is made: p = compensate(g, r) (beta, gamma, flags as in
+ * grace_cpu_threshold_ef) into p[n]; take[i] = 1 where |p[i]| >= thr, else 0; each segment's count into
+ * counts[s] and twice into header[2s], header[2s + 1]; where `flag` is given, the overflow flag (1 where a
+ * g is an inf or a NaN) into it (a float32, or a byte where flag_width is 1) and as bit GRACE_FLAG_SHIFT of
+ * the header's last count. 0, or -1 on a bad layout. */
+#define GRACE_FLAG_SHIFT 62
+int grace_cpu_threshold_select_segments(const float* g, const float* r, int64_t n, const int64_t* starts,
+                                        int64_t segments, float thr, float beta, float gamma, int flags, float* p,
+                                        uint8_t* take, int64_t* counts, int64_t* header, void* flag, int flag_width);
+/* Threshold's frame from its selection (grace_cpu_threshold_select_segments' mask `take` of p[n]): each
+ * segment's taken values and indices within the segment, in order, where its row of `table` lays them (a row
+ * of GRACE_PAIR_COLUMNS per segment, as grace_cpu_sparse_variable_mean reads a rank's), and the new residual
+ * p - (0 + p) over p in their place; then at byte `tail` the flag byte (where `flag` is given) and zeros up to
+ * `frame_size`. 0, or -1 (CPU: nothing written) where the table does not fit the mask or the frame. */
+int grace_cpu_threshold_write_segments(float* p, const uint8_t* take, int64_t n, const int64_t* table,
+                                       int64_t segments, uint8_t* frame, int64_t frame_size, int64_t tail,
+                                       const uint8_t* flag);
 /* The mean of an allreduced sparse sum (random-k's): out[numel] = 0, or NaN everywhere where `flag` (the
  * ranks' summed overflow flags, one float; NULL: none) is above 0; else each of the `count` summed values
  * / divisor added at its index (distinct). 0, or -1 (CPU: nothing written) where an index falls outside
@@ -300,10 +355,14 @@ int grace_cuda_onebit_ef_segments(const float* g, const float* r, int64_t segmen
  * segment) of the segments in a row, the new residuals in new_r at the segments' starts; flags & 4:
  * no residual (r may be NULL), p = g: each segment's top-k, new_r a scratch buffer. `flag` (may be
  * NULL) receives the overflow flag, 1 where g holds an inf or a NaN, else 0: a float32, or a byte
- * where flag_width is 1 */
+ * where flag_width is 1. Where `frame` is given, the pairs go there as grace_cpu_pairs_into_frame puts
+ * them (values and idx unwritten, may be NULL; `pairs` the sum of ks), its bytes [zero_from,
+ * frame_size) zeroed by the last launch */
 int grace_cuda_topk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                 const int64_t* numels, const int64_t* ks, float beta, float gamma, int flags,
-                                float* values, int64_t* idx, float* new_r, void* flag, int flag_width, void* stream);
+                                float* values, int64_t* idx, float* new_r, void* flag, int flag_width, uint8_t* frame,
+                                const int64_t* slots, int64_t pairs, int64_t zero_from, int64_t frame_size,
+                                void* stream);
 /* grace_cpu_randomk_ef_segments: the top-k segment kernels ranking each segment's draws by hash */
 int grace_cuda_randomk_ef_segments(const float* g, const float* r, int64_t segments, const int64_t* starts,
                                    const int64_t* numels, const int64_t* ks, const uint32_t* s0, const uint32_t* s1,
@@ -326,11 +385,39 @@ int grace_cuda_mean_segments(int method, int64_t segments, const int64_t* numels
  * indices within one payload are distinct); out-of-range indices are skipped */
 int grace_cuda_scatter_add(int count, const void* const* idx, const int* idx_types, const void* const* values,
                            const int64_t* lengths, int val_type, int64_t numel, void* dense, void* stream);
-/* grace_cpu_sparse_frames_mean (slots on the device): one fill and one launch per rank; an index
- * outside [0, numel) is skipped */
+/* grace_cpu_sparse_frames_mean (slots and flagged on the device): one cooperative launch, the ranks
+ * added in turn between grid-wide barriers (where the device refuses one: a fill and a launch per
+ * rank); an index outside [0, numel) is skipped */
 int grace_cuda_sparse_frames_mean(const uint8_t* frames, int ranks, int64_t frame_size, const int64_t* slots,
                                   int64_t count, int64_t flag_at, float divisor, int64_t numel, float* out,
-                                  void* stream);
+                                  float* flagged, void* stream);
+/* grace_cpu_sparse_variable_mean (the table on the device): one cooperative launch (a fill and a launch
+ * per rank where the device refuses one); a piece or index out of range is skipped */
+int grace_cuda_sparse_variable_mean(const uint8_t* frames, int64_t nbytes, const int64_t* table, int64_t segments,
+                                    int ranks, float divisor, int64_t numel, float* out, void* stream);
+/* grace_cpu_threshold_select_segments (starts on the device): a memset and one launch */
+int grace_cuda_threshold_select_segments(const float* g, const float* r, int64_t n, const int64_t* starts,
+                                         int64_t segments, float thr, float beta, float gamma, int flags, float* p,
+                                         uint8_t* take, int64_t* counts, int64_t* header, void* flag, int flag_width,
+                                         void* stream);
+/* grace_cpu_threshold_write_segments (table and flag on the device): a memset, the ordered compaction's
+ * counts and writes, the tail; the table is not checked */
+int grace_cuda_threshold_write_segments(float* p, const uint8_t* take, int64_t n, const int64_t* table,
+                                        int64_t segments, uint8_t* frame, int64_t frame_size, int64_t tail,
+                                        const uint8_t* flag, void* stream);
+/* grace_cpu_dgc_compensate (on the device): one launch */
+void grace_cuda_dgc_compensate(const float* u, const float* v, const float* g, int64_t n, float m, float* u_out,
+                               float* v_out, void* stream);
+/* grace_cpu_dgc_select_segments (cut on the device; starts, numels and ks on the host): top-k's segment
+ * kernels (grace_cuda_topk_ef_segments), their writes masked by the cut */
+int grace_cuda_dgc_select_segments(float* p, float* u, int64_t segments, const int64_t* starts, const int64_t* numels,
+                                   const int64_t* ks, const float* cut, float* values, int64_t* idx, void* flag,
+                                   int flag_width, uint8_t* frame, const int64_t* slots, int64_t pairs,
+                                   int64_t zero_from, int64_t frame_size, void* stream);
+/* grace_cpu_dgc_cut_segments (p and cut on the device): a launch per 64 segments, a block per segment */
+int grace_cuda_dgc_cut_segments(const float* p, int64_t n, int64_t segments, const int64_t* starts,
+                                const int64_t* numels, const int64_t* sizes, const int64_t* needs, const uint32_t* s0,
+                                const uint32_t* s1, float* cut, void* stream);
 /* grace_cpu_sparse_sum_mean (its flag on the device): one fill, one launch; an index outside [0, numel) is
  * skipped */
 int grace_cuda_sparse_sum_mean(const float* values, const int64_t* idx, int64_t count, float divisor,

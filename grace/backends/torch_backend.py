@@ -108,6 +108,8 @@ class TorchBackend:
     # --- conversion and shaping ----------------------------------------------------------
     def asarray(self, data, like=None):
         device = like.device if like is not None else None
+        if device is not None and device.type == "cuda":  # from pinned memory: queued, the host does not wait
+            return torch.as_tensor(np.asarray(data)).pin_memory().to(device, non_blocking=True)
         return torch.as_tensor(np.asarray(data), device=device)
 
     def zeros(self, numel: int, dtype: str, like=None):

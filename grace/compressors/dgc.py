@@ -80,14 +80,25 @@ class DGC(Sparsifier):
         chosen = xp.gather(xp.sort(keys), cut.threshold_at) - sample.bits_of_segment
         return cut.ks, xp.from_bytes(xp.to_bytes(xp.cast(chosen, "int32")), "float32")
 
+    def sample_sizes(self, numels) -> tuple:
+        """Each segment's sample size s, of its ``numels`` elements."""
+        return tuple(_at_most(self.sample_ratio * d, d) for d in numels)
+
+    def sample_plan(self, numels, ratio: float):
+        """Per segment of ``numels`` elements at ``ratio``: its sample's size s, its threshold's
+        place (the need-th largest of the sample) and its k, each a tuple of host ints."""
+        sizes = self.sample_sizes(numels)
+        return sizes, tuple(_at_most(ratio * s, s) for s in sizes), tuple(_at_most(ratio * d, d) for d in numels)
+
     def _layout(self, xp, table, step, like):
         """The bucket's sample (made once) and its k and threshold places at this step's ratio
         (kept for the latest ratio: it changes only during warm-up)."""
-        sample = table.cached("dgc sample", lambda: _Sample.of(xp, table, self.sample_ratio, like))
+        sample = table.cached("dgc sample", lambda: _Sample.of(xp, table, self.sample_sizes(table.numels), like))
         ratio = self.ratio_at(xp, step)
         cut = table.cache.get("dgc cut")
         if cut is None or cut.ratio != ratio:
-            cut = table.cache["dgc cut"] = _Cut.of(xp, table, sample, ratio, like)
+            _, needs, ks = self.sample_plan(table.numels, ratio)
+            cut = table.cache["dgc cut"] = _Cut.of(xp, sample, ratio, needs, ks, like)
         return sample, cut
 
 
@@ -112,8 +123,7 @@ class _Sample:
     bits_of_segment: Any  # int64 per segment: its number << 32
 
     @classmethod
-    def of(cls, xp, table, sample_ratio: float, like) -> "_Sample":
-        sizes = [_at_most(sample_ratio * d, d) for d in table.numels]
+    def of(cls, xp, table, sizes, like) -> "_Sample":
         drawn = [i for i, (s, d) in enumerate(zip(sizes, table.numels)) if s < d]
         whole = [i for i, (s, d) in enumerate(zip(sizes, table.numels)) if s == d]
         counts = [sizes[i] for i in drawn]
@@ -138,10 +148,8 @@ class _Cut:
     threshold_at: Any
 
     @classmethod
-    def of(cls, xp, table, sample: _Sample, ratio: float, like) -> "_Cut":
-        ks = tuple(_at_most(ratio * d, d) for d in table.numels)
-        ends = np.cumsum(sample.sizes)
-        at = [end - _at_most(ratio * s, s) for end, s in zip(ends, sample.sizes)]
+    def of(cls, xp, sample: _Sample, ratio: float, needs, ks, like) -> "_Cut":
+        at = np.cumsum(sample.sizes) - np.asarray(needs, np.int64)
         return cls(ratio, ks, xp.asarray(np.int64(at), like=like))
 
 

@@ -11,8 +11,8 @@ tensor-op fallback.)
 
 ``SegmentedFrame`` writes and reads a bucket's frame (``grace.core.bucket``) from whole
 fields (one per payload position, every segment's piece in a row), byte for byte the frame
-that the segments' own payloads make; ``SparseFrames`` does so for a variable number of
-(value, index) pairs per segment (a threshold's selection).
+that the segments' own payloads make; ``grace.core.sparse_frames`` does so for a variable
+number of (value, index) pairs per segment (a threshold's selection).
 """
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ from typing import Any, Sequence, Tuple
 
 import numpy as np
 
-from grace.core.bucket import ALIGN, ITEMSIZE, Dense, _order, _padded, _zeros, frame_size
+from grace.core.bucket import ALIGN, ITEMSIZE, _order, _padded, _zeros
 from grace.core.tensors import constant
-from grace.formats import index_dtype
 
 KEY_BITS = 31  # |x| of a float32, read as an integer: order-preserving, NaN above inf
 
@@ -260,134 +259,3 @@ def _as_words(xp, field, width: int):
         assert ITEMSIZE[dtype] == width
         return xp.from_bytes(xp.to_bytes(field), _WORD[width])
     return xp.cast(field, _WORD[width])
-
-
-FLAG_SHIFT = 62  # the bit of a header's last count that carries the overflow flag (counts stay below 2**62)
-
-
-class SparseFrames:
-    """The frames of a bucket whose segments each send a number of (value, index) pairs that
-    varies by step and rank (a threshold's selection): c_s values in the bucket's dtype and c_s
-    indices within the segment, in the smallest integer type that holds its size. A rank sends
-    a header, each piece's count (int64), by an allgather of equal sizes, and beside it its
-    frame: the pieces widest first (the values beside the int32 indices, in segment order), the
-    overflow flag, padding. Header and frame end to end are byte for byte the frame
-    ``bucket.frame`` makes of the segments' own payloads (but for the flag, which the header
-    carries too, where the ranks read it: ``header_of``); sent apart, every rank's counts are
-    read back at once, not one rank's after another, and the header goes before the frame is
-    made (whose size needs the counts on the host). A rank whose frame would be larger than the
-    dense bucket sends that instead, after the same header (``sends_dense``). A frame is
-    written with a split and a join of whole tensors (one per index type), whatever the number
-    of segments."""
-
-    def __init__(self, xp, table: SegmentTable, dtype: str, flagged: bool, like):
-        self.dtype, self.flagged, self.numel = dtype, flagged, table.numel
-        self.dtypes = [d for n in table.numels for d in (dtype, index_dtype(n))]  # the pieces, payload order
-        self.order = _order(self.dtypes)  # the pieces, frame order
-        self.header = 8 * len(self.dtypes)
-        # per index type: its segments, in order
-        self.kinds = {d: [s for s, n in enumerate(table.numels) if index_dtype(n) == d]
-                      for d in dict.fromkeys(self.dtypes[1::2])}
-        self._starts = np.asarray(table.starts, np.int64)
-        self._spread = {}  # per number of sparse frames read at once: see _spread_of
-        self._twice = xp.asarray(np.full(len(table.numels), 2, np.int64), like=like)
-        # the overflow flag, on top of the header's last count: read back with the counts
-        self._flag_place = xp.asarray(np.int64([0] * (len(self.dtypes) - 1) + [1 << FLAG_SHIFT]), like=like)
-        self._like = like
-
-    def size(self, counts: Sequence[int]) -> int:
-        """The bytes a rank sends (header and frame) where its segments send ``counts`` pairs."""
-        return frame_size([c for c in counts for _ in (0, 1)], self.dtypes, True, self.flagged)
-
-    def dense_size(self) -> int:
-        """The bytes a rank sends (header and frame) where it sends the dense bucket instead."""
-        return self.header + frame_size([self.numel], [self.dtype], False, self.flagged)
-
-    def sends_dense(self, counts: Sequence[int]) -> bool:
-        """Whether a rank whose segments select ``counts`` sends the dense bucket instead (its
-        frame would be larger): every rank tells it of every rank from the headers."""
-        return self.size(counts) > self.dense_size()
-
-    def header_of(self, xp, counts, flag=None):
-        """A rank's header from its segments' counts (int64, on the device): each count twice,
-        one per piece (no copy to the device, no wait); and its overflow ``flag`` (1 or 0) as
-        the last count's bit ``FLAG_SHIFT``, so that every rank reads every rank's flag with
-        the counts, not with the frames once they arrive: no second read back in a step."""
-        header = xp.repeat(counts, self._twice, len(self.dtypes))
-        return header if flag is None else header + xp.cast(flag, "int64") * self._flag_place
-
-    def write(self, xp, values, indices, counts, flag=None):
-        """This rank's frame: ``values`` and ``indices`` hold each segment's ``counts[s]`` (host
-        ints) pairs in a row (the indices within their segment); ``flag``: the overflow flag."""
-        pieces = {0: xp.split(xp.to_bytes(values), [c * ITEMSIZE[self.dtype] for c in counts])}
-        for d in self.kinds:
-            pieces[d] = xp.split(xp.to_bytes(xp.cast(indices, d)), [c * ITEMSIZE[d] for c in counts])
-        parts = [pieces[0 if i % 2 == 0 else self.dtypes[i]][i // 2] for i in self.order]
-        return _padded(xp, parts, self._like, flag)
-
-    def write_dense(self, xp, flat, flag=None):
-        """This rank's frame where it sends the dense bucket ``flat`` (``sends_dense``)."""
-        return _padded(xp, [xp.to_bytes(flat)], self._like, flag)
-
-    def read(self, xp, received, headers, ranks: int, counts=None):
-        """The ranks' frames (end to end in ``received``, or a list of them) and their headers
-        (end to end in ``headers``, on the device; ``counts``: the same as host ints, where
-        read back already): per rank its pairs as (values, indices in the bucket (int64)), or
-        ``Dense``; and the ranks' overflow flags (host ints, from the headers), or None. Every
-        rank's counts are read back at once; then every sparse frame's pairs come from a few
-        joins of whole tensors (``_pairs``), whatever the number of ranks and segments."""
-        width = len(self.dtypes)
-        counts = xp.host_ints(headers, ranks * width) if counts is None else counts
-        frames, flags, start = [], [], 0
-        for r in range(ranks):
-            data, pos = (received[r], 0) if isinstance(received, list) else (received, start)
-            head = list(counts[r * width:(r + 1) * width])
-            flags.append(head[-1] >> FLAG_SHIFT)
-            head[-1] &= (1 << FLAG_SHIFT) - 1
-            if self.sends_dense(head[0::2]):
-                end = pos + self.numel * ITEMSIZE[self.dtype]
-                frames.append(Dense(xp.from_bytes(data[pos:end], self.dtype)))
-                start = pos + self.dense_size() - self.header
-            else:
-                end = pos + sum(c * ITEMSIZE[d] for c, d in zip(head, self.dtypes))
-                frames.append((data[pos:end], head, headers[r * width:(r + 1) * width]))
-                start = pos + self.size(head[0::2]) - self.header
-        sparse = [f for f in frames if not isinstance(f, Dense)]
-        pairs = iter(self._pairs(xp, sparse) if sparse else ())
-        return [f if isinstance(f, Dense) else next(pairs) for f in frames], \
-            (flags if self.flagged else None)
-
-    def _pairs(self, xp, frames):
-        """Every sparse frame's (values, indices in the bucket), from ``frames``: (its pieces,
-        its header as host ints, and as a tensor). The values of all frames are joined in
-        (frame, index type, segment) order; each index type's pieces in (frame, segment) order,
-        cast, then joined in the values' order; the indices made global by one repeat of the
-        segments' starts, their counts gathered from the joined headers on the device."""
-        by_piece = []
-        for pieces, head, _ in frames:
-            sizes = [head[i] * ITEMSIZE[self.dtypes[i]] for i in self.order]
-            by_piece.append(dict(zip(self.order, xp.split(pieces, sizes))))
-        values = xp.from_bytes(xp.concat([at[2 * s] for at in by_piece for members in self.kinds.values()
-                                          for s in members]), self.dtype)
-        local, sizes = [], [0] * len(frames)  # per index type, each frame's part; each frame's pairs
-        for d, members in self.kinds.items():
-            counts = [sum(head[2 * s] for s in members) for _, head, _ in frames]
-            joined = xp.cast(xp.from_bytes(xp.concat([at[2 * s + 1] for at in by_piece for s in members]), d), "int64")
-            local.append(xp.split(joined, counts))
-            sizes = [a + b for a, b in zip(sizes, counts)]
-        local = xp.concat([part[f] for f in range(len(frames)) for part in local])
-        starts, places = self._spread_of(xp, len(frames))
-        counts = xp.gather(xp.concat([header for _, _, header in frames]), places)
-        indices = local + xp.repeat(starts, counts, xp.numel(local))
-        return list(zip(xp.split(values, sizes), xp.split(indices, sizes)))
-
-    def _spread_of(self, xp, frames: int):
-        """For ``frames`` sparse frames read at once, in (frame, index type, segment) order:
-        each segment's start (int64, on the device), and where its count lies in the frames'
-        headers joined."""
-        if frames not in self._spread:
-            segments = np.concatenate([np.asarray(m, np.int64) for m in self.kinds.values()])
-            own = len(self.dtypes) * np.arange(frames, dtype=np.int64)[:, None]
-            self._spread[frames] = (xp.asarray(np.tile(self._starts[segments], frames), like=self._like),
-                                    xp.asarray((own + 2 * segments).reshape(-1), like=self._like))
-        return self._spread[frames]

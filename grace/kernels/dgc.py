@@ -19,6 +19,14 @@ class DGCFeedback(Feedback):
         factor = (lambda g: self.memory.clip_factor(xp, g)) if self.memory.clip_norm else None
         return many(xp, gs, states, self.memory.momentum, infos, outs, flag, factor)
 
+    def fused_segments(self, xp, kernels, g, state, table, infos, nonfinite=None, into=None):
+        """The segment-wise step of a flat bucket in native calls, where the compressor has them
+        (DGC's selection): (fields, ctx, new (u, v)), or None."""
+        segments = getattr(kernels, "compress_segments_with_momentum", None)
+        if segments is None or self.memory.clip_norm or state is None:
+            return None
+        return segments(xp, g, state, self.memory.momentum, table, infos, nonfinite, into)
+
     def fused_step(self, xp, kernels, g, state, info, out=None):
         """The same step with the new (u, v) written into ``out`` (buffers like the state, where
         the backend's tensors are mutable): p in v's buffer, u = p - v_old in u's, and only the

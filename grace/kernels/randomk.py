@@ -64,7 +64,8 @@ class RandomKKernels(MethodKernels):
     def segment_fields(self, numels, dtype):
         return [([sent_count(self.compressor.ratio, d) for d in numels], [dtype] * len(numels))]
 
-    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None):
+    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None,
+                                        into=None):
         """Residual memory's step of every segment where the indices are a GPU's draws (the k
         smallest hashes): compensation, draws, gather and the new memory in the top-k segment
         kernels (on a GPU no hash keys written and no sort of the bucket)."""

@@ -33,8 +33,12 @@ class ResidualFeedback(Feedback):
         fused = kernels.residual_into(xp, p, payload, ctx, out)  # p - p_hat in one pass, where it can
         return super().feedback_into(xp, kernels, p, payload, ctx, residual, out) if fused is None else fused
 
-    def fused_segments(self, xp, kernels, g, residual, table, infos, nonfinite=None):
-        return kernels.compress_segments_with_residual(xp, g, residual, *self._scales(), table, infos, nonfinite)
+    def fused_segments(self, xp, kernels, g, residual, table, infos, nonfinite=None, into=None):
+        return kernels.compress_segments_with_residual(xp, g, residual, *self._scales(), table, infos, nonfinite,
+                                                       into)
+
+    def selected_segments(self, xp, kernels, g, residual, table, infos, nonfinite=None):
+        return kernels.select_segments_with_residual(xp, g, residual, *self._scales(), table, infos, nonfinite)
 
     def fused_steps(self, xp, kernels, gs, residuals, infos, outs, flag=None, into=None):
         return kernels.compress_many_with_residual(xp, gs, residuals, *self._scales(), infos, outs, flag, into)

@@ -39,7 +39,8 @@ class SignBitsKernels(MethodKernels):
         return [(payload, Shape(xp.shape(g), xp.dtype(g)), xp.reshape(e, xp.shape(g)))
                 for payload, e, g in zip(payloads, news, gs)]
 
-    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None):
+    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None,
+                                        into=None):
         fused = xp.native(f"{self.segment_kernel}_ef_step_segments", g, xp.dtype(g))
         if not fused:
             return None

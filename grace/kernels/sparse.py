@@ -101,15 +101,16 @@ class SparseKernels(MethodKernels):
         local = indices - xp.repeat(table.start, on_device, sum(host))
         return (values, local), xp.scatter_add(indices, values, table.numel)
 
-    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None):
+    def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None,
+                                        into=None):
         if self.variable_segments:  # (selected by tensor ops: select_segments)
             return None
         fused = xp.native(f"{self.residual_kernel}_segments", g, xp.dtype(g)) if self.residual_kernel else None
         if not fused:
             return None
         values, local, residual = fused(g, residual, table.starts, table.numels, self._ks(table), beta, gamma,
-                                        nonfinite=nonfinite)
-        return (values, local), None, residual
+                                        nonfinite=nonfinite, frame=into)
+        return (None if into else (values, local)), None, residual
 
     def decompress_segments(self, xp, fields, ctx, table):
         values, local = fields
@@ -117,8 +118,8 @@ class SparseKernels(MethodKernels):
 
     def frames_mean(self, xp, received, layout, table, ranks: int):
         """k pairs per segment (top-k, DGC): each rank's values over the ranks added at their
-        indices, rank after rank, read from the frames in place (one fill and one launch per
-        rank on a GPU, not the fields read, then scattered, divided and poisoned)."""
+        indices, rank after rank, read from the frames in place, and the flags counted (one
+        launch on a GPU, not the fields read, then scattered, divided and poisoned)."""
         mean = xp.native("sparse_frames_mean", received)
         if mean is None:
             return None
@@ -137,20 +138,40 @@ class SparseKernels(MethodKernels):
 class TopKKernels(SparseKernels):
     segmented = True
     flags_in_segment_steps = True
+    pairs_into_frames = True
     residual_kernel = "topk_ef_step"
     residual_kernel_many = "topk_ef_step_many"
 
 
 @kernels_for(Threshold)
 class ThresholdKernels(SparseKernels):
-    segmented = True  # on an accelerator: a bucket's selection by whole-buffer tensor ops
+    segmented = True  # on an accelerator: a bucket's selection in one native call, or by whole-buffer tensor ops
     residual_kernel = "threshold_ef_step"
     residual_kernel_many = "threshold_ef_step_many"
+
+    def select_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None):
+        fused = xp.native("threshold_select_segments", g, xp.dtype(g)) if residual is not None else None
+        if not fused:
+            return None
+        return fused(g, residual, table.start, self.compressor.threshold, beta, gamma, nonfinite=nonfinite)
+
+    def write_selected(self, xp, p, take, layout, counts, flag=None):
+        """The frame of a selection that ``select_segments_with_residual`` made (``counts``: its
+        segments', host ints), written by one native call, and the new residual: p, written
+        over (p - p_hat); or None."""
+        places = layout.write_places(counts) if xp.native("threshold_write_segments", p) else None
+        if places is None:
+            return None
+        table, tail, size = places
+        frame = native_or_none(xp, "threshold_write_segments", p, p, take, xp.asarray(table, like=p), size, tail, flag)
+        return None if frame is None else (frame, p)
 
 
 @kernels_for(DGC)
 class DGCKernels(SparseKernels):
     segmented = True  # (with the 'dgc' memory only without clipping: a norm per tensor)
+    flags_in_segment_steps = True
+    pairs_into_frames = True
 
     @property
     def variable_segments(self) -> bool:
@@ -164,6 +185,36 @@ class DGCKernels(SparseKernels):
         slots = table.latest("slot segments", ks, lambda: xp.asarray(  # each slot's segment
             np.repeat(np.arange(len(table.numels), dtype=np.int64), ks), like=p))
         return (xp.where(xp.abs(values) >= xp.gather(thresholds, slots), values, 0.0), local), ctx, None
+
+    def compress_segments_with_momentum(self, xp, g, state, momentum, table, infos, nonfinite=None, into=None):
+        """DGC memory's step for every segment, where built: the momentum correction (one pass),
+        each segment's k and cut (``segment_cut``), then top-k's segment kernels with the cut and
+        the masking in their writes: (fields, ctx, new (u, v)), the overflow flag into
+        ``nonfinite``; the fields None where written into ``into`` (at the own k only); or None."""
+        select = xp.native("dgc_select_segments", g, xp.dtype(g))
+        if not select:
+            return None
+        n = xp.numel(g)
+        u, p = native_or_none(xp, "dgc_compensate_into", g, *state, g, momentum, xp.empty(n, "float32", like=g),
+                              xp.empty(n, "float32", like=g)) or (None, None)
+        if p is None:
+            return None
+        ks, cut = self._cut(xp, p, table, infos)
+        own = ks == self._ks(table)
+        into = into if own else None  # (during the warm-up the frame's layout is the step's own)
+        values, local = select(p, u, table.starts, table.numels, ks, cut, nonfinite=nonfinite, frame=into)
+        return (None if into else (values, local)), None if own else ks, (u, p)
+
+    def _cut(self, xp, p, table, infos):
+        """Each segment's k and threshold at this step (``DGC.segment_cut``): by one native call
+        where built (each sample drawn and selected where it lies), else by tensor ops."""
+        dgc, cut = self.compressor, xp.native("dgc_cut_segments", p)
+        if not cut:
+            return dgc.segment_cut(xp, p, table, infos)
+        ratio = dgc.ratio_at(xp, infos[0].step)
+        sizes, needs, ks = table.latest("dgc plan", ratio, lambda: dgc.sample_plan(table.numels, ratio))
+        words = [draws.seed_words(info.rank_seed(dgc.seed)) for info in infos]
+        return ks, cut(p, table.starts, table.numels, sizes, needs, words)
 
     def step_fields(self, numels, dtype, ctx):
         """During the warm-up, k changes every step (``ctx``: this step's)."""

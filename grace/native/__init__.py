@@ -25,7 +25,7 @@ from here (the last imports below). Which module holds which:
     sparse.py       topk_indices, threshold_indices, nonzero, topk_ / threshold_compress, scatter_add(_many),
                     topk_ / threshold_ef_step, topk_compress_segments, topk_ef_step_segments,
                     topk_ / threshold_ / randomk_ef_step_many, randomk_ef_step_segments, scatter_add_segments_into,
-                    sparse_frames_mean, sparse_sum_mean
+                    threshold_select_segments, threshold_write_segments
     signs.py        signsgd_, efsignsgd_, onebit_: compress, decompress, decompress_sum(_into);
                     efsignsgd_, onebit_: compress_segments, decompress_segments, ef_step_many, ef_step_segments,
                     residual_into
@@ -33,9 +33,10 @@ from here (the last imports below). Which module holds which:
     qsgd.py         qsgd_: the same; norm
     natural.py      natural_: the same
     quantizers.py   compress_many (a bucket's payloads), fp16_compress_many_into, fp16_decompress_many_into
-    means.py        signsgd_, efsignsgd_, onebit_, terngrad_, qsgd_, natural_mean_segments (a bucket's aggregate)
+    means.py        signsgd_, efsignsgd_, onebit_, terngrad_, qsgd_, natural_mean_segments (a bucket's aggregate);
+                    sparse_frames_mean, sparse_variable_mean, sparse_sum_mean (sparse pairs' aggregate)
     lowrank.py      PowerSGD's products: lowrank_project, lowrank_back, lowrank_expand and their _many forms
-    dgc.py          dgc_compensate_into, dgc_step_many
+    dgc.py          dgc_compensate_into, dgc_cut_segments, dgc_select_segments, dgc_step_many
     draws.py        uniform_segments, hash_keys_segments, random_indices_segments
     kernels.py      KERNELS (the kernel table), Kernel, kernel, run
     _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments), and
@@ -50,13 +51,14 @@ from __future__ import annotations
 from grace.native._arrays import NativeUnavailable, dlpack_info
 from grace.native._common import FrameRows, payload_ranks
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, load_error, set_enabled
-from grace.native.dgc import dgc_compensate_into, dgc_step_many
+from grace.native.dgc import dgc_compensate_into, dgc_cut_segments, dgc_select_segments, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
 from grace.native.kernels import KERNELS, Kernel, kernel, run
 from grace.native.lowrank import (lowrank_back, lowrank_back_many, lowrank_expand, lowrank_expand_many,
                                   lowrank_project, lowrank_project_many)
 from grace.native.means import (efsignsgd_mean_segments, natural_mean_segments, onebit_mean_segments,
-                                qsgd_mean_segments, signsgd_mean_segments, terngrad_mean_segments)
+                                qsgd_mean_segments, signsgd_mean_segments, sparse_frames_mean, sparse_sum_mean,
+                                sparse_variable_mean, terngrad_mean_segments)
 from grace.native.natural import (natural_compress, natural_compress_drawn, natural_compress_segments,
                                   natural_decompress, natural_decompress_segments, natural_decompress_sum,
                                   natural_decompress_sum_into)
@@ -72,7 +74,8 @@ from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments,
                                 onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress,
                                 signsgd_decompress, signsgd_decompress_sum, signsgd_decompress_sum_into)
 from grace.native.sparse import (nonzero, randomk_ef_step_many, randomk_ef_step_segments, scatter_add, scatter_add_many,
-                                 scatter_add_segments_into, sparse_frames_mean, sparse_sum_mean, threshold_compress,
+                                 scatter_add_segments_into, threshold_compress, threshold_select_segments,
+                                 threshold_write_segments,
                                  threshold_ef_step, threshold_ef_step_many, threshold_indices, topk_compress,
                                  topk_compress_segments, topk_ef_step, topk_ef_step_many, topk_ef_step_segments,
                                  topk_indices)
@@ -88,7 +91,8 @@ from grace.native._loader import library  # noqa: F401
 
 __all__ = [
     "FrameRows", "KERNELS", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build", "cpu_isa",
-    "dgc_compensate_into", "dgc_step_many", "disabled", "dlpack_info", "efsignsgd_compress",
+    "dgc_compensate_into", "dgc_cut_segments", "dgc_select_segments", "dgc_step_many", "disabled", "dlpack_info",
+    "efsignsgd_compress",
     "efsignsgd_compress_segments", "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
     "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_ef_step_segments", "efsignsgd_mean_segments",
     "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces",
@@ -103,9 +107,10 @@ __all__ = [
     "qsgd_mean_segments", "random_indices_segments", "randomk_ef_step_many", "randomk_ef_step_segments", "run",
     "scatter_add", "scatter_add_many", "scatter_add_segments_into", "set_enabled", "set_num_threads",
     "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "signsgd_decompress_sum_into",
-    "signsgd_mean_segments", "sparse_frames_mean", "sparse_sum_mean", "supports", "terngrad_compress",
-    "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress", "terngrad_decompress_segments",
-    "terngrad_decompress_sum", "terngrad_decompress_sum_into", "terngrad_mean_segments", "threshold_compress",
-    "threshold_ef_step", "threshold_ef_step_many", "threshold_indices", "topk_compress", "topk_compress_segments",
+    "signsgd_mean_segments", "sparse_frames_mean", "sparse_sum_mean", "sparse_variable_mean", "supports",
+    "terngrad_compress", "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress",
+    "terngrad_decompress_segments", "terngrad_decompress_sum", "terngrad_decompress_sum_into", "terngrad_mean_segments",
+    "threshold_compress", "threshold_ef_step", "threshold_ef_step_many", "threshold_indices",
+    "threshold_select_segments", "threshold_write_segments", "topk_compress", "topk_compress_segments",
     "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack"
 ]

@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 20  # GRACE_NATIVE_ABI
+ABI = 21  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -45,6 +45,9 @@ CPU = {
     "qsgd_sum_segments": (_I, [_L, _I, _P, _P, _P, _I, _L, _I, _I, _P, _I, _P]),
     "natural_sum_segments": (None, [_L, _I, _P, _P, _P, _I, _P, _I, _P]),
     "dgc_compensate": (None, [_P, _P, _P, _L, _F, _P, _P]),
+    "dgc_select_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _L, _L, _L]),
+    "pairs_into_frame": (None, [_P, _P, _L, _P, _P, _L, _L]),
+    "dgc_cut_segments": (_I, [_P, _L, _L, _P, _P, _P, _P, _P, _P, _P]),
     "dgc_step_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _D, _D, _P, _P, _P, _P, _P, _P, _P, _P]),
     "uniform_segments": (None, [_L, _P, _P, _P, _P]),
     "random_indices_segments": (_I, [_L, _P, _P, _P, _P, _P]),
@@ -60,7 +63,10 @@ CPU = {
     "randomk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
     "randomk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I]),
     "scatter_add_segments": (_I, [_L, _I, _P, _P, _P, _P, _F, _P, _P]),
-    "sparse_frames_mean": (_I, [_P, _I, _L, _P, _L, _L, _F, _L, _P]),
+    "sparse_frames_mean": (_I, [_P, _I, _L, _P, _L, _L, _F, _L, _P, _P]),
+    "sparse_variable_mean": (_I, [_P, _L, _P, _L, _I, _F, _L, _P]),
+    "threshold_select_segments": (_I, [_P, _P, _L, _P, _L, _F, _F, _F, _I, _P, _P, _P, _P, _P, _I]),
+    "threshold_write_segments": (_I, [_P, _P, _L, _P, _L, _P, _L, _L, _P]),
     "sparse_sum_mean": (_I, [_P, _P, _L, _F, _P, _L, _P]),
     "natural_compress_drawn": (None, [_P, _L, _U, _U, _P, _P]),
     "terngrad_compress_drawn": (None, [_P, _L, _U, _U, _P, _P]),
@@ -108,12 +114,18 @@ CUDA = {
     "onebit_compress_segments": (_I, [_P, _L, _P, _P, _P, _P, _P]),
     "efsign_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P]),
     "onebit_ef_segments": (_I, [_P, _P, _L, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P]),
-    "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P]),
+    "topk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P, _P, _L, _L, _L, _P]),
     "randomk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I, _P]),
     "decode_segments": (_I, [_I, _L, _P, _P, _P, _I, _L, _I, _P, _P]),
     "mean_segments": (_I, [_I, _L, _P, _I, _P, _P, _I, _L, _I, _I, _P, _I, _P, _P, _P]),
     "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P, _P]),
-    "sparse_frames_mean": (_I, [_P, _I, _L, _P, _L, _L, _F, _L, _P, _P]),
+    "sparse_frames_mean": (_I, [_P, _I, _L, _P, _L, _L, _F, _L, _P, _P, _P]),
+    "sparse_variable_mean": (_I, [_P, _L, _P, _L, _I, _F, _L, _P, _P]),
+    "threshold_select_segments": (_I, [_P, _P, _L, _P, _L, _F, _F, _F, _I, _P, _P, _P, _P, _P, _I, _P]),
+    "threshold_write_segments": (_I, [_P, _P, _L, _P, _L, _P, _L, _L, _P, _P]),
+    "dgc_compensate": (None, [_P, _P, _P, _L, _F, _P, _P, _P]),
+    "dgc_select_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _L, _L, _L, _P]),
+    "dgc_cut_segments": (_I, [_P, _L, _L, _P, _P, _P, _P, _P, _P, _P, _P]),
     "sparse_sum_mean": (_I, [_P, _P, _L, _F, _P, _L, _P, _P]),
 }
 
@@ -125,5 +137,6 @@ CUDA_STREAM = frozenset({
     "hash_keys_segments", "terngrad_compress_segments", "natural_compress_segments", "qsgd_compress_segments",
     "efsign_compress_segments", "onebit_compress_segments", "efsign_ef_segments", "onebit_ef_segments",
     "topk_ef_segments", "randomk_ef_segments", "decode_segments", "mean_segments", "scatter_add", "sparse_frames_mean",
-    "sparse_sum_mean",
+    "sparse_variable_mean", "threshold_select_segments", "threshold_write_segments", "dgc_compensate",
+    "dgc_select_segments", "dgc_cut_segments", "sparse_sum_mean",
 })

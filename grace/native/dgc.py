@@ -1,6 +1,9 @@
-"""Deep gradient compression (CPU): the momentum correction, and a bucket's whole step in one call.
+"""Deep gradient compression: the momentum correction, a bucket's selection segment by segment, and
+(CPU) a bucket's whole step in one call.
 
     dgc_compensate_into(u, v, g, momentum, u_out, v_out)
+    dgc_cut_segments(p, starts, numels, sizes, needs, words)
+    dgc_select_segments(p, u, starts, numels, ks, cut, nonfinite=None)
     dgc_step_many(gs, us, vs, momentum, ratio, sample_ratio, words, u_outs, v_outs)
 """
 from __future__ import annotations
@@ -9,17 +12,19 @@ import ctypes
 import math
 
 from grace.formats import index_dtype
-from grace.native._arrays import NativeUnavailable, call
-from grace.native._common import (_cpu_kind, _flag, _in_place, _in_place_all, _int64s, _pointers, _same_kind,
-                                  _same_kind_all, _seed_word_arrays)
+from grace.native._arrays import NativeUnavailable, call, kind_of
+from grace.native._common import (_check_segments, _cpu_kind, _flag, _in_place, _in_place_all, _int64s, _pointers,
+                                  _same_kind, _same_kind_all, _seed_word_arrays, _wrap)
+from grace.native._flags import _flag_of
+from grace.native._frames import frame_pairs
 from grace.native.sparse import _Rooms
 
 
 def dgc_compensate_into(u, v, g, momentum: float, u_out, v_out):
-    """DGC's momentum correction in one pass (CPU): p = v + (momentum * u + g) written into
-    ``v_out`` and p - v into ``u_out`` (float32, all of one size; outputs may be inputs).
-    Returns (u_out, v_out)."""
-    kind = _cpu_kind(u)
+    """DGC's momentum correction in one pass (one launch on a GPU): p = v + (momentum * u + g)
+    written into ``v_out`` and p - v into ``u_out`` (float32, all of one size; outputs may be
+    inputs). Returns (u_out, v_out)."""
+    kind = kind_of(u)
     ub, vb, gb = (_same_kind(kind, t) for t in (u, v, g))
     uo, vo = _in_place(kind, u_out, "float32"), _in_place(kind, v_out, "float32")
     if any(b.dtype != "float32" for b in (ub, vb, gb)):
@@ -28,6 +33,47 @@ def dgc_compensate_into(u, v, g, momentum: float, u_out, v_out):
         raise ValueError("u, v, g and the outputs must have one size")
     call(kind, "dgc_compensate", ub.ptr, vb.ptr, gb.ptr, ub.n, float(momentum), uo.ptr, vo.ptr)
     return u_out, v_out
+
+
+def dgc_cut_segments(p, starts, numels, sizes, needs, words):
+    """DGC's threshold of every segment of a bucket (float32 ``p``), as ``DGC.segment_cut`` finds
+    it: the needs[s]-th largest |p| of a sample of sizes[s] elements, drawn at floor(u_j * d)
+    from the seed words ``words[s]`` (grace.core.draws) where fewer than the segment's d, else
+    all of them. A float32 array of one per segment; on a GPU a launch per 64 segments."""
+    kind = kind_of(p)
+    pb = _same_kind(kind, p)
+    if pb.dtype != "float32":
+        raise NativeUnavailable("dgc_cut_segments takes float32")
+    cut = kind.empty(len(numels), "float32")
+    s0, s1 = _seed_word_arrays(words)
+    if call(kind, "dgc_cut_segments", pb.ptr, pb.n, len(numels), _int64s(starts), _int64s(numels), _int64s(sizes),
+            _int64s(needs), s0, s1, cut.ptr) != 0:
+        raise ValueError("each segment must lie in the bucket, with 1 <= need <= sample size <= its size")
+    return _wrap(kind, cut)
+
+
+def dgc_select_segments(p, u, starts, numels, ks, cut, nonfinite=None, frame=None):
+    """DGC's selection of every segment of a bucket from its compensated ``p`` (float32): each
+    segment's ks[s] largest |p| (ties to the lowest index), p sent where |p| >= cut[s] (float32,
+    one per segment, on p's device) and +0.0 under it: (values in a row, indices in their
+    segment (int64) in a row); momentum factor masking where sent, in place: p = p - (0 +
+    value) (the new v), u = u * 0 where 0 + value != 0 (the new u). The overflow flag into
+    ``nonfinite`` where given (see ``_flag_of``): whether any p is an inf or a NaN. Where
+    ``frame`` is given, the pairs are written there instead (``frame_pairs``): (None, None). On a
+    GPU top-k's segment kernels."""
+    kind = kind_of(p)
+    pb, ub, cb = _in_place(kind, p, "float32"), _in_place(kind, u, "float32"), _same_kind(kind, cut)
+    if ub.n != pb.n or cb.dtype != "float32" or cb.n != len(numels):
+        raise ValueError("u of p's size, and a float32 cut per segment")
+    _check_segments(pb.n, starts, numels)
+    if any(not 0 <= k <= n for k, n in zip(ks, numels)):
+        raise ValueError("each segment's k must lie in [0, its size]")
+    values, idx = (None, None) if frame else (kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64"))
+    if call(kind, "dgc_select_segments", pb.ptr, ub.ptr, len(numels), _int64s(starts), _int64s(numels), _int64s(ks),
+            cb.ptr, values and values.ptr, idx and idx.ptr, *_flag_of(kind, nonfinite),
+            *frame_pairs(kind, frame, sum(ks))) != 0:
+        raise RuntimeError("native DGC selection failed")
+    return (None, None) if frame else _wrap(kind, values, idx)
 
 
 def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float, words, u_outs, v_outs,

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Tuple, Union
 
 from grace.native._arrays import NativeUnavailable, kind_of
-from grace.native.dgc import dgc_compensate_into, dgc_step_many
+from grace.native.dgc import dgc_compensate_into, dgc_cut_segments, dgc_select_segments, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
 from grace.native.lowrank import lowrank_back_many, lowrank_expand_many, lowrank_project_many
 from grace.native.means import (efsignsgd_mean_segments, natural_mean_segments, onebit_mean_segments,
-                                qsgd_mean_segments, signsgd_mean_segments, terngrad_mean_segments)
+                                qsgd_mean_segments, signsgd_mean_segments, sparse_frames_mean, sparse_sum_mean,
+                                sparse_variable_mean, terngrad_mean_segments)
 from grace.native.natural import (natural_compress, natural_compress_drawn, natural_compress_segments,
                                   natural_decompress, natural_decompress_segments, natural_decompress_sum,
                                   natural_decompress_sum_into)
@@ -30,7 +31,8 @@ from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments,
                                 onebit_ef_step_many, onebit_ef_step_segments, onebit_residual_into, signsgd_compress,
                                 signsgd_decompress, signsgd_decompress_sum, signsgd_decompress_sum_into)
 from grace.native.sparse import (nonzero, randomk_ef_step_many, randomk_ef_step_segments, scatter_add, scatter_add_many,
-                                 scatter_add_segments_into, sparse_frames_mean, sparse_sum_mean, threshold_ef_step,
+                                 scatter_add_segments_into, threshold_ef_step, threshold_select_segments,
+                                 threshold_write_segments,
                                  threshold_ef_step_many, threshold_indices, topk_compress_segments, topk_ef_step,
                                  topk_ef_step_many, topk_ef_step_segments, topk_indices)
 from grace.native.terngrad import (terngrad_compress, terngrad_compress_drawn, terngrad_compress_segments,
@@ -133,9 +135,13 @@ KERNELS: Dict[str, Kernel] = {
     "scatter_add": both(scatter_add, "scatter_add", "float32", launches=fixed(2)),
     "scatter_add_many": both(scatter_add_many, "scatter_add", "float32",
                              launches=lambda arguments: 1 + len(arguments["payloads"])),
-    "sparse_frames_mean": both(sparse_frames_mean, "sparse_frames_mean", "float32",
-                               launches=lambda arguments: 1 + arguments["ranks"]),
+    "sparse_frames_mean": both(sparse_frames_mean, "sparse_frames_mean", ("float32", "float32")),
     "sparse_sum_mean": both(sparse_sum_mean, "sparse_sum_mean", "float32", launches=fixed(2)),
+    "sparse_variable_mean": both(sparse_variable_mean, "sparse_variable_mean", "float32"),
+    "threshold_select_segments": both(threshold_select_segments, "threshold_select_segments",
+                                      ("float32", "uint8", "int64", "int64"), launches=fixed(2)),
+    "threshold_write_segments": both(threshold_write_segments, "threshold_write_segments", "uint8",
+                                     launches=fixed(1 + 2 + 1)),
     "uniform_segments": both(uniform_segments, "uniform_segments", "float32", launches=per_batch(1)),
     "hash_keys_segments": gpu(hash_keys_segments, "hash_keys_segments", "int64", launches=per_batch(1)),
     "random_indices_segments": cpu(random_indices_segments, "random_indices_segments", "int64"),
@@ -223,7 +229,10 @@ KERNELS: Dict[str, Kernel] = {
     "onebit_ef_step_many": cpu(onebit_ef_step_many, "bits_ef_many", ("uint8", "float32", "float32")),
     "efsignsgd_residual_into": cpu(efsignsgd_residual_into, "bits_residual", "float32"),
     "onebit_residual_into": cpu(onebit_residual_into, "bits_residual", "float32"),
-    "dgc_compensate_into": cpu(dgc_compensate_into, "dgc_compensate", ("float32", "float32")),
+    "dgc_compensate_into": both(dgc_compensate_into, "dgc_compensate", ("float32", "float32")),
+    "dgc_cut_segments": both(dgc_cut_segments, "dgc_cut_segments", "float32", launches=per_batch(1)),
+    "dgc_select_segments": both(dgc_select_segments, "dgc_select_segments", ("float32", "int64"),
+                                launches=per_batch(SEGMENT_TOPK_LAUNCHES)),
     "dgc_step_many": cpu(dgc_step_many, "dgc_step_many", ("float32", "index"), variable=(0, 1)),
     # a bucket's payloads, half-precision casts and PowerSGD's products in one call each
     "compress_many": cpu(compress_many, "compress_many", ("uint8", "float32")),

@@ -22,7 +22,7 @@ import functools
 import itertools
 
 from grace.formats import code_width, packed_size
-from grace.native._arrays import call, kind_of
+from grace.native._arrays import NativeUnavailable, call, kind_of
 from grace.native._common import (_DECODE, _addresses, _check_payload, _decode_out, _finish_args, _int64s, _on_gpu,
                                   _same_kind, _wrap)
 from grace.native.qsgd import _qsgd_rows
@@ -105,3 +105,69 @@ def qsgd_mean_segments(packed, norms, numels, ranks, finish, overflow, levels: i
     return _mean_segments("qsgd_decode", packed, norms, numels, ranks, finish, overflow, bits,
                           tuple(_qsgd_rows(n, bucket_size) for n in numels), cpu_sum, levels=levels,
                           bucket_size=bucket_size, bits=bits)
+
+
+# --- sparse pairs: the ranks' (value, index) pairs added rank after rank --------------------------
+PAIR_COLUMNS = 6  # GRACE_PAIR_COLUMNS: a row of sparse_variable_mean's table
+
+
+def sparse_frames_mean(frames, ranks: int, frame_size: int, slots, flag_at: int, divisor: float, numel: int):
+    """The mean of ``ranks`` frames of a bucket whose segments send k (value, index) pairs each
+    (uint8, end to end, ``frame_size`` bytes each), read where they lie: a float32 array of
+    ``numel`` zeros, NaN everywhere where a rank's flag byte (at ``flag_at``; -1: none) is set;
+    else each rank's pairs added in turn, value / divisor at index; and how many ranks flagged
+    an overflow (one float32). ``slots``: int64 (4, k), each pair's value byte, index byte,
+    index width and segment start (``SegmentedFrame.pair_slots``). One cooperative launch on a
+    GPU (a fill and a launch per rank where the device refuses one)."""
+    kind = kind_of(frames)
+    fb, sb = kind.flat(frames), _same_kind(kind, slots)
+    if fb.dtype != "uint8" or fb.n != ranks * frame_size:
+        raise ValueError(f"{fb.n} {fb.dtype} bytes are not {ranks} frames of {frame_size} bytes")
+    if sb.dtype != "int64" or sb.n % 4:
+        raise ValueError("slots are int64, four rows")
+    out, flagged = kind.empty(int(numel), "float32"), kind.empty(1, "float32")
+    if call(kind, "sparse_frames_mean", fb.ptr, int(ranks), int(frame_size), sb.ptr, sb.n // 4, int(flag_at),
+            float(divisor), int(numel), out.ptr, flagged.ptr) != 0:
+        raise IndexError(f"an index of a rank's frame is out of range for {numel} elements")
+    return _wrap(kind, out), _wrap(kind, flagged)
+
+
+def sparse_variable_mean(frames, table, ranks: int, divisor: float, numel: int):
+    """The mean of ``ranks`` frames of a bucket whose segments send a number of (value, index)
+    pairs that varies by rank (uint8, end to end in ``frames``), read where they lie: a float32
+    array of ``numel`` zeros, then each rank's pairs added in turn, value / divisor at index.
+    ``table``: int64, a row of PAIR_COLUMNS per (rank, segment), ranks first: the byte of the
+    segment's first float32 value, of its first index, its first pair among the rank's pairs,
+    its count, the segment's start and its index width (``SparseFrames.pair_table``). One
+    cooperative launch on a GPU (a fill and a launch per rank where the device refuses one)."""
+    kind = kind_of(frames)
+    fb, tb = kind.flat(frames), _same_kind(kind, table)
+    if fb.dtype != "uint8":
+        raise ValueError(f"frames are bytes, not {fb.dtype}")
+    if tb.dtype != "int64" or ranks < 1 or tb.n % (PAIR_COLUMNS * ranks):
+        raise ValueError(f"the table is int64, {PAIR_COLUMNS} columns per rank and segment")
+    out = kind.empty(int(numel), "float32")
+    if call(kind, "sparse_variable_mean", fb.ptr, fb.n, tb.ptr, tb.n // (PAIR_COLUMNS * ranks), int(ranks),
+            float(divisor), int(numel), out.ptr) != 0:
+        raise IndexError(f"a rank's pieces or indices are out of range for its frame or {numel} elements")
+    return _wrap(kind, out)
+
+
+def sparse_sum_mean(values, idx, divisor: float, flag, numel: int):
+    """The mean of an allreduced sparse sum (random-k's): a float32 array of ``numel`` zeros,
+    NaN everywhere where ``flag`` (the ranks' summed overflow flags, one float32 on the same
+    device; None: none) is above 0; else each of the summed float32 ``values`` / divisor added
+    at its int64 index of ``idx`` (distinct): 0 + v / n, the decompressed sum divided to the
+    bit. One fill and one launch on a GPU."""
+    kind = kind_of(values)
+    vb, ib = kind.flat(values), _same_kind(kind, idx)
+    fb = _same_kind(kind, flag) if flag is not None else None
+    if vb.dtype != "float32" or ib.dtype != "int64" or vb.n != ib.n:
+        raise NativeUnavailable("sparse_sum_mean takes float32 values and as many int64 indices")
+    if fb is not None and (fb.dtype != "float32" or fb.n != 1):
+        raise NativeUnavailable("sparse_sum_mean takes one float32 flag")
+    out = kind.empty(int(numel), "float32")
+    if call(kind, "sparse_sum_mean", vb.ptr, ib.ptr, vb.n, float(divisor), fb.ptr if fb is not None else None,
+            int(numel), out.ptr) != 0:
+        raise IndexError(f"an index of the sum is out of range for {numel} elements")
+    return _wrap(kind, out)

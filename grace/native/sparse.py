@@ -18,10 +18,11 @@ import itertools
 from grace.formats import ITEMSIZE, index_dtype
 from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, kind_of
 from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
-                                  _every, _field, _flag, _float32, _head, _in_place_all, _index_buf,
+                                  _every, _field, _flag, _float32, _head, _in_place, _in_place_all, _index_buf,
                                   _index_codes, _int64s, _on_gpu, _placed, _pointers, _same_kind, _same_kind_all,
                                   _seed_word_arrays, _wrap)
 from grace.native._flags import _flag_of, _HostFlag
+from grace.native._frames import _no_frame, frame_pairs, pairs_into_frame
 
 
 # --- selection ------------------------------------------------------------------------------------
@@ -102,6 +103,47 @@ def nonzero(mask, index_dtype: str = "int64"):
 
 
 # --- scatter-add ----------------------------------------------------------------------------------
+def threshold_select_segments(g, residual, starts, threshold: float, beta: float = 1.0, gamma: float = 1.0,
+                              out=None, nonfinite=None):
+    """Threshold's selection of a bucket's segments in a row (``starts``: each one's first
+    element, int64 on g's device) before its frame is made: (p = gamma * g + beta * residual,
+    into ``out`` where given; the mask |p| >= threshold (uint8); each segment's count (int64);
+    the header, each count twice (int64), with the overflow flag as bit 62 of the last where
+    ``nonfinite`` is given, which receives it too (see ``_flag_of``)). A memset and one launch
+    on a GPU."""
+    kind, gb, rb, ob = _ef_inputs(g, residual, out)
+    sb = _same_kind(kind, starts)
+    if sb.dtype != "int64" or sb.n < 1:
+        raise ValueError("starts are int64, one per segment (at least one)")
+    take, counts, header = kind.empty(gb.n, "uint8"), kind.empty(sb.n, "int64"), kind.empty(2 * sb.n, "int64")
+    if call(kind, "threshold_select_segments", gb.ptr, rb.ptr, gb.n, sb.ptr, sb.n, float(threshold), float(beta),
+            float(gamma), _ef_flags(beta, gamma), ob.ptr, take.ptr, counts.ptr, header.ptr,
+            *_flag_of(kind, nonfinite)) != 0:
+        raise ValueError(f"segments starting at {sb.n} places are not a bucket of {gb.n} elements in a row")
+    return _wrap(kind, ob, take, counts, header)
+
+
+def threshold_write_segments(p, take, table, frame_size: int, tail: int, flag=None):
+    """Threshold's frame from its selection (``threshold_select_segments``' p and mask): a new
+    uint8 array of ``frame_size`` bytes, each segment's taken values and indices within the
+    segment where its row of ``table`` lays them (int64, a row of PAIR_COLUMNS per segment, as
+    ``SparseFrames.pair_table`` makes one rank's), then at byte ``tail`` the flag byte
+    (``flag``: one uint8 on p's device, or None) and zeros. ``p`` becomes the new residual in
+    place: p - (0 + p) where taken. Four launches on a GPU."""
+    kind = kind_of(p)
+    pb, mb, tb = _in_place(kind, p, "float32"), _same_kind(kind, take), _same_kind(kind, table)
+    fb = _same_kind(kind, flag) if flag is not None else None
+    if mb.dtype != "uint8" or mb.n != pb.n or tb.dtype != "int64" or tb.n < 6 or tb.n % 6:
+        raise ValueError("a uint8 mask of p's size, and an int64 table of 6 columns")
+    if fb is not None and (fb.dtype != "uint8" or fb.n != 1):
+        raise NativeUnavailable("the frame's flag is one byte")
+    frame = kind.empty(int(frame_size), "uint8")
+    if call(kind, "threshold_write_segments", pb.ptr, mb.ptr, pb.n, tb.ptr, tb.n // 6, frame.ptr, int(frame_size),
+            int(tail), fb.ptr if fb is not None else None) != 0:
+        raise ValueError("the table's pairs do not fit the mask or the frame")
+    return _wrap(kind, frame)
+
+
 def scatter_add_many(payloads, numel: int):
     """sum over payloads (values, indices) of scatter(indices, values) into ``numel`` zeros,
     added in order (as scatter_add of the concatenation): Sparsifier.aggregate without the
@@ -150,46 +192,6 @@ def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
     return outs
 
 
-def sparse_frames_mean(frames, ranks: int, frame_size: int, slots, flag_at: int, divisor: float, numel: int):
-    """The mean of ``ranks`` frames of a bucket whose segments send k (value, index) pairs each
-    (uint8, end to end, ``frame_size`` bytes each), read where they lie: a float32 array of
-    ``numel`` zeros, NaN everywhere where a rank's flag byte (at ``flag_at``; -1: none) is set;
-    else each rank's pairs added in turn, value / divisor at index. ``slots``: int64 (4, k),
-    each pair's value byte, index byte, index width and segment start
-    (``SegmentedFrame.pair_slots``). One fill and one launch per rank on a GPU."""
-    kind = kind_of(frames)
-    fb, sb = kind.flat(frames), _same_kind(kind, slots)
-    if fb.dtype != "uint8" or fb.n != ranks * frame_size:
-        raise ValueError(f"{fb.n} {fb.dtype} bytes are not {ranks} frames of {frame_size} bytes")
-    if sb.dtype != "int64" or sb.n % 4:
-        raise ValueError("slots are int64, four rows")
-    out = kind.empty(int(numel), "float32")
-    if call(kind, "sparse_frames_mean", fb.ptr, int(ranks), int(frame_size), sb.ptr, sb.n // 4, int(flag_at),
-            float(divisor), int(numel), out.ptr) != 0:
-        raise IndexError(f"an index of a rank's frame is out of range for {numel} elements")
-    return _wrap(kind, out)
-
-
-def sparse_sum_mean(values, idx, divisor: float, flag, numel: int):
-    """The mean of an allreduced sparse sum (random-k's): a float32 array of ``numel`` zeros,
-    NaN everywhere where ``flag`` (the ranks' summed overflow flags, one float32 on the same
-    device; None: none) is above 0; else each of the summed float32 ``values`` / divisor added
-    at its int64 index of ``idx`` (distinct): 0 + v / n, the decompressed sum divided to the
-    bit. One fill and one launch on a GPU."""
-    kind = kind_of(values)
-    vb, ib = kind.flat(values), _same_kind(kind, idx)
-    fb = _same_kind(kind, flag) if flag is not None else None
-    if vb.dtype != "float32" or ib.dtype != "int64" or vb.n != ib.n:
-        raise NativeUnavailable("sparse_sum_mean takes float32 values and as many int64 indices")
-    if fb is not None and (fb.dtype != "float32" or fb.n != 1):
-        raise NativeUnavailable("sparse_sum_mean takes one float32 flag")
-    out = kind.empty(int(numel), "float32")
-    if call(kind, "sparse_sum_mean", vb.ptr, ib.ptr, vb.n, float(divisor), fb.ptr if fb is not None else None,
-            int(numel), out.ptr) != 0:
-        raise IndexError(f"an index of the sum is out of range for {numel} elements")
-    return _wrap(kind, out)
-
-
 # --- top-k, segment by segment --------------------------------------------------------------------
 def topk_compress_segments(x, starts, numels, ks):
     """topk_compress of each segment (k = ks[s]) of the flat float32 ``x``: (every segment's
@@ -203,7 +205,7 @@ def topk_compress_segments(x, starts, numels, ks):
             raise ValueError("each segment's k must lie in [0, its size]")
         scratch = kind.empty(b.n, "float32")
         call(kind, "topk_ef_segments", b.ptr, 0, len(numels), _int64s(starts), _int64s(numels), _int64s(ks), 1.0,
-             1.0, 4, values.ptr, idx.ptr, scratch.ptr, None, 0)
+             1.0, 4, values.ptr, idx.ptr, scratch.ptr, None, 0, *_no_frame())
         return _wrap(kind, values, idx)
     at = 0
     for start, n, k in zip(starts, numels, ks):
@@ -216,20 +218,27 @@ def topk_compress_segments(x, starts, numels, ks):
 
 
 def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, gamma: float = 1.0, out=None,
-                          nonfinite=None):
+                          nonfinite=None, frame=None):
     """topk_ef_step of each segment: (values in a row, indices in the segment (int64) in a row,
     the new residual of the whole buffer); the overflow flag into ``nonfinite`` where given (see
-    ``_flag_of``), from the pass that compensates."""
+    ``_flag_of``), from the pass that compensates. Where ``frame`` is given, the pairs are
+    written there instead (``frame_pairs``): (None, None, the new residual)."""
     kind, gb, rb, ob = _ef_inputs(g, residual, out)
     _check_segments(gb.n, starts, numels)
     if any(not 0 <= k <= n for k, n in zip(ks, numels)):
         raise ValueError("each segment's k must lie in [0, its size]")
-    values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
     if _on_gpu(kind):
+        if frame:
+            call(kind, "topk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels),
+                 _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), None, None, ob.ptr,
+                 *_flag_of(kind, nonfinite), *frame_pairs(kind, frame, sum(ks)))
+            return None, None, _wrap(kind, ob)
+        values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
         call(kind, "topk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels), _int64s(ks),
              float(beta), float(gamma), _ef_flags(beta, gamma), values.ptr, idx.ptr, ob.ptr,
-             *_flag_of(kind, nonfinite))
+             *_flag_of(kind, nonfinite), *_no_frame())
         return _wrap(kind, values, idx, ob)
+    values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
     at = [0, *itertools.accumulate(ks[:-1])]  # (a CPU: the bucket step, each segment at its own pointers)
     flag = _HostFlag(kind, nonfinite)
     if call(kind, "topk_ef_many", len(numels), *(_addresses(b, [4 * s for s in starts]) for b in (gb, rb, ob)),
@@ -238,6 +247,9 @@ def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, ga
             _index_codes(["int64"] * len(ks)), flag.arg) != 0:
         raise RuntimeError("native top-k steps failed")
     flag.put()
+    if frame:
+        pairs_into_frame(kind, values, idx, frame)
+        return None, None, _wrap(kind, ob)
     return _wrap(kind, values, idx, ob)
 
 

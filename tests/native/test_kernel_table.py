@@ -123,13 +123,26 @@ CUDA_CALLS = {  # a call of each kernel the segmented plans make on a GPU: (name
     "signsgd_mean_segments": lambda n, u, c: ((c[:3 * 375] % 256).byte(), [1000, 2000], 3, (True, ()), None),
     "uniform_segments": lambda n, u, c: ([1000, 2000], [(1, 2), (3, 4)], u),
     "hash_keys_segments": lambda n, u, c: ([1000, 2000], [(1, 2), (3, 4)], c),
+    "dgc_compensate_into": lambda n, u, c: (u, n, n, 0.9, u.clone(), n.clone()),
+    "dgc_cut_segments": lambda n, u, c: (n, [0, 1000], [1000, 2000], [10, 2000], [1, 20], [(1, 2), (3, 4)]),
+    "dgc_select_segments": lambda n, u, c: (n.clone(), u.clone(), [0, 1000], [1000, 2000], [10, 20],
+                                            u[:2].contiguous()),
+    "threshold_select_segments": lambda n, u, c: (n, u, c.new_tensor([0, 1000]), 1.0, 1.0, 1.0, None, u[:1] * 0),
+    # the selection of two segments of 1000 and 2000 elements, 3 elements each taken: a frame of 64 bytes
+    "threshold_write_segments": lambda n, u, c: (u.clone(), ((c % 1000 < 3) & (c < 2000)).byte(), c.new_tensor(
+        [0, 24, 0, 3, 0, 2, 12, 30, 3, 3, 1000, 2]), 64, 36, (c[:1] * 0).byte()),
     "signsgd_compress": lambda n, u, c: (n,),
     "topk_indices": lambda n, u, c: (n, 30),
     "nonzero": lambda n, u, c: (n > 0,),
     "scatter_add_many": lambda n, u, c: ([(n[:10], c[:10]), (n[10:20], c[10:20])], 3000),
     # random-k's summed values of 100 distinct indices, a summed flag of 0
     "sparse_sum_mean": lambda n, u, c: (n[:100], c[:100] * 7, 3.0, u[:1] * 0, 3000),
-    # 3 ranks' frames of 64 bytes (zeros: values 0.0 at index 0), two pairs each: a fill and 3 launches
+    # 3 ranks' variable-length frames of 100 bytes (zeros): two segments of 1000 and 2000 elements,
+    # sending 2 and 1 pairs (int16 indices); one cooperative launch
+    "sparse_variable_mean": lambda n, u, c: ((c[:300] * 0).byte(), c.new_tensor(
+        [[100 * r, 100 * r + 12, 0, 2, 0, 2, 100 * r + 8, 100 * r + 16, 2, 1, 1000, 2] for r in range(3)]).reshape(-1),
+        3, 3.0, 3000),
+    # 3 ranks' frames of 64 bytes (zeros: values 0.0 at index 0), two pairs each: one cooperative launch
     "sparse_frames_mean": lambda n, u, c: ((c[:192] * 0).byte(), 3, 64,
                                            c.new_tensor([[0, 4], [8, 12], [4, 4], [0, 100]]), 60, 3.0, 3000),
 }

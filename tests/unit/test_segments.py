@@ -10,7 +10,7 @@ import pytest
 
 import grace
 import grace.native as gn
-from grace.core import bits, segment_packing, segments
+from grace.core import bits, segment_packing, segments, sparse_frames
 from grace.core.communicator import ReplicaCommunicator
 from grace.core.compressor import TensorInfo
 from grace.core.plans.kernels import MethodKernels, kernels_of
@@ -295,8 +295,8 @@ def test_native_segment_calls_refuse_segments_outside_their_buffers():
 def test_sparse_frames_mean_reads_the_frames_in_place_and_refuses_stray_indices():
     """``grace.native.sparse_frames_mean`` (top-k's and DGC's aggregate on an accelerator, from
     the received frames as they lie): bit for bit the fields read and scattered rank after
-    rank, every width of index; NaN everywhere where one rank flagged an overflow; an index
-    outside the bucket refused, not written."""
+    rank, every width of index; NaN everywhere where a rank flagged an overflow, and the
+    flagging ranks counted; an index outside the bucket refused, not written."""
     torch = pytest.importorskip("torch")
     if not gn.available("cpu"):
         pytest.skip("no native CPU library")
@@ -318,10 +318,11 @@ def test_sparse_frames_mean_reads_the_frames_in_place_and_refuses_stray_indices(
 
     received, ctx = frames([0, 0, 0])
     want = kernels.aggregate_segments(xp, layout.read(xp, received, 3)[0], ctx, table, 3)
-    got = kernels.frames_mean(xp, received, layout, table, 3)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    flagged, _ = frames([0, 1, 0])
-    assert torch.isnan(kernels.frames_mean(xp, flagged, layout, table, 3)).all()
+    got, flags = kernels.frames_mean(xp, received, layout, table, 3)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)) and flags.tolist() == [0.0]
+    flagged, _ = frames([0, 1, 1])
+    poisoned, flags = kernels.frames_mean(xp, flagged, layout, table, 3)
+    assert torch.isnan(poisoned).all() and flags.tolist() == [2.0]
     slots, _ = layout.pair_slots(xp, table.starts)
     at, width = int(slots[1, -1]), int(slots[2, -1])  # the last pair's index: 4 bytes
     stray = received.clone()
@@ -473,7 +474,7 @@ def test_sparse_frames_are_the_frames_of_the_segments_payloads(xp):
     numels = [200, 70000, 3, 300, 5000, 256]
     like = to_backend(xp, np.zeros(1, np.float32))
     table = segments.SegmentTable.build(xp, numels, like)
-    layout = segments.SparseFrames(xp, table, "float32", True, like)
+    layout = sparse_frames.SparseFrames(xp, table, "float32", True, like)
     received, headers, want = [], [], []
     over = [100, 40000, 3, 150, 2500, 200]  # half of the elements: pairs larger than the dense bucket
     assert layout.sends_dense(over) and not layout.sends_dense([c - 1 for c in numels[:1]] + [0] * 5)
@@ -514,6 +515,218 @@ def test_sparse_frames_are_the_frames_of_the_segments_payloads(xp):
         order = np.argsort(xp.to_numpy(got[1]))  # (read back grouped by index width)
         np.testing.assert_array_equal(xp.to_numpy(got[1])[order], expected[1])
         np.testing.assert_array_equal(xp.to_numpy(got[0])[order], expected[0])
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.5, 2.0)], ids=["plain", "scaled"])
+def test_threshold_select_segments_is_the_selection_its_header_and_flag(scales):
+    """``grace.native.threshold_select_segments`` (threshold's bucket on an accelerator, before
+    its frame): p, the mask and each segment's count are the tensor ops' (-0.0, ties at the
+    threshold, an empty and a full segment), its header is ``SparseFrames.header_of``'s, and an
+    inf or a NaN of g sets the flag (a float32 or a frame's byte) and the header's flag bit."""
+    torch = pytest.importorskip("torch")
+    if not gn.available("cpu"):
+        pytest.skip("no native CPU library")
+    from grace.backends import get_backend
+
+    xp, rng, (beta, gamma) = get_backend("torch"), np.random.default_rng(2), scales
+    numels = [300, 70000, 5, 1, 4000]
+    table = segments.SegmentTable.build(xp, numels, torch.zeros(1))
+    layout = sparse_frames.SparseFrames(xp, table, "float32", True, torch.zeros(1))
+    g = torch.from_numpy(rng.standard_normal(sum(numels)).astype(np.float32))
+    e = torch.from_numpy(rng.standard_normal(sum(numels)).astype(np.float32))
+    g[300:70300], e[300:70300] = g[300:70300] * 0.01, 0.0  # the 70000 send none
+    g[70300:70305] = 50.0  # the 5 send all
+    g[:3], e[:3] = torch.tensor([-0.0, 1.0, 0.75]), torch.tensor([0.0, 0.5, 0.0])  # -0.0; 1.5 at the threshold
+    for bad, dtype in ((None, torch.float32), (float("inf"), torch.uint8), (float("nan"), torch.float32)):
+        if bad is not None:
+            g[70310] = bad
+        flag = torch.full((1,), 7, dtype=dtype)
+        p, take, counts, header = gn.threshold_select_segments(g, e, table.start, 1.5, beta, gamma, nonfinite=flag)
+        want = (g * gamma if gamma != 1.0 else g) + (e * beta if beta != 1.0 else e)
+        assert torch.equal(p.view(torch.int32), want.view(torch.int32))
+        assert torch.equal(take.bool(), want.abs() >= 1.5)
+        assert counts.tolist() == [int(t.sum()) for t in torch.split(want.abs() >= 1.5, numels)]
+        assert counts[1] == 0 and counts[2] == 5
+        assert flag.item() == (bad is not None)
+        assert torch.equal(header, layout.header_of(xp, counts, flag.float()))
+    with pytest.raises(ValueError, match="in a row"):
+        gn.threshold_select_segments(g, e, table.start.flip(0), 1.5)
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_threshold_write_segments_is_the_frame_of_the_selected_pairs(flagged):
+    """``grace.native.threshold_write_segments`` (threshold's frame on an accelerator, from its
+    selection): byte for byte ``SparseFrames.write`` of the selected pairs (every index width,
+    an empty selection, the flag byte and the padding), p written over with p - p_hat; a table
+    that does not fit the mask refused, nothing written."""
+    torch = pytest.importorskip("torch")
+    if not gn.available("cpu"):
+        pytest.skip("no native CPU library")
+    from grace.backends import get_backend
+
+    xp, rng = get_backend("torch"), np.random.default_rng(4)
+    numels = [300, 70000, 5, 1, 4000]
+    table = segments.SegmentTable.build(xp, numels, torch.zeros(1))
+    layout = sparse_frames.SparseFrames(xp, table, "float32", flagged, torch.zeros(1))
+    g = torch.from_numpy(rng.standard_normal(sum(numels)).astype(np.float32))
+    g[300:70300] *= 0.5  # fewer of the 70000
+    g[70305] = -0.0
+    e = torch.zeros_like(g)
+    p, take, counts, _ = gn.threshold_select_segments(g, e, table.start, 1.9)
+    own = counts.tolist()
+    assert own[3] == 0 and own[1] > 0
+    flag = torch.ones(1, dtype=torch.uint8) if flagged else None
+    (values, local), p_hat = kernels_of(grace.threshold(1.9).compressor).selected_pairs(xp, p, take.bool(),
+                                                                                       (own, counts), table)
+    want_frame, want_residual = layout.write(xp, values, local, own, flag), p - p_hat
+    places, tail, size = layout.write_places(own)
+    refused = torch.from_numpy(places.copy())
+    refused[3] += 1  # the first segment's count, one more than its mask holds
+    before = p.clone()
+    with pytest.raises(ValueError, match="do not fit"):
+        gn.threshold_write_segments(p, take, refused, size, tail, flag)
+    assert torch.equal(p, before)
+    frame = gn.threshold_write_segments(p, take, torch.from_numpy(places), size, tail, flag)
+    assert torch.equal(frame, want_frame)
+    assert torch.equal(p.view(torch.int32), want_residual.view(torch.int32))
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.001])
+def test_dgc_cut_segments_is_the_sampled_threshold(ratio):
+    """``grace.native.dgc_cut_segments`` (DGC's thresholds on an accelerator: each sample drawn
+    and selected where it lies) is ``DGC.segment_cut``'s (its draws keyed, sorted, read) bit for
+    bit: drawn samples and whole ones, an inf and a NaN among them."""
+    torch = pytest.importorskip("torch")
+    if not gn.available("cpu"):
+        pytest.skip("no native CPU library")
+    from grace.backends import get_backend
+    from grace.core import draws
+
+    xp, rng = get_backend("torch"), np.random.default_rng(8)
+    numels = [30, 7000, 5, 1, 250000]  # samples of 1, 70, 1, 1 and 2500 (0.01 of each, at least 1)
+    table = segments.SegmentTable.build(xp, numels, torch.zeros(1))
+    dgc = grace.dgc(ratio).compressor
+    p = torch.from_numpy(rng.standard_normal(sum(numels)).astype(np.float32))
+    p[30:7030:3], p[40], p[7100] = float("inf"), float("nan"), -float("nan")
+    infos = [TensorInfo(f"g{s}", 3, 4, rank=1) for s in range(len(numels))]
+    ks, want = dgc.segment_cut(xp, p, table, infos)
+    sizes, needs, plan_ks = dgc.sample_plan(table.numels, ratio)
+    words = [draws.seed_words(info.rank_seed(dgc.seed)) for info in infos]
+    got = gn.dgc_cut_segments(p, table.starts, table.numels, sizes, needs, words)
+    assert plan_ks == ks and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_dgc_select_segments_is_the_selection_cut_and_masked():
+    """``grace.native.dgc_select_segments`` (DGC's bucket on an accelerator, after its momentum
+    correction): the values, indices, new v and new u of DGC's tensor ops (its segments' top-k,
+    +0.0 under each segment's cut, ``DGCMemory.update``), bit for bit, with -0.0, an inf and a
+    NaN in p; the flag set by them."""
+    torch = pytest.importorskip("torch")
+    if not gn.available("cpu"):
+        pytest.skip("no native CPU library")
+    from grace.backends import get_backend
+
+    xp, rng = get_backend("torch"), np.random.default_rng(6)
+    numels, ks = [300, 7000, 5, 1], (40, 700, 5, 1)
+    table = segments.SegmentTable.build(xp, numels, torch.zeros(1))
+    kernels = kernels_of(grace.dgc(0.1).compressor)
+    memory = grace.dgc(0.1).memory
+    p = torch.from_numpy(rng.standard_normal(sum(numels)).astype(np.float32))
+    u = torch.from_numpy(rng.standard_normal(sum(numels)).astype(np.float32))
+    v_old = torch.from_numpy(rng.standard_normal(sum(numels)).astype(np.float32))
+    p[:4] = torch.tensor([-0.0, float("inf"), float("nan"), 9.0])
+    u = p - v_old  # (u_new as the momentum correction leaves it)
+    cut = torch.tensor([1.0, 2.5, 0.0, 5.0])
+    (values, local), _, _ = kernels._top_segments(xp, p, table, ks)
+    slots = torch.from_numpy(np.repeat(np.arange(len(numels)), ks))
+    want_values = torch.where(values.abs() >= cut[slots], values, 0.0)
+    p_hat = kernels.decompress_segments(xp, (want_values, local), ks, table)
+    want_u, want_v = memory.update(xp, p, p_hat, (None, v_old))
+    flag = torch.zeros(1)
+    got_values, got_local = gn.dgc_select_segments(p, u, table.starts, table.numels, ks, cut, nonfinite=flag)
+    assert torch.equal(got_local, local) and flag.item() == 1.0
+    for got, want in ((got_values, want_values), (p, want_v), (u, want_u)):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_a_fused_selection_writes_its_frame_as_the_layout_does(flagged):
+    """Top-k's and DGC's segment steps with a frame to write into (``frame_pairs``: the bucket's
+    own fixed layout) write it byte for byte as ``SegmentedFrame.write`` makes it of their
+    fields (every index width, the flag byte, the padding zeroed over whatever the buffer held),
+    and the same new memory."""
+    torch = pytest.importorskip("torch")
+    if not gn.available("cpu"):
+        pytest.skip("no native CPU library")
+    from grace.backends import get_backend
+
+    xp, rng = get_backend("torch"), np.random.default_rng(9)
+    numels = [100, 900, 70000, 3]  # uint8, int16, int32 and uint8 indices
+    table = segments.SegmentTable.build(xp, numels, torch.zeros(1))
+    kernels = kernels_of(grace.topk(0.01).compressor)
+    layout = segments.SegmentedFrame(xp, kernels.segment_fields(table.numels, "float32"), flagged, torch.zeros(1))
+    slots, flag_at = layout.pair_slots(xp, table.starts)
+    g = torch.from_numpy(rng.standard_normal(sum(numels)).astype(np.float32))
+    e = torch.from_numpy(rng.standard_normal(sum(numels)).astype(np.float32))
+    g[5] = float("inf")
+    ks = kernels._ks(table)
+    flag = torch.zeros(1, dtype=torch.uint8)
+    values, local, want_e = gn.topk_ef_step_segments(g, e, table.starts, table.numels, ks, nonfinite=flag)
+    want = layout.write(xp, (values, local), flag if flagged else None)
+    frame = torch.full((layout.size,), 0xAB, dtype=torch.uint8)
+    into = (frame, slots, layout.size - layout.pad)
+    got = gn.topk_ef_step_segments(g, e, table.starts, table.numels, ks,
+                                   nonfinite=frame[flag_at:flag_at + 1] if flagged else None, frame=into)
+    assert got[:2] == (None, None) and torch.equal(frame, want) and flag.item() == 1
+    assert torch.equal(got[2].view(torch.int32), want_e.view(torch.int32))
+    p, u, cut = g.clone(), e.clone(), torch.tensor([0.5, 1.0, 2.0, 0.0])
+    values, local = gn.dgc_select_segments(p, u, table.starts, table.numels, ks, cut, nonfinite=flag)
+    want = layout.write(xp, (values, local), flag if flagged else None)
+    frame.fill_(0xCD)
+    p2, u2 = g.clone(), e.clone()
+    assert gn.dgc_select_segments(p2, u2, table.starts, table.numels, ks, cut, frame=into,
+                                  nonfinite=frame[flag_at:flag_at + 1] if flagged else None) == (None, None)
+    assert torch.equal(frame, want) and torch.equal(p2.view(torch.int32), p.view(torch.int32))
+    assert torch.equal(u2.view(torch.int32), u.view(torch.int32))
+
+
+def test_sparse_variable_mean_reads_the_pairs_where_they_lie():
+    """``grace.native.sparse_variable_mean`` (threshold's aggregate on an accelerator, from the
+    received frames as they lie, by ``SparseFrames.pair_table``): bit for bit each rank's values
+    over the ranks added at their indices rank after rank, with every index width and empty
+    selections; no table where a rank sent its dense bucket; an index outside the bucket
+    refused, not written."""
+    torch = pytest.importorskip("torch")
+    if not gn.available("cpu"):
+        pytest.skip("no native CPU library")
+    from grace.backends import get_backend
+
+    xp, rng = get_backend("torch"), np.random.default_rng(11)
+    numels = [200, 70000, 3, 300, 5000, 256]
+    like = torch.zeros(1)
+    table = segments.SegmentTable.build(xp, numels, like)
+    layout = sparse_frames.SparseFrames(xp, table, "float32", True, like)
+    want, received, headers = np.zeros(sum(numels), np.float32), [], []
+    for counts in ([5, 0, 3, 17, 0, 256], [0, 0, 0, 0, 0, 0], [1, 900, 3, 2, 40, 9]):
+        local = [np.sort(rng.choice(n, c, replace=False)) for n, c in zip(numels, counts)]
+        values = np.concatenate([rng.standard_normal(c).astype(np.float32) for c in counts])
+        received.append(layout.write(xp, torch.from_numpy(values), torch.from_numpy(np.concatenate(local)), counts,
+                                     torch.ones(1)))
+        headers.append(layout.header_of(xp, torch.tensor(counts), torch.ones(1)))
+        want[np.concatenate([i + s for i, s in zip(local, table.starts)])] += values / np.float32(3)
+    counts = xp.host_ints(torch.cat(headers), 3 * 2 * len(numels))
+    frames, places = torch.cat(received), torch.from_numpy(layout.pair_table(counts, 3))
+    got = gn.sparse_variable_mean(frames, places, 3, 3.0, sum(numels))
+    assert torch.equal(got.view(torch.int32), torch.from_numpy(want).view(torch.int32))
+    assert layout.flags(counts, 3) == [1, 1, 1]
+    dense = list(counts)
+    dense[2 * len(numels):4 * len(numels)] = [c for c in (100, 40000, 3, 150, 2500, 200) for _ in (0, 1)]  # dense
+    assert layout.pair_table(dense, 3) is None
+    stray = frames.clone()
+    index_at = int(places.view(3, len(numels), 6)[2, 1, 1])  # rank 2's first index of the 70000 (int32)
+    stray[index_at:index_at + 4] = 0x7F
+    with pytest.raises(IndexError, match="out of range"):
+        gn.sparse_variable_mean(stray, places, 3, 3.0, sum(numels))
 
 
 @pytest.mark.parametrize("through", ["exchange", "ready buckets"])

@@ -57,9 +57,15 @@ class Feedback:
         writes the payload tensors, if it can (the exchange's frame buffer)."""
         return None
 
-    def fused_segments(self, xp, kernels, g, state: Optional[Any], table, infos, nonfinite=None):
+    def fused_segments(self, xp, kernels, g, state: Optional[Any], table, infos, nonfinite=None, into=None):
         """``fused_step`` for every segment of a flat bucket: (fields, ctx, new state), or None;
-        the overflow flag into ``nonfinite`` where ``kernels.flags_in_segment_steps``."""
+        the overflow flag into ``nonfinite`` where ``kernels.flags_in_segment_steps``; the fields
+        None where written into the frame ``into`` (``kernels.pairs_into_frames``)."""
+        return None
+
+    def selected_segments(self, xp, kernels, g, state: Optional[Any], table, infos, nonfinite=None):
+        """A variable-length selection of every segment with its compensation, in one call
+        (``MethodKernels.select_segments_with_residual``), or None."""
         return None
 
     def fused_firsts(self, xp, kernels, gs, states, infos, compressor_states, p_outs, nonfinite=None):

@@ -41,6 +41,9 @@ class MethodKernels:
     #: compress_segments_with_residual, where it runs, writes the overflow flag into its
     #: ``nonfinite`` (from the pass that reads g): no pass of the plan's own for it
     flags_in_segment_steps = False
+    #: the fused segment step (value, index) pairs can write them into the frame of the bucket's
+    #: own layout (``SegmentedFrame.pair_slots``) in place of its fields: no frame made of them
+    pairs_into_frames = False
 
     def __init__(self, compressor):
         self.compressor = compressor
@@ -201,9 +204,23 @@ class MethodKernels:
             for s, n in enumerate(table.numels)])
 
     def compress_segments_with_residual(self, xp, g, residual, beta: float, gamma: float, table, infos,
-                                        nonfinite=None):
+                                        nonfinite=None, into=None):
         """Residual memory's step for every segment in one go: (fields, ctx, new residual); the
-        overflow flag into ``nonfinite`` where the kernels say they write it (``flags_in_segment_steps``)."""
+        overflow flag into ``nonfinite`` where the kernels say they write it (``flags_in_segment_steps``);
+        the fields written into the frame ``into`` instead where given and the kernels say they
+        write pairs there (``pairs_into_frames``: then the fields are None)."""
+        return None
+
+    def select_segments_with_residual(self, xp, g, residual, beta: float, gamma: float, table, infos,
+                                      nonfinite=None):
+        """A variable-length selection (``select_segments``) of p = compensate(g, residual), in one
+        native call: (p, the mask, each segment's count, the header ``SparseFrames.header_of``
+        makes of them and the flag); the overflow flag into ``nonfinite`` where given; or None."""
+        return None
+
+    def write_selected(self, xp, p, take, layout, counts, flag=None):
+        """The frame of a selection ``select_segments_with_residual`` made, and the new residual,
+        in one native call: (frame, new residual), or None."""
         return None
 
     def _segment_decoder(self, xp, like):
@@ -226,7 +243,8 @@ class MethodKernels:
     def frames_mean(self, xp, received, layout, table, ranks: int):
         """Allgather methods: ``aggregate_segments`` of the ranks' frames (``received``, end to
         end, of ``layout``) by one native call that reads them where they lie, poisoned by their
-        flags; None where the method has no such call (the fields are read first)."""
+        flags, and how many ranks flagged an overflow (one float32 on the device); None where
+        the method has no such call (the fields are read first)."""
         return None
 
     def aggregate_segments(self, xp, fields, ctx, table, ranks: int, overflow=None):

@@ -12,7 +12,7 @@ import itertools
 from typing import Any, List, Sequence
 
 from grace.core import bucket as frames
-from grace.core import segments
+from grace.core import segments, sparse_frames
 from grace.core.bucket import Dense, Segment
 from grace.core.compressor import Collective, divided
 from grace.core.plans.base import BucketPending, BucketPlan, defers_on_device, with_dense
@@ -26,7 +26,7 @@ class Segmented(BucketPlan):
         super().__init__(services, bucket, why)
         guarded, self.variable = services.journal.guarded, services.kernels.variable_segments
         self.table = segments.SegmentTable.build(xp, bucket.numels, like)
-        self.own_layout = segments.SparseFrames(xp, self.table, bucket.dtype, guarded, like) \
+        self.own_layout = sparse_frames.SparseFrames(xp, self.table, bucket.dtype, guarded, like) \
             if self.variable else self._fixed(xp, services.kernels.segment_fields(self.table.numels, bucket.dtype), like)
 
     def _fixed(self, xp, fields, like):
@@ -50,20 +50,16 @@ class Segmented(BucketPlan):
         e = s.memory_state(xp, bucket.key, g)
         pending = BucketPending(bucket, xp, [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], g, [e],
                                 defer=defers_on_device(xp, g))
+        infos = [s.info(name, step) for name in bucket.names]
+        if self.variable:
+            return self._select(pending, e, infos)
         # the overflow flag from one pass over g; or from the fused step's kernels, which read g anyway
-        in_call = s.journal.guarded and not self.variable and s.kernels.flags_in_segment_steps
+        in_call = s.journal.guarded and s.kernels.flags_in_segment_steps
         if s.journal.guarded and not in_call:
             pending.flag = xp.nonfinite([g], self.flag_dtype())
-        infos = [s.info(name, step) for name in bucket.names]
-        if self.variable:  # the counts go now, the frame once they are read back (``send_selected``)
-            p = memory.compensate(xp, g, e)
-            take, counts = s.kernels.select_segments(xp, p, self.table, infos)
-            pending.selection, pending.layout = (p, take, counts), self.own_layout
-            header = self.own_layout.header_of(xp, counts, pending.flag)
-            s.transport.stats.add(s.transport.send_header(pending, header), 0)
-            return pending
-        flag = xp.empty(1, self.flag_dtype(), like=g) if in_call else None
-        fused = s.feedback.fused_segments(xp, s.kernels, g, e, self.table, infos, flag)
+        into, frame_flag = self._frame_into(xp, g, in_call)
+        flag = (frame_flag if into is not None else xp.empty(1, self.flag_dtype(), like=g)) if in_call else None
+        fused = s.feedback.fused_segments(xp, s.kernels, g, e, self.table, infos, flag, into)
         if in_call:
             pending.flag = flag if fused is not None else xp.nonfinite([g], self.flag_dtype())
         e_new = None  # the new memory where a fused kernel made it and it stands
@@ -78,6 +74,8 @@ class Segmented(BucketPlan):
         if compressor.collective is Collective.ALLREDUCE:  # (fixed sizes: never more than dense)
             pending.wait, nbytes = s.transport.allreduce_units(xp, bucket.key, [tuple(fields)], pending.flag,
                                                                defer=pending.defer)
+        elif fields is None:  # (written into the frame by the fused step)
+            frame = into[0]
         else:
             frame, p = self._frame(pending, fields, p)
             if pending.sent_dense:
@@ -94,6 +92,40 @@ class Segmented(BucketPlan):
         s.transport.stats.add(nbytes, 0)
         return pending
 
+    def _select(self, pending: BucketPending, e, infos) -> BucketPending:
+        """A variable-length bucket's start: its selection and counts, whose header goes now; its
+        frame once the ranks' counts are read back (``send_selected``). Compensation, selection,
+        counts, header and flag in one native call where there is one."""
+        s, xp, g, layout = self.services, pending.xp, pending.g, self.own_layout
+        flag = xp.empty(1, self.flag_dtype(), like=g) if s.journal.guarded else None
+        selected = s.feedback.selected_segments(xp, s.kernels, g, e, self.table, infos, flag)
+        fused = selected is not None  # (then its frame too, by ``write_selected``)
+        if fused:
+            p, take, counts, header = selected
+            pending.flag = flag
+        else:
+            pending.flag = xp.nonfinite([g], self.flag_dtype()) if s.journal.guarded else None
+            p = s.compression.memory.compensate(xp, g, e)
+            take, counts = s.kernels.select_segments(xp, p, self.table, infos)
+            header = layout.header_of(xp, counts, pending.flag)
+        pending.selection, pending.layout = (p, take, counts, fused), layout
+        s.transport.stats.add(s.transport.send_header(pending, header), 0)
+        return pending
+
+    def _frame_into(self, xp, g, in_call: bool):
+        """Where a fused step may write this rank's frame of the bucket's own layout in place of
+        its fields (``MethodKernels.pairs_into_frames``): (a new frame, its pairs' places, its first
+        byte after the flag) and its flag byte (a view: the step's flag goes there); (None, None)
+        for an allreduce, a frame sent dense, or a flag the step does not write."""
+        s, layout = self.services, self.own_layout
+        if not s.kernels.pairs_into_frames or s.compression.compressor.collective is Collective.ALLREDUCE \
+                or (s.journal.guarded and not in_call) \
+                or layout.size > frames.frame_size([self.bucket.numel], [self.bucket.dtype], False, s.journal.guarded):
+            return None, None
+        frame = xp.empty(layout.size, "uint8", like=g)
+        slots, flag_at = layout.pair_slots(xp, self.table.starts)
+        return (frame, slots, layout.size - layout.pad), (frame[flag_at:flag_at + 1] if flag_at >= 0 else None)
+
     def _frame(self, pending: BucketPending, fields, p):
         """This rank's frame, and p; the dense bucket where the encoding would be larger (fixed
         sizes: every rank decides alike)."""
@@ -109,10 +141,14 @@ class Segmented(BucketPlan):
         (``Exchange.read_counts``, or ``finish``): this rank's pairs, or its dense bucket where
         their frame would be larger; and its new memory. No wait for the device at ``start``."""
         s, xp, layout = self.services, pending.xp, pending.layout
-        (p, take, counts), pending.selection = pending.selection, None
+        (p, take, counts, fused), pending.selection = pending.selection, None
         width, rank = len(layout.dtypes), s.communicator.rank
         own = self.counts(pending)[rank * width:(rank + 1) * width:2]
-        if layout.sends_dense(own):
+        dense = layout.sends_dense(own)
+        written = s.kernels.write_selected(xp, p, take, layout, own, pending.flag) if fused and not dense else None
+        if written is not None:  # the new memory made with it
+            frame, e_new = written
+        elif dense:
             pending.sent_dense = True
             frame, p_hat = layout.write_dense(xp, p, pending.flag), p
         else:
@@ -121,7 +157,8 @@ class Segmented(BucketPlan):
         memory = s.compression.memory
         if memory.needs_feedback:
             with s.phase("feedback"):
-                s.journal.set("memory", self.bucket.key, memory.update(xp, p, p_hat, pending.old[0]))
+                s.journal.set("memory", self.bucket.key,
+                              e_new if written is not None else memory.update(xp, p, p_hat, pending.old[0]))
         s.transport.stats.add(s.transport.send_frame(pending, frame, True), 0)
 
     def finish(self, pending: BucketPending, into=None) -> List[Any]:
@@ -143,9 +180,14 @@ class Segmented(BucketPlan):
         if self.variable:
             if pending.selection is not None:  # (a bucket alone, or awaited before read_counts)
                 self.send_selected(pending)
-            read, flags = pending.layout.read(xp, s.transport.wait(pending.wait), self.headers(pending), n,
-                                              self.counts(pending))
-            return self._sparse_mean(xp, read), s.journal.counted(sum(flags)) if flagged else None
+            received, counts = s.transport.wait(pending.wait), self.counts(pending)
+            mean = self._pairs_mean(xp, received, pending.layout, counts)
+            if mean is None:
+                read, flags = pending.layout.read(xp, received, self.headers(pending), n, counts)
+                mean = self._sparse_mean(xp, read)
+            else:
+                flags = pending.layout.flags(counts, n)
+            return mean, s.journal.counted(sum(flags)) if flagged else None
         received = s.transport.wait(pending.wait)
         if isinstance(received, list):  # broadcasts: one frame per rank
             received = xp.concat(received)
@@ -155,10 +197,13 @@ class Segmented(BucketPlan):
             g_hat = with_dense(None, 0, [xp.from_bytes(rows[r, :nbytes], bucket.dtype) for r in range(n)], n)
             flags = rows[:, nbytes] if flagged else None
             return g_hat, s.journal.overflow(xp, [flags], pending.defer) if flagged else None
-        flags = pending.layout.flags(xp, received, n)
+        read = s.kernels.frames_mean(xp, received, pending.layout, table, n)
+        if read is not None:  # (poisoned in it, and the flags counted)
+            mean, flags = read
+        else:
+            flags = pending.layout.flags(xp, received, n)
         overflow = s.journal.overflow(xp, [flags], pending.defer) if flagged else None
-        mean = s.kernels.frames_mean(xp, received, pending.layout, table, n)  # (poisoned by the aggregate)
-        if mean is None:
+        if read is None:
             fields, _ = pending.layout.read(xp, received, n)
             mean = s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n, overflow)
         return mean, None
@@ -175,6 +220,17 @@ class Segmented(BucketPlan):
             width = len(pending.layout.dtypes) * self.services.communicator.size
             pending.header_counts = pending.xp.host_ints(self.headers(pending), width)
         return pending.header_counts
+
+    def _pairs_mean(self, xp, received, layout, counts):
+        """The flat mean of the ranks' variable-length frames (``received``, end to end) by one
+        native call that reads their pairs where they lie, as ``_sparse_mean`` adds them; None
+        where it does not run (a rank sent its dense bucket, the values are not float32)."""
+        mean = None if isinstance(received, list) else xp.native("sparse_variable_mean", received)
+        n = self.services.communicator.size
+        table = None if mean is None else layout.pair_table(counts, n)
+        if table is None:
+            return None
+        return mean(received, xp.asarray(table, like=received), n, n, self.bucket.numel)
 
     def _sparse_mean(self, xp, read):
         """The flat mean of the ranks' (value, index) pairs and dense buckets (``read``), with
