@@ -137,9 +137,10 @@ API int64_t grace_cuda_topk_ef(const float* g, const float* r, int64_t n, int64_
 }
 
 namespace {
-// The elements `pred` keeps, written by `emit` in ascending order: their count (or an error code)
-template <class Pred>
-int64_t compact_kept(const Pred& pred, int64_t n, const EmitIdx& emit, void* stream) {
+// The elements `pred` keeps, written by `emit` in ascending order: their count, read back (or, where
+// not `counted`, 0: no wait), or an error code
+template <class Pred, class Emit>
+int64_t compact_kept(const Pred& pred, int64_t n, const Emit& emit, void* stream, bool counted = true) {
   if (n == 0) return 0;
   cudaStream_t s = as_stream(stream);
   Scratch sc(256, s);
@@ -148,7 +149,7 @@ int64_t compact_kept(const Pred& pred, int64_t n, const EmitIdx& emit, void* str
   unsigned* ticket;
   threshold_state(&st, &ticket, sc, s);
   long long total = 0;
-  int rc = compact(pred, n, st, ticket, emit, &total, s);
+  int rc = compact(pred, n, st, ticket, emit, counted ? &total : nullptr, s);
   return rc ? rc : total;
 }
 }  // namespace
@@ -275,16 +276,8 @@ API int grace_cuda_threshold_write_segments(float* p, const uint8_t* take, int64
                                             int64_t segments, uint8_t* frame, int64_t frame_size, int64_t tail,
                                             const uint8_t* flag, void* stream) {
   if (n < 0 || segments < 1 || tail < 0 || tail > frame_size) return -1;
-  cudaStream_t s = as_stream(stream);
-  Scratch sc(256, s);
-  if (!sc.p) return -3;
-  SelState* st;
-  unsigned* ticket;
-  threshold_state(&st, &ticket, sc, s);
-  if (n > 0) {
-    const int rc = compact(MaskPred{take}, n, st, ticket, EmitFrame{p, frame, table, segments}, nullptr, s);
-    if (rc) return rc;
-  }
-  if (frame_size > tail) k_frame_tail<<<1, kThreads, 0, s>>>(frame, tail, frame_size, flag);
+  const int64_t rc = compact_kept(MaskPred{take}, n, EmitFrame{p, frame, table, segments}, stream, false);
+  if (rc < 0) return (int)rc;
+  if (frame_size > tail) k_frame_tail<<<1, kThreads, 0, as_stream(stream)>>>(frame, tail, frame_size, flag);
   return status();
 }
