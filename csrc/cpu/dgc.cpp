@@ -213,10 +213,7 @@ API int grace_cpu_dgc_select_segments(float* p, float* u, int64_t segments, cons
       if (sent != 0.0f) us[i] = us[i] * 0.0f;
     }
   }
-  if (flag) {
-    if (flag_width == 1) *static_cast<uint8_t*>(flag) = bad;
-    else *static_cast<float*>(flag) = bad ? 1.0f : 0.0f;
-  }
+  if (flag) write_flag(flag, flag_width, bad);
   if (frame) grace_cpu_pairs_into_frame(values, idx, pairs, slots, frame, zero_from, frame_size);
   return 0;
 }

@@ -374,8 +374,7 @@ API int grace_cpu_randomk_ef_segments(const float* g, const float* r, int64_t se
     }
     at += k;
   }
-  if (flag && flag_width == 1) *static_cast<uint8_t*>(flag) = bad ? 1 : 0;
-  else if (flag) *static_cast<float*>(flag) = bad ? 1.0f : 0.0f;
+  if (flag) write_flag(flag, flag_width, bad);
   return 0;
 }
 

@@ -414,10 +414,7 @@ API int grace_cpu_threshold_select_segments(const float* g, const float* r, int6
     counts[s] = header[2 * s] = header[2 * s + 1] = c;
   }
   if (flag && bad) header[2 * segments - 1] |= int64_t(1) << GRACE_FLAG_SHIFT;
-  if (flag) {
-    if (flag_width == 1) *static_cast<uint8_t*>(flag) = bad;
-    else *static_cast<float*>(flag) = bad ? 1.0f : 0.0f;
-  }
+  if (flag) write_flag(flag, flag_width, bad);
   return 0;
 }
 

@@ -101,6 +101,10 @@ class SparseFrames:
         columns = [at[:, 0::2], at[:, 1::2], np.cumsum(pairs, axis=1) - pairs, pairs, shared[:, 0], shared[:, 1]]
         return np.stack(columns, axis=2).reshape(-1)
 
+    def pieces_bytes(self, head) -> int:
+        """The bytes of a rank's pieces in its frame (``head``: its header's counts, host ints)."""
+        return sum(c * ITEMSIZE[d] for c, d in zip(head, self.dtypes))
+
     def write_places(self, counts):
         """Where ``write`` lays a rank's pairs (``counts``: its segments', host ints), for one
         native call that writes them: the rank's ``pair_table``, the byte after its pieces (the
@@ -109,7 +113,7 @@ class SparseFrames:
         table = self.pair_table(head, 1)
         if table is None:
             return None
-        return table, sum(c * ITEMSIZE[d] for c, d in zip(head, self.dtypes)), self.size(counts) - self.header
+        return table, self.pieces_bytes(head), self.size(counts) - self.header
 
     def write_dense(self, xp, flat, flag=None):
         """This rank's frame where it sends the dense bucket ``flat`` (``sends_dense``)."""
@@ -134,7 +138,7 @@ class SparseFrames:
                 frames.append(Dense(xp.from_bytes(data[pos:end], self.dtype)))
                 start = pos + self.dense_size() - self.header
             else:
-                end = pos + sum(c * ITEMSIZE[d] for c, d in zip(head, self.dtypes))
+                end = pos + self.pieces_bytes(head)
                 frames.append((data[pos:end], head, headers[r * width:(r + 1) * width]))
                 start = pos + self.size(head[0::2]) - self.header
         sparse = [f for f in frames if not isinstance(f, Dense)]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from grace.native._arrays import call
 from grace.native._common import _in_place, _same_kind
 
+PAIR_COLUMNS = 6  # GRACE_PAIR_COLUMNS: a row of a rank's pairs table, per segment (SparseFrames.pair_table)
+
 
 def frame_pairs(kind, frame, pairs: int):
     """A fixed layout's frame that a selection writes its ``pairs`` pairs into, (buffer, slots,

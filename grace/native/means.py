@@ -25,6 +25,7 @@ from grace.formats import code_width, packed_size
 from grace.native._arrays import NativeUnavailable, call, kind_of
 from grace.native._common import (_DECODE, _addresses, _check_payload, _decode_out, _finish_args, _int64s, _on_gpu,
                                   _same_kind, _wrap)
+from grace.native._frames import PAIR_COLUMNS
 from grace.native.qsgd import _qsgd_rows
 from grace.native.signs import _EFSIGNSGD, _ONEBIT, _SIGNSGD, _TERNGRAD
 
@@ -108,8 +109,6 @@ def qsgd_mean_segments(packed, norms, numels, ranks, finish, overflow, levels: i
 
 
 # --- sparse pairs: the ranks' (value, index) pairs added rank after rank --------------------------
-PAIR_COLUMNS = 6  # GRACE_PAIR_COLUMNS: a row of sparse_variable_mean's table
-
 
 def sparse_frames_mean(frames, ranks: int, frame_size: int, slots, flag_at: int, divisor: float, numel: int):
     """The mean of ``ranks`` frames of a bucket whose segments send k (value, index) pairs each

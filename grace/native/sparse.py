@@ -22,7 +22,7 @@ from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_fl
                                   _index_codes, _int64s, _on_gpu, _placed, _pointers, _same_kind, _same_kind_all,
                                   _seed_word_arrays, _wrap)
 from grace.native._flags import _flag_of, _HostFlag
-from grace.native._frames import _no_frame, frame_pairs, pairs_into_frame
+from grace.native._frames import PAIR_COLUMNS, _no_frame, frame_pairs, pairs_into_frame
 
 
 # --- selection ------------------------------------------------------------------------------------
@@ -133,13 +133,13 @@ def threshold_write_segments(p, take, table, frame_size: int, tail: int, flag=No
     kind = kind_of(p)
     pb, mb, tb = _in_place(kind, p, "float32"), _same_kind(kind, take), _same_kind(kind, table)
     fb = _same_kind(kind, flag) if flag is not None else None
-    if mb.dtype != "uint8" or mb.n != pb.n or tb.dtype != "int64" or tb.n < 6 or tb.n % 6:
-        raise ValueError("a uint8 mask of p's size, and an int64 table of 6 columns")
+    if mb.dtype != "uint8" or mb.n != pb.n or tb.dtype != "int64" or tb.n < PAIR_COLUMNS or tb.n % PAIR_COLUMNS:
+        raise ValueError(f"a uint8 mask of p's size, and an int64 table of {PAIR_COLUMNS} columns")
     if fb is not None and (fb.dtype != "uint8" or fb.n != 1):
         raise NativeUnavailable("the frame's flag is one byte")
     frame = kind.empty(int(frame_size), "uint8")
-    if call(kind, "threshold_write_segments", pb.ptr, mb.ptr, pb.n, tb.ptr, tb.n // 6, frame.ptr, int(frame_size),
-            int(tail), fb.ptr if fb is not None else None) != 0:
+    if call(kind, "threshold_write_segments", pb.ptr, mb.ptr, pb.n, tb.ptr, tb.n // PAIR_COLUMNS, frame.ptr,
+            int(frame_size), int(tail), fb.ptr if fb is not None else None) != 0:
         raise ValueError("the table's pairs do not fit the mask or the frame")
     return _wrap(kind, frame)
 
@@ -227,17 +227,12 @@ def topk_ef_step_segments(g, residual, starts, numels, ks, beta: float = 1.0, ga
     _check_segments(gb.n, starts, numels)
     if any(not 0 <= k <= n for k, n in zip(ks, numels)):
         raise ValueError("each segment's k must lie in [0, its size]")
-    if _on_gpu(kind):
-        if frame:
-            call(kind, "topk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels),
-                 _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), None, None, ob.ptr,
-                 *_flag_of(kind, nonfinite), *frame_pairs(kind, frame, sum(ks)))
-            return None, None, _wrap(kind, ob)
-        values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
+    if _on_gpu(kind):  # (the pairs into values and idx, or into the frame)
+        values, idx = (None, None) if frame else (kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64"))
         call(kind, "topk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels), _int64s(ks),
-             float(beta), float(gamma), _ef_flags(beta, gamma), values.ptr, idx.ptr, ob.ptr,
-             *_flag_of(kind, nonfinite), *_no_frame())
-        return _wrap(kind, values, idx, ob)
+             float(beta), float(gamma), _ef_flags(beta, gamma), values and values.ptr, idx and idx.ptr, ob.ptr,
+             *_flag_of(kind, nonfinite), *frame_pairs(kind, frame, sum(ks)))
+        return (None, None, _wrap(kind, ob)) if frame else _wrap(kind, values, idx, ob)
     values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
     at = [0, *itertools.accumulate(ks[:-1])]  # (a CPU: the bucket step, each segment at its own pointers)
     flag = _HostFlag(kind, nonfinite)
