@@ -161,14 +161,14 @@ void for_chunks(int64_t n, int64_t align, int nc, F&& f) {
   }
 }
 
-// The bytes of a bucket's float32 outputs: a bucket call streams every segment's output where
-// they are beyond the caches together (each gradient's alone may not be), as `streams` says.
 // the overflow flag: 1 where `set`, else 0, a float32 or (width 1) a byte
 inline void write_flag(void* flag, int width, bool set) {
   if (width == 1) *static_cast<uint8_t*>(flag) = set ? 1 : 0;
   else *static_cast<float*>(flag) = set ? 1.0f : 0.0f;
 }
 
+// The bytes of a bucket's float32 outputs: a bucket call streams every segment's output where
+// they are beyond the caches together (each gradient's alone may not be), as `streams` says.
 inline int64_t bucket_bytes(int64_t segments, const int64_t* numels) {
   int64_t n = 0;
   for (int64_t s = 0; s < segments; ++s) n += std::max<int64_t>(0, numels[s]);

@@ -99,6 +99,52 @@ struct Finish {
 };
 
 #if defined(GRACE_SIMD) && defined(__AVX2__)
+// The sums of a few rows (at most kTableRows) for every combination of their bits, each made row
+// after row as bits_sum_rows adds them (then finished as `finish` says): 32 elements' sums are then
+// one byte of pattern per element (bit j: row j's) and a lookup in two registers, not a value
+// picked and added per row.
+constexpr int64_t kTableRows = 4;
+struct RowsTable {
+  RowsTable(const float* lo, const float* hi, int64_t rows, const Finish& finish) : rows_(rows) {
+    alignas(32) float sums[16] = {};
+    for (int pattern = 0; pattern < (1 << rows); ++pattern) {
+      float a = 0.0f;
+      for (int64_t j = 0; j < rows; ++j) {
+        const float v = (pattern >> j) & 1 ? hi[j] : lo[j];
+        a = j ? a + v : v;
+      }
+      sums[pattern] = finish.apply(a);
+    }
+    low = _mm256_load_ps(sums);
+    high = _mm256_load_ps(sums + 8);
+  }
+  // acc[q] = the first rows' sums of elements 8q..8q+7 of the 32 whose bits start at byte `at`
+  void lookup(const uint8_t* const* rows, int64_t at, F8* acc) const {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  // lane: its byte
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  // lane: its bit
+    __m256i pattern = _mm256_setzero_si256();
+    for (int64_t j = 0; j < rows_; ++j) {
+      uint32_t w;
+      std::memcpy(&w, rows[j] + at, 4);
+      const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)w), spread);
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+      pattern = _mm256_or_si256(pattern, _mm256_and_si256(set, _mm256_set1_epi8((char)(1 << j))));
+    }
+    const __m128i half[2] = {_mm256_castsi256_si128(pattern), _mm256_extracti128_si256(pattern, 1)};
+    for (int q = 0; q < 4; ++q) {
+      const __m256i index = _mm256_cvtepu8_epi32(q & 1 ? _mm_srli_si128(half[q / 2], 8) : half[q / 2]);
+      const __m256 a = _mm256_permutevar8x32_ps(low, index);  // (by the index's low 3 bits)
+      acc[q] = {rows_ <= 3 ? a : _mm256_blendv_ps(a, _mm256_permutevar8x32_ps(high, index),
+                                                  _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)))};
+    }
+  }
+
+ private:
+  int64_t rows_;
+  __m256 low, high;  // the sums of patterns 0-7 and 8-15
+};
+
 GRACE_AVX512 inline void finish16(float* p, __m512 v, const Finish& finish, bool stream) {
   if (finish.none() && !stream) return _mm512_storeu_ps(p, v);
   put8(p, finish.none() ? low8(v) : finish.apply8(low8(v)), stream);
@@ -147,10 +193,16 @@ void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi,
                               _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15),
                               _mm256_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23),
                               _mm256_setr_epi32(24, 25, 26, 27, 28, 29, 30, 31)};
-    if (kAvx512) g = bits_sum_rows32(rows, lo, hi, count, g, g1, out, finish, stream);
+    // The first rows' sums (finished, where they are all the rows) looked up by their bits: a
+    // table of the 2^head sums, made row after row as below, indexed by a byte of bits per element
+    const int64_t head = kAvx512 && count > kTableRows ? 0 : std::min<int64_t>(count, kTableRows);
+    const RowsTable table(lo, hi, head, count == head ? finish : Finish());
+    const bool finished = plain || count == head;
+    if (kAvx512 && head == 0) g = bits_sum_rows32(rows, lo, hi, count, g, g1, out, finish, stream);
     for (; g + 4 <= g1; g += 4) {
       F8 acc[4];
-      for (int64_t j = 0; j < count; ++j) {
+      if (head) table.lookup(rows, g, acc);
+      for (int64_t j = head; j < count; ++j) {
         uint32_t w;
         std::memcpy(&w, rows[j] + g, 4);
         const __m256i word = _mm256_set1_epi32((int)w);
@@ -159,7 +211,7 @@ void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi,
           acc[q] = j ? acc[q] + v : v;
         }
       }
-      for (int q = 0; q < 4; ++q) put8(out + 8 * (g + q), plain ? acc[q] : finish.apply8(acc[q]), stream);
+      for (int q = 0; q < 4; ++q) put8(out + 8 * (g + q), finished ? acc[q] : finish.apply8(acc[q]), stream);
     }
 #endif
     for (; g < g1; ++g) {

@@ -33,49 +33,74 @@ inline float from_half(uint16_t h) {
   return f;
 }
 
-template <bool kReciprocal>
+// The vector loops below stream their stores where `kStream` (the call's outputs beyond the
+// caches, common.h): the leading elements up to a 32-byte boundary go the scalar way, the same values.
+template <bool kReciprocal, bool kStream>
 void half_encode(const float* x, int64_t n, float divisor, uint16_t* out) {
   int64_t i = 0;
 #if defined(__F16C__) && defined(__AVX__)
+  if (kStream)
+    for (; i < n && (uintptr_t)(out + i) % 32 != 0; ++i) out[i] = to_half(x[i] / divisor);
   const __m256 d = _mm256_set1_ps(kReciprocal ? 1.0f / divisor : divisor);
   for (; i + 8 <= n; i += 8) {
     prefetch(x + i);
     const __m256 xi = _mm256_loadu_ps(x + i), v = kReciprocal ? _mm256_mul_ps(xi, d) : _mm256_div_ps(xi, d);
-    _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (kStream)
+      _mm_stream_si128((__m128i*)(out + i), h);
+    else
+      _mm_storeu_si128((__m128i*)(out + i), h);
   }
+  fence_streams(kStream);
 #endif
   for (; i < n; ++i) out[i] = to_half(x[i] / divisor);
 }
 
-template <bool kReciprocal>
+template <bool kReciprocal, bool kStream>
 void half_decode(const uint16_t* h, int64_t n, float factor, float divisor, float* out) {
   int64_t i = 0;
 #if defined(__F16C__) && defined(__AVX__)
+  if (kStream)
+    for (; i < n && (uintptr_t)(out + i) % 32 != 0; ++i) out[i] = from_half(h[i]) * factor / divisor;
   const __m256 f = _mm256_set1_ps(factor), d = _mm256_set1_ps(kReciprocal ? 1.0f / divisor : divisor);
   for (; i + 8 <= n; i += 8) {
     prefetch(h + i);
     const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))), f);
-    _mm256_storeu_ps(out + i, kReciprocal ? _mm256_mul_ps(v, d) : _mm256_div_ps(v, d));
+    const __m256 r = kReciprocal ? _mm256_mul_ps(v, d) : _mm256_div_ps(v, d);
+    if (kStream)
+      _mm256_stream_ps(out + i, r);
+    else
+      _mm256_storeu_ps(out + i, r);
   }
+  fence_streams(kStream);
 #endif
   for (; i < n; ++i) out[i] = from_half(h[i]) * factor / divisor;
 }
 }  // namespace
 
+// the kernel for a call: reciprocal where exact; streaming where the call writes `bytes` in all
+template <class Kernel>
+Kernel pick(Kernel plain, Kernel reciprocal, Kernel stream, Kernel both, float divisor, int64_t bytes) {
+  const bool r = exact_reciprocal(divisor), s = bytes >= kStreamBytes;
+  return s ? (r ? both : stream) : (r ? reciprocal : plain);
+}
+
 API void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,
                                     uint16_t* const* outs) {
-  const bool reciprocal = exact_reciprocal(divisor);
+  const auto encode = pick(half_encode<false, false>, half_encode<true, false>, half_encode<false, true>,
+                           half_encode<true, true>, divisor, bucket_bytes(count, numels) / 2);
   for (int64_t s = 0; s < count; ++s)
     for_chunks(numels[s], 64, threads_for(numels[s]), [&](int, int64_t lo, int64_t hi) {
-      (reciprocal ? half_encode<true> : half_encode<false>)(xs[s] + lo, hi - lo, divisor, outs[s] + lo);
+      encode(xs[s] + lo, hi - lo, divisor, outs[s] + lo);
     });
 }
 
 API void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves, const int64_t* numels, float factor,
                                     float divisor, float* const* outs) {
-  const bool reciprocal = exact_reciprocal(divisor);
+  const auto decode = pick(half_decode<false, false>, half_decode<true, false>, half_decode<false, true>,
+                           half_decode<true, true>, divisor, bucket_bytes(count, numels));
   for (int64_t s = 0; s < count; ++s)
     for_chunks(numels[s], 64, threads_for(numels[s]), [&](int, int64_t lo, int64_t hi) {
-      (reciprocal ? half_decode<true> : half_decode<false>)(halves[s] + lo, hi - lo, factor, divisor, outs[s] + lo);
+      decode(halves[s] + lo, hi - lo, factor, divisor, outs[s] + lo);
     });
 }

@@ -201,14 +201,15 @@ def test_a_buckets_payloads_in_one_call_equal_each_gradients(method, parameters)
 @pytest.mark.parametrize("finish", [None, (False, (3, 0.1)), (False, (4, 2.0**-3)), (True, ())],
                          ids=["sum", "divided", "divided-by-powers-of-two", "sign"])
 @pytest.mark.parametrize("sizes", [[1, 9, 1001, 2**16 + 3], [9, 2**21 + 5, 1001]], ids=["small", "streamed"])
-@pytest.mark.parametrize("ranks", [3, 4])
-@pytest.mark.parametrize("name", SUMMED)
+@pytest.mark.parametrize("name, ranks", [(name, ranks) for name in SUMMED for ranks in (3, 4)]
+                         + [(name, 6) for name in ("signsgd", "efsignsgd", "onebit")])
 def test_a_buckets_decoded_sums_in_one_call_equal_each_gradients(name, ranks, sizes, finish):
     """The CPU's bucket-at-once decoded sums (written into each gradient) equal the decoded
     sum of each gradient alone, byte for byte, then finished (Compressor.finish) as NumPy's
     operations would: its sign, or divided in turn (a power of two as a product, to the bit);
     with 4 ranks signSGD's votes tie (+0). A bucket of more than 8 MB streams its outputs (one
-    gradient's output unaligned for it)."""
+    gradient's output unaligned for it). The sign family's first four rows are summed by a
+    table of their bits' combinations: all of the rows at 3 and 4 ranks, then two more at 6."""
     compressor = METHODS[name][0]()
     payloads = [[compressor.compress(NX, gradient(n, seed=n + r), INFO)[0] for r in range(ranks)] for n in sizes]
     outs = [torch.full((n,), 7.0) for n in sizes]
@@ -232,19 +233,23 @@ HALF_SPECIALS = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 65504, 65
                           2.9e-8, 3e-8, 5.96e-8, -1e-45, 6.1e-5, 6.1035e-5, 1.0, -3.0, 1 / 3], np.float32)
 
 
+@pytest.mark.parametrize("sizes", [[1, 9, 1001, 2**16 + 3], [9, 2**22 + 5, 1001, 77]], ids=["small", "streamed"])
 @pytest.mark.parametrize("world", [1, 3, 4, 6])
-def test_a_buckets_half_precision_payloads_equal_the_oracles(world):
+def test_a_buckets_half_precision_payloads_equal_the_oracles(world, sizes):
     """fp16's bucket-at-once kernels (CPU): each gradient's payload x / n rounded to half as
     NumPy's cast rounds it (to nearest even; overflow to inf, subnormals, signed zeros, inf and
     NaN), and its averaged decompression (float(h) * n) / world, byte for byte; a power-of-two
-    divisor is taken as a product, which must not change a bit."""
+    divisor is taken as a product, which must not change a bit. A bucket of more than 8 MB of
+    output streams it (its outputs' heads up to a 32-byte boundary the scalar way: one payload
+    and one result start 2 and 4 bytes past one)."""
     compressor = grace.fp16().compressor
-    sizes = [1, 9, 1001, 2**16 + 3]
     xs = [gradient(n, seed=n) * np.float32(scale) for n, scale in zip(sizes, [1, 1e-6, 1e4, 3e4])] + [HALF_SPECIALS]
     info = TensorInfo("w", 0, world)
     halves = [torch.full((x.size,), 7.0, dtype=torch.float16) for x in xs]
+    halves[1] = torch.full((xs[1].size + 1,), 7.0, dtype=torch.float16)[1:]
     assert gn.fp16_compress_many_into([torch.from_numpy(x) for x in xs], world, halves) is halves
     outs = [torch.full((x.size,), 7.0) for x in xs]
+    outs[1] = torch.full((xs[1].size + 1,), 7.0)[1:]
     assert gn.fp16_decompress_many_into(halves, world, world, outs) is outs
     for x, half, out in zip(xs, halves, outs):
         payload, ctx = compressor.compress(NX, x, info)
