@@ -76,7 +76,6 @@ void half_decode(const uint16_t* h, int64_t n, float factor, float divisor, floa
 #endif
   for (; i < n; ++i) out[i] = from_half(h[i]) * factor / divisor;
 }
-}  // namespace
 
 // the kernel for a call: reciprocal where exact; streaming where the call writes `bytes` in all
 template <class Kernel>
@@ -84,6 +83,7 @@ Kernel pick(Kernel plain, Kernel reciprocal, Kernel stream, Kernel both, float d
   const bool r = exact_reciprocal(divisor), s = bytes >= kStreamBytes;
   return s ? (r ? both : stream) : (r ? reciprocal : plain);
 }
+}  // namespace
 
 API void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,
                                     uint16_t* const* outs) {
