@@ -198,11 +198,15 @@ def test_a_buckets_payloads_in_one_call_equal_each_gradients(method, parameters)
             gn.compress_many("qsgd", xs, words, 0, 0)
 
 
+BUCKETS = {"small": [1, 9, 1001, 2**16 + 3], "streamed": [9, 2**21 + 5, 1001]}
+
+
 @pytest.mark.parametrize("finish", [None, (False, (3, 0.1)), (False, (4, 2.0**-3)), (True, ())],
                          ids=["sum", "divided", "divided-by-powers-of-two", "sign"])
-@pytest.mark.parametrize("sizes", [[1, 9, 1001, 2**16 + 3], [9, 2**21 + 5, 1001]], ids=["small", "streamed"])
-@pytest.mark.parametrize("name, ranks", [(name, ranks) for name in SUMMED for ranks in (3, 4)]
-                         + [(name, 6) for name in ("signsgd", "efsignsgd", "onebit")])
+@pytest.mark.parametrize("name, ranks, sizes", [
+    *(pytest.param(name, ranks, sizes, id=f"{name}-{ranks}-{kind}")
+      for name in SUMMED for ranks in (3, 4) for kind, sizes in BUCKETS.items()),
+    *(pytest.param(name, 6, BUCKETS["small"], id=f"{name}-6-small") for name in ("signsgd", "efsignsgd", "onebit"))])
 def test_a_buckets_decoded_sums_in_one_call_equal_each_gradients(name, ranks, sizes, finish):
     """The CPU's bucket-at-once decoded sums (written into each gradient) equal the decoded
     sum of each gradient alone, byte for byte, then finished (Compressor.finish) as NumPy's
