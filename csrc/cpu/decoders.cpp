@@ -99,6 +99,18 @@ struct Finish {
 };
 
 #if defined(GRACE_SIMD) && defined(__AVX2__)
+// 32 elements' bits of a row, the four bytes at `at`, one per byte lane: 0xFF where set, else 0
+// (each byte spread over 8 lanes by one shuffle, each lane then tests its own bit)
+inline __m256i bits_in_byte_lanes(const uint8_t* at) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  // lane: its byte
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  // lane: its bit
+  uint32_t w;
+  std::memcpy(&w, at, 4);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)w), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
 // The sums of a few rows (at most kTableRows) for every combination of their bits, each made row
 // after row as bits_sum_rows adds them (then finished as `finish` says): 32 elements' sums are then
 // one byte of pattern per element (bit j: row j's) and a lookup in two registers, not a value
@@ -120,17 +132,10 @@ struct RowsTable {
   }
   // acc[q] = the first rows' sums of elements 8q..8q+7 of the 32 whose bits start at byte `at`
   void lookup(const uint8_t* const* rows, int64_t at, F8* acc) const {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  // lane: its byte
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  // lane: its bit
     __m256i pattern = _mm256_setzero_si256();
-    for (int64_t j = 0; j < rows_; ++j) {
-      uint32_t w;
-      std::memcpy(&w, rows[j] + at, 4);
-      const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)w), spread);
-      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
-      pattern = _mm256_or_si256(pattern, _mm256_and_si256(set, _mm256_set1_epi8((char)(1 << j))));
-    }
+    for (int64_t j = 0; j < rows_; ++j)
+      pattern = _mm256_or_si256(pattern, _mm256_and_si256(bits_in_byte_lanes(rows[j] + at),
+                                                          _mm256_set1_epi8((char)(1 << j))));
     const __m128i half[2] = {_mm256_castsi256_si128(pattern), _mm256_extracti128_si256(pattern, 1)};
     for (int q = 0; q < 4; ++q) {
       const __m256i index = _mm256_cvtepu8_epi32(q & 1 ? _mm_srli_si128(half[q / 2], 8) : half[q / 2]);
@@ -255,19 +260,11 @@ void sign_sum_rows(const uint8_t* const* rows, int64_t count, int64_t n, float* 
   const int64_t full = n / 32;
   const bool vote_only = finish.vote && finish.count == 0;
   for_chunks(full, 4, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  // lane: its byte
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  // lane: its bit
     const __m256i below = _mm256_set1_epi8((char)(count / 2)), above = _mm256_set1_epi8((char)(count - count / 2));
     const __m256i vcount = _mm256_set1_epi32((int)count);
     for (int64_t g = g0; g < g1; ++g) {
       __m256i c = _mm256_setzero_si256();
-      for (int64_t j = 0; j < count; ++j) {
-        uint32_t w;
-        std::memcpy(&w, rows[j] + 4 * g, 4);
-        const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)w), spread);
-        c = _mm256_sub_epi8(c, _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit));
-      }
+      for (int64_t j = 0; j < count; ++j) c = _mm256_sub_epi8(c, bits_in_byte_lanes(rows[j] + 4 * g));
       const __m256i r = vote_only ? _mm256_sub_epi8(_mm256_cmpgt_epi8(above, c), _mm256_cmpgt_epi8(c, below)) : c;
       const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
       const __m128i eighths[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};

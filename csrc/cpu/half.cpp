@@ -38,9 +38,10 @@ inline float from_half(uint16_t h) {
 template <bool kReciprocal, bool kStream>
 void half_encode(const float* x, int64_t n, float divisor, uint16_t* out) {
   int64_t i = 0;
+  auto one = [&](int64_t j) { out[j] = to_half(x[j] / divisor); };
 #if defined(__F16C__) && defined(__AVX__)
   if (kStream)
-    for (; i < n && (uintptr_t)(out + i) % 32 != 0; ++i) out[i] = to_half(x[i] / divisor);
+    for (; i < n && (uintptr_t)(out + i) % 32 != 0; ++i) one(i);
   const __m256 d = _mm256_set1_ps(kReciprocal ? 1.0f / divisor : divisor);
   for (; i + 8 <= n; i += 8) {
     prefetch(x + i);
@@ -53,15 +54,16 @@ void half_encode(const float* x, int64_t n, float divisor, uint16_t* out) {
   }
   fence_streams(kStream);
 #endif
-  for (; i < n; ++i) out[i] = to_half(x[i] / divisor);
+  for (; i < n; ++i) one(i);
 }
 
 template <bool kReciprocal, bool kStream>
 void half_decode(const uint16_t* h, int64_t n, float factor, float divisor, float* out) {
   int64_t i = 0;
+  auto one = [&](int64_t j) { out[j] = from_half(h[j]) * factor / divisor; };
 #if defined(__F16C__) && defined(__AVX__)
   if (kStream)
-    for (; i < n && (uintptr_t)(out + i) % 32 != 0; ++i) out[i] = from_half(h[i]) * factor / divisor;
+    for (; i < n && (uintptr_t)(out + i) % 32 != 0; ++i) one(i);
   const __m256 f = _mm256_set1_ps(factor), d = _mm256_set1_ps(kReciprocal ? 1.0f / divisor : divisor);
   for (; i + 8 <= n; i += 8) {
     prefetch(h + i);
@@ -74,7 +76,7 @@ void half_decode(const uint16_t* h, int64_t n, float factor, float divisor, floa
   }
   fence_streams(kStream);
 #endif
-  for (; i < n; ++i) out[i] = from_half(h[i]) * factor / divisor;
+  for (; i < n; ++i) one(i);
 }
 
 // the kernel for a call: reciprocal where exact; streaming where the call writes `bytes` in all

@@ -237,7 +237,7 @@ HALF_SPECIALS = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 65504, 65
                           2.9e-8, 3e-8, 5.96e-8, -1e-45, 6.1e-5, 6.1035e-5, 1.0, -3.0, 1 / 3], np.float32)
 
 
-@pytest.mark.parametrize("sizes", [[1, 9, 1001, 2**16 + 3], [9, 2**22 + 5, 1001, 77]], ids=["small", "streamed"])
+@pytest.mark.parametrize("sizes", [BUCKETS["small"], [9, 2**22 + 5, 1001, 77]], ids=["small", "streamed"])
 @pytest.mark.parametrize("world", [1, 3, 4, 6])
 def test_a_buckets_half_precision_payloads_equal_the_oracles(world, sizes):
     """fp16's bucket-at-once kernels (CPU): each gradient's payload x / n rounded to half as
