@@ -65,6 +65,8 @@ using grace_cpu::g_threads;
 // elements per thread below which waking another thread costs more than it saves (thread
 // wake-ups take tens of microseconds on shared virtual machines)
 constexpr int64_t kGrain = 1 << 17;
+// the same for a pass that reads or writes at scattered places (each access waits on memory)
+constexpr int64_t kScatteredGrain = 4096;
 
 inline int max_threads() {
   if (g_forked.load()) return 1;

@@ -9,15 +9,25 @@ namespace {
 // DGC's momentum correction of elements [lo, hi): p = v + (m u + g) into v_out and p - v into
 // u_out (each rounding as the tensor ops make it: a product, then two sums; outputs may be their
 // inputs), g being g * scale where kScaled (clipping: one product first, as the tensor op);
-// where kSelect, the indices of those with |p| >= thr written from sel[q] on: the new q; g's
-// elements (before the scale) into `check`.
+// where kSelect, those with |p| >= thr written from q on (sel: their indices, sel_p: p, sel_u:
+// p - v) and their outputs as if sent (momentum factor masking: u = (p - v) * 0 where p + 0 != 0,
+// v = p - (p + 0)), the few cut later put back from there: the new q; g's elements (before the
+// scale) into `check`.
 // Selecting, the outputs are streamed where aligned (AVX2): later only the few elements sent are
 // read again, and streaming saves reading each output line before it is written (1.5 of 11 ms
 // for 48 steps of 1 MB).
+// momentum factor masking where p is sent (its payload p + 0): u = (p - v) * 0 where it is not
+// zero, v = p - (p + 0); pu holds p - v
+inline void sent_at(float& p, float& pu) {
+  const float sent = p + 0.0f;
+  pu = sent != 0.0f ? pu * 0.0f : pu;
+  p = p - sent;
+}
+
 template <bool kSelect, bool kScaled>
 int64_t dgc_range(const float* u, const float* v, const float* g, float m, float scale, float* u_out, float* v_out,
                   int64_t lo, int64_t hi, FiniteCheck& check, float thr = 0.0f, int64_t* sel = nullptr,
-                  int64_t q = 0) {
+                  float* sel_p = nullptr, float* sel_u = nullptr, int64_t q = 0) {
   int64_t i = lo;
 #if defined(GRACE_SIMD) && defined(__AVX2__)
   const bool nt = kSelect && (uintptr_t)(u_out + lo) % 32 == 0 && (uintptr_t)(v_out + lo) % 32 == 0;
@@ -28,49 +38,74 @@ int64_t dgc_range(const float* u, const float* v, const float* g, float m, float
     prefetch(u + i);
     prefetch(v + i);
     prefetch(g + i);
-    const F8 vv = ld8(v + i), raw = ld8(g + i), p = vv + (vm * ld8(u + i) + (kScaled ? raw * vs : raw));
+    const F8 vv = ld8(v + i), raw = ld8(g + i);
+    F8 p = vv + (vm * ld8(u + i) + (kScaled ? raw * vs : raw)), pu = p - vv;
     check.add8(raw);
+    if (kSelect) {
+      if (int k = mask8(ge8(abs8(p), t))) {
+        alignas(32) float pv[8], uv[8];
+        st8(pv, p);
+        st8(uv, pu);
+        for (; k; k &= k - 1) {
+          const int j = __builtin_ctz(k);
+          sel[q] = i + j;
+          sel_p[q] = pv[j];
+          sel_u[q++] = uv[j];
+          sent_at(pv[j], uv[j]);
+        }
+        p = ld8(pv);
+        pu = ld8(uv);
+      }
+    }
 #if defined(__AVX2__)
     if (nt) {
-      _mm256_stream_ps(u_out + i, (p - vv).a);
+      _mm256_stream_ps(u_out + i, pu.a);
       _mm256_stream_ps(v_out + i, p.a);
     } else
 #endif
     {
-      st8(u_out + i, p - vv);
+      st8(u_out + i, pu);
       st8(v_out + i, p);
     }
-    if (kSelect)
-      for (int k = mask8(ge8(abs8(p), t)); k; k &= k - 1) sel[q++] = i + __builtin_ctz(k);
   }
 #endif
   for (; i < hi; ++i) {
-    const float vv = v[i], p = vv + (m * u[i] + (kScaled ? g[i] * scale : g[i]));
+    const float vv = v[i];
+    float p = vv + (m * u[i] + (kScaled ? g[i] * scale : g[i])), pu = p - vv;
     check.add(g[i]);
-    u_out[i] = p - vv;
+    if (kSelect && std::fabs(p) >= thr) {
+      sel[q] = i;
+      sel_p[q] = p;
+      sel_u[q++] = pu;
+      sent_at(p, pu);
+    }
+    u_out[i] = pu;
     v_out[i] = p;
-    if (kSelect && std::fabs(p) >= thr) sel[q++] = i;
   }
   return q;
 }
 
-// The momentum correction of n elements and, in the same pass, the indices (ascending) of those
-// with |p| >= thr into sel (room for n; each chunk's at the start of its own range, then moved
-// together): their count. Whether g holds an inf or a NaN told to `bad` where given.
+// The momentum correction of n elements and, in the same pass, those with |p| >= thr as dgc_range
+// leaves them, ascending, in sel, sel_p and sel_u (room for n; each chunk's at the start of its own
+// range, then moved together): their count. Whether g holds an inf or a NaN told to `bad` where given.
 int64_t dgc_compensate_select(const float* u, const float* v, const float* g, int64_t n, float m, float scale,
-                              float thr, float* u_out, float* v_out, int64_t* sel, std::atomic<bool>* bad) {
+                              float thr, float* u_out, float* v_out, int64_t* sel, float* sel_p, float* sel_u,
+                              std::atomic<bool>* bad) {
   const int nc = threads_for(n);
   std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
   for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
     FiniteCheck check;
-    count[c] = (scale != 1.0f ? dgc_range<true, true>(u, v, g, m, scale, u_out, v_out, lo, hi, check, thr, sel, lo)
-                              : dgc_range<true, false>(u, v, g, m, scale, u_out, v_out, lo, hi, check, thr, sel, lo)) -
+    count[c] = (scale != 1.0f ? dgc_range<true, true>(u, v, g, m, scale, u_out, v_out, lo, hi, check, thr, sel,
+                                                      sel_p, sel_u, lo)
+                              : dgc_range<true, false>(u, v, g, m, scale, u_out, v_out, lo, hi, check, thr, sel,
+                                                       sel_p, sel_u, lo)) -
                lo;
     lo_of[c] = lo;
     report(check, bad);
   });
   fence_streams(true);
-  return close_gaps(count, lo_of, sel, sizeof(int64_t));
+  close_gaps(count, lo_of, sel_u, sizeof(float));
+  return close_gaps(count, lo_of, sel, sizeof(int64_t), sel_p, sizeof(float));
 }
 
 // the momentum correction alone (grace_cpu_dgc_compensate), telling `bad` as above
@@ -116,7 +151,9 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     most = std::max(most, n[s]);
   }
   auto at_most = [](double x, int64_t d) { return std::min(d, std::max<int64_t>(1, (int64_t)std::ceil(x))); };
-  std::unique_ptr<int64_t[]> sel(new int64_t[std::max<int64_t>(most, 1)]);  // (only the pages written are touched)
+  // (room for every element; only the pages written are touched)
+  std::unique_ptr<int64_t[]> sel(new int64_t[std::max<int64_t>(most, 1)]);
+  std::unique_ptr<float[]> sel_p(new float[std::max<int64_t>(most, 1)]), sel_u(new float[std::max<int64_t>(most, 1)]);
   std::vector<float> drawn, cand;
   std::vector<uint32_t> keys;
   std::vector<int64_t> pick;
@@ -139,22 +176,46 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     };
     keys.resize(S);
     int64_t c;
-    if (S == d) {  // every element: compensate, then select
+    const bool masked = S != d;
+    if (!masked) {  // every element: compensate, then select
       dgc_compensate(u[s], v[s], g[s], d, m, scale, un, p, flag.wanted());
       for (int64_t j = 0; j < d; ++j) keys[j] = KeyOf<float>::key(p[j], true);
       c = threshold_f32(p, d, threshold(), true, sel.get(), GRACE_I64, nullptr);
     } else {  // the sample's p first (the same sums as the pass makes), then compensate and select in one pass
       drawn.resize(S);
-      uniform_range(0, S, s0[s], s1[s], drawn.data());
       const float df = (float)d;  // (floor(u d) < d: u <= 1 - 2^-24, and the product never rounds up to d)
-      for (int64_t j = 0; j < S; ++j) {
-        const int64_t i = (int64_t)std::floor(drawn[j] * df);
-        keys[j] = KeyOf<float>::key(v[s][i] + (m * u[s][i] + (scale != 1.0f ? g[s][i] * scale : g[s][i])), true);
+      for_chunks(S, 64, threads_for(S, kScatteredGrain), [&](int, int64_t lo, int64_t hi) {
+        uniform_range(lo, hi, s0[s], s1[s], drawn.data() + lo);
+        for (int64_t j = lo; j < hi; ++j) {  // (reads at random places: each waits on memory)
+          const int64_t i = (int64_t)std::floor(drawn[j] * df);
+          keys[j] = KeyOf<float>::key(v[s][i] + (m * u[s][i] + (scale != 1.0f ? g[s][i] * scale : g[s][i])), true);
+        }
+      });
+      c = dgc_compensate_select(u[s], v[s], g[s], d, m, scale, threshold(), un, p, sel.get(), sel_p.get(),
+                                sel_u.get(), flag.wanted());
+    }
+    if (masked) {  // (outputs masked by the pass: the cut ones put back, values and indices in order)
+      if (c > k) {  // the sample underestimated the threshold: the k largest of those selected
+        cand.resize(c);
+        for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(sel_p[j]);
+        pick.resize(k);
+        topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
       }
-      c = dgc_compensate_select(u[s], v[s], g[s], d, m, scale, threshold(), un, p, sel.get(), flag.wanted());
+      int64_t q = 0;
+      for (int64_t j = 0; j < c; ++j) {
+        if (c <= k || (q < k && pick[q] == j)) {
+          values[s][q] = sel_p[j];
+          write_index(idx[s], idx_types[s], q++, sel[j]);
+        } else {
+          un[sel[j]] = sel_u[j];
+          p[sel[j]] = sel_p[j];
+        }
+      }
+      counts[s] = q;
+      continue;
     }
     const int64_t* chosen = sel.get();
-    if (c > k) {  // the sample underestimated the threshold: the k largest of those selected
+    if (c > k) {  // the k largest of those selected
       cand.resize(c);
       for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(p[sel[j]]);
       pick.resize(k);
@@ -163,14 +224,16 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
       chosen = pick.data();
       c = k;
     }
-    for (int64_t j = 0; j < c; ++j) {
-      const int64_t i = chosen[j];
-      const float value = p[i], sent = value + 0.0f;  // the decompressed payload there
-      values[s][j] = value;
-      write_index(idx[s], idx_types[s], j, i);
-      un[i] = sent != 0.0f ? un[i] * 0.0f : un[i];
-      p[i] = value - sent;
-    }
+    for_chunks(c, 64, threads_for(c, kScatteredGrain), [&](int, int64_t lo, int64_t hi) {
+      for (int64_t j = lo; j < hi; ++j) {
+        const int64_t i = chosen[j];
+        const float value = p[i], sent = value + 0.0f;  // the decompressed payload there
+        values[s][j] = value;
+        write_index(idx[s], idx_types[s], j, i);
+        un[i] = sent != 0.0f ? un[i] * 0.0f : un[i];
+        p[i] = value - sent;
+      }
+    });
     counts[s] = c;
   }
   return 0;

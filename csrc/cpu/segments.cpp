@@ -151,9 +151,10 @@ API int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float
                                const int64_t* n, const int64_t* k, float beta, float gamma, int flags,
                                float* const* values, void* const* idx, const int* idx_types, float* nonfinite) {
   NonfiniteFlag flag(nonfinite);
+  const bool stream = bucket_bytes(count, n) >= kStreamBytes;
   for (int64_t s = 0; s < count; ++s) {
     const int64_t ks = std::max<int64_t>(0, std::min(k[s], n[s]));
-    if (grace_cpu_topk_ef(g[s], r[s], n[s], ks, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s]) != ks)
+    if (topk_ef(g[s], r[s], n[s], ks, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s], stream) != ks)
       return -1;
     flag.check(values[s], ks);  // (an inf or a NaN of p ranks above every number: it is sent)
   }
@@ -224,7 +225,7 @@ API int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const 
   const int64_t bytes = bucket_bytes(count, n);
   for (int64_t s = 0; s < count; ++s) {
     counts[s] = threshold_ef(g[s], r[s], n[s], thr, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s],
-                             flag.wanted(), streams(new_r[s], bytes));
+                             flag.wanted(), streams(new_r[s], bytes) && new_r[s] != r[s]);
     if (counts[s] < 0) return -1;
   }
   return 0;

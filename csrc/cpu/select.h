@@ -10,6 +10,10 @@ int64_t threshold_f32(const float* x, int64_t n, float thr, bool by_abs, void* i
 // (selection.cpp) p = compensate(g, r) of n elements into p (may be r); g's infs and NaNs told to bad
 void compensate_into(const float* g, const float* r, int64_t n, float beta, float gamma, int flags, float* p,
                      std::atomic<bool>* bad = nullptr);
+// (selection.cpp) grace_cpu_topk_ef; new_r streamed where `stream` and it is not r (the caller
+// judges whether the outputs are beyond the caches: a bucket's together)
+int64_t topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma, int flags,
+                float* values, void* idx, int idx_type, float* new_r, bool stream);
 // (selection.cpp) grace_cpu_threshold_ef, telling `bad`; new_r streamed where `stream`
 int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma, int flags,
                      float* values, void* idx, int idx_type, float* new_r, std::atomic<bool>* bad, bool stream);
@@ -34,6 +38,7 @@ namespace {
 using grace_cpu::close_gaps;
 using grace_cpu::compensate_into;
 using grace_cpu::threshold_ef;
+using grace_cpu::topk_ef;
 using grace_cpu::threshold_f32;
 
 // ---- float keys for selection --------------------------------------------------------------

@@ -181,33 +181,63 @@ struct Lanes {
   }
 };
 constexpr Lanes kLanes;
+
+// Indices i + (each lane of `lanes`, one per byte) at idx[q], q + 1, ... (8 written: those past
+// the lanes set are overwritten later or left beyond the count)
+template <class I>
+inline void put_lanes(void* idx, int64_t q, int64_t i, __m128i lanes) {
+  if constexpr (sizeof(I) == 8) {
+    const __m256i base = _mm256_set1_epi64x(i);
+    _mm256_storeu_si256((__m256i*)((int64_t*)idx + q), _mm256_add_epi64(base, _mm256_cvtepu8_epi64(lanes)));
+    _mm256_storeu_si256((__m256i*)((int64_t*)idx + q + 4),
+                        _mm256_add_epi64(base, _mm256_cvtepu8_epi64(_mm_srli_si128(lanes, 4))));
+  } else if constexpr (sizeof(I) == 4) {
+    _mm256_storeu_si256((__m256i*)((int32_t*)idx + q),
+                        _mm256_add_epi32(_mm256_set1_epi32((int32_t)i), _mm256_cvtepu8_epi32(lanes)));
+  } else if constexpr (sizeof(I) == 2) {
+    _mm_storeu_si128((__m128i*)((int16_t*)idx + q),
+                     _mm_add_epi16(_mm_set1_epi16((int16_t)i), _mm_cvtepu8_epi16(lanes)));
+  } else {
+    _mm_storel_epi64((__m128i*)((uint8_t*)idx + q), _mm_add_epi8(_mm_set1_epi8((char)i), lanes));
+  }
+}
 #endif
 
-// Elements [lo, hi) of the candidate pass: p stored, those with !(|p| < t) appended to
-// at/val from position 0; stops early (returning false) once more than `limit` are found,
-// with p still stored everywhere. GAMMA/BETA: whether g and r are scaled (x * 1 is exact,
-// but the loop without the multiply is the common one).
+// One chunk's candidates of the sampled pass: the elements with |p| >= t, in index order, with
+// their p (room made uninitialised: filling it would cost a pass of its own).
+struct Candidates {
+  std::unique_ptr<int64_t[]> at;
+  std::unique_ptr<float[]> val;
+  int64_t count = 0;
+};
+
+// Elements [lo, hi) of the candidate pass: those with !(|p| < t) appended to `out`, p stored
+// for the others and p - (0 + p) for them, as if all were sent (most are: the few that are not
+// are put back, where a store over each sent one would wait on memory); stops early (returning
+// false) once more than `limit` are found, then p stored. GAMMA/BETA: whether g and r are
+// scaled (x * 1 is exact, but the loop without the multiply is the common one).
 template <bool GAMMA, bool BETA>
 bool collect_candidates(const float* g, const float* r, float* p_out, int64_t lo, int64_t hi, float beta,
-                        float gamma, float t, int64_t limit, std::vector<int64_t>& at, std::vector<float>& val) {
+                        float gamma, float t, int64_t limit, bool stream, Candidates& out) {
   constexpr int64_t kBlock = 1024;  // elements between checks of the count
-  at.resize(limit + kBlock + 8);
-  val.resize(limit + kBlock + 8);
-  int64_t* const A = at.data();
-  float* const V = val.data();
+  out.at.reset(new int64_t[limit + kBlock + 8]);
+  out.val.reset(new float[limit + kBlock + 8]);
+  int64_t* const A = out.at.get();
+  float* const V = out.val.get();
   int64_t q = 0, i = lo;
   auto scalar = [&](int64_t j) {
-    float p = (GAMMA ? g[j] * gamma : g[j]) + (BETA ? r[j] * beta : r[j]);
-    p_out[j] = p;
+    const float p = (GAMMA ? g[j] * gamma : g[j]) + (BETA ? r[j] * beta : r[j]);
+    const bool candidate = !(std::fabs(p) < t);
+    p_out[j] = candidate ? p - (0.0f + p) : p;
     A[q] = j;
     V[q] = p;
-    q += !(std::fabs(p) < t);
+    q += candidate;
   };
   while (i < hi && q <= limit) {
     const int64_t end = std::min(hi, i + kBlock);
 #if defined(GRACE_SIMD) && defined(__AVX2__)
     const __m256 vt = _mm256_set1_ps(t), vb = _mm256_set1_ps(beta), vg = _mm256_set1_ps(gamma);
-    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), zero = _mm256_setzero_ps();
     for (; i + 8 <= end; i += 8) {
       prefetch(g + i);
       prefetch(r + i);
@@ -215,44 +245,107 @@ bool collect_candidates(const float* g, const float* r, float* p_out, int64_t lo
       if (GAMMA) a = _mm256_mul_ps(a, vg);
       if (BETA) b = _mm256_mul_ps(b, vb);
       const __m256 p = _mm256_add_ps(a, b);
-      _mm256_storeu_ps(p_out + i, p);
-      const int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(p, sign), vt, _CMP_NLT_UQ));
+      const __m256 candidate = _mm256_cmp_ps(_mm256_and_ps(p, sign), vt, _CMP_NLT_UQ);
+      put8(p_out + i, F8{_mm256_blendv_ps(p, _mm256_sub_ps(p, _mm256_add_ps(zero, p)), candidate)}, stream);
+      const int bits = _mm256_movemask_ps(candidate);
       const __m128i lanes = _mm_cvtsi64_si128((long long)kLanes.v[bits]);
-      const __m256i base = _mm256_set1_epi64x(i);
-      _mm256_storeu_si256((__m256i*)(A + q), _mm256_add_epi64(base, _mm256_cvtepu8_epi64(lanes)));
-      _mm256_storeu_si256((__m256i*)(A + q + 4),
-                          _mm256_add_epi64(base, _mm256_cvtepu8_epi64(_mm_srli_si128(lanes, 4))));
+      put_lanes<int64_t>(A, q, i, lanes);
       _mm256_storeu_ps(V + q, _mm256_permutevar8x32_ps(p, _mm256_cvtepu8_epi32(lanes)));
       q += __builtin_popcount(bits);
     }
 #endif
     for (; i < end; ++i) scalar(i);
   }
+  fence_streams(stream);
   for (int64_t j = i; j < hi; ++j)  // (too many: the rest of p only)
     p_out[j] = (GAMMA ? g[j] * gamma : g[j]) + (BETA ? r[j] * beta : r[j]);
-  at.resize(q);
-  val.resize(q);
+  out.count = q;
   return q <= limit;
 }
 
+// The sample's histogram of |p|'s top bits (8 of the exponent, 6 of the mantissa), the sampled
+// lines shared among the threads (whose histograms are added: the same counts).
+constexpr int kFineBits = 14, kFineShift = 31 - kFineBits;
+std::vector<uint32_t> sample_histogram(const float* g, const float* r, int64_t n, float beta, float gamma,
+                                       int flags, int64_t lines) {
+  constexpr int64_t kStride = kLine * kSampleEvery;
+  constexpr int64_t kAhead = 8 * kStride;  // (the hardware may not see the stride)
+  const int nt = threads_for(n);
+  std::vector<uint32_t> hist((size_t)nt << kFineBits, 0);
+  for_chunks(lines, 1, nt, [&](int c, int64_t lo, int64_t hi) {
+    uint32_t* const h = hist.data() + ((size_t)c << kFineBits);
+    for (int64_t line = lo * kStride; line < hi * kStride; line += kStride) {
+      if (line + kAhead < n) {
+        __builtin_prefetch(g + line + kAhead);
+        __builtin_prefetch(r + line + kAhead);
+      }
+      for (int64_t i = line; i < line + kLine; ++i)
+        h[KeyOf<float>::key(compensate(g[i], r[i], beta, gamma, flags), true) >> kFineShift]++;
+    }
+  });
+  for (int c = 1; c < nt; ++c)
+    for (size_t b = 0; b < ((size_t)1 << kFineBits); ++b) hist[b] += hist[((size_t)c << kFineBits) + b];
+  hist.resize((size_t)1 << kFineBits);
+  return hist;
+}
+
+// The k largest |p| of the chunks' candidates (ties to the lowest index) into values and idx,
+// and p put back in new_r over the candidates not among them; each chunk's by its own thread
+// (their places in new_r are scattered: the writes wait on memory). false, with nothing
+// written, where the candidates are fewer than k.
+bool write_largest(const std::vector<Candidates>& cand, int64_t k, float* values, void* idx, int idx_type,
+                   float* new_r) {
+  const int nc = (int)cand.size();
+  std::vector<int64_t> first(nc + 1, 0);
+  for (int c = 0; c < nc; ++c) first[c + 1] = first[c] + cand[c].count;
+  if (first[nc] < k) return false;
+  std::vector<uint32_t> keys(first[nc]);
+  for (int c = 0; c < nc; ++c)
+    for (int64_t j = 0; j < cand[c].count; ++j) keys[first[c] + j] = KeyOf<float>::key(cand[c].val[j], true);
+  const uint32_t T = kth_largest(keys, k);
+  // chunk c writes its keys above T and, of the ties, those left after the chunks before it
+  std::vector<int64_t> above(nc, 0), equal(nc, 0), out_at(nc), ties_of(nc);
+  int64_t ties = k;
+  for (int c = 0; c < nc; ++c) {
+    for (int64_t j = first[c]; j < first[c + 1]; ++j) {
+      above[c] += keys[j] > T;
+      equal[c] += keys[j] == T;
+    }
+    ties -= above[c];
+  }
+  for (int64_t c = 0, pos = 0; c < nc; ++c) {
+    ties_of[c] = std::min(ties, equal[c]);
+    ties -= ties_of[c];
+    out_at[c] = pos;
+    pos += above[c] + ties_of[c];
+  }
+  for_chunks(nc, 1, threads_for(k, kScatteredGrain) > 1 ? nc : 1, [&](int, int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      int64_t q = out_at[c], ties = ties_of[c];
+      for (int64_t j = 0; j < cand[c].count; ++j) {
+        const uint32_t key = keys[first[c] + j];
+        const int64_t i = cand[c].at[j];
+        if (key > T || (key == T && ties-- > 0)) {
+          write_index(idx, idx_type, q, i);
+          values[q++] = cand[c].val[j];
+        } else {
+          new_r[i] = cand[c].val[j];  // (not sent after all)
+        }
+      }
+    }
+  });
+  return true;
+}
+
+// Top-k of p = compensate(g, r) into values/idx with p stored in new_r and the sent elements'
+// p - (0 + p) over it, where the sample leads to k candidates (kChosen).
 Sampled topk_ef_sampled(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma, int flags,
-                        float* new_r, std::vector<int64_t>& sel) {
+                        float* new_r, float* values, void* idx, int idx_type, bool stream) {
   if (n < kSampledFrom) return Sampled::kNotTried;
-  // the sample's histogram of |p|'s top bits: 8 of the exponent, 6 of the mantissa
-  constexpr int kFineBits = 14, kFineShift = 31 - kFineBits;
-  std::vector<uint32_t> hist(1 << kFineBits, 0);
   // Every kSampleEvery-th line: a prime stride, so that the sample sees every column of a
   // matrix (a stride that divides the rows would see the same few columns of every row).
   const int64_t lines = (n - kLine) / (kLine * kSampleEvery) + 1;
-  constexpr int64_t kAhead = 8 * kLine * kSampleEvery;  // (the hardware may not see the stride)
-  for (int64_t line = 0; line + kLine <= n; line += kLine * kSampleEvery) {
-    if (line + kAhead < n) {
-      __builtin_prefetch(g + line + kAhead);
-      __builtin_prefetch(r + line + kAhead);
-    }
-    for (int64_t i = line; i < line + kLine; ++i)
-      hist[KeyOf<float>::key(compensate(g[i], r[i], beta, gamma, flags), true) >> kFineShift]++;
-  }
+  const std::vector<uint32_t> hist = sample_histogram(g, r, n, beta, gamma, flags, lines);
   const int64_t m = lines * kLine;
   const double expected = (double)k * m / n;
   const int64_t rank = std::min<int64_t>(m, (int64_t)std::ceil(expected + 4.0 * std::sqrt(expected) + 16.0));
@@ -264,42 +357,38 @@ Sampled topk_ef_sampled(const float* g, const float* r, int64_t n, int64_t k, fl
   std::memcpy(&t, &bound, 4);
   const int64_t cap = std::min<int64_t>(n, 4 * (int64_t)((double)rank * n / m) + 1024);
   const int nc = threads_for(n);
-  std::vector<std::vector<int64_t>> at(nc);
-  std::vector<std::vector<float>> val(nc);
+  std::vector<Candidates> cand(nc);
   std::atomic<bool> over{false};
   for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
     const int64_t limit = cap / nc + 64;
     bool ok;
     switch (flags & 3) {
-      case 0: ok = collect_candidates<false, false>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]); break;
-      case 1: ok = collect_candidates<true, false>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]); break;
-      case 2: ok = collect_candidates<false, true>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]); break;
-      default: ok = collect_candidates<true, true>(g, r, new_r, lo, hi, beta, gamma, t, limit, at[c], val[c]);
+      case 0: ok = collect_candidates<false, false>(g, r, new_r, lo, hi, beta, gamma, t, limit, stream, cand[c]); break;
+      case 1: ok = collect_candidates<true, false>(g, r, new_r, lo, hi, beta, gamma, t, limit, stream, cand[c]); break;
+      case 2: ok = collect_candidates<false, true>(g, r, new_r, lo, hi, beta, gamma, t, limit, stream, cand[c]); break;
+      default: ok = collect_candidates<true, true>(g, r, new_r, lo, hi, beta, gamma, t, limit, stream, cand[c]);
     }
     if (!ok) over = true;
   });
-  if (over) return Sampled::kStored;
-  std::vector<int64_t> cand;
-  std::vector<uint32_t> cand_key;
-  for (int c = 0; c < nc; ++c) {
-    cand.insert(cand.end(), at[c].begin(), at[c].end());
-    for (float v : val[c]) cand_key.push_back(KeyOf<float>::key(v, true));
-  }
-  if ((int64_t)cand.size() < k) return Sampled::kStored;
-  choose_largest(cand, cand_key, k, sel);
-  return Sampled::kChosen;
+  if (!over && write_largest(cand, k, values, idx, idx_type, new_r)) return Sampled::kChosen;
+  for (const Candidates& c : cand)  // p back over the candidates, for the exact path
+    for (int64_t j = 0; j < c.count; ++j) new_r[c.at[j]] = c.val[j];
+  return Sampled::kStored;
 }
 }  // namespace
 
-API int64_t grace_cpu_topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma,
-                              int flags, float* values, void* idx, int idx_type, float* new_r) {
+namespace grace_cpu {
+int64_t topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma, int flags,
+                float* values, void* idx, int idx_type, float* new_r, bool stream) {
   if (!idx_type_ok(idx_type) || n < 0) return -1;
   std::vector<int64_t> sel;
   auto key = [&](int64_t i) { return KeyOf<float>::key(new_r[i], true); };
-  const Sampled sampled = k > 0 && k < n ? topk_ef_sampled(g, r, n, k, beta, gamma, flags, new_r, sel)
-                                          : Sampled::kNotTried;
+  const Sampled sampled = k > 0 && k < n
+                              ? topk_ef_sampled(g, r, n, k, beta, gamma, flags, new_r, values, idx, idx_type,
+                                                stream && new_r != r && (uintptr_t)new_r % 16 == 0)
+                              : Sampled::kNotTried;
   if (sampled == Sampled::kChosen) {
-    // chosen in one pass
+    return k;  // (written, in one pass over memory)
   } else if (sampled == Sampled::kStored) {  // p is in new_r: the exact path on it
     auto hist1 = [&](int, int64_t lo, int64_t hi, int64_t* h, int shift) {
       for (int64_t i = lo; i < hi; ++i) h[key(i) >> shift]++;
@@ -333,6 +422,40 @@ API int64_t grace_cpu_topk_ef(const float* g, const float* r, int64_t n, int64_t
   }
   return m;
 }
+}  // namespace grace_cpu
+
+API int64_t grace_cpu_topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma,
+                              int flags, float* values, void* idx, int idx_type, float* new_r) {
+  return topk_ef(g, r, n, k, beta, gamma, flags, values, idx, idx_type, new_r, 4 * n >= kStreamBytes);
+}
+
+namespace {
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+// threshold_ef's pass over [i, hi) in groups of 8, the sent ones appended from q without a branch
+// (most groups send none, at random): the new q; i advanced to the last group's end
+template <class I>
+int64_t threshold_ef_lanes(const float* g, const float* r, int64_t& i, int64_t hi, int64_t q, float thr, float beta,
+                           float gamma, int flags, float* values, void* idx, float* new_r, FiniteCheck& check,
+                           bool stream) {
+  const F8 t = set8(thr), vb = set8(beta), vg = set8(gamma), zero = set8(0.0f);
+  for (; i + 8 <= hi; i += 8) {
+    prefetch(g + i);
+    prefetch(r + i);
+    const F8 a = ld8(g + i), b = ld8(r + i);
+    check.add8(a);
+    const F8 p = ((flags & 1) ? a * vg : a) + ((flags & 2) ? b * vb : b);
+    const F8 sent = ge8(abs8(p), t);
+    const int bits = mask8(sent);
+    const __m128i lanes = _mm_cvtsi64_si128((long long)kLanes.v[bits]);
+    put_lanes<I>(idx, q, i, lanes);
+    _mm256_storeu_ps(values + q, _mm256_permutevar8x32_ps(p.a, _mm256_cvtepu8_epi32(lanes)));
+    q += __builtin_popcount(bits);
+    put8(new_r + i, sel8(sent, p - (zero + p), p), stream);
+  }
+  return q;
+}
+#endif
+}  // namespace
 
 namespace grace_cpu {
 // grace_cpu_threshold_ef, telling `bad` (where given) whether g holds an inf or a NaN; new_r
@@ -345,7 +468,19 @@ int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float
   for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
     int64_t q = lo, i = lo;
     FiniteCheck check;
-#ifdef GRACE_SIMD
+#if defined(GRACE_SIMD) && defined(__AVX2__)
+    switch (idx_type) {
+      case GRACE_U8: q = threshold_ef_lanes<uint8_t>(g, r, i, hi, q, thr, beta, gamma, flags, values, idx, new_r,
+                                                     check, stream); break;
+      case GRACE_I16: q = threshold_ef_lanes<int16_t>(g, r, i, hi, q, thr, beta, gamma, flags, values, idx, new_r,
+                                                      check, stream); break;
+      case GRACE_I32: q = threshold_ef_lanes<int32_t>(g, r, i, hi, q, thr, beta, gamma, flags, values, idx, new_r,
+                                                      check, stream); break;
+      default: q = threshold_ef_lanes<int64_t>(g, r, i, hi, q, thr, beta, gamma, flags, values, idx, new_r, check,
+                                               stream);
+    }
+    fence_streams(stream);
+#elif defined(GRACE_SIMD)
     const F8 t = set8(thr), vb = set8(beta), vg = set8(gamma), zero = set8(0.0f);
     for (; i + 8 <= hi; i += 8) {
       prefetch(g + i);

@@ -131,6 +131,27 @@ def test_topk_ef_step_is_exact_where_a_sample_misleads(case, in_place):
             np.testing.assert_array_equal(np.asarray(a).astype(np.asarray(b).dtype), b, err_msg=f"{case} k={k} {what}")
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_topk_ef_step_is_exact_whatever_the_threads(threads):
+    """The sampled path on several threads: each samples its share of the lines, collects its
+    chunk's candidates and writes its own of the k largest; the ties at the boundary taken
+    chunk after chunk. Exactly the k largest, ties to the lowest index, on any number."""
+    n = 2**19 + 3  # (three chunks of the kernel's least per thread)
+    cases = _misleading_samples(n)
+    e = np.random.default_rng(9).standard_normal(n).astype(np.float32) * np.float32(1e-4)
+    gn.set_num_threads(threads)
+    try:
+        for case in ("gaussian", "ties", "nan"):
+            for k in (1, 9000, 40000):
+                want = _topk_ef_reference(cases[case], e, k)
+                got = gn.topk_ef_step(cases[case], e.copy(), k)
+                for what, a, b in zip(("values", "indices", "new residual"), want, got):
+                    np.testing.assert_array_equal(np.asarray(a).astype(np.asarray(b).dtype), b,
+                                                  err_msg=f"{case} k={k} {what}")
+    finally:
+        gn.set_num_threads(0)
+
+
 @pytest.mark.parametrize("beta,gamma", [(0.9, 1.0), (1.0, 0.5), (0.9, 0.5)])
 def test_topk_ef_step_scales_both_terms_on_every_path(beta, gamma):
     """p = gamma g + beta e on the sampled path (large tensors) and the exact one (small)."""
@@ -329,6 +350,30 @@ def test_a_bucket_in_one_call_refuses_what_it_cannot_write():
     with pytest.raises(IndexError, match="out of range"):
         gn.scatter_add_segments_into(bad, dense, 1)
     assert all((d == 7).all() for d in dense)  # nothing written
+
+
+@pytest.mark.parametrize("sample_ratio", [0.02, 1.0])
+def test_dgc_steps_do_not_depend_on_the_number_of_threads(sample_ratio):
+    """DGC's step on one thread and on several (the sample drawn and read, the pass's chunks, the
+    selected ones written, each shared among them): the same values, indices, u and v, a cut to
+    k included (few distinct magnitudes)."""
+    n = 2**20 + 3
+    g = np.round(gradient(n, seed=1) * 4).astype(np.float32) / 4
+    u, v = gradient(n, seed=2) * np.float32(0.3), gradient(n, seed=3)
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            gn.set_num_threads(threads)
+            tu, tv = torch.from_numpy(u.copy()), torch.from_numpy(v.copy())
+            values, indices = gn.dgc_step_many([torch.from_numpy(g)], [tu], [tv], 0.9, 0.01, sample_ratio, [(5, 6)],
+                                               [tu], [tv])
+            runs.append((values[0], indices[0], tu, tv))
+    finally:
+        gn.set_num_threads(0)
+    assert len(runs[0][1]) == math.ceil(0.01 * n)  # (cut to k)
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            same_bytes(a, b)
 
 
 @pytest.mark.parametrize("n", [1, 9, 1001, 2**16 + 3])
