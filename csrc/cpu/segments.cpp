@@ -25,31 +25,51 @@ inline void with_indices(const void* idx, int t, F&& f) {
   }
 }
 
-// Whether every index of the payloads is in [0, numel) (checked before anything is written, so
-// that a bad index leaves no partial sums behind); and, into *ascending where given, whether each
-// payload's indices ascend (none smaller than the one before).
+// Whether every index of payload p is in [0, numel_of[p]) (checked before anything is written, so
+// that a bad index leaves no partial sums behind); and into up[p], where given, whether its
+// indices ascend (none smaller than the one before). All the payloads' indices shared among the
+// threads in one pass, however many payloads there are and however long each is.
+bool payloads_in_bounds(int64_t count, const void* const* idx, const int* types, const int64_t* lengths,
+                        const int64_t* numel_of, char* up = nullptr) {
+  std::vector<int64_t> first(count + 1, 0);
+  for (int64_t p = 0; p < count; ++p) {
+    if (!idx_type_ok(types[p]) || lengths[p] < 0) return false;
+    first[p + 1] = first[p] + lengths[p];
+  }
+  const int nc = threads_for(first[count]);
+  std::vector<char> bad(nc, 0), down((size_t)nc * count, 0);  // (each chunk's own)
+  for_chunks(first[count], 64, nc, [&](int c, int64_t lo, int64_t hi) {
+    for (int64_t p = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
+         p < count && first[p] < hi; ++p) {
+      const int64_t a = std::max(lo, first[p]) - first[p], b = std::min(hi, first[p + 1]) - first[p];
+      with_indices(idx[p], types[p], [&](auto* ix) {
+        const int64_t n = numel_of[p];
+        int out = 0, unordered = 0;  // (branch-free: the loops vectorise)
+        for (int64_t j = a; j < b; ++j) out |= (uint64_t)(int64_t)ix[j] >= (uint64_t)n;
+        for (int64_t j = std::max<int64_t>(a, 1); j < b; ++j) unordered |= ix[j] < ix[j - 1];
+        bad[c] |= out;
+        down[(size_t)c * count + p] |= unordered;
+      });
+    }
+  });
+  for (int c = 0; c < nc; ++c)
+    if (bad[c]) return false;
+  if (up)
+    for (int64_t p = 0; p < count; ++p) {
+      up[p] = 1;
+      for (int c = 0; c < nc; ++c) up[p] &= !down[(size_t)c * count + p];
+    }
+  return true;
+}
+
+// payloads_in_bounds of payloads that all index [0, numel); *ascending: whether all ascend
 bool scatter_in_bounds(int count, const void* const* idx, const int* types, const int64_t* lengths, int64_t numel,
                        bool* ascending = nullptr) {
-  for (int p = 0; p < count; ++p)
-    if (!idx_type_ok(types[p]) || lengths[p] < 0) return false;
-  bool bad = false, unordered = false;
-  for (int p = 0; p < count; ++p) {
-    const int64_t len = lengths[p];
-    with_indices(idx[p], types[p], [&](auto* ix) {
-      int64_t below = 0, above = 0, down = 0;
-#pragma omp parallel for num_threads(threads_for(len)) if (len > 2 * kGrain) reduction(+ : below, above, down)
-      for (int64_t j = 0; j < len; ++j) {
-        const int64_t i = (int64_t)ix[j];
-        below += i < 0;
-        above += i >= numel;
-        down += j && i < (int64_t)ix[j - 1];
-      }
-      bad |= below || above;
-      unordered |= down != 0;
-    });
-  }
-  if (ascending) *ascending = !unordered;
-  return !bad;
+  std::vector<int64_t> numel_of(count, numel);
+  std::vector<char> up(count);
+  if (!payloads_in_bounds(count, idx, types, lengths, numel_of.data(), up.data())) return false;
+  if (ascending) *ascending = std::all_of(up.begin(), up.end(), [](char u) { return u != 0; });
+  return true;
 }
 
 // dense = zeros, then each payload's values (each divided by `divisor` where it is not 1) added
@@ -239,14 +259,15 @@ API int grace_cpu_scatter_add_segments(int64_t segments, int ranks, const void* 
                                        const void* const* values, const int64_t* lengths, float divisor,
                                        const int64_t* numels, float* const* dense) {
   if (segments < 0 || ranks < 0) return -1;
-  std::vector<char> ascending(segments);
+  std::vector<int64_t> numel_of(segments * ranks);
   for (int64_t s = 0; s < segments; ++s) {
-    bool up = false;
-    if (numels[s] < 0 ||
-        !scatter_in_bounds(ranks, idx + s * ranks, idx_types + s * ranks, lengths + s * ranks, numels[s], &up))
-      return -1;
-    ascending[s] = up;
+    if (numels[s] < 0) return -1;
+    std::fill(numel_of.begin() + s * ranks, numel_of.begin() + (s + 1) * ranks, numels[s]);
   }
+  std::vector<char> up(segments * ranks), ascending(segments);
+  if (!payloads_in_bounds(segments * ranks, idx, idx_types, lengths, numel_of.data(), up.data())) return -1;
+  for (int64_t s = 0; s < segments; ++s)
+    ascending[s] = std::all_of(up.begin() + s * ranks, up.begin() + (s + 1) * ranks, [](char u) { return u != 0; });
   const int64_t bytes = bucket_bytes(segments, numels);
   for (int64_t s = 0; s < segments; ++s)
     scatter_add_apply(ranks, idx + s * ranks, idx_types + s * ranks, values + s * ranks, lengths + s * ranks,

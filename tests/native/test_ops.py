@@ -165,6 +165,45 @@ def test_scatter_add_refuses_out_of_range_indices():
         gn.scatter_add(np.array([-1]), np.ones(1, np.float32), 5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_buckets_indices_are_checked_across_the_threads(threads):
+    """scatter_add_segments_into checks every payload's indices in one pass shared among the
+    threads: an index out of range anywhere is refused with nothing written, and a payload whose
+    indices descend once, where two threads' shares meet, is summed in its own order (not as an
+    ascending one, whose sums go block by block)."""
+    numel, long = 400_000, 300_000
+    ascending = np.sort(np.random.default_rng(1).choice(numel, long, replace=False))
+    values = np.round(gradient(long, 2) * 8).astype(np.float32)  # (sums exact in any order)
+    short = [tuple(map(torch.from_numpy, (np.ones(3, np.float32), np.array([0, 5, 5]))))] * 2
+    # the first share's end: the bucket's pairs (two long payloads, two short) in 64-pair units
+    total = 2 * long + 6
+    shares = max(1, min(threads, total // 2**17))
+    meet = -(-(-(-total // 64)) // shares) * 64
+    at = meet if meet < long else meet - long  # (in the first payload, or the second)
+    descending_once = np.concatenate([ascending[long - at:], ascending[:long - at]])  # descends at `at`
+
+    def bucket(first, second):
+        return [[(torch.from_numpy(values), torch.from_numpy(first)), (torch.from_numpy(values),
+                 torch.from_numpy(second))], short]
+
+    gn.set_num_threads(threads)
+    try:
+        for first, second in ((ascending, ascending), (descending_once, ascending), (ascending, descending_once)):
+            dense = [torch.full((numel,), 7.0), torch.full((9,), 7.0)]
+            gn.scatter_add_segments_into(bucket(first, second), dense, 2)
+            want = NX.scatter_add(np.concatenate([first, second]), np.concatenate([values, values]) / 2, numel)
+            same_bytes(want, dense[0])
+            same_bytes(np.array([1, 0, 0, 0, 0, 2, 0, 0, 0], np.float32), dense[1])
+        bad = ascending.copy()
+        bad[-5] = numel  # one past the end, in the last share
+        dense = [torch.full((numel,), 7.0), torch.full((9,), 7.0)]
+        with pytest.raises(IndexError, match="out of range"):
+            gn.scatter_add_segments_into(bucket(ascending, bad), dense, 2)
+        assert all((d == 7).all() for d in dense)  # nothing written
+    finally:
+        gn.set_num_threads(0)
+
+
 def test_empty_inputs(device):
     e = on(device, np.zeros(0, np.float32))
     assert gn.topk_indices(e, 0).numel() == 0
