@@ -129,10 +129,37 @@ void lowrank_project(const float* a, const float* b, int64_t rows, int64_t cols,
 
 void lowrank_back(const float* m, int64_t rows, int64_t cols, const float* p, int64_t r, float* q) {
   std::vector<float> acc((size_t)(cols * r), 0.0f);  // Q^T (r x cols): a row per column of Q
-  // each thread sums its own columns over every row
+  constexpr int64_t kRows = 4;  // rows added to a column's sum while it stays in a register
+  // each thread sums its own columns over every row, in row order
   for_chunks(cols, 8, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
     FlushDenormals flush;
-    for (int64_t i = 0; i < rows; ++i) {
+    int64_t i = 0;
+    for (; i + kRows <= rows; i += kRows) {
+      const float* x = m + i * cols;
+      for (int64_t k = 0; k < r; ++k) {
+        float* o = acc.data() + k * cols;
+        float pk[kRows];
+        for (int64_t d = 0; d < kRows; ++d) pk[d] = p[(i + d) * r + k];
+        int64_t j = lo;
+#ifdef GRACE_SIMD
+        const F8 p0 = set8(pk[0]), p1 = set8(pk[1]), p2 = set8(pk[2]), p3 = set8(pk[3]);
+        for (; j + 8 <= hi; j += 8) {
+          if (!(j & 15) && k == 0)
+            for (int64_t d = 0; d < kRows; ++d) prefetch(x + d * cols + j);
+          F8 sum = ld8(o + j) + ld8(x + j) * p0;
+          sum = sum + ld8(x + cols + j) * p1;
+          sum = sum + ld8(x + 2 * cols + j) * p2;
+          st8(o + j, sum + ld8(x + 3 * cols + j) * p3);
+        }
+#endif
+        for (; j < hi; ++j) {
+          float sum = o[j];
+          for (int64_t d = 0; d < kRows; ++d) sum = sum + x[d * cols + j] * pk[d];
+          o[j] = sum;
+        }
+      }
+    }
+    for (; i < rows; ++i) {
       const float* x = m + i * cols;
       for (int64_t k = 0; k < r; ++k) {
         float* o = acc.data() + k * cols;
@@ -140,10 +167,7 @@ void lowrank_back(const float* m, int64_t rows, int64_t cols, const float* p, in
         int64_t j = lo;
 #ifdef GRACE_SIMD
         const F8 pv = set8(pk);
-        for (; j + 8 <= hi; j += 8) {
-          if (!(j & 15) && k == 0) prefetch(x + j);
-          st8(o + j, ld8(o + j) + ld8(x + j) * pv);
-        }
+        for (; j + 8 <= hi; j += 8) st8(o + j, ld8(o + j) + ld8(x + j) * pv);
 #endif
         for (; j < hi; ++j) o[j] = o[j] + x[j] * pk;
       }
@@ -153,13 +177,18 @@ void lowrank_back(const float* m, int64_t rows, int64_t cols, const float* p, in
     for (int64_t k = 0; k < r; ++k) q[j * r + k] = acc[k * cols + j];
 }
 
+// out = P Q^T and, where e is given, e = M - P Q^T (e may be m), row by row: each row's
+// approximation made in a buffer (subnormals flushed), then its residual (exact) and the row of
+// out stored from there, out's streamed where `stream` and the row is 16-byte aligned (out is the
+// gradient, long out of the caches: no read of its lines before they are written)
 void lowrank_expand(const float* p, const float* q, int64_t rows, int64_t cols, int64_t r, float* out, const float* m,
-                    float* e) {
+                    float* e, bool stream) {
   const Columns qt(q, cols, r);
   for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
+    std::vector<float> row(e ? cols : 0);
     for (int64_t i = lo; i < hi; ++i) {
       const float* pi = p + i * r;
-      float* o = out + i * cols;
+      float* o = e ? row.data() : out + i * cols;
       {
         FlushDenormals flush;
         int64_t j = 0;
@@ -176,19 +205,27 @@ void lowrank_expand(const float* p, const float* q, int64_t rows, int64_t cols, 
           o[j] = v;
         }
       }
-      if (e) {  // the row's residual, its approximation read back from the cache
+      if (e) {  // the row's residual, and the row of out
         const float* mi = m + i * cols;
         float* ei = e + i * cols;
+        float* oi = out + i * cols;
         int64_t j = 0;
 #ifdef GRACE_SIMD
+        const bool nt = stream && (uintptr_t)oi % 16 == 0;
         for (; j + 8 <= cols; j += 8) {
           if (!(j & 15)) prefetch(mi + j);
-          st8(ei + j, ld8(mi + j) - ld8(o + j));
+          const F8 v = ld8(o + j);
+          st8(ei + j, ld8(mi + j) - v);
+          put8(oi + j, v, nt);
         }
 #endif
-        for (; j < cols; ++j) ei[j] = mi[j] - o[j];
+        for (; j < cols; ++j) {
+          ei[j] = mi[j] - o[j];
+          oi[j] = o[j];
+        }
       }
     }
+    fence_streams(stream);
   });
 }
 
@@ -221,8 +258,11 @@ API void grace_cpu_lowrank_back_many(int64_t count, const float* const* m, const
 API void grace_cpu_lowrank_expand_many(int64_t count, const float* const* p, const float* const* q, const int64_t* rows,
                                        const int64_t* cols, const int64_t* r, float divisor, float* const* q_out,
                                        float* const* out, const float* const* m, float* const* e) {
+  int64_t bytes = 0;  // (the bucket's outputs together: beyond the caches, or not)
+  for (int64_t s = 0; s < count; ++s) bytes += 4 * rows[s] * cols[s];
   for (int64_t s = 0; s < count; ++s) {
     for (int64_t i = 0; i < cols[s] * r[s]; ++i) q_out[s][i] = q[s][i] / divisor;
-    lowrank_expand(p[s], q_out[s], rows[s], cols[s], r[s], out[s], m ? m[s] : nullptr, e ? e[s] : nullptr);
+    lowrank_expand(p[s], q_out[s], rows[s], cols[s], r[s], out[s], m ? m[s] : nullptr, e ? e[s] : nullptr,
+                   bytes >= kStreamBytes);
   }
 }
