@@ -163,6 +163,35 @@ void for_chunks(int64_t n, int64_t align, int nc, F&& f) {
   }
 }
 
+// f(s, lo, hi) for every chunk of every segment s of a bucket (numels[s] elements, each cut as
+// for_chunks cuts it for threads_for(numels[s]) threads), in one parallel region: the chunks
+// dealt to the threads in turn, segment after segment, with no wait between segments. For kernels
+// whose chunks are independent: the threads are woken once per call, not once per segment.
+template <class F>
+void for_segment_chunks(int64_t count, const int64_t* numels, int64_t align, F&& f) {
+  int nc = 1;
+  for (int64_t s = 0; s < count; ++s) nc = std::max(nc, threads_for(numels[s]));
+  if (nc <= 1) {
+    for (int64_t s = 0; s < count; ++s) f(s, (int64_t)0, numels[s]);
+    return;
+  }
+#pragma omp parallel num_threads(nc)
+  {
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    int64_t dealt = 0;  // chunks dealt before this segment's
+    for (int64_t s = 0; s < count; ++s) {
+      const int ns = threads_for(numels[s]);
+      for (int c = 0; c < ns; ++c)
+        if ((dealt + c) % T == t) {
+          int64_t lo, hi;
+          chunk_bounds(numels[s], align, ns, c, lo, hi);
+          f(s, lo, hi);
+        }
+      dealt += ns;
+    }
+  }
+}
+
 // the overflow flag: 1 where `set`, else 0, a float32 or (width 1) a byte
 inline void write_flag(void* flag, int width, bool set) {
   if (width == 1) *static_cast<uint8_t*>(flag) = set ? 1 : 0;

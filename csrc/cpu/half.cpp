@@ -91,18 +91,16 @@ API void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const
                                     uint16_t* const* outs) {
   const auto encode = pick(half_encode<false, false>, half_encode<true, false>, half_encode<false, true>,
                            half_encode<true, true>, divisor, bucket_bytes(count, numels) / 2);
-  for (int64_t s = 0; s < count; ++s)
-    for_chunks(numels[s], 64, threads_for(numels[s]), [&](int, int64_t lo, int64_t hi) {
-      encode(xs[s] + lo, hi - lo, divisor, outs[s] + lo);
-    });
+  for_segment_chunks(count, numels, 64, [&](int64_t s, int64_t lo, int64_t hi) {
+    encode(xs[s] + lo, hi - lo, divisor, outs[s] + lo);
+  });
 }
 
 API void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves, const int64_t* numels, float factor,
                                     float divisor, float* const* outs) {
   const auto decode = pick(half_decode<false, false>, half_decode<true, false>, half_decode<false, true>,
                            half_decode<true, true>, divisor, bucket_bytes(count, numels));
-  for (int64_t s = 0; s < count; ++s)
-    for_chunks(numels[s], 64, threads_for(numels[s]), [&](int, int64_t lo, int64_t hi) {
-      decode(halves[s] + lo, hi - lo, factor, divisor, outs[s] + lo);
-    });
+  for_segment_chunks(count, numels, 64, [&](int64_t s, int64_t lo, int64_t hi) {
+    decode(halves[s] + lo, hi - lo, factor, divisor, outs[s] + lo);
+  });
 }

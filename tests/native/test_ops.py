@@ -165,6 +165,26 @@ def test_scatter_add_refuses_out_of_range_indices():
         gn.scatter_add(np.array([-1]), np.ones(1, np.float32), 5)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_buckets_elementwise_chunks_are_dealt_to_the_threads(threads):
+    """fp16's bucket calls deal every gradient's chunks to the threads in one parallel region
+    (small gradients whole, large ones cut): each element as one thread makes it."""
+    sizes = [5, 2**18 + 3, 9, 2**19, 1, 2**18 + 64, 300]
+    xs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
+    runs = []
+    try:
+        for t in (1, threads):
+            gn.set_num_threads(t)
+            halves = gn.fp16_compress_many_into(xs, 3.0, [torch.empty(n, dtype=torch.float16) for n in sizes])
+            runs.append((halves, gn.fp16_decompress_many_into(halves, 2.0, 3.0, [torch.empty(n) for n in sizes])))
+    finally:
+        gn.set_num_threads(0)
+    for (h1, d1), (h2, d2) in zip(*[list(zip(*run)) for run in runs]):
+        same_bytes(h1, h2)
+        same_bytes(d1, d2)
+    same_bytes((xs[1].numpy() / np.float32(3)).astype(np.float16), runs[1][0][1])
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_buckets_indices_are_checked_across_the_threads(threads):
     """scatter_add_segments_into checks every payload's indices in one pass shared among the
