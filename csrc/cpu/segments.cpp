@@ -245,7 +245,7 @@ API int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const 
   const int64_t bytes = bucket_bytes(count, n);
   for (int64_t s = 0; s < count; ++s) {
     counts[s] = threshold_ef(g[s], r[s], n[s], thr, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s],
-                             flag.wanted(), streams(new_r[s], bytes) && new_r[s] != r[s]);
+                             flag.wanted(), streams(new_r[s], bytes));
     if (counts[s] < 0) return -1;
   }
   return 0;

@@ -14,7 +14,8 @@ void compensate_into(const float* g, const float* r, int64_t n, float beta, floa
 // judges whether the outputs are beyond the caches: a bucket's together)
 int64_t topk_ef(const float* g, const float* r, int64_t n, int64_t k, float beta, float gamma, int flags,
                 float* values, void* idx, int idx_type, float* new_r, bool stream);
-// (selection.cpp) grace_cpu_threshold_ef, telling `bad`; new_r streamed where `stream`
+// (selection.cpp) grace_cpu_threshold_ef, telling `bad`; new_r streamed where `stream` and it is
+// not r
 int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma, int flags,
                      float* values, void* idx, int idx_type, float* new_r, std::atomic<bool>* bad, bool stream);
 

@@ -459,10 +459,12 @@ int64_t threshold_ef_lanes(const float* g, const float* r, int64_t& i, int64_t h
 
 namespace grace_cpu {
 // grace_cpu_threshold_ef, telling `bad` (where given) whether g holds an inf or a NaN; new_r
-// streamed where `stream` (16-byte aligned): the sent elements' p - (0 + p) made before the store
+// streamed where `stream` (16-byte aligned) and it is not r: the sent elements' p - (0 + p) made
+// before the store
 int64_t threshold_ef(const float* g, const float* r, int64_t n, float thr, float beta, float gamma, int flags,
                      float* values, void* idx, int idx_type, float* new_r, std::atomic<bool>* bad, bool stream) {
   if (!idx_type_ok(idx_type) || n < 0) return -1;
+  stream = stream && new_r != r;  // (over its own input each line was just read: a plain store)
   const int nc = threads_for(n);
   std::vector<int64_t> count(nc, 0), lo_of(nc, 0);
   for_chunks(n, 64, nc, [&](int c, int64_t lo, int64_t hi) {
