@@ -177,12 +177,16 @@ GRACE_AVX512 int64_t bits_sum_rows32(const uint8_t* const* rows, const float* lo
 }
 #endif
 
+// A decoded sum's elements [lo, hi) of n, as one thread's share: lo a multiple of kSumAlign
+// (a chunk's outputs 512 bytes apart), hi one too, or n (then the last few elements too).
+constexpr int64_t kSumAlign = 128;
+
 // out = the sum, row after row in float32, of the rows of n bits decoded to lo[j] / hi[j]
-// (then finished); streamed where `stream` (out 16-byte aligned).
-void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi, int64_t count, int64_t n, float* out,
-                   const Finish& finish = Finish(), bool stream = false) {
-  const int64_t full = n / 8;
-  for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+// (then finished), elements [e0, e1) (as kSumAlign says); streamed where `stream` (out 16-byte aligned).
+void bits_sum_range(const uint8_t* const* rows, const float* lo, const float* hi, int64_t count, int64_t n,
+                    int64_t e0, int64_t e1, float* out, const Finish& finish, bool stream) {
+  const int64_t full = n / 8, g0 = e0 / 8, g1 = e1 / 8;
+  {
 #ifdef GRACE_SIMD
     std::vector<F8> vlo(count), vhi(count);
     for (int64_t j = 0; j < count; ++j) vlo[j] = set8(lo[j]), vhi[j] = set8(hi[j]);
@@ -237,8 +241,8 @@ void bits_sum_rows(const uint8_t* const* rows, const float* lo, const float* hi,
       std::memcpy(out + 8 * g, acc, sizeof acc);
     }
 #endif
-  });
-  for (int64_t i = 8 * full; i < n; ++i) {
+  }
+  for (int64_t i = std::max(8 * full, e0); i < e1; ++i) {
     float acc = 0.0f;
     for (int64_t j = 0; j < count; ++j) {
       const float v = ((rows[j][full] >> (i - 8 * full)) & 1) ? hi[j] : lo[j];
@@ -255,11 +259,11 @@ constexpr int kTernGrad = 3;  // the mode of 2-bit TernGrad codes: 0, +s, -s (an
 // sum row after row is this one. c is counted 32 elements at a time in byte lanes (a row's four
 // bytes spread over them); the majority vote alone is (c > count / 2) - (c < count - count / 2)
 // in the same lanes, +0 at a tie as the float sum gives it.
-void sign_sum_rows(const uint8_t* const* rows, int64_t count, int64_t n, float* out, const Finish& finish,
-                   bool stream) {
-  const int64_t full = n / 32;
+void sign_sum_range(const uint8_t* const* rows, int64_t count, int64_t n, int64_t e0, int64_t e1, float* out,
+                    const Finish& finish, bool stream) {
+  const int64_t full = n / 32, g0 = e0 / 32, g1 = e1 / 32;
   const bool vote_only = finish.vote && finish.count == 0;
-  for_chunks(full, 4, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+  {
     const __m256i below = _mm256_set1_epi8((char)(count / 2)), above = _mm256_set1_epi8((char)(count - count / 2));
     const __m256i vcount = _mm256_set1_epi32((int)count);
     for (int64_t g = g0; g < g1; ++g) {
@@ -281,8 +285,8 @@ void sign_sum_rows(const uint8_t* const* rows, int64_t count, int64_t n, float* 
       }
     }
     fence_streams(stream);
-  });
-  for (int64_t i = 32 * full; i < n; ++i) {  // row after row, as bits_sum_rows
+  }
+  for (int64_t i = std::max(32 * full, e0); i < e1; ++i) {  // row after row, as bits_sum_range
     float acc = 0.0f;
     for (int64_t j = 0; j < count; ++j) {
       const float v = ((rows[j][i / 8] >> (i % 8)) & 1) ? 1.0f : -1.0f;
@@ -320,8 +324,8 @@ GRACE_AVX512 int64_t terngrad_sum_rows16(const uint8_t* const* rows, const float
 // decoded with its scale scale[j] as grace_cpu_terngrad_decode does: by a table of each
 // byte's four values per row; finished as it is stored (streamed where `stream`, out 16-byte
 // aligned).
-void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t count, int64_t n, float* out,
-                       const Finish& finish = Finish(), bool stream = false) {
+void terngrad_sum_range(const uint8_t* const* rows, const float* scale, int64_t count, int64_t n, int64_t e0,
+                        int64_t e1, float* out, const Finish& finish, bool stream) {
   std::vector<float> val((size_t)count * 4);
   for (int64_t j = 0; j < count; ++j) {
     const float s = scale[j];
@@ -344,8 +348,8 @@ void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t c
     }
     return finish.apply(acc);
   };
-  const int64_t full = n / 4;
-  for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
+  const int64_t full = n / 4, g0 = e0 / 4, g1 = e1 / 4;
+  {
     int64_t g = g0;  // (chunks start at even groups: 8 elements at a time stay 32-byte apart)
 #if defined(GRACE_SIMD) && defined(__AVX2__)
     // 8 elements (two bytes of each row) at a time: each lane's code shifted into place and its
@@ -381,26 +385,26 @@ void terngrad_sum_rows(const uint8_t* const* rows, const float* scale, int64_t c
     fence_streams(stream);
 #endif
     for (int64_t i = 4 * g; i < 4 * g1; ++i) out[i] = one(i);
-  });
-  for (int64_t i = 4 * full; i < n; ++i) out[i] = one(i);
+  }
+  for (int64_t i = std::max(4 * full, e0); i < e1; ++i) out[i] = one(i);
 }
 
-// The sum of `count` rows of one gradient's codes; row j at rows[j], its scalars at scalars[j]
-// (mode as in grace_native.h).
-void codes_sum_rows(const uint8_t* const* rows, const float* const* scalars, int mode, int64_t count, int64_t n,
-                    float* out, const Finish& finish = Finish(), bool stream = false) {
+// The sum of `count` rows of one gradient's codes, its elements [e0, e1) (as kSumAlign says);
+// row j at rows[j], its scalars at scalars[j] (mode as in grace_native.h).
+void codes_sum_range(const uint8_t* const* rows, const float* const* scalars, int mode, int64_t count, int64_t n,
+                     int64_t e0, int64_t e1, float* out, const Finish& finish, bool stream) {
   if (mode == kTernGrad) {
     std::vector<float> scale(count);
     for (int64_t j = 0; j < count; ++j) scale[j] = scalars[j][0];
-    terngrad_sum_rows(rows, scale.data(), count, n, out, finish, stream);
+    terngrad_sum_range(rows, scale.data(), count, n, e0, e1, out, finish, stream);
     return;
   }
 #if defined(GRACE_SIMD) && defined(__AVX2__)
-  if (mode == 0 && count <= 127) return sign_sum_rows(rows, count, n, out, finish, stream);
+  if (mode == 0 && count <= 127) return sign_sum_range(rows, count, n, e0, e1, out, finish, stream);
 #endif
   std::vector<float> lo(count), hi(count);
   for (int64_t j = 0; j < count; ++j) row_values(mode ? scalars[j] : nullptr, mode, lo[j], hi[j]);
-  bits_sum_rows(rows, lo.data(), hi.data(), count, n, out, finish, stream);
+  bits_sum_range(rows, lo.data(), hi.data(), count, n, e0, e1, out, finish, stream);
 }
 }  // namespace
 
@@ -416,7 +420,10 @@ API void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, con
     rows[j] = packed + j * ((n * bits + 7) / 8);
     row_scalars[j] = scalars ? scalars + per * j : nullptr;
   }
-  codes_sum_rows(rows.data(), row_scalars.data(), mode, count, n, out, Finish(), streams(out, 4 * n));
+  const bool stream = streams(out, 4 * n);
+  for_chunks(n, kSumAlign, threads_for(n), [&](int, int64_t e0, int64_t e1) {
+    codes_sum_range(rows.data(), row_scalars.data(), mode, count, n, e0, e1, out, Finish(), stream);
+  });
 }
 
 // grace_cpu_bits_sum of each segment s of a bucket: the ranks' rows packed[s * ranks + r] with
@@ -424,14 +431,16 @@ API void grace_cpu_bits_sum(const uint8_t* packed, int64_t count, int64_t n, con
 API void grace_cpu_bits_sum_segments(int64_t segments, int ranks, const uint8_t* const* packed,
                                      const float* const* scalars, int mode, const int64_t* numels, int vote,
                                      const float* divisors, int ndiv, float* const* out) {
+  if (ranks <= 0) return;
   std::vector<const float*> none(ranks, nullptr);
   const Finish finish(vote, divisors, ndiv);
   const int64_t bytes = bucket_bytes(segments, numels);
-  for (int64_t s = 0; s < segments; ++s) {
-    if (numels[s] <= 0 || ranks <= 0) continue;
-    codes_sum_rows(packed + s * ranks, mode ? scalars + s * ranks : none.data(), mode, ranks, numels[s], out[s],
-                   finish, streams(out[s], bytes));
-  }
+  // every segment's chunks dealt to the threads at once
+  for_segment_chunks(segments, numels, kSumAlign, [&](int64_t s, int64_t e0, int64_t e1) {
+    if (numels[s] > 0)
+      codes_sum_range(packed + s * ranks, mode ? scalars + s * ranks : none.data(), mode, ranks, numels[s], e0, e1,
+                      out[s], finish, streams(out[s], bytes));
+  });
 }
 
 // out = p - decode(bits): the new residual of a sign-family payload in one pass (out may be p).

@@ -564,11 +564,16 @@ API int grace_cpu_compress_many(int method, int64_t count, const float* const* x
     for (int64_t j = 0; j < count && flag.wanted(); ++j)
       if (!std::isfinite(v[j])) flag.seen.store(true, std::memory_order_relaxed);
   };
+  if (method == 0) {  // every gradient's chunks dealt to the threads at once
+    for_segment_chunks(count, n, 8, [&](int64_t s, int64_t lo, int64_t hi) {
+      sign_pack_range(x[s], n[s], lo, hi, false, (uint8_t*)out0[s], flag.wanted());
+    });
+    return 0;
+  }
   for (int64_t s = 0; s < count; ++s) {
     uint8_t* const a = (uint8_t*)out0[s];
     float* const scalars = out1 ? (float*)out1[s] : nullptr;
     switch (method) {
-      case 0: sign_pack(x[s], n[s], 0, a, flag.wanted()); break;
       case 1:
         grace_cpu_terngrad_compress_drawn(x[s], n[s], s0[s], s1[s], scalars, a);
         scalars_tell(scalars, 1);

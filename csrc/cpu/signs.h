@@ -6,10 +6,14 @@
 namespace grace_cpu {
 // (signs.cpp) grace_cpu_sign_pack, telling `bad` (where given) whether x holds an inf or a NaN
 void sign_pack(const float* x, int64_t n, int negative, uint8_t* out, std::atomic<bool>* bad);
+// (signs.cpp) sign_pack's bytes of elements [lo, hi) alone (lo a multiple of 8; hi one too, or n)
+void sign_pack_range(const float* x, int64_t n, int64_t lo, int64_t hi, bool neg, uint8_t* out,
+                     std::atomic<bool>* bad);
 }  // namespace grace_cpu
 
 namespace {
 using grace_cpu::sign_pack;
+using grace_cpu::sign_pack_range;
 
 // bit i % 8 of out[i / 8]: the first element of a byte clears the others
 inline void put_bit(uint8_t* out, int64_t i, bool bit) {

@@ -185,6 +185,54 @@ def test_a_buckets_elementwise_chunks_are_dealt_to_the_threads(threads):
     same_bytes((xs[1].numpy() / np.float32(3)).astype(np.float16), runs[1][0][1])
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_sign_familys_bucket_calls_deal_their_chunks_to_the_threads(threads):
+    """signSGD's payloads and the sign family's and TernGrad's decoded sums of a bucket deal every
+    gradient's chunks to the threads in one parallel region (small gradients whole, large ones
+    cut, the last few elements where a byte or a vector is not full): the bytes one thread makes,
+    and the one-gradient kernels' (an inf in a cut gradient's last chunk raises the flag)."""
+    sizes = [5, 2**18 + 3, 9, 2**19 + 77, 1, 2**18 + 64, 300]
+    xs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
+    xs[3][-2] = float("inf")
+    rows = [[torch.from_numpy(gradient(n, seed=n + r) >= 0) for r in range(3)] for n in sizes]
+    bits_of = [[gn.pack(m, 1) for m in ms] for ms in rows]
+    codes = [[gn.pack(torch.from_numpy(np.random.default_rng(n + r).integers(0, 4, n).astype(np.uint8)), 2)
+              for r in range(3)] for n in sizes]
+    scale = [torch.tensor([0.5 + r]) for r in range(3)]
+    means = [torch.tensor([-0.25 * r, 1.5]) for r in range(3)]
+    cases = {  # name: (bucket call, its payloads, the one-gradient sum of gradient s)
+        "signsgd": (gn.signsgd_decompress_sum_into, [[(b,) for b in bs] for bs in bits_of],
+                    lambda s: gn.signsgd_decompress_sum(torch.cat(bits_of[s]), sizes[s])),
+        "efsignsgd": (gn.efsignsgd_decompress_sum_into, [list(zip(bs, scale)) for bs in bits_of],
+                      lambda s: gn.efsignsgd_decompress_sum(torch.cat(bits_of[s]), torch.cat(scale), sizes[s])),
+        "onebit": (gn.onebit_decompress_sum_into, [list(zip(bs, means)) for bs in bits_of],
+                   lambda s: gn.onebit_decompress_sum(torch.cat(bits_of[s]), torch.cat(means), sizes[s])),
+        "terngrad": (gn.terngrad_decompress_sum_into, [list(zip(cs, scale)) for cs in codes],
+                     lambda s: gn.terngrad_decompress_sum(torch.cat(codes[s]), torch.cat(scale), sizes[s])),
+    }
+    runs = []
+    try:
+        for t in (1, threads):
+            gn.set_num_threads(t)
+            flag = torch.zeros(1)
+            run = {"bits": [b for (b,) in gn.compress_many("signsgd", xs, nonfinite=flag)], "flag": flag}
+            for name, (into, payloads, _) in cases.items():
+                run[name] = into(payloads, [torch.full((n,), 7.0) for n in sizes])
+            runs.append(run)
+        gn.set_num_threads(1)
+        alone = {name: [one(s) for s in range(len(sizes))] for name, (_, _, one) in cases.items()}
+    finally:
+        gn.set_num_threads(0)
+    one_thread, dealt = runs
+    assert one_thread["flag"].item() == 1 and dealt["flag"].item() == 1
+    for s, x in enumerate(xs):
+        same_bytes(bits.pack(NX, x.numpy() >= 0, 1), dealt["bits"][s])
+        same_bytes(one_thread["bits"][s], dealt["bits"][s])
+        for name in cases:
+            same_bytes(alone[name][s], one_thread[name][s], f"{name} {sizes[s]}")
+            same_bytes(one_thread[name][s], dealt[name][s], f"{name} {sizes[s]}")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_buckets_indices_are_checked_across_the_threads(threads):
     """scatter_add_segments_into checks every payload's indices in one pass shared among the
