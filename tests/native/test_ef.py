@@ -319,18 +319,25 @@ def test_random_k_residual_steps_of_a_bucket_equal_the_pipeline(beta, gamma, sca
 
 @pytest.mark.parametrize("method", ["efsignsgd", "onebit"])
 @pytest.mark.parametrize("beta, gamma", MEMORIES)
-def test_sign_family_residual_steps_of_a_bucket_equal_each_gradients_kernels(method, beta, gamma):
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_sign_family_residual_steps_of_a_bucket_equal_each_gradients_kernels(method, beta, gamma, threads):
     """efsignsgd_ef_step_many and onebit_ef_step_many (CPU): compensation, the payload and the
     new residual of every gradient, bit for bit those of ResidualMemory.compensate, the
-    method's compress kernel and its residual kernel, gradient by gradient (specials too)."""
-    sizes = [1, 9, 300, 40000, 2**16 + 3]
+    method's compress kernel and its residual kernel, gradient by gradient (specials too), on
+    any number of threads (the bucket's sums and residuals dealt to them, a large gradient's cut)."""
+    sizes = [1, 9, 300, 40000, 2**16 + 3, 2**19 + 77]
     many = getattr(gn, f"{method}_ef_step_many")
     compress, residual = getattr(gn, f"{method}_compress"), getattr(gn, f"{method}_residual_into")
     gs = [gradient(n, seed=n) for n in sizes]
     gs[2][:4] = [-0.0, np.inf, np.nan, 3e38]
     es = [gradient(n, seed=n + 1) * np.float32(0.3) for n in sizes]
     outs = [torch.empty(n) for n in sizes]
-    payloads, news = many([torch.from_numpy(g) for g in gs], [torch.from_numpy(e) for e in es], beta, gamma, outs)
+    gn.set_num_threads(threads)
+    try:
+        payloads, news = many([torch.from_numpy(g) for g in gs], [torch.from_numpy(e) for e in es], beta, gamma,
+                              outs)
+    finally:
+        gn.set_num_threads(0)
     for g, e, payload, new, out in zip(gs, es, payloads, news, outs):
         with np.errstate(over="ignore"):  # (3e38 * gamma)
             p = torch.from_numpy(residual_memory(beta, gamma).compensate(NX, g, e))
@@ -338,6 +345,14 @@ def test_sign_family_residual_steps_of_a_bucket_equal_each_gradients_kernels(met
         for a, b in zip(want, payload):
             same_bytes(a, b)
         same_bytes(residual(p, *want, p.clone()), new)
+        bit = np.unpackbits(want[0].numpy(), bitorder="little")[:len(g)].astype(bool)
+        scalars = want[1].numpy()
+        if method == "efsignsgd":
+            lo, hi = np.float32(-1.0) * scalars[0], np.float32(1.0) * scalars[0]
+        else:  # (1-bit SGD's two means, decoded as mu0 + bit * (mu1 - mu0))
+            lo, hi = scalars[0] + np.float32(0.0) * (scalars[1] - scalars[0]), scalars[0] + (scalars[1] - scalars[0])
+        with np.errstate(invalid="ignore"):  # (not the residual kernel alone; NaNs as NaNs, whatever their bits)
+            np.testing.assert_array_equal(p.numpy() - np.where(bit, hi, lo), new.numpy())
         assert new.data_ptr() == out.data_ptr()
 
 
