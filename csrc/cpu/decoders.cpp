@@ -804,11 +804,13 @@ struct NoAhead {
   void operator()(int64_t, int64_t, int64_t) const {}
 };
 
+// decoded_sum's elements [lo, hi): lo a multiple of kDecodedBlock, hi one too, or n
+constexpr int64_t kDecodedBlock = 2048;
 template <class Decode, class Add = NoAdd, class Ahead = NoAhead>
-void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, bool stream, const Decode& decode,
-                 const Add& add = Add(), const Ahead& ahead = Ahead()) {
-  constexpr int64_t kBlock = 2048;
-  for_chunks(n, kBlock, threads_for(n), [&](int, int64_t lo, int64_t hi) {
+void decoded_sum_range(int64_t count, int64_t lo, int64_t hi, float* out, const Finish& finish, bool stream,
+                       const Decode& decode, const Add& add = Add(), const Ahead& ahead = Ahead()) {
+  constexpr int64_t kBlock = kDecodedBlock;
+  {
     alignas(32) float buf[kBlock], sum[kBlock];
     for (int64_t b = lo; b < hi; b += kBlock) {
       const int64_t e = std::min(hi, b + kBlock), m = e - b, next = std::min(hi, e + kBlock);
@@ -835,7 +837,7 @@ void decoded_sum(int64_t count, int64_t n, float* out, const Finish& finish, boo
       }
     }
     fence_streams(stream);
-  });
+  }
 }
 }  // namespace
 
@@ -847,11 +849,12 @@ API void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8
                                         const float* divisors, int ndiv, float* const* out) {
   const Finish finish(vote, divisors, ndiv);
   const int64_t bytes = bucket_bytes(segments, numels);
-  for (int64_t s = 0; s < segments; ++s) {
+  // every segment's chunks dealt to the threads at once
+  for_segment_chunks(segments, numels, kDecodedBlock, [&](int64_t s, int64_t e0, int64_t e1) {
     const uint8_t* const* S = signs + s * ranks;
     const uint8_t* const* C = codes + s * ranks;
-    decoded_sum(ranks, numels[s], out[s], finish, streams(out[s], bytes),
-                [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+    decoded_sum_range(ranks, e0, e1, out[s], finish, streams(out[s], bytes),
+                      [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
       natural_decode_range(S[j], C[j], lo, hi, dst, false);
     }, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
 #if defined(GRACE_SIMD) && defined(__AVX2__)
@@ -864,7 +867,7 @@ API void grace_cpu_natural_sum_segments(int64_t segments, int ranks, const uint8
       return false;
 #endif
     });
-  }
+  });
 }
 
 // Segment s of a bucket: the ranks' QSGD payloads (packed[s * ranks + r], norms[...]) decoded and
@@ -878,13 +881,15 @@ API int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* 
   const QsgdLevels computed(levels, lut);
   const Finish finish(vote, divisors, ndiv);
   const int64_t bytes = bucket_bytes(segments, numels);
-  for (int64_t s = 0; s < segments; ++s) {
-    const int64_t n = numels[s], b = qsgd_row(n, bucket);
-    const uint8_t* const* P = packed + s * ranks;
-    const float* const* N = norms + s * ranks;
-    with_width(bits, [&](auto w) {
-      constexpr int B = decltype(w)::value;
-      decoded_sum(ranks, n, out[s], finish, streams(out[s], bytes), [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
+  with_width(bits, [&](auto w) {
+    constexpr int B = decltype(w)::value;
+    // every segment's chunks dealt to the threads at once
+    for_segment_chunks(segments, numels, kDecodedBlock, [&](int64_t s, int64_t e0, int64_t e1) {
+      const int64_t n = numels[s], b = qsgd_row(n, bucket);
+      const uint8_t* const* P = packed + s * ranks;
+      const float* const* N = norms + s * ranks;
+      decoded_sum_range(ranks, e0, e1, out[s], finish, streams(out[s], bytes),
+                        [&](int64_t j, int64_t lo, int64_t hi, float* dst) {
         qsgd_decode_groups<B>(P[j], n, b, lut, N[j], dst, lo / 8, (hi + 7) / 8, lo, false, &computed);
       }, [&](int64_t j, int64_t lo, int64_t hi, float* dst) {  // further rows added as computed
         if (B <= 5 || computed.how == 0) return false;
@@ -894,6 +899,6 @@ API int grace_cpu_qsgd_sum_segments(int64_t segments, int ranks, const uint8_t* 
         prefetch_bytes(P[j], lo * B / 8, (hi * B + 7) / 8);
       });
     });
-  }
+  });
   return 0;
 }

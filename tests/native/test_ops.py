@@ -185,12 +185,21 @@ def test_a_buckets_elementwise_chunks_are_dealt_to_the_threads(threads):
     same_bytes((xs[1].numpy() / np.float32(3)).astype(np.float16), runs[1][0][1])
 
 
+def _rows_added(rows):
+    """Decoded rows added row after row in float32, as a decoded sum adds them."""
+    total = rows[0].numpy().copy()
+    for row in rows[1:]:
+        total += row.numpy()
+    return total
+
+
 @pytest.mark.parametrize("threads", [2, 3])
-def test_the_sign_familys_bucket_calls_deal_their_chunks_to_the_threads(threads):
-    """signSGD's payloads and the sign family's and TernGrad's decoded sums of a bucket deal every
-    gradient's chunks to the threads in one parallel region (small gradients whole, large ones
-    cut, the last few elements where a byte or a vector is not full): the bytes one thread makes,
-    and the one-gradient kernels' (an inf in a cut gradient's last chunk raises the flag)."""
+def test_element_by_element_bucket_calls_deal_their_chunks_to_the_threads(threads):
+    """signSGD's payloads and the decoded sums of the sign family, TernGrad, natural compression
+    and QSGD over a bucket deal every gradient's chunks to the threads in one parallel region
+    (small gradients whole, large ones cut, the last few elements where a byte or a vector is not
+    full): the bytes one thread makes, and the one-gradient kernels' or each rank decoded and
+    added (an inf in a cut gradient's last byte raises the flag)."""
     sizes = [5, 2**18 + 3, 9, 2**19 + 77, 1, 2**18 + 64, 300]
     xs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
     xs[3][-2] = float("inf")
@@ -200,6 +209,10 @@ def test_the_sign_familys_bucket_calls_deal_their_chunks_to_the_threads(threads)
               for r in range(3)] for n in sizes]
     scale = [torch.tensor([0.5 + r]) for r in range(3)]
     means = [torch.tensor([-0.25 * r, 1.5]) for r in range(3)]
+    natural = [[gn.natural_compress_drawn(torch.from_numpy(gradient(n, seed=n + r)), (r, 7)) for r in range(3)]
+               for n in sizes]
+    quantized = [[gn.qsgd_compress_drawn(torch.from_numpy(gradient(n, seed=n + r)), (r, 7), 127, 512)
+                  for r in range(3)] for n in sizes]
     cases = {  # name: (bucket call, its payloads, the one-gradient sum of gradient s)
         "signsgd": (gn.signsgd_decompress_sum_into, [[(b,) for b in bs] for bs in bits_of],
                     lambda s: gn.signsgd_decompress_sum(torch.cat(bits_of[s]), sizes[s])),
@@ -209,6 +222,10 @@ def test_the_sign_familys_bucket_calls_deal_their_chunks_to_the_threads(threads)
                    lambda s: gn.onebit_decompress_sum(torch.cat(bits_of[s]), torch.cat(means), sizes[s])),
         "terngrad": (gn.terngrad_decompress_sum_into, [list(zip(cs, scale)) for cs in codes],
                      lambda s: gn.terngrad_decompress_sum(torch.cat(codes[s]), torch.cat(scale), sizes[s])),
+        "natural": (gn.natural_decompress_sum_into, natural,
+                    lambda s: _rows_added([gn.natural_decompress(*p, sizes[s]) for p in natural[s]])),
+        "qsgd": (lambda payloads, outs: gn.qsgd_decompress_sum_into(payloads, outs, 127, 512), quantized,
+                 lambda s: _rows_added([gn.qsgd_decompress(*p, sizes[s], 127, 512) for p in quantized[s]])),
     }
     runs = []
     try:
