@@ -171,6 +171,7 @@ def test_a_buckets_elementwise_chunks_are_dealt_to_the_threads(threads):
     (small gradients whole, large ones cut): each element as one thread makes it."""
     sizes = [5, 2**18 + 3, 9, 2**19, 1, 2**18 + 64, 300]
     xs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
+    words = [(s, 3) for s in range(len(sizes))]
     runs = []
     try:
         for t in (1, threads):
@@ -199,7 +200,8 @@ def test_element_by_element_bucket_calls_deal_their_chunks_to_the_threads(thread
     and QSGD over a bucket deal every gradient's chunks to the threads in one parallel region
     (small gradients whole, large ones cut, the last few elements where a byte or a vector is not
     full): the bytes one thread makes, and the one-gradient kernels' or each rank decoded and
-    added (an inf in a cut gradient's last byte raises the flag)."""
+    added (an inf in a cut gradient's last byte raises the flag). Natural compression's bucket
+    payloads (gradient by gradient: its draws bind it, not memory) are its one-gradient kernel's."""
     sizes = [5, 2**18 + 3, 9, 2**19 + 77, 1, 2**18 + 64, 300]
     xs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
     xs[3][-2] = float("inf")
@@ -227,12 +229,15 @@ def test_element_by_element_bucket_calls_deal_their_chunks_to_the_threads(thread
         "qsgd": (lambda payloads, outs: gn.qsgd_decompress_sum_into(payloads, outs, 127, 512), quantized,
                  lambda s: _rows_added([gn.qsgd_decompress(*p, sizes[s], 127, 512) for p in quantized[s]])),
     }
+    words = [(s, 3) for s in range(len(sizes))]
     runs = []
     try:
         for t in (1, threads):
             gn.set_num_threads(t)
             flag = torch.zeros(1)
-            run = {"bits": [b for (b,) in gn.compress_many("signsgd", xs, nonfinite=flag)], "flag": flag}
+            run = {"bits": [b for (b,) in gn.compress_many("signsgd", xs, nonfinite=flag)], "flag": flag,
+                   "natural flag": torch.zeros(1)}
+            run["natural payloads"] = gn.compress_many("natural", xs, words, nonfinite=run["natural flag"])
             for name, (into, payloads, _) in cases.items():
                 run[name] = into(payloads, [torch.full((n,), 7.0) for n in sizes])
             runs.append(run)
@@ -241,10 +246,12 @@ def test_element_by_element_bucket_calls_deal_their_chunks_to_the_threads(thread
     finally:
         gn.set_num_threads(0)
     one_thread, dealt = runs
-    assert one_thread["flag"].item() == 1 and dealt["flag"].item() == 1
+    assert all(run[flag].item() == 1 for run in runs for flag in ("flag", "natural flag"))
     for s, x in enumerate(xs):
         same_bytes(bits.pack(NX, x.numpy() >= 0, 1), dealt["bits"][s])
         same_bytes(one_thread["bits"][s], dealt["bits"][s])
+        for want, got in zip(gn.natural_compress_drawn(x, words[s]), dealt["natural payloads"][s]):
+            same_bytes(want, got)
         for name in cases:
             same_bytes(alone[name][s], one_thread[name][s], f"{name} {sizes[s]}")
             same_bytes(one_thread[name][s], dealt[name][s], f"{name} {sizes[s]}")
