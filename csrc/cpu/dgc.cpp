@@ -128,6 +128,24 @@ API void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g
   dgc_compensate(u, v, g, n, m, 1.0f, u_out, v_out, nullptr);
 }
 
+namespace {
+// Uninitialised room for at least n values (filling it would cost a pass), allocated again only
+// to grow.
+template <class T>
+struct KeptRoom {
+  std::unique_ptr<T[]> data;
+  int64_t size = 0;
+  T* at_least(int64_t n) {
+    n = std::max<int64_t>(n, 1);
+    if (n > size) {
+      data.reset(new T[n]);
+      size = n;
+    }
+    return data.get();
+  }
+};
+}  // namespace
+
 // DGC's whole step for every gradient s of a bucket, as DGCMemory.fused_step and DGC.select make
 // it tensor by tensor: the momentum correction (grace_cpu_dgc_compensate: p into v_out[s], p - v
 // into u_out[s]); the threshold, the need-th largest |p| of S elements drawn at floor(u_j * d)
@@ -151,9 +169,13 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     most = std::max(most, n[s]);
   }
   auto at_most = [](double x, int64_t d) { return std::min(d, std::max<int64_t>(1, (int64_t)std::ceil(x))); };
-  // (room for every element; only the pages written are touched)
-  std::unique_ptr<int64_t[]> sel(new int64_t[std::max<int64_t>(most, 1)]);
-  std::unique_ptr<float[]> sel_p(new float[std::max<int64_t>(most, 1)]), sel_u(new float[std::max<int64_t>(most, 1)]);
+  // room for every element, only the pages written touched; kept for this thread's next call, as
+  // fresh pages would be faulted in and cleared at each chunk's start every step
+  thread_local KeptRoom<int64_t> sel_room;
+  thread_local KeptRoom<float> p_room, u_room;
+  int64_t* const sel = sel_room.at_least(most);
+  float* const sel_p = p_room.at_least(most);
+  float* const sel_u = u_room.at_least(most);
   std::vector<float> drawn, cand;
   std::vector<uint32_t> keys;
   std::vector<int64_t> pick;
@@ -180,7 +202,7 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     if (!masked) {  // every element: compensate, then select
       dgc_compensate(u[s], v[s], g[s], d, m, scale, un, p, flag.wanted());
       for (int64_t j = 0; j < d; ++j) keys[j] = KeyOf<float>::key(p[j], true);
-      c = threshold_f32(p, d, threshold(), true, sel.get(), GRACE_I64, nullptr);
+      c = threshold_f32(p, d, threshold(), true, sel, GRACE_I64, nullptr);
     } else {  // the sample's p first (the same sums as the pass makes), then compensate and select in one pass
       drawn.resize(S);
       const float df = (float)d;  // (floor(u d) < d: u <= 1 - 2^-24, and the product never rounds up to d)
@@ -191,8 +213,8 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
           keys[j] = KeyOf<float>::key(v[s][i] + (m * u[s][i] + (scale != 1.0f ? g[s][i] * scale : g[s][i])), true);
         }
       });
-      c = dgc_compensate_select(u[s], v[s], g[s], d, m, scale, threshold(), un, p, sel.get(), sel_p.get(),
-                                sel_u.get(), flag.wanted());
+      c = dgc_compensate_select(u[s], v[s], g[s], d, m, scale, threshold(), un, p, sel, sel_p,
+                                sel_u, flag.wanted());
     }
     if (masked) {  // (outputs masked by the pass: the cut ones put back, values and indices in order)
       if (c > k) {  // the sample underestimated the threshold: the k largest of those selected
@@ -214,7 +236,7 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
       counts[s] = q;
       continue;
     }
-    const int64_t* chosen = sel.get();
+    const int64_t* chosen = sel;
     if (c > k) {  // the k largest of those selected
       cand.resize(c);
       for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(p[sel[j]]);
