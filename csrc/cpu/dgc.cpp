@@ -130,7 +130,7 @@ API void grace_cpu_dgc_compensate(const float* u, const float* v, const float* g
 
 namespace {
 // Uninitialised room for at least n values (filling it would cost a pass), allocated again only
-// to grow.
+// to grow: kept from call to call, as fresh pages are faulted in and cleared where first written.
 template <class T>
 struct KeptRoom {
   std::unique_ptr<T[]> data;
@@ -144,6 +144,21 @@ struct KeptRoom {
     return data.get();
   }
 };
+}  // namespace
+
+namespace {
+// A thread's room and buffers for DGC's step, kept for its next call (see KeptRoom)
+struct DgcScratch {
+  KeptRoom<int64_t> sel;
+  KeptRoom<float> sel_p, sel_u;
+  std::vector<float> drawn, cand;
+  std::vector<uint32_t> keys;
+  std::vector<int64_t> pick;
+};
+DgcScratch& dgc_scratch() {
+  thread_local DgcScratch scratch;
+  return scratch;
+}
 }  // namespace
 
 // DGC's whole step for every gradient s of a bucket, as DGCMemory.fused_step and DGC.select make
@@ -169,25 +184,23 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     most = std::max(most, n[s]);
   }
   auto at_most = [](double x, int64_t d) { return std::min(d, std::max<int64_t>(1, (int64_t)std::ceil(x))); };
-  // room for every element, only the pages written touched; kept for this thread's next call, as
-  // fresh pages would be faulted in and cleared at each chunk's start every step
-  thread_local KeptRoom<int64_t> sel_room;
-  thread_local KeptRoom<float> p_room, u_room;
-  int64_t* const sel = sel_room.at_least(most);
-  float* const sel_p = p_room.at_least(most);
-  float* const sel_u = u_room.at_least(most);
-  std::vector<float> drawn, cand;
-  std::vector<uint32_t> keys;
-  std::vector<int64_t> pick;
   NonfiniteFlag flag(nonfinite);
-  for (int64_t s = 0; s < count; ++s) {
+  // gradient s's whole step, with the scratch of the thread it runs on
+  auto step = [&](int64_t s, DgcScratch& scratch) {
+    int64_t* const sel = scratch.sel.at_least(most);
+    float* const sel_p = scratch.sel_p.at_least(most);
+    float* const sel_u = scratch.sel_u.at_least(most);
+    std::vector<float>& drawn = scratch.drawn;
+    std::vector<float>& cand = scratch.cand;
+    std::vector<uint32_t>& keys = scratch.keys;
+    std::vector<int64_t>& pick = scratch.pick;
     const int64_t d = n[s];
     counts[s] = 0;
     float* const p = v_out[s];
     float* const un = u_out[s];
     const int64_t k = at_most(ratio * (double)d, d), S = at_most(sample_ratio * (double)d, d);
     const float scale = scales ? scales[s] : 1.0f;
-    if (d == 0) continue;
+    if (d == 0) return;
     // the threshold: the need-th largest of the sample's |p| as bits (NaN above inf, as sorts put it)
     const int64_t need = at_most(ratio * (double)S, S);
     auto threshold = [&]() {
@@ -234,7 +247,7 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
         }
       }
       counts[s] = q;
-      continue;
+      return;
     }
     const int64_t* chosen = sel;
     if (c > k) {  // the k largest of those selected
@@ -255,7 +268,15 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
       }
     });
     counts[s] = c;
-  }
+  };
+  // Gradients below two threads' grain run one per thread, side by side (each alone, as on one
+  // thread: the same results); the others in turn, their chunks shared among the threads.
+  std::vector<int64_t> small, large;
+  for (int64_t s = 0; s < count; ++s) (threads_for(n[s]) > 1 ? large : small).push_back(s);
+  const int nt = std::min<int64_t>(max_threads(), (int64_t)small.size());
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
+  for (int64_t j = 0; j < (int64_t)small.size(); ++j) step(small[j], dgc_scratch());
+  for (int64_t s : large) step(s, dgc_scratch());
   return 0;
 }
 

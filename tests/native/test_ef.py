@@ -391,6 +391,32 @@ def test_dgc_steps_do_not_depend_on_the_number_of_threads(sample_ratio):
             same_bytes(a, b)
 
 
+@pytest.mark.parametrize("sample_ratio", [0.02, 1.0])
+def test_dgc_bucket_steps_do_not_depend_on_the_number_of_threads(sample_ratio):
+    """DGC's step over a bucket on one thread and on several: its small gradients run one per
+    thread side by side, its large ones in turn with their chunks shared, each gradient's values,
+    indices, u and v the same (cuts to k included: few distinct magnitudes)."""
+    sizes = [3, 70_000, 2**19 + 5, 1000, 9000, 2**18 + 1, 40_000, 1] + [150_000 + 7 * j for j in range(8)]
+    gs = [np.round(gradient(n, seed=n) * 4).astype(np.float32) / 4 for n in sizes]
+    us = [gradient(n, seed=n + 1) * np.float32(0.3) for n in sizes]
+    vs = [gradient(n, seed=n + 2) for n in sizes]
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            gn.set_num_threads(threads)
+            tu, tv = [torch.from_numpy(u.copy()) for u in us], [torch.from_numpy(v.copy()) for v in vs]
+            values, indices = gn.dgc_step_many([torch.from_numpy(g) for g in gs], tu, tv, 0.9, 0.01, sample_ratio,
+                                               [(s, 6) for s in range(len(sizes))], tu, tv)
+            runs.append([values, indices, tu, tv])
+    finally:
+        gn.set_num_threads(0)
+    assert len(runs[0][1][2]) == math.ceil(0.01 * sizes[2])  # (cut to k)
+    for run in runs[1:]:
+        for field, first in zip(run, runs[0]):
+            for a, b in zip(first, field):
+                same_bytes(a, b)
+
+
 @pytest.mark.parametrize("n", [1, 9, 1001, 2**16 + 3])
 @pytest.mark.parametrize("aliased", [False, True], ids=["new", "in-place"])
 def test_dgc_compensation_equals_the_tensor_ops(n, aliased):
