@@ -192,6 +192,20 @@ void for_segment_chunks(int64_t count, const int64_t* numels, int64_t align, F&&
   }
 }
 
+// f(s) for every segment s of a bucket (numels[s] elements): those below two threads' grain one per
+// thread, side by side (each as on one thread: the same results), then the others in turn, each
+// sharing the threads in its own chunks. For kernels whose segments are independent and whose
+// scratch is their own.
+template <class F>
+void for_segments(int64_t count, const int64_t* numels, F&& f) {
+  std::vector<int64_t> small, large;
+  for (int64_t s = 0; s < count; ++s) (threads_for(numels[s]) > 1 ? large : small).push_back(s);
+  const int nt = (int)std::min<int64_t>(max_threads(), (int64_t)small.size());
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
+  for (int64_t j = 0; j < (int64_t)small.size(); ++j) f(small[j]);
+  for (int64_t s : large) f(s);
+}
+
 // the overflow flag: 1 where `set`, else 0, a float32 or (width 1) a byte
 inline void write_flag(void* flag, int width, bool set) {
   if (width == 1) *static_cast<uint8_t*>(flag) = set ? 1 : 0;

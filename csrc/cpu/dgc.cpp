@@ -269,14 +269,7 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     });
     counts[s] = c;
   };
-  // Gradients below two threads' grain run one per thread, side by side (each alone, as on one
-  // thread: the same results); the others in turn, their chunks shared among the threads.
-  std::vector<int64_t> small, large;
-  for (int64_t s = 0; s < count; ++s) (threads_for(n[s]) > 1 ? large : small).push_back(s);
-  const int nt = std::min<int64_t>(max_threads(), (int64_t)small.size());
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-  for (int64_t j = 0; j < (int64_t)small.size(); ++j) step(small[j], dgc_scratch());
-  for (int64_t s : large) step(s, dgc_scratch());
+  for_segments(count, n, [&](int64_t s) { step(s, dgc_scratch()); });
   return 0;
 }
 

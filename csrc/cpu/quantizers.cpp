@@ -570,7 +570,8 @@ API int grace_cpu_compress_many(int method, int64_t count, const float* const* x
     });
     return 0;
   }
-  for (int64_t s = 0; s < count; ++s) {
+  std::atomic<bool> failed{false};
+  for_segments(count, n, [&](int64_t s) {
     uint8_t* const a = (uint8_t*)out0[s];
     float* const scalars = out1 ? (float*)out1[s] : nullptr;
     switch (method) {
@@ -580,12 +581,12 @@ API int grace_cpu_compress_many(int method, int64_t count, const float* const* x
         break;
       case 2: {
         const int64_t b = qsgd_row(n[s], bucket);
-        if (grace_cpu_qsgd_compress_drawn(x[s], n[s], s0[s], s1[s], levels, b, bits, scalars, a) != 0) return -1;
+        if (grace_cpu_qsgd_compress_drawn(x[s], n[s], s0[s], s1[s], levels, b, bits, scalars, a) != 0) failed = true;
         scalars_tell(scalars, (n[s] + b - 1) / b);
         break;
       }
       default: natural_compress_drawn(x[s], n[s], s0[s], s1[s], a, (uint8_t*)scalars, flag.wanted());
     }
-  }
-  return 0;
+  });
+  return failed ? -1 : 0;
 }

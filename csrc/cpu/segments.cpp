@@ -172,13 +172,15 @@ API int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float
                                float* const* values, void* const* idx, const int* idx_types, float* nonfinite) {
   NonfiniteFlag flag(nonfinite);
   const bool stream = bucket_bytes(count, n) >= kStreamBytes;
-  for (int64_t s = 0; s < count; ++s) {
+  std::atomic<bool> failed{false};
+  for_segments(count, n, [&](int64_t s) {
     const int64_t ks = std::max<int64_t>(0, std::min(k[s], n[s]));
     if (topk_ef(g[s], r[s], n[s], ks, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s], stream) != ks)
-      return -1;
-    flag.check(values[s], ks);  // (an inf or a NaN of p ranks above every number: it is sent)
-  }
-  return 0;
+      failed = true;
+    else
+      flag.check(values[s], ks);  // (an inf or a NaN of p ranks above every number: it is sent)
+  });
+  return failed ? -1 : 0;
 }
 
 namespace {
@@ -217,7 +219,7 @@ API int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float
                                float* const* scalars, float* nonfinite) {
   if (mode != 1 && mode != 2) return -1;
   NonfiniteFlag flag(nonfinite);
-  for (int64_t s = 0; s < count; ++s) {
+  for_segments(count, n, [&](int64_t s) {
     float* const ps = new_r[s];
     const int nt = threads_for(n[s]);
     if (mode == 1) {
@@ -231,7 +233,7 @@ API int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float
     }
     grace_cpu_bits_residual(ps, packed[s], n[s], scalars[s], mode, ps);
     flag.check(scalars[s], mode == 1 ? 1 : 2);  // (not finite where p is not)
-  }
+  });
   return 0;
 }
 
@@ -243,12 +245,13 @@ API int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const 
                                     float* nonfinite) {
   NonfiniteFlag flag(nonfinite);
   const int64_t bytes = bucket_bytes(count, n);
-  for (int64_t s = 0; s < count; ++s) {
+  std::atomic<bool> failed{false};
+  for_segments(count, n, [&](int64_t s) {
     counts[s] = threshold_ef(g[s], r[s], n[s], thr, beta, gamma, flags, values[s], idx[s], idx_types[s], new_r[s],
                              flag.wanted(), streams(new_r[s], bytes));
-    if (counts[s] < 0) return -1;
-  }
-  return 0;
+    if (counts[s] < 0) failed = true;
+  });
+  return failed ? -1 : 0;
 }
 
 // For each segment s: dense[s] (numels[s] elements) = zeros, then each rank's payload of it
@@ -487,12 +490,12 @@ API int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const fl
     }
   NonfiniteFlag flag(nonfinite);
   const int64_t bytes = bucket_bytes(count, n);
-  for (int64_t s = 0; s < count; ++s) {
+  for_segments(count, n, [&](int64_t s) {
     float* const ps = new_r[s];
     if (ascend[s]) {  // (as the draws make them)
       randomk_ef(g[s], r[s], n[s], idx[s], k[s], beta, gamma, flags, scale ? scale + s : nullptr, values[s], ps,
                  flag.wanted(), streams(ps, bytes));
-      continue;
+      return;
     }
     compensate_into(g[s], r[s], n[s], beta, gamma, flags, ps, flag.wanted());
     for (int64_t j = 0; j < k[s]; ++j) {
@@ -501,7 +504,7 @@ API int grace_cpu_randomk_ef_many(int64_t count, const float* const* g, const fl
       values[s][j] = v;
       ps[i] = p - (0.0f + v);
     }
-  }
+  });
   return 0;
 }
 

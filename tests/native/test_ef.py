@@ -417,6 +417,41 @@ def test_dgc_bucket_steps_do_not_depend_on_the_number_of_threads(sample_ratio):
                 same_bytes(a, b)
 
 
+BUCKET_STEPS = {  # a bucket call on its gradients, residuals and outputs: every tensor it returns
+    "topk": lambda gs, es, outs: gn.topk_ef_step_many(gs, es, [max(1, len(g) // 100) for g in gs], outs=outs),
+    "threshold": lambda gs, es, outs: gn.threshold_ef_step_many(gs, es, [1.5] * len(gs), outs=outs),
+    "randomk": lambda gs, es, outs: gn.randomk_ef_step_many(
+        gs, es, [torch.from_numpy(np.arange(0, len(g), 97)) for g in gs], outs=outs),
+    "terngrad": lambda gs, es, outs: gn.compress_many("terngrad", gs, [(s, 1) for s in range(len(gs))]),
+    "qsgd": lambda gs, es, outs: gn.compress_many("qsgd", gs, [(s, 1) for s in range(len(gs))], 127, 512),
+    "natural": lambda gs, es, outs: gn.compress_many("natural", gs, [(s, 1) for s in range(len(gs))]),
+}
+
+
+@pytest.mark.parametrize("method", sorted(BUCKET_STEPS))
+def test_bucket_steps_do_not_depend_on_the_number_of_threads(method):
+    """A bucket's steps run its gradients below two threads' grain one per thread, side by side,
+    the large ones in turn with their chunks shared: on one thread and on several, the same bytes."""
+    sizes = [3, 70_000, 2**19 + 5, 1000, 9000, 40_000, 1] + [150_000 + 7 * j for j in range(8)]
+    gs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
+    es = [torch.from_numpy(gradient(n, seed=n + 1) * np.float32(0.3)) for n in sizes]
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            gn.set_num_threads(threads)
+            outs = [torch.empty(n) for n in sizes]
+            flat = []
+            for field in BUCKET_STEPS[method](gs, es, outs):
+                flat.extend(t for item in field for t in (item if isinstance(item, tuple) else (item,)))
+            runs.append(flat)
+    finally:
+        gn.set_num_threads(0)
+    assert len(runs[0]) >= len(sizes)
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            same_bytes(a, b)
+
+
 @pytest.mark.parametrize("n", [1, 9, 1001, 2**16 + 3])
 @pytest.mark.parametrize("aliased", [False, True], ids=["new", "in-place"])
 def test_dgc_compensation_equals_the_tensor_ops(n, aliased):
