@@ -104,7 +104,7 @@ void row_sum(const float* a, const float* b, int64_t cols, float* m, FiniteCheck
   }
 }
 
-// one matrix's products (the _many entry points below run them matrix after matrix)
+// one matrix's products (the _many entry points below deal the matrices with for_segments)
 void lowrank_project(const float* a, const float* b, int64_t rows, int64_t cols, const float* q, int64_t r, float* m,
                      float* p, float* nonfinite) {
   const Columns qt(q, cols, r);
@@ -240,29 +240,44 @@ void unit_column(float* p, int64_t n) {
 }
 }  // namespace
 
+namespace {
+// each matrix's elements (rows x cols): what for_segments deals the matrices by
+std::vector<int64_t> matrix_sizes(int64_t count, const int64_t* rows, const int64_t* cols) {
+  std::vector<int64_t> sizes(count);
+  for (int64_t s = 0; s < count; ++s) sizes[s] = rows[s] * cols[s];
+  return sizes;
+}
+}  // namespace
+
 API void grace_cpu_lowrank_project_many(int64_t count, const float* const* a, const float* const* b,
                                         const int64_t* rows, const int64_t* cols, const float* const* q,
                                         const int64_t* r, float* const* m, float* const* p, float* nonfinite) {
-  for (int64_t s = 0; s < count; ++s)
-    lowrank_project(a[s], b ? b[s] : nullptr, rows[s], cols[s], q[s], r[s], m ? m[s] : nullptr, p[s], nonfinite);
+  std::vector<float> flags(nonfinite ? count : 0, 0.0f);  // (each matrix's own: written by one thread)
+  for_segments(count, matrix_sizes(count, rows, cols).data(), [&](int64_t s) {
+    lowrank_project(a[s], b ? b[s] : nullptr, rows[s], cols[s], q[s], r[s], m ? m[s] : nullptr, p[s],
+                    nonfinite ? &flags[s] : nullptr);
+  });
+  for (float f : flags)
+    if (f != 0.0f) *nonfinite = 1.0f;
 }
 
 API void grace_cpu_lowrank_back_many(int64_t count, const float* const* m, const int64_t* rows, const int64_t* cols,
                                      float* const* p, const int64_t* r, int unit, float* const* q) {
-  for (int64_t s = 0; s < count; ++s) {
+  for_segments(count, matrix_sizes(count, rows, cols).data(), [&](int64_t s) {
     if (unit && r[s] == 1) unit_column(p[s], rows[s]);
     lowrank_back(m[s], rows[s], cols[s], p[s], r[s], q[s]);
-  }
+  });
 }
 
 API void grace_cpu_lowrank_expand_many(int64_t count, const float* const* p, const float* const* q, const int64_t* rows,
                                        const int64_t* cols, const int64_t* r, float divisor, float* const* q_out,
                                        float* const* out, const float* const* m, float* const* e) {
+  const std::vector<int64_t> sizes = matrix_sizes(count, rows, cols);
   int64_t bytes = 0;  // (the bucket's outputs together: beyond the caches, or not)
-  for (int64_t s = 0; s < count; ++s) bytes += 4 * rows[s] * cols[s];
-  for (int64_t s = 0; s < count; ++s) {
+  for (int64_t n : sizes) bytes += 4 * n;
+  for_segments(count, sizes.data(), [&](int64_t s) {
     for (int64_t i = 0; i < cols[s] * r[s]; ++i) q_out[s][i] = q[s][i] / divisor;
     lowrank_expand(p[s], q_out[s], rows[s], cols[s], r[s], out[s], m ? m[s] : nullptr, e ? e[s] : nullptr,
                    bytes >= kStreamBytes);
-  }
+  });
 }

@@ -167,11 +167,14 @@ def unit_order(p: np.ndarray) -> np.ndarray:
 
 
 def test_a_buckets_matrices_in_one_call_each_as_alone(threads):
-    """Every shape at once, some with a residual and some without, in one call per product:
-    each matrix's results are its one-matrix call's, bit for bit."""
-    made = [data(rows, cols, r, seed=i) for i, (rows, cols, r) in enumerate(SHAPES)]
-    shapes = [(rows, cols) for rows, cols, _ in SHAPES]
-    with_residual = [i % 2 == 0 for i in range(len(SHAPES))]
+    """Every shape at once, some with a residual and some without, in one call per product (the
+    small matrices one per thread, side by side; a large one with its rows shared): each
+    matrix's results are its one-matrix call's, bit for bit; a NaN in one small matrix raises the
+    bucket's flag."""
+    every = SHAPES + [(600, 500, 2)]
+    made = [data(rows, cols, r, seed=i) for i, (rows, cols, r) in enumerate(every)]
+    shapes = [(rows, cols) for rows, cols, _ in every]
+    with_residual = [i % 2 == 0 for i in range(len(every))]
     m_outs = [torch.empty(rows, cols) for rows, cols in shapes]
     flag = torch.zeros(1)
     ps = gn.lowrank_project_many([t(g) for g, _, _, _ in made], [t(q) for _, _, q, _ in made], shapes,
@@ -197,6 +200,9 @@ def test_a_buckets_matrices_in_one_call_each_as_alone(threads):
         want = expand_order(p, q / F(3.0))
         np.testing.assert_array_equal(approx.numpy().reshape(want.shape), want)
         np.testing.assert_array_equal(residual.numpy(), g - want if w else g)
+    made[3][0][1, 2] = np.nan
+    gn.lowrank_project_many([t(g) for g, _, _, _ in made], [t(q) for _, _, q, _ in made], shapes, nonfinite=flag)
+    assert flag.item() == 1
 
 
 @pytest.mark.parametrize("column", ["normal", "zero", "tiny", "huge", "one"])
