@@ -144,9 +144,7 @@ struct KeptRoom {
     return data.get();
   }
 };
-}  // namespace
 
-namespace {
 // A thread's room and buffers for DGC's step, kept for its next call (see KeptRoom)
 struct DgcScratch {
   KeptRoom<int64_t> sel;
