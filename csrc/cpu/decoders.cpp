@@ -186,62 +186,60 @@ constexpr int64_t kSumAlign = 128;
 void bits_sum_range(const uint8_t* const* rows, const float* lo, const float* hi, int64_t count, int64_t n,
                     int64_t e0, int64_t e1, float* out, const Finish& finish, bool stream) {
   const int64_t full = n / 8, g0 = e0 / 8, g1 = e1 / 8;
-  {
 #ifdef GRACE_SIMD
-    std::vector<F8> vlo(count), vhi(count);
-    for (int64_t j = 0; j < count; ++j) vlo[j] = set8(lo[j]), vhi[j] = set8(hi[j]);
-    const bool plain = finish.none();
-    int64_t g = g0;
+  std::vector<F8> vlo(count), vhi(count);
+  for (int64_t j = 0; j < count; ++j) vlo[j] = set8(lo[j]), vhi[j] = set8(hi[j]);
+  const bool plain = finish.none();
+  int64_t g = g0;
 #if defined(__AVX2__)
-    // 32 elements (four bytes of each row) at a time: each lane's bit shifted into place and its
-    // value, lo or hi, picked by one permute (a row's word read once for four blocks of 8)
-    std::vector<__m256> two(count);
-    for (int64_t j = 0; j < count; ++j) two[j] = _mm256_setr_ps(lo[j], hi[j], 0, 0, 0, 0, 0, 0);
-    const __m256i one = _mm256_set1_epi32(1);
-    const __m256i shift[4] = {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                              _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15),
-                              _mm256_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23),
-                              _mm256_setr_epi32(24, 25, 26, 27, 28, 29, 30, 31)};
-    // The first rows' sums (finished, where they are all the rows) looked up by their bits: a
-    // table of the 2^head sums, made row after row as below, indexed by a byte of bits per element
-    const int64_t head = kAvx512 && count > kTableRows ? 0 : std::min<int64_t>(count, kTableRows);
-    const RowsTable table(lo, hi, head, count == head ? finish : Finish());
-    const bool finished = plain || count == head;
-    if (kAvx512 && head == 0) g = bits_sum_rows32(rows, lo, hi, count, g, g1, out, finish, stream);
-    for (; g + 4 <= g1; g += 4) {
-      F8 acc[4];
-      if (head) table.lookup(rows, g, acc);
-      for (int64_t j = head; j < count; ++j) {
-        uint32_t w;
-        std::memcpy(&w, rows[j] + g, 4);
-        const __m256i word = _mm256_set1_epi32((int)w);
-        for (int q = 0; q < 4; ++q) {
-          const F8 v{_mm256_permutevar8x32_ps(two[j], _mm256_and_si256(_mm256_srlv_epi32(word, shift[q]), one))};
-          acc[q] = j ? acc[q] + v : v;
-        }
+  // 32 elements (four bytes of each row) at a time: each lane's bit shifted into place and its
+  // value, lo or hi, picked by one permute (a row's word read once for four blocks of 8)
+  std::vector<__m256> two(count);
+  for (int64_t j = 0; j < count; ++j) two[j] = _mm256_setr_ps(lo[j], hi[j], 0, 0, 0, 0, 0, 0);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i shift[4] = {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                            _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm256_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23),
+                            _mm256_setr_epi32(24, 25, 26, 27, 28, 29, 30, 31)};
+  // The first rows' sums (finished, where they are all the rows) looked up by their bits: a
+  // table of the 2^head sums, made row after row as below, indexed by a byte of bits per element
+  const int64_t head = kAvx512 && count > kTableRows ? 0 : std::min<int64_t>(count, kTableRows);
+  const RowsTable table(lo, hi, head, count == head ? finish : Finish());
+  const bool finished = plain || count == head;
+  if (kAvx512 && head == 0) g = bits_sum_rows32(rows, lo, hi, count, g, g1, out, finish, stream);
+  for (; g + 4 <= g1; g += 4) {
+    F8 acc[4];
+    if (head) table.lookup(rows, g, acc);
+    for (int64_t j = head; j < count; ++j) {
+      uint32_t w;
+      std::memcpy(&w, rows[j] + g, 4);
+      const __m256i word = _mm256_set1_epi32((int)w);
+      for (int q = 0; q < 4; ++q) {
+        const F8 v{_mm256_permutevar8x32_ps(two[j], _mm256_and_si256(_mm256_srlv_epi32(word, shift[q]), one))};
+        acc[q] = j ? acc[q] + v : v;
       }
-      for (int q = 0; q < 4; ++q) put8(out + 8 * (g + q), finished ? acc[q] : finish.apply8(acc[q]), stream);
     }
-#endif
-    for (; g < g1; ++g) {
-      F8 acc = sel8(bits8(rows[0][g]), vhi[0], vlo[0]);
-      for (int64_t j = 1; j < count; ++j) acc = acc + sel8(bits8(rows[j][g]), vhi[j], vlo[j]);
-      put8(out + 8 * g, plain ? acc : finish.apply8(acc), stream);
-    }
-    fence_streams(stream);
-#else
-    alignas(32) float acc[8], v[8];
-    for (int64_t g = g0; g < g1; ++g) {
-      select8(rows[0][g], lo[0], hi[0], acc, false);
-      for (int64_t j = 1; j < count; ++j) {
-        select8(rows[j][g], lo[j], hi[j], v, false);
-        for (int e = 0; e < 8; ++e) acc[e] += v[e];
-      }
-      for (int e = 0; e < 8; ++e) acc[e] = finish.apply(acc[e]);
-      std::memcpy(out + 8 * g, acc, sizeof acc);
-    }
-#endif
+    for (int q = 0; q < 4; ++q) put8(out + 8 * (g + q), finished ? acc[q] : finish.apply8(acc[q]), stream);
   }
+#endif
+  for (; g < g1; ++g) {
+    F8 acc = sel8(bits8(rows[0][g]), vhi[0], vlo[0]);
+    for (int64_t j = 1; j < count; ++j) acc = acc + sel8(bits8(rows[j][g]), vhi[j], vlo[j]);
+    put8(out + 8 * g, plain ? acc : finish.apply8(acc), stream);
+  }
+  fence_streams(stream);
+#else
+  alignas(32) float acc[8], v[8];
+  for (int64_t g = g0; g < g1; ++g) {
+    select8(rows[0][g], lo[0], hi[0], acc, false);
+    for (int64_t j = 1; j < count; ++j) {
+      select8(rows[j][g], lo[j], hi[j], v, false);
+      for (int e = 0; e < 8; ++e) acc[e] += v[e];
+    }
+    for (int e = 0; e < 8; ++e) acc[e] = finish.apply(acc[e]);
+    std::memcpy(out + 8 * g, acc, sizeof acc);
+  }
+#endif
   for (int64_t i = std::max(8 * full, e0); i < e1; ++i) {
     float acc = 0.0f;
     for (int64_t j = 0; j < count; ++j) {
@@ -263,29 +261,27 @@ void sign_sum_range(const uint8_t* const* rows, int64_t count, int64_t n, int64_
                     const Finish& finish, bool stream) {
   const int64_t full = n / 32, g0 = e0 / 32, g1 = e1 / 32;
   const bool vote_only = finish.vote && finish.count == 0;
-  {
-    const __m256i below = _mm256_set1_epi8((char)(count / 2)), above = _mm256_set1_epi8((char)(count - count / 2));
-    const __m256i vcount = _mm256_set1_epi32((int)count);
-    for (int64_t g = g0; g < g1; ++g) {
-      __m256i c = _mm256_setzero_si256();
-      for (int64_t j = 0; j < count; ++j) c = _mm256_sub_epi8(c, bits_in_byte_lanes(rows[j] + 4 * g));
-      const __m256i r = vote_only ? _mm256_sub_epi8(_mm256_cmpgt_epi8(above, c), _mm256_cmpgt_epi8(c, below)) : c;
-      const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-      const __m128i eighths[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-      for (int k = 0; k < 4; ++k) {
-        F8 a;
-        if (vote_only) {
-          a = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eighths[k]))};
-        } else {
-          const __m256i ck = _mm256_cvtepu8_epi32(eighths[k]);
-          a = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(ck, ck), vcount))};
-          if (!finish.none()) a = finish.apply8(a);
-        }
-        put8(out + 32 * g + 8 * k, a, stream);
+  const __m256i below = _mm256_set1_epi8((char)(count / 2)), above = _mm256_set1_epi8((char)(count - count / 2));
+  const __m256i vcount = _mm256_set1_epi32((int)count);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256i c = _mm256_setzero_si256();
+    for (int64_t j = 0; j < count; ++j) c = _mm256_sub_epi8(c, bits_in_byte_lanes(rows[j] + 4 * g));
+    const __m256i r = vote_only ? _mm256_sub_epi8(_mm256_cmpgt_epi8(above, c), _mm256_cmpgt_epi8(c, below)) : c;
+    const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    const __m128i eighths[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int k = 0; k < 4; ++k) {
+      F8 a;
+      if (vote_only) {
+        a = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eighths[k]))};
+      } else {
+        const __m256i ck = _mm256_cvtepu8_epi32(eighths[k]);
+        a = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(ck, ck), vcount))};
+        if (!finish.none()) a = finish.apply8(a);
       }
+      put8(out + 32 * g + 8 * k, a, stream);
     }
-    fence_streams(stream);
   }
+  fence_streams(stream);
   for (int64_t i = std::max(32 * full, e0); i < e1; ++i) {  // row after row, as bits_sum_range
     float acc = 0.0f;
     for (int64_t j = 0; j < count; ++j) {
@@ -349,43 +345,41 @@ void terngrad_sum_range(const uint8_t* const* rows, const float* scale, int64_t 
     return finish.apply(acc);
   };
   const int64_t full = n / 4, g0 = e0 / 4, g1 = e1 / 4;
-  {
-    int64_t g = g0;  // (chunks start at even groups: 8 elements at a time stay 32-byte apart)
+  int64_t g = g0;  // (chunks start at even groups: 8 elements at a time stay 32-byte apart)
 #if defined(GRACE_SIMD) && defined(__AVX2__)
-    // 8 elements (two bytes of each row) at a time: each lane's code shifted into place and its
-    // value picked from the row's four by one permute (the same values as the table's)
-    const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), three = _mm256_set1_epi32(3);
-    std::vector<__m256> four(count);
-    for (int64_t j = 0; j < count; ++j) four[j] = _mm256_castps128_ps256(_mm_loadu_ps(val.data() + 4 * j));
-    auto row8 = [&](int64_t j, int64_t g) {
-      uint16_t w;
-      std::memcpy(&w, rows[j] + g, 2);
-      const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), three);
-      return F8{_mm256_permutevar8x32_ps(four[j], code)};
-    };
-    const bool plain = finish.none();
-    if (kAvx512) g = terngrad_sum_rows16(rows, val.data(), count, g, g1, out, finish, stream);
-    for (; g + 2 <= g1; g += 2) {
-      F8 acc = row8(0, g);
-      for (int64_t j = 1; j < count; ++j) acc = acc + row8(j, g);
-      put8(out + 4 * g, plain ? acc : finish.apply8(acc), stream);
-    }
-    fence_streams(stream);
-#elif defined(GRACE_SIMD)
-    auto sum4 = [&](int64_t g) {
-      __m128 acc = _mm_loadu_ps(T + 4 * rows[0][g]);
-      for (int64_t j = 1; j < count; ++j) acc = _mm_add_ps(acc, _mm_loadu_ps(T + ((size_t)j * 256 + rows[j][g]) * 4));
-      return acc;
-    };
-    const bool plain = finish.none();
-    for (; g + 2 <= g1; g += 2) {
-      const F8 acc = f8(sum4(g), sum4(g + 1));
-      put8(out + 4 * g, plain ? acc : finish.apply8(acc), stream);
-    }
-    fence_streams(stream);
-#endif
-    for (int64_t i = 4 * g; i < 4 * g1; ++i) out[i] = one(i);
+  // 8 elements (two bytes of each row) at a time: each lane's code shifted into place and its
+  // value picked from the row's four by one permute (the same values as the table's)
+  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), three = _mm256_set1_epi32(3);
+  std::vector<__m256> four(count);
+  for (int64_t j = 0; j < count; ++j) four[j] = _mm256_castps128_ps256(_mm_loadu_ps(val.data() + 4 * j));
+  auto row8 = [&](int64_t j, int64_t g) {
+    uint16_t w;
+    std::memcpy(&w, rows[j] + g, 2);
+    const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), three);
+    return F8{_mm256_permutevar8x32_ps(four[j], code)};
+  };
+  const bool plain = finish.none();
+  if (kAvx512) g = terngrad_sum_rows16(rows, val.data(), count, g, g1, out, finish, stream);
+  for (; g + 2 <= g1; g += 2) {
+    F8 acc = row8(0, g);
+    for (int64_t j = 1; j < count; ++j) acc = acc + row8(j, g);
+    put8(out + 4 * g, plain ? acc : finish.apply8(acc), stream);
   }
+  fence_streams(stream);
+#elif defined(GRACE_SIMD)
+  auto sum4 = [&](int64_t g) {
+    __m128 acc = _mm_loadu_ps(T + 4 * rows[0][g]);
+    for (int64_t j = 1; j < count; ++j) acc = _mm_add_ps(acc, _mm_loadu_ps(T + ((size_t)j * 256 + rows[j][g]) * 4));
+    return acc;
+  };
+  const bool plain = finish.none();
+  for (; g + 2 <= g1; g += 2) {
+    const F8 acc = f8(sum4(g), sum4(g + 1));
+    put8(out + 4 * g, plain ? acc : finish.apply8(acc), stream);
+  }
+  fence_streams(stream);
+#endif
+  for (int64_t i = 4 * g; i < 4 * g1; ++i) out[i] = one(i);
   for (int64_t i = std::max(4 * full, e0); i < e1; ++i) out[i] = one(i);
 }
 
@@ -809,35 +803,32 @@ constexpr int64_t kDecodedBlock = 2048;
 template <class Decode, class Add = NoAdd, class Ahead = NoAhead>
 void decoded_sum_range(int64_t count, int64_t lo, int64_t hi, float* out, const Finish& finish, bool stream,
                        const Decode& decode, const Add& add = Add(), const Ahead& ahead = Ahead()) {
-  constexpr int64_t kBlock = kDecodedBlock;
-  {
-    alignas(32) float buf[kBlock], sum[kBlock];
-    for (int64_t b = lo; b < hi; b += kBlock) {
-      const int64_t e = std::min(hi, b + kBlock), m = e - b, next = std::min(hi, e + kBlock);
-      float* const o = stream ? sum : out + b;
-      ahead(0, e, next);
-      decode(0, b, e, o);
-      for (int64_t j = 1; j < count; ++j) {
-        ahead(j, e, next);
-        if (add(j, b, e, o)) continue;
-        decode(j, b, e, buf);
-        int64_t i = 0;
+  alignas(32) float buf[kDecodedBlock], sum[kDecodedBlock];
+  for (int64_t b = lo; b < hi; b += kDecodedBlock) {
+    const int64_t e = std::min(hi, b + kDecodedBlock), m = e - b, next = std::min(hi, e + kDecodedBlock);
+    float* const o = stream ? sum : out + b;
+    ahead(0, e, next);
+    decode(0, b, e, o);
+    for (int64_t j = 1; j < count; ++j) {
+      ahead(j, e, next);
+      if (add(j, b, e, o)) continue;
+      decode(j, b, e, buf);
+      int64_t i = 0;
 #ifdef GRACE_SIMD
-        for (; i + 8 <= m; i += 8) st8(o + i, ld8(o + i) + ld8(buf + i));
+      for (; i + 8 <= m; i += 8) st8(o + i, ld8(o + i) + ld8(buf + i));
 #endif
-        for (; i < m; ++i) o[i] += buf[i];
-      }
-      finish.range(o, m);
-      if (stream) {
-        int64_t i = 0;
-#ifdef GRACE_SIMD
-        for (; i + 8 <= m; i += 8) put8(out + b + i, ld8(o + i), true);
-#endif
-        std::memcpy(out + b + i, o + i, 4 * (m - i));
-      }
+      for (; i < m; ++i) o[i] += buf[i];
     }
-    fence_streams(stream);
+    finish.range(o, m);
+    if (stream) {
+      int64_t i = 0;
+#ifdef GRACE_SIMD
+      for (; i + 8 <= m; i += 8) put8(out + b + i, ld8(o + i), true);
+#endif
+      std::memcpy(out + b + i, o + i, 4 * (m - i));
+    }
   }
+  fence_streams(stream);
 }
 }  // namespace
 
