@@ -84,6 +84,25 @@ void row_products(const float* x, int64_t cols, const Columns& qt, int64_t r, fl
   }
 }
 
+// o = row i of P Q^T (pi: P's row, r terms), each element summed over k ascending from the
+// first term, subnormals flushed: expand's approximation, and the one a deferred residual subtracts
+void approx_row(const float* pi, const Columns& qt, int64_t cols, int64_t r, float* o) {
+  FlushDenormals flush;
+  int64_t j = 0;
+#ifdef GRACE_SIMD
+  for (; j + 8 <= cols; j += 8) {
+    F8 v = set8(pi[0]) * ld8(qt.row(0, cols) + j);
+    for (int64_t k = 1; k < r; ++k) v = v + set8(pi[k]) * ld8(qt.row(k, cols) + j);
+    st8(o + j, v);
+  }
+#endif
+  for (; j < cols; ++j) {
+    float v = pi[0] * qt.row(0, cols)[j];
+    for (int64_t k = 1; k < r; ++k) v = v + pi[k] * qt.row(k, cols)[j];
+    o[j] = v;
+  }
+}
+
 // m = a + b, a row of cols floats (m may be a or b); a's infs and NaNs told to check
 void row_sum(const float* a, const float* b, int64_t cols, float* m, FiniteCheck& check) {
   int64_t j = 0;
@@ -104,16 +123,42 @@ void row_sum(const float* a, const float* b, int64_t cols, float* m, FiniteCheck
   }
 }
 
+// m = a + (b - d), a row of cols floats (m may be a or b): b's deferred subtraction of d first
+void row_sum_less(const float* a, const float* b, const float* d, int64_t cols, float* m, FiniteCheck& check) {
+  int64_t j = 0;
+#ifdef GRACE_SIMD
+  for (; j + 8 <= cols; j += 8) {
+    if (!(j & 15)) {
+      prefetch(a + j);
+      prefetch(b + j);
+    }
+    const F8 v = ld8(a + j);
+    check.add8(v);
+    st8(m + j, v + (ld8(b + j) - ld8(d + j)));
+  }
+#endif
+  for (; j < cols; ++j) {
+    check.add(a[j]);
+    m[j] = a[j] + (b[j] - d[j]);
+  }
+}
+
 // one matrix's products (the _many entry points below deal the matrices with for_segments)
-void lowrank_project(const float* a, const float* b, int64_t rows, int64_t cols, const float* q, int64_t r, float* m,
-                     float* p, float* nonfinite) {
+void lowrank_project(const float* a, const float* b, const float* dp, const float* dq, int64_t rows, int64_t cols,
+                     const float* q, int64_t r, float* m, float* p, float* nonfinite) {
   const Columns qt(q, cols, r);
+  const Columns dqt(dp ? dq : q, cols, dp ? r : 1);  // (unused without dp)
   std::atomic<bool> bad{false};
   for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
     FiniteCheck check;
+    std::vector<float> deferred(dp ? cols : 0);
     for (int64_t i = lo; i < hi; ++i) {
       const float* x = a + i * cols;
-      if (b) {  // the row's sum, stored, then read back from the cache for its products
+      if (b && dp) {  // b's row less its deferred approximation, plus a
+        approx_row(dp + i * r, dqt, cols, r, deferred.data());
+        row_sum_less(x, b + i * cols, deferred.data(), cols, m + i * cols, check);
+        x = m + i * cols;
+      } else if (b) {  // the row's sum, stored, then read back from the cache for its products
         row_sum(x, b + i * cols, cols, m + i * cols, check);
         x = m + i * cols;
       } else if (nonfinite) {
@@ -187,24 +232,8 @@ void lowrank_expand(const float* p, const float* q, int64_t rows, int64_t cols, 
   for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
     std::vector<float> row(e ? cols : 0);
     for (int64_t i = lo; i < hi; ++i) {
-      const float* pi = p + i * r;
       float* o = e ? row.data() : out + i * cols;
-      {
-        FlushDenormals flush;
-        int64_t j = 0;
-#ifdef GRACE_SIMD
-        for (; j + 8 <= cols; j += 8) {
-          F8 v = set8(pi[0]) * ld8(qt.row(0, cols) + j);
-          for (int64_t k = 1; k < r; ++k) v = v + set8(pi[k]) * ld8(qt.row(k, cols) + j);
-          st8(o + j, v);
-        }
-#endif
-        for (; j < cols; ++j) {
-          float v = pi[0] * qt.row(0, cols)[j];
-          for (int64_t k = 1; k < r; ++k) v = v + pi[k] * qt.row(k, cols)[j];
-          o[j] = v;
-        }
-      }
+      approx_row(p + i * r, qt, cols, r, o);
       if (e) {  // the row's residual, and the row of out
         const float* mi = m + i * cols;
         float* ei = e + i * cols;
@@ -250,12 +279,14 @@ std::vector<int64_t> matrix_sizes(int64_t count, const int64_t* rows, const int6
 }  // namespace
 
 API void grace_cpu_lowrank_project_many(int64_t count, const float* const* a, const float* const* b,
-                                        const int64_t* rows, const int64_t* cols, const float* const* q,
-                                        const int64_t* r, float* const* m, float* const* p, float* nonfinite) {
+                                        const float* const* dp, const float* const* dq, const int64_t* rows,
+                                        const int64_t* cols, const float* const* q, const int64_t* r,
+                                        float* const* m, float* const* p, float* nonfinite) {
   std::vector<float> flags(nonfinite ? count : 0, 0.0f);  // (each matrix's own: written by one thread)
   for_segments(count, matrix_sizes(count, rows, cols).data(), [&](int64_t s) {
-    lowrank_project(a[s], b ? b[s] : nullptr, rows[s], cols[s], q[s], r[s], m ? m[s] : nullptr, p[s],
-                    nonfinite ? &flags[s] : nullptr);
+    const bool deferred = b && b[s] && dp && dp[s];
+    lowrank_project(a[s], b ? b[s] : nullptr, deferred ? dp[s] : nullptr, deferred ? dq[s] : nullptr, rows[s],
+                    cols[s], q[s], r[s], m ? m[s] : nullptr, p[s], nonfinite ? &flags[s] : nullptr);
   });
   for (float f : flags)
     if (f != 0.0f) *nonfinite = 1.0f;

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 21
+#define GRACE_NATIVE_ABI 22
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -267,11 +267,14 @@ void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves, co
  * cols[s], its factors q[s] (cols x r[s]) and p[s] (rows x r[s]), all row-major; each element
  * summed in one fixed order on every build and thread count. project: p = M q, M = a, or
  * M = a + b (b not NULL: an array with an entry per matrix) written into m (which may be a or
- * b); *nonfinite = 1.0f where an a holds an inf or a NaN, left as it is otherwise (may be NULL).
+ * b), or M = a + (b - dp dq^T) where dp and dp[s] are not NULL (dp rows x r, dq cols x r: a
+ * residual whose subtraction was left to this pass, each element of dp dq^T made as expand makes
+ * out); *nonfinite = 1.0f where an a holds an inf or a NaN, left as it is otherwise (may be NULL).
  * back: q = M^T p, where unit is set each p of one column first made p / |p| in place (the
  * squares summed in float64; the first unit vector where p is zero). expand: q_out = q / divisor,
  * then out = p q_out^T; where e is not NULL, also e = m - out (e may be m, out may not). */
-void grace_cpu_lowrank_project_many(int64_t count, const float* const* a, const float* const* b, const int64_t* rows,
+void grace_cpu_lowrank_project_many(int64_t count, const float* const* a, const float* const* b,
+                                    const float* const* dp, const float* const* dq, const int64_t* rows,
                                     const int64_t* cols, const float* const* q, const int64_t* r, float* const* m,
                                     float* const* p, float* nonfinite);
 void grace_cpu_lowrank_back_many(int64_t count, const float* const* m, const int64_t* rows, const int64_t* cols,

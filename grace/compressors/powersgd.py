@@ -7,6 +7,8 @@
 
 Vectors and scalars travel uncompressed in the first round. Q is the per-tensor state; with
 the 'powersgd' memory the residual is e = M - P Q^T against the approximation all ranks share.
+Where the next step's first product makes M = g + e in its pass (a CPU's native call), e is
+never written: the memory keeps M, P and Q (``LowRankResidual``) and that pass subtracts P Q^T.
 
 A bucket's tensors go through their rounds together (``rounds_many``; ``rounds`` is that for
 one tensor). On a CPU (torch) each product is one grace.native call for all the bucket's
@@ -14,9 +16,14 @@ matrices (each element summed in one fixed order), rank 1's orthonormalisation i
 second, Q / n in the third, and with the residual memory the compensation M = g + e and the
 overflow check are in the first product's pass over g and e.
 """
+from dataclasses import dataclass
+from typing import Any
+
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_seed, Collective, Compressor, native_or_none, Traits
+from grace.core.memory import Deferred
 from grace.core.registry import example, register
+from grace.core.tensors import backend_for
 from grace.memories import make_memory
 
 
@@ -51,7 +58,11 @@ class PowerSGD(Compressor):
         except StopIteration as done:
             return done.value[0]
 
-    def rounds_many(self, xp, xs, infos, qs, outs=None, firsts=None, residual_over=None):
+    def rounds_many(self, xp, xs, infos, qs, outs=None, firsts=None, deferred=None):
+        """The rounds of a bucket's tensors (a generator: it yields each round's payloads and is
+        sent their sums), returning each tensor's (result, p_hat, new Q). Where ``deferred[i]``,
+        a matrix's p_hat is its approximation unmade (``Factors``: the memory keeps its residual
+        against x_i, x_i's buffer, as a ``LowRankResidual``)."""
         n, count = infos[0].world_size, len(xs)
         outs, firsts = outs or [None] * count, firsts or [None] * count
         matrices = [i for i, x in enumerate(xs) if len(xp.shape(x)) >= 2]
@@ -72,12 +83,44 @@ class PowerSGD(Compressor):
         # P Q^T straight into out where it has the matrix's dtype: no copy
         into = [outs[i] if outs[i] is not None and xp.dtype(xs[i]) == xp.dtype(outs[i]) == "float32" else None
                 for i in matrices]
-        over = [bool(residual_over and residual_over[i]) for i in matrices]
-        approx, q = _expand(xp, p, [summed[i][0] for i in matrices], n, into, [xs[i] for i in matrices], over)
-        for i, a, q_i, placed in zip(matrices, approx, q, into):
+        approx, q = _expand(xp, p, [summed[i][0] for i in matrices], n, into)
+        for i, a, p_i, q_i, placed in zip(matrices, approx, p, q, into):
             a = a if placed is not None else xp.reshape(xp.cast(a, xp.dtype(xs[i])), xp.shape(xs[i]))
-            results[i] = (a, a, q_i)
+            # (P copied: the summed payload's buffer holds the next step's before the memory is read
+            # again where that step is skipped)
+            results[i] = (a, Factors(xp.copy(p_i), q_i) if deferred and deferred[i] else a, q_i)
         return results
+
+
+@dataclass(frozen=True)
+class Factors:
+    """An approximation P Q^T (rows x r, cols x r) not made."""
+
+    p: Any
+    q: Any
+
+    def residual_of(self, m) -> "LowRankResidual":
+        return LowRankResidual(m, self.p, self.q)
+
+
+@dataclass(frozen=True)
+class LowRankResidual(Deferred):
+    """PowerSGD's residual e = M - P Q^T, kept as M (``buffer``, the compensated gradient) and the
+    factors: the next step's first product subtracts P Q^T in its pass over M."""
+
+    buffer: Any
+    p: Any
+    q: Any
+
+    def value(self):
+        xp = backend_for(self.buffer)
+        m = xp.reshape(self.buffer, (xp.shape(self.p)[0], -1))
+        e = xp.zeros_like(m)
+        made = native_products(xp, "lowrank_expand_many", [self.p], [self.q], [xp.shape(m)], [None], 1.0,
+                               ms=[m], residual_outs=[e])  # (P Q^T as the expand that made p_hat makes it)
+        if made is None:
+            e = m - xp.matmul(self.p, xp.transpose(self.q))
+        return xp.reshape(e, xp.shape(self.buffer))
 
 
 def matrix_shape(xp, x):
@@ -115,21 +158,16 @@ def _orthonormalise_and_back(xp, ms, ps):
     return ps, [xp.reshape(q, (xp.shape(m)[1], -1)) for q, m in zip(qs, ms)]
 
 
-def _expand(xp, ps, qs, n, into, xs, residual_over):
-    """Q = Q / n, and P Q^T of each matrix (into ``into[i]`` where given); where
-    ``residual_over[i]``, also x_i - P Q^T over x_i in the same pass: (approximations, Qs)."""
+def _expand(xp, ps, qs, n, into):
+    """Q = Q / n, and P Q^T of each matrix (into ``into[i]`` where given): (approximations, Qs)."""
     shapes = [(xp.shape(p)[0], xp.shape(q)[0]) for p, q in zip(ps, qs)]
-    residual = {} if not any(residual_over) else dict(
-        ms=xs, residual_outs=[x if over else None for x, over in zip(xs, residual_over)])
-    done = native_products(xp, "lowrank_expand_many", ps, qs, shapes, into, n, **residual)
+    done = native_products(xp, "lowrank_expand_many", ps, qs, shapes, into, n)
     if done is not None:
         approx, divided = done
         return approx, [xp.reshape(q, xp.shape(old)) for q, old in zip(divided, qs)]
     qs = xp.divide_many(qs, n)
     approx = [xp.matmul(p, xp.transpose(q)) if o is None else xp.matmul_into(p, xp.transpose(q), o)
               for p, q, o in zip(ps, qs, into)]
-    over = [(x, xp.reshape(a, xp.shape(x))) for x, a, o in zip(xs, approx, residual_over) if o]
-    xp.subtract_many_into([x for x, _ in over], [a for _, a in over])
     return approx, qs
 
 

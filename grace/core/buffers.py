@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable
 
+from grace.core.memory import buffer_of
+
 
 def same_layout(xp, a, b) -> bool:
     """Whether state values ``a`` and ``b`` (tensors, or tuples of them) have the same shapes,
@@ -53,10 +55,11 @@ class Buffers:
         return xp.concat_flat(grads, buffer)
 
     def take_spare(self, key: str, xp, current):
-        """``key``'s spare memory (taken out), laid out like ``current``, to write a new value
-        into; None where tensors are immutable."""
+        """``key``'s spare memory (taken out), laid out like ``current`` (a deferred state: like
+        its buffer), to write a new value into; None where tensors are immutable."""
         if not xp.mutable_tensors or current is None:
             return None
+        current = buffer_of(current)
         spare = self.spares.pop(key, None)
         if spare is None or not same_layout(xp, spare, current):
             spare = tuple(xp.zeros_like(t) for t in current) if isinstance(current, tuple) else xp.zeros_like(current)

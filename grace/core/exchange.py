@@ -307,7 +307,8 @@ class Exchange:
     # --- state and checkpointing -----------------------------------------------------------
     @property
     def memory(self) -> Dict[str, Any]:
-        """Error-feedback state per tensor name (views of a bucket's flat memory)."""
+        """Error-feedback state per tensor name (views of a bucket's flat memory; a state whose
+        last operation was deferred, PowerSGD's residual on a CPU, made: a new tensor)."""
         return states.by_name("memory", self.store.tables["memory"], self._buckets)
 
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+from grace.core.memory import buffer_of
 from grace.core.tensors import backend_for
 
 
@@ -113,8 +114,8 @@ class Journal:
         if self._before and not no_overflow(overflow):
             for (table, key), old in self._before.items():
                 if isinstance(overflow, int):
-                    if spares.get(key) is old:
-                        spares[key] = self.store.value(table, key)
+                    if spares.get(key) is buffer_of(old):  # (the new value's buffer is free instead)
+                        spares[key] = buffer_of(self.store.value(table, key))
                     self.store.set(table, key, old)
                 elif old is not None:  # traced: chosen when the step runs
                     self.store.set(table, key, _chosen(overflow, old, self.store.value(table, key)))

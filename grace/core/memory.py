@@ -52,3 +52,26 @@ class Memory:
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({params})"
+
+
+class Deferred:
+    """A state whose last operation is left to the pass that next reads it (PowerSGD's residual
+    e = M - P Q^T: the next step's first product reads M anyway, so e is never written, two
+    passes over the gradients fewer a step). ``buffer``: the tensor that holds it (the exchange
+    writes the next state into a spare buffer like it); ``value()``: the state made now, a new
+    tensor (what a checkpoint saves and ``Exchange.memory`` shows)."""
+
+    buffer: Any
+
+    def value(self):
+        raise NotImplementedError
+
+
+def stored(state):
+    """``state`` as the tensor (or tuple of them, or None) it stands for: a Deferred one made now."""
+    return state.value() if isinstance(state, Deferred) else state
+
+
+def buffer_of(state):
+    """The tensor (or tuple of them) that holds ``state``."""
+    return state.buffer if isinstance(state, Deferred) else state

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Dict
 
-from grace.core.tensors import backend_for
 from grace.core.buffers import flat_concat
+from grace.core.memory import stored
+from grace.core.tensors import backend_for
 
 TABLES = ("memory", "state", "steps", "owner")  # owner: the two-phase exchange's memory of its shard
 
@@ -64,21 +65,22 @@ def state_view(value, segment):
 
 
 def copied(value):
-    """A copy of a state value (a tensor, a tuple of them, or None)."""
+    """A copy of a state value (a tensor, a tuple of them, or None; a deferred state made)."""
     if value is None:
         return None
+    value = stored(value)
     xp = backend_for(value[0] if isinstance(value, tuple) else value)
     return tuple(xp.copy(t) for t in value) if isinstance(value, tuple) else xp.copy(value)
 
 
 def by_name(table: str, values: Dict[str, Any], buckets: Dict[str, Any]) -> Dict[str, Any]:
     """``values`` with each bucket's entry split into its gradients' (a step counter is each
-    gradient's; a flat memory is cut per segment)."""
+    gradient's; a flat memory is cut per segment; a deferred state is made)."""
     out = {}
     for key, value in values.items():
         bucket = buckets.get(key)
         if bucket is None:
-            out[key] = value
+            out[key] = stored(value)
         else:
             out.update((s.name, value if table == "steps" else state_view(value, s)) for s in bucket.segments)
     return out

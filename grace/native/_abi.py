@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 21  # GRACE_NATIVE_ABI
+ABI = 22  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -74,7 +74,7 @@ CPU = {
     "compress_many": (_I, [_I, _L, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P]),
     "half_encode_many": (None, [_L, _P, _P, _F, _P]),
     "half_decode_many": (None, [_L, _P, _P, _F, _F, _P]),
-    "lowrank_project_many": (None, [_L, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "lowrank_project_many": (None, [_L, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "lowrank_back_many": (None, [_L, _P, _P, _P, _P, _P, _I, _P]),
     "lowrank_expand_many": (None, [_L, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P]),
 }

@@ -1,6 +1,7 @@
 """PowerSGD's products for a bucket's matrices (CPU), each element summed in one fixed order.
 
-    lowrank_project_many(ms, qs, shapes, residuals, m_outs), lowrank_back_many(ms, ps, shapes, unit),
+    lowrank_project_many(ms, qs, shapes, residuals, m_outs, nonfinite, deferred),
+    lowrank_back_many(ms, ps, shapes, unit),
     lowrank_expand_many(ps, qs, shapes, outs, divisor, ms, residual_outs);
     lowrank_project, lowrank_back, lowrank_expand: the same for one matrix
 """
@@ -31,30 +32,35 @@ def _rank(n: int, rows: int, cols: int, factor: int, factor_rows: int) -> int:
     return r
 
 
-def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=None):
+def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=None, deferred=None):
     """PowerSGD's first product for many matrices in one call (CPU): for each s, p_s = M_s q_s,
     flat (rows x r, row-major), for M_s the rows x cols (``shapes[s]``) float32 matrix in
     ``ms[s]``, or, where ``residuals[s]`` is given (not None), M_s = ms[s] + residuals[s] written
-    into ``m_outs[s]`` in the same pass. ``nonfinite`` (a one-element float32 tensor, optional)
-    is set to 1 where an ms[s] holds an inf or a NaN and left as it is otherwise (a bucket's
-    gradients share one). Each element is summed in one fixed order on every build and thread
-    count. Returns the p_s, views of one new buffer."""
+    into ``m_outs[s]`` in the same pass; where ``deferred[s]`` is also given, a pair (p', q') of
+    factors of q_s's shape, M_s = ms[s] + (residuals[s] - p' q'^T), the residual's subtraction
+    left to this pass (p' q'^T made as ``lowrank_expand_many`` makes it). ``nonfinite`` (a
+    one-element float32 tensor, optional) is set to 1 where an ms[s] holds an inf or a NaN and
+    left as it is otherwise (a bucket's gradients share one). Each element is summed in one
+    fixed order on every build and thread count. Returns the p_s, views of one new buffer."""
     kind = _cpu_kind(ms[0])
     mb, qb = _lowrank_buffers(kind, ms), _lowrank_buffers(kind, qs)
     ranks = [_rank(m.n, rows, cols, q.n, cols) for m, q, (rows, cols) in zip(mb, qb, shapes)]
-    sums = outs = None
+    sums = outs = dps = dqs = None
     if residuals is not None:
         sums, outs = _where_given(kind, residuals, m_outs)
         if any(e is not None and not e.n == o.n == m.n for e, o, m in zip(sums, outs, mb)):
             raise ValueError("each residual and m_out must have its matrix's size")
+        if deferred is not None:
+            dps, dqs = _deferred_factors(kind, deferred, sums, shapes, ranks)
     flag = None
     if nonfinite is not None:
         (flag,) = _lowrank_buffers(kind, [], [nonfinite])
         if flag.n != 1:
             raise ValueError("the overflow flag is one float32 element")
     ps, places = _factors(kind, [rows * r for (rows, _), r in zip(shapes, ranks)])
-    call(kind, "lowrank_project_many", len(mb), _pointers(mb), _maybe_pointers(sums), *_shapes(shapes), _pointers(qb),
-         _int64s(ranks), _maybe_pointers(outs), places, flag and flag.ptr)
+    call(kind, "lowrank_project_many", len(mb), _pointers(mb), _maybe_pointers(sums), _maybe_pointers(dps),
+         _maybe_pointers(dqs), *_shapes(shapes), _pointers(qb), _int64s(ranks), _maybe_pointers(outs), places,
+         flag and flag.ptr)
     return _wrap_list(kind, ps)
 
 
@@ -99,10 +105,11 @@ def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, res
     return [o if b is None else kind.wrap(b.obj) for o, b in zip(outs, made)], [kind.wrap(q) for q in divided]
 
 
-def lowrank_project(m, q, rows: int, cols: int, residual=None, m_out=None, nonfinite=None):
+def lowrank_project(m, q, rows: int, cols: int, residual=None, m_out=None, nonfinite=None, deferred=None):
     """lowrank_project_many of one matrix."""
     return lowrank_project_many([m], [q], [(rows, cols)], None if residual is None else [residual],
-                                None if residual is None else [m_out], nonfinite)[0]
+                                None if residual is None else [m_out], nonfinite,
+                                None if deferred is None else [deferred])[0]
 
 
 def lowrank_back(m, p, rows: int, cols: int, unit: bool = False):
@@ -141,6 +148,21 @@ def _where_given(kind, inputs, outputs):
     for k, s in enumerate(given):
         ins[s], outs[s] = bufs[k], bufs[len(given) + k]
     return ins, outs
+
+
+def _deferred_factors(kind, deferred, sums, shapes, ranks):
+    """The buffers of each given pair of deferred factors (rows x r and cols x r), None elsewhere."""
+    dps, dqs = [None] * len(sums), [None] * len(sums)
+    given = [s for s, pair in enumerate(deferred) if pair is not None]
+    if any(sums[s] is None for s in given):
+        raise ValueError("deferred factors need the residual they are subtracted from")
+    bufs = _lowrank_buffers(kind, [t for s in given for t in deferred[s]])  # (one pass over them all)
+    for k, s in enumerate(given):
+        dps[s], dqs[s] = bufs[2 * k], bufs[2 * k + 1]
+        (rows, cols), r = shapes[s], ranks[s]
+        if dps[s].n != rows * r or dqs[s].n != cols * r:
+            raise ValueError(f"deferred factors of a {rows} x {cols} matrix must be {rows} x {r} and {cols} x {r}")
+    return dps, dqs
 
 
 def _maybe_pointers(bufs):

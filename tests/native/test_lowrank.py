@@ -139,6 +139,29 @@ def test_subnormals_are_flushed_in_the_products_only():
     np.testing.assert_array_equal(m.numpy(), g + e)  # the residual keeps every subnormal
 
 
+@pytest.mark.parametrize("rows, cols, r", SHAPES)
+def test_a_deferred_residual_is_subtracted_in_the_compensating_pass(rows, cols, r, threads):
+    """project with a residual e = m - p' q'^T left unmade (``deferred``): M = g + (m - p' q'^T)
+    written out, bit for bit the M of e made by expand first (p' q'^T as expand makes it,
+    subnormal products flushed: p' holds tiny values), and P = M q from it."""
+    g, m, q, _ = data(rows, cols, r, seed=2)
+    _, _, dq, dp = data(rows, cols, r, seed=3)
+    dp[::2] *= F(1e-30)  # (their products with dq are subnormal: flushed to zero)
+    e = torch.empty(rows, cols)
+    gn.lowrank_expand(t(dp), t(dq), rows, cols, m=t(m), residual_out=e)
+    made = torch.empty(rows, cols)
+    want = gn.lowrank_project(t(g), t(q), rows, cols, residual=e, m_out=made)
+    m_out, flag = torch.empty(rows, cols), torch.zeros(1)
+    got = gn.lowrank_project(t(g), t(q), rows, cols, residual=t(m), m_out=m_out, nonfinite=flag,
+                             deferred=(t(dp), t(dq)))
+    assert torch.equal(m_out, made) and torch.equal(got, want) and flag.item() == 0
+    normal = np.abs(expand_order(dp, dq)) >= np.finfo(F).tiny
+    np.testing.assert_array_equal(m_out.numpy()[normal], (g + (m - expand_order(dp, dq)))[normal])
+    in_place = t(m.copy())  # (M may be written over the residual it is made from)
+    gn.lowrank_project(t(g), t(q), rows, cols, residual=in_place, m_out=in_place, deferred=(t(dp), t(dq)))
+    assert torch.equal(in_place, made)
+
+
 def test_refusals_name_the_problem():
     g, e, q, p = data(4, 8, 1)
     with pytest.raises(ValueError, match="4 x 9 matrix"):
@@ -151,6 +174,10 @@ def test_refusals_name_the_problem():
         gn.lowrank_project(t(g), t(q), 4, 8, nonfinite=torch.zeros(2))
     with pytest.raises(ValueError, match="elements"):
         gn.lowrank_expand(t(p), t(q), 4, 8, out=torch.empty(3, 8))
+    with pytest.raises(ValueError, match="must be 4 x 1 and 8 x 1"):
+        gn.lowrank_project(t(g), t(q), 4, 8, residual=t(e), m_out=torch.empty(4, 8), deferred=(t(p), t(q[:4])))
+    with pytest.raises(ValueError, match="need the residual"):
+        gn.lowrank_project_many([t(g)], [t(q)], [(4, 8)], [None], [None], deferred=[(t(p), t(q))])
     if torch.cuda.is_available() and gn.available("cuda"):  # CPU kernels (a GPU has its BLAS)
         with pytest.raises(NativeUnavailable):
             gn.lowrank_back(t(g).cuda(), t(p).cuda(), 4, 8)

@@ -62,6 +62,33 @@ def test_an_overflow_costs_one_step(xp, variant, bad, in_place):
     assert_same_state(xp, clean.state_dict(), faulty.state_dict(), ("memory", "state"), variant)
 
 
+class JoinedSums(ReplicaCommunicator):
+    """A communicator without a grouped allreduce: the exchange joins each round's payloads in a
+    buffer it keeps, summed there in place, so the next step's sums overwrite this step's."""
+
+    def grouped_allreduce(self, dtype):
+        return False
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+@pytest.mark.parametrize("bucket_mb", [0, 25])
+def test_powersgd_deferred_memory_survives_a_skipped_step_whose_sums_overwrite_its_factors(bucket_mb, rank):
+    """PowerSGD's memory keeps M and the factors, P Q^T subtracted in the next step's first pass
+    (a CPU's native products): after a skipped step it is put back, its P intact although the
+    skipped step's sums went where the P it keeps was summed (rank 1: P made a unit vector there)."""
+    xp = get_backend("torch")
+    faulty, clean = (grace.Exchange(configured(lambda: grace.powersgd(rank), dict(bucket_mb=bucket_mb)),
+                                    JoinedSums(3)) for _ in range(2))
+    faulty.exchange(gradients(xp, 0))
+    clean.exchange(gradients(xp, 0))
+    faulty.exchange(overflowing(xp, 1, np.inf))
+    for s in (2, 3):
+        want, got = clean.exchange(gradients(xp, s)), faulty.exchange(gradients(xp, s))
+        for name in want:
+            assert_same(xp, want[name], got[name], f"powersgd step {s} {name}")
+    assert_same_state(xp, clean.state_dict(), faulty.state_dict(), ("memory", "state"), "powersgd")
+
+
 @pytest.mark.parametrize("method", ["topk", "randomk", "threshold", "signum", "dgc", "powersgd", "qsgd", "onebit"])
 @pytest.mark.parametrize("bucket_mb", [0, 25])
 def test_tensorflow_traced_overflow_costs_one_step(method, bucket_mb):

@@ -142,12 +142,13 @@ class MethodKernels:
                               *self.arguments(), finish=finish)
 
     # --- the multi-round plan ---------------------------------------------------------------
-    def rounds_many(self, xp, xs, infos: Sequence[TensorInfo], states, outs=None, firsts=None, residual_over=None):
+    def rounds_many(self, xp, xs, infos: Sequence[TensorInfo], states, outs=None, firsts=None, deferred=None):
         """All of a bucket's rounds in one generator: each round yields every tensor's payload
         (an empty tuple once its rounds are done), all summed by one allreduce, and receives the
         sums; it returns every tensor's (g_hat, p_hat, state). ``firsts[i]``: tensor i's first
-        payload where ``firsts_with_residual`` made it; ``residual_over[i]``: the rounds then
-        write x_i - p_hat over x_i. Here: each tensor's ``rounds`` side by side."""
+        payload where ``firsts_with_residual`` made it; ``deferred[i]``: p_hat is then left
+        unmade, an object whose ``residual_of(x_i)`` is the new memory (a ``Deferred`` state).
+        Here: each tensor's ``rounds`` side by side."""
         assert not any(firsts or []), "firsts come from a method's own firsts_with_residual"
         count = len(xs)
         running = [self.compressor.rounds(xp, x, info, state, out)

@@ -3,13 +3,15 @@ each round's payloads summed by one allreduce (``MethodKernels.rounds_many``).
 
 Each gradient keeps its own memory. Where tensors are mutable, p = compensate(g, e) is written
 into the gradient's spare buffer (by the kernel that makes its first payload, where the method
-has one: ``Memory.fused_firsts``), and the rounds' last pass may write the new memory over it.
+has one: ``Memory.fused_firsts``); there the new memory is p less the approximation, that
+subtraction deferred to the next step's first pass (a ``Deferred`` memory holding p's buffer).
 """
 from __future__ import annotations
 
 from typing import Any, List
 
 from grace.core.journal import any_flag, no_overflow, poisoned_many
+from grace.core.memory import buffer_of, stored
 from grace.core.plans.base import BucketPending, BucketPlan, defers_on_device
 from grace.core.plans.reference import later_rounds
 
@@ -34,7 +36,7 @@ class MultiRound(BucketPlan):
         outs = list(g_units) if s.writes_over(xp, g) else None
         shared = xp.zeros(1, "float32", like=g) if in_passes else None  # the fused first rounds set it
         firsts = self._compensate_in_first_rounds(xp, units, g_units, pending.old, infos, states, shared)
-        pending.updates = [first is not None for first in firsts]  # their rounds write the new memory over p
+        pending.updates = [first is not None for first in firsts]  # their new memory: p less p_hat, deferred
         rest = [i for i, first in enumerate(firsts) if first is None]
         if in_passes:  # (0 where no fused round ran)
             pending.flag = any_flag(xp, [shared] + ([xp.nonfinite([g_units[i] for i in rest])] if rest else []))
@@ -70,6 +72,7 @@ class MultiRound(BucketPlan):
         tensors are mutable, all at once where the memory can (``Memory.compensate_many_into``)."""
         s = self.services
         memory = s.compression.memory
+        es = [stored(e) for e in es]  # (a deferred memory made: the fused first rounds did not run)
         spares = [s.buffers.take_spare(key, xp, e) if memory.needs_feedback and not isinstance(e, tuple) else None
                   for key, e in zip(keys, es)]
         ps = [None] * len(gs)
@@ -109,8 +112,9 @@ class MultiRound(BucketPlan):
         return delivered
 
     def _new_memories(self, pending: BucketPending, results):
-        """Each gradient's new memory: where p is its spare buffer, written there (by the rounds'
-        last pass already, where they say so), all at once; else a new one."""
+        """Each gradient's new memory: where p is its spare buffer, written there, all at once, or,
+        where the fused first rounds made p, p with its subtraction deferred (the rounds gave
+        p_hat as factors); else a new one."""
         s, xp = self.services, pending.xp
         memory = s.compression.memory
         if not memory.needs_feedback:
@@ -124,8 +128,8 @@ class MultiRound(BucketPlan):
             new_memory = []
             for i, (u, p_u, e) in enumerate(zip(pending.units, pending.p, pending.old)):
                 if in_spare[i]:
-                    new_memory.append(updated.get(i, p_u))
-                    s.buffers.spares[u.name] = e  # and the old memory is the next step's spare
+                    new_memory.append(results[i][1].residual_of(p_u) if pending.updates[i] else updated[i])
+                    s.buffers.spares[u.name] = buffer_of(e)  # and the old memory is the next step's spare
                 else:
                     new_memory.append(memory.update(xp, p_u, results[i][1], e))
             return new_memory
