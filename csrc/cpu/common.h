@@ -54,6 +54,7 @@ extern std::atomic<int> g_threads;
 #if defined(__AVX2__)
 extern const bool kAvx512;  // (runtime.cpp) the AVX-512 bodies run: see below
 #endif
+int64_t cache_bytes();  // (runtime.cpp) the last-level cache's bytes: grace_cpu_set_cache_bytes
 }  // namespace grace_cpu
 
 namespace {
@@ -108,6 +109,11 @@ inline void prefetch(const void* p) {
 // as memcpy does: no read of each line before it is overwritten, half the memory traffic.
 constexpr int64_t kStreamBytes = 8 << 20;
 inline bool streams(const void* out, int64_t bytes) { return bytes >= kStreamBytes && (uintptr_t)out % 16 == 0; }
+// A payload the step's collective reads right after it is written stays in the caches where a
+// quarter of the last-level cache holds it
+inline bool streams_payload(int64_t bytes) {
+  return bytes >= std::max<int64_t>(kStreamBytes, grace_cpu::cache_bytes() / 4);
+}
 #if defined(__SSE2__)
 // 4 floats at out (16-byte aligned when stream), streamed or stored
 inline void store4(float* out, __m128 v, bool stream) {

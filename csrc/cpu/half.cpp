@@ -79,10 +79,10 @@ void half_decode(const uint16_t* h, int64_t n, float factor, float divisor, floa
   for (; i < n; ++i) one(i);
 }
 
-// the kernel for a call: reciprocal where exact; streaming where the call writes `bytes` in all
+// the kernel for a call: reciprocal where exact; streaming where `s`
 template <class Kernel>
-Kernel pick(Kernel plain, Kernel reciprocal, Kernel stream, Kernel both, float divisor, int64_t bytes) {
-  const bool r = exact_reciprocal(divisor), s = bytes >= kStreamBytes;
+Kernel pick(Kernel plain, Kernel reciprocal, Kernel stream, Kernel both, float divisor, bool s) {
+  const bool r = exact_reciprocal(divisor);
   return s ? (r ? both : stream) : (r ? reciprocal : plain);
 }
 }  // namespace
@@ -90,7 +90,7 @@ Kernel pick(Kernel plain, Kernel reciprocal, Kernel stream, Kernel both, float d
 API void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,
                                     uint16_t* const* outs) {
   const auto encode = pick(half_encode<false, false>, half_encode<true, false>, half_encode<false, true>,
-                           half_encode<true, true>, divisor, bucket_bytes(count, numels) / 2);
+                           half_encode<true, true>, divisor, streams_payload(bucket_bytes(count, numels) / 2));
   for_segment_chunks(count, numels, 64, [&](int64_t s, int64_t lo, int64_t hi) {
     encode(xs[s] + lo, hi - lo, divisor, outs[s] + lo);
   });
@@ -99,7 +99,7 @@ API void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const
 API void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves, const int64_t* numels, float factor,
                                     float divisor, float* const* outs) {
   const auto decode = pick(half_decode<false, false>, half_decode<true, false>, half_decode<false, true>,
-                           half_decode<true, true>, divisor, bucket_bytes(count, numels));
+                           half_decode<true, true>, divisor, bucket_bytes(count, numels) >= kStreamBytes);
   for_segment_chunks(count, numels, 64, [&](int64_t s, int64_t lo, int64_t hi) {
     decode(halves[s] + lo, hi - lo, factor, divisor, outs[s] + lo);
   });

@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <strings.h>
+#include <unistd.h>
 
 namespace grace_cpu {
 // libgomp is not fork-safe: a child of a process that ran a parallel region would hang in its
@@ -30,6 +31,26 @@ bool avx512_wanted() {
 }
 #endif
 }  // namespace
+
+namespace {
+// the largest cache level the C library tells of (glibc: from CPUID; a VM's may be its host's)
+int64_t told_cache_bytes() {
+  int64_t bytes = 0;
+#if defined(_SC_LEVEL3_CACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+  for (int name : {_SC_LEVEL2_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE}) bytes = std::max<int64_t>(bytes, sysconf(name));
+#endif
+  return bytes;
+}
+const int64_t kToldCacheBytes = told_cache_bytes();
+std::atomic<int64_t> g_cache_bytes{-1};  // grace_cpu_set_cache_bytes's (< 0: kToldCacheBytes)
+}  // namespace
+
+namespace grace_cpu {
+int64_t cache_bytes() {
+  const int64_t set = g_cache_bytes.load();
+  return set < 0 ? kToldCacheBytes : set;
+}
+}  // namespace grace_cpu
 
 #if defined(__AVX2__)
 namespace grace_cpu {
@@ -63,3 +84,5 @@ API int grace_cpu_runs_x86_64_v3(void) {
 }
 API void grace_cpu_set_num_threads(int n) { g_threads.store(n > 0 ? n : 0); }
 API int grace_cpu_get_num_threads(void) { return max_threads(); }
+API void grace_cpu_set_cache_bytes(int64_t n) { g_cache_bytes.store(n < 0 ? -1 : n); }
+API int64_t grace_cpu_get_cache_bytes(void) { return grace_cpu::cache_bytes(); }

@@ -41,6 +41,10 @@ int grace_cpu_runs_x86_64_v3(void);
 int grace_cpu_uses_avx512(void);
 void grace_cpu_set_num_threads(int n); /* <= 0: OpenMP's default */
 int grace_cpu_get_num_threads(void);
+/* the last-level cache's bytes the kernels plan by (fp16's payloads stay in it where a quarter of
+ * it holds them, else are streamed past it); < 0: the C library's figure (0 where it has none) */
+void grace_cpu_set_cache_bytes(int64_t n);
+int64_t grace_cpu_get_cache_bytes(void);
 
 /* bit packing of codes < 2**bits, bits in 1..8; out has ceil(n * bits / 8) bytes */
 int grace_cpu_pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out);

@@ -20,7 +20,7 @@ The wrappers sit by family, a module each (its docstring lists its functions wit
 arguments); every public name is exported here, as are the few others that other code reads
 from here (the last imports below). Which module holds which:
 
-    status.py       available, supports, set_num_threads
+    status.py       available, supports, set_num_threads, set_cache_bytes
     packing.py      pack, unpack, frame_pieces
     sparse.py       topk_indices, threshold_indices, nonzero, topk_ / threshold_compress, scatter_add(_many),
                     topk_ / threshold_ef_step, topk_compress_segments, topk_ef_step_segments,
@@ -79,7 +79,7 @@ from grace.native.sparse import (nonzero, randomk_ef_step_many, randomk_ef_step_
                                  threshold_ef_step, threshold_ef_step_many, threshold_indices, topk_compress,
                                  topk_compress_segments, topk_ef_step, topk_ef_step_many, topk_ef_step_segments,
                                  topk_indices)
-from grace.native.status import available, set_num_threads, supports
+from grace.native.status import available, set_cache_bytes, set_num_threads, supports
 from grace.native.terngrad import (terngrad_compress, terngrad_compress_drawn, terngrad_compress_segments,
                                    terngrad_decompress, terngrad_decompress_segments, terngrad_decompress_sum,
                                    terngrad_decompress_sum_into)
@@ -105,7 +105,7 @@ __all__ = [
     "onebit_residual_into", "pack", "payload_ranks", "qsgd_compress", "qsgd_compress_drawn", "qsgd_compress_segments",
     "qsgd_decompress", "qsgd_decompress_segments", "qsgd_decompress_sum", "qsgd_decompress_sum_into",
     "qsgd_mean_segments", "random_indices_segments", "randomk_ef_step_many", "randomk_ef_step_segments", "run",
-    "scatter_add", "scatter_add_many", "scatter_add_segments_into", "set_enabled", "set_num_threads",
+    "scatter_add", "scatter_add_many", "scatter_add_segments_into", "set_cache_bytes", "set_enabled", "set_num_threads",
     "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "signsgd_decompress_sum_into",
     "signsgd_mean_segments", "sparse_frames_mean", "sparse_sum_mean", "sparse_variable_mean", "supports",
     "terngrad_compress", "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress",

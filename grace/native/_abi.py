@@ -24,6 +24,8 @@ CPU = {
     "uses_avx512": (_I, []),
     "set_num_threads": (None, [_I]),
     "get_num_threads": (_I, []),
+    "set_cache_bytes": (None, [_L]),
+    "get_cache_bytes": (_L, []),
     "pack": (_I, [_P, _L, _I, _P]),
     "unpack": (_I, [_P, _L, _I, _P]),
     "sign_pack": (None, [_P, _L, _I, _P]),

@@ -149,6 +149,7 @@ def cpu_build(isa: str):
         lib = _cpu_build(isa, _cpu_builds["portable"])
         previous, _libs["cpu"] = _libs["cpu"], lib
         lib.set_num_threads(previous.get_num_threads())
+        lib.set_cache_bytes(previous.get_cache_bytes())
     try:
         yield lib
     finally:

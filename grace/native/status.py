@@ -39,6 +39,18 @@ def set_num_threads(n: int) -> None:
         lib.set_num_threads(int(n))
 
 
+def set_cache_bytes(n: int) -> int:
+    """The last-level cache's size the CPU kernels plan by (fp16's payloads stay in it where a
+    quarter of it holds them, else are streamed past it); n < 0: what the C library tells. Returns
+    the size before (that the C library tells, where none was set), or -1 where the library is not loaded."""
+    lib = library("cpu")
+    if lib is None:
+        return -1
+    before = lib.get_cache_bytes()
+    lib.set_cache_bytes(int(n))
+    return before
+
+
 def warn_if_missing(x) -> None:
     """Once per device and process: warn where the native library of ``x``'s device (a gradient
     the kernels would take) is missing or failed to load, naming why and how to build it. Silent

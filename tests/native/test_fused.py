@@ -237,15 +237,25 @@ HALF_SPECIALS = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 65504, 65
                           2.9e-8, 3e-8, 5.96e-8, -1e-45, 6.1e-5, 6.1035e-5, 1.0, -3.0, 1 / 3], np.float32)
 
 
+@pytest.fixture(params=[0, 2**40], ids=["cache 0", "cache 1 TB"])
+def cache_bytes(request):
+    """The last-level cache the kernels plan by: none (fp16's payloads of 8 MB and more streamed
+    past it) or one that holds any payload (written through the caches)."""
+    before = gn.set_cache_bytes(request.param)
+    yield request.param
+    gn.set_cache_bytes(before)
+
+
 @pytest.mark.parametrize("sizes", [BUCKETS["small"], [9, 2**22 + 5, 1001, 77]], ids=["small", "streamed"])
 @pytest.mark.parametrize("world", [1, 3, 4, 6])
-def test_a_buckets_half_precision_payloads_equal_the_oracles(world, sizes):
+def test_a_buckets_half_precision_payloads_equal_the_oracles(world, sizes, cache_bytes):
     """fp16's bucket-at-once kernels (CPU): each gradient's payload x / n rounded to half as
     NumPy's cast rounds it (to nearest even; overflow to inf, subnormals, signed zeros, inf and
     NaN), and its averaged decompression (float(h) * n) / world, byte for byte; a power-of-two
     divisor is taken as a product, which must not change a bit. A bucket of more than 8 MB of
     output streams it (its outputs' heads up to a 32-byte boundary the scalar way: one payload
-    and one result start 2 and 4 bytes past one)."""
+    and one result start 2 and 4 bytes past one); its payloads only where a quarter of the
+    last-level cache does not hold them (``cache_bytes``)."""
     compressor = grace.fp16().compressor
     xs = [gradient(n, seed=n) * np.float32(scale) for n, scale in zip(sizes, [1, 1e-6, 1e4, 3e4])] + [HALF_SPECIALS]
     info = TensorInfo("w", 0, world)
