@@ -103,8 +103,9 @@ void approx_row(const float* pi, const Columns& qt, int64_t cols, int64_t r, flo
   }
 }
 
-// m = a + b, a row of cols floats (m may be a or b); a's infs and NaNs told to check
-void row_sum(const float* a, const float* b, int64_t cols, float* m, FiniteCheck& check) {
+// m = a + b, or with d (a deferred subtraction from b) m = a + (b - d): a row of cols floats (m
+// may be a or b); a's infs and NaNs told to check
+void row_sum(const float* a, const float* b, const float* d, int64_t cols, float* m, FiniteCheck& check) {
   int64_t j = 0;
 #ifdef GRACE_SIMD
   for (; j + 8 <= cols; j += 8) {
@@ -114,32 +115,12 @@ void row_sum(const float* a, const float* b, int64_t cols, float* m, FiniteCheck
     }
     const F8 v = ld8(a + j);
     check.add8(v);
-    st8(m + j, v + ld8(b + j));
+    st8(m + j, v + (d ? ld8(b + j) - ld8(d + j) : ld8(b + j)));
   }
 #endif
   for (; j < cols; ++j) {
     check.add(a[j]);
-    m[j] = a[j] + b[j];
-  }
-}
-
-// m = a + (b - d), a row of cols floats (m may be a or b): b's deferred subtraction of d first
-void row_sum_less(const float* a, const float* b, const float* d, int64_t cols, float* m, FiniteCheck& check) {
-  int64_t j = 0;
-#ifdef GRACE_SIMD
-  for (; j + 8 <= cols; j += 8) {
-    if (!(j & 15)) {
-      prefetch(a + j);
-      prefetch(b + j);
-    }
-    const F8 v = ld8(a + j);
-    check.add8(v);
-    st8(m + j, v + (ld8(b + j) - ld8(d + j)));
-  }
-#endif
-  for (; j < cols; ++j) {
-    check.add(a[j]);
-    m[j] = a[j] + (b[j] - d[j]);
+    m[j] = a[j] + (d ? b[j] - d[j] : b[j]);
   }
 }
 
@@ -154,12 +135,10 @@ void lowrank_project(const float* a, const float* b, const float* dp, const floa
     std::vector<float> deferred(dp ? cols : 0);
     for (int64_t i = lo; i < hi; ++i) {
       const float* x = a + i * cols;
-      if (b && dp) {  // b's row less its deferred approximation, plus a
-        approx_row(dp + i * r, dqt, cols, r, deferred.data());
-        row_sum_less(x, b + i * cols, deferred.data(), cols, m + i * cols, check);
-        x = m + i * cols;
-      } else if (b) {  // the row's sum, stored, then read back from the cache for its products
-        row_sum(x, b + i * cols, cols, m + i * cols, check);
+      if (b) {  // the row's sum (b less its deferred approximation first), stored, then read back
+                // from the cache for its products
+        if (dp) approx_row(dp + i * r, dqt, cols, r, deferred.data());
+        row_sum(x, b + i * cols, dp ? deferred.data() : nullptr, cols, m + i * cols, check);
         x = m + i * cols;
       } else if (nonfinite) {
         check.range(x, 0, cols);

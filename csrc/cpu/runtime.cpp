@@ -30,9 +30,7 @@ bool avx512_wanted() {
   return true;
 }
 #endif
-}  // namespace
 
-namespace {
 // the largest cache level the C library tells of (glibc: from CPUID; a VM's may be its host's)
 int64_t told_cache_bytes() {
   int64_t bytes = 0;
