@@ -37,7 +37,7 @@ def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=
     flat (rows x r, row-major), for M_s the rows x cols (``shapes[s]``) float32 matrix in
     ``ms[s]``, or, where ``residuals[s]`` is given (not None), M_s = ms[s] + residuals[s] written
     into ``m_outs[s]`` in the same pass; where ``deferred[s]`` is also given, a pair (p', q') of
-    factors of q_s's shape, M_s = ms[s] + (residuals[s] - p' q'^T), the residual's subtraction
+    factors (rows x r, cols x r), M_s = ms[s] + (residuals[s] - p' q'^T), the residual's subtraction
     left to this pass (p' q'^T made as ``lowrank_expand_many`` makes it). ``nonfinite`` (a
     one-element float32 tensor, optional) is set to 1 where an ms[s] holds an inf or a NaN and
     left as it is otherwise (a bucket's gradients share one). Each element is summed in one
@@ -46,6 +46,8 @@ def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=
     mb, qb = _lowrank_buffers(kind, ms), _lowrank_buffers(kind, qs)
     ranks = [_rank(m.n, rows, cols, q.n, cols) for m, q, (rows, cols) in zip(mb, qb, shapes)]
     sums = outs = dps = dqs = None
+    if residuals is None and deferred is not None:
+        raise ValueError("deferred factors need the residual they are subtracted from")
     if residuals is not None:
         sums, outs = _where_given(kind, residuals, m_outs)
         if any(e is not None and not e.n == o.n == m.n for e, o, m in zip(sums, outs, mb)):

@@ -178,6 +178,8 @@ def test_refusals_name_the_problem():
         gn.lowrank_project(t(g), t(q), 4, 8, residual=t(e), m_out=torch.empty(4, 8), deferred=(t(p), t(q[:4])))
     with pytest.raises(ValueError, match="need the residual"):
         gn.lowrank_project_many([t(g)], [t(q)], [(4, 8)], [None], [None], deferred=[(t(p), t(q))])
+    with pytest.raises(ValueError, match="need the residual"):
+        gn.lowrank_project(t(g), t(q), 4, 8, deferred=(t(p), t(q)))
     if torch.cuda.is_available() and gn.available("cuda"):  # CPU kernels (a GPU has its BLAS)
         with pytest.raises(NativeUnavailable):
             gn.lowrank_back(t(g).cuda(), t(p).cuda(), 4, 8)
