@@ -12,6 +12,9 @@ from grace.native._arrays import torch_dtype_name
 from grace.core import bits as bits_
 from grace.core import draws
 
+#: the elements below which ``nonfinite`` sums a tensor joined with the other small ones
+SMALL_JOINED = 1 << 12
+
 
 # --- draws on an accelerator: counter-based (grace.core.draws), by whole-buffer ops -----------
 def _int64s(values, device):
@@ -265,7 +268,13 @@ class TorchBackend:
             # CPU the plain sums are faster: about 3x on 96 gradients of 1 MB.)
             total = torch.stack(torch._foreach_norm(xs, 1, dtype=torch.float32)).sum()
         else:
-            sums = [x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32) for x in xs]
+            # small tensors (a model's biases and norms) joined and summed by one op, in float64: a
+            # sum per tensor costs more than its elements (ResNet-50's 107: 0.28 -> 0.10 ms alone)
+            small = [x if x.dim() == 1 else x.reshape(-1) for x in xs if x.numel() <= SMALL_JOINED]
+            small = small if len(small) > 1 else []
+            sums = [x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+                    for x in xs if not small or x.numel() > SMALL_JOINED]
+            sums += [torch.cat(small).sum(dtype=torch.float64)] if small else []
             total = sums[0] if len(sums) == 1 else torch.stack([s.double() for s in sums]).sum()
         # total - total: +0 where finite, NaN where not (inf - inf): made the flag by one more op
         if dtype == "uint8":

@@ -2,6 +2,8 @@
 non-finite, and the exchange then goes on exactly as if the step had not happened."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -133,6 +135,27 @@ def test_the_flag_sees_every_inf_and_nan_and_no_large_finite_sum(backend, dtype)
         values = np.arange(10, dtype=np.float32)
         values[4] = bad
         assert xp.to_numpy(xp.nonfinite([large, xp.cast(xp.asarray(values), dtype)])).tolist() == [1.0]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "tensorflow"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_the_flag_over_many_small_tensors_sees_each_ones_inf_and_nan(backend, dtype):
+    """A model's biases and norms (the torch backend sums the small ones joined, in one op): an inf
+    or a NaN in any one of them, a vector or a matrix, raises the flag, as a byte too."""
+    if backend == "tensorflow":
+        pytest.importorskip("tensorflow")
+    xp = get_backend(backend)
+    shapes = [(7,), (64,), (3, 5), (4096,), (4097,), (1,), (2, 2, 3)]
+    made = [np.full(shape, 60_000.0 if len(shape) == 1 else -3.0, np.float32) for shape in shapes]
+    tensors = [xp.cast(xp.asarray(m), dtype) for m in made]
+    assert xp.to_numpy(xp.nonfinite(tensors)).tolist() == [0.0]
+    assert xp.to_numpy(xp.nonfinite(tensors, "uint8")).tolist() == [0]
+    for i, bad in itertools.product(range(len(shapes)), (np.inf, -np.inf, np.nan)):
+        values = made[i].copy()
+        values.reshape(-1)[-1] = bad
+        flagged = tensors[:i] + [xp.cast(xp.asarray(values), dtype)] + tensors[i + 1:]
+        assert xp.to_numpy(xp.nonfinite(flagged)).tolist() == [1.0], (shapes[i], bad)
+        assert xp.to_numpy(xp.nonfinite(flagged, "uint8")).tolist() == [1], (shapes[i], bad)
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m]().compressor.traits.nonfinite_field is not None])
