@@ -391,8 +391,8 @@ def test_dgc_steps_do_not_depend_on_the_number_of_threads(sample_ratio):
             same_bytes(a, b)
 
 
-# gradients above two threads' grain (2 * 2**17 elements) that a bucket with them runs side by
-# side (each within an eighth of a thread's share of the bucket, on 2 or 3 threads)
+# gradients above two threads' grain (2 * 2**17 elements) that the buckets below run side by side
+# on two threads (each within an eighth of a thread's share of the bucket)
 MIDDLING = [2**18 + 11 * j for j in range(16)]
 
 
