@@ -159,15 +159,9 @@ void for_chunks(int64_t n, int64_t align, int nc, F&& f) {
     f(0, (int64_t)0, n);
     return;
   }
-  if (omp_in_parallel()) {  // (a segment side by side: its chunks in turn, no team nested in the region)
-    for (int c = 0; c < nc; ++c) {
-      int64_t lo, hi;
-      chunk_bounds(n, align, nc, c, lo, hi);
-      f(c, lo, hi);
-    }
-    return;
-  }
-#pragma omp parallel num_threads(nc)
+  // (inside a region, as a segment side by side: one thread, its chunks in turn, whatever the
+  // nesting OpenMP is set to allow)
+#pragma omp parallel num_threads(nc) if (!omp_in_parallel())
   {
     int T = omp_get_num_threads();
     for (int c = omp_get_thread_num(); c < nc; c += T) {
