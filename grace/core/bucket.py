@@ -24,6 +24,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
 
+import numpy as np
+
 from grace.core.communicator import _lengths
 from grace.core.compressor import FLOAT_DTYPES, Payload
 from grace.core.tensors import constant
@@ -217,6 +219,43 @@ def layout(dtypes: Sequence[str], counts: Sequence[int], with_header: bool, flag
         pieces[i] = (pos, counts[i], dtypes[i])
         pos += counts[i] * ITEMSIZE[dtypes[i]]
     return pieces, pos if flagged else None, frame_size(counts, dtypes, with_header, flagged)
+
+
+@dataclass
+class VariableLayouts:
+    """Where the ranks' variable-length frames, end to end, put their pieces (``variable_layouts``):
+    each frame's first byte, each piece's byte offset in its frame and element count (rank by
+    piece, int64), and each frame's flag byte (from the start of the data; None: not flagged)."""
+
+    starts: Any
+    offsets: Any
+    counts: Any
+    flags_at: Any
+
+
+def variable_layouts(data, dtypes: Sequence[str], ranks: int, flagged: bool = False):
+    """``layout`` of each of ``ranks`` variable-length frames end to end in ``data`` (the host's
+    uint8 NumPy array: an allgather's result), read from their headers: a ``VariableLayouts``,
+    or None where a rank sent its dense bucket. NumPy work per rank, none per piece."""
+    pieces, order = len(dtypes), _order(dtypes)
+    widths = np.asarray([ITEMSIZE[d] for d in dtypes], np.int64)
+    counts, starts, start = np.empty((ranks, pieces), np.int64), np.empty(ranks, np.int64), 0
+    for r in range(ranks):
+        if start < 0 or start + 8 * pieces > len(data):
+            raise RuntimeError(f"grace: the ranks' frames end before rank {r}'s header")
+        counts[r] = data[start:start + 8 * pieces].view(np.int64)
+        if pieces and counts[r, 0] == DENSE:
+            return None
+        starts[r], size = start, 8 * pieces + int((counts[r] * widths).sum()) + flagged
+        start += size + -size % ALIGN
+    if start != len(data) or (counts < 0).any():
+        raise RuntimeError(f"grace: the ranks' frame headers do not add up to the {len(data)} bytes received "
+                           "(are they configured differently?)")
+    ordered = counts[:, order] * widths[order]  # each piece's bytes, in the order the frame holds them
+    offsets = np.empty_like(counts)
+    offsets[:, order] = 8 * pieces + np.cumsum(ordered, axis=1) - ordered
+    flags_at = starts + 8 * pieces + ordered.sum(axis=1) if flagged else None
+    return VariableLayouts(starts, offsets, counts, flags_at)
 
 
 def split_payloads(pieces: Sequence, structure: Sequence[int]) -> List[Payload]:

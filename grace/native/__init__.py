@@ -21,7 +21,7 @@ arguments); every public name is exported here, as are the few others that other
 from here (the last imports below). Which module holds which:
 
     status.py       available, supports, set_num_threads, set_cache_bytes
-    packing.py      pack, unpack, frame_pieces
+    packing.py      pack, unpack
     sparse.py       topk_indices, threshold_indices, nonzero, topk_ / threshold_compress, scatter_add(_many),
                     topk_ / threshold_ef_step, topk_compress_segments, topk_ef_step_segments,
                     topk_ / threshold_ / randomk_ef_step_many, randomk_ef_step_segments, scatter_add_segments_into,
@@ -40,7 +40,7 @@ from here (the last imports below). Which module holds which:
     draws.py        uniform_segments, hash_keys_segments, random_indices_segments
     kernels.py      KERNELS (the kernel table), Kernel, kernel, run
     _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments), and
-                    FrameRows (every rank's pieces of frames of one layout, which the decoded sums take),
+                    FrameRows (every rank's pieces of the frames, which the decoded sums take),
                     payload_ranks
     _flags.py       the overflow flag a segment step writes (a frame's byte or an allreduce's float)
     _arrays.py      any toolkit's array as (pointer, length, dtype, stream); outputs of the same kind
@@ -62,7 +62,7 @@ from grace.native.means import (efsignsgd_mean_segments, natural_mean_segments, 
 from grace.native.natural import (natural_compress, natural_compress_drawn, natural_compress_segments,
                                   natural_decompress, natural_decompress_segments, natural_decompress_sum,
                                   natural_decompress_sum_into)
-from grace.native.packing import frame_pieces, pack, unpack
+from grace.native.packing import pack, unpack
 from grace.native.qsgd import (norm, qsgd_compress, qsgd_compress_drawn, qsgd_compress_segments, qsgd_decompress,
                                qsgd_decompress_segments, qsgd_decompress_sum, qsgd_decompress_sum_into)
 from grace.native.quantizers import compress_many, fp16_compress_many_into, fp16_decompress_many_into
@@ -95,7 +95,7 @@ __all__ = [
     "efsignsgd_compress",
     "efsignsgd_compress_segments", "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
     "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_ef_step_segments", "efsignsgd_mean_segments",
-    "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into", "frame_pieces",
+    "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into",
     "hash_keys_segments", "kernel", "load_error", "lowrank_back", "lowrank_back_many", "lowrank_expand",
     "lowrank_expand_many", "lowrank_project", "lowrank_project_many", "natural_compress", "natural_compress_drawn",
     "natural_compress_segments", "natural_decompress", "natural_decompress_segments", "natural_decompress_sum",

@@ -1,13 +1,12 @@
-"""Bit packing (grace.core.bits' format), and a received frame's pieces as buffers.
+"""Bit packing (grace.core.bits' format).
 
     pack(codes, bits) -> packed, unpack(packed, bits, numel) -> codes
-    frame_pieces(data, starts, layouts): each frame's pieces, for the bucket-at-once entry points
 """
 from __future__ import annotations
 
-from grace.formats import ITEMSIZE, packed_size
-from grace.native._arrays import Buf, call, kind_of
-from grace.native._common import _cpu_kind, _wrap
+from grace.formats import packed_size
+from grace.native._arrays import call, kind_of
+from grace.native._common import _wrap
 
 
 # --- bit packing ----------------------------------------------------------------------------------
@@ -44,20 +43,3 @@ def unpack(packed, bits: int, numel: int):
     call(kind, "unpack", p.ptr, numel, bits, out.ptr)
     return _wrap(kind, out)
 
-
-# --- a received frame's pieces --------------------------------------------------------------------
-def frame_pieces(data, starts, layouts):
-    """The pieces of the frames in the contiguous uint8 tensor ``data`` (an allgather's result),
-    as buffers that the bucket-at-once entry points take in place of tensors: no tensor view
-    made per piece (CPU). Frame r starts at byte ``starts[r]``; ``layouts[r]`` gives each of its
-    pieces' (byte offset in the frame, element count, dtype). A list of pieces per frame."""
-    kind = _cpu_kind(data)
-    b = kind.flat(data)
-    if b.dtype != "uint8":
-        raise ValueError(f"frames are uint8, got {b.dtype}")
-    rows = []
-    for start, layout in zip(starts, layouts):
-        if any(start + offset + count * ITEMSIZE[dtype] > b.n for offset, count, dtype in layout):
-            raise ValueError(f"a piece past the end of {b.n} bytes of frames")
-        rows.append([Buf(None, b.ptr + start + offset, count, dtype, keep=data) for offset, count, dtype in layout])
-    return rows

@@ -183,7 +183,7 @@ def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
     vals, idxs = _field(kind, payloads, 0), _field(kind, payloads, 1)
     if any(d != "float32" for d in vals.dtypes) or any(d not in INDEX_CODES for d in idxs.dtypes):
         raise NativeUnavailable("scatter_add_segments_into takes float32 values and integer indices")
-    if vals.counts != idxs.counts or len(vals.per_piece(vals.counts)) != len(ob) * vals.ranks:
+    if not vals.same_counts(idxs) or vals.pieces() != len(ob) * vals.ranks:
         raise ValueError("as many values as indices, per payload, and every rank's payload of each gradient")
     rc = call(kind, "scatter_add_segments", len(ob), vals.ranks, idxs.pointers, idxs.index_codes(), vals.pointers,
               vals.lengths(), float(divisor), _int64s([o.n for o in ob]), _pointers(ob))

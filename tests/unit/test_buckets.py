@@ -268,10 +268,11 @@ def test_frames_round_trip_every_dtype_aligned(backend):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_frame_pieces_point_at_each_ranks_pieces(backend):
-    """``grace.native.frame_pieces``: the buffers handed to the bucket-at-once aggregates in
-    place of views point at each rank's pieces, frames of different layouts included; a piece
-    past the end, or of a dtype the kernel does not take, is refused."""
+def test_variable_frames_are_read_from_their_headers_into_frame_rows(backend):
+    """``variable_layouts`` reads where each rank's variable-length frame (another length per
+    rank, flagged) puts its pieces and flag, and ``FrameRows.of_variable`` points at them piece
+    by piece, unit by unit; a rank that sent its dense bucket gives None, and headers that do
+    not add up to the bytes received are refused."""
     import ctypes
 
     import grace.native as gn
@@ -279,22 +280,35 @@ def test_frame_pieces_point_at_each_ranks_pieces(backend):
     if not gn.available("cpu"):
         pytest.skip("libgrace_cpu not built")
     xp = get_backend(backend)
-    ranks = [[np.arange(5, dtype=np.float32) + r, np.arange(r + 2, dtype=np.int16) * (r + 1)] for r in range(3)]
-    # host tensors on any test device: the kernels read the frames' addresses on the CPU
-    sent = [frames.frame(xp, [xp.asarray(a) for a in row], True, None) for row in ranks]
+    dtypes = ["float32", "int16", "float32", "uint8"]
+    ranks = [[np.arange(5 - r, dtype=np.float32) + r, np.arange(r + 2, dtype=np.int16) * (r + 1),
+              np.arange(2 * r, dtype=np.float32), np.arange(r + 3, dtype=np.uint8)] for r in range(3)]
+    flags = [0, 1, 0]
+    sent = [frames.frame(xp, [xp.asarray(a) for a in row], True, None, flag=xp.asarray(np.array([f], np.uint8)))
+            for row, f in zip(ranks, flags)]
     data = xp.concat(sent)
-    starts = np.cumsum([0] + [xp.numel(f) for f in sent[:-1]]).tolist()
-    layouts = [frames.layout(["float32", "int16"], [a.size for a in row], True)[0] for row in ranks]
-    rows = gn.frame_pieces(data, starts, layouts)
-    for row, want in zip(rows, ranks):
-        for buf, array in zip(row, want):
-            assert (buf.n, buf.dtype) == (array.size, str(array.dtype))
-            got = np.frombuffer((ctypes.c_char * array.nbytes).from_address(buf.ptr), array.dtype)
-            np.testing.assert_array_equal(got, array)
+    host = xp.to_numpy(data)
+    layouts = frames.variable_layouts(host, dtypes, 3, flagged=True)
+    starts = np.cumsum([0] + [xp.numel(f) for f in sent[:-1]])
+    np.testing.assert_array_equal(layouts.starts, starts)
+    np.testing.assert_array_equal(layouts.counts, [[a.size for a in row] for row in ranks])
+    np.testing.assert_array_equal(host[layouts.flags_at], flags)
+    rows = gn.FrameRows.of_variable(data, layouts.starts, layouts.offsets, layouts.counts, dtypes, [2, 2])
+    for j in (0, 1):
+        field = rows.field(j)
+        assert field.dtypes == [dtypes[j], dtypes[2 + j]]
+        for u in range(2):
+            for r in range(3):
+                want = ranks[r][2 * u + j]
+                assert field.piece_counts[u * 3 + r] == want.size
+                got = np.frombuffer((ctypes.c_char * want.nbytes).from_address(field.pointers[u * 3 + r]), want.dtype)
+                np.testing.assert_array_equal(got, want)
+    dense = frames.dense_frame(xp, xp.asarray(np.ones(4, np.float32)), len(dtypes), None)
+    assert frames.variable_layouts(xp.to_numpy(xp.concat([sent[0], dense])), dtypes, 2) is None
+    with pytest.raises(RuntimeError, match="do not add up"):
+        frames.variable_layouts(host[:-8], dtypes, 3, flagged=True)
     with pytest.raises(ValueError, match="past the end"):
-        gn.frame_pieces(data, [starts[-1] + 8], [layouts[-1]])
-    with pytest.raises(gn.NativeUnavailable, match="float32"):
-        gn._same_kind(None, rows[0][1], "float32")
+        gn.FrameRows.of_variable(data[:-8], layouts.starts, layouts.offsets, layouts.counts, dtypes, [2, 2])
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
@@ -322,7 +336,8 @@ def test_frame_rows_point_at_every_ranks_pieces_unit_by_unit(backend):
             with pytest.raises(ValueError, match="without a field 1"):
                 rows.field(j)
             continue
-        pointers, counts, dtypes = rows.field(j)
+        field = rows.field(j)
+        pointers, counts, dtypes = field.pointers, field.counts, field.dtypes
         assert counts == [ranks[0][i].size for i in units] and dtypes == [str(ranks[0][i].dtype) for i in units]
         for u, piece in enumerate(units):
             for r in range(3):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, List
 
+import numpy as np
+
 from grace import native
 from grace.core import bucket as frames
 from grace.core.bucket import Dense
@@ -251,26 +253,19 @@ class PerGradient(BucketPlan):
                 return None
             flags = xp.reshape(received, (n, size))[:, flag_at] if flagged else None
             return done, s.journal.overflow(xp, [flags]) if flagged else None
-        starts, layouts, flags, start = [], [], [], 0
-        for _ in range(n):
-            # this rank's counts, from its frame's header
-            counts = xp.host_ints(xp.from_bytes(received[start:start + 8 * len(dtypes)], "int64"), len(dtypes))
-            if counts[0] == frames.DENSE:
-                return None
-            pieces, flag_at, size = frames.layout(dtypes, counts, True, flagged)
-            starts.append(start)
-            layouts.append(pieces)
-            flags.append(start + flag_at if flagged else None)
-            start += size
+        if xp.on_accelerator(received):
+            return None
+        host = xp.to_numpy(received)  # (the host's own memory on a CPU: the headers read without a copy)
+        layouts = frames.variable_layouts(host, dtypes, n, flagged)
+        if layouts is None:  # a rank sent its dense bucket
+            return None
         try:
-            rows = native.frame_pieces(received, starts, layouts)
+            rows = native.FrameRows.of_variable(received, layouts.starts, layouts.offsets, layouts.counts, dtypes,
+                                                pending.structure)
         except native.NativeUnavailable:
             return None
-        encoded = [frames.split_payloads(row, pending.structure) for row in rows]
-        done = s.kernels.aggregate_many(
-            xp, [[payloads[i] for payloads in encoded] for i in range(len(outs))], pending.ctxs, outs)
+        done = s.kernels.aggregate_many(xp, rows, pending.ctxs, outs)
         if done is None:
             return None
-        overflow = s.journal.overflow(xp, [xp.gather(received, xp.asarray(flags, like=received))]) \
-            if flagged else None
+        overflow = s.journal.counted(int(np.count_nonzero(host[layouts.flags_at]))) if flagged else None
         return done, overflow
