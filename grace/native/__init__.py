@@ -39,8 +39,8 @@ from here (the last imports below). Which module holds which:
     dgc.py          dgc_compensate_into, dgc_cut_segments, dgc_select_segments, dgc_step_many
     draws.py        uniform_segments, hash_keys_segments, random_indices_segments
     kernels.py      KERNELS (the kernel table), Kernel, kernel, run
-    _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments), and
-                    FrameRows (every rank's pieces of the frames, which the decoded sums take),
+    _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments)
+    _rows.py        FrameRows (every rank's pieces of the frames, which the decoded sums take),
                     payload_ranks
     _flags.py       the overflow flag a segment step writes (a frame's byte or an allreduce's float)
     _arrays.py      any toolkit's array as (pointer, length, dtype, stream); outputs of the same kind
@@ -49,7 +49,7 @@ from here (the last imports below). Which module holds which:
 from __future__ import annotations
 
 from grace.native._arrays import NativeUnavailable, dlpack_info
-from grace.native._common import FrameRows, payload_ranks
+from grace.native._rows import FrameRows, payload_ranks
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, load_error, set_enabled
 from grace.native.dgc import dgc_compensate_into, dgc_cut_segments, dgc_select_segments, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments

@@ -10,8 +10,9 @@ from __future__ import annotations
 from grace.formats import packed_size
 from grace.native._arrays import call, kind_of
 from grace.native._common import (_check_payload, _check_sums, _cpu_kind, _decode_out, _decode_segments, _draws,
-                                  _field, _finish_args, _float32, _in_place_all, _int64s, _on_gpu, _packed_total,
-                                  _pointers, _rows, _same_kind, _drawn_segments, _wrap)
+                                  _finish_args, _float32, _in_place_all, _int64s, _on_gpu, _packed_total, _pointers,
+                                  _rows, _same_kind, _drawn_segments, _wrap)
+from grace.native._rows import _field
 
 
 # --- fused compress / decompress ------------------------------------------------------------------

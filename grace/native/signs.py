@@ -21,9 +21,10 @@ import itertools
 from grace.formats import packed_size
 from grace.native._arrays import call, kind_of
 from grace.native._common import (_FLOATS, _addresses, _check_segments, _cpu_kind, _decode_out, _decode_segments,
-                                  _ef_flags, _ef_inputs, _ef_many_inputs, _every, _field, _finish_args, _flag, _float32,
+                                  _ef_flags, _ef_inputs, _ef_many_inputs, _every, _finish_args, _flag, _float32,
                                   _in_place, _in_place_all, _int64s, _on_gpu, _packed_total, _placed, _pointers,
                                   _same_kind, _wrap)
+from grace.native._rows import _field
 from grace.native._flags import _flag_of, _HostFlag
 
 

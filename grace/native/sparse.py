@@ -18,9 +18,10 @@ import itertools
 from grace.formats import ITEMSIZE, index_dtype
 from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, kind_of
 from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
-                                  _every, _field, _flag, _float32, _head, _in_place, _in_place_all, _index_buf,
-                                  _index_codes, _int64s, _on_gpu, _placed, _pointers, _same_kind, _same_kind_all,
-                                  _seed_word_arrays, _wrap)
+                                  _every, _flag, _float32, _head, _in_place, _in_place_all, _index_buf, _index_codes,
+                                  _int64s, _on_gpu, _placed, _pointers, _same_kind, _same_kind_all, _seed_word_arrays,
+                                  _wrap)
+from grace.native._rows import _field
 from grace.native._flags import _flag_of, _HostFlag
 from grace.native._frames import PAIR_COLUMNS, _no_frame, frame_pairs, pairs_into_frame
 

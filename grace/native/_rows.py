@@ -1,0 +1,139 @@
+"""Every rank's payloads of a bucket, the bucket-at-once sums' input (CPU): the pieces of the
+received frames as C arrays of pointers, counts and dtypes, field by field (``FrameRows``,
+``_field``), made by NumPy with no object per rank and piece.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import numpy as np
+
+from grace.formats import ITEMSIZE
+from grace.native._arrays import INDEX_CODES, NativeUnavailable
+from grace.native._common import _cpu_kind, _index_codes, _int64s, _pointers, _same_kind_all
+
+
+class FrameRows:
+    """Every rank's payloads of a bucket in frames end to end in ``data`` (an allgather's result,
+    uint8; frame r at byte ``starts[r]``; ``layout``: each piece's (byte offset in a frame, count,
+    dtype), payload after payload, ``structure[i]`` pieces in unit i's, alike in every frame),
+    for the bucket-at-once sums (CPU) in place of ``payloads[unit][rank]``: field j of every
+    unit's payload as one C array of pointers in (unit, rank) order, made by one NumPy sum. The
+    Python work does not grow with the ranks (no object per rank and piece). Frames whose
+    pieces' lengths differ by rank: ``FrameRows.of_variable``."""
+
+    def __init__(self, data, starts: Sequence[int], layout: Sequence, structure: Sequence[int]):
+        offsets = np.asarray([[offset for offset, _, _ in layout]], np.int64)
+        counts = np.asarray([[count for _, count, _ in layout]], np.int64)
+        self._setup(data, starts, offsets, counts, [dtype for _, _, dtype in layout], structure)
+
+    @classmethod
+    def of_variable(cls, data, starts, offsets, counts, dtypes: Sequence[str], structure: Sequence[int]):
+        """Frames whose pieces' lengths differ by rank (variable-length methods): each piece's
+        byte offset in its frame and element count, rank by piece (int64 arrays, as
+        ``grace.core.bucket.variable_layouts`` reads them from the headers)."""
+        rows = cls.__new__(cls)
+        rows._setup(data, starts, np.asarray(offsets, np.int64), np.asarray(counts, np.int64), dtypes, structure)
+        return rows
+
+    def _setup(self, data, starts, offsets, counts, dtypes, structure):
+        kind = _cpu_kind(data)
+        b = kind.flat(data)
+        if b.dtype != "uint8":
+            raise ValueError(f"frames are uint8, got {b.dtype}")
+        starts = np.asarray(starts, np.int64)
+        if len(starts) and offsets.size:
+            ends = starts[:, None] + offsets + counts * np.asarray([ITEMSIZE[d] for d in dtypes], np.int64)
+            if starts.min() < 0 or (offsets < 0).any() or (counts < 0).any() or ends.max() > b.n:
+                raise ValueError(f"a piece past the end of {b.n} bytes of frames")
+        self.ranks, self.units, self.keep = len(starts), len(structure), data
+        self._offsets, self._counts, self._dtypes, self._structure = offsets, counts, list(dtypes), list(structure)
+        self._first = np.cumsum([0, *structure[:-1]]).astype(np.int64)  # each unit's first piece
+        self._frames = b.ptr + starts  # each frame's first byte
+        self._fields: dict = {}
+
+    def field(self, j: int):
+        """Field j of every unit's payload: a ``_Field`` (its pointers, unit-major; its dtypes per
+        unit, and its counts per unit where every frame is laid out alike, else per piece)."""
+        if j not in self._fields:
+            if any(n <= j for n in self._structure):
+                raise ValueError(f"a payload without a field {j}")
+            pieces = self._first + j
+            pointers = (self._offsets[:, pieces].T + self._frames[None, :]).reshape(-1)
+            dtypes = [self._dtypes[i] for i in pieces]
+            if len(self._counts) == 1:  # one layout: counts per unit
+                self._fields[j] = _Field(pointers, self._counts[0, pieces].tolist(), dtypes, self.ranks, True)
+            else:
+                counts = np.ascontiguousarray(self._counts[:, pieces].T).reshape(-1)
+                self._fields[j] = _Field(pointers, None, dtypes, self.ranks, True, counts)
+        return self._fields[j]
+
+
+def payload_ranks(payloads) -> int:
+    """How many ranks' payloads a bucket-at-once sum gets (``payloads[unit][rank]``, each unit
+    with as many, or a ``FrameRows``)."""
+    if isinstance(payloads, FrameRows):
+        return payloads.ranks
+    ranks = len(payloads[0])
+    if any(len(rows) != ranks for rows in payloads):
+        raise ValueError(f"each gradient needs {ranks} ranks' payloads")
+    return ranks
+
+
+class _Field:
+    """Field j of a bucket's payloads for a sum's C call (``_field``): the pointers of every
+    unit's ranks' pieces (unit, rank order), and the counts and dtypes of its entries: one per
+    piece, or one per unit (``per_unit``) where a ``FrameRows`` gives them, every rank's alike;
+    where the frames' lengths vary, dtypes per unit and every piece's count (``piece_counts``,
+    an int64 array; ``counts`` None)."""
+
+    def __init__(self, pointers, counts, dtypes, ranks: int, per_unit: bool, piece_counts=None):
+        if isinstance(pointers, np.ndarray):  # (addresses made by NumPy: a C array over them, kept with it)
+            pointers = (ctypes.c_void_p * len(pointers)).from_buffer(np.ascontiguousarray(pointers, np.uint64))
+        self.pointers, self.counts, self.dtypes, self.piece_counts = pointers, counts, dtypes, piece_counts
+        self.ranks, self.per_unit = ranks, per_unit
+
+    def per_entry(self, unit_values) -> list:
+        """Per-unit values as one per entry (to compare with ``counts`` and ``dtypes``)."""
+        return list(unit_values) if self.per_unit else [v for v in unit_values for _ in range(self.ranks)]
+
+    def per_piece(self, entry_values) -> tuple:
+        """Per-entry values as one per piece."""
+        return tuple(v for v in entry_values for _ in range(self.ranks if self.per_unit else 1))
+
+    def pieces(self) -> int:
+        return len(self.pointers)
+
+    def same_counts(self, other: "_Field") -> bool:
+        """Whether two fields' pieces hold as many elements, piece by piece."""
+        if self.piece_counts is None and other.piece_counts is None:
+            return self.per_unit == other.per_unit and list(self.counts) == list(other.counts)
+        return self.piece_counts is not None and other.piece_counts is not None \
+            and np.array_equal(self.piece_counts, other.piece_counts)
+
+    def lengths(self):
+        """The pieces' element counts, a C array."""
+        if self.piece_counts is not None:
+            return (ctypes.c_int64 * len(self.piece_counts)).from_buffer(self.piece_counts)
+        return _int64s(self.per_piece(self.counts))
+
+    def index_codes(self):
+        """The pieces' index type codes, a C array."""
+        if not self.per_unit:
+            return _index_codes(self.dtypes)
+        codes = np.repeat(np.asarray([INDEX_CODES[d] for d in self.dtypes], np.intc), self.ranks)
+        return (ctypes.c_int * len(codes)).from_buffer(codes)
+
+
+def _field(kind, payloads, j: int, dtype: str = None) -> _Field:
+    """Field j of every unit's ranks' payloads (``payloads[unit][rank]``, or a ``FrameRows``);
+    NativeUnavailable where a piece is not of ``dtype``."""
+    ranks = payload_ranks(payloads)
+    if isinstance(payloads, FrameRows):
+        field = payloads.field(j)
+        if dtype is not None and any(d != dtype for d in field.dtypes):
+            raise NativeUnavailable(f"a frame's piece of another dtype than {dtype}")
+        return field
+    bufs = _same_kind_all(kind, [p[j] for rows in payloads for p in rows], dtype)
+    return _Field(_pointers(bufs), [b.n for b in bufs], [b.dtype for b in bufs], ranks, False)
