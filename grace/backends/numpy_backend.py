@@ -67,6 +67,11 @@ class NumpyBackend:
         """A 1-d tensor's raw bytes as a uint8 tensor (a view where the toolkit allows)."""
         return np.ascontiguousarray(x).view(np.uint8)
 
+    def flat_bytes(self, xs) -> list:
+        """Each tensor of ``xs`` flattened, as its raw bytes (``to_bytes``): a frame's pieces, one
+        call for them all."""
+        return [np.ascontiguousarray(np.reshape(x, -1)).view(np.uint8) for x in xs]
+
     def from_bytes(self, b, dtype: str):
         """uint8 bytes read as a 1-d tensor of ``dtype`` (their count a multiple of its size)."""
         return np.ascontiguousarray(b).view(numpy_dtype(dtype))
@@ -137,6 +142,11 @@ class NumpyBackend:
 
     def device(self, x) -> str:
         return "cpu"
+
+    def same_layout(self, a, b) -> bool:
+        """Whether tensors ``a`` and ``b`` have one shape, dtype and device (a kept buffer checked
+        every step, gradient by gradient: one call, not one per property)."""
+        return self.shape(a) == self.shape(b) and self.dtype(a) == self.dtype(b)
 
     def on_accelerator(self, x) -> bool:
         """Whether ``x`` lives on a GPU (or another device where kernel launches are dear)."""

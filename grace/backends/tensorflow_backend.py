@@ -174,6 +174,9 @@ class TensorflowBackend:
         x = _to_tensor(x)
         return x if x.dtype == tf.uint8 else tf.reshape(tf.bitcast(x, tf.uint8), (-1,))
 
+    def flat_bytes(self, xs) -> list:
+        return [self.to_bytes(self.flatten(x)) for x in xs]
+
     def from_bytes(self, b, dtype: str):
         dtype = _tf_dtype(dtype)
         if dtype == tf.uint8:
@@ -232,6 +235,9 @@ class TensorflowBackend:
 
     def device(self, x) -> str:
         return _device(x)
+
+    def same_layout(self, a, b) -> bool:
+        return self.shape(a) == self.shape(b) and self.dtype(a) == self.dtype(b) and self.device(a) == self.device(b)
 
     def on_accelerator(self, x) -> bool:
         return _on_gpu(x)

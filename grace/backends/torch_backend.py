@@ -151,6 +151,10 @@ class TorchBackend:
         x = x.contiguous()  # (an empty tensor's stride may be 0, which view refuses)
         return x.view(torch.uint8) if x.numel() else x.new_empty(0, dtype=torch.uint8)
 
+    def flat_bytes(self, xs) -> list:
+        return [x.reshape(-1).contiguous().view(torch.uint8) if x.numel() else x.new_empty(0, dtype=torch.uint8)
+                for x in xs]
+
     def from_bytes(self, b, dtype: str):
         return b.view(_dtype(dtype))  # a view: bucket frames keep every piece aligned
 
@@ -213,6 +217,9 @@ class TorchBackend:
 
     def device(self, x) -> str:
         return str(x.device)
+
+    def same_layout(self, a, b) -> bool:
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
     def on_accelerator(self, x) -> bool:
         return x.device.type != "cpu"

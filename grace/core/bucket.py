@@ -127,16 +127,16 @@ def frame(xp, pieces: Sequence, with_header: bool, like, flag=None, concat=None,
     parts (default ``xp.concat``; the exchange's joins into a reused buffer); ``dtypes`` and
     ``counts``: the pieces', where the caller has them. Under a TensorFlow trace a variable
     length is a tensor: the frame is built with ops."""
-    flat = [xp.flatten(t) for t in pieces]
     parts = []
     if with_header:
-        counts = [xp.numel(t) for t in flat] if counts is None else counts
+        counts = [xp.numel(t) for t in pieces] if counts is None else counts
         if all(isinstance(c, int) for c in counts):  # one host-to-device copy, not one per piece
             header = xp.cast(xp.asarray(counts, like=like), "int64")
         else:  # lengths known only when a traced step runs
-            header = _lengths(xp, flat)
+            header = _lengths(xp, [xp.flatten(t) for t in pieces])
         parts.append(xp.to_bytes(header))
-    parts.extend(xp.to_bytes(flat[i]) for i in _order([xp.dtype(t) for t in flat] if dtypes is None else dtypes))
+    order = _order([xp.dtype(t) for t in pieces] if dtypes is None else dtypes)
+    parts.extend(xp.flat_bytes([pieces[i] for i in order]))
     return _padded(xp, parts, like, flag, concat)
 
 

@@ -19,7 +19,7 @@ def same_layout(xp, a, b) -> bool:
     if isinstance(a, tuple) or isinstance(b, tuple):
         return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) \
             and all(same_layout(xp, x, y) for x, y in zip(a, b))
-    return xp.shape(a) == xp.shape(b) and xp.dtype(a) == xp.dtype(b) and xp.device(a) == xp.device(b)
+    return xp.same_layout(a, b)
 
 
 class Buffers:
