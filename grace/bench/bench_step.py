@@ -3,7 +3,7 @@
     python scripts/bench_step.py [--models mlp48 resnet50 transformer] [--methods topk dgc ...]
                                  [--device cpu|cuda] [--iters 10] [--world 4] [--bucket-mb 25]
                                  [--bucketed-only] [--profile-top N] [--accelerator-path]
-                                 [--out results/bench_step]
+                                 [--shrink N] [--out results/bench_step]
 
 For each model (synthetic inputs; see MODELS) it measures, in one run:
   fwd+bwd      median time of forward + backward of one batch
@@ -37,6 +37,10 @@ CUDA code launches and the waits it makes, ``Kernel.launches``), and "fallback",
 it (the tensor-op code). Ops are the operations a GPU launches kernels for (views, allocations,
 copies that copy nothing and the stand-in collectives' own left out), also per bucket (and
 round, for multi-round plans), against the limits below the table. Its times are a CPU's.
+--shrink N: every gradient about N times smaller (its dimensions above 1 divided alike, each at
+least 1; the bucket cap as much as the total: as many buckets), its name and rank kept: the steps then
+time what does not grow with the elements (Python, calls, kernel launches), the part a model of
+hundreds of small tensors pays on every step (no CPU targets then: the floor is tiny too).
 The phase clock syncs the device at each phase boundary, which a GPU pays for per tensor: the
 JSON also holds ``exchange_free_ms``, whole steps timed with no clock (work and the stand-in
 collectives, as training runs them).
@@ -239,6 +243,15 @@ def memory_passes(grads: dict, iters: int) -> dict:
                        f"{prefix}compensate_ms": 1e3 * compensate,
                        f"{prefix}feedback_floor_ms": 1e3 * (compensate + write)})
     return passes
+
+
+def shrunk(grads: dict, factor: float) -> dict:
+    """``--shrink``: each gradient about ``factor`` times smaller (its dimensions above 1 divided
+    alike), of the same rank (random values)."""
+    def shape(dims):
+        per = factor ** (1 / max(1, sum(d > 1 for d in dims)))
+        return tuple(max(1, round(d / per)) if d > 1 else d for d in dims)
+    return {name: torch.randn(shape(g.shape), device=g.device) for name, g in grads.items()}
 
 
 def gradients(net, x, y, loss, device: str, iters: int):
@@ -475,7 +488,8 @@ def print_model(model: str, args, grads: dict, fwd_bwd: float, passes: dict, kwa
     (``kwargs``: each method's arguments)."""
     params = sum(g.numel() for g in grads.values())
     print(f"\n{model} on {args.device}: {len(grads)} gradient tensors, {params / 1e6:.1f}M parameters, "
-          f"fwd+bwd {1e3 * fwd_bwd:.1f} ms; compression work of one rank in a world of {args.world}")
+          f"fwd+bwd {1e3 * fwd_bwd:.1f} ms; compression work of one rank in a world of {args.world}"
+          + (f"; every gradient {args.shrink:g}x smaller (--shrink)" if args.shrink > 1 else ""))
     if passes:
         print(f"memory passes (torch, gradient by gradient, each just after backward's write, as a step): read "
               f"{passes['read_ms']:.2f} ms, write {passes['write_ms']:.2f} ms, g + e into a third buffer "
@@ -591,7 +605,11 @@ def parse_args():
                         help="after each model's table, the N ops of a bucketed step that took the most time")
     parser.add_argument("--accelerator-path", action="store_true",
                         help="on a CPU, run (and count the ops and waits of) the code path a GPU takes; CPU times")
+    parser.add_argument("--shrink", type=float, default=1.0, metavar="N",
+                        help="every gradient about N times smaller (as many buckets): the cost not growing with size")
     args = parser.parse_args()
+    if args.shrink < 1:
+        parser.error("--shrink must be at least 1")
     if args.accelerator_path and args.device != "cpu":
         parser.error("--accelerator-path is for a CPU (on a GPU that path runs anyway)")
     return args
@@ -608,8 +626,13 @@ def main():
     for model in args.models:
         net, x, y, loss = build(model, args.device)
         fwd_bwd, grads = gradients(net, x, y, loss, args.device, args.iters)
+        bucket_mb = args.bucket_mb
+        if args.shrink > 1:  # (the bucket cap shrunk as the gradients did: as many buckets)
+            torch.manual_seed(1)
+            full, grads = sum(g.numel() for g in grads.values()), shrunk(grads, args.shrink)
+            bucket_mb *= sum(g.numel() for g in grads.values()) / full
         params = sum(g.numel() for g in grads.values())
-        passes = memory_passes(grads, args.iters) if args.device == "cpu" else {}
+        passes = memory_passes(grads, args.iters) if args.device == "cpu" and args.shrink == 1 else {}
         kwargs = {method: arguments(method, grads) for method in args.methods}
         print_model(model, args, grads, fwd_bwd, passes, kwargs)
         print_header(path is not None)
@@ -617,11 +640,11 @@ def main():
             skipped = {"work_ms": float("nan"), "calls": "-", "ops": "-", "waits": "-"}
             per_tensor = skipped if args.bucketed_only or path else measure(grads, method, kwargs[method], 0,
                                                                              args.world, args.device, args.iters)
-            bucketed = measure(grads, method, kwargs[method], args.bucket_mb, args.world, args.device, args.iters,
+            bucketed = measure(grads, method, kwargs[method], bucket_mb, args.world, args.device, args.iters,
                                args.profile_top, path, args.communicator)
             if "top" in bucketed:
                 profiles.append(f"{model}, {method}, bucketed:\n{bucketed.pop('top')}")
-            row = {"model": model, "device": args.device, "method": method,
+            row = {"model": model, "device": args.device, "method": method, "shrink": args.shrink,
                    "arguments": kwargs[method], "tensors": len(grads),
                    "parameters": params, "fwd_bwd_ms": 1e3 * fwd_bwd,
                    # the floor again beside the method's own steps: a shared machine's load drifts

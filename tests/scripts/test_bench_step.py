@@ -59,3 +59,17 @@ def test_the_accelerator_path_counted_on_a_cpu(tmp_path):
     # counts, the writes into the frame) and the mean (one), torch ops without them
     assert buckets * (6 + 1) <= rows["topk"]["bucketed_ops"] < rows["topk"]["bucketed_fallback_ops"]
     assert "limits: ops per bucket 12 native, 24 fallback" in proc.stdout
+
+
+def test_shrunk_gradients_time_what_does_not_grow_with_size(tmp_path):
+    """--shrink: the same model's gradients (count, names, ranks) about N times smaller, in as
+    many buckets; no floor or CPU targets then (the passes would be over tiny tensors)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--models", "mlp48", "--methods", "topk", "--bucketed-only",
+                           "--shrink", "100", "--iters", "2", "--threads", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = json.loads((tmp_path / "bench_step_cpu.json").read_text())["rows"][0]
+    assert row["shrink"] == 100 and row["tensors"] == 96 and row["bucketed_calls"] == 2
+    assert 12.6e6 / 150 < row["parameters"] < 12.6e6 / 50  # (48 of 512 x 512 and 48 of 512, each ~100x smaller)
+    assert "every gradient 100x smaller (--shrink)" in proc.stdout and "CPU targets" not in proc.stdout
+    assert "read_ms" not in row and row["bucketed_work_ms"] > 0
