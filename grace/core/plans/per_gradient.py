@@ -237,9 +237,10 @@ class PerGradient(BucketPlan):
     def _aggregate_natively(self, pending: BucketPending, received, outs):
         """Every rank's frame, all in one tensor, handed to the method's bucket-at-once aggregate
         as native buffers at their offsets (a tensor view per piece costs more than the kernel on
-        small gradients; frames of one layout as C arrays, ``native.FrameRows``), the flags read
-        in one view or gather: (the aggregates written into ``outs``, the overflow count or
-        None), or None where no such aggregate runs or a rank sent dense."""
+        small gradients: C arrays, ``native.FrameRows``; variable-length frames' offsets read from
+        their headers on the host), the flags read in one view, or on the host: (the aggregates
+        written into ``outs``, the overflow count or None), or None where no such aggregate runs
+        (an accelerator's tensors) or a rank sent dense."""
         s, xp, dtypes, flagged = self.services, pending.xp, pending.dtypes, pending.flag is not None
         variable, n = s.compression.compressor.traits.variable_length, s.communicator.size
         if not variable:  # every rank's frame of one layout: its pieces as C arrays, no object per rank
