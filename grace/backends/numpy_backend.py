@@ -333,6 +333,10 @@ class NumpyBackend:
         np.add.at(out, idx.astype(np.int64, copy=False), values)
         return out
 
+    def fused(self, fn, name: str, like):
+        """``fn`` itself: nothing here fuses tensor ops."""
+        return fn
+
     def native(self, name: str, like, dtype: str = "float32"):
         """No native kernels here: this backend is the oracle they are tested against."""
         return None

@@ -468,6 +468,10 @@ class TensorflowBackend:
             return counts > 0
         return tf.tensor_scatter_nd_add(tf.zeros((numel,), values.dtype), idx, values)
 
+    def fused(self, fn, name: str, like):
+        """``fn`` itself: nothing here fuses tensor ops."""
+        return fn
+
     def native(self, name: str, like, dtype: str = "float32"):
         """grace.native's kernel ``name`` for a float32 tensor, when built: the
         kernels read its memory in place (CPU, or GPU through DLPack) and return TensorFlow

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from grace import native as _native
+from grace.backends import torch_fusion
 from grace.native._arrays import torch_dtype_name
 from grace.core import bits as bits_
 from grace.core import draws
@@ -448,6 +449,11 @@ class TorchBackend:
     def unpack(self, packed, bits: int, numel: int):
         codes = _native.run("unpack", packed, packed, bits, numel) if bits != 8 else None
         return bits_.unpack_codes(self, packed, bits, numel) if codes is None else codes
+
+    def fused(self, fn, name: str, like):
+        """``fn``, a function of tensors without side effects, as a few fused kernels where its
+        ops would each launch one (an accelerator: ``torch_fusion``); else ``fn`` itself."""
+        return torch_fusion.fused(fn, name, like)
 
     def native(self, name: str, like, dtype: str = "float32"):
         """grace.native's kernel ``name`` for a float32 gradient on the device of ``like``, when it

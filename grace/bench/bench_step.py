@@ -34,9 +34,11 @@ Threshold's lambda is the magnitude that 1% of the model's gradient elements exc
 buckets) to count its operations and host waits where no GPU is at hand, two ways: "native", a
 GPU with grace's CUDA library (each grace.native call counted at the kernels and memsets its
 CUDA code launches and the waits it makes, ``Kernel.launches``), and "fallback", a GPU without
-it (the tensor-op code). Ops are the operations a GPU launches kernels for (views, allocations,
-copies that copy nothing and the stand-in collectives' own left out), also per bucket (and
-round, for multi-round plans), against the limits below the table. Its times are a CPU's.
+it (the tensor-op code; a segmented bucket's two phases fused by torch.compile, as on a GPU:
+each of inductor's C++ kernels counted as one launch, standing in for its Triton kernel). Ops
+are the operations a GPU launches kernels for (views, allocations, copies that copy nothing
+and the stand-in collectives' own left out), also per bucket (and round, for multi-round
+plans), against the limits below the table. Its times are a CPU's.
 --shrink N: every gradient about N times smaller (its dimensions above 1 divided alike, each at
 least 1; the bucket cap as much as the total: as many buckets), its name and rank kept: the steps then
 time what does not grow with the elements (Python, calls, kernel launches), the part a model of
@@ -67,6 +69,7 @@ from torch import nn
 import grace
 import grace.native
 from grace.core import draws
+from grace.backends import torch_fusion
 from grace.backends.torch_backend import TorchBackend
 from grace.bench.common import help_parser, write_results
 from grace.core.communicator import ReplicaCommunicator
@@ -289,6 +292,8 @@ class AcceleratorPath:
     def __init__(self):
         self.waits, self.native = 0, True
         TorchBackend.on_accelerator = lambda backend, x: True
+        import torch._inductor.config  # (its kernels' profiler ranges: counted as launches)
+        torch._inductor.config.cpp.enable_kernel_profile = True
         kernel, read = grace.native.kernels.kernel, TorchBackend.host_ints
         grace.native.kernel = grace.native.kernels.kernel = lambda name, like: self._kernel(kernel, name, like)
 
@@ -301,10 +306,11 @@ class AcceleratorPath:
     @contextlib.contextmanager
     def mode(self, mode: str):
         saved, self.native = self.native, mode == "native"
+        fusing, torch_fusion.ON_CPU = torch_fusion.ON_CPU, mode == "fallback"  # (as on a GPU without it)
         try:
             yield
         finally:
-            self.native = saved
+            self.native, torch_fusion.ON_CPU = saved, fusing
 
     def _kernel(self, kernel, name: str, like):
         entry = grace.native.KERNELS[name]
@@ -321,6 +327,7 @@ class AcceleratorPath:
 
 
 NATIVE_CALL = "grace.native::"  # a native call's profiler range: grace.native::<name>|<launches>|<waits>
+FUSED_KERNEL = "_cpp_fused_"  # an inductor C++ kernel's profiler range (cpp.enable_kernel_profile)
 
 
 def _hash_keys_here(counts, words, out):
@@ -391,6 +398,8 @@ def accelerator_counts(events) -> dict:
             ops, waits = ops + int(launched), waits + int(waited)
         elif event.name.startswith("aten::"):
             ops += _launched_here(event)
+        elif FUSED_KERNEL in event.name:  # (a kernel torch.compile made)
+            ops += 1
             waits += event.name in ("aten::_local_scalar_dense", "aten::nonzero")
     return {"ops": ops, "waits": waits}
 

@@ -29,7 +29,7 @@ from grace.memories import DGCMemory, make_memory
 
 
 class DGC(Sparsifier):
-    traits = replace(Sparsifier.traits, variable_length=True)
+    traits = replace(Sparsifier.traits, variable_length=True, seeded=True)  # (its sample)
 
     def __init__(self, ratio: float, sample_ratio: float = 0.01, sparsity_warmup_steps: int = 0, seed: int = 0):
         self.ratio = check_ratio(ratio)

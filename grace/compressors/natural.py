@@ -23,7 +23,7 @@ _MANTISSA = 2**23  # one unit of a float32's exponent field, read as an integer
 
 class Natural(Compressor):
     collective = Collective.ALLGATHER
-    traits = Traits(unbiased=True, new_payload=True)
+    traits = Traits(unbiased=True, new_payload=True, seeded=True)
 
     def __init__(self, seed: int = 0):
         self.seed = check_seed(seed)

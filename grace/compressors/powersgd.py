@@ -29,7 +29,7 @@ from grace.memories import make_memory
 
 class PowerSGD(Compressor):
     collective = Collective.ALLREDUCE
-    traits = Traits(supports_allreduce=True, multi_round=True, shared_state=True)
+    traits = Traits(supports_allreduce=True, multi_round=True, shared_state=True, seeded=True)  # (Q's start)
 
     def __init__(self, rank: int = 1, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:

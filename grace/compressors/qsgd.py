@@ -22,7 +22,7 @@ from grace.memories import make_memory
 
 class QSGD(Compressor):
     collective = Collective.ALLGATHER
-    traits = Traits(unbiased=True, new_payload=True, nonfinite_field=1)  # (field 1: the norms)
+    traits = Traits(unbiased=True, new_payload=True, nonfinite_field=1, seeded=True)  # (field 1: the norms)
 
     def __init__(self, levels: int = 127, bucket_size: int = 0, seed: int = 0):
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:

@@ -20,7 +20,8 @@ class RandomK(Compressor):
 
     @property
     def traits(self) -> Traits:
-        return Traits(supports_allreduce=True, new_payload=True, unbiased=self.scale)  # unbiased: scaled by d/k
+        # unbiased: scaled by d/k
+        return Traits(supports_allreduce=True, new_payload=True, unbiased=self.scale, seeded=True)
 
     def compress(self, xp, x, info):
         flat = xp.flatten(x)

@@ -17,7 +17,7 @@ from grace.memories import make_memory
 
 class TernGrad(Compressor):
     collective = Collective.ALLGATHER
-    traits = Traits(unbiased=True, new_payload=True)
+    traits = Traits(unbiased=True, new_payload=True, seeded=True)
 
     def __init__(self, seed: int = 0):
         self.seed = check_seed(seed)

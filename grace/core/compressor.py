@@ -133,6 +133,9 @@ class Traits:
     #: compress returns new tensors, never views of its input: an exchange may compensate into
     #: a buffer that the step writes again (the new memory over p) before the payload is sent
     new_payload: bool = False
+    #: compress draws random numbers from a seed of (tensor, step): the same input compresses
+    #: differently at every step
+    seeded: bool = False
 
 
 class Compressor:

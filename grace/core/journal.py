@@ -97,6 +97,11 @@ class Journal:
             return total
         return self.counted(xp.host_ints(xp.reshape(total, (1,)), 1)[0])
 
+    def leave_on_device(self, count) -> None:
+        """How many ranks flagged an overflow (int64, one element), left on the device until
+        ``end_step`` reads the step's at once."""
+        self._deferred.append(count)
+
     def counted(self, count: int) -> int:
         """How many ranks flagged an overflow, where it was read back already (with a bucket's
         headers)."""

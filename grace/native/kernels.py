@@ -5,6 +5,7 @@ any error other than NativeUnavailable is a real one and propagates."""
 from __future__ import annotations
 
 import inspect
+import sys
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Tuple, Union
@@ -244,9 +245,17 @@ KERNELS: Dict[str, Kernel] = {
 }
 
 
+def _compiling() -> bool:
+    """Whether torch.compile is tracing the caller (then the tensor ops run, to be compiled)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
 def kernel(name: str, like):
     """The function of kernel ``name`` where it runs natively on the device of ``like``, else None."""
     entry = KERNELS[name]  # (an unknown name is a bug, not a reason to fall back)
+    if _compiling():  # (torch.compile's trace: its tensors have no memory to hand to C)
+        return None
     try:
         device = kind_of(like).lib.kind
     except NativeUnavailable:

@@ -16,6 +16,7 @@ from grace.core import segments, sparse_frames
 from grace.core.bucket import Dense, Segment
 from grace.core.compressor import Collective, divided
 from grace.core.plans.base import BucketPending, BucketPlan, defers_on_device, with_dense
+from grace.core.plans.tensor_ops import tensor_ops_of
 
 
 class Segmented(BucketPlan):
@@ -28,6 +29,8 @@ class Segmented(BucketPlan):
         self.table = segments.SegmentTable.build(xp, bucket.numels, like)
         self.own_layout = sparse_frames.SparseFrames(xp, self.table, bucket.dtype, guarded, like) \
             if self.variable else self._fixed(xp, services.kernels.segment_fields(self.table.numels, bucket.dtype), like)
+        self.tensor_ops = None  # the tensor-op path's two phases, to be fused (after a first step that ran it)
+        self._tensor_op_start = False  # whether the latest start ran that path
 
     def _fixed(self, xp, fields, like):
         return segments.SegmentedFrame(xp, fields, self.services.journal.guarded, like)
@@ -50,6 +53,8 @@ class Segmented(BucketPlan):
         e = s.memory_state(xp, bucket.key, g)
         pending = BucketPending(bucket, xp, [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], g, [e],
                                 defer=defers_on_device(xp, g))
+        if self.tensor_ops is not None:
+            return self._start_fused(pending, g, e)
         infos = [s.info(name, step) for name in bucket.names]
         if self.variable:
             return self._select(pending, e, infos)
@@ -63,6 +68,7 @@ class Segmented(BucketPlan):
         if in_call:
             pending.flag = flag if fused is not None else xp.nonfinite([g], self.flag_dtype())
         e_new = None  # the new memory where a fused kernel made it and it stands
+        self._tensor_op_start = fused is None
         if fused is not None:  # compensate, compress and the new memory in one go
             fields, pending.segment_ctx, e_new = fused
             p = p_hat = None
@@ -90,6 +96,17 @@ class Segmented(BucketPlan):
         if frame is not None:
             nbytes = s.transport.send_frame(pending, frame, False)
         s.transport.stats.add(nbytes, 0)
+        return pending
+
+    def _start_fused(self, pending: BucketPending, g, e) -> BucketPending:
+        """``start`` by the tensor-op phase (``TensorOps.compress``): the frame, the flag and the
+        new memory from one call."""
+        s = self.services
+        frame, pending.flag, e_new = self.tensor_ops.compress(g, e)
+        pending.layout = self.own_layout
+        if e_new is not None:
+            s.journal.set("memory", self.bucket.key, e_new)
+        s.transport.stats.add(s.transport.send_frame(pending, frame, False), 0)
         return pending
 
     def _select(self, pending: BucketPending, e, infos) -> BucketPending:
@@ -191,6 +208,13 @@ class Segmented(BucketPlan):
         received = s.transport.wait(pending.wait)
         if isinstance(received, list):  # broadcasts: one frame per rank
             received = xp.concat(received)
+        if self.tensor_ops is not None:  # (the count left on the device, read when the step ends)
+            if self.tensor_ops.ranks != n:  # (a resized world)
+                self.tensor_ops = tensor_ops_of(self, pending)
+            mean, count = self.tensor_ops.mean(received)
+            if count is not None:
+                s.journal.leave_on_device(count)
+            return mean, None
         if pending.sent_dense:
             nbytes = bucket.numel * frames.ITEMSIZE[bucket.dtype]  # then the flag byte, then padding
             rows = xp.reshape(received, (n, frames.frame_size([bucket.numel], [bucket.dtype], False, flagged)))
@@ -206,6 +230,8 @@ class Segmented(BucketPlan):
         if read is None:
             fields, _ = pending.layout.read(xp, received, n)
             mean = s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n, overflow)
+            if self._tensor_op_start:  # both phases ran the tensor ops: from now on in two calls
+                self.tensor_ops = tensor_ops_of(self, pending)
         return mean, None
 
     def headers(self, pending: BucketPending):

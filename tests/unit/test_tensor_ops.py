@@ -1,0 +1,102 @@
+"""A segmented bucket's tensor-op path (an accelerator without grace's CUDA library) as two calls
+per bucket (``grace.core.plans.tensor_ops``), fused by torch.compile: each gradient's result
+still its per-tensor one bit for bit, an overflow still costing one step, eager ops where
+compiling fails. The accelerator is this CPU told it is one; inductor's C++ kernels stand in
+for a GPU's Triton ones."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import grace
+from grace.backends import get_backend
+from grace.core.communicator import ReplicaCommunicator
+from tests.unit.conftest import METHODS
+from tests.unit.test_buckets import assert_same, gradients, with_buckets
+from tests.unit.test_overflow import overflowing
+
+torch = pytest.importorskip("torch")
+torch_fusion = pytest.importorskip("grace.backends.torch_fusion")
+
+FUSED = ["topk", "efsignsgd", "onebit"]  # fixed frames, no draws: the two calls from the second step on
+
+
+@pytest.fixture
+def accelerator(monkeypatch):
+    """The torch backend on an accelerator without grace's native kernels."""
+    xp = get_backend("torch")
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, x: True)
+    monkeypatch.setattr(type(xp), "native", lambda self, *args: None)
+    return xp
+
+
+def steps(xp, method, bad_step=None):
+    """Four steps of ``method`` on several buckets (an inf in step ``bad_step``): the exchange,
+    every step's results, the state at the end."""
+    exchange = grace.Exchange(with_buckets(METHODS[method], 0.002), ReplicaCommunicator(3))
+    outs = [exchange.exchange(overflowing(xp, s, np.inf) if s == bad_step else gradients(xp, s)) for s in range(4)]
+    return exchange, outs, exchange.state_dict()
+
+
+@pytest.mark.parametrize("method", FUSED)
+def test_the_two_calls_take_over_after_the_first_step(accelerator, method):
+    exchange, _, _ = steps(accelerator, method)
+    plans = list(exchange.bucket_plans().values())
+    assert len(plans) > 2 and all(type(plan).__name__ == "Segmented" for plan in plans)
+    assert sum(plan.tensor_ops is not None for plan in plans) >= len(plans) - 1  # (a bucket may go dense)
+
+
+@pytest.mark.parametrize("method", ["qsgd", "randomk", "dgc", "threshold"])
+def test_draws_and_variable_frames_stay_op_by_op(accelerator, method):
+    """A step's seeds would be constants of the compiled program; a variable-length frame waits
+    for the ranks' counts between its ops."""
+    exchange, _, _ = steps(accelerator, method)
+    assert all(plan.tensor_ops is None for plan in exchange.bucket_plans().values())
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # (torch_fusion's: compiling failed, eager ops ran)
+@pytest.mark.parametrize("method", FUSED)
+def test_compiled_calls_give_the_eager_results_and_an_overflow_costs_one_step(accelerator, monkeypatch, method):
+    _, want, want_state = steps(accelerator, method, bad_step=2)
+    monkeypatch.setattr(torch_fusion, "ON_CPU", True)
+    compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    exchange, got, got_state = steps(accelerator, method, bad_step=2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > compiled_before
+    assert not np.isfinite(accelerator.to_numpy(got[2]["fc.weight"])).all()
+    for step, (w, g) in enumerate(zip(want, got)):
+        for name in w:
+            assert_same(accelerator, w[name], g[name], f"{method} step {step} {name}")
+    for table in ("memory", "state", "steps"):
+        assert sorted(want_state[table]) == sorted(got_state[table])
+        for name in want_state[table]:
+            assert_same(accelerator, want_state[table][name], got_state[table][name], f"{method} {table} {name}")
+
+
+def test_a_function_that_does_not_compile_runs_op_by_op_with_one_warning(monkeypatch):
+    def refused(fn, **options):
+        def call(*args):
+            raise RuntimeError("no C++ compiler")
+        return call
+
+    monkeypatch.setattr(torch_fusion, "ON_CPU", True)
+    monkeypatch.setattr(torch, "compile", refused)
+    x = torch.arange(4.0)
+    twice = torch_fusion.fused(lambda t: t * 2, "twice", x)
+    with pytest.warns(RuntimeWarning, match="twice runs its tensor ops one by one.*no C\\+\\+ compiler"):
+        assert torch.equal(twice(x), x * 2)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(twice(x + 1), (x + 1) * 2)
+
+
+def test_fusing_is_for_accelerators_and_off_with_grace_fuse_0(monkeypatch):
+    def double(t):
+        return t * 2
+
+    x = torch.arange(4.0)
+    assert torch_fusion.fused(double, "double", x) is double  # (a CPU's tensors: one op each anyway)
+    monkeypatch.setattr(torch_fusion, "ON_CPU", True)
+    assert torch_fusion.fused(double, "double", x) is not double
+    monkeypatch.setenv("GRACE_FUSE", "0")
+    assert torch_fusion.fused(double, "double", x) is double
