@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ from grace.backends import torch_fusion
 from grace.native._arrays import torch_dtype_name
 from grace.core import bits as bits_
 from grace.core import draws
+from grace.core.tensors import constant
 
 #: the elements below which ``nonfinite`` sums a tensor joined with the other small ones
 SMALL_JOINED = 1 << 12
@@ -24,19 +26,45 @@ def _int64s(values, device):
     return torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
+_LAYOUTS: dict = {}  # (what, host ints, device) -> their int64 tensor (``_layout``)
+
+
+def _layout(what: str, of, device, make=None):
+    """Host ints of a layout (``of`` itself, or ``make()`` from it: segment sizes, starts, seeds'
+    keys) as an int64 tensor on ``device``, made once: a plain dict, whose entries
+    torch.compile reads as constants of the program (not made again at every call)."""
+    key = (what, tuple(of), device)
+    made = _LAYOUTS.get(key)
+    if made is None:
+        if len(_LAYOUTS) > 4096:
+            _LAYOUTS.clear()
+        made = _LAYOUTS[key] = _int64s([int(v) for v in (make() if make else of)], device)
+    return made
+
+
 def _segments(counts, device):
     """For segments of ``counts`` elements in a row: (each element's segment, each segment's
     start, each element's position in its segment), as int64 tensors on ``device``."""
-    total, sizes = sum(counts), _int64s(list(counts), device)
+    total, sizes = sum(counts), _layout("sizes", counts, device)
     segment = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes, output_size=total)
-    starts = torch.cumsum(sizes, 0) - sizes
+    starts = _layout("starts", counts, device, lambda: [0, *itertools.accumulate(counts[:-1])])
     return segment, starts, torch.arange(total, device=device) - starts[segment]
+
+
+def _seed_words(seeds, device):
+    """Each (key, step) seed's two words, (seeds, 2) int64 on ``device``: from the host, or
+    where the steps are tensors (a fused program's input) mixed in on the device."""
+    if not torch.is_tensor(seeds[0][1]):
+        return _int64s([draws.seed_words(seed) for seed in seeds], device)
+    keys = _layout("seed keys", [key for key, _ in seeds], device)
+    steps = torch.stack([step.reshape(()) for _, step in seeds])  # (all tensors: a fused program's)
+    return torch.stack(draws.step_words(draws.key_words(keys), steps), 1)
 
 
 def _counter_hashes(counts, seeds, device):
     """(32-bit hashes of draws 0 .. counts[s] - 1 of each seed, in a row (int64); each draw's
     segment; each segment's start). One set of whole-buffer ops, however many segments."""
-    words = _int64s([draws.seed_words(seed) for seed in seeds], device)
+    words = _seed_words(seeds, device)
     segment, starts, j = _segments(counts, device)  # j: each draw's number within its seed
     return draws.draw_hashes(j, (words[:, 0][segment], words[:, 1][segment])), segment, starts
 
@@ -44,15 +72,16 @@ def _counter_hashes(counts, seeds, device):
 def _drawn_natively(name: str, dtype, counts, seeds, device):
     """grace.native's kernel ``name`` (uniform_segments, hash_keys_segments: one launch for all
     segments) into a new tensor on ``device``, or None where it does not run there."""
+    if seeds and torch.is_tensor(seeds[0][1]):  # (its words are made on the device)
+        return None
     out = torch.empty(sum(counts), dtype=dtype, device=device)
     return _native.run(name, out, counts, [draws.seed_words(seed) for seed in seeds], out)
 
 
-@functools.lru_cache(maxsize=64)
 def _taken(numels: tuple, ks: tuple, device):
     """Random indices of segments of ``numels`` elements, ``ks`` of each: where each taken one
     lies in the segments' sorted elements, and its segment's start (int64 on ``device``; made
-    once per layout, as a bucket's is the same every step)."""
+    once per layout, as a bucket's is the same every step: ``constant``)."""
     starts = _int64s([0, *np.cumsum(numels)[:-1].tolist()], device)
     taken_segment, _, rank = _segments(ks, device)  # the taken: each one's segment and rank in it
     first = starts[taken_segment]
@@ -338,7 +367,8 @@ class TorchBackend:
             hashes, segment, _ = _counter_hashes(numels, seeds, device)
             keys = (segment << 32) | hashes
         order = torch.sort(keys, stable=True).indices  # each segment's elements, in a row
-        places, first = _taken(tuple(numels), tuple(ks), device)
+        numels, ks = tuple(numels), tuple(ks)  # (a plain dict's constant: torch.compile reads it as one)
+        places, first = constant(self, ("taken", numels, ks), lambda: _taken(numels, ks, device), like)
         return torch.sort(order[places]).values - first  # ascending within each segment
 
     def arange(self, n: int, like=None):

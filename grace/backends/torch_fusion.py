@@ -6,10 +6,12 @@ kernels (Triton on a GPU), computing what the ops compute one by one: compiled w
 numerics (no multiply and add contracted into one FMA, IEEE division, subnormals kept), which
 inductor's C++ kernels on a CPU keep anyway.
 
-Each function gets a code object of its own: dynamo keeps its compiled entries per code
-object, at most ``recompile_limit`` (8) of them, and every bucket's functions share one code.
-A function whose compilation fails runs eagerly from then on (one warning). ``GRACE_FUSE=0``
-turns fusing off.
+A function's first call runs its ops one by one: what it makes once and keeps (a layout's
+constants, in plain dicts) is then there for the compiled program to read as constants, with
+no recompilation when the trace would have added it. Each function gets a code object of its
+own: dynamo keeps its compiled entries per code object, at most ``recompile_limit`` (8) of
+them, and every bucket's functions share one code. A function whose compilation fails runs
+eagerly from then on (one warning). ``GRACE_FUSE=0`` turns fusing off.
 """
 from __future__ import annotations
 
@@ -36,23 +38,25 @@ def fuses(like) -> bool:
 
 
 def fused(fn, name: str, like):
-    """``fn``, a function of tensors without side effects, compiled on first call where
-    ``fuses(like)``; else ``fn`` itself."""
+    """``fn``, a function of tensors without side effects, compiled from its second call on
+    where ``fuses(like)``; else ``fn`` itself."""
     if not fuses(like):
         return fn
     code = fn.__code__.replace(co_name=f"{name}_{next(_serial)}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    running = [torch.compile(own, dynamic=False, options=EAGER_NUMERICS)]
+    compiled = torch.compile(own, dynamic=False, options=EAGER_NUMERICS)
+    mode = ["first"]  # then "compiled"; "eager" once compiling failed
 
     def call(*args):
-        try:
-            return running[0](*args)
-        except Exception as error:  # (a failure of fn itself fails again below, eagerly)
-            if running[0] is own:
-                raise
-            warnings.warn(f"grace: {name} runs its tensor ops one by one, torch.compile failed: "
-                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
-            running[0] = own
-            return own(*args)
+        if mode[0] == "compiled":
+            try:
+                return compiled(*args)
+            except Exception as error:  # (a failure of fn itself fails again below, eagerly)
+                warnings.warn(f"grace: {name} runs its tensor ops one by one, torch.compile failed: "
+                              f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+                mode[0] = "eager"
+        elif mode[0] == "first":
+            mode[0] = "compiled"
+        return own(*args)
 
     return call

@@ -46,9 +46,10 @@ hundreds of small tensors pays on every step (no CPU targets then: the floor is 
 The phase clock syncs the device at each phase boundary, which a GPU pays for per tensor: the
 JSON also holds ``exchange_free_ms``, whole steps timed with no clock (work and the stand-in
 collectives, as training runs them).
-Times are medians over ``--iters`` steps after two warm-up steps, with a device sync around
-each. torchvision's ResNet-50 is used where torchvision imports; otherwise the same layers,
-defined here (25.6M parameters in 161 tensors either way).
+Times are medians over ``--iters`` steps after three warm-up steps (a GPU without grace's CUDA
+library compiles its fused phases in the third), with a device sync around each.
+torchvision's ResNet-50 is used where torchvision imports; otherwise the same layers, defined
+here (25.6M parameters in 161 tensors either way).
 """
 from __future__ import annotations
 
@@ -454,7 +455,7 @@ def measure(grads: dict, method: str, kwargs: dict, bucket_mb: float, world: int
     sync = _sync(device)
     exchange.phases = clock = PhaseClock(sync)
     steps, collectives = [], []
-    for i in range(2 + iters):
+    for i in range(3 + iters):
         backward()
         calls_before = comm.calls
         clock.reset()
@@ -462,7 +463,7 @@ def measure(grads: dict, method: str, kwargs: dict, bucket_mb: float, world: int
         start = time.perf_counter()
         exchange.exchange(inputs)
         sync()
-        if i >= 2:
+        if i >= 3:
             steps.append(time.perf_counter() - start)
             collectives.append(clock.reset()["collective"])
     seconds, collective = statistics.median(steps), statistics.median(collectives)
@@ -477,7 +478,7 @@ def measure(grads: dict, method: str, kwargs: dict, bucket_mb: float, world: int
     if path is not None:  # the same step once more without grace's CUDA library (a fresh exchange)
         with path.mode("fallback"):
             fallback = new_exchange()
-            for _ in range(2):
+            for _ in range(3):  # (op by op, then the fused phases' first calls, then compiling them)
                 backward()
                 fallback.exchange(inputs)
             backward()

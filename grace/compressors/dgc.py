@@ -29,13 +29,15 @@ from grace.memories import DGCMemory, make_memory
 
 
 class DGC(Sparsifier):
-    traits = replace(Sparsifier.traits, variable_length=True, seeded=True)  # (its sample)
-
     def __init__(self, ratio: float, sample_ratio: float = 0.01, sparsity_warmup_steps: int = 0, seed: int = 0):
         self.ratio = check_ratio(ratio)
         self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
         self.sparsity_warmup_steps = check_steps(sparsity_warmup_steps, "sparsity_warmup_steps")
         self.seed = check_seed(seed)
+
+    @property
+    def traits(self):  # (seeded: its sample)
+        return replace(Sparsifier.traits, variable_length=True, seeded=True, scheduled=self.sparsity_warmup_steps > 0)
 
     def ratio_at(self, xp, step):
         """The target ratio at ``step`` (an int, or a tensor inside a traced step)."""

@@ -35,7 +35,7 @@ import enum
 import math
 import numbers
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from grace.core import draws
@@ -70,15 +70,21 @@ class TensorInfo:
     """What a compressor may know about the tensor it compresses, identical on every rank."""
 
     name: str
-    step: Any  # int; a scalar tensor under tf.function
+    step: Any  # int; a scalar tensor under tf.function, or a fused program's input
     world_size: int
     rank: int = 0
+    name_key: int = field(default=-1, repr=False, compare=False)  # the name's CRC-32 (made at once)
+
+    def __post_init__(self):
+        if self.name_key < 0:  # (not while a fused program is traced: its infos are made before)
+            object.__setattr__(self, "name_key", zlib.crc32(self.name.encode()))
 
     def seed(self, base_seed: int = 0) -> Tuple[int, Any]:
         """A seed shared by all ranks for this (tensor, step), stable across processes:
         (key, step). The key is a Python int below 2**63; the step may be a tensor (a
-        TensorFlow step counter inside tf.function), so backends take the pair as it is."""
-        return zlib.crc32(self.name.encode()) | (base_seed % 2**24) << 32, self.step
+        TensorFlow step counter inside tf.function, a fused program's input), so backends
+        take the pair as it is."""
+        return self.name_key | (base_seed % 2**24) << 32, self.step
 
     def rank_seed(self, base_seed: int = 0) -> Tuple[int, Any]:
         """A seed of this rank's own for this (tensor, step): independent draws on every rank."""
@@ -136,6 +142,9 @@ class Traits:
     #: compress draws random numbers from a seed of (tensor, step): the same input compresses
     #: differently at every step
     seeded: bool = False
+    #: compress follows a schedule over the steps, decided on the host from the step number
+    #: (DGC's sparsity warm-up: its k)
+    scheduled: bool = False
 
 
 class Compressor:

@@ -8,6 +8,10 @@ its tensors draws alone:
     (s0, s1) = seed_words(key, step)
     u_j      = (hash32(hash32(j ^ s0) ^ s1) >> 8) / 2**24       float32 in [0, 1)
 
+The seed words mix the key's two words with the step's by the same hash, so they are computed
+alike from Python ints, integer arrays or tensors: a fused GPU program takes its step as a
+tensor (the step is then an input of the program, not a constant of it).
+
 Random indices on a CPU (random-k's) are the first k distinct of the index draws
 floor(hash_j * d / 2**32); on a GPU the torch backend takes the k smallest hashes instead.
 
@@ -26,14 +30,41 @@ from grace import native
 M32 = 0xFFFFFFFF
 
 
+#: what the key's and the step's words are mixed with (any 32-bit odd constants, apart)
+SALTS = (0x9E3779B9, 0x7F4A7C15, 0x85EBCA6B, 0xC2B2AE35)
+
+
+def key_words(key):
+    """A key's two words (key: below 2**63; an int, or an int64 array of keys)."""
+    low, high = key & M32, key >> 32
+    return hash32(low ^ hash32(high ^ SALTS[0])), hash32(high ^ hash32(low ^ SALTS[1]))
+
+
+def step_words(words, step):
+    """The seed words of key words ``words`` at ``step`` (an int below 2**32, or an int64
+    array or tensor of one element)."""
+    step = step & M32
+    return hash32(words[0] ^ hash32(step ^ SALTS[2])), hash32(words[1] ^ hash32(step ^ SALTS[3]))
+
+
 def seed_words(seed) -> tuple:
-    """The (key, step) seed mixed into two 32-bit words (splitmix64's finalizer)."""
-    key, step = seed
-    m = (int(key) * 0x9E3779B97F4A7C15 + (int(step) + 1) * 0xD1B54A32D192ED03) % 2**64
-    m = ((m ^ (m >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    m = ((m ^ (m >> 27)) * 0x94D049BB133111EB) % 2**64
-    m ^= m >> 31
-    return m & M32, m >> 32
+    """The (key, step) seed mixed into two 32-bit words, as host ints (``step_words`` mixes a
+    step that is a tensor on the device). A key's words are kept, and the latest step's (a
+    step's seeds: a bucket's gradients' keys, the same every step)."""
+    key, step = int(seed[0]), int(seed[1]) & M32
+    words = _KEY_WORDS.get(key)
+    if words is None:
+        if len(_KEY_WORDS) > 1 << 16:
+            _KEY_WORDS.clear()
+        words = _KEY_WORDS[key] = key_words(key)
+    latest = _latest_step[0]  # (one read: another thread may replace it)
+    if latest[0] != step:
+        latest = _latest_step[0] = (step, hash32(step ^ SALTS[2]), hash32(step ^ SALTS[3]))
+    return hash32(words[0] ^ latest[1]), hash32(words[1] ^ latest[2])
+
+
+_KEY_WORDS: dict = {}  # key -> key_words(key)
+_latest_step: list = [(None, 0, 0)]  # the latest step, and its two hashes
 
 
 def hash32(h):

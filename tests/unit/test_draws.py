@@ -133,3 +133,22 @@ def test_random_indices_refuse_more_than_there_are():
         draws.random_indices_numpy(5, 6, (1, 2))
     with pytest.raises(ValueError, match="at most"):
         draws.random_indices_host([5], [6], [(1, 2)])
+
+
+def test_seed_words_are_alike_from_ints_arrays_and_tensors_and_apart():
+    """A seed's words from host ints (what the native kernels get), from NumPy arrays and from
+    torch tensors on the test device (a fused GPU program's step, an input): the same bits. And
+    no two of a grid of keys and steps share them."""
+    from grace.core import draws
+
+    keys = [0, 1, 2**32 - 1, 2**32, 2**56 + 2**40 + 12345, 2**63 - 1]
+    grid = set()
+    for step in [0, 1, 7, 2**31, 2**32 - 1]:
+        want = [draws.seed_words((key, step)) for key in keys]
+        grid.update(want)
+        arrays = draws.step_words(draws.key_words(np.asarray(keys, np.int64)), np.int64(step))
+        tensors = draws.step_words(draws.key_words(torch.tensor(keys, device=TORCH_DEVICE)),
+                                   torch.tensor(step, device=TORCH_DEVICE))
+        for words in (arrays, [t.cpu().numpy() for t in tensors]):
+            assert [(int(words[0][i]), int(words[1][i])) for i in range(len(keys))] == want, step
+    assert len(grid) == 5 * len(keys)

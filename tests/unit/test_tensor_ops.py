@@ -11,6 +11,7 @@ import pytest
 import grace
 from grace.backends import get_backend
 from grace.core.communicator import ReplicaCommunicator
+from grace.core.plans import segmented
 from tests.unit.conftest import METHODS
 from tests.unit.test_buckets import assert_same, gradients, with_buckets
 from tests.unit.test_overflow import overflowing
@@ -18,7 +19,9 @@ from tests.unit.test_overflow import overflowing
 torch = pytest.importorskip("torch")
 torch_fusion = pytest.importorskip("grace.backends.torch_fusion")
 
-FUSED = ["topk", "efsignsgd", "onebit"]  # fixed frames, no draws: the two calls from the second step on
+# fixed frames: the two calls from the second step on (the quantizers' and random-k's draws
+# seeded on the device from the step as a tensor)
+FUSED = ["topk", "efsignsgd", "onebit", "qsgd", "terngrad", "natural", "randomk", "dgc"]
 
 
 @pytest.fixture
@@ -46,18 +49,21 @@ def test_the_two_calls_take_over_after_the_first_step(accelerator, method):
     assert sum(plan.tensor_ops is not None for plan in plans) >= len(plans) - 1  # (a bucket may go dense)
 
 
-@pytest.mark.parametrize("method", ["qsgd", "randomk", "dgc", "threshold"])
-def test_draws_and_variable_frames_stay_op_by_op(accelerator, method):
-    """A step's seeds would be constants of the compiled program; a variable-length frame waits
-    for the ranks' counts between its ops."""
+@pytest.mark.parametrize("method", ["dgc_warmup", "threshold"])
+def test_variable_frames_and_schedules_stay_op_by_op(accelerator, method):
+    """A variable-length frame waits for the ranks' counts between its ops; DGC's sparsity
+    warm-up sets each step's k on the host."""
     exchange, _, _ = steps(accelerator, method)
     assert all(plan.tensor_ops is None for plan in exchange.bucket_plans().values())
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # (torch_fusion's: compiling failed, eager ops ran)
 @pytest.mark.parametrize("method", FUSED)
-def test_compiled_calls_give_the_eager_results_and_an_overflow_costs_one_step(accelerator, monkeypatch, method):
-    _, want, want_state = steps(accelerator, method, bad_step=2)
+def test_compiled_calls_give_the_op_by_op_results_and_an_overflow_costs_one_step(accelerator, monkeypatch, method):
+    """Against the same steps op by op throughout (every step as the first)."""
+    with monkeypatch.context() as op_by_op:
+        op_by_op.setattr(segmented, "tensor_ops_of", lambda plan, pending: None)
+        _, want, want_state = steps(accelerator, method, bad_step=2)
     monkeypatch.setattr(torch_fusion, "ON_CPU", True)
     compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     exchange, got, got_state = steps(accelerator, method, bad_step=2)
@@ -82,6 +88,7 @@ def test_a_function_that_does_not_compile_runs_op_by_op_with_one_warning(monkeyp
     monkeypatch.setattr(torch, "compile", refused)
     x = torch.arange(4.0)
     twice = torch_fusion.fused(lambda t: t * 2, "twice", x)
+    assert torch.equal(twice(x), x * 2)  # (the first call op by op: no compiling yet)
     with pytest.warns(RuntimeWarning, match="twice runs its tensor ops one by one.*no C\\+\\+ compiler"):
         assert torch.equal(twice(x), x * 2)
     import warnings

@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 from typing import Any, List, Sequence
 
+import numpy as np
+
 from grace.core import bucket as frames
 from grace.core import segments, sparse_frames
 from grace.core.bucket import Dense, Segment
@@ -54,7 +56,7 @@ class Segmented(BucketPlan):
         pending = BucketPending(bucket, xp, [Segment(bucket.key, (bucket.numel,), 0, bucket.numel)], g, [e],
                                 defer=defers_on_device(xp, g))
         if self.tensor_ops is not None:
-            return self._start_fused(pending, g, e)
+            return self._start_fused(pending, g, e, step)
         infos = [s.info(name, step) for name in bucket.names]
         if self.variable:
             return self._select(pending, e, infos)
@@ -98,15 +100,24 @@ class Segmented(BucketPlan):
         s.transport.stats.add(nbytes, 0)
         return pending
 
-    def _start_fused(self, pending: BucketPending, g, e) -> BucketPending:
+    def _start_fused(self, pending: BucketPending, g, e, step: int) -> BucketPending:
         """``start`` by the tensor-op phase (``TensorOps.compress``): the frame, the flag and the
-        new memory from one call."""
-        s = self.services
-        frame, pending.flag, e_new = self.tensor_ops.compress(g, e)
+        new memory from one call (a method that draws: its infos with the step as a tensor)."""
+        s, xp = self.services, pending.xp
+        infos = ()
+        if self.tensor_ops.seeded:
+            step = xp.asarray(np.int64(step), like=g)
+            infos = tuple(s.info(name, step) for name in self.bucket.names)
+        sent, pending.flag, e_new, pending.segment_ctx = self.tensor_ops.compress(g, e, infos)
         pending.layout = self.own_layout
         if e_new is not None:
             s.journal.set("memory", self.bucket.key, e_new)
-        s.transport.stats.add(s.transport.send_frame(pending, frame, False), 0)
+        if s.compression.compressor.collective is Collective.ALLREDUCE:  # (the fields to sum)
+            pending.wait, nbytes = s.transport.allreduce_units(xp, self.bucket.key, [sent], pending.flag,
+                                                               defer=pending.defer)
+        else:
+            nbytes = s.transport.send_frame(pending, sent, False)
+        s.transport.stats.add(nbytes, 0)
         return pending
 
     def _select(self, pending: BucketPending, e, infos) -> BucketPending:
@@ -187,11 +198,16 @@ class Segmented(BucketPlan):
         poisoned in already)."""
         s, xp, bucket, n = self.services, pending.xp, self.bucket, self.services.communicator.size
         compressor, table, flagged = s.compression.compressor, self.table, pending.flag is not None
+        if self.tensor_ops is not None and self.tensor_ops.ranks != n:  # (a resized world)
+            self.tensor_ops = tensor_ops_of(self, pending)
         if compressor.collective is Collective.ALLREDUCE:
             (summed,), overflow, fresh = pending.wait()  # (its waits are timed inside)
+            if self.tensor_ops is not None:
+                return self.tensor_ops.mean(tuple(summed), pending.segment_ctx)[0], overflow
             mean = s.kernels.summed_mean(xp, summed, pending.segment_ctx, table, n, overflow)
             if mean is not None:
                 return mean, None  # (poisoned in it)
+            self._tensor_ops_after_first_step(pending)
             return divided(xp, s.kernels.decompress_segments(xp, summed, pending.segment_ctx, table), n, fresh), \
                 overflow
         if self.variable:
@@ -209,9 +225,7 @@ class Segmented(BucketPlan):
         if isinstance(received, list):  # broadcasts: one frame per rank
             received = xp.concat(received)
         if self.tensor_ops is not None:  # (the count left on the device, read when the step ends)
-            if self.tensor_ops.ranks != n:  # (a resized world)
-                self.tensor_ops = tensor_ops_of(self, pending)
-            mean, count = self.tensor_ops.mean(received)
+            mean, count = self.tensor_ops.mean(received, pending.segment_ctx)
             if count is not None:
                 s.journal.leave_on_device(count)
             return mean, None
@@ -230,9 +244,13 @@ class Segmented(BucketPlan):
         if read is None:
             fields, _ = pending.layout.read(xp, received, n)
             mean = s.kernels.aggregate_segments(xp, fields, pending.segment_ctx, table, n, overflow)
-            if self._tensor_op_start:  # both phases ran the tensor ops: from now on in two calls
-                self.tensor_ops = tensor_ops_of(self, pending)
+            self._tensor_ops_after_first_step(pending)
         return mean, None
+
+    def _tensor_ops_after_first_step(self, pending: BucketPending) -> None:
+        """Where both phases of a step ran the tensor ops: from now on in two calls."""
+        if self._tensor_op_start and self.tensor_ops is None:
+            self.tensor_ops = tensor_ops_of(self, pending)
 
     def headers(self, pending: BucketPending):
         """Every rank's header of the bucket, on the device (awaited once)."""

@@ -3,15 +3,21 @@
 Where no native kernel runs (a GPU without grace's CUDA library), each phase of a segmented
 bucket is a chain of whole-buffer tensor ops, dozens of kernel launches:
 
-    compress(g, e)     -> (this rank's frame, its overflow flag, the new memory)
-    mean(received)     -> (the mean of the ranks' frames, poisoned; how many flagged an overflow)
+    compress(g, e, infos) -> (this rank's frame, its overflow flag, the new memory, ctx)
+    mean(received, ctx)   -> (the mean of the ranks' frames, poisoned; how many flagged an overflow)
+
+(an allreduce: compress gives the fields to sum, mean takes the sums and gives their mean;
+ctx: what the compressor keeps for the mean, random-k's indices, or None).
 
 written here once as plain functions of tensors, with no side effect (what ``Segmented`` runs
 on its first step, the same ops in the same order). The plan hands them to ``xp.fused``: on a
 GPU, torch.compile makes a few fused kernels of each; elsewhere they run as they are.
 
-Only where every step runs the same program: fields of a fixed layout in an allgathered frame,
-not sent dense, and no draws (a step's seeds would be constants of the compiled program).
+Only where every step runs the same program: fields of a fixed layout (allreduced, or in an
+allgathered frame not sent dense: not threshold's), and no schedule over the steps (DGC's
+sparsity warm-up, which sets each step's k on the host). A method that draws gets the step as a tensor in its
+infos (``TensorInfo.step``): its seeds are made on the device (``grace.core.draws``), so the
+step is an input of the compiled program, not a constant of it.
 """
 from __future__ import annotations
 
@@ -20,11 +26,13 @@ from grace.core.compressor import Collective
 
 def tensor_ops_of(plan, pending):
     """``TensorOps`` of a segmented plan whose step (``pending``, its first) ran the tensor-op
-    path where they apply; else None."""
-    s = plan.services
+    path where they apply; else None. Not where grace's native library runs on the bucket's
+    device (every build has its ``pack``): its kernels make the phases, and what one lacks
+    runs op by op as before."""
+    s, xp = plan.services, pending.xp
     compressor = s.compression.compressor
-    if plan.variable or compressor.collective is Collective.ALLREDUCE or compressor.traits.seeded \
-            or pending.segment_ctx is not None or pending.sent_dense or not pending.defer:
+    if plan.variable or compressor.traits.scheduled or pending.sent_dense or not pending.defer \
+            or xp.native("pack", pending.g):
         return None
     return TensorOps(plan, pending.xp, pending.g)
 
@@ -36,22 +44,27 @@ class TensorOps:
         s = plan.services
         kernels, memory, table, layout = s.kernels, s.compression.memory, plan.table, plan.own_layout
         guarded, ranks = s.journal.guarded, s.communicator.size
+        allreduce = s.compression.compressor.collective is Collective.ALLREDUCE
         self.ranks = ranks  # (the world the mean is of)
+        self.seeded = s.compression.compressor.traits.seeded  # (then compress takes the step's infos)
 
-        def compress(g, e):
-            flag = xp.nonfinite([g], "uint8") if guarded else None
+        def compress(g, e, infos):
+            flag = xp.nonfinite([g], plan.flag_dtype()) if guarded else None
             p = memory.compensate(xp, g, e)
-            fields, _, p_hat = kernels.compress_segments(xp, p, table, ())  # (no draws: no step infos)
+            fields, ctx, p_hat = kernels.compress_segments(xp, p, table, infos)
             e_new = None
             if memory.needs_feedback:
-                p_hat = kernels.decompress_segments(xp, fields, None, table) if p_hat is None else p_hat
+                p_hat = kernels.decompress_segments(xp, fields, ctx, table) if p_hat is None else p_hat
                 e_new = memory.update(xp, p, p_hat, e)
-            return layout.write(xp, fields, flag), flag, e_new
+            return (tuple(fields) if allreduce else layout.write(xp, fields, flag)), flag, e_new, ctx
 
-        def mean(received):
+        def mean(received, ctx):
             count = xp.sum(layout.flags(xp, received, ranks)) if guarded else None  # (int64)
             fields, _ = layout.read(xp, received, ranks)
-            return kernels.aggregate_segments(xp, fields, None, table, ranks, count), count
+            return kernels.aggregate_segments(xp, fields, ctx, table, ranks, count), count
+
+        def summed_mean(summed, ctx):  # (poisoned by the summed flags afterwards, as the plan does)
+            return kernels.decompress_segments(xp, list(summed), ctx, table) / ranks, None
 
         self.compress = xp.fused(compress, "grace_compress", like)
-        self.mean = xp.fused(mean, "grace_mean", like)
+        self.mean = xp.fused(summed_mean if allreduce else mean, "grace_mean", like)
