@@ -1,23 +1,23 @@
 """A segmented bucket's tensor-op path as two functions of tensors, for the backend to fuse.
 
 Where no native kernel runs (a GPU without grace's CUDA library), each phase of a segmented
-bucket is a chain of whole-buffer tensor ops, dozens of kernel launches:
+bucket is a chain of whole-buffer tensor ops, dozens of kernel launches. Here they are written
+once as plain functions of tensors, with no side effect (what ``Segmented`` runs on its first
+step, the same ops in the same order):
 
-    compress(g, e, infos) -> (this rank's frame, its overflow flag, the new memory, ctx)
-    mean(received, ctx)   -> (the mean of the ranks' frames, poisoned; how many flagged an overflow)
+    compress(g, e, infos) -> (what is sent, the overflow flag, the new memory, ctx)
+    mean(received, ctx)   -> (the mean, poisoned; how many ranks flagged an overflow)
 
-(an allreduce: compress gives the fields to sum, mean takes the sums and gives their mean;
-ctx: what the compressor keeps for the mean, random-k's indices, or None).
-
-written here once as plain functions of tensors, with no side effect (what ``Segmented`` runs
-on its first step, the same ops in the same order). The plan hands them to ``xp.fused``: on a
-GPU, torch.compile makes a few fused kernels of each; elsewhere they run as they are.
+What is sent is this rank's frame, or the fields an allreduce sums (then mean takes the sums,
+and the plan poisons by the summed flags); ctx is what the compressor keeps for the mean
+(random-k's indices) or None. The plan hands both to ``xp.fused``: on a GPU torch.compile makes
+a few fused kernels of each; elsewhere they run as they are.
 
 Only where every step runs the same program: fields of a fixed layout (allreduced, or in an
 allgathered frame not sent dense: not threshold's), and no schedule over the steps (DGC's
-sparsity warm-up, which sets each step's k on the host). A method that draws gets the step as a tensor in its
-infos (``TensorInfo.step``): its seeds are made on the device (``grace.core.draws``), so the
-step is an input of the compiled program, not a constant of it.
+sparsity warm-up sets each step's k on the host). A method that draws gets the step as a
+tensor in its infos (``TensorInfo.step``): its seeds are made on the device
+(``grace.core.draws``), so the step is an input of the compiled program, not a constant of it.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def tensor_ops_of(plan, pending):
     if plan.variable or compressor.traits.scheduled or pending.sent_dense or not pending.defer \
             or xp.native("pack", pending.g):
         return None
-    return TensorOps(plan, pending.xp, pending.g)
+    return TensorOps(plan, xp, pending.g)
 
 
 class TensorOps:
