@@ -14,6 +14,9 @@
 #      (spread over 8 processes where pytest-xdist is installed)
 #   5. scripts/bench_ops.py on cuda at 2^16, 2^20, 2^24 (CPU_BENCH=1: also on the host's CPU,
 #      both CPU builds)
+#   bench_step_fallback (not in the default STEPS: a call of its own, STEPS=bench_step_fallback):
+#      bench_step.py on cuda with GRACE_NATIVE=0, the tensor-op fallback whose two phases a
+#      bucket torch.compile fuses (compiled in each bucket's third step): its kernels and time
 #   6. BASE_CUDA_SOURCE=folder or file (an earlier csrc/cuda/, e.g. from `git archive`, or a single
 #      earlier source such as the one-file csrc/cuda/grace_cuda.cu, e.g. from `git show`): last,
 #      bench_step.py again with libgrace_cuda built from it (an A/B on one machine, in one call);
@@ -99,6 +102,10 @@ fi
 wanted bench_step_cuda && { run bench_step_cuda 300 "$PY" scripts/bench_step.py --device cuda \
   --models resnet50 transformer --out "$OUT" ${BENCH_STEP_ARGS:-} || true; }
 
+# 3a'. the same without grace's libraries: the fallback, fused by torch.compile (opt-in step)
+wanted bench_step_fallback && { run bench_step_fallback 540 env GRACE_NATIVE=0 "$PY" scripts/bench_step.py \
+  --device cuda --models resnet50 transformer --bucketed-only --out "$OUT/fallback" ${BENCH_STEP_ARGS:-} || true; }
+
 # 3b. whole DDP steps on ResNet-50 per hook (PyTorch's own and grace's): NCCL in a world of one,
 #     then Gloo with 2 processes sharing the GPU
 wanted bench_ddp_nccl && { run bench_ddp_nccl 240 "$PY" scripts/bench_ddp_step.py --device cuda --models resnet50 \
@@ -109,7 +116,7 @@ wanted bench_ddp_gloo && { run bench_ddp_gloo 300 "$PY" scripts/bench_ddp_step.p
 # 4. unit tests with the torch tensors on the GPU (no Horovod, no TensorFlow)
 parallel=()
 "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 8)
-wanted tests_unit_cuda && { run tests_unit_cuda 300 env GRACE_TEST_DEVICE=cuda "$PY" -m pytest tests/unit -q \
+wanted tests_unit_cuda && { run tests_unit_cuda 420 env GRACE_TEST_DEVICE=cuda "$PY" -m pytest tests/unit -q \
   "${parallel[@]}" "${maxfail[@]}" -p no:cacheprovider -rf --tb=short \
   --ignore=tests/unit/test_tensorflow_backend.py -k "not horovod" || true; }
 
