@@ -282,8 +282,9 @@ class NumpyBackend:
         """Integers shifted right by ``bits`` (arithmetic shift)."""
         return np.right_shift(x, bits)
 
-    def repeat(self, x, counts, total: int):
-        """Each element of ``x`` repeated ``counts`` times (``total``: their sum)."""
+    def repeat(self, x, counts, total: int, starts=None):
+        """Each element of ``x`` repeated ``counts`` times (``total``: their sum; ``starts``: where
+        each one's repeats start, for a backend that finds each place's element from them)."""
         return np.repeat(x, counts)
 
     def segment_max(self, x, counts):

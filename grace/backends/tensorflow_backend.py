@@ -438,7 +438,7 @@ class TensorflowBackend:
         return tf.math.bincount(tf.cast(_to_tensor(idx), tf.int32), minlength=int(length), maxlength=int(length),
                                 dtype=tf.int64)
 
-    def repeat(self, x, counts, total: int):
+    def repeat(self, x, counts, total: int, starts=None):
         return tf.repeat(_to_tensor(x), _to_tensor(counts, "int64"))
 
     def segment_max(self, x, counts):

@@ -443,7 +443,10 @@ class TorchBackend:
     def shift_right(self, x, bits: int):
         return torch.bitwise_right_shift(x, bits)
 
-    def repeat(self, x, counts, total: int):
+    def repeat(self, x, counts, total: int, starts=None):
+        if starts is not None and torch.compiler.is_compiling():  # (inductor would scan and search:
+            # a search of the known starts alone, the gather fused into its users)
+            return x[torch.searchsorted(starts, torch.arange(int(total), device=x.device), right=True) - 1]
         return torch.repeat_interleave(x, counts, output_size=int(total))  # (the size given: no sync)
 
     def segment_max(self, x, counts):

@@ -48,7 +48,7 @@ class SegmentTable:
 
     def per_element(self, xp, per_segment):
         """A per-segment tensor spread over the elements."""
-        return xp.repeat(per_segment, self.counts, self.numel)
+        return xp.repeat(per_segment, self.counts, self.numel, self.start)
 
     def cached(self, name, make):
         """``make()``, computed once per table."""

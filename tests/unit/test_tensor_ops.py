@@ -107,3 +107,14 @@ def test_fusing_is_for_accelerators_and_off_with_grace_fuse_0(monkeypatch):
     assert torch_fusion.fused(double, "double", x) is not double
     monkeypatch.setenv("GRACE_FUSE", "0")
     assert torch_fusion.fused(double, "double", x) is double
+
+
+def test_a_compiled_repeat_finds_each_places_segment_from_the_starts_empty_segments_too():
+    """Inside a compiled program a segment's value reaches its elements by a search of the
+    segments' starts (not inductor's scan and search of the counts): the same tensor."""
+    xp = get_backend("torch")
+    counts = torch.tensor([2, 0, 3, 0, 0, 1, 4])
+    starts = torch.cumsum(counts, 0) - counts
+    x = torch.arange(1.0, 8.0)
+    spread = torch.compile(lambda v: xp.repeat(v, counts, int(counts.sum()), starts), dynamic=False)
+    assert torch.equal(spread(x), torch.repeat_interleave(x, counts))
