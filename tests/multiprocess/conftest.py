@@ -40,7 +40,11 @@ def run_dir(tmp_path_factory):
 
 
 def tolerance(label: str):
-    return dict(rtol=2e-2, atol=2e-2) if label in ("fp16", "bf16") else dict(rtol=1e-5, atol=1e-6)
+    if label in ("fp16", "bf16"):
+        return dict(rtol=2e-2, atol=2e-2)
+    if label.startswith("powersgd"):  # float32 Gram-Schmidt against NumPy's QR (Householder), then
+        return dict(rtol=1e-4, atol=1e-5)  # steps of error feedback: apart by rounding, amplified
+    return dict(rtol=1e-5, atol=1e-6)
 
 
 def assert_reference_result(run: str, label: str, variant, out: Path) -> None:
