@@ -334,7 +334,7 @@ class NumpyBackend:
         np.add.at(out, idx.astype(np.int64, copy=False), values)
         return out
 
-    def fused(self, fn, name: str, like):
+    def fused(self, fn, name: str, like, dynamic: bool = False):
         """``fn`` itself: nothing here fuses tensor ops."""
         return fn
 

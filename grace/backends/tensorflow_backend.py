@@ -468,7 +468,7 @@ class TensorflowBackend:
             return counts > 0
         return tf.tensor_scatter_nd_add(tf.zeros((numel,), values.dtype), idx, values)
 
-    def fused(self, fn, name: str, like):
+    def fused(self, fn, name: str, like, dynamic: bool = False):
         """``fn`` itself: nothing here fuses tensor ops."""
         return fn
 

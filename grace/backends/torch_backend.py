@@ -483,10 +483,11 @@ class TorchBackend:
         codes = _native.run("unpack", packed, packed, bits, numel) if bits != 8 else None
         return bits_.unpack_codes(self, packed, bits, numel) if codes is None else codes
 
-    def fused(self, fn, name: str, like):
+    def fused(self, fn, name: str, like, dynamic: bool = False):
         """``fn``, a function of tensors without side effects, as a few fused kernels where its
-        ops would each launch one (an accelerator: ``torch_fusion``); else ``fn`` itself."""
-        return torch_fusion.fused(fn, name, like)
+        ops would each launch one (an accelerator: ``torch_fusion``); else ``fn`` itself.
+        ``dynamic``: its sizes vary by call."""
+        return torch_fusion.fused(fn, name, like, dynamic)
 
     def native(self, name: str, like, dtype: str = "float32"):
         """grace.native's kernel ``name`` for a float32 gradient on the device of ``like``, when it

@@ -26,6 +26,9 @@ import torch
 #: C++ kernels stand in for a GPU's Triton ones)
 ON_CPU = False
 _serial = itertools.count()
+#: calls so far that ran a fused function's first call or compiled it (a benchmark warms up until
+#: a step adds none)
+cold_calls = 0
 #: inductor's settings for results the eager ops would give (Triton contracts, divides
 #: approximately and flushes subnormals by default)
 EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True,
@@ -37,26 +40,31 @@ def fuses(like) -> bool:
     return os.environ.get("GRACE_FUSE", "1") != "0" and (like.device.type != "cpu" or ON_CPU)
 
 
-def fused(fn, name: str, like):
+def fused(fn, name: str, like, dynamic: bool = False):
     """``fn``, a function of tensors without side effects, compiled from its second call on
-    where ``fuses(like)``; else ``fn`` itself."""
+    where ``fuses(like)``; else ``fn`` itself. ``dynamic``: its sizes vary by call (one program
+    for every size, not one per size)."""
     if not fuses(like):
         return fn
     code = fn.__code__.replace(co_name=f"{name}_{next(_serial)}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    compiled = torch.compile(own, dynamic=False, options=EAGER_NUMERICS)
-    mode = ["first"]  # then "compiled"; "eager" once compiling failed
+    compiled = torch.compile(own, dynamic=dynamic, options=EAGER_NUMERICS)
+    mode = ["first"]  # then "compiling" (the call that compiles), "compiled"; "eager" once compiling failed
 
     def call(*args):
-        if mode[0] == "compiled":
+        global cold_calls
+        if mode[0] in ("compiling", "compiled"):
+            cold_calls += mode[0] == "compiling"
             try:
-                return compiled(*args)
+                result = compiled(*args)
+                mode[0] = "compiled"
+                return result
             except Exception as error:  # (a failure of fn itself fails again below, eagerly)
                 warnings.warn(f"grace: {name} runs its tensor ops one by one, torch.compile failed: "
                               f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
                 mode[0] = "eager"
         elif mode[0] == "first":
-            mode[0] = "compiled"
+            mode[0], cold_calls = "compiling", cold_calls + 1
         return own(*args)
 
     return call

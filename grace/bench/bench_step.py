@@ -47,7 +47,8 @@ The phase clock syncs the device at each phase boundary, which a GPU pays for pe
 JSON also holds ``exchange_free_ms``, whole steps timed with no clock (work and the stand-in
 collectives, as training runs them).
 Times are medians over ``--iters`` steps after three warm-up steps (a GPU without grace's CUDA
-library compiles its fused phases in the third), with a device sync around each.
+library compiles its fused phases in the third; threshold's mean once two pairs are selected),
+with a device sync around each. The fallback's counts are taken once a step compiles nothing.
 torchvision's ResNet-50 is used where torchvision imports; otherwise the same layers, defined
 here (25.6M parameters in 161 tensors either way).
 """
@@ -288,7 +289,8 @@ class AcceleratorPath:
                 as the launches and host waits its CUDA code makes (``Kernel.cuda_cost``);
       fallback  a GPU without it: no native call, the tensor-op code runs.
 
-    ``waits`` counts the reads back a GPU would wait for (``host_ints``)."""
+    ``waits`` counts the reads back a GPU would wait for (``host_ints``); a copy of host data to
+    the device (``asarray`` of a step's table or words) counts as the one copy a GPU launches."""
 
     def __init__(self):
         self.waits, self.native = 0, True
@@ -303,6 +305,15 @@ class AcceleratorPath:
             return read(backend, x, count)
 
         TorchBackend.host_ints = host_ints
+        to_device = TorchBackend.asarray
+
+        def asarray(backend, data, like=None):
+            if like is None:
+                return to_device(backend, data)
+            with torch.profiler.record_function(COPY_TO_DEVICE):
+                return to_device(backend, data, like)
+
+        TorchBackend.asarray = asarray
 
     @contextlib.contextmanager
     def mode(self, mode: str):
@@ -328,6 +339,7 @@ class AcceleratorPath:
 
 
 NATIVE_CALL = "grace.native::"  # a native call's profiler range: grace.native::<name>|<launches>|<waits>
+COPY_TO_DEVICE = "grace.bench::copy_to_device"  # host data copied to the (stand-in) device: one copy
 FUSED_KERNEL = "_cpp_fused_"  # an inductor C++ kernel's profiler range (cpp.enable_kernel_profile)
 
 
@@ -380,7 +392,7 @@ def _top_level(event) -> bool:
     """An op or native call not made from within another."""
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith(("aten::", NATIVE_CALL, STAND_IN)):
+        if parent.name.startswith(("aten::", NATIVE_CALL, STAND_IN, COPY_TO_DEVICE)):
             return False
         parent = parent.cpu_parent
     return True
@@ -399,7 +411,7 @@ def accelerator_counts(events) -> dict:
             ops, waits = ops + int(launched), waits + int(waited)
         elif event.name.startswith("aten::"):
             ops += _launched_here(event)
-        elif FUSED_KERNEL in event.name:  # (a kernel torch.compile made)
+        elif FUSED_KERNEL in event.name or event.name == COPY_TO_DEVICE:  # (a kernel torch.compile made; a copy)
             ops += 1
             waits += event.name in ("aten::_local_scalar_dense", "aten::nonzero")
     return {"ops": ops, "waits": waits}
@@ -478,9 +490,13 @@ def measure(grads: dict, method: str, kwargs: dict, bucket_mb: float, world: int
     if path is not None:  # the same step once more without grace's CUDA library (a fresh exchange)
         with path.mode("fallback"):
             fallback = new_exchange()
-            for _ in range(3):  # (op by op, then the fused phases' first calls, then compiling them)
+            for step in range(20):  # op by op, then the fused phases' first calls, then compiling them, until
+                # a step compiles nothing more (a threshold's bucket that selects nothing at first: its mean later)
+                cold = torch_fusion.cold_calls
                 backward()
                 fallback.exchange(inputs)
+                if step >= 2 and torch_fusion.cold_calls == cold:
+                    break
             backward()
             counted = launches(lambda: fallback.exchange(inputs), device, path=path)
             row.update(fallback_ops=counted["ops"], fallback_waits=counted["waits"])

@@ -41,7 +41,7 @@ class SparseFrames:
         self._starts = np.asarray(table.starts, np.int64)
         self._itemsizes = np.asarray([ITEMSIZE[d] for d in self.dtypes], np.int64)
         self._spread = {}  # per number of sparse frames read at once: see _spread_of
-        self._twice = xp.asarray(np.full(len(table.numels), 2, np.int64), like=like)
+        self._twice = xp.asarray(np.arange(len(self.dtypes)) // 2, like=like)  # (each count's place, twice)
         # the overflow flag, on top of the header's last count: read back with the counts
         self._flag_place = xp.asarray(np.int64([0] * (len(self.dtypes) - 1) + [1 << FLAG_SHIFT]), like=like)
         self._like = like
@@ -64,7 +64,7 @@ class SparseFrames:
         one per piece (no copy to the device, no wait); and its overflow ``flag`` (1 or 0) as
         the last count's bit ``FLAG_SHIFT``, so that every rank reads every rank's flag with
         the counts, not with the frames once they arrive: no second read back in a step."""
-        header = xp.repeat(counts, self._twice, len(self.dtypes))
+        header = xp.gather(counts, self._twice)
         return header if flag is None else header + xp.cast(flag, "int64") * self._flag_place
 
     def write(self, xp, values, indices, counts, flag=None):

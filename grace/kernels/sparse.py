@@ -91,15 +91,15 @@ class SparseKernels(MethodKernels):
         at_last = xp.gather(running, last)  # selected up to each segment's end
         return take, at_last - xp.concat([xp.zeros(1, "int64", like=p), at_last[:-1]])
 
-    def selected_pairs(self, xp, p, take, counts, table):
+    def selected_pairs(self, xp, p, take, counts, table, with_p_hat: bool = True):
         """The selection's pairs, once its counts are known (``counts``: host ints, and the same
         as a tensor): (values, indices within their segment), and p_hat as ``decompress``
-        makes it."""
+        makes it (None unless ``with_p_hat``)."""
         host, on_device = counts
         indices = xp.nonzero(take, size=sum(host))  # ascending: each segment's in a row
         values = xp.gather(p, indices)
         local = indices - xp.repeat(table.start, on_device, sum(host))
-        return (values, local), xp.scatter_add(indices, values, table.numel)
+        return (values, local), xp.scatter_add(indices, values, table.numel) if with_p_hat else None
 
     def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None,
                                         into=None):

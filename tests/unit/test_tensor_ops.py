@@ -19,9 +19,9 @@ from tests.unit.test_overflow import overflowing
 torch = pytest.importorskip("torch")
 torch_fusion = pytest.importorskip("grace.backends.torch_fusion")
 
-# fixed frames: the two calls from the second step on (the quantizers' and random-k's draws
-# seeded on the device from the step as a tensor)
-FUSED = ["topk", "efsignsgd", "onebit", "qsgd", "terngrad", "natural", "randomk", "dgc"]
+# the two calls from the second step on (the quantizers' and random-k's draws seeded on the
+# device from the step as a tensor; threshold's variable-length selection and mean)
+FUSED = ["topk", "efsignsgd", "onebit", "qsgd", "terngrad", "natural", "randomk", "dgc", "threshold"]
 
 
 @pytest.fixture
@@ -49,11 +49,9 @@ def test_the_two_calls_take_over_after_the_first_step(accelerator, method):
     assert sum(plan.tensor_ops is not None for plan in plans) >= len(plans) - 1  # (a bucket may go dense)
 
 
-@pytest.mark.parametrize("method", ["dgc_warmup", "threshold"])
-def test_variable_frames_and_schedules_stay_op_by_op(accelerator, method):
-    """A variable-length frame waits for the ranks' counts between its ops; DGC's sparsity
-    warm-up sets each step's k on the host."""
-    exchange, _, _ = steps(accelerator, method)
+def test_a_schedule_stays_op_by_op(accelerator):
+    """DGC's sparsity warm-up sets each step's k on the host."""
+    exchange, _, _ = steps(accelerator, "dgc_warmup")
     assert all(plan.tensor_ops is None for plan in exchange.bucket_plans().values())
 
 
@@ -118,3 +116,42 @@ def test_a_compiled_repeat_finds_each_places_segment_from_the_starts_empty_segme
     x = torch.arange(1.0, 8.0)
     spread = torch.compile(lambda v: xp.repeat(v, counts, int(counts.sum()), starts), dynamic=False)
     assert torch.equal(spread(x), torch.repeat_interleave(x, counts))
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("dense_rank", [False, True], ids=["sparse", "a-rank-dense"])
+def test_threshold_mean_compiled_reads_every_ranks_own_pairs(accelerator, monkeypatch, dense_rank):
+    """Three ranks' frames of different selections (every index width of the bucket), end to
+    end: the mean of the compiled pairs (``SelectionOps.pairs``) is the op-by-op one
+    (``_sparse_mean``) bit for bit, compiled once for every length; a rank that sent its dense
+    bucket: op by op."""
+    monkeypatch.setattr(torch_fusion, "ON_CPU", True)
+    exchange, _, _ = steps(accelerator, "threshold")
+    plan = max(exchange.bucket_plans().values(), key=lambda p: len(p.own_layout.kinds))
+    layout, table, n = plan.own_layout, plan.table, 3
+    assert type(plan.tensor_ops).__name__ == "SelectionOps" and len(layout.kinds) >= 2
+    rng = np.random.default_rng(7)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for trial, density in enumerate([0.1, 0.3, 0.02]):
+        frames, headers = [], []
+        for rank in range(n):
+            p = torch.as_tensor(rng.standard_normal(table.numel), dtype=torch.float32)
+            take = torch.as_tensor(rng.random(table.numel) < (1.0 if dense_rank and rank == 1 else density))
+            _, counts = plan.services.kernels.select_segments(accelerator, take.float(), table, ())
+            own = counts.tolist()
+            if layout.sends_dense(own):
+                frames.append(layout.write_dense(accelerator, p))
+            else:
+                fields, _ = plan.services.kernels.selected_pairs(accelerator, p, take, (own, counts), table)
+                frames.append(layout.write(accelerator, *fields, own))
+            headers.append(layout.header_of(accelerator, counts))
+        received, counts = torch.cat(frames), torch.cat(headers).tolist()
+        fused = plan._pairs_mean(accelerator, received, layout, counts)
+        read, _ = layout.read(accelerator, received, torch.cat(headers), n, counts)
+        want = plan._sparse_mean(accelerator, read)
+        if dense_rank:
+            assert fused is None
+            continue
+        assert_same(accelerator, want, fused, f"trial {trial}")
+    # (compiled in the steps already: one program for every length, none compiled for these)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before

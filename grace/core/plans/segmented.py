@@ -102,12 +102,16 @@ class Segmented(BucketPlan):
 
     def _start_fused(self, pending: BucketPending, g, e, step: int) -> BucketPending:
         """``start`` by the tensor-op phase (``TensorOps.compress``): the frame, the flag and the
-        new memory from one call (a method that draws: its infos with the step as a tensor)."""
+        new memory from one call (a method that draws: its infos with the step as a tensor); a
+        variable-length bucket's selection, counts and header (``SelectionOps.select``)."""
         s, xp = self.services, pending.xp
         infos = ()
         if self.tensor_ops.seeded:
             step = xp.asarray(np.int64(step), like=g)
             infos = tuple(s.info(name, step) for name in self.bucket.names)
+        if self.variable:  # (the new memory kept until the frame is made: unless it goes dense)
+            p, take, counts, header, pending.flag, e_new = self.tensor_ops.select(g, e, infos)
+            return self._send_header(pending, (p, take, counts, False, e_new), header)
         sent, pending.flag, e_new, pending.segment_ctx = self.tensor_ops.compress(g, e, infos)
         pending.layout = self.own_layout
         if e_new is not None:
@@ -128,6 +132,7 @@ class Segmented(BucketPlan):
         flag = xp.empty(1, self.flag_dtype(), like=g) if s.journal.guarded else None
         selected = s.feedback.selected_segments(xp, s.kernels, g, e, self.table, infos, flag)
         fused = selected is not None  # (then its frame too, by ``write_selected``)
+        self._tensor_op_start = not fused
         if fused:
             p, take, counts, header = selected
             pending.flag = flag
@@ -136,7 +141,13 @@ class Segmented(BucketPlan):
             p = s.compression.memory.compensate(xp, g, e)
             take, counts = s.kernels.select_segments(xp, p, self.table, infos)
             header = layout.header_of(xp, counts, pending.flag)
-        pending.selection, pending.layout = (p, take, counts, fused), layout
+        return self._send_header(pending, (p, take, counts, fused, None), header)
+
+    def _send_header(self, pending: BucketPending, selection, header) -> BucketPending:
+        """A variable-length bucket's header sent; its ``selection`` (p, the mask, the counts,
+        whether a native call made them, the new memory where made) kept for ``send_selected``."""
+        s = self.services
+        pending.selection, pending.layout = selection, self.own_layout
         s.transport.stats.add(s.transport.send_header(pending, header), 0)
         return pending
 
@@ -169,7 +180,7 @@ class Segmented(BucketPlan):
         (``Exchange.read_counts``, or ``finish``): this rank's pairs, or its dense bucket where
         their frame would be larger; and its new memory. No wait for the device at ``start``."""
         s, xp, layout = self.services, pending.xp, pending.layout
-        (p, take, counts, fused), pending.selection = pending.selection, None
+        (p, take, counts, fused, e_sparse), pending.selection = pending.selection, None
         width, rank = len(layout.dtypes), s.communicator.rank
         own = self.counts(pending)[rank * width:(rank + 1) * width:2]
         dense = layout.sends_dense(own)
@@ -178,15 +189,15 @@ class Segmented(BucketPlan):
             frame, e_new = written
         elif dense:
             pending.sent_dense = True
-            frame, p_hat = layout.write_dense(xp, p, pending.flag), p
-        else:
-            fields, p_hat = s.kernels.selected_pairs(xp, p, take, (own, counts), self.table)
-            frame = layout.write(xp, *fields, own, pending.flag)
+            frame, p_hat, e_new = layout.write_dense(xp, p, pending.flag), p, None
+        else:  # (p_hat only where the selection made no new memory)
+            fields, p_hat = s.kernels.selected_pairs(xp, p, take, (own, counts), self.table, e_sparse is None)
+            frame, e_new = layout.write(xp, *fields, own, pending.flag), e_sparse
         memory = s.compression.memory
         if memory.needs_feedback:
             with s.phase("feedback"):
                 s.journal.set("memory", self.bucket.key,
-                              e_new if written is not None else memory.update(xp, p, p_hat, pending.old[0]))
+                              e_new if e_new is not None else memory.update(xp, p, p_hat, pending.old[0]))
         s.transport.stats.add(s.transport.send_frame(pending, frame, True), 0)
 
     def finish(self, pending: BucketPending, into=None) -> List[Any]:
@@ -218,6 +229,7 @@ class Segmented(BucketPlan):
             if mean is None:
                 read, flags = pending.layout.read(xp, received, self.headers(pending), n, counts)
                 mean = self._sparse_mean(xp, read)
+                self._tensor_ops_after_first_step(pending)
             else:
                 flags = pending.layout.flags(counts, n)
             return mean, s.journal.counted(sum(flags)) if flagged else None
@@ -267,14 +279,27 @@ class Segmented(BucketPlan):
 
     def _pairs_mean(self, xp, received, layout, counts):
         """The flat mean of the ranks' variable-length frames (``received``, end to end) by one
-        native call that reads their pairs where they lie, as ``_sparse_mean`` adds them; None
-        where it does not run (a rank sent its dense bucket, the values are not float32)."""
-        mean = None if isinstance(received, list) else xp.native("sparse_variable_mean", received)
-        n = self.services.communicator.size
-        table = None if mean is None else layout.pair_table(counts, n)
+        native call that reads their pairs where they lie, as ``_sparse_mean`` adds them, or by
+        the fused tensor ops (``SelectionOps.pairs``, then added rank after rank); None where
+        neither runs (a rank sent its dense bucket, the values are not float32)."""
+        if isinstance(received, list):
+            return None
+        mean, n = xp.native("sparse_variable_mean", received), self.services.communicator.size
+        table = layout.pair_table(counts, n) if mean or self.tensor_ops is not None else None
         if table is None:
             return None
-        return mean(received, xp.asarray(table, like=received), n, n, self.bucket.numel)
+        if mean:
+            return mean(received, xp.asarray(table, like=received), n, n, self.bucket.numel)
+        rows = table.reshape(n, -1, 6)
+        sizes = rows[:, :, 3].sum(axis=1)  # (each rank's pairs)
+        total = int(sizes.sum())  # (none selected: zeros; one: op by op, as dynamo compiles it apart)
+        if total < 2:
+            return xp.zeros(self.bucket.numel, layout.dtype, like=received) if total == 0 else None
+        rows[:, :, 2] += (np.cumsum(sizes) - sizes)[:, None]  # (each row's first pair among all ranks')
+        columns = np.ascontiguousarray(rows.reshape(-1, 6).T)  # (each column's values in a row)
+        indices, shares = self.tensor_ops.pairs(received, xp.asarray(columns, like=received), total)
+        sizes = sizes.tolist()
+        return xp.scatter_add_rows(xp.split(indices, sizes), xp.split(shares, sizes), self.bucket.numel)
 
     def _sparse_mean(self, xp, read):
         """The flat mean of the ranks' (value, index) pairs and dense buckets (``read``), with
