@@ -48,7 +48,8 @@ JSON also holds ``exchange_free_ms``, whole steps timed with no clock (work and 
 collectives, as training runs them).
 Times are medians over ``--iters`` steps after three warm-up steps (a GPU without grace's CUDA
 library compiles its fused phases in the third; threshold's mean once two pairs are selected),
-with a device sync around each. The fallback's counts are taken once a step compiles nothing.
+with a device sync around each. The fallback's counts are those of a step whose fused calls all
+ran compiled (none a first call, none compiling).
 torchvision's ResNet-50 is used where torchvision imports; otherwise the same layers, defined
 here (25.6M parameters in 161 tensors either way).
 """
@@ -490,16 +491,15 @@ def measure(grads: dict, method: str, kwargs: dict, bucket_mb: float, world: int
     if path is not None:  # the same step once more without grace's CUDA library (a fresh exchange)
         with path.mode("fallback"):
             fallback = new_exchange()
-            for step in range(20):  # op by op, then the fused phases' first calls, then compiling them, until
-                # a step compiles nothing more (a threshold's bucket that selects nothing at first: its mean later)
+            for step in range(20):  # op by op, then the fused phases' first calls, then compiling them: counted
+                # on a step that made no fused function's first call and compiled none (a threshold's bucket
+                # that selects nothing for a few steps makes its first call of pairs later)
                 cold = torch_fusion.cold_calls
                 backward()
-                fallback.exchange(inputs)
+                counted = launches(lambda: fallback.exchange(inputs), device, path=path)
                 if step >= 2 and torch_fusion.cold_calls == cold:
                     break
-            backward()
-            counted = launches(lambda: fallback.exchange(inputs), device, path=path)
-            row.update(fallback_ops=counted["ops"], fallback_waits=counted["waits"])
+            row.update(fallback_ops=counted["ops"], fallback_waits=counted["waits"], fallback_step=step + 1)
     return row
 
 
