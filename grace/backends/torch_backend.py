@@ -13,7 +13,7 @@ from grace.backends import torch_fusion
 from grace.native._arrays import torch_dtype_name
 from grace.core import bits as bits_
 from grace.core import draws
-from grace.core.tensors import constant
+from grace.core.tensors import constant, get_backend
 
 #: the elements below which ``nonfinite`` sums a tensor joined with the other small ones
 SMALL_JOINED = 1 << 12
@@ -26,20 +26,12 @@ def _int64s(values, device):
     return torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
-_LAYOUTS: dict = {}  # (what, host ints, device) -> their int64 tensor (``_layout``)
-
-
 def _layout(what: str, of, device, make=None):
     """Host ints of a layout (``of`` itself, or ``make()`` from it: segment sizes, starts, seeds'
-    keys) as an int64 tensor on ``device``, made once: a plain dict, whose entries
-    torch.compile reads as constants of the program (not made again at every call)."""
-    key = (what, tuple(of), device)
-    made = _LAYOUTS.get(key)
-    if made is None:
-        if len(_LAYOUTS) > 4096:
-            _LAYOUTS.clear()
-        made = _LAYOUTS[key] = _int64s([int(v) for v in (make() if make else of)], device)
-    return made
+    keys) as an int64 tensor on ``device``, made once (``constant``: a plain dict, whose entries
+    torch.compile reads as constants of the program, not made again at every call)."""
+    return constant(get_backend("torch"), ("int64 layout", what, tuple(of), device),
+                    lambda: _int64s([int(v) for v in (make() if make else of)], device), None)
 
 
 def _segments(counts, device):
