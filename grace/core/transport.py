@@ -143,9 +143,10 @@ class Transport:
         def into(dtypes, counts):
             pieces, flag_at, size = frames.layout(dtypes, counts, False, self.journal.guarded)
             end = sum(count * frames.ITEMSIZE[dtype] for dtype, count in zip(dtypes, counts))
-            buffer = self.buffers.buffer_for(xp, f"{pending.bucket.key}.frame", "uint8", size, pending.g)
+            name = f"{pending.bucket.key}.frame"
+            buffer = self.buffers.buffer_for(xp, name, "uint8", size, pending.g)
             pending.framed = (buffer, flag_at, end)
-            return buffer, [offset for offset, _, _ in pieces]
+            return buffer, [offset for offset, _, _ in pieces], self.buffers.views.setdefault(name, {})
 
         return into
 

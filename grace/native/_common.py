@@ -168,11 +168,26 @@ def _one_buffer(kind):
 def _placed(kind, into, dtypes, counts):
     """A bucket call's payload tensors (``dtypes`` and ``counts``: each one's, gradient after
     gradient) where ``into(dtypes, counts)`` places them in a uint8 buffer of the caller's:
-    (that buffer, each tensor's byte offset in it), say a bucket's frame, which then needs no
-    join of its pieces; in one new buffer where ``into`` is None. (each tensor's address, each
-    tensor as a view of the buffer)."""
-    buffer, offsets = (into or _one_buffer(kind))(dtypes, counts)
+    (that buffer, each tensor's byte offset in it[, a dict the caller keeps with the buffer]),
+    say a bucket's frame, which then needs no join of its pieces; in one new buffer where
+    ``into`` is None. (each tensor's address, each tensor as a view of the buffer). A kept
+    buffer's views are made once per layout and kept in its dict (a view per piece costs more
+    than the kernel on small gradients); it holds the latest layout's only."""
+    buffer, offsets, *kept = (into or _one_buffer(kind))(dtypes, counts)
     b = _in_place(kind, buffer, "uint8")
+    if kept:
+        kept, key = kept[0], (tuple(dtypes), tuple(counts), tuple(offsets))
+        made = kept.get(key)
+        if made is not None and made[0] == (b.ptr, b.n):
+            return made[1], made[2]
+        kept.clear()
+        addresses, views = _placed_views(kind, b, dtypes, counts, offsets)
+        kept[key] = made = ((b.ptr, b.n), tuple(addresses), tuple(views))  # (read only: shared by the steps)
+        return made[1], made[2]
+    return _placed_views(kind, b, dtypes, counts, offsets)
+
+
+def _placed_views(kind, b: Buf, dtypes, counts, offsets):
     typed, views = {}, []
     for dtype, count, offset in zip(dtypes, counts, offsets):
         size = ITEMSIZE[dtype]
@@ -278,6 +293,13 @@ def _ef_many_inputs(gs, residuals, outs):
     if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
         raise ValueError("every gradient, residual and output of a bucket must have the same size")
     return kind, gb, rb, ob
+
+
+def _outputs(ob, outs) -> list:
+    """A bucket call's outputs: ``outs`` as the caller gave them, where the call wrote into them
+    (a flat view of each, made per step, would cost more than the kernel on small gradients),
+    else the new ones."""
+    return list(outs) if outs is not None else [o.obj for o in ob]
 
 
 def _ef_flags(beta: float, gamma: float) -> int:

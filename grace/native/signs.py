@@ -22,8 +22,8 @@ from grace.formats import packed_size
 from grace.native._arrays import call, kind_of
 from grace.native._common import (_FLOATS, _addresses, _check_segments, _cpu_kind, _decode_out, _decode_segments,
                                   _ef_flags, _ef_inputs, _ef_many_inputs, _every, _finish_args, _flag, _float32,
-                                  _in_place, _in_place_all, _int64s, _on_gpu, _packed_total, _placed, _pointers,
-                                  _same_kind, _wrap)
+                                  _in_place, _in_place_all, _int64s, _on_gpu, _outputs, _packed_total, _placed,
+                                  _pointers, _same_kind, _wrap)
 from grace.native._rows import _field
 from grace.native._flags import _flag_of, _HostFlag
 
@@ -275,7 +275,7 @@ def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, non
     payloads = list(zip(views[::2], views[1::2]))
     call(kind, "bits_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
          float(beta), float(gamma), _ef_flags(beta, gamma), mode, bit_ptrs, scalar_ptrs, _flag(kind, nonfinite))
-    return payloads, [o.obj for o in ob]
+    return payloads, _outputs(ob, outs)
 
 
 def efsignsgd_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None, into=None):

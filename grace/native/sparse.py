@@ -19,8 +19,8 @@ from grace.formats import ITEMSIZE, index_dtype
 from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, kind_of
 from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
                                   _every, _flag, _float32, _head, _in_place, _in_place_all, _index_buf, _index_codes,
-                                  _int64s, _on_gpu, _placed, _pointers, _same_kind, _same_kind_all, _seed_word_arrays,
-                                  _wrap)
+                                  _int64s, _on_gpu, _outputs, _placed, _pointers, _same_kind, _same_kind_all,
+                                  _seed_word_arrays, _wrap)
 from grace.native._rows import _field
 from grace.native._flags import _flag_of, _HostFlag
 from grace.native._frames import PAIR_COLUMNS, _no_frame, frame_pairs, pairs_into_frame
@@ -320,7 +320,7 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
               _index_codes(dtypes), _flag(kind, nonfinite))
     if rc != 0:
         raise RuntimeError("native top-k steps failed")
-    return value_views, idx_views, [o.obj for o in ob]
+    return value_views, idx_views, _outputs(ob, outs)
 
 
 class _Rooms:
@@ -368,7 +368,7 @@ def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: 
               _flag(kind, nonfinite))
     if rc != 0:
         raise RuntimeError("native threshold steps failed")
-    return (*rooms.payloads(), [o.obj for o in ob])
+    return (*rooms.payloads(), _outputs(ob, outs))
 
 
 def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float = 1.0, scales=None, outs=None,
@@ -389,4 +389,4 @@ def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float
               _ef_flags(beta, gamma), scale, _addresses(values, [4 * s for s in starts]), _flag(kind, nonfinite))
     if rc != 0:
         raise IndexError("an index is out of range for its gradient")
-    return [values.obj[s:s + k] for s, k in zip(starts, ks)], [o.obj for o in ob]
+    return [values.obj[s:s + k] for s, k in zip(starts, ks)], _outputs(ob, outs)

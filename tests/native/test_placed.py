@@ -110,3 +110,36 @@ def test_a_place_that_does_not_fit_is_refused():
             torch.zeros(10**6, dtype=torch.uint8), [1] * len(d)))
     with pytest.raises(ValueError, match="do not fit"):  # past the end
         gn.compress_many("signsgd", xs, into=lambda d, c: (torch.zeros(8, dtype=torch.uint8), [0] * len(d)))
+
+
+def test_a_kept_buffers_views_are_made_once_per_layout():
+    """An ``into`` that hands its dict with the buffer (the exchange's frame buffer, kept from
+    step to step) gets the same views back while buffer and layout stay, and new ones, at the new
+    offsets, once either changes; the values are each call's."""
+    gs = inputs()
+    rs = [torch.from_numpy(gradient(n, seed=n + 1)) * 0.3 for n in SIZES]
+    ks = [max(1, n // 100) for n in SIZES]
+    kept, buffers = {}, {"frame": torch.zeros(10**6, dtype=torch.uint8)}
+
+    def into(dtypes, counts, layout=as_frame):
+        offsets, _ = layout(dtypes, counts)
+        return buffers["frame"], offsets, kept
+
+    def step(scale, place=into):
+        values, indices, _ = gn.topk_ef_step_many([g * scale for g in gs], rs, ks, outs=[torch.empty(n) for n in SIZES],
+                                                  into=place)
+        want = gn.topk_ef_step_many([g * scale for g in gs], rs, ks)
+        for got, expected in zip([*values, *indices], [*want[0], *want[1]]):
+            same_bytes(expected, got)
+        return [*values, *indices]
+
+    first = step(1.0)
+    again = step(2.0)
+    assert all(a is b for a, b in zip(first, again)), "the same layout made its views again"
+    moved = step(1.0, lambda d, c: into(d, c, backwards_with_gaps))
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(first, moved))
+    buffers["frame"] = torch.zeros(10**6, dtype=torch.uint8)  # (a new buffer: a layout outgrown)
+    fresh = step(1.0, lambda d, c: into(d, c, backwards_with_gaps))
+    start = buffers["frame"].data_ptr()
+    assert all(start <= b.data_ptr() < start + 10**6 for b in fresh), "views of the buffer replaced"
+    assert len(kept) == 1, "views of layouts gone are kept"

@@ -3,11 +3,12 @@ and how a result is delivered."""
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from grace.core.bucket import Bucket, Segment
-from grace.core.compressor import Collective, TensorInfo, divided, written
+from grace.core.compressor import Collective, Compressor, TensorInfo, divided, written
 from grace.core.journal import no_overflow, poisoned
 
 
@@ -41,11 +42,27 @@ class Services:
         on a CPU only, where a new result per gradient costs fresh pages."""
         return self.in_place and xp.mutable_tensors and not xp.on_accelerator(g)
 
+    @functools.cached_property
+    def _name_keys(self) -> dict:
+        return {}  # each gradient name's CRC-32 (TensorInfo.name_key): infos are made per gradient and step
+
     def info(self, name: str, step) -> TensorInfo:
-        return TensorInfo(name=name, step=step, world_size=self.communicator.size, rank=self.communicator.rank)
+        key = self._name_keys.get(name)
+        if key is None:
+            key = self._name_keys[name] = zlib.crc32(name.encode())
+        return TensorInfo(name, step, self.communicator.size, self.communicator.rank, key)
+
+    @functools.cached_property
+    def keeps_state(self) -> bool:
+        """Whether the compressor has per-tensor state (its class has an ``init_state`` of its
+        own): a stateless one's is None, which is never stored, so asking for it would call
+        ``init_state`` again at every step."""
+        return type(self.compression.compressor).init_state is not Compressor.init_state
 
     def compressor_state(self, xp, name: str, like):
         """``name``'s compressor state, from the compressor's ``init_state`` on first use."""
+        if not self.keeps_state:
+            return None
         compressor = self.compression.compressor
         return self.store.get("state", name, lambda t: compressor.init_state(xp, t, self.info(name, 0)), like)
 
