@@ -32,6 +32,7 @@ segment-wise forms) is registered apart, per method (``grace.core.plans.kernels`
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import numbers
 import zlib
@@ -65,6 +66,13 @@ class Collective(str, enum.Enum):
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def name_key_of(name: str) -> int:
+    """A tensor name's CRC-32, ``TensorInfo.name_key``: made once per name (an exchange makes an
+    info per gradient and step)."""
+    return zlib.crc32(name.encode())
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """What a compressor may know about the tensor it compresses, identical on every rank."""
@@ -77,7 +85,7 @@ class TensorInfo:
 
     def __post_init__(self):
         if self.name_key < 0:  # (not while a fused program is traced: its infos are made before)
-            object.__setattr__(self, "name_key", zlib.crc32(self.name.encode()))
+            object.__setattr__(self, "name_key", name_key_of(self.name))
 
     def seed(self, base_seed: int = 0) -> Tuple[int, Any]:
         """A seed shared by all ranks for this (tensor, step), stable across processes:

@@ -173,10 +173,10 @@ def _placed(kind, into, dtypes, counts):
     ``into`` is None. (each tensor's address, each tensor as a view of the buffer). A kept
     buffer's views are made once per layout and kept in its dict (a view per piece costs more
     than the kernel on small gradients); it holds the latest layout's only."""
-    buffer, offsets, *kept = (into or _one_buffer(kind))(dtypes, counts)
+    buffer, offsets, *with_buffer = (into or _one_buffer(kind))(dtypes, counts)
     b = _in_place(kind, buffer, "uint8")
-    if kept:
-        kept, key = kept[0], (tuple(dtypes), tuple(counts), tuple(offsets))
+    if with_buffer:
+        kept, key = with_buffer[0], (tuple(dtypes), tuple(counts), tuple(offsets))
         made = kept.get(key)
         if made is not None and made[0] == (b.ptr, b.n):
             return made[1], made[2]

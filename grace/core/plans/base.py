@@ -3,12 +3,11 @@ and how a result is delivered."""
 from __future__ import annotations
 
 import functools
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from grace.core.bucket import Bucket, Segment
-from grace.core.compressor import Collective, Compressor, TensorInfo, divided, written
+from grace.core.compressor import Collective, Compressor, TensorInfo, divided, name_key_of, written
 from grace.core.journal import no_overflow, poisoned
 
 
@@ -42,15 +41,8 @@ class Services:
         on a CPU only, where a new result per gradient costs fresh pages."""
         return self.in_place and xp.mutable_tensors and not xp.on_accelerator(g)
 
-    @functools.cached_property
-    def _name_keys(self) -> dict:
-        return {}  # each gradient name's CRC-32 (TensorInfo.name_key): infos are made per gradient and step
-
     def info(self, name: str, step) -> TensorInfo:
-        key = self._name_keys.get(name)
-        if key is None:
-            key = self._name_keys[name] = zlib.crc32(name.encode())
-        return TensorInfo(name, step, self.communicator.size, self.communicator.rank, key)
+        return TensorInfo(name, step, self.communicator.size, self.communicator.rank, name_key_of(name))
 
     @functools.cached_property
     def keeps_state(self) -> bool:
