@@ -23,8 +23,8 @@ For each model (synthetic inputs; see MODELS) it measures, in one run:
                the reads back the GPU would wait for)
   floor        on a CPU, bucketed work over the floor its target is set against, and the target:
                error-feedback methods 2x error feedback's floor, none / fp16 / signsgd 1.5x a
-               read plus a write of the gradients, the passes timed again right after each
-               method's steps (the line below each table names the methods over their target)
+               read plus a write of the gradients, the passes timed between the method's steps, one
+               of each after each step (the line below each table names the methods over their target)
   bytes        bytes this rank hands to the collectives per step
   plans        the plans the buckets took (``Exchange.plan_of``: per-gradient, flat, segmented, ...)
 On a CPU a line above each table times plain torch passes over the model's gradients (read,
@@ -219,36 +219,68 @@ def timed(fn, device: str, iters: int, warmup: int = 2, setup=lambda: None) -> f
     return statistics.median(times)
 
 
-def memory_passes(grads: dict, iters: int) -> dict:
-    """On a CPU, ms of plain torch passes over the gradients, one gradient at a time: reading
-    them (a sum), writing as much (zeros), and g + e into a third buffer, which error feedback
-    cannot avoid where a skipped step must find the old memory e unchanged. With the dense result
+class FloorPasses:
+    """On a CPU, plain torch passes over the gradients, one gradient at a time: reading them (a
+    sum), writing as much (zeros), and g + e into a third buffer, which error feedback cannot
+    avoid where a skipped step must find the old memory e unchanged. With the dense result
     written over the gradients, ``feedback_floor_ms``: what an error-feedback method pays before
     it selects or codes anything (a floor for torch code, not for hand-written loops).
 
-    Each pass is timed as ``measure`` times a step: just after backward's stand-in wrote the
-    gradients (copied them in), so the floor finds the caches as the methods do. The same passes
-    repeated over data they left in the caches are kept as ``warm_*`` (on a machine whose cache
-    holds the gradients alone but not with their source, those read from the cache where the
-    methods' steps read from memory)."""
-    sources = list(grads.values())
-    gs = [g.clone() for g in sources]
-    es, outs = [torch.rand_like(g) for g in gs], [torch.empty_like(g) for g in gs]
+    ``sample`` times each pass once, as ``measure`` times a step: just after backward's stand-in
+    wrote the gradients (copied them in), so the floor finds the caches as the methods do;
+    ``measure`` samples them after each of a method's steps, so that the work and the floor it
+    is held to are timed in the same seconds of a shared machine (whose load moves the floor by
+    more than the targets' margins from one second to the next). ``sample(warm=True)``: the
+    passes repeated over data they left in the caches, kept as ``warm_*`` (on a machine whose
+    cache holds the gradients alone but not with their source, those read from the cache where
+    the methods' steps read from memory)."""
 
-    def backward():
-        for g, source in zip(gs, sources):
+    PASSES = ("read", "write", "compensate")
+
+    def __init__(self, grads: dict):
+        self.sources = list(grads.values())
+        self.gs = [g.clone() for g in self.sources]
+        self.es, self.outs = [torch.rand_like(g) for g in self.gs], [torch.zeros_like(g) for g in self.gs]
+        self.times = collections.defaultdict(list)
+
+    def backward(self):
+        for g, source in zip(self.gs, self.sources):
             g.copy_(source)
 
-    passes = {}
-    for prefix, setup in (("", backward), ("warm_", lambda: None)):
-        read = timed(lambda: [g.sum() for g in gs], "cpu", iters, setup=setup)
-        write = timed(lambda: [o.zero_() for o in outs], "cpu", iters, setup=setup)
-        compensate = timed(lambda: [torch.add(g, e, out=o) for g, e, o in zip(gs, es, outs)], "cpu", iters,
-                           setup=setup)
-        passes.update({f"{prefix}read_ms": 1e3 * read, f"{prefix}write_ms": 1e3 * write,
-                       f"{prefix}compensate_ms": 1e3 * compensate,
-                       f"{prefix}feedback_floor_ms": 1e3 * (compensate + write)})
-    return passes
+    def _run(self, name: str):
+        if name == "read":
+            return [g.sum() for g in self.gs]
+        if name == "write":
+            return [o.zero_() for o in self.outs]
+        return [torch.add(g, e, out=o) for g, e, o in zip(self.gs, self.es, self.outs)]
+
+    def sample(self, warm: bool = False):
+        prefix = "warm_" if warm else ""
+        for name in self.PASSES:
+            if not warm:
+                self.backward()
+            start = time.perf_counter()
+            self._run(name)
+            self.times[prefix + name].append(time.perf_counter() - start)
+
+    def medians(self) -> dict:
+        """ms of each pass sampled (medians), and the floors they make; the samples then cleared."""
+        ms = {f"{key}_ms": 1e3 * statistics.median(times) for key, times in self.times.items()}
+        for prefix in dict.fromkeys(key[:-len("read_ms")] for key in ms if key.endswith("read_ms")):
+            ms[f"{prefix}feedback_floor_ms"] = ms[f"{prefix}compensate_ms"] + ms[f"{prefix}write_ms"]
+        self.times.clear()
+        return ms
+
+
+def memory_passes(grads: dict, iters: int) -> dict:
+    """``FloorPasses``' medians over ``iters`` samples after two (and as many over warm data)."""
+    floor = FloorPasses(grads)
+    for warm in (False, True):
+        for i in range(2 + iters):
+            floor.sample(warm)
+    for times in floor.times.values():
+        del times[:2]  # (warm-up)
+    return floor.medians()
 
 
 def shrunk(grads: dict, factor: float) -> dict:
@@ -445,8 +477,8 @@ def launches(fn, device: str, top: int = 0, path: AcceleratorPath = None) -> dic
 
 
 def measure(grads: dict, method: str, kwargs: dict, bucket_mb: float, world: int, device: str, iters: int,
-            top: int = 0, path: AcceleratorPath = None, communicator: str = "own") -> dict:
-    """One method's row (``kwargs``: its arguments, ``arguments``') in one way of exchanging."""
+            top: int = 0, path: AcceleratorPath = None, communicator: str = "own", floor: FloorPasses = None) -> dict:
+    """One method's row (``kwargs``: its arguments) in one way of exchanging; ``floor``: sampled after each step."""
     def new_exchange():
         compression = grace.create(method, **kwargs, bucket_mb=bucket_mb)
         if compression.collective is grace.Collective.ALLGATHER and bucket_mb:
@@ -479,6 +511,8 @@ def measure(grads: dict, method: str, kwargs: dict, bucket_mb: float, world: int
         if i >= 3:
             steps.append(time.perf_counter() - start)
             collectives.append(clock.reset()["collective"])
+            if floor is not None:
+                floor.sample()
     seconds, collective = statistics.median(steps), statistics.median(collectives)
     work = statistics.median(s - c for s, c in zip(steps, collectives))
     calls, nbytes = comm.calls - calls_before, exchange.stats.last_step_bytes
@@ -487,7 +521,8 @@ def measure(grads: dict, method: str, kwargs: dict, bucket_mb: float, world: int
     backward()
     row = {"work_ms": 1e3 * work, "exchange_ms": 1e3 * seconds, "collective_ms": 1e3 * collective,
            "exchange_free_ms": 1e3 * free, "calls": calls, "bytes": nbytes, "plans": plans_taken(exchange),
-           "buckets": len(exchange.bucket_plans()), **launches(lambda: exchange.exchange(inputs), device, top, path)}
+           "buckets": len(exchange.bucket_plans()), **launches(lambda: exchange.exchange(inputs), device, top, path),
+           **({"floor": floor.medians()} if floor is not None else {})}
     if path is not None:  # the same step once more without grace's CUDA library (a fresh exchange)
         with path.mode("fallback"):
             fallback = new_exchange()
@@ -659,6 +694,7 @@ def main():
             bucket_mb *= sum(g.numel() for g in grads.values()) / full
         params = sum(g.numel() for g in grads.values())
         passes = memory_passes(grads, args.iters) if args.device == "cpu" and args.shrink == 1 else {}
+        floor = FloorPasses(grads) if passes and path is None else None
         kwargs = {method: arguments(method, grads) for method in args.methods}
         print_model(model, args, grads, fwd_bwd, passes, kwargs)
         print_header(path is not None)
@@ -667,14 +703,14 @@ def main():
             per_tensor = skipped if args.bucketed_only or path else measure(grads, method, kwargs[method], 0,
                                                                              args.world, args.device, args.iters)
             bucketed = measure(grads, method, kwargs[method], bucket_mb, args.world, args.device, args.iters,
-                               args.profile_top, path, args.communicator)
+                               args.profile_top, path, args.communicator, floor)
             if "top" in bucketed:
                 profiles.append(f"{model}, {method}, bucketed:\n{bucketed.pop('top')}")
             row = {"model": model, "device": args.device, "method": method, "shrink": args.shrink,
                    "arguments": kwargs[method], "tensors": len(grads),
                    "parameters": params, "fwd_bwd_ms": 1e3 * fwd_bwd,
-                   # the floor again beside the method's own steps: a shared machine's load drifts
-                   **(memory_passes(grads, args.iters) if passes and path is None else passes),
+                   # the model's passes (and their warm repeat), those sampled between the method's steps over them
+                   **passes, **bucketed.pop("floor", {}),
                    **{f"per_tensor_{k}": v for k, v in per_tensor.items()},
                    **{f"bucketed_{k}": v for k, v in bucketed.items()},
                    "per_tensor_share": per_tensor["work_ms"] / (1e3 * fwd_bwd),

@@ -31,7 +31,7 @@ def test_bench_step_reports_work_without_the_stand_in_collectives(tmp_path):
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.split()}
     assert re.search(r" \d+\.\d\dx/2 ", lines["topk"]) and re.search(r" \d+\.\d\dx/1\.5 ", lines["none"])
     assert "CPU targets: bucketed work within 2x error feedback's floor" in proc.stdout
-    # the floor timed as the steps are (after backward's write), the warm repeat beside it
+    # the floor sampled between the method's steps (each pass after backward's write), the model's warm repeat
     for key in ("read_ms", "write_ms", "compensate_ms", "feedback_floor_ms"):
         assert rows["topk"][key] > 0 and rows["topk"][f"warm_{key}"] > 0
     ratio = rows["topk"]["bucketed_work_ms"] / rows["topk"]["feedback_floor_ms"]
