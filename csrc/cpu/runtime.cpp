@@ -18,18 +18,26 @@ void on_fork_child() { g_forked.store(true); }
 struct AtFork {
   AtFork() { pthread_atfork(nullptr, nullptr, on_fork_child); }
 } at_fork_;
-#if defined(__AVX2__)
-// (read as the loader reads GRACE_NATIVE: "0", "false", "no" or "off", any case, around spaces)
-bool avx512_wanted() {
-  const char* v = std::getenv("GRACE_NATIVE_AVX512");
-  if (!v) return true;
+// A switch in the environment: `otherwise` where unset, else off where "0", "false", "no" or
+// "off" (any case, around spaces: as the loader reads GRACE_NATIVE), on for anything else
+bool switch_on(const char* name, bool otherwise) {
+  const char* v = std::getenv(name);
+  if (!v) return otherwise;
   while (*v == ' ') ++v;
   const size_t n = std::strcspn(v, " ");
   for (const char* off : {"0", "false", "no", "off"})
     if (std::strlen(off) == n && strncasecmp(v, off, n) == 0) return false;
   return true;
 }
+
+bool amd_cpu() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();  // (a static initializer may run before libgcc's own)
+  return __builtin_cpu_is("amd");
+#else
+  return false;
 #endif
+}
 
 // the largest cache level the C library tells of (glibc: from CPUID; a VM's may be its host's)
 int64_t told_cache_bytes() {
@@ -52,9 +60,13 @@ int64_t cache_bytes() {
 
 #if defined(__AVX2__)
 namespace grace_cpu {
-const bool kAvx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f")) && avx512_wanted();
+const bool kAvx512 =
+    (__builtin_cpu_init(), __builtin_cpu_supports("avx512f")) && switch_on("GRACE_NATIVE_AVX512", true);
 }  // namespace grace_cpu
 #endif
+namespace grace_cpu {
+const bool kPrefetch = switch_on("GRACE_NATIVE_PREFETCH", !amd_cpu());
+}  // namespace grace_cpu
 
 // =============================================================================================
 API int grace_cpu_abi(void) { return GRACE_NATIVE_ABI; }
@@ -68,6 +80,7 @@ API const char* grace_cpu_isa(void) {
 #endif
 }
 API int grace_cpu_uses_avx512(void) { return kAvx512 ? 1 : 0; }
+API int grace_cpu_uses_prefetch(void) { return grace_cpu::kPrefetch ? 1 : 0; }
 API int grace_cpu_runs_x86_64_v3(void) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
   __builtin_cpu_init();

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 22
+#define GRACE_NATIVE_ABI 23
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -39,6 +39,10 @@ int grace_cpu_runs_x86_64_v3(void);
 /* 1 where the x86-64-v3 build's kernels take their AVX-512 bodies (the CPU has AVX-512F and
  * GRACE_NATIVE_AVX512 is not 0), else 0 */
 int grace_cpu_uses_avx512(void);
+/* 1 where the passes over large inputs prefetch ahead themselves (not on an AMD CPU, whose hardware
+ * prefetcher keeps their streams busy and which the extra instructions slowed; GRACE_NATIVE_PREFETCH
+ * set to 0 or 1 decides instead), else 0 */
+int grace_cpu_uses_prefetch(void);
 void grace_cpu_set_num_threads(int n); /* <= 0: OpenMP's default */
 int grace_cpu_get_num_threads(void);
 /* the last-level cache's bytes the kernels plan by (fp16's payloads stay in it where a quarter of

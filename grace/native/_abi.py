@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 22  # GRACE_NATIVE_ABI
+ABI = 23  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -22,6 +22,7 @@ CPU = {
     "isa": (_S, []),
     "runs_x86_64_v3": (_I, []),
     "uses_avx512": (_I, []),
+    "uses_prefetch": (_I, []),
     "set_num_threads": (None, [_I]),
     "get_num_threads": (_I, []),
     "set_cache_bytes": (None, [_L]),

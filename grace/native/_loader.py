@@ -9,7 +9,9 @@ On x86-64 the CPU kernels come in two builds of the same source: libgrace_cpu.so
 runs everywhere) and libgrace_cpu_avx2.so (x86-64-v3), taken where the portable library says
 the CPU runs x86-64-v3 code. ``GRACE_NATIVE_ISA=x86-64-v2`` keeps the portable one. A few
 kernels of the x86-64-v3 build also have a 16-lane AVX-512 body, which they take where the CPU
-has AVX-512 (the same results); ``GRACE_NATIVE_AVX512=0`` keeps their 8-lane loops.
+has AVX-512 (the same results); ``GRACE_NATIVE_AVX512=0`` keeps their 8-lane loops. The passes
+over large inputs prefetch ahead themselves except on an AMD CPU; ``GRACE_NATIVE_PREFETCH=0`` or
+``1`` decides instead (the same results either way).
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ class _Lib:
             self.isa = self.isa().decode()
             self.runs_x86_64_v3 = bool(self.runs_x86_64_v3())
             self.avx512 = bool(self.uses_avx512())  # the 16-lane bodies of a few kernels
+            self.prefetch = bool(self.uses_prefetch())  # the passes' own prefetching
         elif self.device_count() < 1:
             raise OSError("no CUDA device (or driver) on this machine")
 

@@ -84,6 +84,40 @@ def test_avx512_bodies_follow_the_cpu_and_the_switch():
     assert lib.avx512 == (wanted and _cpu_has_avx512f())
 
 
+def _switch_on(name: str, otherwise: bool) -> bool:
+    value = os.environ.get(name)
+    return otherwise if value is None else value.strip().lower() not in ("0", "false", "no", "off")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64's switch")
+def test_prefetching_follows_the_cpu_vendor_and_the_switch():
+    """The passes prefetch ahead themselves except on an AMD CPU; GRACE_NATIVE_PREFETCH decides
+    where set, in both builds, and the kernels give the same bytes either way."""
+    try:
+        amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo to ask")
+    lib = gn._loader.library("cpu")
+    if lib is None:
+        pytest.skip("no CPU library built")
+    assert lib.prefetch == _switch_on("GRACE_NATIVE_PREFETCH", not amd)
+    probe = ("import sys, numpy as np, grace.native as gn, grace.native._loader as L\n"
+             "rng = np.random.default_rng(3)\n"
+             "gs = [rng.standard_normal(n).astype(np.float32) for n in (300000, 70000)]\n"
+             "rs = [rng.standard_normal(g.size).astype(np.float32) * 0.1 for g in gs]\n"
+             "values, idx, res = gn.topk_ef_step_many(gs, rs, [3000, 700])\n"
+             "sys.stdout.write(repr((L.library('cpu').prefetch, [np.asarray(v).tobytes().hex()[:4000] for v in values],"
+             " [np.asarray(r).sum(dtype=np.float64) for r in res])))\n")
+    runs = {}
+    for setting in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "GRACE_NATIVE_PREFETCH": setting})
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[setting] = out.stdout
+    assert runs["0"].startswith("(False,") and runs["1"].startswith("(True,")
+    assert runs["0"][len("(False,"):] == runs["1"][len("(True,"):]
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="one CPU build off x86-64")
 @pytest.mark.skipif(bool(os.environ.get("GRACE_NATIVE_ISA") or os.environ.get("GRACE_NATIVE_AVX512")),
                     reason="this is a run under another build")
