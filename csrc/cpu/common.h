@@ -99,8 +99,8 @@ constexpr bool kAvx512 = false;
 // On an Intel VM the hardware prefetcher of one core did not keep two or three input streams
 // busy enough: the passes over large inputs prefetch this many bytes ahead, one line at a time.
 // Not on an AMD CPU (kPrefetch, asked when the library loads), where the same instructions made
-// the passes slower (an AMD EPYC VM, one thread: EF-signSGD's and 1-bit SGD's steps 9% faster
-// without them, PowerSGD's first product 7%, fp16's encoding 10%).
+// the passes slower (an AMD EPYC VM, one thread: EF-signSGD's and 1-bit SGD's bucketed steps
+// about 9% faster without them, PowerSGD's first product 12%).
 constexpr int64_t kPrefetchBytes = 4096;
 inline void prefetch(const void* p) {
   if (!grace_cpu::kPrefetch) return;
