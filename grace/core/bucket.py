@@ -212,13 +212,26 @@ def read_frame(xp, data, start, dtypes: Sequence[str], counts: Sequence, variabl
 
 def layout(dtypes: Sequence[str], counts: Sequence[int], with_header: bool, flagged: bool = False):
     """Where a frame of pieces of ``counts`` elements puts them: (each piece's (byte offset,
-    count, dtype), in payload order; the flag's byte offset, or None; the frame's size)."""
+    count, dtype), in payload order, a tuple; the flag's byte offset, or None; the frame's size).
+    A bucket's frames repeat every step: laid out once per layout, the same tuple handed back
+    (``FrameRows`` keeps what it derives from it by that tuple)."""
+    dtypes, counts = tuple(dtypes), tuple(counts)
+    try:
+        return _layout_of(dtypes, counts, with_header, flagged)
+    except TypeError:  # (a count that is not hashable: a traced program's symbolic size)
+        return _layout(dtypes, counts, with_header, flagged)
+
+
+def _layout(dtypes: Tuple[str, ...], counts: tuple, with_header: bool, flagged: bool):
     pieces: List[Any] = [None] * len(dtypes)
     pos = 8 * len(dtypes) if with_header else 0
-    for i in _order(dtypes):
+    for i in _order_of(dtypes):
         pieces[i] = (pos, counts[i], dtypes[i])
         pos += counts[i] * ITEMSIZE[dtypes[i]]
-    return pieces, pos if flagged else None, frame_size(counts, dtypes, with_header, flagged)
+    return tuple(pieces), pos if flagged else None, frame_size(counts, dtypes, with_header, flagged)
+
+
+_layout_of = functools.lru_cache(maxsize=256)(_layout)
 
 
 @dataclass

@@ -24,9 +24,7 @@ class FrameRows:
     pieces' lengths differ by rank: ``FrameRows.of_variable``."""
 
     def __init__(self, data, starts: Sequence[int], layout: Sequence, structure: Sequence[int]):
-        offsets = np.asarray([[offset for offset, _, _ in layout]], np.int64)
-        counts = np.asarray([[count for _, count, _ in layout]], np.int64)
-        self._setup(data, starts, offsets, counts, [dtype for _, _, dtype in layout], structure)
+        self._setup(data, starts, *_layout_arrays(layout, structure))
 
     @classmethod
     def of_variable(cls, data, starts, offsets, counts, dtypes: Sequence[str], structure: Sequence[int]):
@@ -34,22 +32,25 @@ class FrameRows:
         byte offset in its frame and element count, rank by piece (int64 arrays, as
         ``grace.core.bucket.variable_layouts`` reads them from the headers)."""
         rows = cls.__new__(cls)
-        rows._setup(data, starts, np.asarray(offsets, np.int64), np.asarray(counts, np.int64), dtypes, structure)
+        offsets, counts = np.asarray(offsets, np.int64), np.asarray(counts, np.int64)
+        rows._setup(data, starts, offsets, counts, list(dtypes), list(structure),
+                    np.cumsum([0, *structure[:-1]]).astype(np.int64), _ends(offsets, counts, dtypes), {})
         return rows
 
-    def _setup(self, data, starts, offsets, counts, dtypes, structure):
+    def _setup(self, data, starts, offsets, counts, dtypes, structure, first, ends, fields):
+        """``first``: each unit's first piece; ``ends``: each piece's end, bytes from its frame's
+        start; ``fields``: what ``field`` keeps of a layout (one per layout: see ``_layout_arrays``)."""
         kind = _cpu_kind(data)
         b = kind.flat(data)
         if b.dtype != "uint8":
             raise ValueError(f"frames are uint8, got {b.dtype}")
         starts = np.asarray(starts, np.int64)
         if len(starts) and offsets.size:
-            ends = starts[:, None] + offsets + counts * np.asarray([ITEMSIZE[d] for d in dtypes], np.int64)
-            if starts.min() < 0 or (offsets < 0).any() or (counts < 0).any() or ends.max() > b.n:
+            if starts.min() < 0 or (offsets < 0).any() or (counts < 0).any() or (starts[:, None] + ends).max() > b.n:
                 raise ValueError(f"a piece past the end of {b.n} bytes of frames")
         self.ranks, self.units, self.keep = len(starts), len(structure), data
-        self._offsets, self._counts, self._dtypes, self._structure = offsets, counts, list(dtypes), list(structure)
-        self._first = np.cumsum([0, *structure[:-1]]).astype(np.int64)  # each unit's first piece
+        self._offsets, self._counts, self._dtypes, self._structure = offsets, counts, dtypes, structure
+        self._first, self._kept = first, fields
         self._frames = b.ptr + starts  # each frame's first byte
         self._fields: dict = {}
 
@@ -59,15 +60,47 @@ class FrameRows:
         if j not in self._fields:
             if any(n <= j for n in self._structure):
                 raise ValueError(f"a payload without a field {j}")
-            pieces = self._first + j
+            if j not in self._kept:  # (one layout: its pieces of field j, their dtypes and counts per unit)
+                pieces = self._first + j
+                self._kept[j] = (pieces, [self._dtypes[i] for i in pieces], self._counts[0, pieces].tolist())
+            pieces, dtypes, unit_counts = self._kept[j]
             pointers = (self._offsets[:, pieces].T + self._frames[None, :]).reshape(-1)
-            dtypes = [self._dtypes[i] for i in pieces]
             if len(self._counts) == 1:  # one layout: counts per unit
-                self._fields[j] = _Field(pointers, self._counts[0, pieces].tolist(), dtypes, self.ranks, True)
+                self._fields[j] = _Field(pointers, unit_counts, dtypes, self.ranks, True,
+                                         kept=self._kept.setdefault((j, self.ranks), {}))
             else:
                 counts = np.ascontiguousarray(self._counts[:, pieces].T).reshape(-1)
                 self._fields[j] = _Field(pointers, None, dtypes, self.ranks, True, counts)
         return self._fields[j]
+
+
+def _ends(offsets, counts, dtypes):
+    """Each piece's end, bytes from its frame's start."""
+    return offsets + counts * np.asarray([ITEMSIZE[d] for d in dtypes], np.int64)
+
+
+# A bucket's frames repeat their layout every step (``grace.core.bucket.layout`` hands back the
+# same tuple): what FrameRows derives from one is made once, kept by that tuple's id with the
+# tuple itself (so that the id is not another's while kept).
+_LAYOUTS: dict = {}
+
+
+def _layout_arrays(layout, structure) -> tuple:
+    """``FrameRows._setup``'s arguments after ``starts`` for a fixed ``layout`` (the fields'
+    kept parts shared by every FrameRows of the layout)."""
+    kept = _LAYOUTS.get(id(layout))
+    if kept is None or kept[0] is not layout or kept[1] != structure:
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        offsets = np.asarray([[offset for offset, _, _ in layout]], np.int64)
+        counts = np.asarray([[count for _, count, _ in layout]], np.int64)
+        dtypes, structure = [dtype for _, _, dtype in layout], list(structure)
+        for array in (offsets, counts):
+            array.flags.writeable = False
+        kept = _LAYOUTS[id(layout)] = (layout, structure, (
+            offsets, counts, dtypes, structure, np.cumsum([0, *structure[:-1]]).astype(np.int64),
+            _ends(offsets, counts, dtypes), {}))
+    return kept[2]
 
 
 def payload_ranks(payloads) -> int:
@@ -88,11 +121,13 @@ class _Field:
     where the frames' lengths vary, dtypes per unit and every piece's count (``piece_counts``,
     an int64 array; ``counts`` None)."""
 
-    def __init__(self, pointers, counts, dtypes, ranks: int, per_unit: bool, piece_counts=None):
+    def __init__(self, pointers, counts, dtypes, ranks: int, per_unit: bool, piece_counts=None, kept=None):
         if isinstance(pointers, np.ndarray):  # (addresses made by NumPy: a C array over them, kept with it)
             pointers = (ctypes.c_void_p * len(pointers)).from_buffer(np.ascontiguousarray(pointers, np.uint64))
         self.pointers, self.counts, self.dtypes, self.piece_counts = pointers, counts, dtypes, piece_counts
         self.ranks, self.per_unit = ranks, per_unit
+        # (a layout's field: its C arrays of lengths and index codes, made once, kept with the layout)
+        self.kept = {} if kept is None else kept
 
     def per_entry(self, unit_values) -> list:
         """Per-unit values as one per entry (to compare with ``counts`` and ``dtypes``)."""
@@ -116,14 +151,18 @@ class _Field:
         """The pieces' element counts, a C array."""
         if self.piece_counts is not None:
             return (ctypes.c_int64 * len(self.piece_counts)).from_buffer(self.piece_counts)
-        return _int64s(self.per_piece(self.counts))
+        if "lengths" not in self.kept:
+            self.kept["lengths"] = _int64s(self.per_piece(self.counts))
+        return self.kept["lengths"]
 
     def index_codes(self):
         """The pieces' index type codes, a C array."""
         if not self.per_unit:
             return _index_codes(self.dtypes)
-        codes = np.repeat(np.asarray([INDEX_CODES[d] for d in self.dtypes], np.intc), self.ranks)
-        return (ctypes.c_int * len(codes)).from_buffer(codes)
+        if "codes" not in self.kept:
+            codes = np.repeat(np.asarray([INDEX_CODES[d] for d in self.dtypes], np.intc), self.ranks)
+            self.kept["codes"] = (ctypes.c_int * len(codes)).from_buffer(codes)
+        return self.kept["codes"]
 
 
 def _field(kind, payloads, j: int, dtype: str = None) -> _Field:

@@ -143,3 +143,34 @@ def test_a_kept_buffers_views_are_made_once_per_layout():
     start = buffers["frame"].data_ptr()
     assert all(start <= b.data_ptr() < start + 10**6 for b in fresh), "views of the buffer replaced"
     assert len(kept) == 1, "views of layouts gone are kept"
+
+
+def test_frame_rows_of_a_repeated_layout_follow_each_steps_frames():
+    """A bucket's frames repeat their layout every step: ``layout`` hands back the same tuple,
+    and what FrameRows derives from it (made once) serves every step, while each step's frames
+    give the pointers; a sum over them is each step's own."""
+    dtypes, counts = ["float32", "int32"] * 3, [5, 5, 300, 300, 7, 7]
+    pieces, _, size = frames.layout(dtypes, counts, False, False)
+    assert frames.layout(list(dtypes), list(counts), False, False)[0] is pieces
+    structure = [2, 2, 2]
+    for step in range(3):  # each step's frames in a new buffer, with values of its own
+        data = torch.zeros(4 * size, dtype=torch.uint8)
+        values = {}
+        for r in range(4):
+            for (offset, count, dtype), d in zip(pieces, dtypes):
+                if d == "float32":
+                    v = torch.arange(count, dtype=torch.float32) * (step + 1) + r
+                    data[r * size + offset:r * size + offset + 4 * count] = v.view(torch.uint8)
+                    values.setdefault(offset, []).append(v)
+                else:
+                    data[r * size + offset:r * size + offset + 4 * count] = (
+                        torch.arange(count, dtype=torch.int32).view(torch.uint8))
+        rows = gn.FrameRows(data, range(0, 4 * size, size), pieces, structure)
+        field = rows.field(0)
+        start = data.data_ptr()
+        assert [p - start for p in field.pointers] == [r * size + pieces[2 * u][0] for u in range(3) for r in range(4)]
+        assert list(field.lengths()) == [count for count in counts[::2] for _ in range(4)]
+        outs = [torch.empty(c) for c in counts[::2]]
+        gn.scatter_add_segments_into(rows, outs, 4)
+        for out, (offset, count, _) in zip(outs, pieces[::2]):
+            same_bytes(sum(v / 4 for v in values[offset]), out)
