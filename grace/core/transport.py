@@ -145,7 +145,7 @@ class Transport:
             end = sum(count * frames.ITEMSIZE[dtype] for dtype, count in zip(dtypes, counts))
             name = f"{pending.bucket.key}.frame"
             buffer = self.buffers.buffer_for(xp, name, "uint8", size, pending.g)
-            pending.framed = (buffer, flag_at, end)
+            pending.framed = (buffer, flag_at, end, dtypes, counts)
             return buffer, [offset for offset, _, _ in pieces], self.buffers.views.setdefault(name, {})
 
         return into
@@ -154,7 +154,7 @@ class Transport:
         """The frame whose pieces a bucket kernel wrote in place (``frame_into``), with the
         overflow flag and zeros to its end written."""
         xp, flag = pending.xp, pending.flag
-        frame, flag_at, end = pending.framed
+        frame, flag_at, end = pending.framed[:3]
         if (flag is None) != (flag_at is None):  # (a guarded exchange flags every bucket)
             raise RuntimeError(f"grace: {pending.bucket.key}'s frame was laid out for {'no ' * (flag_at is None)}"
                                "overflow flag")
@@ -172,8 +172,13 @@ class Transport:
         variable = self.compression.compressor.traits.variable_length
         pieces = [t for payload in payloads for t in payload]
         pending.structure = [len(payload) for payload in payloads]
-        pending.dtypes = [xp.dtype(t) for t in pieces]
-        pending.counts = [xp.numel(t) for t in pieces]
+        if pending.framed is not None:  # (the pieces a bucket kernel wrote as it asked for them)
+            pending.dtypes, pending.counts = list(pending.framed[3]), list(pending.framed[4])
+            if len(pending.dtypes) != len(pieces):
+                raise RuntimeError(f"grace: {bucket.key}'s kernel wrote {len(pending.dtypes)} pieces into its frame "
+                                   f"and handed back {len(pieces)}")
+        else:
+            pending.dtypes, pending.counts = [xp.dtype(t) for t in pieces], [xp.numel(t) for t in pieces]
         flag, flagged = pending.flag, pending.flag is not None
         join = functools.partial(self.buffers.concat_into_kept, xp, f"{bucket.key}.frame")
         frame = self._finish_frame(pending) if pending.framed is not None else \

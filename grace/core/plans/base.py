@@ -104,7 +104,7 @@ class BucketPending:
     layout: Any = None  # ... and this step's frame layout
     info: Any = None  # the two-phase plan: the bucket's TensorInfo (its step seeds the owner's draws)
     outs: Optional[List[Any]] = None  # where the results are written (the input gradients), or None
-    framed: Any = None  # (frame buffer, flag's byte or None, pieces' end) where a bucket kernel wrote them
+    framed: Any = None  # (frame buffer, flag's byte or None, pieces' end, their dtypes and counts): a kernel's
     defer: bool = False  # the overflow count stays on the device until end_step (a flat result on an accelerator)
     plan: Any = None  # the plan that started it: the bucket's own, or the warm-up
 
