@@ -34,7 +34,7 @@ class FrameRows:
         rows = cls.__new__(cls)
         offsets, counts = np.asarray(offsets, np.int64), np.asarray(counts, np.int64)
         rows._setup(data, starts, offsets, counts, list(dtypes), list(structure),
-                    np.cumsum([0, *structure[:-1]]).astype(np.int64), _ends(offsets, counts, dtypes), {})
+                    _first_pieces(structure), _ends(offsets, counts, dtypes), {})
         return rows
 
     def _setup(self, data, starts, offsets, counts, dtypes, structure, first, ends, fields):
@@ -74,6 +74,11 @@ class FrameRows:
         return self._fields[j]
 
 
+def _first_pieces(structure):
+    """Each unit's first piece (``structure``: pieces per unit's payload)."""
+    return np.cumsum([0, *structure[:-1]]).astype(np.int64)
+
+
 def _ends(offsets, counts, dtypes):
     """Each piece's end, bytes from its frame's start."""
     return offsets + counts * np.asarray([ITEMSIZE[d] for d in dtypes], np.int64)
@@ -98,7 +103,7 @@ def _layout_arrays(layout, structure) -> tuple:
         for array in (offsets, counts):
             array.flags.writeable = False
         kept = _LAYOUTS[id(layout)] = (layout, structure, (
-            offsets, counts, dtypes, structure, np.cumsum([0, *structure[:-1]]).astype(np.int64),
+            offsets, counts, dtypes, structure, _first_pieces(structure),
             _ends(offsets, counts, dtypes), {}))
     return kept[2]
 

@@ -68,6 +68,13 @@ def test_the_portable_build_passes_this_suite_too():
     _suite_again({"GRACE_NATIVE_ISA": "x86-64-v2"})
 
 
+def _switch_on(name: str, otherwise: bool) -> bool:
+    """An environment switch as the library reads it: ``otherwise`` where unset, off where 0,
+    false, no or off."""
+    value = os.environ.get(name)
+    return otherwise if value is None else value.strip().lower() not in ("0", "false", "no", "off")
+
+
 def _cpu_has_avx512f() -> bool:
     try:
         return " avx512f" in Path("/proc/cpuinfo").read_text()
@@ -80,13 +87,7 @@ def test_avx512_bodies_follow_the_cpu_and_the_switch():
     lib = gn._loader.library("cpu")
     if lib is None or lib.isa != "x86-64-v3":
         pytest.skip("the AVX-512 bodies are in the x86-64-v3 build, not loaded here")
-    wanted = os.environ.get("GRACE_NATIVE_AVX512", "1").strip().lower() not in ("0", "false", "no", "off")
-    assert lib.avx512 == (wanted and _cpu_has_avx512f())
-
-
-def _switch_on(name: str, otherwise: bool) -> bool:
-    value = os.environ.get(name)
-    return otherwise if value is None else value.strip().lower() not in ("0", "false", "no", "off")
+    assert lib.avx512 == (_switch_on("GRACE_NATIVE_AVX512", True) and _cpu_has_avx512f())
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64's switch")
