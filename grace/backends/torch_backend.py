@@ -241,7 +241,7 @@ class TorchBackend:
         return x.tolist()
 
     def device(self, x) -> str:
-        return str(x.device)
+        return "cpu" if x.is_cpu else str(x.device)  # (asked per gradient and step: str(device) costs 0.3 us)
 
     def same_layout(self, a, b) -> bool:
         return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device

@@ -83,6 +83,8 @@ class Transport:
         ``written_in``: the payloads' one flat buffer, where a kernel wrote them there, sent as it
         is. The exchange's own buffers, and the payloads where ``owned``, are summed in place
         where the communicator can. ``defer``: the overflow count stays on the device."""
+        if written_in is not None and flag is None:
+            return self._allreduce_written(xp, key, payloads, written_in)
         shapes = [xp.shape(t) for payload in payloads for t in payload]
         pieces = [xp.flatten(t) for payload in payloads for t in payload]
         structure = [len(payload) for payload in payloads]
@@ -112,6 +114,22 @@ class Transport:
             return frames.split_payloads(ordered, structure), overflow, fresh
 
         return wait, sum(xp.nbytes(t) for t in pieces)
+
+    def _allreduce_written(self, xp, key: str, payloads, buffer):
+        """``allreduce_units`` of payloads a kernel wrote into ``buffer``, in order, one dtype:
+        summed in place where the communicator can, the payloads are then the sums' views as
+        they are (none cut again: 2 calls per piece, 161 a ResNet-50 bucket)."""
+        launched, sent = self._allreduce_group(xp, key, [buffer], buffer, False)
+
+        def wait():
+            out = self.wait(launched)
+            if out is sent:
+                return list(payloads), None, False
+            ends = [(xp.numel(t), xp.shape(t)) for payload in payloads for t in payload]
+            ordered = [xp.reshape(t, shape) for t, (_, shape) in zip(xp.split(out, [n for n, _ in ends]), ends)]
+            return frames.split_payloads(ordered, [len(payload) for payload in payloads]), None, True
+
+        return wait, xp.nbytes(buffer)
 
     def _allreduce_group(self, xp, name: str, group, written_in, owned: bool):
         """Launch the allreduce of one dtype's pieces: (its wait, what was sent)."""

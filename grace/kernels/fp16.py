@@ -8,12 +8,11 @@ from grace.core.plans.kernels import MethodKernels, kernels_for
 
 @kernels_for(FP16)
 class FP16Kernels(MethodKernels):
-    def compress_many_into(self, xp, gs, infos, buffer):
+    def compress_many_into(self, xp, gs, infos, pieces):
         dtype = self.compressor.dtype
         if dtype != "float16" or not xp.native("fp16_compress_many_into", gs[0], xp.dtype(gs[0])):
             return None
-        numels = [xp.numel(g) for g in gs]
-        pieces = xp.split(buffer(dtype, sum(numels)), numels)
+        pieces = pieces(dtype, [xp.numel(g) for g in gs])
         n = infos[0].world_size
         if native_or_none(xp, "fp16_compress_many_into", gs[0], gs, n, pieces) is None:
             return None

@@ -474,6 +474,31 @@ def test_averages_are_never_views_of_buffers_the_exchange_reuses(xp, method):
         np.testing.assert_array_equal(xp.to_numpy(value), kept[name], err_msg=name)
 
 
+class SummingIntoNewTensors(ReplicaCommunicator):
+    """Replicas that never sum in place: every sum is a new tensor."""
+
+    def sums_in_place(self, tensor):
+        return False
+
+
+@pytest.mark.parametrize("communicator", [ReplicaCommunicator, SummingIntoNewTensors], ids=["in-place", "new-sums"])
+def test_payloads_a_kernel_wrote_into_one_buffer_are_averaged_as_their_sums_come(communicator):
+    """fp16 on a CPU: a bucket's payloads written by one native call into the kept buffer that is
+    sent. Summed in place, the payloads are the sums' views; summed into a new tensor, the sums
+    are cut from it; both give the per-tensor results, step after step (the views kept)."""
+    pytest.importorskip("torch")
+    xp = get_backend("torch")
+    if not native.available("cpu"):
+        pytest.skip("grace's CPU library is not built")
+    reference = grace.Exchange(with_buckets(METHODS["fp16"], 0), ReplicaCommunicator(3))
+    exchange = grace.Exchange(with_buckets(METHODS["fp16"], 25), communicator(3), in_place=True)
+    for step in range(STEPS):
+        want, got = reference.exchange(gradients(xp, step)), exchange.exchange(gradients(xp, step))
+        for name in want:
+            assert_same(xp, want[name], got[name], f"step {step} {name}")
+    assert any(name.endswith(".payload") for name in exchange.buffers.flat)  # (the one-buffer path ran)
+
+
 @pytest.mark.parametrize("method", ["topk", "threshold", "signsgd", "efsignsgd", "none"])
 def test_results_are_written_over_gradients_that_are_not_contiguous(method):
     """A transposed gradient cannot take a kernel's output in place: it gets the result by

@@ -121,10 +121,10 @@ class MethodKernels:
                               nonfinite=flag, into=into)
         return None if done is None else [(payload, Shape(xp.shape(g), xp.dtype(g))) for payload, g in zip(done, gs)]
 
-    def compress_many_into(self, xp, gs, infos: Sequence[TensorInfo], buffer) -> Any:
+    def compress_many_into(self, xp, gs, infos: Sequence[TensorInfo], pieces) -> Any:
         """Allreduce methods with no memory: every gradient compressed in one call into one flat
-        buffer kept by the exchange (``buffer(dtype, numel)``), which then travels as it is: the
-        list of (payload, ctx), each payload a view of the buffer."""
+        buffer kept by the exchange (``pieces(dtype, numels)``: its views of those sizes, in order),
+        which then travels as it is: the list of (payload, ctx), each payload of those views."""
         return None
 
     def averaged_many(self, xp, summed: Sequence[Payload], ctxs, n: int, outs) -> Any:

@@ -49,11 +49,12 @@ class PerGradient(BucketPlan):
             return False
         made = []
 
-        def buffer(dtype, numel):
-            made.append(s.buffers.buffer_for(xp, f"{key}.payload", dtype, numel, pending.g))
-            return made[-1]
+        def pieces(dtype, numels):
+            buffer, views = s.buffers.pieces_of(xp, f"{key}.payload", dtype, numels, pending.g)
+            made.append(buffer)
+            return views
 
-        many = s.kernels.compress_many_into(xp, g_units, infos, buffer)
+        many = s.kernels.compress_many_into(xp, g_units, infos, pieces)
         if many is None:
             return False
         pending.ctxs = [ctx for _, ctx in many]
