@@ -74,9 +74,9 @@ class Communicator:
         return False
 
     def grouped_allreduce_async(self, tensors: Sequence, name: str) -> Callable[[], Any]:
-        """The elementwise sums over ranks of several tensors of one dtype, in one collective:
-        ``wait()`` gives the list of sums, new tensors (the tensors given may be views of the
-        caller's gradients: they are never written)."""
+        """The elementwise sums over ranks of several tensors of one dtype (of any shapes), in one
+        collective: ``wait()`` gives the list of sums, new tensors in the shapes given (the
+        tensors given may be views of the caller's gradients: they are never written)."""
         raise NotImplementedError
 
     def sums_in_place(self, tensor) -> bool:
@@ -91,7 +91,7 @@ class Communicator:
 
     def grouped_allreduce_async_(self, tensors: Sequence, name: str) -> Callable[[], Any]:
         """``grouped_allreduce_async`` with each sum written into its tensor (the caller's own):
-        ``wait()`` gives the tensors given."""
+        ``wait()`` gives the tensors given (or the contiguous copy summed, of one that is not)."""
         raise NotImplementedError
 
     # --- payload-level collectives -------------------------------------------------------

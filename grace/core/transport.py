@@ -83,37 +83,36 @@ class Transport:
         ``written_in``: the payloads' one flat buffer, where a kernel wrote them there, sent as it
         is. The exchange's own buffers, and the payloads where ``owned``, are summed in place
         where the communicator can. ``defer``: the overflow count stays on the device."""
-        if written_in is not None and flag is None:
+        if written_in is not None:
+            if flag is not None:
+                raise ValueError("a buffer of payloads a kernel wrote carries no overflow flag")
             return self._allreduce_written(xp, key, payloads, written_in)
-        shapes = [xp.shape(t) for payload in payloads for t in payload]
-        pieces = [xp.flatten(t) for payload in payloads for t in payload]
+        tensors = [t for payload in payloads for t in payload]
         structure = [len(payload) for payload in payloads]
         if flag is not None:
-            shapes.append((1,))
-            pieces.append(xp.cast(flag, xp.dtype(pieces[0])))
-        dtypes = [xp.dtype(t) for t in pieces]
-        counts = [xp.numel(t) for t in pieces]
-        waits, sent = {}, {}
+            tensors.append(xp.flatten(xp.cast(flag, xp.dtype(tensors[0]))))
+        dtypes = [xp.dtype(t) for t in tensors]
+        waits, sent, groups = {}, {}, {}
         for dtype in dict.fromkeys(dtypes):
-            group = [t for t, d in zip(pieces, dtypes) if d == dtype]
+            group = groups[dtype] = [t for t, d in zip(tensors, dtypes) if d == dtype]
             name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
-            waits[dtype], sent[dtype] = self._allreduce_group(xp, name, group, written_in, owned)
+            waits[dtype], sent[dtype] = self._allreduce_group(xp, name, group, None, owned)
 
         def wait():
             summed, fresh = {}, True
             for d, w in waits.items():
                 out = self.wait(w)
-                if isinstance(out, (list, tuple)):  # a grouped allreduce's sums, one by one
-                    summed[d] = list(out)
+                if isinstance(out, (list, tuple)):  # a grouped allreduce's sums, shaped as the tensors sent
+                    summed[d] = iter(out)
                     fresh = fresh and all(o is not s for o, s in zip(out, sent[d]))
-                else:
-                    summed[d] = xp.split(out, [c for c, dd in zip(counts, dtypes) if dd == d])
+                else:  # one sum of them all, joined
+                    summed[d] = iter(_cut(xp, out, groups[d]))
                     fresh = fresh and out is not sent[d]
-            ordered = [xp.reshape(summed[d].pop(0), shape) for d, shape in zip(dtypes, shapes)]
+            ordered = [next(summed[d]) for d in dtypes]
             overflow = self.journal.overflow(xp, [ordered.pop()], defer) if flag is not None else None
             return frames.split_payloads(ordered, structure), overflow, fresh
 
-        return wait, sum(xp.nbytes(t) for t in pieces)
+        return wait, sum(xp.nbytes(t) for t in tensors)
 
     def _allreduce_written(self, xp, key: str, payloads, buffer):
         """``allreduce_units`` of payloads a kernel wrote into ``buffer``, in order, one dtype:
@@ -125,8 +124,7 @@ class Transport:
             out = self.wait(launched)
             if out is sent:
                 return list(payloads), None, False
-            ends = [(xp.numel(t), xp.shape(t)) for payload in payloads for t in payload]
-            ordered = [xp.reshape(t, shape) for t, (_, shape) in zip(xp.split(out, [n for n, _ in ends]), ends)]
+            ordered = _cut(xp, out, [t for payload in payloads for t in payload])
             return frames.split_payloads(ordered, [len(payload) for payload in payloads]), None, True
 
         return wait, xp.nbytes(buffer)
@@ -135,10 +133,11 @@ class Transport:
         """Launch the allreduce of one dtype's pieces: (its wait, what was sent)."""
         comm = self.communicator
         grouped = written_in is None and len(group) > 1 and comm.grouped_allreduce(xp.dtype(group[0]))
-        if grouped:
+        if grouped:  # (as they are: their sums come back in their shapes)
             sent = group
         else:
-            sent = written_in if written_in is not None else self.buffers.concat_into_kept(xp, name, group)
+            sent = written_in if written_in is not None else \
+                self.buffers.concat_into_kept(xp, name, [xp.flatten(t) for t in group])
         ours = written_in is not None or (not grouped and len(group) > 1 and xp.mutable_tensors)  # a buffer of ours
         in_place = (ours or owned) and comm.sums_in_place(group[0])
         with self.phase("collective"):
@@ -239,3 +238,8 @@ class Transport:
                      for root in range(comm.size)]
         pending.wait = lambda: [w() for w in waits]
         return nbytes
+
+
+def _cut(xp, flat, tensors) -> list:
+    """The allreduced join of ``tensors`` (``flat``) cut into their sums, in their shapes."""
+    return [xp.reshape(piece, xp.shape(t)) for piece, t in zip(xp.split(flat, [xp.numel(t) for t in tensors]), tensors)]

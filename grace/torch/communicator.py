@@ -21,8 +21,9 @@ class HorovodCommunicator(ProcessSetCommunicator):
         return dtype != "bfloat16"
 
     def grouped_allreduce_async(self, tensors, name):
-        """Horovod's grouped allreduce: one request, the tensors joined in its fusion buffer."""
-        handle = mpi_ops.grouped_allreduce_async(list(tensors), name=name, op=mpi_ops.Sum,
+        """Horovod's grouped allreduce: one request, the tensors joined in its fusion buffer (each
+        made contiguous: Horovod checks only the first, and reads any other's memory in order)."""
+        handle = mpi_ops.grouped_allreduce_async([t.contiguous() for t in tensors], name=name, op=mpi_ops.Sum,
                                                  process_set=self.process_set)
         return lambda: mpi_ops.synchronize(handle)
 
@@ -34,7 +35,8 @@ class HorovodCommunicator(ProcessSetCommunicator):
         return lambda: mpi_ops.synchronize(handle)
 
     def grouped_allreduce_async_(self, tensors, name):
-        handle = mpi_ops.grouped_allreduce_async_(list(tensors), name=name, op=mpi_ops.Sum,
+        # (a tensor that is not contiguous: its contiguous copy summed, and handed back)
+        handle = mpi_ops.grouped_allreduce_async_([t.contiguous() for t in tensors], name=name, op=mpi_ops.Sum,
                                                   process_set=self.process_set)
         return lambda: mpi_ops.synchronize(handle)
 
