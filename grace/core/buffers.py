@@ -13,6 +13,16 @@ from typing import Any, Dict, Iterable
 from grace.core.memory import buffer_of
 
 
+class Pieces(tuple):
+    """Views of one kept buffer (``Buffers.pieces_of``), the same objects step after step;
+    ``derived``: what a kernel derives from them once (their pointers), dropped with them."""
+
+    def __new__(cls, views):
+        pieces = super().__new__(cls, views)
+        pieces.derived = {}
+        return pieces
+
+
 def same_layout(xp, a, b) -> bool:
     """Whether state values ``a`` and ``b`` (tensors, or tuples of them) have the same shapes,
     dtypes and devices."""
@@ -49,7 +59,7 @@ class Buffers:
         kept = self.views.setdefault(name, {})
         if kept.get("pieces of") is not self.flat[name] or kept.get("numels") != numels:
             kept.clear()
-            kept.update({"pieces of": self.flat[name], "numels": numels, "pieces": tuple(xp.split(buffer, numels))})
+            kept.update({"pieces of": self.flat[name], "numels": numels, "pieces": Pieces(xp.split(buffer, numels))})
         return buffer, kept["pieces"]
 
     def concat_into_kept(self, xp, name: str, tensors):

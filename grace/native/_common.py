@@ -38,7 +38,14 @@ def _same_kind(kind, x, dtype=None) -> Buf:
 def _same_kind_all(kind, xs, dtype=None) -> list:
     """``_same_kind`` of each of ``xs``: a bucket's many tensors. Contiguous CPU torch tensors
     of the dtype wanted (the pieces of a received frame, a bucket's gradients) take a short
-    path: the per-tensor checks cost more than the kernels on small tensors."""
+    path: the per-tensor checks cost more than the kernels on small tensors. Views an exchange
+    keeps (``grace.core.buffers.Pieces``) are checked once: their buffers are kept with them."""
+    derived = getattr(xs, "derived", None)
+    if derived is not None:
+        bufs = derived.get(("bufs", dtype))
+        if bufs is None:
+            bufs = derived[("bufs", dtype)] = _same_kind_all(kind, list(xs), dtype)
+        return list(bufs)
     if kind.name == "torch" and kind.lib.kind == "cpu":
         tensor, names, bufs = kind.torch.Tensor, _arrays._TORCH_NAMES, []
         for x in xs:
