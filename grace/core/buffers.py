@@ -15,7 +15,7 @@ from grace.core.memory import buffer_of
 
 class Pieces(tuple):
     """Views of one kept buffer (``Buffers.pieces_of``), the same objects step after step;
-    ``derived``: what a kernel derives from them once (their pointers), dropped with them."""
+    ``derived``: what a kernel derives from them once (their native buffers), dropped with them."""
 
     def __new__(cls, views):
         pieces = super().__new__(cls, views)

@@ -40,6 +40,35 @@ def test_no_memory_keeps_nothing(xp):
     assert exchange.memory == {}
 
 
+class ResidualMadeOnFirstUpdate(grace.Memory):
+    """A memory of a user's: no init of its own (no state until the first update)."""
+    needs_feedback = True
+
+    def compensate(self, xp, g, residual):
+        return g if residual is None else g + residual
+
+    def update(self, xp, p, p_hat, residual):
+        return p - p_hat
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 25], ids=["per-tensor", "bucketed"])
+def test_a_memory_without_an_init_keeps_what_its_update_makes(xp, bucket_mb):
+    """A memory is asked for its state where its class has an init or an update of its own (a
+    stateless one is not asked per gradient and step): one without an init still gets back what
+    its update made, as ResidualMemory does."""
+    def run(memory):
+        method = grace.topk(0.1)
+        compression = grace.GradientCompression(method.compressor, memory, method.collective, bucket_mb=bucket_mb)
+        exchange = Exchange(compression, LocalCommunicator())
+        rng = np.random.default_rng(0)
+        return [xp.to_numpy(exchange.exchange({"w": to_backend(xp, rng.standard_normal((20, 30))),
+                                               "b": to_backend(xp, rng.standard_normal(30))})["w"])
+                for _ in range(4)]
+
+    for want, got in zip(run(grace.ResidualMemory()), run(ResidualMadeOnFirstUpdate())):
+        np.testing.assert_array_equal(want, got)
+
+
 def test_state_round_trips_exactly(xp):
     rng = np.random.default_rng(1)
     grads = [to_backend(xp, rng.standard_normal(100)) for _ in range(4)]

@@ -9,6 +9,7 @@ from typing import Any, Callable, List, Optional
 from grace.core.bucket import Bucket, Segment
 from grace.core.compressor import Collective, Compressor, TensorInfo, divided, name_key_of, written
 from grace.core.journal import no_overflow, poisoned
+from grace.core.memory import Memory
 
 
 @dataclass
@@ -58,8 +59,17 @@ class Services:
         compressor = self.compression.compressor
         return self.store.get("state", name, lambda t: compressor.init_state(xp, t, self.info(name, 0)), like)
 
+    @functools.cached_property
+    def keeps_memory(self) -> bool:
+        """Whether the memory has state (its class has an ``init`` or an ``update`` of its own):
+        ``keeps_state``'s reason, for the memory (NoMemory's None, made again per gradient and step)."""
+        kind = type(self.compression.memory)
+        return kind.init is not Memory.init or kind.update is not Memory.update
+
     def memory_state(self, xp, name: str, like):
         """``name``'s memory, from the memory's ``init`` on first use."""
+        if not self.keeps_memory:
+            return None
         return self.store.get("memory", name, lambda t: self.compression.memory.init(xp, t), like)
 
     def delivered(self, xp, g_hat, overflow, out):
