@@ -96,7 +96,7 @@ class Transport:
         for dtype in dict.fromkeys(dtypes):
             group = groups[dtype] = [t for t, d in zip(tensors, dtypes) if d == dtype]
             name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
-            waits[dtype], sent[dtype] = self._allreduce_group(xp, name, group, None, owned)
+            waits[dtype], sent[dtype] = self._allreduce_group(xp, name, group, owned)
 
         def wait():
             summed, fresh = {}, True
@@ -118,7 +118,7 @@ class Transport:
         """``allreduce_units`` of payloads a kernel wrote into ``buffer``, in order, one dtype:
         summed in place where the communicator can, the payloads are then the sums' views as
         they are (none cut again: 2 calls per piece, 161 a ResNet-50 bucket)."""
-        launched, sent = self._allreduce_group(xp, key, [buffer], buffer, False)
+        launched, sent = self._allreduce_group(xp, key, [buffer], owned=True)  # (the exchange's own buffer)
 
         def wait():
             out = self.wait(launched)
@@ -129,16 +129,16 @@ class Transport:
 
         return wait, xp.nbytes(buffer)
 
-    def _allreduce_group(self, xp, name: str, group, written_in, owned: bool):
-        """Launch the allreduce of one dtype's pieces: (its wait, what was sent)."""
+    def _allreduce_group(self, xp, name: str, group, owned: bool):
+        """Launch the allreduce of one dtype's pieces (``owned``: the caller's to be summed over):
+        (its wait, what was sent)."""
         comm = self.communicator
-        grouped = written_in is None and len(group) > 1 and comm.grouped_allreduce(xp.dtype(group[0]))
+        grouped = len(group) > 1 and comm.grouped_allreduce(xp.dtype(group[0]))
         if grouped:  # (as they are: their sums come back in their shapes)
             sent = group
         else:
-            sent = written_in if written_in is not None else \
-                self.buffers.concat_into_kept(xp, name, [xp.flatten(t) for t in group])
-        ours = written_in is not None or (not grouped and len(group) > 1 and xp.mutable_tensors)  # a buffer of ours
+            sent = self.buffers.concat_into_kept(xp, name, [xp.flatten(t) for t in group])
+        ours = not grouped and len(group) > 1 and xp.mutable_tensors  # joined into a buffer of ours
         in_place = (ours or owned) and comm.sums_in_place(group[0])
         with self.phase("collective"):
             if grouped:
@@ -171,7 +171,7 @@ class Transport:
         """The frame whose pieces a bucket kernel wrote in place (``frame_into``), with the
         overflow flag and zeros to its end written."""
         xp, flag = pending.xp, pending.flag
-        frame, flag_at, end = pending.framed[:3]
+        frame, flag_at, end, _, _ = pending.framed
         if (flag is None) != (flag_at is None):  # (a guarded exchange flags every bucket)
             raise RuntimeError(f"grace: {pending.bucket.key}'s frame was laid out for {'no ' * (flag_at is None)}"
                                "overflow flag")
@@ -190,7 +190,8 @@ class Transport:
         pieces = [t for payload in payloads for t in payload]
         pending.structure = [len(payload) for payload in payloads]
         if pending.framed is not None:  # (the pieces a bucket kernel wrote as it asked for them)
-            pending.dtypes, pending.counts = list(pending.framed[3]), list(pending.framed[4])
+            *_, dtypes, counts = pending.framed
+            pending.dtypes, pending.counts = list(dtypes), list(counts)
             if len(pending.dtypes) != len(pieces):
                 raise RuntimeError(f"grace: {bucket.key}'s kernel wrote {len(pending.dtypes)} pieces into its frame "
                                    f"and handed back {len(pieces)}")

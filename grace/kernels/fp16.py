@@ -12,11 +12,11 @@ class FP16Kernels(MethodKernels):
         dtype = self.compressor.dtype
         if dtype != "float16" or not xp.native("fp16_compress_many_into", gs[0], xp.dtype(gs[0])):
             return None
-        pieces = pieces(dtype, [xp.numel(g) for g in gs])
+        views = pieces(dtype, [xp.numel(g) for g in gs])
         n = infos[0].world_size
-        if native_or_none(xp, "fp16_compress_many_into", gs[0], gs, n, pieces) is None:
+        if native_or_none(xp, "fp16_compress_many_into", gs[0], gs, n, views) is None:
             return None
-        return [((piece,), (Shape(xp.shape(g), xp.dtype(g)), n)) for piece, g in zip(pieces, gs)]
+        return [((view,), (Shape(xp.shape(g), xp.dtype(g)), n)) for view, g in zip(views, gs)]
 
     def averaged_many(self, xp, summed, ctxs, n, outs):
         factors = {factor for _, factor in ctxs}
