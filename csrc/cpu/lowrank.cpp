@@ -85,15 +85,17 @@ void row_products(const float* x, int64_t cols, const Columns& qt, int64_t r, fl
 }
 
 // o = row i of P Q^T (pi: P's row, r terms), each element summed over k ascending from the
-// first term, subnormals flushed: expand's approximation, and the one a deferred residual subtracts
-void approx_row(const float* pi, const Columns& qt, int64_t cols, int64_t r, float* o) {
+// first term, subnormals flushed: expand's approximation, and the one a deferred residual subtracts;
+// o streamed where `stream` and 16-byte aligned (a row of the gradient: no read of its lines first)
+void approx_row(const float* pi, const Columns& qt, int64_t cols, int64_t r, float* o, bool stream = false) {
   FlushDenormals flush;
   int64_t j = 0;
 #ifdef GRACE_SIMD
+  const bool nt = stream && (uintptr_t)o % 16 == 0;
   for (; j + 8 <= cols; j += 8) {
     F8 v = set8(pi[0]) * ld8(qt.row(0, cols) + j);
     for (int64_t k = 1; k < r; ++k) v = v + set8(pi[k]) * ld8(qt.row(k, cols) + j);
-    st8(o + j, v);
+    put8(o + j, v, nt);
   }
 #endif
   for (; j < cols; ++j) {
@@ -215,7 +217,7 @@ void lowrank_expand(const float* p, const float* q, int64_t rows, int64_t cols, 
     std::vector<float> row(e ? cols : 0);
     for (int64_t i = lo; i < hi; ++i) {
       float* o = e ? row.data() : out + i * cols;
-      approx_row(p + i * r, qt, cols, r, o);
+      approx_row(p + i * r, qt, cols, r, o, stream && !e);
       if (e) {  // the row's residual, and the row of out
         const float* mi = m + i * cols;
         float* ei = e + i * cols;

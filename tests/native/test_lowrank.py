@@ -234,6 +234,25 @@ def test_a_buckets_matrices_in_one_call_each_as_alone(threads):
     assert flag.item() == 1
 
 
+def test_an_expand_past_the_caches_writes_the_same_rows(threads):
+    """A bucket whose outputs pass the kernels' streaming size (kStreamBytes, 8 MB) writes them
+    with streaming stores where a row starts 16-byte aligned (odd column counts: rows of both
+    kinds), with and without a residual: the same values as the order they are summed in."""
+    shapes = [(1024, 1031, 1), (1040, 1026, 2)]
+    assert 4 * sum(rows * cols for rows, cols, _ in shapes) >= 8 << 20
+    made = [data(rows, cols, r, seed=i) for i, (rows, cols, r) in enumerate(shapes)]
+    outs = [torch.full((rows, cols), np.nan) for rows, cols, _ in shapes]
+    residuals = [t(g.copy()) for g, _, _, _ in made]
+    with_residual = [False, True]
+    gn.lowrank_expand_many([t(p) for _, _, _, p in made], [t(q) for _, _, q, _ in made],
+                           [(rows, cols) for rows, cols, _ in shapes], outs, 1.0, residuals,
+                           [r if w else None for r, w in zip(residuals, with_residual)])
+    for (g, _, q, p), out, residual, w in zip(made, outs, residuals, with_residual):
+        want = expand_order(p, q)
+        np.testing.assert_array_equal(out.numpy(), want)
+        np.testing.assert_array_equal(residual.numpy(), g - want if w else g)
+
+
 @pytest.mark.parametrize("column", ["normal", "zero", "tiny", "huge", "one"])
 def test_back_makes_one_column_a_unit_vector_first(column):
     """``unit``: a P of one column becomes p / |p| in place before Q = M^T p (the squares in
