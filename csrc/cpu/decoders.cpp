@@ -2,6 +2,7 @@
 // added in one pass) (see common.h)
 #include "bitpack.h"
 #include "lanes.h"
+#include "signs.h"
 
 // ---- decoders ------------------------------------------------------------------------------
 namespace {
@@ -43,20 +44,6 @@ API void grace_cpu_onebit_decode(const uint8_t* packed, int64_t n, const float* 
 }
 
 namespace {
-// A row's two decoded values, as its decoder computes them from its scalars (mode 0 signSGD:
-// none; 1 scaled sign: the scale; 2 1-bit SGD: the two means).
-inline void row_values(const float* scalars, int mode, float& lo, float& hi) {
-  if (mode == 2) {
-    const float mu0 = scalars[0], d = scalars[1] - mu0;
-    lo = mu0 + 0.0f * d;
-    hi = mu0 + 1.0f * d;
-  } else {
-    const float s = mode == 1 ? scalars[0] : 1.0f;
-    lo = -1.0f * s;
-    hi = 1.0f * s;
-  }
-}
-
 // How an aggregate follows from the sum of the ranks' decoded payloads, element by element (the
 // compressor's from_sum): its sign where `vote` (a majority vote), then divided by each divisor
 // in turn; each step rounds as the tensor ops do.

@@ -186,6 +186,8 @@ API int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float
 namespace {
 // The Terms of p = compensate(g, r) (see Blocks), which store p into `p` on the way for the
 // compression's own terms (`inner`, reading p there): compensation and compression in one pass.
+// Where r_bits is given, r is a residual whose subtraction was deferred: r - (bit ? r_hi : r_lo),
+// its bits' decoded values (the same difference as grace_cpu_bits_residual makes).
 template <class Inner>
 struct CompensatedTerms {
   const float *g, *r;
@@ -193,15 +195,20 @@ struct CompensatedTerms {
   float beta, gamma;
   int flags;
   Inner inner;
+  const uint8_t* r_bits;
+  float r_lo, r_hi;
+  float residual(int64_t i) const { return r_bits ? r[i] - (((r_bits[i >> 3] >> (i & 7)) & 1) ? r_hi : r_lo) : r[i]; }
   void operator()(int64_t i, float* t) const {
-    p[i] = compensate(g[i], r[i], beta, gamma, flags);
+    p[i] = compensate(g[i], residual(i), beta, gamma, flags);
     inner(i, t);
   }
 #ifdef GRACE_SIMD
   void group(int64_t i, F8* t) const {
     prefetch(g + i);
     prefetch(r + i);
-    const F8 a = ld8(g + i), b = ld8(r + i);
+    const F8 a = ld8(g + i);
+    F8 b = ld8(r + i);
+    if (r_bits) b = b - sel8(bits8(r_bits[i / 8]), set8(r_hi), set8(r_lo));
     st8(p + i, ((flags & 1) ? a * set8(gamma) : a) + ((flags & 2) ? b * set8(beta) : b));
     inner.group(i, t);
   }
@@ -212,27 +219,41 @@ struct CompensatedTerms {
 // The residual step of EF-signSGD (mode 1) or 1-bit SGD (mode 2) for every segment s: p =
 // compensate(g, r) into new_r[s] (may be r[s]) with its bits and scalars (grace_cpu_efsign_compress
 // or grace_cpu_onebit_compress of p) into packed[s] and scalars[s] in the same pass, then
-// new_r[s] = p - decode(bits), each gradient in turn (it stays in the cache between the passes);
-// -1 for another mode
-API int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+// new_r[s] = p - decode(bits), each gradient in turn (it stays in the cache between the passes).
+// Deferred (kept_packed given): new_r[s] keeps p, and the bits and scalars are copied into
+// kept_packed[s] and kept_scalars[s], the subtraction left to the next step's pass, which reads
+// them as r_packed[s] and r_scalars[s] (r_packed given: r[s] is such a p; a segment's NULL: a
+// residual made). -1 for another mode.
+API int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float* const* r,
+                               const uint8_t* const* r_packed, const float* const* r_scalars, float* const* new_r,
                                const int64_t* n, float beta, float gamma, int flags, int mode, uint8_t* const* packed,
-                               float* const* scalars, float* nonfinite) {
+                               float* const* scalars, uint8_t* const* kept_packed, float* const* kept_scalars,
+                               float* nonfinite) {
   if (mode != 1 && mode != 2) return -1;
   NonfiniteFlag flag(nonfinite);
+  const int per_row = mode == 1 ? 1 : 2;
   for_segments(count, n, [&](int64_t s) {
     float* const ps = new_r[s];
     const int nt = threads_for(n[s]);
+    const uint8_t* const rb = r_packed ? r_packed[s] : nullptr;
+    float lo = 0.0f, hi = 0.0f;
+    if (rb) row_values(r_scalars[s], mode, lo, hi);
     if (mode == 1) {
       const Sums<1> sums = pairwise_sums<1>(
-          CompensatedTerms<EfsignTerms>{g[s], r[s], ps, beta, gamma, flags, {ps, packed[s]}}, n[s], nt);
+          CompensatedTerms<EfsignTerms>{g[s], r[s], ps, beta, gamma, flags, {ps, packed[s]}, rb, lo, hi}, n[s], nt);
       efsign_scale(sums, n[s], scalars[s]);
     } else {
       const Sums<3> sums = pairwise_sums<3>(
-          CompensatedTerms<OnebitTerms>{g[s], r[s], ps, beta, gamma, flags, {ps, packed[s]}}, n[s], nt);
+          CompensatedTerms<OnebitTerms>{g[s], r[s], ps, beta, gamma, flags, {ps, packed[s]}, rb, lo, hi}, n[s], nt);
       onebit_means(sums, n[s], scalars[s]);
     }
-    grace_cpu_bits_residual(ps, packed[s], n[s], scalars[s], mode, ps);
-    flag.check(scalars[s], mode == 1 ? 1 : 2);  // (not finite where p is not)
+    if (kept_packed) {
+      std::memcpy(kept_packed[s], packed[s], (size_t)((n[s] + 7) / 8));
+      std::memcpy(kept_scalars[s], scalars[s], sizeof(float) * per_row);
+    } else {
+      grace_cpu_bits_residual(ps, packed[s], n[s], scalars[s], mode, ps);
+    }
+    flag.check(scalars[s], per_row);  // (not finite where p is not)
   });
   return 0;
 }

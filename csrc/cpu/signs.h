@@ -61,6 +61,20 @@ struct OnebitTerms {
 #endif
 };
 
+// A row's two decoded values, as its decoder computes them from its scalars (mode 0 signSGD:
+// none; 1 scaled sign: the scale; 2 1-bit SGD: the two means).
+inline void row_values(const float* scalars, int mode, float& lo, float& hi) {
+  if (mode == 2) {
+    const float mu0 = scalars[0], d = scalars[1] - mu0;
+    lo = mu0 + 0.0f * d;
+    hi = mu0 + 1.0f * d;
+  } else {
+    const float s = mode == 1 ? scalars[0] : 1.0f;
+    lo = -1.0f * s;
+    hi = 1.0f * s;
+  }
+}
+
 // EF-signSGD's scale from its sums: sum|x| / max(1, n)
 inline void efsign_scale(const Sums<1>& s, int64_t n, float* scale) {
   scale[0] = s.v[0] / (float)std::max<int64_t>(1, n);

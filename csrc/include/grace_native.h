@@ -179,10 +179,14 @@ int grace_cpu_topk_ef_many(int64_t count, const float* const* g, const float* co
                            const int64_t* n, const int64_t* k, float beta, float gamma, int flags,
                            float* const* values, void* const* idx, const int* idx_types, float* nonfinite);
 /* EF-signSGD's (mode 1) or 1-bit SGD's (mode 2) residual step for every segment: p = compensate(g, r)
- * into new_r, its bits and scalars into packed[s] and scalars[s], then new_r = p - decode(bits) */
-int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
+ * into new_r, its bits and scalars into packed[s] and scalars[s], then new_r = p - decode(bits); or,
+ * kept_packed given, new_r = p with the bits and scalars copied there (the subtraction deferred: the
+ * next call reads them as r_packed and r_scalars, r being such a p) */
+int grace_cpu_bits_ef_many(int64_t count, const float* const* g, const float* const* r,
+                           const uint8_t* const* r_packed, const float* const* r_scalars, float* const* new_r,
                            const int64_t* n, float beta, float gamma, int flags, int mode, uint8_t* const* packed,
-                           float* const* scalars, float* nonfinite);
+                           float* const* scalars, uint8_t* const* kept_packed, float* const* kept_scalars,
+                           float* nonfinite);
 /* grace_cpu_threshold_ef on every segment, the counts into counts[s] (values[s], idx[s]: room for n[s]) */
 int grace_cpu_threshold_ef_many(int64_t count, const float* const* g, const float* const* r, float* const* new_r,
                                 const int64_t* n, float thr, float beta, float gamma, int flags, float* const* values,

@@ -100,7 +100,7 @@ def gather(bucket, tables: Dict[str, Dict[str, Any]], memory, xp, like, flat_mem
             parts = []
             for s in bucket.segments:
                 value = values.pop(s.name, None)
-                parts.append(init(xp, xp.zeros(s.numel, bucket.dtype, like=like)) if value is None else value)
+                parts.append(init(xp, xp.zeros(s.numel, bucket.dtype, like=like)) if value is None else stored(value))
             out[table] = (tuple(flat_concat(xp, list(c)) for c in zip(*parts)) if isinstance(parts[0], tuple)
                           else flat_concat(xp, parts))
     return out

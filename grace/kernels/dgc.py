@@ -9,7 +9,7 @@ from grace.memories import DGCMemory
 
 @feedback_for(DGCMemory)
 class DGCFeedback(Feedback):
-    def fused_steps(self, xp, kernels, gs, states, infos, outs, flag=None, into=None):
+    def fused_steps(self, xp, kernels, gs, states, infos, outs, flag=None, into=None, defer=False):
         """fused_step of a whole bucket in one native call, where the compressor has one (DGC's
         selection, on a CPU); with clipping, each gradient's factor computed first (its norm, as
         ``clipped`` does) and applied where the call reads g: no clipped copy."""

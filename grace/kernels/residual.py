@@ -40,8 +40,10 @@ class ResidualFeedback(Feedback):
     def selected_segments(self, xp, kernels, g, residual, table, infos, nonfinite=None):
         return kernels.select_segments_with_residual(xp, g, residual, *self._scales(), table, infos, nonfinite)
 
-    def fused_steps(self, xp, kernels, gs, residuals, infos, outs, flag=None, into=None):
-        return kernels.compress_many_with_residual(xp, gs, residuals, *self._scales(), infos, outs, flag, into)
+    def fused_steps(self, xp, kernels, gs, residuals, infos, outs, flag=None, into=None, defer=False):
+        deferring = {"defer": True} if defer and kernels.defers_residual else {}
+        return kernels.compress_many_with_residual(xp, gs, residuals, *self._scales(), infos, outs, flag, into,
+                                                   **deferring)
 
     def fused_firsts(self, xp, kernels, gs, residuals, infos, compressor_states, p_outs, nonfinite=None):
         return kernels.firsts_with_residual(xp, gs, residuals, *self._scales(), infos, compressor_states, p_outs,

@@ -61,7 +61,7 @@ CPU = {
     "threshold_ef": (_L, [_P, _P, _L, _F, _F, _F, _I, _P, _P, _I, _P]),
     "scatter_add": (_I, [_I, _P, _P, _P, _P, _I, _L, _P]),
     "topk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P]),
-    "bits_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _I, _I, _P, _P, _P]),
+    "bits_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _I, _P, _P, _P, _P, _P]),
     "threshold_ef_many": (_I, [_L, _P, _P, _P, _P, _F, _F, _F, _I, _P, _P, _P, _P, _P]),
     "randomk_ef_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P]),
     "randomk_ef_segments": (_I, [_P, _P, _L, _P, _P, _P, _P, _P, _P, _F, _F, _I, _P, _P, _P, _P, _I]),

@@ -10,12 +10,14 @@
     segment by segment: efsignsgd_compress_segments(x, starts, numels), efsignsgd_decompress_segments(packed,
     scale, numels), onebit_compress_segments(x, starts, numels), onebit_decompress_segments(packed, means, numels);
     with residual memory's step: efsignsgd_, onebit_ef_step_segments(g, residual, starts, numels, beta, gamma)
-    error feedback (CPU): efsignsgd_, onebit_ef_step_many(gs, residuals, beta, gamma, outs);
+    error feedback (CPU): efsignsgd_, onebit_ef_step_many(gs, residuals, beta, gamma, outs), the
+    subtraction deferred where asked (SignCodes);
     efsignsgd_, onebit_residual_into(p, ..., out)
 The bit-code sums (``_bits_sum``, ``_bits_sum_into``) serve TernGrad's 2-bit codes too (terngrad.py).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 from grace.formats import packed_size
@@ -232,9 +234,9 @@ def _sign_ef_segments(mode: int, symbol: str, scalars: int, g, residual, starts,
         return _wrap(kind, packed, sc, ob)
     at, flag = [0, *itertools.accumulate(sizes)][:-1], _HostFlag(kind, nonfinite)
     call(kind, "bits_ef_many", len(numels), _addresses(gb, [4 * s for s in starts]),
-         _addresses(rb, [4 * s for s in starts]), _addresses(ob, [4 * s for s in starts]), _int64s(numels),
+         _addresses(rb, [4 * s for s in starts]), None, None, _addresses(ob, [4 * s for s in starts]), _int64s(numels),
          float(beta), float(gamma), flags, mode, _addresses(packed, at),
-         _addresses(sc, [4 * scalars * s for s in range(len(numels))]), flag.arg)
+         _addresses(sc, [4 * scalars * s for s in range(len(numels))]), None, None, flag.arg)
     flag.put()
     return _wrap(kind, packed, sc, ob)
 
@@ -267,29 +269,75 @@ def _bits_residual(mode: int, p, packed, scalars, out):
     return out
 
 
-def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, nonfinite, into):
+class SignCodes:
+    """The bits and scalars of a bucket call's payloads, kept for residuals whose subtraction was
+    deferred (``keep`` of efsignsgd_, onebit_ef_step_many): the next call reads them back
+    (``deferred``) and subtracts their decoded values in its own pass. One new uint8 buffer a
+    call: every gradient's scalars (float32), then every gradient's bits."""
+
+    def __init__(self, kind, numels, mode: int):
+        self.numels, self.mode = tuple(numels), mode
+        self.scalars_at, self.bits_at, size = _codes_layout(self.numels, _SCALARS[mode])
+        self.buffer = kind.empty(size, "uint8")
+
+    def payload(self, i: int):
+        """Gradient ``i``'s (bits, scalars), views of the buffer."""
+        kind, per_row = kind_of(self.buffer.obj), _SCALARS[self.mode]
+        scalars = kind.typed(self.buffer.obj[:self.bits_at[0]], "float32")
+        at = self.bits_at[i]
+        return self.buffer.obj[at:at + packed_size(self.numels[i], 1)], scalars[i * per_row:(i + 1) * per_row]
+
+
+@functools.lru_cache(maxsize=256)
+def _codes_layout(numels: tuple, per_row: int):
+    """SignCodes' byte offsets: (each gradient's scalars, each one's bits, the size)."""
+    first_bits = 4 * per_row * len(numels)
+    bits_at = [first_bits + at for at in itertools.accumulate([0, *(packed_size(n, 1) for n in numels[:-1])])]
+    return tuple(4 * per_row * i for i in range(len(numels))), tuple(bits_at), first_bits + \
+        sum(packed_size(n, 1) for n in numels)
+
+
+def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, nonfinite, into, deferred, keep):
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
     sizes, per_row = [packed_size(b.n, 1) for b in gb], _SCALARS[mode]
+    numels = tuple(b.n for b in gb)
+    if deferred is not None and (deferred.numels != numels or deferred.mode != mode):
+        raise ValueError(f"deferred codes of {len(deferred.numels)} gradients (mode {deferred.mode}) do not match "
+                         f"these {len(numels)} (mode {mode})")
+    kept = SignCodes(kind, numels, mode) if keep else None
     addresses, views = _placed(kind, into, ["uint8", "float32"] * len(gb), [c for n in sizes for c in (n, per_row)])
     bit_ptrs, scalar_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
     payloads = list(zip(views[::2], views[1::2]))
-    call(kind, "bits_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
-         float(beta), float(gamma), _ef_flags(beta, gamma), mode, bit_ptrs, scalar_ptrs, _flag(kind, nonfinite))
-    return payloads, _outputs(ob, outs)
+    read, write = _code_addresses(deferred), _code_addresses(kept)
+    call(kind, "bits_ef_many", len(gb), _pointers(gb), _pointers(rb), *read, _pointers(ob), _int64s(numels),
+         float(beta), float(gamma), _ef_flags(beta, gamma), mode, bit_ptrs, scalar_ptrs, *write,
+         _flag(kind, nonfinite))
+    return (payloads, _outputs(ob, outs)) + ((kept,) if keep else ())
 
 
-def efsignsgd_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None, into=None):
+def _code_addresses(codes):
+    """(each gradient's bits, each one's scalars) in ``codes`` as C arrays; (None, None) for none."""
+    if codes is None:
+        return None, None
+    return _addresses(codes.buffer, codes.bits_at), _addresses(codes.buffer, codes.scalars_at)
+
+
+def efsignsgd_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None, into=None, deferred=None,
+                           keep=False):
     """EF-signSGD's residual step for every gradient of a bucket in one call (CPU): p = g*gamma
     + residual*beta written into ``outs`` (where given), its payload (sign bits, scale), then
     p - decode over it: (the payloads, the new residuals); the overflow flag into ``nonfinite``
-    (see ``_flag``); the payloads where ``into`` places them (see ``_placed``)."""
-    return _bits_ef_many(_EFSIGNSGD, gs, residuals, beta, gamma, outs, nonfinite, into)
+    (see ``_flag``); the payloads where ``into`` places them (see ``_placed``). ``keep``: the
+    subtraction deferred, ``outs`` left holding p: (the payloads, the p's, their SignCodes);
+    ``deferred``: such SignCodes, the residuals being the p's their call left."""
+    return _bits_ef_many(_EFSIGNSGD, gs, residuals, beta, gamma, outs, nonfinite, into, deferred, keep)
 
 
-def onebit_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None, into=None):
+def onebit_ef_step_many(gs, residuals, beta: float, gamma: float, outs, nonfinite=None, into=None, deferred=None,
+                        keep=False):
     """1-bit SGD's residual step for every gradient of a bucket in one call (CPU), as
     ``efsignsgd_ef_step_many`` with its payload (bits, the two means)."""
-    return _bits_ef_many(_ONEBIT, gs, residuals, beta, gamma, outs, nonfinite, into)
+    return _bits_ef_many(_ONEBIT, gs, residuals, beta, gamma, outs, nonfinite, into, deferred, keep)
 
 
 def efsignsgd_residual_into(p, packed, scale, out):

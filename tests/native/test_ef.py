@@ -356,6 +356,39 @@ def test_sign_family_residual_steps_of_a_bucket_equal_each_gradients_kernels(met
         assert new.data_ptr() == out.data_ptr()
 
 
+@pytest.mark.parametrize("method", ["efsignsgd", "onebit"])
+@pytest.mark.parametrize("beta, gamma", MEMORIES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_deferred_sign_residual_is_subtracted_in_the_next_steps_pass(method, beta, gamma, threads):
+    """``keep``: the call leaves p in its outputs and keeps the payload's codes (SignCodes); the
+    next call, given them as ``deferred`` with those p's, subtracts their decoded values in its
+    pass: over three steps the payloads are the plain steps' bit for bit, and each kept p less
+    its kept codes' decoding is the plain step's residual (odd sizes: whole bytes and a tail)."""
+    sizes = [1, 9, 300, 2**16 + 3, 2**19 + 77]
+    many, residual = getattr(gn, f"{method}_ef_step_many"), getattr(gn, f"{method}_residual_into")
+    plain = [torch.from_numpy(gradient(n, seed=n + 1) * np.float32(0.3)) for n in sizes]
+    kept, codes = [e.clone() for e in plain], None
+    gn.set_num_threads(threads)
+    try:
+        for step in range(3):
+            gs = [torch.from_numpy(gradient(n, seed=10 * n + step)) for n in sizes]
+            want, plain = many(gs, plain, beta, gamma, [torch.empty(n) for n in sizes])
+            got, kept, codes = many(gs, kept, beta, gamma, [torch.empty(n) for n in sizes], deferred=codes,
+                                    keep=True)
+            for a, b in zip(want, got):
+                same_bytes(a[0], b[0])
+                same_bytes(a[1], b[1])
+            for i, (p, e) in enumerate(zip(kept, plain)):
+                bits, scalars = codes.payload(i)
+                same_bytes(got[i][0], bits)
+                same_bytes(got[i][1], scalars)
+                same_bytes(residual(p, bits, scalars, p.clone()), e)
+    finally:
+        gn.set_num_threads(0)
+    with pytest.raises(ValueError, match="deferred codes of 5 gradients"):
+        many(gs[:2], kept[:2], beta, gamma, None, deferred=codes)
+
+
 def test_a_bucket_in_one_call_refuses_what_it_cannot_write():
     g = torch.zeros(40)
     with pytest.raises(gn.NativeUnavailable, match="in place"):

@@ -49,12 +49,14 @@ class Feedback:
         ``out``: where the kernel may write the new state."""
         return None
 
-    def fused_steps(self, xp, kernels, gs, states, infos, outs, flag=None, into=None):
+    def fused_steps(self, xp, kernels, gs, states, infos, outs, flag=None, into=None, defer=False):
         """``fused_step`` of every gradient of a bucket in one call, the new states written into
         ``outs``: a list of (payload, ctx, new state), or None. ``flag`` (optional, a one-element
         float32 tensor): the call writes the bucket's overflow flag there (1 where any gradient
         holds an inf or a NaN), with no pass of its own. ``into`` (optional): where the call
-        writes the payload tensors, if it can (the exchange's frame buffer)."""
+        writes the payload tensors, if it can (the exchange's frame buffer). ``defer``: a new
+        state may be a ``Deferred`` one whose buffer is its out (for a caller that keeps each
+        state as it comes: the states may be such ones too)."""
         return None
 
     def fused_segments(self, xp, kernels, g, state: Optional[Any], table, infos, nonfinite=None, into=None):

@@ -44,6 +44,9 @@ class MethodKernels:
     #: the fused segment step (value, index) pairs can write them into the frame of the bucket's
     #: own layout (``SegmentedFrame.pair_slots``) in place of its fields: no frame made of them
     pairs_into_frames = False
+    #: compress_many_with_residual takes ``defer=True``: its new residuals may then be ``Deferred``
+    #: ones whose buffers are its outs (their subtraction left to its next call's pass)
+    defers_residual = False
 
     def __init__(self, compressor):
         self.compressor = compressor

@@ -18,6 +18,7 @@ from grace.core import bucket as frames
 from grace.core.bucket import Dense
 from grace.core.buffers import assign
 from grace.core.compressor import Collective, written
+from grace.core.memory import Deferred, buffer_of, stored
 from grace.core.plans.base import BucketPending, BucketPlan, with_dense
 from grace.core.plans.reference import payload_flag
 
@@ -73,11 +74,13 @@ class PerGradient(BucketPlan):
         steps = self._bucket_call(pending, g_units, infos, spares, in_call)
         payloads, new_memory = [], []
         for i, (u, g_u, info, state, e) in enumerate(zip(pending.units, g_units, infos, states, pending.old)):
+            if steps is None:
+                e = stored(e)  # (a memory whose last operation the bucket call left to its next call, made)
             fused = steps[i] if steps is not None else s.feedback.fused_step(xp, s.kernels, g_u, e, info,
                                                                          out=spares[i])
             payload, ctx, e_new = self._unit_step(xp, u.name, g_u, info, state, e, spares[i], fused)
-            if spares[i] is not None and e_new is not spares[i] and not self.flat_memory:  # a copy costs a pass
-                s.buffers.spares[u.name], spares[i] = spares[i], None
+            if spares[i] is not None and buffer_of(e_new) is not spares[i] and not self.flat_memory:  # (a copy
+                s.buffers.spares[u.name], spares[i] = spares[i], None  # costs a pass)
             payloads.append(payload)
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
@@ -86,10 +89,10 @@ class PerGradient(BucketPlan):
         new_memory, nbytes = self._launch(pending, g_units, payloads, new_memory)
         for i, (u, spare) in enumerate(zip(pending.units, spares)):
             if spare is not None:
-                if new_memory[i] is not spare:
+                if buffer_of(new_memory[i]) is not spare:
                     assign(xp, spare, new_memory[i])
-                s.buffers.spares[u.name] = pending.old[i]  # the old memory is the next step's spare
-                new_memory[i] = spare
+                    new_memory[i] = spare
+                s.buffers.spares[u.name] = buffer_of(pending.old[i])  # the old memory is the next step's spare
         if memory.needs_feedback:
             for u, e_new in zip(pending.units, new_memory):
                 s.journal.set("memory", u.name, e_new)
@@ -104,7 +107,7 @@ class PerGradient(BucketPlan):
         many_units = len(pending.units) > 1
         flag = xp.zeros(1, "float32", like=pending.g) if in_call else None
         into = s.transport.frame_into(pending)
-        steps = s.feedback.fused_steps(xp, s.kernels, g_units, pending.old, infos, spares, flag, into) \
+        steps = s.feedback.fused_steps(xp, s.kernels, g_units, pending.old, infos, spares, flag, into, defer=True) \
             if many_units and all(spare is not None for spare in spares) else None
         if steps is None and memory.passes_gradient and many_units:  # no memory: the payloads alone
             many = s.kernels.compress_many(xp, g_units, infos, flag, into)
@@ -124,7 +127,7 @@ class PerGradient(BucketPlan):
         compressor, memory = s.compression.compressor, s.compression.memory
         if fused is not None:
             payload, ctx, e_new = fused
-            return payload, ctx, spare if spare is not None else e_new
+            return payload, ctx, e_new if spare is None or isinstance(e_new, Deferred) else spare
         one_buffer = spare is not None and not isinstance(spare, tuple)
         # p goes into the spare buffer (the new memory is then written over it) where the payload
         # cannot be a view of p
@@ -153,7 +156,7 @@ class PerGradient(BucketPlan):
         compensated = []
 
         def dense():  # the compensated units, computed again (the fused kernels keep no p)
-            compensated.extend(memory.compensate(xp, g_u, e) for g_u, e in zip(g_units, pending.old))
+            compensated.extend(memory.compensate(xp, g_u, stored(e)) for g_u, e in zip(g_units, pending.old))
             return compensated
 
         nbytes = s.transport.launch_frame(pending, payloads, dense)
