@@ -72,6 +72,24 @@ bool scatter_in_bounds(int count, const void* const* idx, const int* types, cons
   return true;
 }
 
+// A block's n sums stored at out (streamed where `stream`: out 16-byte aligned) and the block
+// zeroed in the same sweep, ready for the next block's sums with no fill of its own
+template <class T>
+inline void store_and_clear(T* out, T* block, int64_t n, bool stream) {
+  int64_t i = 0;
+#ifdef GRACE_SIMD
+  if constexpr (std::is_same<T, float>::value) {
+    const F8 zero = set8(0.0f);
+    for (; i + 8 <= n; i += 8) {
+      put8(out + i, ld8(block + i), stream);
+      st8(block + i, zero);
+    }
+  }
+#endif
+  store_block(out + i, block + i, n - i, stream);
+  std::fill(block + i, block + n, T(0));
+}
+
 // dense = zeros, then each payload's values (each divided by `divisor` where it is not 1) added
 // at its indices, payload after payload. The indices are in bounds.
 template <class T>
@@ -90,6 +108,7 @@ void scatter_add_apply(int count, const void* const* idx, const int* types, cons
     constexpr int64_t kBlock = 4096;
     for_chunks(numel, kBlock, nc, [&](int, int64_t lo, int64_t hi) {
       alignas(64) T block[kBlock];
+      std::fill(block, block + kBlock, T(0));  // (then each block's store leaves it zeroed)
       std::vector<int64_t> next(count);
       for (int p = 0; p < count; ++p) {  // the chunk's first pair of each payload
         int64_t a = 0, b = lengths[p];
@@ -101,7 +120,6 @@ void scatter_add_apply(int count, const void* const* idx, const int* types, cons
       }
       for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
         const int64_t b1 = std::min(hi, b0 + kBlock);
-        std::fill(block, block + (b1 - b0), T(0));
         for (int p = 0; p < count; ++p) {
           const T* v = (const T*)values[p];
           const int64_t len = lengths[p];
@@ -114,7 +132,7 @@ void scatter_add_apply(int count, const void* const* idx, const int* types, cons
           });
           next[p] = j;
         }
-        store_block(dense + b0, block, b1 - b0, stream);
+        store_and_clear(dense + b0, block, b1 - b0, stream);
       }
       fence_streams(stream);
     });
