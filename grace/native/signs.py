@@ -291,10 +291,10 @@ class SignCodes:
 @functools.lru_cache(maxsize=256)
 def _codes_layout(numels: tuple, per_row: int):
     """SignCodes' byte offsets: (each gradient's scalars, each one's bits, the size)."""
+    sizes = [packed_size(n, 1) for n in numels]
     first_bits = 4 * per_row * len(numels)
-    bits_at = [first_bits + at for at in itertools.accumulate([0, *(packed_size(n, 1) for n in numels[:-1])])]
-    return tuple(4 * per_row * i for i in range(len(numels))), tuple(bits_at), first_bits + \
-        sum(packed_size(n, 1) for n in numels)
+    bits_at = tuple(first_bits + at for at in itertools.accumulate([0, *sizes[:-1]]))
+    return tuple(4 * per_row * i for i in range(len(numels))), bits_at, first_bits + sum(sizes)
 
 
 def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, nonfinite, into, deferred, keep):
