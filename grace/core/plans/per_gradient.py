@@ -79,8 +79,9 @@ class PerGradient(BucketPlan):
             fused = steps[i] if steps is not None else s.feedback.fused_step(xp, s.kernels, g_u, e, info,
                                                                          out=spares[i])
             payload, ctx, e_new = self._unit_step(xp, u.name, g_u, info, state, e, spares[i], fused)
-            if spares[i] is not None and buffer_of(e_new) is not spares[i] and not self.flat_memory:  # (a copy
-                s.buffers.spares[u.name], spares[i] = spares[i], None  # costs a pass)
+            # a memory made elsewhere keeps its own buffer (a copy into the spare costs a pass)
+            if spares[i] is not None and buffer_of(e_new) is not spares[i] and not self.flat_memory:
+                s.buffers.spares[u.name], spares[i] = spares[i], None
             payloads.append(payload)
             pending.ctxs.append(ctx)
             new_memory.append(e_new)
