@@ -89,8 +89,8 @@ inline int threads_for(int64_t work, int64_t grain = kGrain) {
 // the function; the same operations as their 8-lane loop, so the same results), taken where the
 // CPU has it, asked when the library loads (__builtin_cpu_init first: a static initializer may
 // run before libgcc's own). GRACE_NATIVE_AVX512=0 in the environment keeps the 8-lane loops.
-#define GRACE_AVX512 __attribute__((target("avx512f")))
-using grace_cpu::kAvx512;  // the CPU has AVX-512F and GRACE_NATIVE_AVX512 does not turn it off
+#define GRACE_AVX512 __attribute__((target("avx512f,avx512bw")))
+using grace_cpu::kAvx512;  // the CPU has AVX-512F and BW, and GRACE_NATIVE_AVX512 does not turn it off
 #else
 constexpr bool kAvx512 = false;
 #endif

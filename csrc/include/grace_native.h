@@ -37,7 +37,7 @@ int grace_cpu_abi(void);
 const char* grace_cpu_isa(void);
 int grace_cpu_runs_x86_64_v3(void);
 /* 1 where the x86-64-v3 build's kernels take their AVX-512 bodies (the CPU has AVX-512F and
- * GRACE_NATIVE_AVX512 is not 0), else 0 */
+ * BW, and GRACE_NATIVE_AVX512 is not 0), else 0 */
 int grace_cpu_uses_avx512(void);
 /* 1 where the passes over large inputs prefetch ahead themselves (not on an AMD CPU, whose hardware
  * prefetcher keeps their streams busy and which the extra instructions slowed; GRACE_NATIVE_PREFETCH
