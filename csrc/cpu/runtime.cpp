@@ -60,8 +60,8 @@ int64_t cache_bytes() {
 
 #if defined(__AVX2__)
 namespace grace_cpu {
-const bool kAvx512 =
-    (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) && switch_on("GRACE_NATIVE_AVX512", true);
+const bool kAvx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) &&
+                     switch_on("GRACE_NATIVE_AVX512", true);
 }  // namespace grace_cpu
 #endif
 namespace grace_cpu {
