@@ -140,6 +140,12 @@ struct RowsTable {
   float sums_[16];
 };
 
+GRACE_AVX512 inline void finish16(float* p, __m512 v, const Finish& finish, bool stream) {
+  if (finish.none() && !stream) return _mm512_storeu_ps(p, v);
+  put8(p, finish.none() ? low8(v) : finish.apply8(low8(v)), stream);
+  put8(p + 8, finish.none() ? high8(v) : finish.apply8(high8(v)), stream);
+}
+
 // RowsTable's lookup of every row's bits (at most kTableRows rows) for groups [g, g1) 8 at a time
 // (64 elements, eight bytes of each row) with AVX-512: a row's 64 bits the mask that sets its bit
 // of the elements' byte patterns, and one permute reads 16 elements' sums from a register (the
@@ -159,22 +165,10 @@ GRACE_AVX512 int64_t table_sum_rows64(const uint8_t* const* rows, int64_t count,
                                  _mm512_extracti32x4_epi32(pattern, 2), _mm512_extracti32x4_epi32(pattern, 3)};
     for (int q = 0; q < 4; ++q) {
       const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(quarters[q]), table);
-      float* const o = out + 8 * g + 16 * q;
-      if (stream) {
-        put8(o, low8(v), true);
-        put8(o + 8, high8(v), true);
-      } else {
-        _mm512_storeu_ps(o, v);
-      }
+      finish16(out + 8 * g + 16 * q, v, Finish(), stream);  // (the sums are finished already)
     }
   }
   return g;
-}
-
-GRACE_AVX512 inline void finish16(float* p, __m512 v, const Finish& finish, bool stream) {
-  if (finish.none() && !stream) return _mm512_storeu_ps(p, v);
-  put8(p, finish.none() ? low8(v) : finish.apply8(low8(v)), stream);
-  put8(p + 8, finish.none() ? high8(v) : finish.apply8(high8(v)), stream);
 }
 
 // bits_sum_rows' groups [g, g1) 4 at a time (32 elements, four bytes of each row) with AVX-512:
