@@ -567,3 +567,8 @@ API void grace_cpu_pairs_into_frame(const float* values, const int64_t* idx, int
   }
   if (frame_size > zero_from) std::memset(frame + zero_from, 0, (size_t)(frame_size - zero_from));
 }
+
+API void grace_cpu_copy_pieces(int64_t pieces, const void* const* src, const int64_t* nbytes, uint8_t* dst,
+                               const int64_t* offsets) {
+  for (int64_t j = 0; j < pieces; ++j) std::memcpy(dst + offsets[j], src[j], (size_t)nbytes[j]);
+}

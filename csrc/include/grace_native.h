@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 23
+#define GRACE_NATIVE_ABI 24
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -119,6 +119,10 @@ int grace_cpu_dgc_select_segments(float* p, float* u, int64_t segments, const in
  * [zero_from, frame_size) zeroed (its padding, after the flag byte). */
 void grace_cpu_pairs_into_frame(const float* values, const int64_t* idx, int64_t pairs, const int64_t* slots,
                                 uint8_t* frame, int64_t zero_from, int64_t frame_size);
+/* Pieces gathered into one buffer: nbytes[j] bytes from src[j] to dst + offsets[j], j < pieces (a
+ * variable-length frame's pieces, from the rooms a bucket call counted them into). */
+void grace_cpu_copy_pieces(int64_t pieces, const void* const* src, const int64_t* nbytes, uint8_t* dst,
+                           const int64_t* offsets);
 /* DGC's cut of every segment of a bucket of n elements (numels[s] from starts[s]): the needs[s]-th largest
  * |p| of a sample of sizes[s] elements (1 <= needs[s] <= sizes[s] <= numels[s]), as DGC.segment_cut finds it:
  * where sizes[s] < numels[s] (d) those at floor(u_j * d) (u_j, j < sizes[s]: the uniform draws of the seed

@@ -14,6 +14,7 @@ from that (``segment_cut``). The k largest of a segment are then its selection w
 selected more than k, and hold it where it selected fewer: so a segment sends its k largest,
 those under its threshold as +0.0, in frames whose size every rank knows (no count read back).
 """
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -35,8 +36,8 @@ class DGC(Sparsifier):
         self.sparsity_warmup_steps = check_steps(sparsity_warmup_steps, "sparsity_warmup_steps")
         self.seed = check_seed(seed)
 
-    @property
-    def traits(self):  # (seeded: its sample)
+    @functools.cached_property
+    def traits(self):  # (seeded: its sample; made once: read per gradient and step)
         return replace(Sparsifier.traits, variable_length=True, seeded=True, scheduled=self.sparsity_warmup_steps > 0)
 
     def ratio_at(self, xp, step):

@@ -4,6 +4,8 @@ All ranks draw the same indices from a seed shared for this (tensor, step), so o
 values travel and they are summed by allreduce.
 With ``scale=True`` the values are multiplied by d/k, which makes the estimate unbiased.
 """
+import functools
+
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_ratio, check_seed, Collective, Compressor, sent_count, Shape, Traits
 from grace.core.registry import example, register
@@ -18,9 +20,9 @@ class RandomK(Compressor):
         self.scale = bool(scale)
         self.seed = check_seed(seed)
 
-    @property
+    @functools.cached_property
     def traits(self) -> Traits:
-        # unbiased: scaled by d/k
+        # unbiased: scaled by d/k (made once: read per gradient and step)
         return Traits(supports_allreduce=True, new_payload=True, unbiased=self.scale, seeded=True)
 
     def compress(self, xp, x, info):

@@ -130,14 +130,19 @@ def frame(xp, pieces: Sequence, with_header: bool, like, flag=None, concat=None,
     parts = []
     if with_header:
         counts = [xp.numel(t) for t in pieces] if counts is None else counts
-        if all(isinstance(c, int) for c in counts):  # one host-to-device copy, not one per piece
-            header = xp.cast(xp.asarray(counts, like=like), "int64")
+        if all(isinstance(c, int) for c in counts):
+            parts.append(header_bytes(xp, counts, like))
         else:  # lengths known only when a traced step runs
-            header = _lengths(xp, [xp.flatten(t) for t in pieces])
-        parts.append(xp.to_bytes(header))
+            parts.append(xp.to_bytes(_lengths(xp, [xp.flatten(t) for t in pieces])))
     order = _order([xp.dtype(t) for t in pieces] if dtypes is None else dtypes)
     parts.extend(xp.flat_bytes([pieces[i] for i in order]))
     return _padded(xp, parts, like, flag, concat)
+
+
+def header_bytes(xp, counts: Sequence[int], like):
+    """A variable-length frame's header: its pieces' counts (int64), as bytes (one host-to-device
+    copy, not one per piece)."""
+    return xp.to_bytes(xp.cast(xp.asarray(counts, like=like), "int64"))
 
 
 def dense_header(xp, pieces: int, like):

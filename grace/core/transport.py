@@ -150,18 +150,23 @@ class Transport:
     # --- frames ----------------------------------------------------------------------------
     def frame_into(self, pending):
         """Where a bucket kernel writes its payloads (``into`` of ``Feedback.fused_steps``): as the
-        pieces of this rank's frame in the bucket's frame buffer, which then needs no join; None
-        where frames are joined (immutable tensors, allreduce methods, lengths known only after
-        the call)."""
+        pieces of this rank's frame in the bucket's frame buffer, which then needs no join (a
+        variable-length frame's header of counts written here); None where frames are joined
+        (immutable tensors, allreduce methods)."""
         xp, compressor = pending.xp, self.compression.compressor
-        if not xp.mutable_tensors or compressor.collective is Collective.ALLREDUCE or compressor.traits.variable_length:
+        if not xp.mutable_tensors or compressor.collective is Collective.ALLREDUCE:
             return None
+        variable = compressor.traits.variable_length
 
         def into(dtypes, counts):
-            pieces, flag_at, size = frames.layout(dtypes, counts, False, self.journal.guarded)
-            end = sum(count * frames.ITEMSIZE[dtype] for dtype, count in zip(dtypes, counts))
+            pieces, flag_at, size = frames.layout(dtypes, counts, variable, self.journal.guarded)
+            end = (8 * len(counts) if variable else 0) + \
+                sum(count * frames.ITEMSIZE[dtype] for dtype, count in zip(dtypes, counts))
             name = f"{pending.bucket.key}.frame"
             buffer = self.buffers.buffer_for(xp, name, "uint8", size, pending.g)
+            if variable:
+                header = frames.header_bytes(xp, counts, pending.g)
+                xp.assign(buffer[:xp.numel(header)], header)
             pending.framed = (buffer, flag_at, end, dtypes, counts)
             return buffer, [offset for offset, _, _ in pieces], self.buffers.views.setdefault(name, {})
 

@@ -17,7 +17,7 @@ class DGCFeedback(Feedback):
         if many is None or not xp.mutable_tensors:
             return None
         factor = (lambda g: self.memory.clip_factor(xp, g)) if self.memory.clip_norm else None
-        return many(xp, gs, states, self.memory.momentum, infos, outs, flag, factor)
+        return many(xp, gs, states, self.memory.momentum, infos, outs, flag, factor, into)
 
     def fused_segments(self, xp, kernels, g, state, table, infos, nonfinite=None, into=None):
         """The segment-wise step of a flat bucket in native calls, where the compressor has them

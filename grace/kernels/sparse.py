@@ -37,7 +37,7 @@ class SparseKernels(MethodKernels):
     def compress_many_with_residual(self, xp, gs, residuals, beta, gamma, infos, outs, flag=None, into=None):
         if self.residual_kernel_many is None:  # (DGC's selection with residual memory)
             return None
-        placed = {} if into is None else {"into": into}  # (fixed-length payloads only)
+        placed = {} if into is None else {"into": into}
         done = native_or_none(xp, self.residual_kernel_many, gs[0], gs, residuals,
                               [self.compressor.kernel_argument(xp.numel(g)) for g in gs], beta, gamma, outs=outs,
                               nonfinite=flag, **placed)
@@ -220,12 +220,14 @@ class DGCKernels(SparseKernels):
         """During the warm-up, k changes every step (``ctx``: this step's)."""
         return None if ctx is None else self.segment_fields(numels, dtype, ctx)
 
-    def compress_many_with_momentum(self, xp, gs, states, momentum, infos, outs, flag=None, factor=None):
+    def compress_many_with_momentum(self, xp, gs, states, momentum, infos, outs, flag=None, factor=None,
+                                    into=None):
         """DGC memory's fused step with this selection for every gradient of a bucket, in one
         native call (CPU; new states written into ``outs``, the overflow flag into ``flag``
         where given; each g taken as g * factor(g) where ``factor`` is given, the clipping,
-        computed only where the call runs): [(payload, ctx, new state)], or None where it does
-        not run (or the step is not a known int: a traced TensorFlow step)."""
+        computed only where the call runs; the pairs where ``into`` lays them out, the payloads
+        then (None, None)): [(payload, ctx, new state)], or None where it does not run (or the
+        step is not a known int: a traced TensorFlow step)."""
         dgc, step = self.compressor, infos[0].step
         if not isinstance(step, numbers.Integral) or not xp.native("dgc_step_many", gs[0], xp.dtype(gs[0])):
             return None
@@ -233,7 +235,7 @@ class DGCKernels(SparseKernels):
         words = [draws.seed_words(info.rank_seed(dgc.seed)) for info in infos]
         done = native_or_none(xp, "dgc_step_many", gs[0], gs, [u for u, _ in states], [v for _, v in states], momentum,
                               dgc.ratio_at(xp, step), dgc.sample_ratio, words, [u for u, _ in outs],
-                              [v for _, v in outs], nonfinite=flag, scales=scales)
+                              [v for _, v in outs], nonfinite=flag, scales=scales, into=into)
         if done is None:
             return None
         return [((values, indices), Shape(xp.shape(g), xp.dtype(g)), out)

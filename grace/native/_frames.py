@@ -1,10 +1,15 @@
 """A selection's (value, index) pairs written straight into a fixed layout's frame (the bucket's
 own ``SegmentedFrame``), in place of its fields: where the pairs lie (``pair_slots``), and the CPU
-selections' pairs put there as the GPU's write kernels put them."""
+selections' pairs put there as the GPU's write kernels put them; and the rooms a CPU bucket call
+counts its pairs into, copied from there into a variable-length frame."""
 from __future__ import annotations
 
+import ctypes
+import itertools
+
+from grace.formats import ITEMSIZE
 from grace.native._arrays import call
-from grace.native._common import _in_place, _same_kind
+from grace.native._common import _in_place, _index_codes, _int64s, _same_kind
 
 PAIR_COLUMNS = 6  # GRACE_PAIR_COLUMNS: a row of a rank's pairs table, per segment (SparseFrames.pair_table)
 
@@ -31,3 +36,47 @@ def pairs_into_frame(kind, values, idx, frame) -> None:
     the GPU's selection writes them (``frame_pairs``)."""
     buffer, slots, pairs, zero_from, size = frame_pairs(kind, frame, values.n)
     call(kind, "pairs_into_frame", values.ptr, idx.ptr, pairs, slots, buffer, zero_from, size)
+
+
+class _Rooms:
+    """Room for up to ``sizes[s]`` values (float32) and indices (``dtypes[s]``) of each gradient
+    of a bucket, whose counts the kernel tells: one buffer for the values, one per index dtype."""
+
+    def __init__(self, kind, sizes, dtypes):
+        self.dtypes, self.starts = dtypes, [0, *itertools.accumulate(sizes[:-1])]
+        self.values = kind.empty(sum(sizes), "float32")
+        self.indices = {d: kind.empty(sum(n for n, e in zip(sizes, dtypes) if e == d), d) for d in set(dtypes)}
+        taken = dict.fromkeys(self.indices, 0)  # each gradient's room in the buffer of its index dtype
+        self.index_starts = []
+        for n, d in zip(sizes, dtypes):
+            self.index_starts.append(taken[d])
+            taken[d] += n
+        self.counts = (ctypes.c_int64 * len(sizes))()
+
+    def arguments(self):
+        """The C arguments: value and index addresses, index type codes, counts."""
+        self.value_at = [self.values.ptr + 4 * s for s in self.starts]
+        self.index_at = [self.indices[d].ptr + ITEMSIZE[d] * s for d, s in zip(self.dtypes, self.index_starts)]
+        return ((ctypes.c_void_p * len(self.dtypes))(*self.value_at),
+                (ctypes.c_void_p * len(self.dtypes))(*self.index_at), _index_codes(self.dtypes), self.counts)
+
+    def payloads(self, kind, into=None):
+        """Each gradient's values and indices, as many as the kernel counted: views; or, where
+        ``into(dtypes, counts)`` lays them out in a buffer of the caller's (a bucket's frame, see
+        ``_placed``), copied there in one call, and None for each (no view made: on small
+        gradients the views cost more than the kernel)."""
+        counts = list(self.counts)
+        if into is None:
+            return ([self.values.obj[s:s + c] for s, c in zip(self.starts, counts)],
+                    [self.indices[d].obj[s:s + c] for d, s, c in zip(self.dtypes, self.index_starts, counts)])
+        dtypes = [t for d in self.dtypes for t in ("float32", d)]
+        pieces = [c for c in counts for _ in "vi"]
+        buffer, offsets, *_ = into(dtypes, pieces)
+        b = _in_place(kind, buffer, "uint8")
+        nbytes = [c * ITEMSIZE[d] for c, d in zip(pieces, dtypes)]
+        if any(o < 0 or o + n > b.n for o, n in zip(offsets, nbytes)):
+            raise ValueError(f"{sum(nbytes)} bytes of pieces do not fit a buffer of {b.n} bytes")
+        sources = [a for pair in zip(self.value_at, self.index_at) for a in pair]
+        call(kind, "copy_pieces", len(dtypes), (ctypes.c_void_p * len(sources))(*sources), _int64s(nbytes),
+             b.ptr, _int64s(offsets))
+        return [None] * len(counts), [None] * len(counts)

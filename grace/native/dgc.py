@@ -16,8 +16,7 @@ from grace.native._arrays import NativeUnavailable, call, kind_of
 from grace.native._common import (_check_segments, _cpu_kind, _flag, _in_place, _in_place_all, _int64s, _pointers,
                                   _same_kind, _same_kind_all, _seed_word_arrays, _wrap)
 from grace.native._flags import _flag_of
-from grace.native._frames import frame_pairs
-from grace.native.sparse import _Rooms
+from grace.native._frames import _Rooms, frame_pairs
 
 
 def dgc_compensate_into(u, v, g, momentum: float, u_out, v_out):
@@ -77,15 +76,16 @@ def dgc_select_segments(p, u, starts, numels, ks, cut, nonfinite=None, frame=Non
 
 
 def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float, words, u_outs, v_outs,
-                  nonfinite=None, scales=None):
+                  nonfinite=None, scales=None, into=None):
     """DGC's step for every gradient of a bucket in one call (CPU), as DGCFeedback.fused_step with
     DGC's selection makes it gradient by gradient: the momentum correction (p = v + (momentum * u
     + g) into ``v_outs``, p - v into ``u_outs``; outputs may be inputs), the threshold from a
     sample of |p| drawn from the gradient's seed words ``words[s]`` (grace.core.draws), the
     elements at or above it (the k = max(1, ceil(ratio d)) largest where more) and momentum factor
     masking. Lists of values and indices (in index_dtype(d)), per gradient; the overflow flag
-    into ``nonfinite`` (see ``_flag``). ``scales`` (floats, optional): each g taken as g * scales[s]
-    where it is read (DGC's clipping: one float32 product, as the tensor op makes it)."""
+    into ``nonfinite`` (see ``_flag``); copied where ``into`` lays them out instead (see
+    ``_Rooms.payloads``). ``scales`` (floats, optional): each g taken as g * scales[s] where it is
+    read (DGC's clipping: one float32 product, as the tensor op makes it)."""
     kind = _cpu_kind(gs[0])
     gb, ub, vb = (_same_kind_all(kind, ts) for ts in (gs, us, vs))
     uo, vo = _in_place_all(kind, u_outs, "float32"), _in_place_all(kind, v_outs, "float32")
@@ -102,4 +102,4 @@ def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float
             _int64s(numels), float(momentum), float(ratio), float(sample_ratio), s0, s1, *rooms.arguments(),
             None if scales is None else (ctypes.c_float * len(gb))(*scales), _flag(kind, nonfinite)) != 0:
         raise RuntimeError("native DGC steps failed")
-    return rooms.payloads()
+    return rooms.payloads(kind, into)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 
-from grace.formats import ITEMSIZE, index_dtype
+from grace.formats import index_dtype
 from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, kind_of
 from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
                                   _every, _flag, _float32, _head, _in_place, _in_place_all, _index_buf, _index_codes,
@@ -23,7 +23,7 @@ from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_fl
                                   _seed_word_arrays, _wrap)
 from grace.native._rows import _field
 from grace.native._flags import _flag_of, _HostFlag
-from grace.native._frames import PAIR_COLUMNS, _no_frame, frame_pairs, pairs_into_frame
+from grace.native._frames import PAIR_COLUMNS, _no_frame, _Rooms, frame_pairs, pairs_into_frame
 
 
 # --- selection ------------------------------------------------------------------------------------
@@ -323,41 +323,14 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     return value_views, idx_views, _outputs(ob, outs)
 
 
-class _Rooms:
-    """Room for up to ``sizes[s]`` values (float32) and indices (``dtypes[s]``) of each gradient
-    of a bucket, whose counts the kernel tells: one buffer for the values, one per index dtype."""
-
-    def __init__(self, kind, sizes, dtypes):
-        self.dtypes, self.starts = dtypes, [0, *itertools.accumulate(sizes[:-1])]
-        self.values = kind.empty(sum(sizes), "float32")
-        self.indices = {d: kind.empty(sum(n for n, e in zip(sizes, dtypes) if e == d), d) for d in set(dtypes)}
-        taken = dict.fromkeys(self.indices, 0)  # each gradient's room in the buffer of its index dtype
-        self.index_starts = []
-        for n, d in zip(sizes, dtypes):
-            self.index_starts.append(taken[d])
-            taken[d] += n
-        self.counts = (ctypes.c_int64 * len(sizes))()
-
-    def arguments(self):
-        """The C arguments: value and index addresses, index type codes, counts."""
-        return (_addresses(self.values, [4 * s for s in self.starts]),
-                (ctypes.c_void_p * len(self.dtypes))(*[self.indices[d].ptr + ITEMSIZE[d] * s
-                                                       for d, s in zip(self.dtypes, self.index_starts)]),
-                _index_codes(self.dtypes), self.counts)
-
-    def payloads(self):
-        """Each gradient's values and indices, as many as the kernel counted (views)."""
-        return ([self.values.obj[s:s + c] for s, c in zip(self.starts, self.counts)],
-                [self.indices[d].obj[s:s + c] for d, s, c in zip(self.dtypes, self.index_starts, self.counts)])
-
-
 def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: float = 1.0, outs=None,
-                           nonfinite=None):
+                           nonfinite=None, into=None):
     """threshold_ef_step of every gradient of a bucket, in one call (CPU; one threshold for
     all): lists of values, indices and new residuals, per gradient (the new residuals written
-    into ``outs`` where given; the overflow flag into ``nonfinite``, see ``_flag``). The values
-    and indices are views of buffers with room for every element, of which only the pages
-    written are touched (the frame copies them at once)."""
+    into ``outs`` where given; the overflow flag into ``nonfinite``, see ``_flag``; the values
+    and indices copied where ``into`` lays them out, see ``_Rooms.payloads``). The values and
+    indices are views of buffers with room for every element, of which only the pages written
+    are touched (the frame copies them at once)."""
     if len(set(map(float, thresholds))) > 1:
         raise ValueError("one threshold for every gradient of a bucket")
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
@@ -368,7 +341,7 @@ def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: 
               _flag(kind, nonfinite))
     if rc != 0:
         raise RuntimeError("native threshold steps failed")
-    return (*rooms.payloads(), _outputs(ob, outs))
+    return (*rooms.payloads(kind, into), _outputs(ob, outs))
 
 
 def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float = 1.0, scales=None, outs=None,

@@ -54,7 +54,8 @@ class Feedback:
         ``outs``: a list of (payload, ctx, new state), or None. ``flag`` (optional, a one-element
         float32 tensor): the call writes the bucket's overflow flag there (1 where any gradient
         holds an inf or a NaN), with no pass of its own. ``into`` (optional): where the call
-        writes the payload tensors, if it can (the exchange's frame buffer). ``defer``: a new
+        writes the payload tensors, if it can (the exchange's frame buffer; a variable-length
+        payload written there is handed back as Nones). ``defer``: a new
         state may be a ``Deferred`` one whose buffer is its out (for a caller that keeps each
         state as it comes: the states may be such ones too)."""
         return None
