@@ -531,6 +531,6 @@ class TorchBackend:
         return out
 
     def divide_many(self, xs, divisor):
-        if len(xs) > 1 and self.on_accelerator(xs[0]):  # one multi-tensor kernel, not a launch each
+        if len(xs) > 1:  # one multi-tensor kernel on a GPU, not a launch each; one dispatch on a CPU
             return list(torch._foreach_div(xs, divisor))
         return [x / divisor for x in xs]
