@@ -52,11 +52,11 @@ class _Rooms:
             self.index_starts.append(taken[d])
             taken[d] += n
         self.counts = (ctypes.c_int64 * len(sizes))()
+        self.value_at = [self.values.ptr + 4 * s for s in self.starts]
+        self.index_at = [self.indices[d].ptr + ITEMSIZE[d] * s for d, s in zip(self.dtypes, self.index_starts)]
 
     def arguments(self):
         """The C arguments: value and index addresses, index type codes, counts."""
-        self.value_at = [self.values.ptr + 4 * s for s in self.starts]
-        self.index_at = [self.indices[d].ptr + ITEMSIZE[d] * s for d, s in zip(self.dtypes, self.index_starts)]
         return ((ctypes.c_void_p * len(self.dtypes))(*self.value_at),
                 (ctypes.c_void_p * len(self.dtypes))(*self.index_at), _index_codes(self.dtypes), self.counts)
 
