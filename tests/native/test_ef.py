@@ -198,6 +198,44 @@ def test_a_bucket_in_one_call_equals_each_gradient_alone():
         same_bytes(gn.scatter_add_many([(v / ranks, i) for v, i in rows], n), d)
 
 
+@pytest.mark.parametrize("method", ["threshold", "dgc"])
+def test_a_bucket_calls_pieces_copied_where_into_lays_them_are_its_views_bytes(method):
+    """A variable-length bucket call with ``into`` (the exchange's frame): ``into`` is asked once,
+    with each gradient's (values, indices) dtypes and the counts the call made; every piece is
+    copied to the offset it names (here in reverse order, with gaps), as the bytes of the views the
+    same call hands back without ``into``; nothing else is written, and the payloads are Nones."""
+    sizes = [1, 300, 40000, 2**16 + 3]
+    gs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
+    states = [torch.from_numpy(gradient(n, seed=n + 1)) * 0.3 for n in sizes]
+
+    def run(into):
+        e = [t.clone() for t in states]
+        if method == "threshold":
+            return gn.threshold_ef_step_many(gs, e, [0.8] * len(sizes), beta=0.9, into=into)[:2]
+        v = [t.clone() for t in states]
+        return gn.dgc_step_many(gs, e, v, 0.9, 0.05, 0.1, [(s, 3) for s in range(len(sizes))], e, v, into=into)
+
+    values, indices = run(None)
+    pieces = [t for pair in zip(values, indices) for t in pair]
+    sizes_in_bytes = [t.numel() * t.element_size() for t in pieces]
+    offsets = list(np.cumsum([0] + [n + 8 for n in sizes_in_bytes[::-1]])[:-1][::-1])
+    frame = torch.full((sum(sizes_in_bytes) + 8 * len(pieces),), 0xAB, dtype=torch.uint8)
+    asked = []
+
+    def into(dtypes, counts):
+        asked.append((list(dtypes), list(counts)))
+        return frame, [int(o) for o in offsets], {}
+
+    assert run(into) == ([None] * len(sizes), [None] * len(sizes))
+    assert asked == [([str(t.dtype).removeprefix("torch.") for t in pieces], [t.numel() for t in pieces])]
+    assert min(t.numel() for t in values) > 0  # (each gradient sends some)
+    written = torch.zeros_like(frame, dtype=torch.bool)
+    for t, at, n in zip(pieces, offsets, sizes_in_bytes):
+        same_bytes(t.view(torch.uint8), frame[at:at + n])
+        written[at:at + n] = True
+    assert bool((frame[~written] == 0xAB).all())
+
+
 @pytest.mark.parametrize("order", ["ascending", "repeats", "unordered"])
 def test_a_sparse_aggregate_beyond_the_caches_adds_rank_after_rank(order):
     """scatter_add_segments_into over a bucket of more than 8 MB (its blocks summed in the cache
