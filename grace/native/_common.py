@@ -194,12 +194,20 @@ def _placed(kind, into, dtypes, counts):
     return _placed_views(kind, b, dtypes, counts, offsets)
 
 
-def _placed_views(kind, b: Buf, dtypes, counts, offsets):
-    typed, views = {}, []
+def _check_places(b: Buf, dtypes, counts, offsets) -> None:
+    """Each piece of ``counts[i]`` ``dtypes[i]`` at byte ``offsets[i]`` aligned and inside ``b``
+    (the kernels write through its address)."""
     for dtype, count, offset in zip(dtypes, counts, offsets):
         size = ITEMSIZE[dtype]
         if offset % size or offset < 0 or offset + count * size > b.n:
             raise ValueError(f"{count} {dtype} at byte {offset} do not fit a buffer of {b.n} bytes")
+
+
+def _placed_views(kind, b: Buf, dtypes, counts, offsets):
+    _check_places(b, dtypes, counts, offsets)
+    typed, views = {}, []
+    for dtype, count, offset in zip(dtypes, counts, offsets):
+        size = ITEMSIZE[dtype]
         whole = typed.get(dtype)
         if whole is None:
             whole = typed[dtype] = kind.typed(b.obj[:b.n - b.n % size], dtype)

@@ -9,7 +9,7 @@ import itertools
 
 from grace.formats import ITEMSIZE
 from grace.native._arrays import call
-from grace.native._common import _in_place, _index_codes, _int64s, _same_kind
+from grace.native._common import _check_places, _in_place, _index_codes, _int64s, _same_kind
 
 PAIR_COLUMNS = 6  # GRACE_PAIR_COLUMNS: a row of a rank's pairs table, per segment (SparseFrames.pair_table)
 
@@ -73,9 +73,8 @@ class _Rooms:
         pieces = [c for c in counts for _ in "vi"]
         buffer, offsets, *_ = into(dtypes, pieces)
         b = _in_place(kind, buffer, "uint8")
+        _check_places(b, dtypes, pieces, offsets)
         nbytes = [c * ITEMSIZE[d] for c, d in zip(pieces, dtypes)]
-        if any(o < 0 or o + n > b.n for o, n in zip(offsets, nbytes)):
-            raise ValueError(f"{sum(nbytes)} bytes of pieces do not fit a buffer of {b.n} bytes")
         sources = [a for pair in zip(self.value_at, self.index_at) for a in pair]
         call(kind, "copy_pieces", len(dtypes), (ctypes.c_void_p * len(sources))(*sources), _int64s(nbytes),
              b.ptr, _int64s(offsets))

@@ -202,8 +202,9 @@ def test_a_bucket_in_one_call_equals_each_gradient_alone():
 def test_a_bucket_calls_pieces_copied_where_into_lays_them_are_its_views_bytes(method):
     """A variable-length bucket call with ``into`` (the exchange's frame): ``into`` is asked once,
     with each gradient's (values, indices) dtypes and the counts the call made; every piece is
-    copied to the offset it names (here in reverse order, with gaps), as the bytes of the views the
-    same call hands back without ``into``; nothing else is written, and the payloads are Nones."""
+    copied to the offset it names (here in reverse order, aligned, with gaps), as the bytes of
+    the views the same call hands back without ``into``; nothing else is written, and the
+    payloads are Nones."""
     sizes = [1, 300, 40000, 2**16 + 3]
     gs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
     states = [torch.from_numpy(gradient(n, seed=n + 1)) * 0.3 for n in sizes]
@@ -218,8 +219,9 @@ def test_a_bucket_calls_pieces_copied_where_into_lays_them_are_its_views_bytes(m
     values, indices = run(None)
     pieces = [t for pair in zip(values, indices) for t in pair]
     sizes_in_bytes = [t.numel() * t.element_size() for t in pieces]
-    offsets = list(np.cumsum([0] + [n + 8 for n in sizes_in_bytes[::-1]])[:-1][::-1])
-    frame = torch.full((sum(sizes_in_bytes) + 8 * len(pieces),), 0xAB, dtype=torch.uint8)
+    slots = [n + 8 + -n % 8 for n in sizes_in_bytes]  # (gaps of 8 bytes or more, each piece aligned)
+    offsets = list(np.cumsum([0] + slots[::-1])[:-1][::-1])
+    frame = torch.full((sum(slots),), 0xAB, dtype=torch.uint8)
     asked = []
 
     def into(dtypes, counts):
