@@ -162,6 +162,41 @@ def test_a_deferred_residual_is_subtracted_in_the_compensating_pass(rows, cols, 
     assert torch.equal(in_place, made)
 
 
+@pytest.mark.parametrize("r", [1, 3])
+@pytest.mark.parametrize("subnormal_q", [False, True], ids=["normal q'", "a subnormal in q'"])
+def test_a_deferred_residual_made_in_the_pass_is_flushed_as_expand_flushes_it(r, subnormal_q, threads):
+    """The pass makes p' q'^T itself, without the flush, where no product nor sum of them can be
+    subnormal, and apart, flushed, elsewhere: rows of p' whose products with q' straddle the
+    smallest normal float, rows holding a subnormal, q' holding one, the gradient holding
+    subnormals (kept exact in M): M and P bit for bit those of the residual made by expand first."""
+    rows, cols = 12, 70
+    g, m, q, _ = data(rows, cols, r, seed=4)
+    _, _, dq, dp = data(rows, cols, r, seed=5)
+    dp[1::4] *= F(1e-37)  # products from about 1e-39 (subnormal) to 1e-37, in rows as small
+    g[1::4] *= F(1e-37)
+    m[1::4] *= F(1e-37)
+    dp[2::4] *= F(1e-31)  # products near 2^-102: normal, and made apart where below it
+    dp[3, 0] = F(3e-39)  # a subnormal factor
+    g[::3, 5:9] = F(2e-39)
+    g[0] *= F(1e-37)  # (a row whose products with a subnormal in q' would show)
+    m[0] *= F(1e-37)
+    if subnormal_q:
+        dq[7, 0] = F(-1e-39)
+    if r > 1:  # normal products whose sum cancels to a subnormal (2^-110 - 2^-110 (1 + 2^-23))
+        dp[5] = 0
+        dp[5, :2] = (2.0 ** -55, -2.0 ** -55)
+        dq[:3, 0], dq[:3, 1] = 2.0 ** -55, F(2.0 ** -55) * F(1 + 2.0 ** -23)
+        g[5] *= F(1e-38)
+        m[5] *= F(1e-38)
+    e, made = torch.empty(rows, cols), torch.empty(rows, cols)
+    gn.lowrank_expand(t(dp), t(dq), rows, cols, m=t(m), residual_out=e)
+    assert (e.numpy() != m - expand_order(dp, dq)).any()  # (some products flushed by expand)
+    want = gn.lowrank_project(t(g), t(q), rows, cols, residual=e, m_out=made)
+    m_out = t(m.copy())
+    got = gn.lowrank_project(t(g), t(q), rows, cols, residual=m_out, m_out=m_out, deferred=(t(dp), t(dq)))
+    assert torch.equal(m_out, made) and torch.equal(got, want)
+
+
 def test_refusals_name_the_problem():
     g, e, q, p = data(4, 8, 1)
     with pytest.raises(ValueError, match="4 x 9 matrix"):
