@@ -12,7 +12,7 @@ class Columns {
  public:
   Columns(const float* q, int64_t cols, int64_t r) : rows_(q) {
     if (r == 1) return;
-    buf_.resize((size_t)(cols * r));
+    buf_.assign((size_t)(cols * r));
     for (int64_t j = 0; j < cols; ++j)
       for (int64_t k = 0; k < r; ++k) buf_[k * cols + j] = q[j * r + k];
     rows_ = buf_.data();
@@ -21,7 +21,7 @@ class Columns {
 
  private:
   const float* rows_;
-  std::vector<float> buf_;
+  LineAligned<float> buf_;
 };
 
 constexpr int kDots = 2;  // products of a row computed in one sweep over it
@@ -86,18 +86,22 @@ void row_products(const float* x, int64_t cols, const Columns& qt, int64_t r, fl
 
 // Row i of P Q^T (pi: P's row, r terms), each element summed over k ascending from the first term
 struct ApproxRow {
+  ApproxRow(const float* pi, const Columns& qt, int64_t r, int64_t cols)
+      : pi(pi), qt(qt), r(r), cols(cols), p0(pi[0]), q0(qt.row(0, cols)) {}
   const float* pi;
   const Columns& qt;
   int64_t r, cols;
+  float p0;  // (the first term's, kept: stores of m might alias pi as far as the compiler knows)
+  const float* q0;
 #ifdef GRACE_SIMD
   F8 at8(int64_t j) const {
-    F8 v = set8(pi[0]) * ld8(qt.row(0, cols) + j);
+    F8 v = set8(p0) * ld8(q0 + j);
     for (int64_t k = 1; k < r; ++k) v = v + set8(pi[k]) * ld8(qt.row(k, cols) + j);
     return v;
   }
 #endif
   float at(int64_t j) const {
-    float v = pi[0] * qt.row(0, cols)[j];
+    float v = p0 * q0[j];
     for (int64_t k = 1; k < r; ++k) v = v + pi[k] * qt.row(k, cols)[j];
     return v;
   }
@@ -108,7 +112,7 @@ struct ApproxRow {
 // gradient: no read of its lines first)
 void approx_row(const float* pi, const Columns& qt, int64_t cols, int64_t r, float* o, bool stream = false) {
   FlushDenormals flush;
-  const ApproxRow row{pi, qt, r, cols};
+  const ApproxRow row(pi, qt, r, cols);
   int64_t j = 0;
 #ifdef GRACE_SIMD
   const bool nt = stream && (uintptr_t)o % 16 == 0;
@@ -153,11 +157,26 @@ struct MadeRow {
   float at(int64_t j) const { return d[j]; }
 };
 
+// a row to subtract, from its element `from` on (NoRow: nothing)
+template <class Less>
+struct Shifted {
+  const Less& d;
+  int64_t from;
+#ifdef GRACE_SIMD
+  F8 at8(int64_t j) const { return d.at8(from + j); }
+#endif
+  float at(int64_t j) const { return d.at(from + j); }
+};
+template <>
+struct Shifted<NoRow> : NoRow {
+  Shifted(const NoRow&, int64_t) {}
+};
+
 // m = a + b, or m = a + (b - d) with d a deferred subtraction from b: a row of cols floats (m may
 // be a or b); a's infs and NaNs told to check
 template <class Less>
 void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& check) {
-  constexpr bool kLess = !std::is_same<Less, NoRow>::value;
+  constexpr bool kLess = !std::is_base_of<NoRow, Less>::value;
   int64_t j = 0;
 #ifdef GRACE_SIMD
   for (; j + 8 <= cols; j += 8) {
@@ -182,32 +201,102 @@ void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float*
   }
 }
 
+// The least |m| whose products with q (one column: r = 1) row_products makes the same without
+// the flush: where q holds no subnormal, m at least this or zero makes every nonzero product at
+// least 2^-102 (see Unflushed). Infinity where q holds a subnormal (DAZ would read it as zero).
+float unflushed_least(const float* q, int64_t cols) {
+  double least = std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < cols; ++j) {
+    const float x = std::fabs(q[j]);
+    if (x != 0.0f && x < std::numeric_limits<float>::min()) return std::numeric_limits<float>::infinity();
+    if (x != 0.0f && x < least) least = x;
+  }
+  const double bound = 0x1p-101 / least;  // (twice what is needed: the float's rounding is no matter)
+  return (float)std::max<double>(bound, std::numeric_limits<float>::min());
+}
+
+// row_sum's m and, in the same pass, its product with q (r = 1) summed as row_products sums it,
+// into *p: whether every m was zero or at least `least` (else *p is to be made again, flushed)
+template <class Less>
+bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& check,
+                     const float* q, float least, float* p) {
+#ifdef GRACE_SIMD
+  constexpr bool kLess = !std::is_base_of<NoRow, Less>::value;
+  const int64_t c32 = cols - cols % 32;
+  const F8 zero = set8(0.0f), low = set8(least);
+  F8 acc[4] = {zero, zero, zero, zero}, small = zero;
+  for (int64_t j = 0; j < c32; j += 32) {
+    prefetch(a + j);
+    prefetch(b + j);
+    prefetch(a + j + 16);
+    prefetch(b + j + 16);
+    for (int c = 0; c < 4; ++c) {
+      const int64_t at = j + 8 * c;
+      const F8 v = ld8(a + at);
+      check.add8(v);
+      F8 x;
+      if constexpr (kLess)
+        x = v + (ld8(b + at) - d.at8(at));
+      else
+        x = v + ld8(b + at);
+      st8(m + at, x);
+      const F8 t = abs8(x);
+      small = or8(small, and8(lt8(t, low), gt8(t, zero)));
+      acc[c] = acc[c] + x * ld8(q + at);
+    }
+  }
+  if (c32 < cols) row_sum(a + c32, b + c32, Shifted<Less>{d, c32}, cols - c32, m + c32, check);
+  float sum = combine8((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  bool fine = !mask8(small);
+  for (int64_t j = c32; j < cols; ++j) {
+    const float t = std::fabs(m[j]);
+    fine = fine && !(t < least && t > 0.0f);
+    sum = sum + m[j] * q[j];
+  }
+  *p = sum;
+  return fine;
+#else
+  (void)q, (void)least, (void)p;
+  row_sum(a, b, d, cols, m, check);
+  return false;
+#endif
+}
+
 // one matrix's products (the _many entry points below deal the matrices with for_segments)
 void lowrank_project(const float* a, const float* b, const float* dp, const float* dq, int64_t rows, int64_t cols,
                      const float* q, int64_t r, float* m, float* p, float* nonfinite) {
   const Columns qt(q, cols, r);
   const Columns dqt(dp ? dq : q, cols, dp ? r : 1);  // (unused without dp)
   const Unflushed unflushed(dp ? dq : q, dp ? cols * r : 0);
+  const float least = r == 1 && b ? unflushed_least(q, cols) : 0.0f;
   std::atomic<bool> bad{false};
   for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
     FiniteCheck check;
-    std::vector<float> deferred(dp ? cols : 0);
+    LineAligned<float> deferred(dp ? cols : 0);
     for (int64_t i = lo; i < hi; ++i) {
       const float* x = a + i * cols;
-      if (b) {  // the row's sum (b less its deferred approximation), stored, then read back from
-                // the cache for its products; the approximation made in the same pass where
-                // Unflushed allows (ResNet-50's 54 matrices, one thread: 14.6 against 18.2 ms
-                // made first), else first, flushed
+      if (b) {  // the row's sum (b less its deferred approximation) stored, and its product made
+                // from the same registers where row_sum_product can (else read back from the
+                // cache, flushed); the approximation made in the same pass where Unflushed allows,
+                // else first, flushed. ResNet-50's 54 matrices, one thread: 11.3 ms, against 14.6
+                // with the products read back and 18.2 with the approximation made first too
         float* mi = m + i * cols;
         const float* pi = dp ? dp + i * r : nullptr;
+        auto sum = [&](const auto& less) {  // (the product in the same pass where it can be)
+          if (r == 1 && row_sum_product(x, b + i * cols, less, cols, mi, check, q, least, p + i)) return true;
+          if (r != 1) row_sum(x, b + i * cols, less, cols, mi, check);
+          return false;
+        };
+        bool made;
         if (!pi) {
-          row_sum(x, b + i * cols, NoRow{}, cols, mi, check);
+          made = sum(NoRow{});
         } else if (unflushed.row(pi, r)) {
-          row_sum(x, b + i * cols, ApproxRow{pi, dqt, r, cols}, cols, mi, check);
+          made = sum(ApproxRow(pi, dqt, r, cols));
         } else {
           approx_row(pi, dqt, cols, r, deferred.data());
-          row_sum(x, b + i * cols, MadeRow{deferred.data()}, cols, mi, check);
+          made = sum(MadeRow{deferred.data()});
         }
+        if (made) continue;
         x = mi;
       } else if (nonfinite) {
         check.range(x, 0, cols);
@@ -221,7 +310,7 @@ void lowrank_project(const float* a, const float* b, const float* dp, const floa
 }
 
 void lowrank_back(const float* m, int64_t rows, int64_t cols, const float* p, int64_t r, float* q) {
-  std::vector<float> acc((size_t)(cols * r), 0.0f);  // Q^T (r x cols): a row per column of Q
+  LineAligned<float> acc((size_t)(cols * r), 0.0f);  // Q^T (r x cols): a row per column of Q
   constexpr int64_t kRows = 4;  // rows added to a column's sum while it stays in a register
   // each thread sums its own columns over every row, in row order (the same sums either way below).
   // Threads that share each row's columns: kRows rows at a time (a row at a time, each thread's
@@ -281,7 +370,7 @@ void lowrank_expand(const float* p, const float* q, int64_t rows, int64_t cols, 
                     float* e, bool stream) {
   const Columns qt(q, cols, r);
   for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
-    std::vector<float> row(e ? cols : 0);
+    LineAligned<float> row(e ? cols : 0);
     for (int64_t i = lo; i < hi; ++i) {
       float* o = e ? row.data() : out + i * cols;
       approx_row(p + i * r, qt, cols, r, o, stream && !e);

@@ -197,6 +197,31 @@ def test_a_deferred_residual_made_in_the_pass_is_flushed_as_expand_flushes_it(r,
     assert torch.equal(m_out, made) and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("rows, cols", [(12, 70), (6, 64), (4, 7)])
+@pytest.mark.parametrize("q_kind", ["normal", "tiny", "subnormal"])
+def test_products_made_in_the_compensating_pass_are_flushed_as_made_apart(rows, cols, q_kind, threads):
+    """project with a residual makes M q from the registers that store M where no product nor sum
+    can be subnormal, and from M read back, flushed, elsewhere: rows of normal values, of
+    subnormals, of values whose products with q straddle the smallest normal float; q normal, tiny
+    (1e-6: the bound grows) or holding a subnormal (read as zero). P bit for bit that of project
+    over M alone."""
+    g, e, q, _ = data(rows, cols, 1, seed=6)
+    scale = np.ones((rows, 1), F)
+    scale[1::3] = F(1e-33)  # products with q near 1e-33 .. 1e-39
+    scale[2::3] = F(1e-38)  # subnormal sums
+    g, e = g * scale, e * scale
+    if q_kind == "tiny":
+        q *= F(1e-6)
+    elif q_kind == "subnormal":  # (a row whose one term meets it, large: 1e-9 unless it reads as zero)
+        q[min(3, cols - 1), 0] = F(1e-39)
+        g[0], e[0] = 0, 0
+        g[0, min(3, cols - 1)] = F(1e30)
+    m_out = torch.empty(rows, cols)
+    got = gn.lowrank_project(t(g), t(q), rows, cols, residual=t(e), m_out=m_out)
+    np.testing.assert_array_equal(m_out.numpy(), g + e)
+    assert torch.equal(got, gn.lowrank_project(m_out, t(q), rows, cols))
+
+
 def test_refusals_name_the_problem():
     g, e, q, p = data(4, 8, 1)
     with pytest.raises(ValueError, match="4 x 9 matrix"):
