@@ -149,8 +149,10 @@ template <class T>
 class LineAligned {
  public:
   explicit LineAligned(size_t n = 0, T fill = T()) { assign(n, fill); }
+  LineAligned(const LineAligned&) = delete;  // (a copy would point into the original's buffer)
+  LineAligned& operator=(const LineAligned&) = delete;
   void assign(size_t n, T fill = T()) {
-    buf_.assign(n + 64 / sizeof(T), fill);
+    buf_.assign(n ? n + 64 / sizeof(T) : 0, fill);
     at_ = (T*)(((uintptr_t)buf_.data() + 63) & ~(uintptr_t)63);
   }
   T* data() { return at_; }

@@ -203,12 +203,13 @@ void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float*
 
 // The least |m| whose products with q (one column: r = 1) row_products makes the same without
 // the flush: where q holds no subnormal, m at least this or zero makes every nonzero product at
-// least 2^-102 (see Unflushed). Infinity where q holds a subnormal (DAZ would read it as zero).
+// least 2^-102 (see Unflushed). Zero where q holds a subnormal (DAZ would read it as zero: then no
+// row is made so, not even one of infinities, which would give inf where the flush gives NaN).
 float unflushed_least(const float* q, int64_t cols) {
   double least = std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < cols; ++j) {
     const float x = std::fabs(q[j]);
-    if (x != 0.0f && x < std::numeric_limits<float>::min()) return std::numeric_limits<float>::infinity();
+    if (x != 0.0f && x < std::numeric_limits<float>::min()) return 0.0f;
     if (x != 0.0f && x < least) least = x;
   }
   const double bound = 0x1p-101 / least;  // (twice what is needed: the float's rounding is no matter)
@@ -283,8 +284,8 @@ void lowrank_project(const float* a, const float* b, const float* dp, const floa
         float* mi = m + i * cols;
         const float* pi = dp ? dp + i * r : nullptr;
         auto sum = [&](const auto& less) {  // (the product in the same pass where it can be)
-          if (r == 1 && row_sum_product(x, b + i * cols, less, cols, mi, check, q, least, p + i)) return true;
-          if (r != 1) row_sum(x, b + i * cols, less, cols, mi, check);
+          if (least > 0.0f && row_sum_product(x, b + i * cols, less, cols, mi, check, q, least, p + i)) return true;
+          if (!(least > 0.0f)) row_sum(x, b + i * cols, less, cols, mi, check);
           return false;
         };
         bool made;

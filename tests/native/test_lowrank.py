@@ -163,12 +163,13 @@ def test_a_deferred_residual_is_subtracted_in_the_compensating_pass(rows, cols, 
 
 
 @pytest.mark.parametrize("r", [1, 3])
-@pytest.mark.parametrize("subnormal_q", [False, True], ids=["normal q'", "a subnormal in q'"])
-def test_a_deferred_residual_made_in_the_pass_is_flushed_as_expand_flushes_it(r, subnormal_q, threads):
+@pytest.mark.parametrize("q_kind", ["normal", "subnormal", "large"])
+def test_a_deferred_residual_made_in_the_pass_is_flushed_as_expand_flushes_it(r, q_kind, threads):
     """The pass makes p' q'^T itself, without the flush, where no product nor sum of them can be
     subnormal, and apart, flushed, elsewhere: rows of p' whose products with q' straddle the
-    smallest normal float, rows holding a subnormal, q' holding one, the gradient holding
-    subnormals (kept exact in M): M and P bit for bit those of the residual made by expand first."""
+    smallest normal float, rows holding a subnormal (its products normal where q' is large), q'
+    holding one, the gradient holding subnormals (kept exact in M): M and P bit for bit those of
+    the residual made by expand first."""
     rows, cols = 12, 70
     g, m, q, _ = data(rows, cols, r, seed=4)
     _, _, dq, dp = data(rows, cols, r, seed=5)
@@ -178,16 +179,26 @@ def test_a_deferred_residual_made_in_the_pass_is_flushed_as_expand_flushes_it(r,
     dp[2::4] *= F(1e-31)  # products near 2^-102: normal, and made apart where below it
     dp[3, 0] = F(3e-39)  # a subnormal factor
     g[::3, 5:9] = F(2e-39)
-    g[0] *= F(1e-37)  # (a row whose products with a subnormal in q' would show)
+    g[0] *= F(1e-37)
     m[0] *= F(1e-37)
-    if subnormal_q:
+
+    def tiny_row(i, scale):
+        g[i] *= F(scale)
+        m[i] *= F(scale)
+
+    if q_kind == "subnormal":  # 1e30 times it: 1e-9 where it is not read as zero
         dq[7, 0] = F(-1e-39)
+        dp[6], dp[6, 0] = 0, F(1e30)
+        tiny_row(6, 1e-8)
+    elif q_kind == "large":  # a subnormal p' times 1e12: 3e-27 where it is not read as zero
+        dq *= F(1e12)
+        dp[8], dp[8, 0] = 0, F(3e-39)
+        tiny_row(8, 1e-31)
     if r > 1:  # normal products whose sum cancels to a subnormal (2^-110 - 2^-110 (1 + 2^-23))
         dp[5] = 0
         dp[5, :2] = (2.0 ** -55, -2.0 ** -55)
         dq[:3, 0], dq[:3, 1] = 2.0 ** -55, F(2.0 ** -55) * F(1 + 2.0 ** -23)
-        g[5] *= F(1e-38)
-        m[5] *= F(1e-38)
+        tiny_row(5, 1e-38)
     e, made = torch.empty(rows, cols), torch.empty(rows, cols)
     gn.lowrank_expand(t(dp), t(dq), rows, cols, m=t(m), residual_out=e)
     assert (e.numpy() != m - expand_order(dp, dq)).any()  # (some products flushed by expand)
@@ -198,28 +209,39 @@ def test_a_deferred_residual_made_in_the_pass_is_flushed_as_expand_flushes_it(r,
 
 
 @pytest.mark.parametrize("rows, cols", [(12, 70), (6, 64), (4, 7)])
-@pytest.mark.parametrize("q_kind", ["normal", "tiny", "subnormal"])
+@pytest.mark.parametrize("q_kind", ["normal", "tiny", "large", "subnormal", "cancelling"])
 def test_products_made_in_the_compensating_pass_are_flushed_as_made_apart(rows, cols, q_kind, threads):
     """project with a residual makes M q from the registers that store M where no product nor sum
     can be subnormal, and from M read back, flushed, elsewhere: rows of normal values, of
     subnormals, of values whose products with q straddle the smallest normal float; q normal, tiny
-    (1e-6: the bound grows) or holding a subnormal (read as zero). P bit for bit that of project
-    over M alone."""
+    (1e-6: the bound grows), large (1e9 and more: the bound is the smallest normal float, and a
+    subnormal m times q is normal), holding a subnormal (read as zero, also against an inf), or
+    making two normal products of a row cancel to a subnormal. P bit for bit that of project over
+    M alone."""
     g, e, q, _ = data(rows, cols, 1, seed=6)
     scale = np.ones((rows, 1), F)
     scale[1::3] = F(1e-33)  # products with q near 1e-33 .. 1e-39
     scale[2::3] = F(1e-38)  # subnormal sums
     g, e = g * scale, e * scale
+    col = min(3, cols - 1)
     if q_kind == "tiny":
         q *= F(1e-6)
+    elif q_kind == "large":  # (a row of one subnormal m: 2e-30 where it is not read as zero)
+        q = (np.sign(q) * (np.abs(q) + 1) * F(1e9)).astype(F)
+        g[0], e[0], g[0, col] = 0, 0, F(2e-39)
     elif q_kind == "subnormal":  # (a row whose one term meets it, large: 1e-9 unless it reads as zero)
-        q[min(3, cols - 1), 0] = F(1e-39)
+        q[col, 0] = F(1e-39)
+        g[0], e[0], g[0, col] = 0, 0, F(1e30)
+        g[1], e[1], g[1, col] = 0, 0, np.inf  # (NaN where it reads as zero)
+    elif q_kind == "cancelling":  # 2^-110 - 2^-110 (1 + 2^-23) in one lane (or the tail's sum)
+        j, k = (0, 32) if cols >= 64 else (0, 1)
+        q[j, 0], q[k, 0] = 2.0 ** -55, F(2.0 ** -55) * F(1 + 2.0 ** -23)
         g[0], e[0] = 0, 0
-        g[0, min(3, cols - 1)] = F(1e30)
+        g[0, j], g[0, k] = 2.0 ** -55, -2.0 ** -55
     m_out = torch.empty(rows, cols)
     got = gn.lowrank_project(t(g), t(q), rows, cols, residual=t(e), m_out=m_out)
     np.testing.assert_array_equal(m_out.numpy(), g + e)
-    assert torch.equal(got, gn.lowrank_project(m_out, t(q), rows, cols))
+    np.testing.assert_array_equal(got.numpy(), gn.lowrank_project(m_out, t(q), rows, cols).numpy())
 
 
 def test_refusals_name_the_problem():
