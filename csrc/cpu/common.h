@@ -143,8 +143,8 @@ inline void store_block(T* out, const T* in, int64_t n, bool stream) {
   std::memcpy(out + i, in + i, sizeof(T) * (n - i));
 }
 // Scratch of n values on a cache line's boundary: a loop that reads and writes a scratch row
-// beside a stream (PowerSGD's M^T P over ResNet-50's matrices, one thread, AMD EPYC) ran 4.9 ms
-// with it so, 6.6-8.9 where std::vector placed it (16 bytes past a line, or 32).
+// beside a stream (PowerSGD's M^T P over ResNet-50's matrices, one thread, AMD EPYC) ran 4.8-5.7
+// ms with it so, 6.6-8.9 where std::vector placed it (16 bytes past a line, or 32).
 template <class T>
 class LineAligned {
  public:

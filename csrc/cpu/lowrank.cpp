@@ -121,10 +121,11 @@ void approx_row(const float* pi, const Columns& qt, int64_t cols, int64_t r, flo
   for (; j < cols; ++j) o[j] = row.at(j);
 }
 
-// Whether approx_row gives P Q^T's rows the same without the flush: no factor subnormal and every
-// nonzero product p_ik q_jk at least 2^-102 in magnitude, so that no product, nor any sum of them
-// (multiples of 2^-125), is subnormal. Then a deferred approximation is made inside the
-// compensating pass, where the flush cannot be on (it would read a subnormal gradient as zero).
+// Whether products with Q (its elements q) come out the same without the flush: no factor
+// subnormal and every nonzero product at least 2^-102 in magnitude, so that no product, nor any sum
+// of them (multiples of 2^-125), is subnormal. Then a deferred approximation P Q^T (row) and, at
+// rank 1, M's product with Q (least_factor) are made inside the compensating pass, where the
+// flush cannot be on (it would read a subnormal gradient as zero).
 class Unflushed {
  public:
   Unflushed(const float* q, int64_t n) {  // (NaNs compare false: they decide nothing)
@@ -134,12 +135,20 @@ class Unflushed {
       if (x != 0.0f && x < least_) least_ = x;
     }
   }
+  // whether P's row p (r terms) times Q^T comes out as approx_row makes it
   bool row(const float* p, int64_t r) const {
     for (int64_t k = 0; k < r && ok_; ++k) {
       const float x = std::fabs(p[k]);
       if (x != 0.0f && (x < std::numeric_limits<float>::min() || (double)x * least_ < 0x1p-102)) return false;
     }
     return ok_;
+  }
+  // the least |m| whose products with q (one column) row_products makes the same: m at least this
+  // or zero makes every nonzero product at least 2^-102 (twice that: the float's rounding is no
+  // matter). Zero where q holds a subnormal (DAZ reads it as zero: then no row is made so, not even
+  // one of infinities, which would give inf where the flush gives NaN).
+  float least_factor() const {
+    return ok_ ? (float)std::max<double>(0x1p-101 / least_, std::numeric_limits<float>::min()) : 0.0f;
   }
 
  private:
@@ -201,21 +210,6 @@ void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float*
   }
 }
 
-// The least |m| whose products with q (one column: r = 1) row_products makes the same without
-// the flush: where q holds no subnormal, m at least this or zero makes every nonzero product at
-// least 2^-102 (see Unflushed). Zero where q holds a subnormal (DAZ would read it as zero: then no
-// row is made so, not even one of infinities, which would give inf where the flush gives NaN).
-float unflushed_least(const float* q, int64_t cols) {
-  double least = std::numeric_limits<double>::infinity();
-  for (int64_t j = 0; j < cols; ++j) {
-    const float x = std::fabs(q[j]);
-    if (x != 0.0f && x < std::numeric_limits<float>::min()) return 0.0f;
-    if (x != 0.0f && x < least) least = x;
-  }
-  const double bound = 0x1p-101 / least;  // (twice what is needed: the float's rounding is no matter)
-  return (float)std::max<double>(bound, std::numeric_limits<float>::min());
-}
-
 // row_sum's m and, in the same pass, its product with q (r = 1) summed as row_products sums it,
 // into *p: whether every m was zero or at least `least` (else *p is to be made again, flushed)
 template <class Less>
@@ -269,7 +263,7 @@ void lowrank_project(const float* a, const float* b, const float* dp, const floa
   const Columns qt(q, cols, r);
   const Columns dqt(dp ? dq : q, cols, dp ? r : 1);  // (unused without dp)
   const Unflushed unflushed(dp ? dq : q, dp ? cols * r : 0);
-  const float least = r == 1 && b ? unflushed_least(q, cols) : 0.0f;
+  const float least = r == 1 && b ? Unflushed(q, cols).least_factor() : 0.0f;  // (0: no product made in the pass)
   std::atomic<bool> bad{false};
   for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
     FiniteCheck check;
