@@ -181,11 +181,31 @@ struct Shifted<NoRow> : NoRow {
   Shifted(const NoRow&, int64_t) {}
 };
 
-// m = a + b, or m = a + (b - d) with d a deferred subtraction from b: a row of cols floats (m may
-// be a or b); a's infs and NaNs told to check
+// an element of a row's sum, m = a + b or m = a + (b - d) with d a deferred subtraction from b, at
+// j (8 of them from j: sum8); a's told to check for infs and NaNs
+template <class Less>
+inline float sum1(const float* a, const float* b, const Less& d, int64_t j, FiniteCheck& check) {
+  check.add(a[j]);
+  if constexpr (std::is_base_of<NoRow, Less>::value)
+    return a[j] + b[j];
+  else
+    return a[j] + (b[j] - d.at(j));
+}
+#ifdef GRACE_SIMD
+template <class Less>
+inline F8 sum8(const float* a, const float* b, const Less& d, int64_t j, FiniteCheck& check) {
+  const F8 v = ld8(a + j);
+  check.add8(v);
+  if constexpr (std::is_base_of<NoRow, Less>::value)
+    return v + ld8(b + j);
+  else
+    return v + (ld8(b + j) - d.at8(j));
+}
+#endif
+
+// a row's sum (sum1) of cols floats into m (m may be a or b)
 template <class Less>
 void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& check) {
-  constexpr bool kLess = !std::is_base_of<NoRow, Less>::value;
   int64_t j = 0;
 #ifdef GRACE_SIMD
   for (; j + 8 <= cols; j += 8) {
@@ -193,21 +213,10 @@ void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float*
       prefetch(a + j);
       prefetch(b + j);
     }
-    const F8 v = ld8(a + j);
-    check.add8(v);
-    if constexpr (kLess)
-      st8(m + j, v + (ld8(b + j) - d.at8(j)));
-    else
-      st8(m + j, v + ld8(b + j));
+    st8(m + j, sum8(a, b, d, j, check));
   }
 #endif
-  for (; j < cols; ++j) {
-    check.add(a[j]);
-    if constexpr (kLess)
-      m[j] = a[j] + (b[j] - d.at(j));
-    else
-      m[j] = a[j] + b[j];
-  }
+  for (; j < cols; ++j) m[j] = sum1(a, b, d, j, check);
 }
 
 // row_sum's m and, in the same pass, its product with q (r = 1) summed as row_products sums it,
@@ -216,7 +225,6 @@ template <class Less>
 bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& check,
                      const float* q, float least, float* p) {
 #ifdef GRACE_SIMD
-  constexpr bool kLess = !std::is_base_of<NoRow, Less>::value;
   const int64_t c32 = cols - cols % 32;
   const F8 zero = set8(0.0f), low = set8(least);
   F8 acc[4] = {zero, zero, zero, zero}, small = zero;
@@ -227,13 +235,7 @@ bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols
     prefetch(b + j + 16);
     for (int c = 0; c < 4; ++c) {
       const int64_t at = j + 8 * c;
-      const F8 v = ld8(a + at);
-      check.add8(v);
-      F8 x;
-      if constexpr (kLess)
-        x = v + (ld8(b + at) - d.at8(at));
-      else
-        x = v + ld8(b + at);
+      const F8 x = sum8(a, b, d, at, check);
       st8(m + at, x);
       const F8 t = abs8(x);
       small = or8(small, and8(lt8(t, low), gt8(t, zero)));
@@ -277,9 +279,9 @@ void lowrank_project(const float* a, const float* b, const float* dp, const floa
                 // with the products read back and 18.2 with the approximation made first too
         float* mi = m + i * cols;
         const float* pi = dp ? dp + i * r : nullptr;
-        auto sum = [&](const auto& less) {  // (the product in the same pass where it can be)
-          if (least > 0.0f && row_sum_product(x, b + i * cols, less, cols, mi, check, q, least, p + i)) return true;
-          if (!(least > 0.0f)) row_sum(x, b + i * cols, less, cols, mi, check);
+        auto sum = [&](const auto& less) {  // whether the product was made in the same pass
+          if (least > 0.0f) return row_sum_product(x, b + i * cols, less, cols, mi, check, q, least, p + i);
+          row_sum(x, b + i * cols, less, cols, mi, check);
           return false;
         };
         bool made;
