@@ -173,19 +173,17 @@ def test_a_deferred_residual_made_in_the_pass_is_flushed_as_expand_flushes_it(r,
     rows, cols = 12, 70
     g, m, q, _ = data(rows, cols, r, seed=4)
     _, _, dq, dp = data(rows, cols, r, seed=5)
-    dp[1::4] *= F(1e-37)  # products from about 1e-39 (subnormal) to 1e-37, in rows as small
-    g[1::4] *= F(1e-37)
-    m[1::4] *= F(1e-37)
-    dp[2::4] *= F(1e-31)  # products near 2^-102: normal, and made apart where below it
-    dp[3, 0] = F(3e-39)  # a subnormal factor
-    g[::3, 5:9] = F(2e-39)
-    g[0] *= F(1e-37)
-    m[0] *= F(1e-37)
 
-    def tiny_row(i, scale):
+    def tiny_row(i, scale):  # (g's and m's rows i scaled alike)
         g[i] *= F(scale)
         m[i] *= F(scale)
 
+    dp[1::4] *= F(1e-37)  # products from about 1e-39 (subnormal) to 1e-37, in rows as small
+    tiny_row(slice(1, None, 4), 1e-37)
+    dp[2::4] *= F(1e-31)  # products near 2^-102: normal, and made apart where below it
+    dp[3, 0] = F(3e-39)  # a subnormal factor
+    g[::3, 5:9] = F(2e-39)
+    tiny_row(0, 1e-37)
     if q_kind == "subnormal":  # 1e30 times it: 1e-9 where it is not read as zero
         dq[7, 0] = F(-1e-39)
         dp[6], dp[6, 0] = 0, F(1e30)
