@@ -219,8 +219,15 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
       const float df = (float)d;  // (floor(u d) < d: u <= 1 - 2^-24, and the product never rounds up to d)
       for_chunks(S, 64, threads_for(S, kScatteredGrain), [&](int, int64_t lo, int64_t hi) {
         uniform_range(lo, hi, s0[s], s1[s], drawn.data() + lo);
-        for (int64_t j = lo; j < hi; ++j) {  // (reads at random places: each waits on memory)
-          const int64_t i = (int64_t)std::floor(drawn[j] * df);
+        auto place = [&](int64_t j) { return (int64_t)std::floor(drawn[j] * df); };
+        for (int64_t j = lo; j < hi; ++j) {  // (reads at random places, each asked for ahead)
+          if (j + kRandomAhead < hi) {
+            const int64_t a = place(j + kRandomAhead);
+            prefetch_to_l2(u[s] + a);
+            prefetch_to_l2(v[s] + a);
+            prefetch_to_l2(g[s] + a);
+          }
+          const int64_t i = place(j);
           keys[j] = KeyOf<float>::key(v[s][i] + (m * u[s][i] + (scale != 1.0f ? g[s][i] * scale : g[s][i])), true);
         }
       });
