@@ -49,8 +49,11 @@ class AllToAll(WholeBucket):
         self.keeps_memory = services.compression.memory.needs_feedback and not self.owner.exact_again
         self.variable = services.compression.compressor.traits.variable_length
         self._owned_in = None  # the world size this rank's owner memory was cut for
-        #: a fixed-length method's full shards go through the memory's fused kernels, where it has them
-        self.fuses = services.compression.memory.needs_feedback and not self.variable and \
+        #: full shards go through the memory's fused kernels, where it has them and treats elements
+        #: alone (DGC's clipping scales by the bucket's norm); a variable-length method's step in
+        #: which a shard's encoding outgrows the shard takes the formula instead
+        memory = services.compression.memory
+        self.fuses = memory.needs_feedback and memory.elementwise and \
             type(self.owner).prepare is Owner.prepare and type(self.owner).compress is Owner.compress
 
     def start(self, xp, grads, flat) -> BucketPending:
@@ -146,18 +149,28 @@ class AllToAll(WholeBucket):
             p_hat = xp.concat([xp.flatten(self.owner.decompress(xp, payload, sent[0][1]))
                                for payload, _ in sent[whole:]])
             assign(xp, _cut(spare, lo, n), memory.update(xp, p, p_hat[:n - lo], _cut(old, lo, n)))
+        if self.variable and any(self._outgrows(xp, payload, size) for payload, _ in sent):
+            s.buffers.spares[unit.name] = spare  # (the old memory untouched: the formula's step instead)
+            return None
         s.journal.set("memory", unit.name, spare)
         s.buffers.spares[unit.name] = old  # the old memory is the next step's spare
         return sent
+
+    def _outgrows(self, xp, payload, size: int) -> bool:
+        """Whether a variable-length encoding of a shard of ``size`` elements is larger than the
+        shard (then sent dense, as ``_frame`` sends it)."""
+        counts = [xp.numel(t) for t in payload]
+        return isinstance(counts[0], int) and frames.frame_size(counts, [xp.dtype(t) for t in payload], True) > \
+            frames.dense_frame_size(size, self.bucket.dtype, len(payload))
 
     def _frame(self, xp, payload, values, like, flag=None):
         """(A shard's frame, whether it carries the shard's dense ``values`` instead): a
         variable-length encoding larger than the dense shard is sent dense, as the allgather's
         frames are, so neither phase moves more than a dense shard (``values``: None for a
-        fixed-length method)."""
+        fixed-length method, and for shards of a fused step, which ``_outgrows`` checked)."""
         frame = frames.frame(xp, list(payload), self.variable, like, flag)
         # (a length known only when a traced TensorFlow step runs is never replaced)
-        if not self.variable or not isinstance(xp.numel(frame), int):
+        if not self.variable or values is None or not isinstance(xp.numel(frame), int):
             return frame, False
         dense_size = frames.dense_frame_size(xp.numel(values), xp.dtype(values), len(payload), flag is not None)
         if xp.numel(frame) > dense_size:
