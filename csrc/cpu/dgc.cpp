@@ -278,6 +278,50 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
   return 0;
 }
 
+// DGC's selection of one tensor's p (DGC.select): the threshold, the need-th largest |p| of S
+// elements drawn at floor(u_j * d) (u_j: the uniform draws of the seed words (s0, s1); the product
+// in float32) or of every element where S = d; the elements with |p| >= threshold, ascending, cut
+// to the k largest |p| of them (ties to the lowest index) where more. Their indices into idx (int64,
+// room for k), their count; -1 on bad arguments.
+API int64_t grace_cpu_dgc_select(const float* p, int64_t d, int64_t S, int64_t need, int64_t k, uint32_t s0,
+                                 uint32_t s1, int64_t* idx) {
+  if (d < 0 || (d > 0 && !(1 <= need && need <= S && S <= d && 1 <= k && k <= d))) return -1;
+  if (d == 0) return 0;
+  DgcScratch& scratch = dgc_scratch();
+  std::vector<uint32_t>& keys = scratch.keys;
+  keys.resize(S);
+  if (S == d) {
+    for (int64_t j = 0; j < d; ++j) keys[j] = KeyOf<float>::key(p[j], true);
+  } else {
+    std::vector<float>& drawn = scratch.drawn;
+    drawn.resize(S);
+    uniform_range(0, S, s0, s1, drawn.data());
+    const float df = (float)d;
+    auto place = [&](int64_t j) { return (int64_t)std::floor(drawn[j] * df); };
+    for (int64_t j = 0; j < S; ++j) {  // (reads at random places, each asked for ahead)
+      if (j + kRandomAhead < S) prefetch_to_l2(p + place(j + kRandomAhead));
+      keys[j] = KeyOf<float>::key(p[place(j)], true);
+    }
+  }
+  const uint32_t t = kth_largest(keys, need);
+  float thr;
+  std::memcpy(&thr, &t, 4);
+  int64_t* const sel = scratch.sel.at_least(d);
+  const int64_t c = threshold_f32(p, d, thr, true, sel, GRACE_I64, nullptr);
+  if (c <= k) {
+    std::copy(sel, sel + c, idx);
+    return c;
+  }
+  std::vector<float>& cand = scratch.cand;  // the sample underestimated the threshold: the k largest
+  cand.resize(c);
+  for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(p[sel[j]]);
+  std::vector<int64_t>& pick = scratch.pick;
+  pick.resize(k);
+  topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
+  for (int64_t j = 0; j < k; ++j) idx[j] = sel[pick[j]];
+  return k;
+}
+
 // DGC's selection of every segment of a bucket from its compensated p (grace_cpu_dgc_compensate's):
 // each segment's ks[s] largest |p| (grace_cpu_topk: ties to the lowest index, ascending), p sent
 // where |p| >= cut[s] and +0.0 under it, and momentum factor masking where sent, as DGCMemory.update

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 24
+#define GRACE_NATIVE_ABI 25
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -131,6 +131,13 @@ void grace_cpu_copy_pieces(int64_t pieces, const void* const* src, const int64_t
 int grace_cpu_dgc_cut_segments(const float* p, int64_t n, int64_t segments, const int64_t* starts,
                                const int64_t* numels, const int64_t* sizes, const int64_t* needs, const uint32_t* s0,
                                const uint32_t* s1, float* cut);
+/* DGC's selection of one tensor's p of d elements (DGC.select): the threshold, the need-th largest |p|
+ * of S elements drawn as grace_cpu_dgc_cut_segments draws them (every element where S = d); the
+ * elements with |p| >= threshold, ascending, cut to the k largest |p| (ties to the lowest index) where
+ * more; their indices into idx (room for k); their count, or -1 on bad arguments (1 <= need <= S <= d,
+ * 1 <= k <= d unless d = 0). */
+int64_t grace_cpu_dgc_select(const float* p, int64_t d, int64_t S, int64_t need, int64_t k, uint32_t s0,
+                             uint32_t s1, int64_t* idx);
 /* DGC's whole step for each gradient s of a bucket: the momentum correction above, the threshold
  * from a sample of |p| (counter-based draws of s0[s], s1[s]), the selection (at most k; counts[s]
  * of them: values[s] and idx[s] of type idx_types[s]) and momentum factor masking; g[s] taken as

@@ -16,13 +16,14 @@ those under its threshold as +0.0, in frames whose size every rank knows (no cou
 """
 import functools
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from grace.compressors.sparse import Sparsifier
-from grace.core import segments
+from grace.core import draws, segments
 from grace.core.compression import GradientCompression
 from grace.core.compressor import check_ratio, check_seed, check_steps
 from grace.core.registry import example, register
@@ -53,6 +54,12 @@ class DGC(Sparsifier):
         ratio = self.ratio_at(xp, info.step)
         k = xp.clip_min(xp.ceil(ratio * d), 1)  # <= d, as ratio <= 1
         s = min(d, max(1, math.ceil(self.sample_ratio * d)))
+        # all of it in one call where built (CPU), where the step and ratio are host numbers
+        host = isinstance(info.step, numbers.Integral) and isinstance(ratio, numbers.Real) and isinstance(d, int)
+        fused = xp.native("dgc_select", flat, xp.dtype(flat)) if host else None
+        if fused:
+            words = draws.seed_words(info.rank_seed(self.seed))
+            return fused(flat, s, _at_most(ratio * s, s), _at_most(ratio * d, d), words)
         if s == d:
             sample = xp.abs(flat)
         else:

@@ -36,7 +36,7 @@ from here (the last imports below). Which module holds which:
     means.py        signsgd_, efsignsgd_, onebit_, terngrad_, qsgd_, natural_mean_segments (a bucket's aggregate);
                     sparse_frames_mean, sparse_variable_mean, sparse_sum_mean (sparse pairs' aggregate)
     lowrank.py      PowerSGD's products: lowrank_project, lowrank_back, lowrank_expand and their _many forms
-    dgc.py          dgc_compensate_into, dgc_cut_segments, dgc_select_segments, dgc_step_many
+    dgc.py          dgc_compensate_into, dgc_cut_segments, dgc_select, dgc_select_segments, dgc_step_many
     draws.py        uniform_segments, hash_keys_segments, random_indices_segments
     kernels.py      KERNELS (the kernel table), Kernel, kernel, run
     _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments)
@@ -51,7 +51,7 @@ from __future__ import annotations
 from grace.native._arrays import NativeUnavailable, dlpack_info
 from grace.native._rows import FrameRows, payload_ranks
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, load_error, set_enabled
-from grace.native.dgc import dgc_compensate_into, dgc_cut_segments, dgc_select_segments, dgc_step_many
+from grace.native.dgc import dgc_compensate_into, dgc_cut_segments, dgc_select, dgc_select_segments, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
 from grace.native.kernels import KERNELS, Kernel, kernel, run
 from grace.native.lowrank import (lowrank_back, lowrank_back_many, lowrank_expand, lowrank_expand_many,
@@ -91,8 +91,8 @@ from grace.native._loader import library  # noqa: F401
 
 __all__ = [
     "FrameRows", "KERNELS", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build", "cpu_isa",
-    "dgc_compensate_into", "dgc_cut_segments", "dgc_select_segments", "dgc_step_many", "disabled", "dlpack_info",
-    "efsignsgd_compress",
+    "dgc_compensate_into", "dgc_cut_segments", "dgc_select", "dgc_select_segments", "dgc_step_many", "disabled",
+    "dlpack_info", "efsignsgd_compress",
     "efsignsgd_compress_segments", "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
     "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_ef_step_segments", "efsignsgd_mean_segments",
     "efsignsgd_residual_into", "enabled", "fp16_compress_many_into", "fp16_decompress_many_into",

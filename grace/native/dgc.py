@@ -3,6 +3,7 @@
 
     dgc_compensate_into(u, v, g, momentum, u_out, v_out)
     dgc_cut_segments(p, starts, numels, sizes, needs, words)
+    dgc_select(p, sample_size, need, k, words)
     dgc_select_segments(p, u, starts, numels, ks, cut, nonfinite=None)
     dgc_step_many(gs, us, vs, momentum, ratio, sample_ratio, words, u_outs, v_outs)
 """
@@ -13,8 +14,8 @@ import math
 
 from grace.formats import index_dtype
 from grace.native._arrays import NativeUnavailable, call, kind_of
-from grace.native._common import (_check_segments, _cpu_kind, _flag, _in_place, _in_place_all, _int64s, _pointers,
-                                  _same_kind, _same_kind_all, _seed_word_arrays, _wrap)
+from grace.native._common import (_check_segments, _cpu_kind, _flag, _head, _in_place, _in_place_all, _int64s,
+                                  _pointers, _same_kind, _same_kind_all, _seed_word_arrays, _wrap)
 from grace.native._flags import _flag_of
 from grace.native._frames import _Rooms, frame_pairs
 
@@ -49,6 +50,23 @@ def dgc_cut_segments(p, starts, numels, sizes, needs, words):
             _int64s(needs), s0, s1, cut.ptr) != 0:
         raise ValueError("each segment must lie in the bucket, with 1 <= need <= sample size <= its size")
     return _wrap(kind, cut)
+
+
+def dgc_select(p, sample_size: int, need: int, k: int, words):
+    """DGC.select of the 1-d float32 ``p`` in one call (CPU): the threshold, the ``need``-th
+    largest |p| of ``sample_size`` elements drawn at floor(u_j * d) from the seed ``words``
+    (grace.core.draws; every element where the sample is the whole tensor), the elements with |p|
+    at or above it, ascending, cut to the ``k`` largest (ties to the lowest index) where more:
+    their indices (int64)."""
+    kind = _cpu_kind(p)
+    pb = _same_kind(kind, p)
+    if pb.dtype != "float32":
+        raise NativeUnavailable("dgc_select takes float32")
+    idx = kind.empty(min(k, pb.n), "int64")
+    count = call(kind, "dgc_select", pb.ptr, pb.n, sample_size, need, k, *words, idx.ptr)
+    if count < 0:
+        raise ValueError("1 <= need <= sample size <= d and 1 <= k <= d, unless d is 0")
+    return _wrap(kind, _head(kind, idx, count))
 
 
 def dgc_select_segments(p, u, starts, numels, ks, cut, nonfinite=None, frame=None):

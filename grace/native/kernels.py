@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Tuple, Union
 
 from grace.native._arrays import NativeUnavailable, kind_of
-from grace.native.dgc import dgc_compensate_into, dgc_cut_segments, dgc_select_segments, dgc_step_many
+from grace.native.dgc import dgc_compensate_into, dgc_cut_segments, dgc_select, dgc_select_segments, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
 from grace.native.lowrank import lowrank_back_many, lowrank_expand_many, lowrank_project_many
 from grace.native.means import (efsignsgd_mean_segments, natural_mean_segments, onebit_mean_segments,
@@ -234,6 +234,7 @@ KERNELS: Dict[str, Kernel] = {
     "dgc_cut_segments": both(dgc_cut_segments, "dgc_cut_segments", "float32", launches=per_batch(1)),
     "dgc_select_segments": both(dgc_select_segments, "dgc_select_segments", ("float32", "int64"),
                                 launches=per_batch(SEGMENT_TOPK_LAUNCHES)),
+    "dgc_select": cpu(dgc_select, "dgc_select", "int64", variable=(0,)),
     "dgc_step_many": cpu(dgc_step_many, ("dgc_step_many", "copy_pieces"), ("float32", "index"), variable=(0, 1)),
     # a bucket's payloads, half-precision casts and PowerSGD's products in one call each
     "compress_many": cpu(compress_many, "compress_many", ("uint8", "float32")),

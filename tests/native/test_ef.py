@@ -589,3 +589,37 @@ def test_dgc_steps_of_a_bucket_equal_the_memory_and_selection_on_numpy(ratio, sa
     with pytest.raises(ValueError, match="ratio"):
         gn.dgc_step_many([torch.ones(3)], [torch.ones(3)], [torch.ones(3)], 0.9, 0.0, 0.1, [(1, 2)],
                          [torch.ones(3)], [torch.ones(3)])
+
+
+@pytest.mark.parametrize("ratio, sample_ratio, warmup", [(0.01, 0.01, 0), (0.04, 0.01, 0), (0.3, 0.05, 0),
+                                                         (0.1, 1.0, 0), (1.0, 0.5, 0), (0.01, 0.1, 5)])
+def test_dgc_selection_in_one_call_equals_the_tensor_ops_on_numpy(ratio, sample_ratio, warmup, monkeypatch):
+    """DGC.select of a CPU torch tensor (one native call, dgc_select) against DGC.select on
+    NumPy (the tensor ops), bit for bit: thresholds that select more than k (cut to the k largest,
+    ties to the lowest index: few distinct magnitudes; a mostly zero tensor, whose threshold is
+    0) or fewer; the whole tensor as the sample; signed zeros, infs and NaNs; an empty tensor; a
+    step of the sparsity warm-up."""
+    import grace.native.dgc as native_dgc
+    from grace.backends.torch_backend import TorchBackend
+    from grace.compressors.dgc import DGC
+
+    calls = []
+    call = native_dgc.call
+    monkeypatch.setattr(native_dgc, "call", lambda kind, name, *args: calls.append(name) or call(kind, name, *args))
+    sizes = [0, 1, 2, 9, 300, 40000, 2**16 + 3, 50000]
+    xs = [gradient(n, seed=n) for n in sizes]
+    xs[4][:6] = [-0.0, np.inf, np.nan, -np.inf, 3e38, -3e38]
+    xs[5] = np.round(xs[5] * 2).astype(np.float32) / 2  # few distinct magnitudes: ties at the cut
+    xs[7][np.random.default_rng(7).random(50000) < 0.97] = 0.0  # mostly zeros: a threshold of 0
+    compressor, cut = DGC(ratio, sample_ratio, warmup, seed=3), 0
+    for x in xs:
+        info = TensorInfo(f"layer{x.size}.weight", 2, 4, rank=1)
+        with np.errstate(invalid="ignore"):
+            want = compressor.select(NX, x, info)
+        got = compressor.select(TorchBackend(), torch.from_numpy(x.copy()), info)
+        same_bytes(want, got, f"indices of {x.size}")
+        cut += len(want) == min(x.size, max(1, math.ceil(compressor.ratio_at(NX, 2) * x.size))) < x.size
+    assert calls.count("dgc_select") == len(sizes) - 1  # (not the empty tensor)
+    assert cut or ratio == 1, "no selection was cut to k"
+    with pytest.raises(ValueError, match="need"):
+        gn.dgc_select(torch.ones(4), 2, 3, 1, (1, 2))
