@@ -241,11 +241,17 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
         pick.resize(k);
         topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
       }
+      // (pointers in locals: through the thread's scratch, each store made the loop find its
+      // thread-local storage again)
+      const int64_t* const picked = pick.data();
+      float* const sent = values[s];
+      void* const sent_idx = idx[s];
+      const int idx_type = idx_types[s];
       int64_t q = 0;
       for (int64_t j = 0; j < c; ++j) {
-        if (c <= k || (q < k && pick[q] == j)) {
-          values[s][q] = sel_p[j];
-          write_index(idx[s], idx_types[s], q++, sel[j]);
+        if (c <= k || (q < k && picked[q] == j)) {
+          sent[q] = sel_p[j];
+          write_index(sent_idx, idx_type, q++, sel[j]);
         } else {
           un[sel[j]] = sel_u[j];
           p[sel[j]] = sel_p[j];
