@@ -157,6 +157,51 @@ DgcScratch& dgc_scratch() {
   thread_local DgcScratch scratch;
   return scratch;
 }
+
+// DGC's threshold: the need-th largest of a sample's keys (|p| as bits: NaN above inf, as sorts put it)
+float key_threshold(const std::vector<uint32_t>& keys, int64_t need) {
+  const uint32_t t = kth_largest(keys, need);
+  float thr;
+  std::memcpy(&thr, &t, 4);
+  return thr;
+}
+
+// DGC.select of p (d > 0 floats, compensated): the threshold from S elements drawn at floor(u_j * d)
+// (u_j: the uniform draws of the seed words (s0, s1); the product in float32), or from every
+// element where S = d; the elements with |p| at or above it, ascending, cut to the k largest |p| of
+// them (ties to the lowest index) where more. Their count; `chosen` then points at their indices
+// (in the scratch).
+int64_t select_sampled(const float* p, int64_t d, int64_t S, int64_t need, int64_t k, uint32_t s0, uint32_t s1,
+                       DgcScratch& scratch, const int64_t*& chosen) {
+  std::vector<uint32_t>& keys = scratch.keys;
+  keys.resize(S);
+  if (S == d) {
+    for (int64_t j = 0; j < d; ++j) keys[j] = KeyOf<float>::key(p[j], true);
+  } else {
+    std::vector<float>& drawn = scratch.drawn;
+    drawn.resize(S);
+    uniform_range(0, S, s0, s1, drawn.data());
+    const float df = (float)d;
+    auto place = [&](int64_t j) { return (int64_t)std::floor(drawn[j] * df); };
+    for (int64_t j = 0; j < S; ++j) {  // (reads at random places, each asked for ahead)
+      if (j + kRandomAhead < S) prefetch_to_l2(p + place(j + kRandomAhead));
+      keys[j] = KeyOf<float>::key(p[place(j)], true);
+    }
+  }
+  int64_t* const sel = scratch.sel.at_least(d);
+  const int64_t c = threshold_f32(p, d, key_threshold(keys, need), true, sel, GRACE_I64, nullptr);
+  chosen = sel;
+  if (c <= k) return c;
+  std::vector<float>& cand = scratch.cand;  // the sample underestimated the threshold: the k largest
+  cand.resize(c);
+  for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(p[sel[j]]);
+  std::vector<int64_t>& pick = scratch.pick;
+  pick.resize(k);
+  topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
+  for (int64_t j = 0; j < k; ++j) pick[j] = sel[pick[j]];
+  chosen = pick.data();
+  return k;
+}
 }  // namespace
 
 // DGC's whole step for every gradient s of a bucket, as DGCMemory.fused_step and DGC.select make
@@ -199,86 +244,66 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     const int64_t k = at_most(ratio * (double)d, d), S = at_most(sample_ratio * (double)d, d);
     const float scale = scales ? scales[s] : 1.0f;
     if (d == 0) return;
-    // the threshold: the need-th largest of the sample's |p| as bits (NaN above inf, as sorts put it)
     const int64_t need = at_most(ratio * (double)S, S);
-    auto threshold = [&]() {
-      const uint32_t t = kth_largest(keys, need);
-      float thr;
-      std::memcpy(&thr, &t, 4);
-      return thr;
-    };
-    keys.resize(S);
-    int64_t c;
-    const bool masked = S != d;
-    if (!masked) {  // every element: compensate, then select
+    if (S == d) {  // every element: compensate, then select
       dgc_compensate(u[s], v[s], g[s], d, m, scale, un, p, flag.wanted());
-      for (int64_t j = 0; j < d; ++j) keys[j] = KeyOf<float>::key(p[j], true);
-      c = threshold_f32(p, d, threshold(), true, sel, GRACE_I64, nullptr);
-    } else {  // the sample's p first (the same sums as the pass makes), then compensate and select in one pass
-      drawn.resize(S);
-      const float df = (float)d;  // (floor(u d) < d: u <= 1 - 2^-24, and the product never rounds up to d)
-      for_chunks(S, 64, threads_for(S, kScatteredGrain), [&](int, int64_t lo, int64_t hi) {
-        uniform_range(lo, hi, s0[s], s1[s], drawn.data() + lo);
-        auto place = [&](int64_t j) { return (int64_t)std::floor(drawn[j] * df); };
-        for (int64_t j = lo; j < hi; ++j) {  // (reads at random places, each asked for ahead)
-          if (j + kRandomAhead < hi) {
-            const int64_t a = place(j + kRandomAhead);
-            prefetch_to_l2(u[s] + a);
-            prefetch_to_l2(v[s] + a);
-            prefetch_to_l2(g[s] + a);
-          }
-          const int64_t i = place(j);
-          keys[j] = KeyOf<float>::key(v[s][i] + (m * u[s][i] + (scale != 1.0f ? g[s][i] * scale : g[s][i])), true);
+      const int64_t* chosen;
+      const int64_t c = select_sampled(p, d, S, need, k, 0, 0, scratch, chosen);
+      for_chunks(c, 64, threads_for(c, kScatteredGrain), [&](int, int64_t lo, int64_t hi) {
+        for (int64_t j = lo; j < hi; ++j) {
+          const int64_t i = chosen[j];
+          values[s][j] = p[i];
+          write_index(idx[s], idx_types[s], j, i);
+          sent_at(p[i], un[i]);
         }
       });
-      c = dgc_compensate_select(u[s], v[s], g[s], d, m, scale, threshold(), un, p, sel, sel_p,
-                                sel_u, flag.wanted());
-    }
-    if (masked) {  // (outputs masked by the pass: the cut ones put back, values and indices in order)
-      if (c > k) {  // the sample underestimated the threshold: the k largest of those selected
-        cand.resize(c);
-        for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(sel_p[j]);
-        pick.resize(k);
-        topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
-      }
-      // (pointers in locals: through the thread's scratch, each store made the loop find its
-      // thread-local storage again)
-      const int64_t* const picked = pick.data();
-      float* const sent = values[s];
-      void* const sent_idx = idx[s];
-      const int idx_type = idx_types[s];
-      int64_t q = 0;
-      for (int64_t j = 0; j < c; ++j) {
-        if (c <= k || (q < k && picked[q] == j)) {
-          sent[q] = sel_p[j];
-          write_index(sent_idx, idx_type, q++, sel[j]);
-        } else {
-          un[sel[j]] = sel_u[j];
-          p[sel[j]] = sel_p[j];
-        }
-      }
-      counts[s] = q;
+      counts[s] = c;
       return;
     }
-    const int64_t* chosen = sel;
-    if (c > k) {  // the k largest of those selected
-      cand.resize(c);
-      for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(p[sel[j]]);
-      pick.resize(k);
-      topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
-      for (int64_t j = 0; j < k; ++j) pick[j] = sel[pick[j]];
-      chosen = pick.data();
-      c = k;
-    }
-    for_chunks(c, 64, threads_for(c, kScatteredGrain), [&](int, int64_t lo, int64_t hi) {
-      for (int64_t j = lo; j < hi; ++j) {
-        const int64_t i = chosen[j];
-        values[s][j] = p[i];
-        write_index(idx[s], idx_types[s], j, i);
-        sent_at(p[i], un[i]);
+    // the sample's p first (the same sums as the pass makes), then compensate and select in one pass
+    keys.resize(S);
+    drawn.resize(S);
+    const float df = (float)d;  // (floor(u d) < d: u <= 1 - 2^-24, and the product never rounds up to d)
+    for_chunks(S, 64, threads_for(S, kScatteredGrain), [&](int, int64_t lo, int64_t hi) {
+      uniform_range(lo, hi, s0[s], s1[s], drawn.data() + lo);
+      auto place = [&](int64_t j) { return (int64_t)std::floor(drawn[j] * df); };
+      for (int64_t j = lo; j < hi; ++j) {  // (reads at random places, each asked for ahead)
+        if (j + kRandomAhead < hi) {
+          const int64_t a = place(j + kRandomAhead);
+          prefetch_to_l2(u[s] + a);
+          prefetch_to_l2(v[s] + a);
+          prefetch_to_l2(g[s] + a);
+        }
+        const int64_t i = place(j);
+        keys[j] = KeyOf<float>::key(v[s][i] + (m * u[s][i] + (scale != 1.0f ? g[s][i] * scale : g[s][i])), true);
       }
     });
-    counts[s] = c;
+    const int64_t c = dgc_compensate_select(u[s], v[s], g[s], d, m, scale, key_threshold(keys, need), un, p, sel,
+                                            sel_p, sel_u, flag.wanted());
+    // (outputs masked by the pass: the cut ones put back, values and indices in order)
+    if (c > k) {  // the sample underestimated the threshold: the k largest of those selected
+      cand.resize(c);
+      for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(sel_p[j]);
+      pick.resize(k);
+      topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
+    }
+    // (pointers in locals: through the thread's scratch, each store made the loop find its
+    // thread-local storage again)
+    const int64_t* const picked = pick.data();
+    float* const sent = values[s];
+    void* const sent_idx = idx[s];
+    const int idx_type = idx_types[s];
+    int64_t q = 0;
+    for (int64_t j = 0; j < c; ++j) {
+      if (c <= k || (q < k && picked[q] == j)) {
+        sent[q] = sel_p[j];
+        write_index(sent_idx, idx_type, q++, sel[j]);
+      } else {
+        un[sel[j]] = sel_u[j];
+        p[sel[j]] = sel_p[j];
+      }
+    }
+    counts[s] = q;
   };
   for_segments(count, n, [&](int64_t s) { step(s, dgc_scratch()); });
   return 0;
@@ -293,39 +318,10 @@ API int64_t grace_cpu_dgc_select(const float* p, int64_t d, int64_t S, int64_t n
                                  uint32_t s1, int64_t* idx) {
   if (d < 0 || (d > 0 && !(1 <= need && need <= S && S <= d && 1 <= k && k <= d))) return -1;
   if (d == 0) return 0;
-  DgcScratch& scratch = dgc_scratch();
-  std::vector<uint32_t>& keys = scratch.keys;
-  keys.resize(S);
-  if (S == d) {
-    for (int64_t j = 0; j < d; ++j) keys[j] = KeyOf<float>::key(p[j], true);
-  } else {
-    std::vector<float>& drawn = scratch.drawn;
-    drawn.resize(S);
-    uniform_range(0, S, s0, s1, drawn.data());
-    const float df = (float)d;
-    auto place = [&](int64_t j) { return (int64_t)std::floor(drawn[j] * df); };
-    for (int64_t j = 0; j < S; ++j) {  // (reads at random places, each asked for ahead)
-      if (j + kRandomAhead < S) prefetch_to_l2(p + place(j + kRandomAhead));
-      keys[j] = KeyOf<float>::key(p[place(j)], true);
-    }
-  }
-  const uint32_t t = kth_largest(keys, need);
-  float thr;
-  std::memcpy(&thr, &t, 4);
-  int64_t* const sel = scratch.sel.at_least(d);
-  const int64_t c = threshold_f32(p, d, thr, true, sel, GRACE_I64, nullptr);
-  if (c <= k) {
-    std::copy(sel, sel + c, idx);
-    return c;
-  }
-  std::vector<float>& cand = scratch.cand;  // the sample underestimated the threshold: the k largest
-  cand.resize(c);
-  for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(p[sel[j]]);
-  std::vector<int64_t>& pick = scratch.pick;
-  pick.resize(k);
-  topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
-  for (int64_t j = 0; j < k; ++j) idx[j] = sel[pick[j]];
-  return k;
+  const int64_t* chosen;
+  const int64_t c = select_sampled(p, d, S, need, k, s0, s1, dgc_scratch(), chosen);
+  std::copy(chosen, chosen + c, idx);
+  return c;
 }
 
 // DGC's selection of every segment of a bucket from its compensated p (grace_cpu_dgc_compensate's):
