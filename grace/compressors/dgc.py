@@ -52,14 +52,14 @@ class DGC(Sparsifier):
         if d == 0:
             return xp.nonzero(xp.abs(flat) > 0)
         ratio = self.ratio_at(xp, info.step)
-        k = xp.clip_min(xp.ceil(ratio * d), 1)  # <= d, as ratio <= 1
-        s = min(d, max(1, math.ceil(self.sample_ratio * d)))
+        s = _at_most(self.sample_ratio * d, d)
         # all of it in one call where built (CPU), where the step and ratio are host numbers
         host = isinstance(info.step, numbers.Integral) and isinstance(ratio, numbers.Real) and isinstance(d, int)
         fused = xp.native("dgc_select", flat, xp.dtype(flat)) if host else None
         if fused:
             words = draws.seed_words(info.rank_seed(self.seed))
             return fused(flat, s, _at_most(ratio * s, s), _at_most(ratio * d, d), words)
+        k = xp.clip_min(xp.ceil(ratio * d), 1)  # <= d, as ratio <= 1
         if s == d:
             sample = xp.abs(flat)
         else:

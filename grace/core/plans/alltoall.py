@@ -149,33 +149,31 @@ class AllToAll(WholeBucket):
             p_hat = xp.concat([xp.flatten(self.owner.decompress(xp, payload, sent[0][1]))
                                for payload, _ in sent[whole:]])
             assign(xp, _cut(spare, lo, n), memory.update(xp, p, p_hat[:n - lo], _cut(old, lo, n)))
-        if self.variable and any(self._outgrows(xp, payload, size) for payload, _ in sent):
+        if self.variable and any(self._outgrows(xp, payload, size, self.bucket.dtype) for payload, _ in sent):
             s.buffers.spares[unit.name] = spare  # (the old memory untouched: the formula's step instead)
             return None
         s.journal.set("memory", unit.name, spare)
         s.buffers.spares[unit.name] = old  # the old memory is the next step's spare
         return sent
 
-    def _outgrows(self, xp, payload, size: int) -> bool:
-        """Whether a variable-length encoding of a shard of ``size`` elements is larger than the
-        shard (then sent dense, as ``_frame`` sends it)."""
+    def _outgrows(self, xp, payload, numel, dtype: str, flagged: bool = False) -> bool:
+        """Whether a variable-length encoding of ``numel`` elements of ``dtype`` is larger than
+        they are dense (then sent dense: ``_frame``). A length known only when a traced
+        TensorFlow step runs never is (the frame's layout is fixed at trace time)."""
         counts = [xp.numel(t) for t in payload]
-        return isinstance(counts[0], int) and frames.frame_size(counts, [xp.dtype(t) for t in payload], True) > \
-            frames.dense_frame_size(size, self.bucket.dtype, len(payload))
+        return all(isinstance(c, int) for c in counts) and \
+            frames.frame_size(counts, [xp.dtype(t) for t in payload], True, flagged) > \
+            frames.dense_frame_size(numel, dtype, len(payload), flagged)
 
     def _frame(self, xp, payload, values, like, flag=None):
         """(A shard's frame, whether it carries the shard's dense ``values`` instead): a
         variable-length encoding larger than the dense shard is sent dense, as the allgather's
         frames are, so neither phase moves more than a dense shard (``values``: None for a
         fixed-length method, and for shards of a fused step, which ``_outgrows`` checked)."""
-        frame = frames.frame(xp, list(payload), self.variable, like, flag)
-        # (a length known only when a traced TensorFlow step runs is never replaced)
-        if not self.variable or values is None or not isinstance(xp.numel(frame), int):
-            return frame, False
-        dense_size = frames.dense_frame_size(xp.numel(values), xp.dtype(values), len(payload), flag is not None)
-        if xp.numel(frame) > dense_size:
+        if self.variable and values is not None and \
+                self._outgrows(xp, payload, xp.numel(values), xp.dtype(values), flag is not None):
             return frames.dense_frame(xp, values, len(payload), like, flag), True
-        return frame, False
+        return frames.frame(xp, list(payload), self.variable, like, flag), False
 
     def _take_owned_memory(self, xp, like, size: int) -> None:
         """At a plan's first step, and after the world changed (elastic training): every rank's
