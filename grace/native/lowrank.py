@@ -93,7 +93,8 @@ def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, res
     if any(q.n != cols * r for q, (_, cols), r in zip(qb, shapes, ranks)):
         raise ValueError("each q must be cols x r")
     made = [kind.empty(rows * cols, "float32") if o is None else None for o, (rows, cols) in zip(outs, shapes)]
-    ob = [b if o is None else _lowrank_buffers(kind, [], [o])[0] for b, o in zip(made, outs)]
+    given = iter(_lowrank_buffers(kind, [], [o for o in outs if o is not None]))  # (one call for them all)
+    ob = [b if o is None else next(given) for b, o in zip(made, outs)]
     mb = eb = None
     if residual_outs is not None:
         mb, eb = _where_given(kind, [None if e is None else m for m, e in zip(ms, residual_outs)], residual_outs)
@@ -134,7 +135,8 @@ def _factors(kind, sizes):
     """One new float32 buffer for factors of ``sizes`` elements: a view of it for each, and
     their addresses (a C array)."""
     buf, starts = kind.empty(sum(sizes), "float32"), [0, *itertools.accumulate(sizes[:-1])]
-    return [buf.obj[o:o + n] for o, n in zip(starts, sizes)], _addresses(buf, [4 * o for o in starts])
+    views = buf.obj.split(sizes) if kind.name == "torch" else [buf.obj[o:o + n] for o, n in zip(starts, sizes)]
+    return list(views), _addresses(buf, [4 * o for o in starts])
 
 
 def _wrap_list(kind, objs):
@@ -158,7 +160,7 @@ def _deferred_factors(kind, deferred, sums, shapes, ranks):
     given = [s for s, pair in enumerate(deferred) if pair is not None]
     if any(sums[s] is None for s in given):
         raise ValueError("deferred factors need the residual they are subtracted from")
-    bufs = _lowrank_buffers(kind, [t for s in given for t in deferred[s]])  # (one pass over them all)
+    bufs = _lowrank_buffers(kind, [t for s in given for t in deferred[s]])  # (one call for them all)
     for k, s in enumerate(given):
         dps[s], dqs[s] = bufs[2 * k], bufs[2 * k + 1]
         (rows, cols), r = shapes[s], ranks[s]
