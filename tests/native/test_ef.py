@@ -465,18 +465,21 @@ def test_dgc_steps_do_not_depend_on_the_number_of_threads(sample_ratio):
 
 
 # gradients above two threads' grain (2 * 2**17 elements) that the buckets below run side by side
-# on two threads (each within an eighth of a thread's share of the bucket)
+# on two threads (each within a thread's share of the bucket)
 MIDDLING = [2**18 + 11 * j for j in range(16)]
+# a gradient larger than a thread's share of the buckets below (with two threads or three): run in
+# turn, its chunks shared by the threads
+LARGE = [2**23 + 9]
 
 
 @pytest.mark.parametrize("sample_ratio", [0.02, 1.0])
 def test_dgc_bucket_steps_do_not_depend_on_the_number_of_threads(sample_ratio):
     """DGC's step over a bucket on one thread and on several: its small gradients and middling ones
-    (above two threads' grain, within an eighth of a thread's share) run one per thread side by
-    side, its large ones in turn with their chunks shared, each gradient's values, indices, u and v
-    the same (cuts to k included: few distinct magnitudes)."""
+    (above two threads' grain, within a thread's share) run one per thread side by side, its large
+    one in turn with its chunks shared, each gradient's values, indices, u and v the same (cuts to
+    k included: few distinct magnitudes)."""
     sizes = [3, 70_000, 2**19 + 5, 1000, 9000, 2**18 + 1, 40_000, 1] + [150_000 + 7 * j for j in range(8)] \
-        + MIDDLING
+        + MIDDLING + LARGE
     gs = [np.round(gradient(n, seed=n) * 4).astype(np.float32) / 4 for n in sizes]
     us = [gradient(n, seed=n + 1) * np.float32(0.3) for n in sizes]
     vs = [gradient(n, seed=n + 2) for n in sizes]
@@ -512,7 +515,7 @@ BUCKET_STEPS = {  # a bucket call on its gradients, residuals and outputs: every
 def test_bucket_steps_do_not_depend_on_the_number_of_threads(method):
     """A bucket's steps run its small and middling gradients one per thread, side by side, the
     large ones in turn with their chunks shared: on one thread and on several, the same bytes."""
-    sizes = [3, 70_000, 2**19 + 5, 1000, 9000, 40_000, 1] + [150_000 + 7 * j for j in range(8)] + MIDDLING
+    sizes = [3, 70_000, 2**19 + 5, 1000, 9000, 40_000, 1] + [150_000 + 7 * j for j in range(8)] + MIDDLING + LARGE
     gs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
     es = [torch.from_numpy(gradient(n, seed=n + 1) * np.float32(0.3)) for n in sizes]
     runs = []
