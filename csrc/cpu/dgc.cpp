@@ -166,6 +166,17 @@ float key_threshold(const std::vector<uint32_t>& keys, int64_t need) {
   return thr;
 }
 
+// The k largest of c candidates by their magnitudes abs_of(j) (ties to the lowest j), ascending,
+// into the scratch's pick: where the sample underestimated the threshold and more than k were selected
+template <class Magnitude>
+void pick_largest(DgcScratch& scratch, int64_t c, int64_t k, Magnitude abs_of) {
+  std::vector<float>& cand = scratch.cand;
+  cand.resize(c);
+  for (int64_t j = 0; j < c; ++j) cand[j] = abs_of(j);
+  scratch.pick.resize(k);
+  topk_typed<float, false>(cand.data(), c, k, scratch.pick.data(), GRACE_I64, nullptr);
+}
+
 // DGC.select of p (d > 0 floats, compensated): the threshold from S elements drawn at floor(u_j * d)
 // (u_j: the uniform draws of the seed words (s0, s1); the product in float32), or from every
 // element where S = d; the elements with |p| at or above it, ascending, cut to the k largest |p| of
@@ -192,12 +203,8 @@ int64_t select_sampled(const float* p, int64_t d, int64_t S, int64_t need, int64
   const int64_t c = threshold_f32(p, d, key_threshold(keys, need), true, sel, GRACE_I64, nullptr);
   chosen = sel;
   if (c <= k) return c;
-  std::vector<float>& cand = scratch.cand;  // the sample underestimated the threshold: the k largest
-  cand.resize(c);
-  for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(p[sel[j]]);
+  pick_largest(scratch, c, k, [&](int64_t j) { return std::fabs(p[sel[j]]); });
   std::vector<int64_t>& pick = scratch.pick;
-  pick.resize(k);
-  topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
   for (int64_t j = 0; j < k; ++j) pick[j] = sel[pick[j]];
   chosen = pick.data();
   return k;
@@ -234,7 +241,6 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     float* const sel_p = scratch.sel_p.at_least(most);
     float* const sel_u = scratch.sel_u.at_least(most);
     std::vector<float>& drawn = scratch.drawn;
-    std::vector<float>& cand = scratch.cand;
     std::vector<uint32_t>& keys = scratch.keys;
     std::vector<int64_t>& pick = scratch.pick;
     const int64_t d = n[s];
@@ -281,12 +287,7 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     const int64_t c = dgc_compensate_select(u[s], v[s], g[s], d, m, scale, key_threshold(keys, need), un, p, sel,
                                             sel_p, sel_u, flag.wanted());
     // (outputs masked by the pass: the cut ones put back, values and indices in order)
-    if (c > k) {  // the sample underestimated the threshold: the k largest of those selected
-      cand.resize(c);
-      for (int64_t j = 0; j < c; ++j) cand[j] = std::fabs(sel_p[j]);
-      pick.resize(k);
-      topk_typed<float, false>(cand.data(), c, k, pick.data(), GRACE_I64, nullptr);
-    }
+    if (c > k) pick_largest(scratch, c, k, [&](int64_t j) { return std::fabs(sel_p[j]); });
     // (pointers in locals: through the thread's scratch, each store made the loop find its
     // thread-local storage again)
     const int64_t* const picked = pick.data();
