@@ -151,8 +151,9 @@ class Transport:
     def frame_into(self, pending):
         """Where a bucket kernel writes its payloads (``into`` of ``Feedback.fused_steps``): as the
         pieces of this rank's frame in the bucket's frame buffer, which then needs no join (a
-        variable-length frame's header of counts written here); None where frames are joined
-        (immutable tensors, allreduce methods)."""
+        variable-length frame's header of counts and its padding written by the kernel's copy,
+        to which ``into`` hands the pieces' end: see ``_Rooms.payloads``); None where frames are
+        joined (immutable tensors, allreduce methods)."""
         xp, compressor = pending.xp, self.compression.compressor
         if not xp.mutable_tensors or compressor.collective is Collective.ALLREDUCE:
             return None
@@ -164,11 +165,13 @@ class Transport:
                 sum(count * frames.ITEMSIZE[dtype] for dtype, count in zip(dtypes, counts))
             name = f"{pending.bucket.key}.frame"
             buffer = self.buffers.buffer_for(xp, name, "uint8", size, pending.g)
-            if variable:
-                header = frames.header_bytes(xp, counts, pending.g)
-                xp.assign(buffer[:xp.numel(header)], header)
-            pending.framed = (buffer, flag_at, end, dtypes, counts)
-            return buffer, [offset for offset, _, _ in pieces], self.buffers.views.setdefault(name, {})
+            offsets, kept = [offset for offset, _, _ in pieces], self.buffers.views.setdefault(name, {})
+            if not variable:
+                pending.framed = (buffer, flag_at, end, dtypes, counts)
+                return buffer, offsets, kept
+            # the kernel writes the header and the zeros after the pieces: written to the frame's end
+            pending.framed = (buffer, flag_at, size, dtypes, counts)
+            return buffer, offsets, kept, end
 
         return into
 
@@ -182,7 +185,7 @@ class Transport:
                                "overflow flag")
         if flag is not None:
             xp.assign(frame[flag_at:flag_at + 1], xp.cast(xp.flatten(flag), "uint8"))
-            end = flag_at + 1
+            end = max(end, flag_at + 1)
         if end < xp.numel(frame):
             xp.assign(frame[end:], xp.zeros(xp.numel(frame) - end, "uint8", like=frame))
         return frame

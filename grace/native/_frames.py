@@ -9,7 +9,7 @@ import itertools
 
 from grace.formats import ITEMSIZE
 from grace.native._arrays import call
-from grace.native._common import _check_places, _in_place, _index_codes, _int64s, _same_kind
+from grace.native._common import _check_places, _in_place, _index_codes, _int64s, _same_kind, frame_ends
 
 PAIR_COLUMNS = 6  # GRACE_PAIR_COLUMNS: a row of a rank's pairs table, per segment (SparseFrames.pair_table)
 
@@ -64,18 +64,24 @@ class _Rooms:
         """Each gradient's values and indices, as many as the kernel counted: views; or, where
         ``into(dtypes, counts)`` lays them out in a buffer of the caller's (a bucket's frame, see
         ``_placed``), copied there in one call, and None for each (no view made: on small
-        gradients the views cost more than the kernel)."""
+        gradients the views cost more than the kernel). Where ``into`` also hands back the
+        pieces' end (a variable-length frame's: (buffer, offsets, kept, end)), the same call
+        writes the frame's header (the pieces' counts, int64, from byte 0) and zeros from that
+        end to the buffer's: no tensor operation after the kernel's pass, whose caches are cold."""
         counts = list(self.counts)
         if into is None:
             return ([self.values.obj[s:s + c] for s, c in zip(self.starts, counts)],
                     [self.indices[d].obj[s:s + c] for d, s, c in zip(self.dtypes, self.index_starts, counts)])
         dtypes = [t for d in self.dtypes for t in ("float32", d)]
         pieces = [c for c in counts for _ in "vi"]
-        buffer, offsets, *_ = into(dtypes, pieces)
+        buffer, offsets, *rest = into(dtypes, pieces)
         b = _in_place(kind, buffer, "uint8")
         _check_places(b, dtypes, pieces, offsets)
         nbytes = [c * ITEMSIZE[d] for c, d in zip(pieces, dtypes)]
         sources = [a for pair in zip(self.value_at, self.index_at) for a in pair]
-        call(kind, "copy_pieces", len(dtypes), (ctypes.c_void_p * len(sources))(*sources), _int64s(nbytes),
+        if len(rest) > 1:
+            header, *ends = frame_ends(b, pieces, offsets, rest[1])  # (header kept until the call)
+            sources, nbytes, offsets = (a + e for a, e in zip((sources, nbytes, offsets), ends))
+        call(kind, "copy_pieces", len(sources), (ctypes.c_void_p * len(sources))(*sources), _int64s(nbytes),
              b.ptr, _int64s(offsets))
         return [None] * len(counts), [None] * len(counts)

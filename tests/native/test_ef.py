@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -198,6 +199,21 @@ def test_a_bucket_in_one_call_equals_each_gradient_alone():
         same_bytes(gn.scatter_add_many([(v / ranks, i) for v, i in rows], n), d)
 
 
+VARIABLE_SIZES = [1, 300, 40000, 2**16 + 3]
+
+
+def _variable_bucket_call(method, into):
+    """A variable-length bucket call (threshold's or DGC's) over VARIABLE_SIZES, from the same
+    gradients and memories each time: its (values, indices)."""
+    sizes = VARIABLE_SIZES
+    gs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
+    e = [torch.from_numpy(gradient(n, seed=n + 1)) * 0.3 for n in sizes]
+    if method == "threshold":
+        return gn.threshold_ef_step_many(gs, e, [0.8] * len(sizes), beta=0.9, into=into)[:2]
+    v = [t.clone() for t in e]
+    return gn.dgc_step_many(gs, e, v, 0.9, 0.05, 0.1, [(s, 3) for s in range(len(sizes))], e, v, into=into)
+
+
 @pytest.mark.parametrize("method", ["threshold", "dgc"])
 def test_a_bucket_calls_pieces_copied_where_into_lays_them_are_its_views_bytes(method):
     """A variable-length bucket call with ``into`` (the exchange's frame): ``into`` is asked once,
@@ -205,17 +221,8 @@ def test_a_bucket_calls_pieces_copied_where_into_lays_them_are_its_views_bytes(m
     copied to the offset it names (here in reverse order, aligned, with gaps), as the bytes of
     the views the same call hands back without ``into``; nothing else is written, and the
     payloads are Nones."""
-    sizes = [1, 300, 40000, 2**16 + 3]
-    gs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
-    states = [torch.from_numpy(gradient(n, seed=n + 1)) * 0.3 for n in sizes]
-
-    def run(into):
-        e = [t.clone() for t in states]
-        if method == "threshold":
-            return gn.threshold_ef_step_many(gs, e, [0.8] * len(sizes), beta=0.9, into=into)[:2]
-        v = [t.clone() for t in states]
-        return gn.dgc_step_many(gs, e, v, 0.9, 0.05, 0.1, [(s, 3) for s in range(len(sizes))], e, v, into=into)
-
+    sizes = VARIABLE_SIZES
+    run = functools.partial(_variable_bucket_call, method)
     values, indices = run(None)
     pieces = [t for pair in zip(values, indices) for t in pair]
     sizes_in_bytes = [t.numel() * t.element_size() for t in pieces]
@@ -236,6 +243,34 @@ def test_a_bucket_calls_pieces_copied_where_into_lays_them_are_its_views_bytes(m
         same_bytes(t.view(torch.uint8), frame[at:at + n])
         written[at:at + n] = True
     assert bool((frame[~written] == 0xAB).all())
+
+
+@pytest.mark.parametrize("method", ["threshold", "dgc"])
+def test_a_variable_frames_header_and_padding_are_written_with_its_pieces(method):
+    """Where ``into`` also hands back where the pieces end (a variable-length frame), the call
+    writes the frame's header (each piece's count, int64, from byte 0) and zeros from that end to
+    the frame's last byte, with the pieces as the views' bytes; a frame with no room for its
+    header is refused before anything is written."""
+    sizes = VARIABLE_SIZES
+    run = functools.partial(_variable_bucket_call, method)
+    values, indices = run(None)
+    pieces = [t for pair in zip(values, indices) for t in pair]
+    offsets, at = [], 8 * len(pieces)
+    for t in pieces:  # (the widest first, as a frame lays them: here in order, each aligned)
+        at += -at % t.element_size()
+        offsets.append(at)
+        at += t.numel() * t.element_size()
+    end = at
+    frame = torch.full((end + 5,), 0xAB, dtype=torch.uint8)
+    assert run(lambda dtypes, counts: (frame, offsets, {}, end)) == ([None] * len(sizes), [None] * len(sizes))
+    assert frame[:8 * len(pieces)].view(torch.int64).tolist() == [t.numel() for t in pieces]
+    for t, o in zip(pieces, offsets):
+        same_bytes(t.view(torch.uint8), frame[o:o + t.numel() * t.element_size()])
+    assert frame[end:].tolist() == [0] * 5
+    cramped = torch.full((end + 5,), 0xAB, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="no room for its header"):
+        run(lambda dtypes, counts: (cramped, [o - 8 for o in offsets], {}, end))
+    assert bool((cramped == 0xAB).all())
 
 
 @pytest.mark.parametrize("order", ["ascending", "repeats", "unordered"])
