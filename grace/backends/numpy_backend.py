@@ -94,6 +94,11 @@ class NumpyBackend:
         """Write ``src`` into the tensor (or view) ``dst``."""
         dst[...] = src
 
+    def assign_many(self, dsts, srcs) -> None:
+        """``assign`` of each pair (a toolkit may do them all in one multi-tensor operation)."""
+        for dst, src in zip(dsts, srcs):
+            dst[...] = src
+
     # (0-d arithmetic gives NumPy scalars, which nothing can be written into: a new result then)
     def add_into(self, a, b, out):
         """a + b written into the preallocated ``out`` (backends whose tensors are mutable)."""

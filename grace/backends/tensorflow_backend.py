@@ -198,6 +198,8 @@ class TensorflowBackend:
     def assign(self, dst, src) -> None:
         raise TypeError("TensorFlow tensors cannot be written in place (mutable_tensors is False)")
 
+    assign_many = assign
+
     def add_into(self, a, b, out):  # (like concat_into: a new tensor; ``out`` cannot be written)
         return a + b
 

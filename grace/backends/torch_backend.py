@@ -155,7 +155,8 @@ class TorchBackend:
     def cast(self, x, dtype: str):
         if not torch.is_tensor(x):  # a Python number, e.g. a count
             return torch.as_tensor(x, dtype=_dtype(dtype))
-        return x.to(_dtype(dtype))
+        wanted = _dtype(dtype)
+        return x if x.dtype == wanted else x.to(wanted)  # (x.to of its own dtype is x, after a dispatch)
 
     # x itself where it has the shape already: a view costs about 1.5 us, and a bucket asks for
     # one per gradient and step (not inside a compiled program: a comparison of symbolic sizes
@@ -164,7 +165,11 @@ class TorchBackend:
         return x if not torch.compiler.is_compiling() and x.dim() == 1 else x.reshape(-1)
 
     def reshape(self, x, shape):
-        return x if not torch.compiler.is_compiling() and x.shape == shape else x.reshape(shape)
+        if torch.compiler.is_compiling():
+            return x.reshape(shape)
+        # (a -1 where x has the other sizes: x, as PowerSGD's (rows, -1) of a matrix)
+        same = x.shape == shape or len(x.shape) == len(shape) and all(a == b or b == -1 for a, b in zip(x.shape, shape))
+        return x if same else x.reshape(shape)
 
     def concat(self, xs):
         return torch.cat(list(xs))
@@ -194,6 +199,13 @@ class TorchBackend:
 
     def assign(self, dst, src) -> None:
         dst.copy_(src)
+
+    def assign_many(self, dsts, srcs) -> None:
+        if len(dsts) > 1:  # one dispatch (one multi-tensor kernel on a GPU), not one per tensor
+            torch._foreach_copy_(list(dsts), list(srcs))
+        else:
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src)
 
     def add_into(self, a, b, out):
         return torch.add(a, b, out=out)

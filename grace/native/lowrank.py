@@ -34,14 +34,14 @@ def _rank(n: int, rows: int, cols: int, factor: int, factor_rows: int) -> int:
 
 def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=None, deferred=None):
     """PowerSGD's first product for many matrices in one call (CPU): for each s, p_s = M_s q_s,
-    flat (rows x r, row-major), for M_s the rows x cols (``shapes[s]``) float32 matrix in
+    (rows x r, row-major), for M_s the rows x cols (``shapes[s]``) float32 matrix in
     ``ms[s]``, or, where ``residuals[s]`` is given (not None), M_s = ms[s] + residuals[s] written
     into ``m_outs[s]`` in the same pass; where ``deferred[s]`` is also given, a pair (p', q') of
     factors (rows x r, cols x r), M_s = ms[s] + (residuals[s] - p' q'^T), the residual's subtraction
     left to this pass (p' q'^T made as ``lowrank_expand_many`` makes it). ``nonfinite`` (a
     one-element float32 tensor, optional) is set to 1 where an ms[s] holds an inf or a NaN and
     left as it is otherwise (a bucket's gradients share one). Each element is summed in one
-    fixed order on every build and thread count. Returns the p_s, views of one new buffer."""
+    fixed order on every build and thread count. Returns the p_s, (rows, r) views of one new buffer."""
     kind = _cpu_kind(ms[0])
     mb, qb = _lowrank_buffers(kind, ms), _lowrank_buffers(kind, qs)
     ranks = [_rank(m.n, rows, cols, q.n, cols) for m, q, (rows, cols) in zip(mb, qb, shapes)]
@@ -59,7 +59,7 @@ def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=
         (flag,) = _lowrank_buffers(kind, [], [nonfinite])
         if flag.n != 1:
             raise ValueError("the overflow flag is one float32 element")
-    ps, places = _factors(kind, [rows * r for (rows, _), r in zip(shapes, ranks)])
+    ps, places = _factors(kind, [rows for rows, _ in shapes], ranks)
     call(kind, "lowrank_project_many", len(mb), _pointers(mb), _maybe_pointers(sums), _maybe_pointers(dps),
          _maybe_pointers(dqs), *_shapes(shapes), _pointers(qb), _int64s(ranks), _maybe_pointers(outs), places,
          flag and flag.ptr)
@@ -67,16 +67,16 @@ def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=
 
 
 def lowrank_back_many(ms, ps, shapes, unit: bool = False):
-    """PowerSGD's second product for many matrices in one call (CPU): q_s = M_s^T p_s, flat
+    """PowerSGD's second product for many matrices in one call (CPU): q_s = M_s^T p_s
     (cols x r, row-major), for the rows x cols float32 matrix M_s in ``ms[s]`` and p_s rows x
     r, each element summed over the rows in order. ``unit``: each p_s of one column is first
     made p / |p| in place (the squares summed in float64, in order; the first unit vector
-    where p is zero), as the backends' ``orthonormalize``. Returns the q_s, views of one new buffer."""
+    where p is zero), as the backends' ``orthonormalize``. Returns the q_s, (cols, r) views of one new buffer."""
     kind = _cpu_kind(ms[0])
     mb = _lowrank_buffers(kind, ms)
     pb = _in_place_all(kind, ps, "float32")
     ranks = [_rank(m.n, rows, cols, p.n, rows) for m, p, (rows, cols) in zip(mb, pb, shapes)]
-    qs, places = _factors(kind, [cols * r for (_, cols), r in zip(shapes, ranks)])
+    qs, places = _factors(kind, [cols for _, cols in shapes], ranks)
     call(kind, "lowrank_back_many", len(mb), _pointers(mb), *_shapes(shapes), _pointers(pb), _int64s(ranks), int(unit),
          places)
     return _wrap_list(kind, qs)
@@ -84,7 +84,7 @@ def lowrank_back_many(ms, ps, shapes, unit: bool = False):
 
 def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, residual_outs=None):
     """PowerSGD's approximation for many matrices in one call (CPU): q'_s = q_s / ``divisor``
-    (flat, views of one new buffer), then p_s q'_s^T (rows x cols, flat) into ``outs[s]`` (a
+    ((cols, r) views of one new buffer), then p_s q'_s^T (rows x cols, flat) into ``outs[s]`` (a
     new tensor where None; not ms[s]), and where ``residual_outs[s]`` is given, ms[s] - p_s
     q'_s^T into it in the same pass (it may be ms[s]). Returns (the approximations, the q'_s)."""
     kind = _cpu_kind(ps[0])
@@ -101,7 +101,7 @@ def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, res
     if any(o.n != rows * cols or (e is not None and not m.n == e.n == rows * cols)
            for o, m, e, (rows, cols) in zip(ob, mb or ob, eb or [None] * len(ob), shapes)):
         raise ValueError("out, m and residual_out must have rows x cols elements")
-    divided, places = _factors(kind, [q.n for q in qb])
+    divided, places = _factors(kind, [cols for _, cols in shapes], ranks)
     call(kind, "lowrank_expand_many", len(pb), _pointers(pb), _pointers(qb), *_shapes(shapes), _int64s(ranks),
          float(divisor), places, _pointers(ob), _maybe_pointers(mb), _maybe_pointers(eb))
     kind.sync()
@@ -131,11 +131,19 @@ def _shapes(shapes):
     return _int64s([rows for rows, _ in shapes]), _int64s([cols for _, cols in shapes])
 
 
-def _factors(kind, sizes):
-    """One new float32 buffer for factors of ``sizes`` elements: a view of it for each, and
-    their addresses (a C array)."""
+def _factors(kind, rows, ranks):
+    """One new float32 buffer for factors of ``rows[s]`` x ``ranks[s]`` (row-major): a (rows, r)
+    view of it for each, and their addresses (a C array). Of one r (rank 1, a bucket's usual
+    case), the views come from one split of the buffer seen as (total rows, r): no view made per
+    factor, and none again where a caller asks for that shape."""
+    sizes = [n * r for n, r in zip(rows, ranks)]
     buf, starts = kind.empty(sum(sizes), "float32"), [0, *itertools.accumulate(sizes[:-1])]
-    views = buf.obj.split(sizes) if kind.name == "torch" else [buf.obj[o:o + n] for o, n in zip(starts, sizes)]
+    if kind.name == "torch" and len(set(ranks)) == 1:
+        views = buf.obj.view(-1, ranks[0]).split(list(rows)) if rows else []
+    elif kind.name == "torch":
+        views = [v.view(n, r) for v, n, r in zip(buf.obj.split(sizes), rows, ranks)]
+    else:
+        views = [buf.obj[o:o + n * r].reshape(n, r) for o, n, r in zip(starts, rows, ranks)]
     return list(views), _addresses(buf, [4 * o for o in starts])
 
 

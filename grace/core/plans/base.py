@@ -81,6 +81,17 @@ class Services:
         n = self.communicator.size
         return g_hat * n if out is None else xp.multiply_into(g_hat, n, out)
 
+    def delivered_many(self, xp, g_hats, overflow, outs):
+        """``delivered`` of each result; where every one has an ``out`` and none is poisoned or
+        scaled, those not written there yet copied in one operation (PowerSGD's vectors: 107
+        copies a ResNet-50 step, each a dispatch)."""
+        if not (self.average and no_overflow(overflow) and xp.mutable_tensors) or any(o is None for o in outs):
+            return [self.delivered(xp, t, overflow, out) for t, out in zip(g_hats, outs)]
+        copies = [(out, t) for t, out in zip(g_hats, outs) if t is not out]
+        if copies:
+            xp.assign_many(*zip(*copies))
+        return list(outs)
+
     def averaged(self, xp, summed, fresh: bool, out):
         """A decompressed sum over n: into ``out`` where given, else in place where it is new."""
         n = self.communicator.size
@@ -185,7 +196,7 @@ class BucketPlan:
             g_hat = xp.unflatten(flat, bucket.numels, bucket.shapes)
         if pending.outs is None and s.average and no_overflow(overflow):
             return g_hat  # delivered as they are (an accelerator's new results)
-        return [s.delivered(xp, t, overflow, out) for t, out in zip(g_hat, outs)]
+        return s.delivered_many(xp, g_hat, overflow, outs)
 
 
 class WholeBucket(BucketPlan):

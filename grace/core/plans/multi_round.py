@@ -103,13 +103,11 @@ class MultiRound(BucketPlan):
         g_hats = [g_u for g_u, _, _ in results]
         if pending.defer and not no_overflow(overflow):  # a count left on the device: all poisoned at once
             g_hats, overflow = poisoned_many(xp, g_hats, overflow), None
-        delivered = []
-        for i, (u, g_u, (_, _, state)) in enumerate(zip(pending.units, g_hats, results)):
+        for i, (u, (_, _, state)) in enumerate(zip(pending.units, results)):
             s.journal.set("state", u.name, state)
             if s.compression.memory.needs_feedback:
                 s.journal.set("memory", u.name, new_memory[i])
-            delivered.append(s.delivered(xp, g_u, overflow, outs[i]))
-        return delivered
+        return s.delivered_many(xp, g_hats, overflow, outs)
 
     def _new_memories(self, pending: BucketPending, results):
         """Each gradient's new memory: where p is its spare buffer, written there, all at once, or,
