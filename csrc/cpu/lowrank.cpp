@@ -203,9 +203,11 @@ inline F8 sum8(const float* a, const float* b, const Less& d, int64_t j, FiniteC
 }
 #endif
 
-// a row's sum (sum1) of cols floats into m (m may be a or b)
+// a row's sum (sum1) of cols floats into m (m may be a or b; streamed where `stream`, m then
+// 16-byte aligned)
 template <class Less>
-void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& check) {
+void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& check,
+             bool stream = false) {
   int64_t j = 0;
 #ifdef GRACE_SIMD
   for (; j + 8 <= cols; j += 8) {
@@ -213,8 +215,10 @@ void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float*
       prefetch(a + j);
       prefetch(b + j);
     }
-    st8(m + j, sum8(a, b, d, j, check));
+    put8(m + j, sum8(a, b, d, j, check), stream);
   }
+#else
+  (void)stream;
 #endif
   for (; j < cols; ++j) m[j] = sum1(a, b, d, j, check);
 }
@@ -223,7 +227,7 @@ void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float*
 // into *p: whether every m was zero or at least `least` (else *p is to be made again, flushed)
 template <class Less>
 bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& check,
-                     const float* q, float least, float* p) {
+                     const float* q, float least, float* p, bool stream) {
 #ifdef GRACE_SIMD
   const int64_t c32 = cols - cols % 32;
   const F8 zero = set8(0.0f), low = set8(least);
@@ -236,13 +240,13 @@ bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols
     for (int c = 0; c < 4; ++c) {
       const int64_t at = j + 8 * c;
       const F8 x = sum8(a, b, d, at, check);
-      st8(m + at, x);
+      put8(m + at, x, stream);
       const F8 t = abs8(x);
       small = or8(small, and8(lt8(t, low), gt8(t, zero)));
       acc[c] = acc[c] + x * ld8(q + at);
     }
   }
-  if (c32 < cols) row_sum(a + c32, b + c32, Shifted<Less>{d, c32}, cols - c32, m + c32, check);
+  if (c32 < cols) row_sum(a + c32, b + c32, Shifted<Less>{d, c32}, cols - c32, m + c32, check, stream);
   float sum = combine8((acc[0] + acc[1]) + (acc[2] + acc[3]));
   bool fine = !mask8(small);
   for (int64_t j = c32; j < cols; ++j) {
@@ -253,7 +257,7 @@ bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols
   *p = sum;
   return fine;
 #else
-  (void)q, (void)least, (void)p;
+  (void)q, (void)least, (void)p, (void)stream;
   row_sum(a, b, d, cols, m, check);
   return false;
 #endif
@@ -261,12 +265,16 @@ bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols
 
 // one matrix's products (the _many entry points below deal the matrices with for_segments)
 void lowrank_project(const float* a, const float* b, const float* dp, const float* dq, int64_t rows, int64_t cols,
-                     const float* q, int64_t r, float* m, float* p, float* nonfinite) {
+                     const float* q, int64_t r, float* m, float* p, float* nonfinite, bool stream) {
   const Columns qt(q, cols, r);
   const Columns dqt(dp ? dq : q, cols, dp ? r : 1);  // (unused without dp)
   const Unflushed unflushed(dp ? dq : q, dp ? cols * r : 0);
   const float least = r == 1 && b ? Unflushed(q, cols).least_factor() : 0.0f;  // (0: no product made in the pass)
   std::atomic<bool> bad{false};
+  // M streamed (no read of each line before it is written) where the bucket's are beyond the
+  // caches, M has a buffer of its own (an input's lines are in the cache as M is written over
+  // them) and each row's product is made in the same pass (M is not read back)
+  stream = stream && least > 0.0f && m != a && m != b && (uintptr_t)m % 16 == 0 && cols % 4 == 0;
   for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
     FiniteCheck check;
     LineAligned<float> deferred(dp ? cols : 0);
@@ -280,8 +288,8 @@ void lowrank_project(const float* a, const float* b, const float* dp, const floa
         float* mi = m + i * cols;
         const float* pi = dp ? dp + i * r : nullptr;
         auto sum = [&](const auto& less) {  // whether the product was made in the same pass
-          if (least > 0.0f) return row_sum_product(x, b + i * cols, less, cols, mi, check, q, least, p + i);
-          row_sum(x, b + i * cols, less, cols, mi, check);
+          if (least > 0.0f) return row_sum_product(x, b + i * cols, less, cols, mi, check, q, least, p + i, stream);
+          row_sum(x, b + i * cols, less, cols, mi, check, stream);
           return false;
         };
         bool made;
@@ -301,6 +309,7 @@ void lowrank_project(const float* a, const float* b, const float* dp, const floa
       FlushDenormals flush;
       row_products(x, cols, qt, r, p + i * r);
     }
+    fence_streams(stream);
     report(check, &bad);
   });
   if (nonfinite && bad.load()) *nonfinite = 1.0f;
@@ -420,10 +429,12 @@ API void grace_cpu_lowrank_project_many(int64_t count, const float* const* a, co
                                         const int64_t* cols, const float* const* q, const int64_t* r,
                                         float* const* m, float* const* p, float* nonfinite) {
   std::vector<float> flags(nonfinite ? count : 0, 0.0f);  // (each matrix's own: written by one thread)
-  for_segments(count, matrix_sizes(count, rows, cols).data(), [&](int64_t s) {
+  const std::vector<int64_t> sizes = matrix_sizes(count, rows, cols);
+  const bool stream = bucket_bytes(count, sizes.data()) >= kStreamBytes;  // (the bucket's Ms together)
+  for_segments(count, sizes.data(), [&](int64_t s) {
     const bool deferred = b && b[s] && dp && dp[s];
     lowrank_project(a[s], b ? b[s] : nullptr, deferred ? dp[s] : nullptr, deferred ? dq[s] : nullptr, rows[s],
-                    cols[s], q[s], r[s], m ? m[s] : nullptr, p[s], nonfinite ? &flags[s] : nullptr);
+                    cols[s], q[s], r[s], m ? m[s] : nullptr, p[s], nonfinite ? &flags[s] : nullptr, stream);
   });
   for (float f : flags)
     if (f != 0.0f) *nonfinite = 1.0f;

@@ -333,6 +333,37 @@ def test_an_expand_past_the_caches_writes_the_same_rows(threads):
         np.testing.assert_array_equal(residual.numpy(), g - want if w else g)
 
 
+def test_a_first_product_past_the_caches_streams_the_same_m(threads):
+    """A bucket whose Ms pass the streaming size (8 MB) writes them with streaming stores where
+    the product is made in the same pass (rank 1, rows 16-byte aligned): M and P bit for bit those
+    of each matrix alone (below that size, stored), with a deferred residual, rows whose columns
+    are not a multiple of 4, a row of subnormal sums (its product made again, from M read back)
+    and an M written over its residual."""
+    shapes = [(1024, 1028), (1030, 1027), (1000, 1100)]
+    assert 4 * sum(rows * cols for rows, cols in shapes) >= 8 << 20 > 4 * max(rows * cols for rows, cols in shapes)
+    made = [data(rows, cols, 1, seed=10 + i) for i, (rows, cols) in enumerate(shapes)]
+    made[0][0][5], made[0][1][5] = F(1e-39), F(0.0)  # (M's row 5 subnormal)
+    deferred = [None, None, (t(made[2][3]), t(made[2][2] * F(0.5)))]
+    in_place = [False, False, True]
+
+    def run(indices):
+        ms = [t(made[i][1].copy()) if in_place[i] else torch.full(shapes[i], np.nan) for i in indices]
+        residuals = [m if in_place[i] else t(made[i][1]) for m, i in zip(ms, indices)]
+        ps = gn.lowrank_project_many([t(made[i][0]) for i in indices], [t(made[i][2]) for i in indices],
+                                     [shapes[i] for i in indices], residuals, ms, None,
+                                     [deferred[i] for i in indices] if any(deferred[i] for i in indices) else None)
+        return ms, ps
+
+    together = run(range(len(shapes)))
+    alone = [run([i]) for i in range(len(shapes))]
+    for i, (g, e, q, _) in enumerate(made):
+        assert torch.equal(together[0][i], alone[i][0][0]) and torch.equal(together[1][i], alone[i][1][0])
+        if deferred[i] is None:
+            np.testing.assert_array_equal(together[0][i].numpy(), g + e)
+        normal = np.arange(shapes[i][0]) != (5 if i == 0 else -1)  # (row 5's product flushed: as alone, above)
+        np.testing.assert_array_equal(together[1][i].numpy()[normal], project_order(together[0][i].numpy(), q)[normal])
+
+
 @pytest.mark.parametrize("column", ["normal", "zero", "tiny", "huge", "one"])
 def test_back_makes_one_column_a_unit_vector_first(column):
     """``unit``: a P of one column becomes p / |p| in place before Q = M^T p (the squares in
