@@ -428,13 +428,18 @@ API void grace_cpu_lowrank_project_many(int64_t count, const float* const* a, co
                                         const float* const* dp, const float* const* dq, const int64_t* rows,
                                         const int64_t* cols, const float* const* q, const int64_t* r,
                                         float* const* m, float* const* p, float* nonfinite) {
+  // M streamed only for matrices of at least 2 MB: a 48-layer MLP's 24 matrices of 1 MB a bucket
+  // (one thread, in the exchange) took 8.5-9.1 ms streamed against 7.1-7.5 stored, where
+  // ResNet-50's, most of whose bytes are in larger matrices, took 10.6-11.3 against 11.9-13.9
+  constexpr int64_t kStreamMatrixBytes = 2 << 20;
   std::vector<float> flags(nonfinite ? count : 0, 0.0f);  // (each matrix's own: written by one thread)
   const std::vector<int64_t> sizes = matrix_sizes(count, rows, cols);
   const bool stream = bucket_bytes(count, sizes.data()) >= kStreamBytes;  // (the bucket's Ms together)
   for_segments(count, sizes.data(), [&](int64_t s) {
     const bool deferred = b && b[s] && dp && dp[s];
     lowrank_project(a[s], b ? b[s] : nullptr, deferred ? dp[s] : nullptr, deferred ? dq[s] : nullptr, rows[s],
-                    cols[s], q[s], r[s], m ? m[s] : nullptr, p[s], nonfinite ? &flags[s] : nullptr, stream);
+                    cols[s], q[s], r[s], m ? m[s] : nullptr, p[s], nonfinite ? &flags[s] : nullptr,
+                    stream && 4 * sizes[s] >= kStreamMatrixBytes);
   });
   for (float f : flags)
     if (f != 0.0f) *nonfinite = 1.0f;
