@@ -8,14 +8,17 @@ gradient), into which the next memory is written, the old one becoming the next 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable
+import operator
+from typing import Any, Dict, Iterable, Sequence
 
 from grace.core.memory import buffer_of
 
 
 class Pieces(tuple):
-    """Views of one kept buffer (``Buffers.pieces_of``), the same objects step after step;
-    ``derived``: what a kernel derives from them once (their native buffers), dropped with them."""
+    """Tensors a kernel meets more than once: views of one kept buffer (``Buffers.pieces_of``) or
+    a bucket's memories (``Buffers.kept``), the same objects step after step; a step's gradients,
+    compressed and then written over. ``derived``: what a kernel derives from them once (their
+    native buffers), dropped with them."""
 
     def __new__(cls, views):
         pieces = super().__new__(cls, views)
@@ -30,6 +33,18 @@ def same_layout(xp, a, b) -> bool:
         return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) \
             and all(same_layout(xp, x, y) for x, y in zip(a, b))
     return xp.same_layout(a, b)
+
+
+def column(xs, i: int):
+    """The ``i``-th of each of ``xs`` (tuples: DGC's (u, v) memories); of a kept ``Pieces``, a
+    kept ``Pieces`` too, made once (so is what kernels derive from it)."""
+    derived = getattr(xs, "derived", None)
+    if derived is None:
+        return [x[i] for x in xs]
+    got = derived.get(("column", i))
+    if got is None:
+        got = derived[("column", i)] = Pieces([x[i] for x in xs])
+    return got
 
 
 class Buffers:
@@ -78,6 +93,34 @@ class Buffers:
         buffer = self.buffer_for(xp, f"{bucket.key}.gradient", bucket.dtype, bucket.numel, grads[0]) \
             if xp.mutable_tensors else None
         return xp.concat_flat(grads, buffer)
+
+    def kept(self, name: str, values) -> Pieces:
+        """``values`` (what the exchange keeps: a bucket's memories or spares, whose layouts and
+        storage never change) as a ``Pieces``, the same one while they are the same objects: what
+        kernels derive from it (native buffers) serves every step. The two latest per ``name``
+        are kept, as memories and spares trade places each step."""
+        latest = self.views.setdefault(name, {}).setdefault("kept", [])
+        for pieces in latest:
+            if len(pieces) == len(values) and all(map(operator.is_, pieces, values)):
+                return pieces
+        pieces = Pieces(values)
+        latest[:] = [pieces, *latest[:1]]
+        return pieces
+
+    def take_spares(self, key: str, xp, names: Sequence[str], currents) -> Pieces:
+        """``take_spare`` of each of bucket ``key``'s units (``names``, memories ``currents``),
+        kept (``kept``). Where these memories were handed these spares before (two steps ago),
+        they are taken again with no layout check unit by unit."""
+        memories = self.kept(f"{key}.memories", [buffer_of(c) for c in currents])
+        spares = memories.derived.get("spares")
+        if spares is not None and all(map(operator.is_, map(self.spares.get, names), spares)):
+            for name in names:
+                del self.spares[name]
+            return spares
+        spares = self.kept(f"{key}.spares", [self.take_spare(n, xp, c) for n, c in zip(names, currents)])
+        if xp.mutable_tensors and all(spare is not None for spare in spares):
+            memories.derived["spares"] = spares
+        return spares
 
     def take_spare(self, key: str, xp, current):
         """``key``'s spare memory (taken out), laid out like ``current`` (a deferred state: like

@@ -21,6 +21,7 @@ cut. grace.native's ``uniform_segments`` and ``random_indices_segments`` compute
 """
 from __future__ import annotations
 
+import collections.abc
 from typing import Sequence
 
 import numpy as np
@@ -65,6 +66,40 @@ def seed_words(seed) -> tuple:
 
 _KEY_WORDS: dict = {}  # key -> key_words(key)
 _latest_step: list = [(None, 0, 0)]  # the latest step, and its two hashes
+
+
+def bucket_seed_words(infos, base_seed: int = 0, own: bool = False) -> "BucketWords":
+    """``seed_words`` of each info's seed (``own``: its ``rank_seed``), for the infos of one
+    bucket (one step, one rank): the key words of the bucket's gradients kept as two arrays,
+    mixed with the step's at once (a ResNet-50 step's 161 gradients one by one: about 0.5 ms)."""
+    first = infos[0]
+    cached = (tuple(info.name_key for info in infos), base_seed, first.rank if own else None)
+    words = _BUCKET_WORDS.get(cached)
+    if words is None:
+        if len(_BUCKET_WORDS) > 1 << 10:
+            _BUCKET_WORDS.clear()
+        keys = np.array([(info.rank_seed(base_seed) if own else info.seed(base_seed))[0] for info in infos], np.int64)
+        words = _BUCKET_WORDS[cached] = key_words(keys)
+    step = int(first.step) & M32
+    return BucketWords(hash32(words[0] ^ hash32(step ^ SALTS[2])), hash32(words[1] ^ hash32(step ^ SALTS[3])))
+
+
+class BucketWords(collections.abc.Sequence):
+    """A bucket's seed words (``bucket_seed_words``): (s0, s1) pairs of host ints, kept as two
+    uint32 arrays (``columns``), from which a native call's C arrays are made without a Python
+    int per word."""
+
+    def __init__(self, s0, s1):
+        self.columns = (s0.astype(np.uint32), s1.astype(np.uint32))
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def __getitem__(self, i):
+        return int(self.columns[0][i]), int(self.columns[1][i])
+
+
+_BUCKET_WORDS: dict = {}  # (a bucket's name keys, base seed, rank) -> key_words of its keys, as arrays
 
 
 def hash32(h):

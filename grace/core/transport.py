@@ -184,7 +184,7 @@ class Transport:
             raise RuntimeError(f"grace: {pending.bucket.key}'s frame was laid out for {'no ' * (flag_at is None)}"
                                "overflow flag")
         if flag is not None:
-            xp.assign(frame[flag_at:flag_at + 1], xp.cast(xp.flatten(flag), "uint8"))
+            xp.assign(frame[flag_at:flag_at + 1], flag)  # (cast to the byte as it is written)
             end = max(end, flag_at + 1)
         if end < xp.numel(frame):
             xp.assign(frame[end:], xp.zeros(xp.numel(frame) - end, "uint8", like=frame))

@@ -73,7 +73,7 @@ class RandomKKernels(MethodKernels):
         if not xp.indices_by_hash(g):  # (a CPU's are other draws: grace.core.draws)
             return None
         ks = [sent_count(randomk.ratio, d) for d in table.numels]
-        words = [draws.seed_words(info.seed(randomk.seed)) for info in infos]
+        words = draws.bucket_seed_words(infos, randomk.seed)
         scales = [d / k for d, k in zip(table.numels, ks)] if randomk.scale else None
         done = native_or_none(xp, "randomk_ef_step_segments", g, g, residual, table.starts, table.numels, ks, words,
                               scales, beta, gamma, nonfinite=nonfinite)

@@ -13,6 +13,7 @@ from grace.compressors.sparse import Sparsifier
 from grace.compressors.threshold import Threshold
 from grace.compressors.topk import TopK
 from grace.core import draws, segments
+from grace.core.buffers import column
 from grace.core.compressor import Shape, index_dtype, native_or_none
 from grace.core.journal import poisoned
 from grace.core.plans.kernels import MethodKernels, kernels_for
@@ -213,7 +214,7 @@ class DGCKernels(SparseKernels):
             return dgc.segment_cut(xp, p, table, infos)
         ratio = dgc.ratio_at(xp, infos[0].step)
         sizes, needs, ks = table.latest("dgc plan", ratio, lambda: dgc.sample_plan(table.numels, ratio))
-        words = [draws.seed_words(info.rank_seed(dgc.seed)) for info in infos]
+        words = draws.bucket_seed_words(infos, dgc.seed, own=True)
         return ks, cut(p, table.starts, table.numels, sizes, needs, words)
 
     def step_fields(self, numels, dtype, ctx):
@@ -232,10 +233,10 @@ class DGCKernels(SparseKernels):
         if not isinstance(step, numbers.Integral) or not xp.native("dgc_step_many", gs[0], xp.dtype(gs[0])):
             return None
         scales = None if factor is None else [float(factor(g)) for g in gs]
-        words = [draws.seed_words(info.rank_seed(dgc.seed)) for info in infos]
-        done = native_or_none(xp, "dgc_step_many", gs[0], gs, [u for u, _ in states], [v for _, v in states], momentum,
-                              dgc.ratio_at(xp, step), dgc.sample_ratio, words, [u for u, _ in outs],
-                              [v for _, v in outs], nonfinite=flag, scales=scales, into=into)
+        words = draws.bucket_seed_words(infos, dgc.seed, own=True)
+        done = native_or_none(xp, "dgc_step_many", gs[0], gs, column(states, 0), column(states, 1), momentum,
+                              dgc.ratio_at(xp, step), dgc.sample_ratio, words, column(outs, 0), column(outs, 1),
+                              nonfinite=flag, scales=scales, into=into)
         if done is None:
             return None
         return [((values, indices), Shape(xp.shape(g), xp.dtype(g)), out)

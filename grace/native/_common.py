@@ -155,7 +155,11 @@ def _index_codes(dtypes):
 
 
 def _seed_word_arrays(words):
-    """Seeds' two 32-bit words (grace.core.draws.seed_words) as two C arrays."""
+    """Seeds' two 32-bit words (grace.core.draws.seed_words) as two C arrays (over the uint32
+    arrays of a bucket's, ``grace.core.draws.BucketWords``, where given)."""
+    columns = getattr(words, "columns", None)
+    if columns is not None:
+        return tuple((ctypes.c_uint32 * len(c)).from_buffer(c) for c in columns)
     return ((ctypes.c_uint32 * len(words))(*[w[i] for w in words]) for i in (0, 1))
 
 

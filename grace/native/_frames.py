@@ -5,6 +5,7 @@ counts its pairs into, copied from there into a variable-length frame."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 
 from grace.formats import ITEMSIZE
@@ -40,25 +41,23 @@ def pairs_into_frame(kind, values, idx, frame) -> None:
 
 class _Rooms:
     """Room for up to ``sizes[s]`` values (float32) and indices (``dtypes[s]``) of each gradient
-    of a bucket, whose counts the kernel tells: one buffer for the values, one per index dtype."""
+    of a bucket, whose counts the kernel tells: one buffer for the values, one per index dtype.
+    (Where they lie is worked out once per bucket layout, ``_room_layout``.)"""
 
     def __init__(self, kind, sizes, dtypes):
-        self.dtypes, self.starts = dtypes, [0, *itertools.accumulate(sizes[:-1])]
+        self.dtypes = dtypes = tuple(dtypes)
+        self.starts, self.index_starts, totals, value_bytes, index_bytes, self.codes = _room_layout(tuple(sizes),
+                                                                                                     dtypes)
         self.values = kind.empty(sum(sizes), "float32")
-        self.indices = {d: kind.empty(sum(n for n, e in zip(sizes, dtypes) if e == d), d) for d in set(dtypes)}
-        taken = dict.fromkeys(self.indices, 0)  # each gradient's room in the buffer of its index dtype
-        self.index_starts = []
-        for n, d in zip(sizes, dtypes):
-            self.index_starts.append(taken[d])
-            taken[d] += n
+        self.indices = {d: kind.empty(n, d) for d, n in totals.items()}
         self.counts = (ctypes.c_int64 * len(sizes))()
-        self.value_at = [self.values.ptr + 4 * s for s in self.starts]
-        self.index_at = [self.indices[d].ptr + ITEMSIZE[d] * s for d, s in zip(self.dtypes, self.index_starts)]
+        self.value_at = [self.values.ptr + b for b in value_bytes]
+        self.index_at = [self.indices[d].ptr + b for d, b in zip(dtypes, index_bytes)]
 
     def arguments(self):
         """The C arguments: value and index addresses, index type codes, counts."""
         return ((ctypes.c_void_p * len(self.dtypes))(*self.value_at),
-                (ctypes.c_void_p * len(self.dtypes))(*self.index_at), _index_codes(self.dtypes), self.counts)
+                (ctypes.c_void_p * len(self.dtypes))(*self.index_at), self.codes, self.counts)
 
     def payloads(self, kind, into=None):
         """Each gradient's values and indices, as many as the kernel counted: views; or, where
@@ -85,3 +84,18 @@ class _Rooms:
         call(kind, "copy_pieces", len(sources), (ctypes.c_void_p * len(sources))(*sources), _int64s(nbytes),
              b.ptr, _int64s(offsets))
         return [None] * len(counts), [None] * len(counts)
+
+
+@functools.lru_cache(maxsize=256)
+def _room_layout(sizes: tuple, dtypes: tuple):
+    """Where ``_Rooms`` puts each gradient's values and indices: (value starts, index starts in
+    the buffer of its dtype, each index buffer's size, the values' and indices' byte offsets, the
+    index types' C codes); a bucket's are the same every step."""
+    starts = [0, *itertools.accumulate(sizes[:-1])]
+    totals = dict.fromkeys(dtypes, 0)  # each gradient's room in the buffer of its index dtype
+    index_starts = []
+    for n, d in zip(sizes, dtypes):
+        index_starts.append(totals[d])
+        totals[d] += n
+    index_bytes = [ITEMSIZE[d] * i for d, i in zip(dtypes, index_starts)]
+    return starts, index_starts, totals, [4 * i for i in starts], index_bytes, _index_codes(dtypes)

@@ -5,6 +5,7 @@ received frames as C arrays of pointers, counts and dtypes, field by field (``Fr
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -33,13 +34,15 @@ class FrameRows:
         ``grace.core.bucket.variable_layouts`` reads them from the headers)."""
         rows = cls.__new__(cls)
         offsets, counts = np.asarray(offsets, np.int64), np.asarray(counts, np.int64)
-        rows._setup(data, starts, offsets, counts, list(dtypes), list(structure),
-                    _first_pieces(structure), _ends(offsets, counts, dtypes), {})
+        dtypes, structure, first, widths, fields = _variable_arrays(tuple(dtypes), tuple(structure))
+        rows._setup(data, starts, offsets, counts, dtypes, structure, first, offsets + counts * widths, fields,
+                    variable=True)
         return rows
 
-    def _setup(self, data, starts, offsets, counts, dtypes, structure, first, ends, fields):
+    def _setup(self, data, starts, offsets, counts, dtypes, structure, first, ends, fields, variable=False):
         """``first``: each unit's first piece; ``ends``: each piece's end, bytes from its frame's
-        start; ``fields``: what ``field`` keeps of a layout (one per layout: see ``_layout_arrays``)."""
+        start; ``fields``: what ``field`` keeps of a layout (one per layout and, for ``variable``
+        frames, per dtypes and structure: see ``_layout_arrays``, ``_variable_arrays``)."""
         kind = _cpu_kind(data)
         b = kind.flat(data)
         if b.dtype != "uint8":
@@ -50,7 +53,7 @@ class FrameRows:
                 raise ValueError(f"a piece past the end of {b.n} bytes of frames")
         self.ranks, self.units, self.keep = len(starts), len(structure), data
         self._offsets, self._counts, self._dtypes, self._structure = offsets, counts, dtypes, structure
-        self._first, self._kept = first, fields
+        self._first, self._kept, self._variable = first, fields, variable
         self._frames = b.ptr + starts  # each frame's first byte
         self._fields: dict = {}
 
@@ -60,17 +63,18 @@ class FrameRows:
         if j not in self._fields:
             if any(n <= j for n in self._structure):
                 raise ValueError(f"a payload without a field {j}")
-            if j not in self._kept:  # (one layout: its pieces of field j, their dtypes and counts per unit)
+            if j not in self._kept:  # (its pieces of field j and their dtypes; one layout: counts per unit)
                 pieces = self._first + j
-                self._kept[j] = (pieces, [self._dtypes[i] for i in pieces], self._counts[0, pieces].tolist())
+                self._kept[j] = (pieces, [self._dtypes[i] for i in pieces],
+                                 None if self._variable else self._counts[0, pieces].tolist())
             pieces, dtypes, unit_counts = self._kept[j]
             pointers = (self._offsets[:, pieces].T + self._frames[None, :]).reshape(-1)
-            if len(self._counts) == 1:  # one layout: counts per unit
-                self._fields[j] = _Field(pointers, unit_counts, dtypes, self.ranks, True,
-                                         kept=self._kept.setdefault((j, self.ranks), {}))
+            kept = self._kept.setdefault((j, self.ranks), {})
+            if not self._variable:  # one layout: counts per unit
+                self._fields[j] = _Field(pointers, unit_counts, dtypes, self.ranks, True, kept=kept)
             else:
                 counts = np.ascontiguousarray(self._counts[:, pieces].T).reshape(-1)
-                self._fields[j] = _Field(pointers, None, dtypes, self.ranks, True, counts)
+                self._fields[j] = _Field(pointers, None, dtypes, self.ranks, True, counts, kept=kept)
         return self._fields[j]
 
 
@@ -106,6 +110,15 @@ def _layout_arrays(layout, structure) -> tuple:
             offsets, counts, dtypes, structure, _first_pieces(structure),
             _ends(offsets, counts, dtypes), {}))
     return kept[2]
+
+
+@functools.lru_cache(maxsize=256)
+def _variable_arrays(dtypes: tuple, structure: tuple) -> tuple:
+    """What ``FrameRows.of_variable`` derives from its frames' dtypes and structure, the same
+    every step for a bucket: (dtypes, structure, each unit's first piece, the pieces' item
+    sizes, the fields' kept parts)."""
+    return (list(dtypes), list(structure), _first_pieces(structure),
+            np.asarray([ITEMSIZE[d] for d in dtypes], np.int64), {})
 
 
 def payload_ranks(payloads) -> int:

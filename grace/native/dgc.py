@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 from grace.formats import index_dtype
@@ -113,11 +114,18 @@ def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float
         raise ValueError("every gradient, state and output of a bucket must have one size")
     if not (0 < ratio <= 1 and 0 < sample_ratio <= 1):
         raise ValueError(f"ratio and sample_ratio must be in (0, 1], got {ratio!r}, {sample_ratio!r}")
-    numels = [b.n for b in gb]
-    rooms = _Rooms(kind, [min(d, max(1, math.ceil(ratio * d))) for d in numels], [index_dtype(d) for d in numels])
+    numels = tuple(b.n for b in gb)
+    rooms = _Rooms(kind, *_rooms_of(numels, ratio))
     s0, s1 = _seed_word_arrays(words)
     if call(kind, "dgc_step_many", len(gb), _pointers(gb), _pointers(ub), _pointers(vb), _pointers(uo), _pointers(vo),
             _int64s(numels), float(momentum), float(ratio), float(sample_ratio), s0, s1, *rooms.arguments(),
             None if scales is None else (ctypes.c_float * len(gb))(*scales), _flag(kind, nonfinite)) != 0:
         raise RuntimeError("native DGC steps failed")
     return rooms.payloads(kind, into)
+
+
+@functools.lru_cache(maxsize=256)
+def _rooms_of(numels: tuple, ratio: float):
+    """A bucket's rooms for DGC's pairs (k = max(1, ceil(ratio d)) each, at most d) and their
+    index dtypes: the same every step after the warm-up."""
+    return tuple(min(d, max(1, math.ceil(ratio * d))) for d in numels), tuple(index_dtype(d) for d in numels)

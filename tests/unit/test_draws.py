@@ -152,3 +152,24 @@ def test_seed_words_are_alike_from_ints_arrays_and_tensors_and_apart():
         for words in (arrays, [t.cpu().numpy() for t in tensors]):
             assert [(int(words[0][i]), int(words[1][i])) for i in range(len(keys))] == want, step
     assert len(grid) == 5 * len(keys)
+
+
+@pytest.mark.parametrize("step", [0, 7, 2**32 + 5])
+@pytest.mark.parametrize("rank", [0, 3, 127])
+def test_a_buckets_seed_words_are_each_gradients_own(step, rank):
+    """``bucket_seed_words``: a bucket's words made at once (its keys kept between steps) are
+    each gradient's ``seed_words`` of its seed, or of its rank's seed, as host ints; a step
+    later, that step's."""
+    from grace.core import draws
+    from grace.core.compressor import TensorInfo
+    from grace.native._common import _seed_word_arrays
+
+    for base in (0, 5, 2**25 + 3):
+        for own in (False, True):
+            for at in (step, step + 1):  # (the second: from the kept keys)
+                infos = [TensorInfo(f"layer{i}.weight", at, 8, rank) for i in range(40)]
+                want = [draws.seed_words(i.rank_seed(base) if own else i.seed(base)) for i in infos]
+                words = draws.bucket_seed_words(infos, base, own)
+                assert list(words) == want and all(type(w) is int for pair in words for w in pair)
+                c_arrays = _seed_word_arrays(words)  # (what a native call gets: from the arrays)
+                assert [tuple(pair) for pair in zip(*c_arrays)] == want

@@ -148,7 +148,7 @@ class BucketPlan:
 
     def _units(self, xp, grads, flat):
         """(units, their gradients, what new tensors are made like): each gradient as it is."""
-        return list(self.bucket.segments), list(grads), grads[0]
+        return list(self.bucket.segments), grads, grads[0]
 
     def _defers(self, xp, g) -> bool:
         """Whether the overflow count is left on the device until the step ends."""

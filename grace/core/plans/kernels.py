@@ -119,7 +119,7 @@ class MethodKernels:
         if not isinstance(infos[0].step, numbers.Integral):
             return None
         drawn = self.draws([1]) is not None  # (a random method: it draws)
-        words = [draws.seed_words(info.rank_seed(compressor.seed)) for info in infos] if drawn else None
+        words = draws.bucket_seed_words(infos, compressor.seed, own=True) if drawn else None
         done = native_or_none(xp, "compress_many", gs[0], self.many_kernel, gs, words, *self.arguments(),
                               nonfinite=flag, into=into)
         return None if done is None else [(payload, Shape(xp.shape(g), xp.dtype(g))) for payload, g in zip(done, gs)]
@@ -187,7 +187,7 @@ class MethodKernels:
         fused = xp.native(f"{self.segment_kernel}_compress_segments", p, xp.dtype(p)) if self.segment_kernel else None
         if fused:  # (a random method's draws made in the kernel, from each segment's seed words)
             counts = table.cached("draws", lambda: self.draws(table.numels))
-            words = () if counts is None else ([draws.seed_words(info.rank_seed(compressor.seed)) for info in infos],)
+            words = () if counts is None else (draws.bucket_seed_words(infos, compressor.seed, own=True),)
             return fused(p, table.starts, table.numels, *words, *self.arguments()), None, None
         return self.encode_segments(xp, p, table, infos), None, None
 

@@ -68,10 +68,12 @@ class PerGradient(BucketPlan):
         s, xp = self.services, pending.xp
         memory = s.compression.memory
         # New memories go into spare buffers where tensors are mutable: no step allocates (and
-        # page-faults) gradient-sized buffers.
-        spares = [s.buffers.take_spare(u.name, xp, e) if memory.needs_feedback else None
-                  for u, e in zip(pending.units, pending.old)]
-        steps = self._bucket_call(pending, g_units, infos, spares, in_call)
+        # page-faults) gradient-sized buffers. Both kept as the same objects step after step, so a
+        # bucket call derives its native buffers of them once.
+        kept_spares = s.buffers.take_spares(self.bucket.key, xp, self.bucket.names, pending.old) \
+            if memory.needs_feedback else [None] * len(pending.units)
+        spares = list(kept_spares)
+        steps = self._bucket_call(pending, g_units, infos, kept_spares, in_call)
         payloads, new_memory = [], []
         for i, (u, g_u, info, state, e) in enumerate(zip(pending.units, g_units, infos, states, pending.old)):
             if steps is None:
@@ -108,7 +110,8 @@ class PerGradient(BucketPlan):
         many_units = len(pending.units) > 1
         flag = xp.zeros(1, "float32", like=pending.g) if in_call else None
         into = s.transport.frame_into(pending)
-        steps = s.feedback.fused_steps(xp, s.kernels, g_units, pending.old, infos, spares, flag, into, defer=True) \
+        old = s.buffers.kept(f"{self.bucket.key}.old", pending.old)
+        steps = s.feedback.fused_steps(xp, s.kernels, g_units, old, infos, spares, flag, into, defer=True) \
             if many_units and all(spare is not None for spare in spares) else None
         if steps is None and memory.passes_gradient and many_units:  # no memory: the payloads alone
             many = s.kernels.compress_many(xp, g_units, infos, flag, into)

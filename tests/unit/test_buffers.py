@@ -1,0 +1,83 @@
+"""The buffers an exchange keeps from step to step: kept lists of memories and spares, whose
+native buffers a kernel derives once, and the spares a bucket's memories trade places with."""
+from __future__ import annotations
+
+import numpy as np
+
+import grace
+from grace import Exchange
+from grace.core.buffers import Buffers, Pieces, column
+from grace.core.communicator import LocalCommunicator
+from grace.core.memory import buffer_of
+from tests.unit.conftest import to_backend
+
+
+def test_kept_is_the_same_pieces_while_its_values_are_the_same_objects(xp):
+    buffers = Buffers()
+    a, b = [to_backend(xp, np.zeros(3)) for _ in range(4)], [to_backend(xp, np.zeros(3)) for _ in range(4)]
+    first = buffers.kept("k.memories", a)
+    assert isinstance(first, Pieces) and list(first) == a
+    first.derived["bufs"] = "derived once"
+    assert buffers.kept("k.memories", list(a)) is first  # (a new list of the same objects)
+    other = buffers.kept("k.memories", b)  # memories and spares in turn: both kept
+    assert other is not first and buffers.kept("k.memories", a) is first and buffers.kept("k.memories", b) is other
+    changed = buffers.kept("k.memories", a[:3] + [b[3]])  # one of them another object
+    assert changed is not first and "bufs" not in changed.derived
+    buffers.forget("k", [])
+    assert buffers.kept("k.memories", a) is not first  # dropped with the layout
+
+
+def test_a_kept_pairs_column_is_kept_with_it(xp):
+    pairs = [(to_backend(xp, np.zeros(2)), to_backend(xp, np.ones(2))) for _ in range(3)]
+    assert column(pairs, 1) == [v for _, v in pairs]  # (a plain list: a list)
+    kept = Buffers().kept("k.old", pairs)
+    us = column(kept, 0)
+    assert isinstance(us, Pieces) and list(us) == [u for u, _ in pairs] and column(kept, 0) is us
+
+
+def test_a_buckets_spares_trade_places_with_its_memories(xp):
+    """``take_spares``: each memory's spare laid out like it; where these memories had these spares
+    two steps ago, the same spares again; a memory of another layout, or a spare that is no longer
+    the one kept (an overflow's undo put another there), is not handed a spare of the old."""
+    if not xp.mutable_tensors:
+        assert list(Buffers().take_spares("k", xp, ["a"], [to_backend(xp, np.zeros(2))])) == [None]
+        return
+    buffers, names = Buffers(), ["a", "b"]
+    memories = [to_backend(xp, np.ones(3)), (to_backend(xp, np.ones(2)), to_backend(xp, np.ones(2)))]
+    handed = [buffers.take_spares("k", xp, names, memories)]
+    assert xp.shape(handed[0][0]) == (3,) and [xp.shape(t) for t in handed[0][1]] == [(2,), (2,)]
+    for step in range(1, 5):  # a step: the spares become the memories, the old memories the spares
+        buffers.spares.update(zip(names, memories))
+        old, memories = memories, list(handed[-1])
+        handed.append(buffers.take_spares("k", xp, names, memories))
+        assert all(a is b for a, b in zip(handed[-1], old)) and not buffers.spares  # (taken out)
+        if step >= 2:
+            assert handed[-1] is handed[-3]  # (kept: no layout checked unit by unit)
+    buffers.spares.update(zip(names, memories))
+    buffers.spares["a"] = to_backend(xp, np.zeros(3))  # another buffer put there (an overflow's undo)
+    taken = buffers.take_spares("k", xp, names, list(handed[-1]))
+    assert taken[0] is not handed[-2][0] and taken[1] is handed[-2][1]
+    buffers.spares.update(zip(names, list(handed[-1])))
+    wider = [to_backend(xp, np.ones(5)), taken[1]]  # a memory of another layout
+    assert xp.shape(buffers.take_spares("k", xp, names, wider)[0]) == (5,)
+
+
+def test_dgcs_bucket_trades_two_buffers_per_gradient_and_stays_the_reference(xp):
+    """A bucketed DGC exchange (kept memories, spares and their native buffers) gives the
+    gradient-by-gradient reference results bit for bit, step after step, with each gradient's
+    memory in two buffers in turn (mutable tensors)."""
+    shapes = {"w": (40, 30), "b": (30,), "v": (7, 11)}
+    rng = np.random.default_rng(1)
+    exchanges = [Exchange(grace.create("dgc", ratio=0.1, sample_ratio=0.5, bucket_mb=mb), LocalCommunicator())
+                 for mb in (0, 1)]
+    held = []
+    for step in range(5):
+        grads = {n: rng.standard_normal(s) for n, s in shapes.items()}
+        results = [{n: xp.to_numpy(t) for n, t in e.exchange({n: to_backend(xp, g) for n, g in grads.items()}).items()}
+                   for e in exchanges]
+        for name in shapes:
+            np.testing.assert_array_equal(results[1][name], results[0][name], err_msg=f"{name} at step {step}")
+        memory = exchanges[1].store.tables["memory"]["w"]
+        held.append(buffer_of(memory))
+    if xp.mutable_tensors:
+        assert held[2] is held[4] and held[1] is held[3] and held[2] is not held[3]
