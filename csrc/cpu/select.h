@@ -129,6 +129,17 @@ K kth_largest(const std::vector<K>& keys, int64_t need) {
   return lo;
 }
 
+// The positions j of the `need` largest keys (1 <= need <= their number), ties to the lowest j,
+// each handed to take(j) in ascending order: the need-th largest by kth_largest, then one pass.
+template <class K, class Take>
+void largest_in_order(const std::vector<K>& keys, int64_t need, Take&& take) {
+  const K t = kth_largest(keys, need);
+  int64_t ties = need;
+  for (const K key : keys) ties -= key > t;
+  for (int64_t j = 0; j < (int64_t)keys.size(); ++j)
+    if (keys[j] > t || (keys[j] == t && ties-- > 0)) take(j);
+}
+
 // The `need` largest of the candidates (indices ascending, with their keys), ties to the
 // lowest index; indices ascending into `chosen`.
 template <class K>
@@ -141,13 +152,7 @@ void choose_largest(const std::vector<int64_t>& cand, const std::vector<K>& cand
     chosen = cand;
     return;
   }
-  const K T = kth_largest(cand_key, need);
-  int64_t greater = 0;
-  for (int64_t j = 0; j < n_cand; ++j) greater += cand_key[j] > T;
-  int64_t ties = need - greater;
-  for (int64_t j = 0; j < n_cand; ++j) {
-    if (cand_key[j] > T || (cand_key[j] == T && ties-- > 0)) chosen.push_back(cand[j]);
-  }
+  largest_in_order(cand_key, need, [&](int64_t j) { chosen.push_back(cand[j]); });
 }
 
 // The k largest keys (1 <= k < n), ties to the lowest index; indices ascending into `out`.

@@ -80,8 +80,7 @@ def bucket_seed_words(infos, base_seed: int = 0, own: bool = False) -> "BucketWo
             _BUCKET_WORDS.clear()
         keys = np.array([(info.rank_seed(base_seed) if own else info.seed(base_seed))[0] for info in infos], np.int64)
         words = _BUCKET_WORDS[cached] = key_words(keys)
-    step = int(first.step) & M32
-    return BucketWords(hash32(words[0] ^ hash32(step ^ SALTS[2])), hash32(words[1] ^ hash32(step ^ SALTS[3])))
+    return BucketWords(*step_words(words, int(first.step)))
 
 
 class BucketWords(collections.abc.Sequence):

@@ -110,9 +110,10 @@ class PerGradient(BucketPlan):
         many_units = len(pending.units) > 1
         flag = xp.zeros(1, "float32", like=pending.g) if in_call else None
         into = s.transport.frame_into(pending)
-        old = s.buffers.kept(f"{self.bucket.key}.old", pending.old)
-        steps = s.feedback.fused_steps(xp, s.kernels, g_units, old, infos, spares, flag, into, defer=True) \
-            if many_units and all(spare is not None for spare in spares) else None
+        steps = None
+        if many_units and all(spare is not None for spare in spares):  # (memories kept: buffers derived once)
+            old = s.buffers.kept(f"{self.bucket.key}.old", pending.old)
+            steps = s.feedback.fused_steps(xp, s.kernels, g_units, old, infos, spares, flag, into, defer=True)
         if steps is None and memory.passes_gradient and many_units:  # no memory: the payloads alone
             many = s.kernels.compress_many(xp, g_units, infos, flag, into)
             steps = None if many is None else [(payload, ctx, None) for payload, ctx in many]
