@@ -8,6 +8,7 @@ gradient), into which the next memory is written, the old one becoming the next 
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Dict, Iterable, Sequence
 
@@ -47,6 +48,19 @@ def column(xs, i: int):
     return got
 
 
+def subset(xs, indices):
+    """``xs[i]`` for each of ``indices``; of a kept ``Pieces``, a ``Pieces`` made once per indices
+    (so is what kernels derive from it)."""
+    derived = getattr(xs, "derived", None)
+    if derived is None:
+        return [xs[i] for i in indices]
+    key = ("subset", tuple(indices))
+    got = derived.get(key)
+    if got is None:
+        got = derived[key] = Pieces([xs[i] for i in key[1]])
+    return got
+
+
 class Buffers:
     def __init__(self):
         self.flat: Dict[str, Any] = {}  # per name: flat gradients, joined payloads, frames
@@ -76,6 +90,20 @@ class Buffers:
             kept.clear()
             kept.update({"pieces of": self.flat[name], "numels": numels, "pieces": Pieces(xp.split(buffer, numels))})
         return buffer, kept["pieces"]
+
+    def shaped_pieces(self, xp, name: str, dtype: str, shapes, like) -> Pieces:
+        """``pieces_of``'s views reshaped to ``shapes`` (tuples), made once with them: where a
+        kernel writes outputs kept from step to step (PowerSGD's factors)."""
+        shapes = tuple(shapes)
+        kept = self.views.get(name, {})
+        if kept.get("pieces of") is not None and kept.get("pieces of") is self.flat.get(name) \
+                and ("shaped", dtype, shapes) in kept:  # (pieces_of clears it with the views it replaces)
+            return kept["shaped", dtype, shapes]
+        self.flat.pop(name, None)  # (a new buffer: views of the one replaced may still be held)
+        _, pieces = self.pieces_of(xp, name, dtype, [math.prod(shape) for shape in shapes], like)
+        shaped = self.views[name]["shaped", dtype, shapes] = Pieces(
+            [xp.reshape(piece, shape) for piece, shape in zip(pieces, shapes)])
+        return shaped
 
     def concat_into_kept(self, xp, name: str, tensors):
         """1-d ``tensors`` as one, in the buffer kept per ``name`` where tensors are mutable."""

@@ -326,12 +326,14 @@ class Exchange:
 
     def state_dict(self) -> Dict[str, Any]:
         """Per gradient name: a bucket's step counter and flat memory are saved as each of its
-        gradients' own (copies: the bucket's buffers are reused), so the state loads under any
-        bucket size. ``origin`` records the rank and world size the memory belongs to."""
+        gradients' own (copies, as are the compressor states: the bucket's buffers are reused), so
+        the state loads under any bucket size. ``origin`` records the rank and world size the
+        memory belongs to."""
         state = self.store.state_dict()
         state["steps"] = states.by_name("steps", state["steps"], self._buckets)
         memory = states.by_name("memory", state["memory"], self._buckets)
         state["memory"] = {name: states.copied(value) for name, value in memory.items()}
+        state["state"] = {name: states.copied(value) for name, value in state["state"].items()}  # (kept buffers too)
         owner = states.by_name("owner", state["owner"], self._buckets)
         state["owner"] = {name: states.copied(value) for name, value in owner.items()}
         state["origin"] = self._origin()

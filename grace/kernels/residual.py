@@ -45,9 +45,10 @@ class ResidualFeedback(Feedback):
         return kernels.compress_many_with_residual(xp, gs, residuals, *self._scales(), infos, outs, flag, into,
                                                    **deferring)
 
-    def fused_firsts(self, xp, kernels, gs, residuals, infos, compressor_states, p_outs, nonfinite=None):
+    def fused_firsts(self, xp, kernels, gs, residuals, infos, compressor_states, p_outs, nonfinite=None,
+                     places=None):
         return kernels.firsts_with_residual(xp, gs, residuals, *self._scales(), infos, compressor_states, p_outs,
-                                               nonfinite)
+                                            nonfinite, places)
 
     def fused_step(self, xp, kernels, g, residual, info, out=None):
         return kernels.compress_with_residual(xp, g, residual, *self._scales(), info, out)

@@ -1,9 +1,12 @@
 """PowerSGD's products for a bucket's matrices (CPU), each element summed in one fixed order.
 
-    lowrank_project_many(ms, qs, shapes, residuals, m_outs, nonfinite, deferred),
-    lowrank_back_many(ms, ps, shapes, unit),
-    lowrank_expand_many(ps, qs, shapes, outs, divisor, ms, residual_outs);
+    lowrank_project_many(ms, qs, shapes, residuals, m_outs, nonfinite, deferred, p_into),
+    lowrank_back_many(ms, ps, shapes, unit, q_into),
+    lowrank_expand_many(ps, qs, shapes, outs, divisor, ms, residual_outs, q_into);
     lowrank_project, lowrank_back, lowrank_expand: the same for one matrix
+
+The factors they make go into one new buffer, or into ``*_into``: tensors an exchange keeps
+(``grace.core.buffers.Pieces``: their buffers and addresses derived once, not per step).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def _rank(n: int, rows: int, cols: int, factor: int, factor_rows: int) -> int:
     return r
 
 
-def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=None, deferred=None):
+def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=None, deferred=None, p_into=None):
     """PowerSGD's first product for many matrices in one call (CPU): for each s, p_s = M_s q_s,
     (rows x r, row-major), for M_s the rows x cols (``shapes[s]``) float32 matrix in
     ``ms[s]``, or, where ``residuals[s]`` is given (not None), M_s = ms[s] + residuals[s] written
@@ -41,7 +44,8 @@ def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=
     left to this pass (p' q'^T made as ``lowrank_expand_many`` makes it). ``nonfinite`` (a
     one-element float32 tensor, optional) is set to 1 where an ms[s] holds an inf or a NaN and
     left as it is otherwise (a bucket's gradients share one). Each element is summed in one
-    fixed order on every build and thread count. Returns the p_s, (rows, r) views of one new buffer."""
+    fixed order on every build and thread count. Returns the p_s, (rows, r) views of one new buffer
+    (or ``p_into``, written)."""
     kind = _cpu_kind(ms[0])
     mb, qb = _lowrank_buffers(kind, ms), _lowrank_buffers(kind, qs)
     ranks = [_rank(m.n, rows, cols, q.n, cols) for m, q, (rows, cols) in zip(mb, qb, shapes)]
@@ -59,32 +63,33 @@ def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=
         (flag,) = _lowrank_buffers(kind, [], [nonfinite])
         if flag.n != 1:
             raise ValueError("the overflow flag is one float32 element")
-    ps, places = _factors(kind, [rows for rows, _ in shapes], ranks)
+    ps, places = _factors(kind, [rows for rows, _ in shapes], ranks, p_into)
     call(kind, "lowrank_project_many", len(mb), _pointers(mb), _maybe_pointers(sums), _maybe_pointers(dps),
          _maybe_pointers(dqs), *_shapes(shapes), _pointers(qb), _int64s(ranks), _maybe_pointers(outs), places,
          flag and flag.ptr)
     return _wrap_list(kind, ps)
 
 
-def lowrank_back_many(ms, ps, shapes, unit: bool = False):
+def lowrank_back_many(ms, ps, shapes, unit: bool = False, q_into=None):
     """PowerSGD's second product for many matrices in one call (CPU): q_s = M_s^T p_s
     (cols x r, row-major), for the rows x cols float32 matrix M_s in ``ms[s]`` and p_s rows x
     r, each element summed over the rows in order. ``unit``: each p_s of one column is first
     made p / |p| in place (the squares summed in float64, in order; the first unit vector
-    where p is zero), as the backends' ``orthonormalize``. Returns the q_s, (cols, r) views of one new buffer."""
+    where p is zero), as the backends' ``orthonormalize``. Returns the q_s, (cols, r) views of one new buffer
+    (or ``q_into``, written)."""
     kind = _cpu_kind(ms[0])
     mb = _lowrank_buffers(kind, ms)
     pb = _in_place_all(kind, ps, "float32")
     ranks = [_rank(m.n, rows, cols, p.n, rows) for m, p, (rows, cols) in zip(mb, pb, shapes)]
-    qs, places = _factors(kind, [cols for _, cols in shapes], ranks)
+    qs, places = _factors(kind, [cols for _, cols in shapes], ranks, q_into)
     call(kind, "lowrank_back_many", len(mb), _pointers(mb), *_shapes(shapes), _pointers(pb), _int64s(ranks), int(unit),
          places)
     return _wrap_list(kind, qs)
 
 
-def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, residual_outs=None):
+def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, residual_outs=None, q_into=None):
     """PowerSGD's approximation for many matrices in one call (CPU): q'_s = q_s / ``divisor``
-    ((cols, r) views of one new buffer), then p_s q'_s^T (rows x cols, flat) into ``outs[s]`` (a
+    ((cols, r) views of one new buffer, or ``q_into``), then p_s q'_s^T (rows x cols, flat) into ``outs[s]`` (a
     new tensor where None; not ms[s]), and where ``residual_outs[s]`` is given, ms[s] - p_s
     q'_s^T into it in the same pass (it may be ms[s]). Returns (the approximations, the q'_s)."""
     kind = _cpu_kind(ps[0])
@@ -101,7 +106,7 @@ def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, res
     if any(o.n != rows * cols or (e is not None and not m.n == e.n == rows * cols)
            for o, m, e, (rows, cols) in zip(ob, mb or ob, eb or [None] * len(ob), shapes)):
         raise ValueError("out, m and residual_out must have rows x cols elements")
-    divided, places = _factors(kind, [cols for _, cols in shapes], ranks)
+    divided, places = _factors(kind, [cols for _, cols in shapes], ranks, q_into)
     call(kind, "lowrank_expand_many", len(pb), _pointers(pb), _pointers(qb), *_shapes(shapes), _int64s(ranks),
          float(divisor), places, _pointers(ob), _maybe_pointers(mb), _maybe_pointers(eb))
     kind.sync()
@@ -131,12 +136,23 @@ def _shapes(shapes):
     return _int64s([rows for rows, _ in shapes]), _int64s([cols for _, cols in shapes])
 
 
-def _factors(kind, rows, ranks):
+def _factors(kind, rows, ranks, into=None):
     """One new float32 buffer for factors of ``rows[s]`` x ``ranks[s]`` (row-major): a (rows, r)
     view of it for each, and their addresses (a C array). Of one r (rank 1, a bucket's usual
     case), the views come from one split of the buffer seen as (total rows, r): no view made per
-    factor, and none again where a caller asks for that shape."""
+    factor, and none again where a caller asks for that shape. ``into``: the factors' tensors,
+    given (contiguous float32, written in place); their addresses kept with a ``Pieces``."""
     sizes = [n * r for n, r in zip(rows, ranks)]
+    if into is not None:
+        bufs = _in_place_all(kind, into, "float32")
+        if [b.n for b in bufs] != sizes:
+            raise ValueError("each factor given must have rows x r elements")
+        derived = getattr(into, "derived", None)
+        if derived is None:
+            return list(into), _pointers(bufs)
+        if "pointers" not in derived:
+            derived["pointers"] = _pointers(bufs)
+        return list(into), derived["pointers"]
     buf, starts = kind.empty(sum(sizes), "float32"), [0, *itertools.accumulate(sizes[:-1])]
     if kind.name == "torch" and len(set(ranks)) == 1:
         views = buf.obj.view(-1, ranks[0]).split(list(rows)) if rows else []
@@ -155,6 +171,8 @@ def _wrap_list(kind, objs):
 def _where_given(kind, inputs, outputs):
     """Buffers of ``inputs[s]`` and ``outputs[s]`` where inputs[s] is not None, else None."""
     given = [s for s, x in enumerate(inputs) if x is not None]
+    if len(given) == len(inputs):  # (as they are: a kept Pieces' buffers are derived once)
+        return _lowrank_buffers(kind, inputs), _in_place_all(kind, outputs, "float32")
     bufs = _lowrank_buffers(kind, [inputs[s] for s in given], [outputs[s] for s in given])
     ins, outs = [None] * len(inputs), [None] * len(inputs)
     for k, s in enumerate(given):

@@ -102,6 +102,27 @@ def test_a_sound_checkpoint_still_loads_and_resumes_exactly(make, convert):
             np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(outs[step][name]))
 
 
+@pytest.mark.parametrize("make", [lambda: grace.powersgd(1), lambda: grace.powersgd(2), lambda: grace.dgc(0.5)])
+def test_a_state_taken_is_not_changed_by_the_steps_after_it(make):
+    """A state_dict held in memory (not written out) while training goes on: the exchange writes
+    its kept buffers (PowerSGD's factors) again at every step, never into what was handed out."""
+    convert = torch.from_numpy
+    straight = exchange(make())
+    outs = [straight.exchange(gradients(convert, step)) for step in range(4)]
+    first = exchange(make())
+    for step in range(2):
+        first.exchange(gradients(convert, step))
+    held = first.state_dict()
+    for step in range(2, 6):
+        first.exchange(gradients(convert, step))
+    resumed = exchange(make(), known=False)
+    resumed.load_state_dict(held)
+    for step in range(2, 4):
+        got = resumed.exchange(gradients(convert, step))
+        for name in SHAPES:
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(outs[step][name]))
+
+
 def test_portable_values_round_trip():
     import ml_dtypes
 

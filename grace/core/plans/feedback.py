@@ -71,11 +71,11 @@ class Feedback:
         (``MethodKernels.select_segments_with_residual``), or None."""
         return None
 
-    def fused_firsts(self, xp, kernels, gs, states, infos, compressor_states, p_outs, nonfinite=None):
+    def fused_firsts(self, xp, kernels, gs, states, infos, compressor_states, p_outs, nonfinite=None, places=None):
         """A multi-round method's compensations written into ``p_outs`` in the passes that make
         the first payloads, where the compressor has a kernel for it (``nonfinite`` set where a
         g holds an inf or a NaN): the first payloads (None where not made), whose rounds write
-        the new states over p themselves; or None."""
+        the new states over p themselves; or None. ``places``: as ``MethodKernels.rounds_many``'."""
         return None
 
 

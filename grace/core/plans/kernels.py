@@ -101,7 +101,7 @@ class MethodKernels:
         return None
 
     def firsts_with_residual(self, xp, gs, residuals, beta: float, gamma: float, infos: Sequence[TensorInfo], states,
-                             p_outs, nonfinite=None):
+                             p_outs, nonfinite=None, places=None):
         """Multi-round methods: each p = gamma * g + beta * residual written into ``p_outs[i]`` in
         the pass that makes its first payload (``nonfinite`` set where a g holds an inf or a NaN):
         the first payloads (None where not made), for ``rounds_many``, whose last pass then writes
@@ -145,12 +145,15 @@ class MethodKernels:
                               *self.arguments(), finish=finish)
 
     # --- the multi-round plan ---------------------------------------------------------------
-    def rounds_many(self, xp, xs, infos: Sequence[TensorInfo], states, outs=None, firsts=None, deferred=None):
+    def rounds_many(self, xp, xs, infos: Sequence[TensorInfo], states, outs=None, firsts=None, deferred=None,
+                    places=None):
         """All of a bucket's rounds in one generator: each round yields every tensor's payload
         (an empty tuple once its rounds are done), all summed by one allreduce, and receives the
         sums; it returns every tensor's (g_hat, p_hat, state). ``firsts[i]``: tensor i's first
         payload where ``firsts_with_residual`` made it; ``deferred[i]``: p_hat is then left
         unmade, an object whose ``residual_of(x_i)`` is the new memory (a ``Deferred`` state).
+        ``places(name, shapes)``: where the exchange keeps tensors of ``shapes`` per ``name`` for
+        the bucket (the same ones step after step: ``Buffers.shaped_pieces``), or None.
         Here: each tensor's ``rounds`` side by side."""
         assert not any(firsts or []), "firsts come from a method's own firsts_with_residual"
         count = len(xs)

@@ -8,6 +8,7 @@ subtraction deferred to the next step's first pass (a ``Deferred`` memory holdin
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, List
 
 from grace.core.journal import any_flag, no_overflow, poisoned_many
@@ -33,9 +34,11 @@ class MultiRound(BucketPlan):
         if flagged and not in_passes:
             pending.flag = xp.nonfinite(g_units)
         # each result may go straight over its gradient, where it is written in the end anyway
-        outs = list(g_units) if s.writes_over(xp, g) else None
+        outs = g_units if s.writes_over(xp, g) else None
         shared = xp.zeros(1, "float32", like=g) if in_passes else None  # the fused first rounds set it
-        firsts = self._compensate_in_first_rounds(xp, units, g_units, pending.old, infos, states, shared)
+        places = self._places(xp, g)
+        firsts, spares = self._compensate_in_first_rounds(xp, units, g_units, pending.old, infos, states, shared,
+                                                          places)
         pending.updates = [first is not None for first in firsts]  # their new memory: p less p_hat, deferred
         rest = [i for i, first in enumerate(firsts) if first is None]
         if in_passes:  # (0 where no fused round ran)
@@ -45,27 +48,41 @@ class MultiRound(BucketPlan):
                                         [pending.old[i] for i in rest])
         for i, p in zip(rest, compensated):
             pending.p[i] = p
-        pending.rounds = s.kernels.rounds_many(xp, pending.p, infos, states, outs, firsts,
-                                                              pending.updates)
+        # p in the spares throughout (kept: what kernels derive from them serves every step), the
+        # first payloads are the exchange's own: summed in place where the communicator can
+        owned = spares is not None and all(map(operator.is_, pending.p, spares))
+        if owned:
+            pending.p = spares
+        pending.rounds = s.kernels.rounds_many(xp, pending.p, infos, states, outs, firsts, pending.updates,
+                                               places)
         pending.wait, nbytes = s.transport.allreduce_units(xp, self.bucket.key, next(pending.rounds), pending.flag,
-                                                           defer=pending.defer)
+                                                           owned=owned, defer=pending.defer)
         s.transport.stats.add(nbytes, 0)
         return pending
 
-    def _compensate_in_first_rounds(self, xp, units, gs, old, infos, states, nonfinite):
+    def _places(self, xp, like):
+        """Where the method's kernels keep the bucket's factors (``MethodKernels.rounds_many``),
+        on a CPU where tensors are mutable; else None."""
+        if not xp.mutable_tensors or xp.on_accelerator(like):
+            return None
+        buffers, key = self.services.buffers, self.bucket.key
+        return lambda name, shapes: buffers.shaped_pieces(xp, f"{key}.{name}", "float32", shapes, like)
+
+    def _compensate_in_first_rounds(self, xp, units, gs, old, infos, states, nonfinite, places):
         """The compensations and first payloads, each gradient's in one pass, the compensation
         written into its spare buffer (``Memory.fused_firsts``, which sets ``nonfinite`` where a
-        g holds an inf or a NaN): per gradient, its first payload or None (not made)."""
+        g holds an inf or a NaN): (per gradient, its first payload or None (not made); the spares
+        taken, kept, or None)."""
         s = self.services
         memory, none = s.compression.memory, [None] * len(units)
         if not memory.needs_feedback or not xp.mutable_tensors or any(isinstance(e, tuple) for e in old):
-            return none
-        spares = [s.buffers.take_spare(u.name, xp, e) for u, e in zip(units, old)]
-        firsts = s.feedback.fused_firsts(xp, s.kernels, gs, old, infos, states, spares, nonfinite)
+            return none, None
+        spares = s.buffers.take_spares(self.bucket.key, xp, [u.name for u in units], old)
+        firsts = s.feedback.fused_firsts(xp, s.kernels, gs, old, infos, states, spares, nonfinite, places)
         for u, spare in zip(units, spares):
             if spare is not None:  # (kept either way: finish tells by it where p is)
                 s.buffers.spares[u.name] = spare
-        return firsts or none
+        return firsts or none, spares
 
     def _compensate(self, xp, keys, gs, es):
         """``memory.compensate`` of the gradients, each written into its key's spare buffer where
@@ -93,8 +110,8 @@ class MultiRound(BucketPlan):
         outs = pending.outs or [None] * len(self.bucket.segments)
         summed, overflow, _ = pending.wait()
 
-        def allreduce(payloads, r):
-            wait, nbytes = s.transport.allreduce_units(xp, f"{key}.round{r}", payloads)
+        def allreduce(payloads, r):  # (a later round's payloads are the rounds' own: summed in place, where it can)
+            wait, nbytes = s.transport.allreduce_units(xp, f"{key}.round{r}", payloads, owned=True)
             s.transport.stats.add(nbytes, 0)
             return wait()[0]
 
