@@ -108,13 +108,13 @@ def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float
     kind = _cpu_kind(gs[0])
     gb, ub, vb = (_same_kind_all(kind, ts) for ts in (gs, us, vs))
     uo, vo = _in_place_all(kind, u_outs, "float32"), _in_place_all(kind, v_outs, "float32")
-    if any(b.dtype != "float32" for b in gb + ub + vb):
+    if {b.dtype for bufs in (gb, ub, vb) for b in bufs} != {"float32"}:
         raise NativeUnavailable("dgc_step_many takes float32 tensors")
-    if any(not (b[0].n == b[1].n == b[2].n == b[3].n == b[4].n) for b in zip(gb, ub, vb, uo, vo)):
+    numels = tuple(b.n for b in gb)  # (sizes compared list by list: a bucket's are checked every step)
+    if any(tuple(b.n for b in bufs) != numels for bufs in (ub, vb, uo, vo)):
         raise ValueError("every gradient, state and output of a bucket must have one size")
     if not (0 < ratio <= 1 and 0 < sample_ratio <= 1):
         raise ValueError(f"ratio and sample_ratio must be in (0, 1], got {ratio!r}, {sample_ratio!r}")
-    numels = tuple(b.n for b in gb)
     rooms = _Rooms(kind, *_rooms_of(numels, ratio))
     s0, s1 = _seed_word_arrays(words)
     if call(kind, "dgc_step_many", len(gb), _pointers(gb), _pointers(ub), _pointers(vb), _pointers(uo), _pointers(vo),
