@@ -96,6 +96,27 @@ API void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const
   });
 }
 
+// ---- a bucket's sums divided, and its overflow check (PowerSGD's vectors: one call each, not ops
+// per vector) -------------------------------------------------------------------------------------
+API void grace_cpu_divide_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,
+                               float* const* outs) {
+  for_segment_chunks(count, numels, 64, [&](int64_t s, int64_t lo, int64_t hi) {
+    const float* const x = xs[s];
+    float* const out = outs[s];
+    for (int64_t i = lo; i < hi; ++i) out[i] = x[i] / divisor;
+  });
+}
+
+API void grace_cpu_flag_nonfinite_many(int64_t count, const float* const* xs, const int64_t* numels, float* flag) {
+  std::atomic<bool> bad{false};
+  for_segment_chunks(count, numels, 64, [&](int64_t s, int64_t lo, int64_t hi) {
+    FiniteCheck check;
+    check.range(xs[s], lo, hi);
+    report(check, &bad);
+  });
+  if (bad.load()) *flag = 1.0f;
+}
+
 API void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves, const int64_t* numels, float factor,
                                     float divisor, float* const* outs) {
   const auto decode = pick(half_decode<false, false>, half_decode<true, false>, half_decode<false, true>,

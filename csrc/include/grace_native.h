@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 25
+#define GRACE_NATIVE_ABI 27
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -286,6 +286,13 @@ void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int
                                 uint16_t* const* outs);
 void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves, const int64_t* numels, float factor,
                                 float divisor, float* const* outs);
+/* a bucket's sums divided, segment s at its own pointers: outs[s][i] = xs[s][i] / divisor (IEEE
+ * division, as the tensor ops divide by a number on a CPU; outs may be xs) */
+void grace_cpu_divide_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,
+                           float* const* outs);
+/* a bucket's overflow check, segment s at its own pointers: *flag = 1 where any xs[s] holds an inf or
+ * a NaN, left as it is otherwise (a flag other passes of the step set too) */
+void grace_cpu_flag_nonfinite_many(int64_t count, const float* const* xs, const int64_t* numels, float* flag);
 /* PowerSGD's products for count float32 matrices, one after another: matrix s is rows[s] x
  * cols[s], its factors q[s] (cols x r[s]) and p[s] (rows x r[s]), all row-major; each element
  * summed in one fixed order on every build and thread count. project: p = M q, M = a, or

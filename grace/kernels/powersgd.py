@@ -11,6 +11,7 @@ import operator
 
 from grace.compressors.powersgd import Factors, LowRankResidual, PowerSGD, matrix_shape, native_products
 from grace.core.buffers import subset
+from grace.core.compressor import native_or_none
 from grace.core.memory import buffer_of
 from grace.core.plans.kernels import MethodKernels, kernels_for
 
@@ -32,7 +33,11 @@ class PowerSGDKernels(MethodKernels):
         summed = yield [(x,) if first is None else (first,) for x, first in zip(xs, firsts)]
         vectors = [i for i, first in enumerate(firsts) if first is None]  # (sent whole: their mean is the result)
         results = [None] * count
-        for i, mean in zip(vectors, xp.divide_many([summed[i][0] for i in vectors], n)):
+        sums = [summed[i][0] for i in vectors]
+        # the means straight into their outs (one call, not an op per vector), where given
+        means = native_or_none(xp, "divide_many_into", sums[0], sums, n, [outs[i] for i in vectors]) \
+            if vectors and outs is not None else None
+        for i, mean in zip(vectors, means or xp.divide_many(sums, n)):
             results[i] = (mean, xs[i], qs[i])
         sums = [summed[i][0] for i in matrices]
         if any(map(operator.is_not, sums, ps)):  # (new tensors: the collective did not sum in place)

@@ -32,7 +32,8 @@ from here (the last imports below). Which module holds which:
     terngrad.py     terngrad_: compress, compress_drawn, decompress, (de)compress_segments, decompress_sum(_into)
     qsgd.py         qsgd_: the same; norm
     natural.py      natural_: the same
-    quantizers.py   compress_many (a bucket's payloads), fp16_compress_many_into, fp16_decompress_many_into
+    quantizers.py   compress_many (a bucket's payloads), fp16_compress_many_into, fp16_decompress_many_into,
+                    divide_many_into, flag_nonfinite_many
     means.py        signsgd_, efsignsgd_, onebit_, terngrad_, qsgd_, natural_mean_segments (a bucket's aggregate);
                     sparse_frames_mean, sparse_variable_mean, sparse_sum_mean (sparse pairs' aggregate)
     lowrank.py      PowerSGD's products: lowrank_project, lowrank_back, lowrank_expand and their _many forms
@@ -65,7 +66,8 @@ from grace.native.natural import (natural_compress, natural_compress_drawn, natu
 from grace.native.packing import pack, unpack
 from grace.native.qsgd import (norm, qsgd_compress, qsgd_compress_drawn, qsgd_compress_segments, qsgd_decompress,
                                qsgd_decompress_segments, qsgd_decompress_sum, qsgd_decompress_sum_into)
-from grace.native.quantizers import compress_many, fp16_compress_many_into, fp16_decompress_many_into
+from grace.native.quantizers import (compress_many, divide_many_into, flag_nonfinite_many, fp16_compress_many_into,
+                                    fp16_decompress_many_into)
 from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments, efsignsgd_decompress,
                                 efsignsgd_decompress_segments, efsignsgd_decompress_sum, efsignsgd_decompress_sum_into,
                                 efsignsgd_ef_step_many, efsignsgd_ef_step_segments, efsignsgd_residual_into,
@@ -92,6 +94,7 @@ from grace.native._loader import library  # noqa: F401
 __all__ = [
     "FrameRows", "KERNELS", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build", "cpu_isa",
     "dgc_compensate_into", "dgc_cut_segments", "dgc_select", "dgc_select_segments", "dgc_step_many", "disabled",
+    "divide_many_into", "flag_nonfinite_many",
     "dlpack_info", "efsignsgd_compress",
     "efsignsgd_compress_segments", "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
     "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_ef_step_segments", "efsignsgd_mean_segments",

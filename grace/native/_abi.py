@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 25  # GRACE_NATIVE_ABI
+ABI = 27  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -79,6 +79,8 @@ CPU = {
     "compress_many": (_I, [_I, _L, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P]),
     "half_encode_many": (None, [_L, _P, _P, _F, _P]),
     "half_decode_many": (None, [_L, _P, _P, _F, _F, _P]),
+    "divide_many": (None, [_L, _P, _P, _F, _P]),
+    "flag_nonfinite_many": (None, [_L, _P, _P, _P]),
     "lowrank_project_many": (None, [_L, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "lowrank_back_many": (None, [_L, _P, _P, _P, _P, _P, _I, _P]),
     "lowrank_expand_many": (None, [_L, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P]),

@@ -23,7 +23,8 @@ from grace.native.natural import (natural_compress, natural_compress_drawn, natu
 from grace.native.packing import pack, unpack
 from grace.native.qsgd import (norm, qsgd_compress, qsgd_compress_drawn, qsgd_compress_segments, qsgd_decompress,
                                qsgd_decompress_segments, qsgd_decompress_sum, qsgd_decompress_sum_into)
-from grace.native.quantizers import compress_many, fp16_compress_many_into, fp16_decompress_many_into
+from grace.native.quantizers import (compress_many, divide_many_into, flag_nonfinite_many, fp16_compress_many_into,
+                                    fp16_decompress_many_into)
 from grace.native.signs import (efsignsgd_compress, efsignsgd_compress_segments, efsignsgd_decompress,
                                 efsignsgd_decompress_segments, efsignsgd_decompress_sum, efsignsgd_decompress_sum_into,
                                 efsignsgd_ef_step_many, efsignsgd_ef_step_segments, efsignsgd_residual_into,
@@ -240,6 +241,8 @@ KERNELS: Dict[str, Kernel] = {
     "compress_many": cpu(compress_many, "compress_many", ("uint8", "float32")),
     "fp16_compress_many_into": cpu(fp16_compress_many_into, "half_encode_many", "float16"),
     "fp16_decompress_many_into": cpu(fp16_decompress_many_into, "half_decode_many", "float32"),
+    "divide_many_into": cpu(divide_many_into, "divide_many", "float32"),
+    "flag_nonfinite_many": cpu(flag_nonfinite_many, "flag_nonfinite_many", "float32"),
     "lowrank_project_many": cpu(lowrank_project_many, "lowrank_project_many", "float32"),
     "lowrank_back_many": cpu(lowrank_back_many, "lowrank_back_many", "float32"),
     "lowrank_expand_many": cpu(lowrank_expand_many, "lowrank_expand_many", "float32"),

@@ -1,7 +1,8 @@
 """A bucket's quantized payloads in one call (CPU), each gradient at its own pointers.
 
     compress_many(method, xs, words, levels, bucket_size): signSGD's, TernGrad's, QSGD's, natural's payloads
-    fp16_compress_many_into(xs, divisor, outs), fp16_decompress_many_into(halves, factor, divisor, outs)
+    fp16_compress_many_into(xs, divisor, outs), fp16_decompress_many_into(halves, factor, divisor, outs),
+    divide_many_into(xs, divisor, outs), flag_nonfinite_many(xs, flag)
 """
 from __future__ import annotations
 
@@ -65,6 +66,25 @@ def fp16_compress_many_into(xs, divisor: float, outs):
     many elements as ``xs[s]``) = ``xs[s] / divisor`` rounded to half precision, nearest even, as
     torch's and NumPy's casts round (a NaN's payload bits aside). Returns ``outs``."""
     return _elementwise_many("half_encode_many", xs, "float32", outs, "float16", divisor)
+
+
+def divide_many_into(xs, divisor: float, outs):
+    """``outs[s]`` = ``xs[s] / divisor`` (float32, as the tensor ops divide) for every tensor of a
+    bucket in one call (CPU): summed payloads averaged into the results. Returns ``outs``."""
+    return _elementwise_many("divide_many", xs, "float32", outs, "float32", divisor)
+
+
+def flag_nonfinite_many(xs, flag):
+    """``flag`` (a one-element float32 tensor) set to 1 where any of ``xs`` (float32, a bucket's)
+    holds an inf or a NaN, left as it is otherwise, in one call (CPU). Returns ``flag``."""
+    kind = _cpu_kind(flag)
+    xb, (fb,) = _same_kind_all(kind, xs), _in_place_all(kind, [flag], "float32")
+    if any(b.dtype != "float32" for b in xb):
+        raise NativeUnavailable("flag_nonfinite_many takes float32 tensors")
+    if fb.n != 1:
+        raise ValueError("the overflow flag is one float32 element")
+    call(kind, "flag_nonfinite_many", len(xb), _pointers(xb), _int64s([b.n for b in xb]), fb.ptr)
+    return flag
 
 
 def fp16_decompress_many_into(halves, factor: float, divisor: float, outs):

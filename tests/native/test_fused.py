@@ -281,6 +281,41 @@ def test_half_precision_kernels_refuse_what_they_cannot_write():
         gn.fp16_compress_many_into([x], 2, [torch.empty(9, dtype=torch.float16)])
 
 
+@pytest.mark.parametrize("world", [1, 3, 4, 6])
+def test_a_buckets_sums_divided_equal_torchs_division(world):
+    """divide_many_into (a bucket's summed vectors averaged at once, CPU): each x / n as torch
+    divides by a number, byte for byte (signed zeros, subnormals, inf and NaN), into other
+    tensors or over the sums themselves; another dtype refused."""
+    xs = [torch.from_numpy(gradient(n, seed=n) * np.float32(scale))
+          for n, scale in zip([1, 7, 1001, 2**16 + 3], [1, 1e-38, 1e4, 3e37])] + [torch.from_numpy(HALF_SPECIALS)]
+    outs = [torch.full_like(x, 7.0) for x in xs]
+    assert gn.divide_many_into(xs, world, outs) is outs
+    sums = [x.clone() for x in xs]
+    gn.divide_many_into(sums, world, sums)
+    for x, out, in_place in zip(xs, outs, sums):
+        same_bytes(x / world, out, f"{x.numel()} elements over {world}")
+        same_bytes(x / world, in_place, f"{x.numel()} elements over {world}, in place")
+    with pytest.raises(gn.NativeUnavailable):
+        gn.divide_many_into([xs[0].double()], world, [torch.empty(1)])
+
+
+@pytest.mark.parametrize("bad", [None, np.inf, -np.inf, np.nan], ids=["finite", "inf", "-inf", "nan"])
+@pytest.mark.parametrize("where", [0, 2, 3], ids=["first", "third", "longest"])
+def test_a_buckets_overflow_check_sets_the_flag_and_never_clears_it(bad, where):
+    """flag_nonfinite_many (a bucket's overflow check in one call, CPU): the flag set to 1 where
+    any tensor holds an inf or a NaN, wherever it lies in the tensor; a flag already set is left."""
+    xs = [torch.from_numpy(gradient(n, seed=n)) for n in [1, 7, 1001, 2**16 + 3]]
+    if bad is not None:
+        xs[where][-1 if where else 0] = float(bad)
+    flag = torch.zeros(1)
+    assert gn.flag_nonfinite_many(xs, flag) is flag and flag.item() == (0.0 if bad is None else 1.0)
+    flag = torch.ones(1)
+    gn.flag_nonfinite_many(xs, flag)
+    assert flag.item() == 1.0
+    with pytest.raises(gn.NativeUnavailable):
+        gn.flag_nonfinite_many([xs[0].double()], flag)
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
 @pytest.mark.parametrize("n", [1, 7, 9, 1001, 2**16 + 3])
 @pytest.mark.parametrize("name", ["efsignsgd", "onebit"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from typing import Any, List
 
+from grace.core.compressor import native_or_none
 from grace.core.journal import any_flag, no_overflow, poisoned_many
 from grace.core.memory import buffer_of, stored
 from grace.core.plans.base import BucketPending, BucketPlan, defers_on_device
@@ -41,18 +42,21 @@ class MultiRound(BucketPlan):
                                                           places)
         pending.updates = [first is not None for first in firsts]  # their new memory: p less p_hat, deferred
         rest = [i for i, first in enumerate(firsts) if first is None]
-        if in_passes:  # (0 where no fused round ran)
-            pending.flag = any_flag(xp, [shared] + ([xp.nonfinite([g_units[i] for i in rest])] if rest else []))
+        if in_passes:  # (0 where no fused round ran; the others checked into it in one call, where it can)
+            others = [g_units[i] for i in rest]
+            checked = not others or xp.mutable_tensors and \
+                native_or_none(xp, "flag_nonfinite_many", g, others, shared) is not None
+            pending.flag = shared if checked else any_flag(xp, [shared, xp.nonfinite(others)])
         pending.p = [s.buffers.spares[u.name] if first is not None else None for u, first in zip(units, firsts)]
         compensated = self._compensate(xp, [units[i].name for i in rest], [g_units[i] for i in rest],
                                         [pending.old[i] for i in rest])
         for i, p in zip(rest, compensated):
             pending.p[i] = p
-        # p in the spares throughout (kept: what kernels derive from them serves every step), the
+        # p kept while the same tensors (what kernels derive from them serves every step); p in the
+        # spares throughout (no gradient handed over: vectors without memory send theirs), the
         # first payloads are the exchange's own: summed in place where the communicator can
         owned = spares is not None and all(map(operator.is_, pending.p, spares))
-        if owned:
-            pending.p = spares
+        pending.p = spares if owned else s.buffers.kept(f"{self.bucket.key}.p", pending.p) if places else pending.p
         pending.rounds = s.kernels.rounds_many(xp, pending.p, infos, states, outs, firsts, pending.updates,
                                                places)
         pending.wait, nbytes = s.transport.allreduce_units(xp, self.bucket.key, next(pending.rounds), pending.flag,
