@@ -56,7 +56,10 @@ class MultiRound(BucketPlan):
         # spares throughout (no gradient handed over: vectors without memory send theirs), the
         # first payloads are the exchange's own: summed in place where the communicator can
         owned = spares is not None and all(map(operator.is_, pending.p, spares))
-        pending.p = spares if owned else s.buffers.kept(f"{self.bucket.key}.p", pending.p) if places else pending.p
+        if owned:
+            pending.p = spares
+        elif places is not None:
+            pending.p = s.buffers.kept(f"{self.bucket.key}.p", pending.p)
         pending.rounds = s.kernels.rounds_many(xp, pending.p, infos, states, outs, firsts, pending.updates,
                                                places)
         pending.wait, nbytes = s.transport.allreduce_units(xp, self.bucket.key, next(pending.rounds), pending.flag,
