@@ -96,9 +96,8 @@ class Buffers:
         kernel writes outputs kept from step to step (PowerSGD's factors)."""
         shapes = tuple(shapes)
         kept = self.views.get(name, {})
-        if kept.get("pieces of") is not None and kept.get("pieces of") is self.flat.get(name) \
-                and ("shaped", dtype, shapes) in kept:  # (pieces_of clears it with the views it replaces)
-            return kept["shaped", dtype, shapes]
+        if ("shaped", dtype, shapes) in kept and kept["pieces of"] is self.flat.get(name):
+            return kept["shaped", dtype, shapes]  # (pieces_of clears it with the views it replaces)
         self.flat.pop(name, None)  # (a new buffer: views of the one replaced may still be held)
         _, pieces = self.pieces_of(xp, name, dtype, [math.prod(shape) for shape in shapes], like)
         shaped = self.views[name]["shaped", dtype, shapes] = Pieces(

@@ -78,12 +78,10 @@ def flag_nonfinite_many(xs, flag):
     """``flag`` (a one-element float32 tensor) set to 1 where any of ``xs`` (float32, a bucket's)
     holds an inf or a NaN, left as it is otherwise, in one call (CPU). Returns ``flag``."""
     kind = _cpu_kind(flag)
-    xb, (fb,) = _same_kind_all(kind, xs), _in_place_all(kind, [flag], "float32")
+    xb = _same_kind_all(kind, xs)
     if any(b.dtype != "float32" for b in xb):
         raise NativeUnavailable("flag_nonfinite_many takes float32 tensors")
-    if fb.n != 1:
-        raise ValueError("the overflow flag is one float32 element")
-    call(kind, "flag_nonfinite_many", len(xb), _pointers(xb), _int64s([b.n for b in xb]), fb.ptr)
+    call(kind, "flag_nonfinite_many", len(xb), _pointers(xb), _int64s([b.n for b in xb]), _flag(kind, flag))
     return flag
 
 
