@@ -572,3 +572,30 @@ API void grace_cpu_copy_pieces(int64_t pieces, const void* const* src, const int
                                const int64_t* offsets) {
   for (int64_t j = 0; j < pieces; ++j) std::memcpy(dst + offsets[j], src[j], (size_t)nbytes[j]);
 }
+
+API int grace_cpu_variable_frame(int64_t pieces, int64_t per, const void* const* src, const int64_t* counts,
+                                 const int64_t* widths, int flagged, uint8_t* frame, int64_t room, int64_t* sizes) {
+  if (pieces < 0 || per < 1 || flagged < 0 || flagged > 1) return -1;
+  int64_t end = 8 * pieces;
+  for (int64_t j = 0; j < pieces; ++j) {
+    const int64_t w = widths[j];
+    if (counts[j / per] < 0 || !(w == 1 || w == 2 || w == 4 || w == 8)) return -1;
+    end += counts[j / per] * w;
+  }
+  const int64_t size = (end + flagged + 7) / 8 * 8;
+  sizes[0] = size;
+  sizes[1] = end;
+  if (frame == nullptr || size > room) return 0;
+  for (int64_t j = 0; j < pieces; ++j) std::memcpy(frame + 8 * j, counts + j / per, 8);
+  int64_t at = 8 * pieces;
+  for (int64_t w = 8; w >= 1; w /= 2) {  // (the widest first: each piece aligned after the 8-byte header)
+    for (int64_t j = 0; j < pieces; ++j) {
+      if (widths[j] != w) continue;
+      const int64_t nbytes = counts[j / per] * w;
+      std::memcpy(frame + at, src[j], (size_t)nbytes);
+      at += nbytes;
+    }
+  }
+  std::memset(frame + end, 0, (size_t)(size - end));
+  return 1;
+}

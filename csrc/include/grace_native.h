@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 27
+#define GRACE_NATIVE_ABI 28
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -123,6 +123,14 @@ void grace_cpu_pairs_into_frame(const float* values, const int64_t* idx, int64_t
  * variable-length frame's pieces, from the rooms a bucket call counted them into). */
 void grace_cpu_copy_pieces(int64_t pieces, const void* const* src, const int64_t* nbytes, uint8_t* dst,
                            const int64_t* offsets);
+/* A variable-length frame of a bucket call's pieces: its header (each piece's count, int64, from byte 0;
+ * piece j's count is counts[j / per]), then the pieces, the widest items first and in order among equals
+ * (so each lies aligned; piece j: its count of widths[j]-byte items, 1, 2, 4 or 8, from src[j]), then zeros
+ * to its size (the pieces' end plus the overflow flag's byte where flagged, rounded up to 8). sizes[0] =
+ * that size, sizes[1] = the pieces' end. The frame is written only where it is not NULL and the size is
+ * at most `room` bytes: 1 where written, 0 where not, -1 on bad arguments (nothing written). */
+int grace_cpu_variable_frame(int64_t pieces, int64_t per, const void* const* src, const int64_t* counts,
+                             const int64_t* widths, int flagged, uint8_t* frame, int64_t room, int64_t* sizes);
 /* DGC's cut of every segment of a bucket of n elements (numels[s] from starts[s]): the needs[s]-th largest
  * |p| of a sample of sizes[s] elements (1 <= needs[s] <= sizes[s] <= numels[s]), as DGC.segment_cut finds it:
  * where sizes[s] < numels[s] (d) those at floor(u_j * d) (u_j, j < sizes[s]: the uniform draws of the seed

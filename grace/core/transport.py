@@ -8,6 +8,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Dict
 
+from grace import native
 from grace.core import bucket as frames
 from grace.core.buffers import flat_concat
 from grace.core.communicator import Handle, _lengths
@@ -150,30 +151,30 @@ class Transport:
     # --- frames ----------------------------------------------------------------------------
     def frame_into(self, pending):
         """Where a bucket kernel writes its payloads (``into`` of ``Feedback.fused_steps``): as the
-        pieces of this rank's frame in the bucket's frame buffer, which then needs no join (a
-        variable-length frame's header of counts and its padding written by the kernel's copy,
-        to which ``into`` hands the pieces' end: see ``_Rooms.payloads``); None where frames are
-        joined (immutable tensors, allreduce methods)."""
+        pieces of this rank's frame in the bucket's frame buffer, which then needs no join; a
+        variable-length frame written whole by the kernel's native calls, in the buffer a
+        ``FrameRoom`` places (see ``_Rooms.payloads``); None where frames are joined (immutable
+        tensors, allreduce methods)."""
         xp, compressor = pending.xp, self.compression.compressor
         if not xp.mutable_tensors or compressor.collective is Collective.ALLREDUCE:
             return None
         variable = compressor.traits.variable_length
 
-        def into(dtypes, counts):
-            pieces, flag_at, size = frames.layout(dtypes, counts, variable, self.journal.guarded)
-            end = (8 * len(counts) if variable else 0) + \
-                sum(count * frames.ITEMSIZE[dtype] for dtype, count in zip(dtypes, counts))
-            name = f"{pending.bucket.key}.frame"
-            buffer = self.buffers.buffer_for(xp, name, "uint8", size, pending.g)
-            offsets, kept = [offset for offset, _, _ in pieces], self.buffers.views.setdefault(name, {})
-            if not variable:
-                pending.framed = (buffer, flag_at, end, dtypes, counts)
-                return buffer, offsets, kept
-            # the kernel writes the header and the zeros after the pieces: written to the frame's end
-            pending.framed = (buffer, flag_at, size, dtypes, counts)
-            return buffer, offsets, kept, end
+        name, flagged = f"{pending.bucket.key}.frame", self.journal.guarded
 
-        return into
+        def into(dtypes, counts):
+            pieces, flag_at, size = frames.layout(dtypes, counts, False, flagged)
+            end = sum(count * frames.ITEMSIZE[dtype] for dtype, count in zip(dtypes, counts))
+            buffer = self.buffers.buffer_for(xp, name, "uint8", size, pending.g)
+            pending.framed = (buffer, flag_at, end, dtypes, counts)
+            return buffer, [offset for offset, _, _ in pieces], self.buffers.views.setdefault(name, {})
+
+        def place(dtypes, counts, end, size):  # (the kernel writes the header and the zeros after the pieces)
+            buffer = self.buffers.buffer_for(xp, name, "uint8", size, pending.g)
+            pending.framed = (buffer, end if flagged else None, size, dtypes, counts)
+            return buffer
+
+        return native.FrameRoom(flagged, place) if variable else into
 
     def _finish_frame(self, pending):
         """The frame whose pieces a bucket kernel wrote in place (``frame_into``), with the

@@ -43,6 +43,7 @@ from here (the last imports below). Which module holds which:
     _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments)
     _rows.py        FrameRows (every rank's pieces of the frames, which the decoded sums take),
                     payload_ranks
+    _frames.py      FrameRoom (where a variable-length bucket call writes its frame itself)
     _flags.py       the overflow flag a segment step writes (a frame's byte or an allreduce's float)
     _arrays.py      any toolkit's array as (pointer, length, dtype, stream); outputs of the same kind
     _loader.py      the libraries, their C functions' argument types, the switch (disabled, set_enabled)
@@ -50,6 +51,7 @@ from here (the last imports below). Which module holds which:
 from __future__ import annotations
 
 from grace.native._arrays import NativeUnavailable, dlpack_info
+from grace.native._frames import FrameRoom
 from grace.native._rows import FrameRows, payload_ranks
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, load_error, set_enabled
 from grace.native.dgc import dgc_compensate_into, dgc_cut_segments, dgc_select, dgc_select_segments, dgc_step_many
@@ -92,9 +94,9 @@ from grace.native._common import _placed, _same_kind  # noqa: F401
 from grace.native._loader import library  # noqa: F401
 
 __all__ = [
-    "FrameRows", "KERNELS", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build", "cpu_isa",
-    "dgc_compensate_into", "dgc_cut_segments", "dgc_select", "dgc_select_segments", "dgc_step_many", "disabled",
-    "divide_many_into", "flag_nonfinite_many",
+    "FrameRoom", "FrameRows", "KERNELS", "Kernel", "NativeUnavailable", "available", "compress_many", "cpu_build",
+    "cpu_isa", "dgc_compensate_into", "dgc_cut_segments", "dgc_select", "dgc_select_segments", "dgc_step_many",
+    "disabled", "divide_many_into", "flag_nonfinite_many",
     "dlpack_info", "efsignsgd_compress",
     "efsignsgd_compress_segments", "efsignsgd_decompress", "efsignsgd_decompress_segments", "efsignsgd_decompress_sum",
     "efsignsgd_decompress_sum_into", "efsignsgd_ef_step_many", "efsignsgd_ef_step_segments", "efsignsgd_mean_segments",

@@ -9,6 +9,7 @@ device around the call since TensorFlow's stream is not exposed.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 import numpy as np
@@ -17,6 +18,13 @@ from grace.native import _loader
 
 DTYPE_CODES = {"float32": 0, "float64": 1}
 INDEX_CODES = {"uint8": 0, "int16": 1, "int32": 2, "int64": 3}
+
+
+@functools.lru_cache(maxsize=4096)
+def c_array(ctype, length: int):
+    """``ctype * length``, kept: ctypes holds its array types weakly, so one made per call is
+    made again (13 us) after each garbage collection that frees it."""
+    return ctype * length
 
 
 class NativeUnavailable(RuntimeError):

@@ -8,7 +8,7 @@ import functools
 
 from grace.formats import ITEMSIZE, packed_size
 from grace.native import _arrays
-from grace.native._arrays import INDEX_CODES, Buf, NativeUnavailable, TensorBuf, call, kind_of, same_device
+from grace.native._arrays import INDEX_CODES, Buf, NativeUnavailable, TensorBuf, c_array, call, kind_of, same_device
 
 
 # the float dtypes the fused functions take (the quantizers other than signSGD also float64)
@@ -117,30 +117,35 @@ def _decode_out(kind, numel: int) -> Buf:
 # --- C arrays of a bucket's pointers and sizes ----------------------------------------------------
 def _pointers(bufs):
     """A C array of the buffers' pointers."""
-    return (ctypes.c_void_p * len(bufs))(*[b.ptr for b in bufs])
+    return c_array(ctypes.c_void_p, len(bufs))(*[b.ptr for b in bufs])
 
 
 def _addresses(buf: Buf, byte_offsets):
     """A C array of the addresses at ``byte_offsets`` in ``buf``: each gradient's place in an
     output shared by a bucket."""
-    return (ctypes.c_void_p * len(byte_offsets))(*[buf.ptr + o for o in byte_offsets])
+    return c_array(ctypes.c_void_p, len(byte_offsets))(*[buf.ptr + o for o in byte_offsets])
+
+
+def _c_view(ctype, array):
+    """A C array over a NumPy array's memory (which the caller keeps until the call)."""
+    return c_array(ctype, len(array)).from_buffer(array)
 
 
 def _every(addresses, first: int, step: int):
     """A C array of ``addresses[first::step]``: one payload tensor's place for each gradient."""
     chosen = addresses[first::step]
-    return (ctypes.c_void_p * len(chosen))(*chosen)
+    return c_array(ctypes.c_void_p, len(chosen))(*chosen)
 
 
 def _int64s(values):
     """A C array of ``values``; made once per tuple (a bucket's segment sizes and starts: the
     segment wrappers are called per bucket and rank every step, and read it only)."""
-    return _int64s_of(values) if type(values) is tuple else (ctypes.c_int64 * len(values))(*values)
+    return _int64s_of(values) if type(values) is tuple else c_array(ctypes.c_int64, len(values))(*values)
 
 
 @functools.lru_cache(maxsize=1024)
 def _int64s_of(values: tuple):
-    return (ctypes.c_int64 * len(values))(*values)
+    return c_array(ctypes.c_int64, len(values))(*values)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -151,7 +156,7 @@ def _packed_total(numels: tuple, bits: int) -> int:
 
 def _index_codes(dtypes):
     """A C array of the index types' codes (INDEX_CODES)."""
-    return (ctypes.c_int * len(dtypes))(*[INDEX_CODES[d] for d in dtypes])
+    return c_array(ctypes.c_int, len(dtypes))(*[INDEX_CODES[d] for d in dtypes])
 
 
 def _seed_word_arrays(words):
@@ -159,8 +164,8 @@ def _seed_word_arrays(words):
     arrays of a bucket's, ``grace.core.draws.BucketWords``, where given)."""
     columns = getattr(words, "columns", None)
     if columns is not None:
-        return tuple((ctypes.c_uint32 * len(c)).from_buffer(c) for c in columns)
-    return ((ctypes.c_uint32 * len(words))(*[w[i] for w in words]) for i in (0, 1))
+        return tuple(_c_view(ctypes.c_uint32, c) for c in columns)
+    return (c_array(ctypes.c_uint32, len(words))(*[w[i] for w in words]) for i in (0, 1))
 
 
 # --- payload tensors placed in one buffer ---------------------------------------------------------
@@ -188,7 +193,7 @@ def _placed(kind, into, dtypes, counts):
     b = _in_place(kind, buffer, "uint8")
     if len(with_buffer) > 1:  # a variable-length frame: its header and padding written now
         header, sources, nbytes, at = frame_ends(b, counts, offsets, with_buffer[1])  # (header kept until the call)
-        call(kind, "copy_pieces", 2, (ctypes.c_void_p * 2)(*sources), _int64s(nbytes), b.ptr, _int64s(at))
+        call(kind, "copy_pieces", 2, c_array(ctypes.c_void_p, 2)(*sources), _int64s(nbytes), b.ptr, _int64s(at))
     if with_buffer:
         kept, key = with_buffer[0], (tuple(dtypes), tuple(counts), tuple(offsets))
         made = kept.get(key)
@@ -210,11 +215,11 @@ def frame_ends(b: Buf, counts, offsets, end: int):
     if not (8 * len(counts) <= min(offsets, default=end) and end <= b.n <= end + len(_ZEROS)):
         raise ValueError(f"a variable-length frame of {b.n} bytes whose pieces end at byte {end} has no room for "
                          "its header, or more than its padding after them")
-    header = (ctypes.c_int64 * len(counts))(*counts)
+    header = c_array(ctypes.c_int64, len(counts))(*counts)
     return header, [ctypes.addressof(header), ctypes.addressof(_ZEROS)], [8 * len(counts), b.n - end], [0, end]
 
 
-_ZEROS = (ctypes.c_uint8 * 16)()  # a variable-length frame's padding (and unflagged flag byte)
+_ZEROS = c_array(ctypes.c_uint8, 16)()  # a variable-length frame's padding (and unflagged flag byte)
 
 
 def _check_places(b: Buf, dtypes, counts, offsets) -> None:
@@ -349,12 +354,12 @@ def _finish_args(finish):
     vote, divisors = finish if finish is not None else (False, ())
     if len(divisors) > 4:
         raise ValueError("at most 4 divisors")
-    return int(bool(vote)), (ctypes.c_float * max(1, len(divisors)))(*divisors), len(divisors)
+    return int(bool(vote)), c_array(ctypes.c_float, max(1, len(divisors)))(*divisors), len(divisors)
 
 
 def _rows(buf: Buf, count: int, itemsize: int, per_row: int):
     """A C array of the pointers to ``count`` rows of ``per_row`` items in a row in ``buf``."""
-    return (ctypes.c_void_p * count)(*[buf.ptr + j * per_row * itemsize for j in range(count)])
+    return c_array(ctypes.c_void_p, count)(*[buf.ptr + j * per_row * itemsize for j in range(count)])
 
 
 def _check_sums(ok: bool, what: str) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from grace.formats import ITEMSIZE
 from grace.native._arrays import INDEX_CODES, NativeUnavailable
-from grace.native._common import _cpu_kind, _index_codes, _int64s, _pointers, _same_kind_all
+from grace.native._common import _c_view, _cpu_kind, _index_codes, _int64s, _pointers, _same_kind_all
 
 
 class FrameRows:
@@ -141,7 +141,7 @@ class _Field:
 
     def __init__(self, pointers, counts, dtypes, ranks: int, per_unit: bool, piece_counts=None, kept=None):
         if isinstance(pointers, np.ndarray):  # (addresses made by NumPy: a C array over them, kept with it)
-            pointers = (ctypes.c_void_p * len(pointers)).from_buffer(np.ascontiguousarray(pointers, np.uint64))
+            pointers = _c_view(ctypes.c_void_p, np.ascontiguousarray(pointers, np.uint64))
         self.pointers, self.counts, self.dtypes, self.piece_counts = pointers, counts, dtypes, piece_counts
         self.ranks, self.per_unit = ranks, per_unit
         # (a layout's field: its C arrays of lengths and index codes, made once, kept with the layout)
@@ -168,7 +168,7 @@ class _Field:
     def lengths(self):
         """The pieces' element counts, a C array."""
         if self.piece_counts is not None:
-            return (ctypes.c_int64 * len(self.piece_counts)).from_buffer(self.piece_counts)
+            return _c_view(ctypes.c_int64, self.piece_counts)
         if "lengths" not in self.kept:
             self.kept["lengths"] = _int64s(self.per_piece(self.counts))
         return self.kept["lengths"]
@@ -179,7 +179,7 @@ class _Field:
             return _index_codes(self.dtypes)
         if "codes" not in self.kept:
             codes = np.repeat(np.asarray([INDEX_CODES[d] for d in self.dtypes], np.intc), self.ranks)
-            self.kept["codes"] = (ctypes.c_int * len(codes)).from_buffer(codes)
+            self.kept["codes"] = _c_view(ctypes.c_int, codes)
         return self.kept["codes"]
 
 

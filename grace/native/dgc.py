@@ -14,7 +14,7 @@ import functools
 import math
 
 from grace.formats import index_dtype
-from grace.native._arrays import NativeUnavailable, call, kind_of
+from grace.native._arrays import NativeUnavailable, c_array, call, kind_of
 from grace.native._common import (_check_segments, _cpu_kind, _flag, _head, _in_place, _in_place_all, _int64s,
                                   _pointers, _same_kind, _same_kind_all, _seed_word_arrays, _wrap)
 from grace.native._flags import _flag_of
@@ -119,7 +119,7 @@ def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float
     s0, s1 = _seed_word_arrays(words)
     if call(kind, "dgc_step_many", len(gb), _pointers(gb), _pointers(ub), _pointers(vb), _pointers(uo), _pointers(vo),
             _int64s(numels), float(momentum), float(ratio), float(sample_ratio), s0, s1, *rooms.arguments(),
-            None if scales is None else (ctypes.c_float * len(gb))(*scales), _flag(kind, nonfinite)) != 0:
+            None if scales is None else c_array(ctypes.c_float, len(gb))(*scales), _flag(kind, nonfinite)) != 0:
         raise RuntimeError("native DGC steps failed")
     return rooms.payloads(kind, into)
 

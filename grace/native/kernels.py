@@ -224,8 +224,8 @@ KERNELS: Dict[str, Kernel] = {
     "threshold_ef_step": both(threshold_ef_step, "threshold_ef", ("float32", "index", "float32"), variable=(0, 1),
                               launches=fixed(1 + COMPACT_LAUNCHES), waits=1),
     "topk_ef_step_many": cpu(topk_ef_step_many, "topk_ef_many", ("float32", "index", "float32")),
-    "threshold_ef_step_many": cpu(threshold_ef_step_many, ("threshold_ef_many", "copy_pieces"),
-                                  ("float32", "index", "float32"), variable=(0, 1)),  # (copy_pieces: into a frame)
+    "threshold_ef_step_many": cpu(threshold_ef_step_many, ("threshold_ef_many", "copy_pieces", "variable_frame"),
+                                  ("float32", "index", "float32"), variable=(0, 1)),  # (and into a frame)
     "randomk_ef_step_many": cpu(randomk_ef_step_many, "randomk_ef_many", ("float32", "float32")),
     "efsignsgd_ef_step_many": cpu(efsignsgd_ef_step_many, "bits_ef_many", ("uint8", "float32", "float32")),
     "onebit_ef_step_many": cpu(onebit_ef_step_many, "bits_ef_many", ("uint8", "float32", "float32")),
@@ -236,7 +236,8 @@ KERNELS: Dict[str, Kernel] = {
     "dgc_select_segments": both(dgc_select_segments, "dgc_select_segments", ("float32", "int64"),
                                 launches=per_batch(SEGMENT_TOPK_LAUNCHES)),
     "dgc_select": cpu(dgc_select, "dgc_select", "int64", variable=(0,)),
-    "dgc_step_many": cpu(dgc_step_many, ("dgc_step_many", "copy_pieces"), ("float32", "index"), variable=(0, 1)),
+    "dgc_step_many": cpu(dgc_step_many, ("dgc_step_many", "copy_pieces", "variable_frame"), ("float32", "index"),
+                         variable=(0, 1)),
     # a bucket's payloads, half-precision casts and PowerSGD's products in one call each
     "compress_many": cpu(compress_many, "compress_many", ("uint8", "float32")),
     "fp16_compress_many_into": cpu(fp16_compress_many_into, "half_encode_many", "float16"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 
-from grace.native._arrays import NativeUnavailable, call
+from grace.native._arrays import NativeUnavailable, c_array, call
 from grace.native._common import _addresses, _cpu_kind, _in_place_all, _int64s, _pointers, _same_kind_all
 
 
@@ -197,4 +197,4 @@ def _deferred_factors(kind, deferred, sums, shapes, ranks):
 
 def _maybe_pointers(bufs):
     """A C array of the buffers' pointers (NULL for None), or NULL for no list."""
-    return None if bufs is None else (ctypes.c_void_p * len(bufs))(*[b and b.ptr for b in bufs])
+    return None if bufs is None else c_array(ctypes.c_void_p, len(bufs))(*[b and b.ptr for b in bufs])

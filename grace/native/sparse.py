@@ -16,7 +16,7 @@ import ctypes
 import itertools
 
 from grace.formats import index_dtype
-from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, call, kind_of
+from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, c_array, call, kind_of
 from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
                                   _every, _flag, _float32, _head, _in_place, _in_place_all, _index_buf, _index_codes,
                                   _int64s, _on_gpu, _outputs, _placed, _pointers, _same_kind, _same_kind_all,
@@ -261,7 +261,7 @@ def randomk_ef_step_segments(g, residual, starts, numels, ks, words, scales=None
     _check_segments(gb.n, starts, numels)
     values, idx = kind.empty(sum(ks), "float32"), kind.empty(sum(ks), "int64")
     s0, s1 = _seed_word_arrays(words)
-    scale = None if scales is None else (ctypes.c_float * len(ks))(*scales)
+    scale = None if scales is None else c_array(ctypes.c_float, len(ks))(*scales)
     if call(kind, "randomk_ef_segments", gb.ptr, rb.ptr, len(numels), _int64s(starts), _int64s(numels), _int64s(ks),
             s0, s1, scale, float(beta), float(gamma), _ef_flags(beta, gamma), values.ptr, idx.ptr, ob.ptr,
             *_flag_of(kind, nonfinite)) != 0:
@@ -356,7 +356,7 @@ def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float
     ks = [b.n for b in ib]
     starts = [0, *itertools.accumulate(ks[:-1])]
     values = kind.empty(sum(ks), "float32")
-    scale = None if scales is None else (ctypes.c_float * len(ks))(*scales)
+    scale = None if scales is None else c_array(ctypes.c_float, len(ks))(*scales)
     rc = call(kind, "randomk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob),
               _int64s([b.n for b in gb]), _int64s(ks), _pointers(ib), float(beta), float(gamma),
               _ef_flags(beta, gamma), scale, _addresses(values, [4 * s for s in starts]), _flag(kind, nonfinite))

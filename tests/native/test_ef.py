@@ -12,6 +12,8 @@ import pytest
 
 import grace
 import grace.native as gn
+from grace.backends import get_backend
+from grace.core import bucket as frames
 from grace.core.compressor import TensorInfo
 from grace.core.plans.kernels import kernels_of
 from tests.native.conftest import BIG, NX, SIZES, device, gradient, host, on, same_bytes, torch  # noqa: F401
@@ -245,31 +247,34 @@ def test_a_bucket_calls_pieces_copied_where_into_lays_them_are_its_views_bytes(m
     assert bool((frame[~written] == 0xAB).all())
 
 
+@pytest.mark.parametrize("flagged", [False, True], ids=["unflagged", "flagged"])
 @pytest.mark.parametrize("method", ["threshold", "dgc"])
-def test_a_variable_frames_header_and_padding_are_written_with_its_pieces(method):
-    """Where ``into`` also hands back where the pieces end (a variable-length frame), the call
-    writes the frame's header (each piece's count, int64, from byte 0) and zeros from that end to
-    the frame's last byte, with the pieces as the views' bytes; a frame with no room for its
-    header is refused before anything is written."""
-    sizes = VARIABLE_SIZES
+def test_a_variable_frame_is_written_whole_as_the_exchange_frames_the_views(method, flagged):
+    """Where ``into`` is a ``FrameRoom`` (a variable-length frame's), the call writes the whole
+    frame into the buffer the room places: byte for byte the frame the exchange makes of the views
+    the same call hands back without it (``frames.frame``: header of counts, pieces widest first,
+    the flag's byte, zeros to its end; the flag zero until the exchange writes it). The room is
+    told the pieces' dtypes and counts, where they end and the frame's size; a buffer of another
+    size is refused before anything is written."""
     run = functools.partial(_variable_bucket_call, method)
     values, indices = run(None)
     pieces = [t for pair in zip(values, indices) for t in pair]
-    offsets, at = [], 8 * len(pieces)
-    for t in pieces:  # (the widest first, as a frame lays them: here in order, each aligned)
-        at += -at % t.element_size()
-        offsets.append(at)
-        at += t.numel() * t.element_size()
-    end = at
-    frame = torch.full((end + 5,), 0xAB, dtype=torch.uint8)
-    assert run(lambda dtypes, counts: (frame, offsets, {}, end)) == ([None] * len(sizes), [None] * len(sizes))
-    assert frame[:8 * len(pieces)].view(torch.int64).tolist() == [t.numel() for t in pieces]
-    for t, o in zip(pieces, offsets):
-        same_bytes(t.view(torch.uint8), frame[o:o + t.numel() * t.element_size()])
-    assert frame[end:].tolist() == [0] * 5
-    cramped = torch.full((end + 5,), 0xAB, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="no room for its header"):
-        run(lambda dtypes, counts: (cramped, [o - 8 for o in offsets], {}, end))
+    want = frames.frame(get_backend("torch"), pieces, True, pieces[0], torch.zeros(1) if flagged else None)
+    placed = []
+
+    def place(dtypes, counts, end, size):
+        placed.append((list(dtypes), list(counts), end, size))
+        return buffer[:size]
+
+    buffer = torch.full((want.numel() + 16,), 0xAB, dtype=torch.uint8)
+    assert run(gn.FrameRoom(flagged, place)) == ([None] * len(VARIABLE_SIZES), [None] * len(VARIABLE_SIZES))
+    assert placed == [([str(t.dtype).removeprefix("torch.") for t in pieces], [t.numel() for t in pieces],
+                       8 * len(pieces) + sum(t.numel() * t.element_size() for t in pieces), want.numel())]
+    same_bytes(want, buffer[:want.numel()])
+    assert bool((buffer[want.numel():] == 0xAB).all())
+    cramped = torch.full((want.numel(),), 0xAB, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="placed in"):
+        run(gn.FrameRoom(flagged, lambda dtypes, counts, end, size: cramped[:size - 8]))
     assert bool((cramped == 0xAB).all())
 
 

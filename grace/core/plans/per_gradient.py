@@ -202,8 +202,8 @@ class PerGradient(BucketPlan):
             read, flags = zip(*(frames.read_frame(xp, f, 0, dtypes, counts, variable, bucket.numel, bucket.dtype,
                                                   flagged)[:2] for f in received))
         else:
-            expected = n * frames.frame_size(counts, dtypes, False, flagged)
-            if not variable and isinstance(xp.numel(received), int) and xp.numel(received) != expected:
+            if not variable and isinstance(xp.numel(received), int) \
+                    and xp.numel(received) != n * frames.frame_size(counts, dtypes, False, flagged):
                 raise RuntimeError(f"grace: ranks sent payloads of different lengths for {bucket.key!r} "
                                    "(are they configured differently?)")
             if not all_dense and all(o is not None for o in outs):
