@@ -191,9 +191,6 @@ def _placed(kind, into, dtypes, counts):
     than the kernel on small gradients); it holds the latest layout's only."""
     buffer, offsets, *with_buffer = (into or _one_buffer(kind))(dtypes, counts)
     b = _in_place(kind, buffer, "uint8")
-    if len(with_buffer) > 1:  # a variable-length frame: its header and padding written now
-        header, sources, nbytes, at = frame_ends(b, counts, offsets, with_buffer[1])  # (header kept until the call)
-        call(kind, "copy_pieces", 2, c_array(ctypes.c_void_p, 2)(*sources), _int64s(nbytes), b.ptr, _int64s(at))
     if with_buffer:
         kept, key = with_buffer[0], (tuple(dtypes), tuple(counts), tuple(offsets))
         made = kept.get(key)
@@ -204,22 +201,6 @@ def _placed(kind, into, dtypes, counts):
         kept[key] = made = ((b.ptr, b.n), tuple(addresses), tuple(views))  # (read only: shared by the steps)
         return made[1], made[2]
     return _placed_views(kind, b, dtypes, counts, offsets)
-
-
-def frame_ends(b: Buf, counts, offsets, end: int):
-    """What ``copy_pieces`` writes besides the pieces of a variable-length frame in ``b`` (whose
-    pieces of ``counts`` elements lie at ``offsets`` and end at byte ``end``): its header (the
-    counts, int64, from byte 0) and zeros from ``end`` to its last byte: (the header, a C array
-    the caller keeps until the copy; sources, byte counts, offsets). Written with the pieces: no
-    tensor operation after a kernel's pass."""
-    if not (8 * len(counts) <= min(offsets, default=end) and end <= b.n <= end + len(_ZEROS)):
-        raise ValueError(f"a variable-length frame of {b.n} bytes whose pieces end at byte {end} has no room for "
-                         "its header, or more than its padding after them")
-    header = c_array(ctypes.c_int64, len(counts))(*counts)
-    return header, [ctypes.addressof(header), ctypes.addressof(_ZEROS)], [8 * len(counts), b.n - end], [0, end]
-
-
-_ZEROS = c_array(ctypes.c_uint8, 16)()  # a variable-length frame's padding (and unflagged flag byte)
 
 
 def _check_places(b: Buf, dtypes, counts, offsets) -> None:

@@ -89,34 +89,6 @@ def test_top_k_steps_place_their_values_and_indices(layout):
         same_bytes(a, b)
 
 
-def test_a_placed_call_writes_a_variable_frames_header_and_padding():
-    """Where ``into`` hands back the pieces' end too (a variable-length frame's), a call that
-    places fixed-size pieces writes the frame's header (each piece's count, int64, from byte 0)
-    and zeros from that end to the frame's last byte, as the variable-length bucket calls do;
-    the pieces as placed without it."""
-    gs = inputs()
-    rs = [torch.from_numpy(gradient(n, seed=n + 1)) * 0.3 for n in SIZES]
-    ks = [max(1, n // 100) for n in SIZES]
-    seen = {}
-
-    def into(dtypes, counts):
-        pieces, _, size = frames.layout(dtypes, counts, True, True)
-        offsets = [offset for offset, _, _ in pieces]
-        end = max(o + c * frames.ITEMSIZE[d] for o, c, d in zip(offsets, counts, dtypes))
-        seen.update(buffer=torch.full((size,), CANARY, dtype=torch.uint8), offsets=offsets, dtypes=dtypes,
-                    counts=counts, end=end)
-        return seen["buffer"], offsets, {}, end
-
-    values, indices, _ = gn.topk_ef_step_many(gs, rs, ks, beta=0.9, outs=[torch.empty(n) for n in SIZES], into=into)
-    want = gn.topk_ef_step_many(gs, rs, ks, beta=0.9)
-    buffer, counts, end = seen["buffer"], seen["counts"], seen["end"]
-    for piece, expected in zip([t for pair in zip(values, indices) for t in pair],
-                               [t for pair in zip(*want[:2]) for t in pair]):
-        same_bytes(expected, piece)
-    assert buffer[:8 * len(counts)].view(torch.int64).tolist() == list(counts)
-    assert buffer[end:].tolist() == [0] * (buffer.numel() - end) and buffer.numel() > end
-
-
 @pytest.mark.parametrize("layout", [as_frame, backwards_with_gaps], ids=["frame", "backwards"])
 @pytest.mark.parametrize("method", ["efsignsgd", "onebit"])
 def test_sign_family_steps_place_their_payloads(method, layout):
