@@ -599,3 +599,40 @@ API int grace_cpu_variable_frame(int64_t pieces, int64_t per, const void* const*
   std::memset(frame + end, 0, (size_t)(size - end));
   return 1;
 }
+
+API int grace_cpu_variable_rows(const uint8_t* data, int64_t total, int64_t ranks, int64_t pieces,
+                                const int64_t* widths, int flagged, const int64_t* slots, uint64_t* pointers,
+                                int64_t* counts, int64_t* flags_set) {
+  if (ranks < 0 || pieces < 1 || total < 0 || flagged < 0 || flagged > 1) return -1;
+  int64_t start = 0, set = 0;
+  for (int64_t r = 0; r < ranks; ++r) {
+    if (total - start < 8 * pieces) return -1;
+    const uint8_t* const frame = data + start;
+    int64_t first, end = 8 * pieces;
+    std::memcpy(&first, frame, 8);
+    if (first == -1) return 1;  // (a rank sent its dense bucket)
+    for (int64_t j = 0; j < pieces; ++j) {
+      int64_t c;
+      std::memcpy(&c, frame + 8 * j, 8);
+      if (c < 0 || c > total) return -1;
+      counts[slots[j] + r] = c;
+      end += c * widths[j];
+    }
+    const int64_t size = (end + flagged + 7) / 8 * 8;
+    if (size > total - start) return -1;
+    int64_t at = 8 * pieces;
+    for (int64_t w = 8; w >= 1; w /= 2) {  // (the order variable_frame writes them in)
+      for (int64_t j = 0; j < pieces; ++j) {
+        if (widths[j] != w) continue;
+        pointers[slots[j] + r] = (uint64_t)(uintptr_t)(frame + at);
+        at += counts[slots[j] + r] * w;
+      }
+    }
+    if (at != end) return -1;  // (a width other than 1, 2, 4 or 8)
+    set += flagged && frame[end] != 0;
+    start += size;
+  }
+  if (start != total) return -1;
+  *flags_set = set;
+  return 0;
+}

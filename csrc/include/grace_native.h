@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 28
+#define GRACE_NATIVE_ABI 29
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -131,6 +131,15 @@ void grace_cpu_copy_pieces(int64_t pieces, const void* const* src, const int64_t
  * at most `room` bytes: 1 where written, 0 where not, -1 on bad arguments (nothing written). */
 int grace_cpu_variable_frame(int64_t pieces, int64_t per, const void* const* src, const int64_t* counts,
                              const int64_t* widths, int flagged, uint8_t* frame, int64_t room, int64_t* sizes);
+/* The other way: `ranks` variable-length frames as grace_cpu_variable_frame writes them (per = 1), end to
+ * end in `total` bytes of data, each of `pieces` pieces (item sizes widths[j]): rank r's piece j's address
+ * into pointers[slots[j] + r] and its count into counts[slots[j] + r] (the caller's order: field by field),
+ * and how many frames' overflow flag byte is set into flags_set where flagged. 0; 1 where a rank sent its
+ * dense bucket (its first header entry -1; nothing more read); -1 where the headers do not add up to
+ * total bytes (or bad arguments). */
+int grace_cpu_variable_rows(const uint8_t* data, int64_t total, int64_t ranks, int64_t pieces, const int64_t* widths,
+                            int flagged, const int64_t* slots, uint64_t* pointers, int64_t* counts,
+                            int64_t* flags_set);
 /* DGC's cut of every segment of a bucket of n elements (numels[s] from starts[s]): the needs[s]-th largest
  * |p| of a sample of sizes[s] elements (1 <= needs[s] <= sizes[s] <= numels[s]), as DGC.segment_cut finds it:
  * where sizes[s] < numels[s] (d) those at floor(u_j * d) (u_j, j < sizes[s]: the uniform draws of the seed

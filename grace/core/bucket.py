@@ -24,8 +24,6 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
 
-import numpy as np
-
 from grace.core.communicator import _lengths
 from grace.core.compressor import FLOAT_DTYPES, Payload
 from grace.core.tensors import constant
@@ -237,52 +235,6 @@ def _layout(dtypes: Tuple[str, ...], counts: tuple, with_header: bool, flagged: 
 
 
 _layout_of = functools.lru_cache(maxsize=256)(_layout)
-
-
-@dataclass
-class VariableLayouts:
-    """Where the ranks' variable-length frames, end to end, put their pieces (``variable_layouts``):
-    each frame's first byte, each piece's byte offset in its frame and element count (rank by
-    piece, int64), and each frame's flag byte (from the start of the data; None: not flagged)."""
-
-    starts: Any
-    offsets: Any
-    counts: Any
-    flags_at: Any
-
-
-def variable_layouts(data, dtypes: Sequence[str], ranks: int, flagged: bool = False):
-    """``layout`` of each of ``ranks`` variable-length frames end to end in ``data`` (the host's
-    uint8 NumPy array: an allgather's result), read from their headers: a ``VariableLayouts``,
-    or None where a rank sent its dense bucket. NumPy work per rank, none per piece."""
-    pieces = len(dtypes)
-    widths, order, ordered_widths = _widths_of(tuple(dtypes))
-    counts, starts, start, total = np.empty((ranks, pieces), np.int64), np.empty(ranks, np.int64), 0, len(data)
-    for r in range(ranks):
-        if start < 0 or start + 8 * pieces > total:
-            raise RuntimeError(f"grace: the ranks' frames end before rank {r}'s header")
-        header = counts[r] = data[start:start + 8 * pieces].view(np.int64)
-        if pieces and header[0] == DENSE:
-            return None
-        starts[r], size = start, 8 * pieces + int(header @ widths) + flagged
-        start += size + -size % ALIGN
-    if start != total or (counts < 0).any():
-        raise RuntimeError(f"grace: the ranks' frame headers do not add up to the {len(data)} bytes received "
-                           "(are they configured differently?)")
-    ordered = counts[:, order] * ordered_widths  # each piece's bytes, in the order the frame holds them
-    offsets = np.empty_like(counts)
-    offsets[:, order] = 8 * pieces + np.cumsum(ordered, axis=1) - ordered
-    flags_at = starts + 8 * pieces + ordered.sum(axis=1) if flagged else None
-    return VariableLayouts(starts, offsets, counts, flags_at)
-
-
-@functools.lru_cache(maxsize=64)
-def _widths_of(dtypes: Tuple[str, ...]):
-    """(each piece's item size, the order a frame holds them in, the sizes in that order): NumPy
-    arrays made once per bucket layout."""
-    widths = np.asarray([ITEMSIZE[d] for d in dtypes], np.int64)
-    order = np.asarray(_order_of(dtypes), np.int64)
-    return widths, order, widths[order]
 
 
 def split_payloads(pieces: Sequence, structure: Sequence[int]) -> List[Payload]:

@@ -42,7 +42,7 @@ from here (the last imports below). Which module holds which:
     kernels.py      KERNELS (the kernel table), Kernel, kernel, run
     _common.py      the helpers the families share (buffers, C arrays, in-place outputs, segments)
     _rows.py        FrameRows (every rank's pieces of the frames, which the decoded sums take),
-                    payload_ranks
+                    payload_ranks, variable_rows (variable-length frames' read from their headers)
     _frames.py      FrameRoom (where a variable-length bucket call writes its frame itself)
     _flags.py       the overflow flag a segment step writes (a frame's byte or an allreduce's float)
     _arrays.py      any toolkit's array as (pointer, length, dtype, stream); outputs of the same kind
@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from grace.native._arrays import NativeUnavailable, dlpack_info
 from grace.native._frames import FrameRoom
-from grace.native._rows import FrameRows, payload_ranks
+from grace.native._rows import FrameRows, payload_ranks, variable_rows
 from grace.native._loader import cpu_build, cpu_isa, disabled, enabled, load_error, set_enabled
 from grace.native.dgc import dgc_compensate_into, dgc_cut_segments, dgc_select, dgc_select_segments, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
@@ -117,5 +117,6 @@ __all__ = [
     "terngrad_decompress_segments", "terngrad_decompress_sum", "terngrad_decompress_sum_into", "terngrad_mean_segments",
     "threshold_compress", "threshold_ef_step", "threshold_ef_step_many", "threshold_indices",
     "threshold_select_segments", "threshold_write_segments", "topk_compress", "topk_compress_segments",
-    "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack"
+    "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack",
+    "variable_rows"
 ]

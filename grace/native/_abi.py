@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 28  # GRACE_NATIVE_ABI
+ABI = 29  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -52,6 +52,7 @@ CPU = {
     "pairs_into_frame": (None, [_P, _P, _L, _P, _P, _L, _L]),
     "copy_pieces": (None, [_L, _P, _P, _P, _P]),
     "variable_frame": (_I, [_L, _L, _P, _P, _P, _I, _P, _L, _P]),
+    "variable_rows": (_I, [_P, _L, _L, _L, _P, _I, _P, _P, _P, _P]),
     "dgc_cut_segments": (_I, [_P, _L, _L, _P, _P, _P, _P, _P, _P, _P]),
     "dgc_select": (_L, [_P, _L, _L, _L, _L, _U, _U, _P]),
     "dgc_step_many": (_I, [_L, _P, _P, _P, _P, _P, _P, _F, _D, _D, _P, _P, _P, _P, _P, _P, _P, _P]),

@@ -1,6 +1,7 @@
 """Every rank's payloads of a bucket, the bucket-at-once sums' input (CPU): the pieces of the
 received frames as C arrays of pointers, counts and dtypes, field by field (``FrameRows``,
-``_field``), made by NumPy with no object per rank and piece.
+``_field``), made by NumPy with no object per rank and piece; variable-length frames' read from
+their headers by one native call (``variable_rows``).
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from typing import Sequence
 import numpy as np
 
 from grace.formats import ITEMSIZE
-from grace.native._arrays import INDEX_CODES, NativeUnavailable
-from grace.native._common import _c_view, _cpu_kind, _index_codes, _int64s, _pointers, _same_kind_all
+from grace.native._arrays import INDEX_CODES, NativeUnavailable, c_array, call
+from grace.native._common import _c_view, _cpu_kind, _index_codes, _int64s, _int64s_of, _pointers, _same_kind_all
 
 
 class FrameRows:
@@ -22,38 +23,19 @@ class FrameRows:
     for the bucket-at-once sums (CPU) in place of ``payloads[unit][rank]``: field j of every
     unit's payload as one C array of pointers in (unit, rank) order, made by one NumPy sum. The
     Python work does not grow with the ranks (no object per rank and piece). Frames whose
-    pieces' lengths differ by rank: ``FrameRows.of_variable``."""
+    pieces' lengths differ by rank: ``variable_rows``."""
 
     def __init__(self, data, starts: Sequence[int], layout: Sequence, structure: Sequence[int]):
-        self._setup(data, starts, *_layout_arrays(layout, structure))
-
-    @classmethod
-    def of_variable(cls, data, starts, offsets, counts, dtypes: Sequence[str], structure: Sequence[int]):
-        """Frames whose pieces' lengths differ by rank (variable-length methods): each piece's
-        byte offset in its frame and element count, rank by piece (int64 arrays, as
-        ``grace.core.bucket.variable_layouts`` reads them from the headers)."""
-        rows = cls.__new__(cls)
-        offsets, counts = np.asarray(offsets, np.int64), np.asarray(counts, np.int64)
-        dtypes, structure, first, widths, fields = _variable_arrays(tuple(dtypes), tuple(structure))
-        rows._setup(data, starts, offsets, counts, dtypes, structure, first, offsets + counts * widths, fields,
-                    variable=True)
-        return rows
-
-    def _setup(self, data, starts, offsets, counts, dtypes, structure, first, ends, fields, variable=False):
-        """``first``: each unit's first piece; ``ends``: each piece's end, bytes from its frame's
-        start; ``fields``: what ``field`` keeps of a layout (one per layout and, for ``variable``
-        frames, per dtypes and structure: see ``_layout_arrays``, ``_variable_arrays``)."""
+        offsets, counts, dtypes, structure, first, ends, fields = _layout_arrays(layout, structure)
         kind = _cpu_kind(data)
-        b = kind.flat(data)
-        if b.dtype != "uint8":
-            raise ValueError(f"frames are uint8, got {b.dtype}")
+        b = _frames_buffer(kind, data)
         starts = np.asarray(starts, np.int64)
         if len(starts) and offsets.size:
             if starts.min() < 0 or (offsets < 0).any() or (counts < 0).any() or (starts[:, None] + ends).max() > b.n:
                 raise ValueError(f"a piece past the end of {b.n} bytes of frames")
         self.ranks, self.units, self.keep = len(starts), len(structure), data
         self._offsets, self._counts, self._dtypes, self._structure = offsets, counts, dtypes, structure
-        self._first, self._kept, self._variable = first, fields, variable
+        self._first, self._kept = first, fields
         self._frames = b.ptr + starts  # each frame's first byte
         self._fields: dict = {}
 
@@ -63,19 +45,46 @@ class FrameRows:
         if j not in self._fields:
             if any(n <= j for n in self._structure):
                 raise ValueError(f"a payload without a field {j}")
-            if j not in self._kept:  # (its pieces of field j and their dtypes; one layout: counts per unit)
+            if j not in self._kept:  # (its pieces of field j, their dtypes and counts per unit)
                 pieces = self._first + j
-                self._kept[j] = (pieces, [self._dtypes[i] for i in pieces],
-                                 None if self._variable else self._counts[0, pieces].tolist())
+                self._kept[j] = (pieces, [self._dtypes[i] for i in pieces], self._counts[0, pieces].tolist())
             pieces, dtypes, unit_counts = self._kept[j]
             pointers = (self._offsets[:, pieces].T + self._frames[None, :]).reshape(-1)
-            kept = self._kept.setdefault((j, self.ranks), {})
-            if not self._variable:  # one layout: counts per unit
-                self._fields[j] = _Field(pointers, unit_counts, dtypes, self.ranks, True, kept=kept)
-            else:
-                counts = np.ascontiguousarray(self._counts[:, pieces].T).reshape(-1)
-                self._fields[j] = _Field(pointers, None, dtypes, self.ranks, True, counts, kept=kept)
+            self._fields[j] = _Field(pointers, unit_counts, dtypes, self.ranks, True,
+                                     kept=self._kept.setdefault((j, self.ranks), {}))
         return self._fields[j]
+
+
+def variable_rows(data, ranks: int, dtypes: Sequence[str], structure: Sequence[int], flagged: bool = False):
+    """``ranks`` variable-length frames (each rank's pieces of its own lengths) end to end in
+    ``data`` (an allgather's result, uint8), read from their headers by one native call, which
+    also counts the frames whose overflow flag is set (``flagged``): (a ``FrameRows`` whose
+    fields hold every piece's count, that count). NativeUnavailable where a rank sent its dense
+    bucket; RuntimeError where the headers do not add up to the bytes received."""
+    kind = _cpu_kind(data)
+    b = _frames_buffer(kind, data)
+    widths, slots, fields = _variable_arrays(tuple(dtypes), tuple(structure), ranks)
+    pointers, counts = np.empty(len(dtypes) * ranks, np.uint64), np.empty(len(dtypes) * ranks, np.int64)
+    flags_set = c_array(ctypes.c_int64, 1)()
+    done = call(kind, "variable_rows", b.ptr, b.n, ranks, len(dtypes), widths, int(flagged), slots,
+                pointers.ctypes.data, counts.ctypes.data, flags_set)
+    if done == 1:
+        raise NativeUnavailable("a rank sent its dense bucket")
+    if done != 0:
+        raise RuntimeError(f"grace: the ranks' frame headers do not add up to the {b.n} bytes received "
+                           "(are they configured differently?)")
+    rows = FrameRows.__new__(FrameRows)
+    rows.ranks, rows.units, rows.keep, rows._structure = ranks, len(structure), data, structure
+    rows._fields = {j: _Field(pointers[lo:hi], None, field_dtypes, ranks, True, counts[lo:hi])
+                    for j, (lo, hi, field_dtypes) in fields.items()}
+    return rows, flags_set[0]
+
+
+def _frames_buffer(kind, data):
+    b = kind.flat(data)
+    if b.dtype != "uint8":
+        raise ValueError(f"frames are uint8, got {b.dtype}")
+    return b
 
 
 def _first_pieces(structure):
@@ -113,12 +122,19 @@ def _layout_arrays(layout, structure) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _variable_arrays(dtypes: tuple, structure: tuple) -> tuple:
-    """What ``FrameRows.of_variable`` derives from its frames' dtypes and structure, the same
-    every step for a bucket: (dtypes, structure, each unit's first piece, the pieces' item
-    sizes, the fields' kept parts)."""
-    return (list(dtypes), list(structure), _first_pieces(structure),
-            np.asarray([ITEMSIZE[d] for d in dtypes], np.int64), {})
+def _variable_arrays(dtypes: tuple, structure: tuple, ranks: int) -> tuple:
+    """What ``variable_rows`` derives from its frames' dtypes, structure and ranks, the same every
+    step for a bucket: (the pieces' item sizes, a C array; each piece's first slot in the native
+    call's output, a C array: field by field, unit by unit, rank by rank; each field every unit
+    has: (its first slot, its end, its dtypes per unit))."""
+    first, slots, fields, at = _first_pieces(structure), [0] * len(dtypes), {}, 0
+    for j in range(max(structure, default=0)):
+        start, units = at, [u for u, n in enumerate(structure) if n > j]
+        for u in units:
+            slots[first[u] + j], at = at, at + ranks
+        if len(units) == len(structure):
+            fields[j] = (start, at, [dtypes[first[u] + j] for u in units])
+    return _int64s_of(tuple(ITEMSIZE[d] for d in dtypes)), _int64s_of(tuple(slots)), fields
 
 
 def payload_ranks(payloads) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Tuple, Union
 
 from grace.native._arrays import NativeUnavailable, kind_of
+from grace.native._rows import variable_rows
 from grace.native.dgc import dgc_compensate_into, dgc_cut_segments, dgc_select, dgc_select_segments, dgc_step_many
 from grace.native.draws import hash_keys_segments, random_indices_segments, uniform_segments
 from grace.native.lowrank import lowrank_back_many, lowrank_expand_many, lowrank_project_many
@@ -178,6 +179,8 @@ KERNELS: Dict[str, Kernel] = {
     "qsgd_decompress_sum_into": cpu(qsgd_decompress_sum_into, "qsgd_sum_segments", "float32"),
     "natural_decompress_sum_into": cpu(natural_decompress_sum_into, "natural_sum_segments", "float32"),
     "scatter_add_segments_into": cpu(scatter_add_segments_into, "scatter_add_segments", "float32"),
+    # the ranks' variable-length frames read from their headers (pointers and counts for the sums)
+    "variable_rows": cpu(variable_rows, "variable_rows", ("uint64", "int64")),
     # a bucket's segments: each through the per-tensor function on a CPU, one launch per phase on a GPU
     "efsignsgd_compress_segments": both(efsignsgd_compress_segments, "efsign_compress", ("uint8", "float32"),
                                         cuda="efsign_compress_segments", launches=per_batch(2)),

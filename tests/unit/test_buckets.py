@@ -267,12 +267,15 @@ def test_frames_round_trip_every_dtype_aligned(backend):
                                               xp.to_numpy(p).view(np.uint8).ravel())
 
 
+@pytest.mark.parametrize("flagged", [True, False])
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_variable_frames_are_read_from_their_headers_into_frame_rows(backend):
-    """``variable_layouts`` reads where each rank's variable-length frame (another length per
-    rank, flagged) puts its pieces and flag, and ``FrameRows.of_variable`` points at them piece
-    by piece, unit by unit; a rank that sent its dense bucket gives None, and headers that do
-    not add up to the bytes received are refused."""
+def test_variable_frames_are_read_from_their_headers_into_frame_rows(backend, flagged):
+    """``grace.native.variable_rows`` reads each rank's variable-length frame (another length per
+    rank; ``frames.frame``'s format, which ``frames.layout`` states) from its header: field j's
+    pointers land on every rank's piece j of each unit, in (unit, rank) order, with its count,
+    and the set overflow flags are counted; a rank that sent its dense bucket is left to the
+    caller (NativeUnavailable), and headers that do not add up to the bytes received, or a frame
+    cut short, are refused."""
     import ctypes
 
     import grace.native as gn
@@ -283,32 +286,34 @@ def test_variable_frames_are_read_from_their_headers_into_frame_rows(backend):
     dtypes = ["float32", "int16", "float32", "uint8"]
     ranks = [[np.arange(5 - r, dtype=np.float32) + r, np.arange(r + 2, dtype=np.int16) * (r + 1),
               np.arange(2 * r, dtype=np.float32), np.arange(r + 3, dtype=np.uint8)] for r in range(3)]
-    flags = [0, 1, 0]
-    sent = [frames.frame(xp, [xp.asarray(a) for a in row], True, None, flag=xp.asarray(np.array([f], np.uint8)))
+    flags = [0, 1, 1]
+    sent = [frames.frame(xp, [xp.asarray(a) for a in row], True, None,
+                         flag=xp.asarray(np.array([f], np.uint8)) if flagged else None)
             for row, f in zip(ranks, flags)]
     data = xp.concat(sent)
-    host = xp.to_numpy(data)
-    layouts = frames.variable_layouts(host, dtypes, 3, flagged=True)
+    rows, flags_set = gn.variable_rows(data, 3, dtypes, [2, 2], flagged)
+    assert flags_set == (2 if flagged else 0)
     starts = np.cumsum([0] + [xp.numel(f) for f in sent[:-1]])
-    np.testing.assert_array_equal(layouts.starts, starts)
-    np.testing.assert_array_equal(layouts.counts, [[a.size for a in row] for row in ranks])
-    np.testing.assert_array_equal(host[layouts.flags_at], flags)
-    rows = gn.FrameRows.of_variable(data, layouts.starts, layouts.offsets, layouts.counts, dtypes, [2, 2])
+    base = xp.to_numpy(data).ctypes.data  # (the same memory on a CPU)
     for j in (0, 1):
         field = rows.field(j)
         assert field.dtypes == [dtypes[j], dtypes[2 + j]]
         for u in range(2):
             for r in range(3):
                 want = ranks[r][2 * u + j]
+                offset = frames.layout(dtypes, [a.size for a in ranks[r]], True, flagged)[0][2 * u + j][0]
+                assert field.pointers[u * 3 + r] == base + int(starts[r]) + offset
                 assert field.piece_counts[u * 3 + r] == want.size
                 got = np.frombuffer((ctypes.c_char * want.nbytes).from_address(field.pointers[u * 3 + r]), want.dtype)
                 np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="without a field 2"):
+        rows.field(2)
     dense = frames.dense_frame(xp, xp.asarray(np.ones(4, np.float32)), len(dtypes), None)
-    assert frames.variable_layouts(xp.to_numpy(xp.concat([sent[0], dense])), dtypes, 2) is None
-    with pytest.raises(RuntimeError, match="do not add up"):
-        frames.variable_layouts(host[:-8], dtypes, 3, flagged=True)
-    with pytest.raises(ValueError, match="past the end"):
-        gn.FrameRows.of_variable(data[:-8], layouts.starts, layouts.offsets, layouts.counts, dtypes, [2, 2])
+    with pytest.raises(gn.NativeUnavailable, match="dense"):
+        gn.variable_rows(xp.concat([sent[0], dense]), 2, dtypes, [2, 2])
+    for cut in (data[:-8], data[:5], xp.concat([data, data[:8]])):
+        with pytest.raises(RuntimeError, match="do not add up"):
+            gn.variable_rows(cut, 3, dtypes, [2, 2], flagged)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any, List
 
-import numpy as np
-
 from grace import native
 from grace.core import bucket as frames
 from grace.core.bucket import Dense
@@ -246,10 +244,10 @@ class PerGradient(BucketPlan):
     def _aggregate_natively(self, pending: BucketPending, received, outs):
         """Every rank's frame, all in one tensor, handed to the method's bucket-at-once aggregate
         as native buffers at their offsets (a tensor view per piece costs more than the kernel on
-        small gradients: C arrays, ``native.FrameRows``; variable-length frames' offsets read from
-        their headers on the host), the flags read in one view, or on the host: (the aggregates
-        written into ``outs``, the overflow count or None), or None where no such aggregate runs
-        (an accelerator's tensors) or a rank sent dense."""
+        small gradients: C arrays, ``native.FrameRows``; variable-length frames' read from their
+        headers natively), the flags read in one view, or counted as the headers are read: (the
+        aggregates written into ``outs``, the overflow count or None), or None where no such
+        aggregate runs (an accelerator's tensors) or a rank sent dense."""
         s, xp, dtypes, flagged = self.services, pending.xp, pending.dtypes, pending.flag is not None
         variable, n = s.compression.compressor.traits.variable_length, s.communicator.size
         if not variable:  # every rank's frame of one layout: its pieces as C arrays, no object per rank
@@ -263,19 +261,14 @@ class PerGradient(BucketPlan):
                 return None
             flags = xp.reshape(received, (n, size))[:, flag_at] if flagged else None
             return done, s.journal.overflow(xp, [flags]) if flagged else None
-        if xp.on_accelerator(received):
+        # the ranks' headers read by one native call, which counts the set flags too (None: no such
+        # call here, or a rank sent its dense bucket)
+        read = None if xp.on_accelerator(received) else \
+            native.run("variable_rows", received, received, n, dtypes, pending.structure, flagged)
+        if read is None:
             return None
-        host = xp.to_numpy(received)  # (the host's own memory on a CPU: the headers read without a copy)
-        layouts = frames.variable_layouts(host, dtypes, n, flagged)
-        if layouts is None:  # a rank sent its dense bucket
-            return None
-        try:
-            rows = native.FrameRows.of_variable(received, layouts.starts, layouts.offsets, layouts.counts, dtypes,
-                                                pending.structure)
-        except native.NativeUnavailable:
-            return None
+        rows, flags_set = read
         done = s.kernels.aggregate_many(xp, rows, pending.ctxs, outs)
         if done is None:
             return None
-        overflow = s.journal.counted(int(np.count_nonzero(host[layouts.flags_at]))) if flagged else None
-        return done, overflow
+        return done, s.journal.counted(flags_set) if flagged else None
