@@ -178,17 +178,26 @@ class Transport:
 
     def _finish_frame(self, pending):
         """The frame whose pieces a bucket kernel wrote in place (``frame_into``), with the
-        overflow flag and zeros to its end written."""
+        overflow flag and zeros to its end written: through views of the kept buffer made once
+        per layout (a slice and a fill made per bucket and step, just after the kernel's pass,
+        cost more than the rest of the bucket's Python)."""
         xp, flag = pending.xp, pending.flag
         frame, flag_at, end, _, _ = pending.framed
         if (flag is None) != (flag_at is None):  # (a guarded exchange flags every bucket)
             raise RuntimeError(f"grace: {pending.bucket.key}'s frame was laid out for {'no ' * (flag_at is None)}"
                                "overflow flag")
-        if flag is not None:
-            xp.assign(frame[flag_at:flag_at + 1], flag)  # (cast to the byte as it is written)
-            end = max(end, flag_at + 1)
-        if end < xp.numel(frame):
-            xp.assign(frame[end:], xp.zeros(xp.numel(frame) - end, "uint8", like=frame))
+        kept = self.buffers.views.setdefault(f"{pending.bucket.key}.frame", {})
+        made = kept.get("flag and zeros")
+        if made is None or made[0] is not frame or made[1] != (flag_at, end):
+            zeros_from = end if flag is None else max(end, flag_at + 1)
+            made = kept["flag and zeros"] = (
+                frame, (flag_at, end), None if flag is None else frame[flag_at:flag_at + 1],
+                (frame[zeros_from:], xp.zeros(xp.numel(frame) - zeros_from, "uint8", like=frame))
+                if zeros_from < xp.numel(frame) else None)
+        if made[2] is not None:
+            xp.assign(made[2], flag)  # (cast to the byte as it is written)
+        if made[3] is not None:
+            xp.assign(*made[3])
         return frame
 
     def launch_frame(self, pending, payloads, compensated) -> int:

@@ -44,7 +44,10 @@ class SparseKernels(MethodKernels):
                               nonfinite=flag, **placed)
         if done is None:
             return None
-        return [((v, i), Shape(xp.shape(g), xp.dtype(g)), xp.reshape(r, xp.shape(g))) for v, i, r, g in zip(*done, gs)]
+        values, indices, news = done
+        shapes = _shapes(xp, gs, residuals)
+        news = list(outs) if _laid_out_as(xp, outs, shapes) else [xp.reshape(r, c.shape) for r, c in zip(news, shapes)]
+        return list(zip(zip(values, indices), shapes, news))
 
     def aggregate_many(self, xp, payloads, ctxs, outs):
         # each rank's values divided by n, added payload after payload: as aggregate
@@ -239,5 +242,30 @@ class DGCKernels(SparseKernels):
                               nonfinite=flag, scales=scales, into=into)
         if done is None:
             return None
-        return [((values, indices), Shape(xp.shape(g), xp.dtype(g)), out)
-                for values, indices, g, out in zip(*done, gs, outs)]
+        values, indices = done
+        return list(zip(zip(values, indices), _shapes(xp, gs, column(states, 0)), outs))
+
+
+def _shapes(xp, gs, kept):
+    """Each gradient's ctx (``Shape``): made once per ``kept`` (a bucket's memories as a kept
+    ``Pieces``, laid out as its gradients, step after step) and taken from there; else made now.
+    (A Shape per gradient and step, just after the bucket call's pass, costs more than a small
+    gradient's kernel.)"""
+    derived = getattr(kept, "derived", None)
+    shapes = None if derived is None else derived.get("laid out as")
+    if shapes is None:
+        shapes = [Shape(xp.shape(g), xp.dtype(g)) for g in gs]
+        _laid_out_as(xp, kept, shapes)
+    return shapes
+
+
+def _laid_out_as(xp, kept, shapes) -> bool:
+    """Whether ``kept`` (a kept ``Pieces``) holds tensors of ``shapes``: checked once per Pieces."""
+    derived = getattr(kept, "derived", None)
+    if derived is None:
+        return False
+    if derived.get("laid out as") is not shapes:
+        if len(kept) != len(shapes) or any(xp.shape(k) != c.shape for k, c in zip(kept, shapes)):
+            return False
+        derived["laid out as"] = shapes
+    return True

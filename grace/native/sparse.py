@@ -13,14 +13,15 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 
 from grace.formats import index_dtype
 from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, c_array, call, kind_of
 from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
                                   _every, _flag, _float32, _head, _in_place, _in_place_all, _index_buf, _index_codes,
-                                  _int64s, _on_gpu, _outputs, _placed, _pointers, _same_kind, _same_kind_all,
-                                  _seed_word_arrays, _wrap)
+                                  _int64s, _int64s_of, _on_gpu, _outputs, _placed, _pointers, _same_kind,
+                                  _same_kind_all, _seed_word_arrays, _wrap)
 from grace.native._rows import _field
 from grace.native._flags import _flag_of, _HostFlag
 from grace.native._frames import PAIR_COLUMNS, _no_frame, _Rooms, frame_pairs, pairs_into_frame
@@ -310,17 +311,26 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     overflow flag into ``nonfinite``, see ``_flag``; the values and indices where ``into``
     places them, see ``_placed``)."""
     kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
-    ks = [max(0, min(int(k), b.n)) for k, b in zip(ks, gb)]
-    dtypes = [index_dtype(b.n) for b in gb]
-    addresses, views = _placed(kind, into, [t for d in dtypes for t in ("float32", d)], [k for k in ks for _ in "vi"])
+    numels, ks, codes, pieces, counts = _topk_layout(tuple(b.n for b in gb), tuple(ks))
+    addresses, views = _placed(kind, into, pieces, counts)
     value_ptrs, idx_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
     value_views, idx_views = views[::2], views[1::2]
-    rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s([b.n for b in gb]),
-              _int64s(ks), float(beta), float(gamma), _ef_flags(beta, gamma), value_ptrs, idx_ptrs,
-              _index_codes(dtypes), _flag(kind, nonfinite))
+    rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), numels, ks, float(beta),
+              float(gamma), _ef_flags(beta, gamma), value_ptrs, idx_ptrs, codes, _flag(kind, nonfinite))
     if rc != 0:
         raise RuntimeError("native top-k steps failed")
     return value_views, idx_views, _outputs(ob, outs)
+
+
+@functools.lru_cache(maxsize=256)
+def _topk_layout(numels: tuple, ks: tuple):
+    """What ``topk_ef_step_many`` derives from a bucket's sizes and k's, the same every step: (the
+    sizes and the k's, within them, as C arrays; the index types' codes, a C array; the payload
+    pieces' dtypes and counts, value and index of each gradient in turn)."""
+    ks = tuple(max(0, min(int(k), n)) for k, n in zip(ks, numels))
+    dtypes = tuple(index_dtype(n) for n in numels)
+    return (_int64s_of(numels), _int64s_of(ks), _index_codes(dtypes), tuple(t for d in dtypes for t in ("float32", d)),
+            tuple(k for k in ks for _ in "vi"))
 
 
 def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: float = 1.0, outs=None,
