@@ -75,8 +75,8 @@ def variable_rows(data, ranks: int, dtypes: Sequence[str], structure: Sequence[i
                            "(are they configured differently?)")
     rows = FrameRows.__new__(FrameRows)
     rows.ranks, rows.units, rows.keep, rows._structure = ranks, len(structure), data, structure
-    rows._fields = {j: _Field(pointers[lo:hi], None, field_dtypes, ranks, True, counts[lo:hi])
-                    for j, (lo, hi, field_dtypes) in fields.items()}
+    rows._fields = {j: _Field(pointers[lo:hi], None, field_dtypes, ranks, True, counts[lo:hi], kept)
+                    for j, (lo, hi, field_dtypes, kept) in fields.items()}
     return rows, flags_set[0]
 
 
@@ -126,14 +126,14 @@ def _variable_arrays(dtypes: tuple, structure: tuple, ranks: int) -> tuple:
     """What ``variable_rows`` derives from its frames' dtypes, structure and ranks, the same every
     step for a bucket: (the pieces' item sizes, a C array; each piece's first slot in the native
     call's output, a C array: field by field, unit by unit, rank by rank; each field every unit
-    has: (its first slot, its end, its dtypes per unit))."""
+    has: (its first slot, its end, its dtypes per unit, what its ``_Field`` keeps))."""
     first, slots, fields, at = _first_pieces(structure), [0] * len(dtypes), {}, 0
     for j in range(max(structure, default=0)):
         start, units = at, [u for u, n in enumerate(structure) if n > j]
         for u in units:
             slots[first[u] + j], at = at, at + ranks
         if len(units) == len(structure):
-            fields[j] = (start, at, [dtypes[first[u] + j] for u in units])
+            fields[j] = (start, at, [dtypes[first[u] + j] for u in units], {})
     return _int64s_of(tuple(ITEMSIZE[d] for d in dtypes)), _int64s_of(tuple(slots)), fields
 
 
