@@ -6,9 +6,12 @@
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+
 from grace.formats import code_width, packed_size
-from grace.native._arrays import NativeUnavailable, call
-from grace.native._common import (_cpu_kind, _every, _flag, _in_place_all, _int64s, _placed, _pointers,
+from grace.native._arrays import NativeUnavailable, c_array, call
+from grace.native._common import (_cpu_kind, _every, _flag, _in_place_all, _int64s, _int64s_of, _placed, _pointers,
                                   _same_kind_all, _seed_word_arrays)
 from grace.native.qsgd import _qsgd_rows
 
@@ -26,25 +29,38 @@ def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int
     xb = _same_kind_all(kind, xs)
     if any(b.dtype != "float32" for b in xb):
         raise NativeUnavailable("compress_many takes float32 gradients")
-    numels = [b.n for b in xb]
+    numels, bits, dtypes, counts, k = _many_layout(method, tuple(b.n for b in xb), int(levels), int(bucket_size))
+    addresses, views = _placed(kind, into, dtypes, counts)
+    places = [_every(addresses, f, k) for f in range(k)]
+    payloads = [tuple(views[k * s:k * s + k]) for s in range(len(xb))]
+    s0, s1 = _seed_word_arrays(words) if words is not None else _no_words(len(xb))
+    if call(kind, "compress_many", _COMPRESS_MANY[method], len(xb), _pointers(xb), numels, s0, s1, places[0],
+            places[-1] if len(places) > 1 else None, int(levels), int(bucket_size), bits, _flag(kind, nonfinite)) != 0:
+        raise ValueError(f"bad {method} parameters: levels={levels}, bits={bits}")
+    return payloads
+
+
+@functools.lru_cache(maxsize=256)
+def _many_layout(method: str, numels: tuple, levels: int, bucket_size: int):
+    """What ``compress_many`` derives from a bucket's sizes, the same every step: (the sizes, a C
+    array; QSGD's code bits; the payload tensors' dtypes and counts, gradient after gradient; the
+    tensors of a payload)."""
     bits = code_width(2 * (levels + 1)) if method == "qsgd" else 0
     fields = {  # each payload tensor: its dtype and size per gradient
         "signsgd": [("uint8", [packed_size(n, 1) for n in numels])],
         "terngrad": [("uint8", [packed_size(n, 2) for n in numels]), ("float32", [1] * len(numels))],
         "qsgd": [("uint8", [packed_size(n, bits) for n in numels]),
                  ("float32", [_qsgd_rows(n, bucket_size) for n in numels])],
-        "natural": [("uint8", [packed_size(n, 1) for n in numels]), ("uint8", numels)],
+        "natural": [("uint8", [packed_size(n, 1) for n in numels]), ("uint8", list(numels))],
     }[method]
-    addresses, views = _placed(kind, into, [dtype for _ in numels for dtype, _ in fields],
-                               [sizes[s] for s in range(len(numels)) for _, sizes in fields])
-    k = len(fields)
-    places = [_every(addresses, f, k) for f in range(k)]
-    payloads = [tuple(views[k * s:k * s + k]) for s in range(len(numels))]
-    s0, s1 = _seed_word_arrays(words if words is not None else [(0, 0)] * len(xb))
-    if call(kind, "compress_many", _COMPRESS_MANY[method], len(xb), _pointers(xb), _int64s(numels), s0, s1, places[0],
-            places[-1] if len(places) > 1 else None, int(levels), int(bucket_size), bits, _flag(kind, nonfinite)) != 0:
-        raise ValueError(f"bad {method} parameters: levels={levels}, bits={bits}")
-    return payloads
+    return (_int64s_of(numels), bits, tuple(dtype for _ in numels for dtype, _ in fields),
+            tuple(sizes[s] for s in range(len(numels)) for _, sizes in fields), len(fields))
+
+
+@functools.lru_cache(maxsize=64)
+def _no_words(n: int):
+    """The seed words of ``n`` gradients of a method that draws nothing: zeros (C arrays, read only)."""
+    return c_array(ctypes.c_uint32, n)(), c_array(ctypes.c_uint32, n)()
 
 
 # --- fp16: a bucket's casts -----------------------------------------------------------------------
