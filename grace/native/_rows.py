@@ -26,13 +26,14 @@ class FrameRows:
     pieces' lengths differ by rank: ``variable_rows``."""
 
     def __init__(self, data, starts: Sequence[int], layout: Sequence, structure: Sequence[int]):
-        offsets, counts, dtypes, structure, first, ends, fields = _layout_arrays(layout, structure)
-        kind = _cpu_kind(data)
-        b = _frames_buffer(kind, data)
-        starts = np.asarray(starts, np.int64)
+        offsets, counts, dtypes, structure, first, end, fields = _layout_arrays(layout, structure)
+        b = _frames_buffer(_cpu_kind(data), data)
         if len(starts) and offsets.size:
-            if starts.min() < 0 or (offsets < 0).any() or (counts < 0).any() or (starts[:, None] + ends).max() > b.n:
+            lowest, highest = (starts[0], starts[-1]) if isinstance(starts, range) and starts.step > 0 \
+                else (min(starts), max(starts))
+            if lowest < 0 or highest + end > b.n:
                 raise ValueError(f"a piece past the end of {b.n} bytes of frames")
+        starts = np.asarray(starts, np.int64)
         self.ranks, self.units, self.keep = len(starts), len(structure), data
         self._offsets, self._counts, self._dtypes, self._structure = offsets, counts, dtypes, structure
         self._first, self._kept = first, fields
@@ -92,9 +93,12 @@ def _first_pieces(structure):
     return np.cumsum([0, *structure[:-1]]).astype(np.int64)
 
 
-def _ends(offsets, counts, dtypes):
-    """Each piece's end, bytes from its frame's start."""
-    return offsets + counts * np.asarray([ITEMSIZE[d] for d in dtypes], np.int64)
+def _end(offsets, counts, dtypes) -> int:
+    """Where a frame's last piece ends, bytes from its start; pieces at negative offsets or
+    counts refused."""
+    if (offsets < 0).any() or (counts < 0).any():
+        raise ValueError("a piece at a negative offset or count")
+    return int((offsets + counts * np.asarray([ITEMSIZE[d] for d in dtypes], np.int64)).max(initial=0))
 
 
 # A bucket's frames repeat their layout every step (``grace.core.bucket.layout`` hands back the
@@ -104,8 +108,9 @@ _LAYOUTS: dict = {}
 
 
 def _layout_arrays(layout, structure) -> tuple:
-    """``FrameRows._setup``'s arguments after ``starts`` for a fixed ``layout`` (the fields'
-    kept parts shared by every FrameRows of the layout)."""
+    """What ``FrameRows`` derives from a fixed ``layout``: (its offsets, counts, dtypes, structure,
+    each unit's first piece, where its last piece ends, the fields' kept parts shared by every
+    FrameRows of the layout)."""
     kept = _LAYOUTS.get(id(layout))
     if kept is None or kept[0] is not layout or kept[1] != structure:
         if len(_LAYOUTS) >= 256:
@@ -117,7 +122,7 @@ def _layout_arrays(layout, structure) -> tuple:
             array.flags.writeable = False
         kept = _LAYOUTS[id(layout)] = (layout, structure, (
             offsets, counts, dtypes, structure, _first_pieces(structure),
-            _ends(offsets, counts, dtypes), {}))
+            _end(offsets, counts, dtypes), {}))
     return kept[2]
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, List
 
+import numpy as np
+
 from grace import native
 from grace.core import bucket as frames
 from grace.core.bucket import Dense
@@ -245,7 +247,7 @@ class PerGradient(BucketPlan):
         """Every rank's frame, all in one tensor, handed to the method's bucket-at-once aggregate
         as native buffers at their offsets (a tensor view per piece costs more than the kernel on
         small gradients: C arrays, ``native.FrameRows``; variable-length frames' read from their
-        headers natively), the flags read in one view, or counted as the headers are read: (the
+        headers natively), the flags counted on the host's bytes, or as the headers are read: (the
         aggregates written into ``outs``, the overflow count or None), or None where no such
         aggregate runs (an accelerator's tensors) or a rank sent dense."""
         s, xp, dtypes, flagged = self.services, pending.xp, pending.dtypes, pending.flag is not None
@@ -259,8 +261,9 @@ class PerGradient(BucketPlan):
             done = s.kernels.aggregate_many(xp, rows, pending.ctxs, outs)
             if done is None:
                 return None
-            flags = xp.reshape(received, (n, size))[:, flag_at] if flagged else None
-            return done, s.journal.overflow(xp, [flags]) if flagged else None
+            # every rank's flag byte counted on the host's own bytes (tensor ops would run cold here)
+            return done, s.journal.counted(int(np.count_nonzero(xp.to_numpy(received)[flag_at::size]))) \
+                if flagged else None
         # the ranks' headers read by one native call, which counts the set flags too (None: no such
         # call here, or a rank sent its dense bucket)
         read = None if xp.on_accelerator(received) else \
