@@ -71,7 +71,8 @@ _latest_step: list = [(None, 0, 0)]  # the latest step, and its two hashes
 def bucket_seed_words(infos, base_seed: int = 0, own: bool = False) -> "BucketWords":
     """``seed_words`` of each info's seed (``own``: its ``rank_seed``), for the infos of one
     bucket (one step, one rank): the key words of the bucket's gradients kept as one uint32 array
-    (every first word, then every second), mixed with the step's at once (a ResNet-50 step's 161 gradients one by one: about 0.5 ms)."""
+    (every first word, then every second), mixed with the step's at once (a ResNet-50 step's 161
+    gradients one by one: about 0.5 ms)."""
     first = infos[0]
     cached = (tuple(info.name_key for info in infos), base_seed, first.rank if own else None)
     words = _BUCKET_WORDS.get(cached)

@@ -82,6 +82,7 @@ def variable_rows(data, ranks: int, dtypes: Sequence[str], structure: Sequence[i
 
 
 def _frames_buffer(kind, data):
+    """The received frames as a native buffer of bytes (frames are uint8)."""
     b = kind.flat(data)
     if b.dtype != "uint8":
         raise ValueError(f"frames are uint8, got {b.dtype}")
