@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
 
 from grace.core.communicator import _lengths
-from grace.core.compressor import FLOAT_DTYPES, Payload
+from grace.core.compressor import FLOAT_DTYPES, Payload, Shape, name_key_of
 from grace.core.tensors import constant
 from grace.formats import ITEMSIZE
 
@@ -65,6 +65,16 @@ class Bucket:
     @functools.cached_property
     def shapes(self) -> Tuple[Tuple[int, ...], ...]:
         return tuple(s.shape for s in self.segments)
+
+    @functools.cached_property
+    def name_keys(self) -> Tuple[int, ...]:
+        """Each gradient's ``TensorInfo.name_key``."""
+        return tuple(map(name_key_of, self.names))
+
+    @functools.cached_property
+    def ctx_shapes(self) -> Tuple[Shape, ...]:
+        """Each gradient's ``Shape``, the ctx every method's payload carries."""
+        return tuple(Shape(s.shape, self.dtype) for s in self.segments)
 
 
 def plan(tensors: Sequence[Tuple[str, Tuple[int, ...], str, Any]], cap_bytes: float) -> List[Bucket]:

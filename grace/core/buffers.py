@@ -12,6 +12,7 @@ import math
 import operator
 from typing import Any, Dict, Iterable, Sequence
 
+from grace.core.compressor import Shape
 from grace.core.memory import buffer_of
 
 
@@ -59,6 +60,35 @@ def subset(xs, indices):
     if got is None:
         got = derived[key] = Pieces([xs[i] for i in key[1]])
     return got
+
+
+def laid_out(pieces: "Pieces", shapes) -> "Pieces":
+    """``pieces`` (a step's gradients, handed to the exchange for a bucket) marked as of
+    ``shapes`` (the bucket's ``ctx_shapes``), which ``shapes_of`` then hands out."""
+    pieces.derived["laid out as"] = shapes
+    return pieces
+
+
+def shapes_of(xp, gs) -> Sequence:
+    """Each of ``gs``' ctx (``Shape``): their bucket's (made once) where ``gs`` are a step's
+    gradients marked by ``laid_out``, or kept tensors ``laid_out_as`` found alike; else made now
+    (a Shape per gradient and step costs more than a small gradient's kernel)."""
+    derived = getattr(gs, "derived", None)
+    shapes = None if derived is None else derived.get("laid out as")
+    return shapes if shapes is not None else [Shape(xp.shape(g), xp.dtype(g)) for g in gs]
+
+
+def laid_out_as(xp, kept, shapes) -> bool:
+    """Whether ``kept`` (a kept ``Pieces``: memories, spares) holds tensors of ``shapes``:
+    checked once per Pieces and ``shapes``."""
+    derived = getattr(kept, "derived", None)
+    if derived is None:
+        return False
+    if derived.get("laid out as") is not shapes:
+        if len(kept) != len(shapes) or any(xp.shape(k) != c.shape for k, c in zip(kept, shapes)):
+            return False
+        derived["laid out as"] = shapes
+    return True
 
 
 class Buffers:

@@ -31,6 +31,7 @@ segment-wise forms) is registered apart, per method (``grace.core.plans.kernels`
 """
 from __future__ import annotations
 
+import collections.abc
 import enum
 import functools
 import math
@@ -100,6 +101,23 @@ class TensorInfo:
         """A seed of this rank's own for this (tensor, step): independent draws on every rank."""
         key, step = self.seed(base_seed)
         return key | ((self.rank + 1) % 2**7) << 56, step
+
+
+class UnitInfos(collections.abc.Sequence):
+    """The ``TensorInfo`` of each unit of a bucket at one step, each made when asked for: a bucket
+    call reads the world's size and the step of the first, and the names' keys (``name_keys``),
+    where an info per gradient and step costs more than a small gradient's kernel."""
+
+    def __init__(self, names: Tuple[str, ...], name_keys: Tuple[int, ...], step, world_size: int, rank: int):
+        self.names, self.name_keys, self.step, self.world_size, self.rank = names, name_keys, step, world_size, rank
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        return TensorInfo(self.names[i], self.step, self.world_size, self.rank, self.name_keys[i])
 
 
 @dataclass(frozen=True)

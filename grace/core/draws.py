@@ -74,7 +74,9 @@ def bucket_seed_words(infos, base_seed: int = 0, own: bool = False) -> "BucketWo
     (every first word, then every second), mixed with the step's at once (a ResNet-50 step's 161
     gradients one by one: about 0.5 ms)."""
     first = infos[0]
-    cached = (tuple(info.name_key for info in infos), base_seed, first.rank if own else None)
+    # (a bucket's UnitInfos hold their keys as one tuple: no TensorInfo made per gradient and step)
+    name_keys = getattr(infos, "name_keys", None) or tuple(info.name_key for info in infos)
+    cached = (name_keys, base_seed, first.rank if own else None)
     words = _BUCKET_WORDS.get(cached)
     if words is None:
         if len(_BUCKET_WORDS) > 1 << 10:

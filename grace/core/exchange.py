@@ -26,7 +26,7 @@ from grace.core import agreement, checkpoint, portable
 from grace.core import bucket as frames
 from grace.core import state as states
 from grace.core.bucket import Bucket
-from grace.core.buffers import Buffers, Pieces
+from grace.core.buffers import Buffers, Pieces, laid_out
 from grace.core.communicator import Communicator, Handle
 from grace.core.compression import GradientCompression
 from grace.core.compressor import FLOAT_DTYPES, Collective
@@ -167,7 +167,9 @@ class Exchange:
         gradients in segment order, ``flat`` (optional) all of them in one flat tensor, in
         which case ``grads`` are views of it (DDP's bucket buffer)."""
         xp = backend_for(grads[0])
-        grads = Pieces(grads)  # (what a kernel derives from them serves its compress and its aggregate into them)
+        # (what a kernel derives from them serves its compress and its aggregate into them; their
+        # ctxs are the bucket's)
+        grads = laid_out(Pieces(grads), bucket.ctx_shapes)
         _check_float(xp, bucket.names[0], grads[0])
         self._agree_once(xp, grads[0])
         with self._phase("compress"):

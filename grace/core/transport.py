@@ -124,7 +124,7 @@ class Transport:
         def wait():
             out = self.wait(launched)
             if out is sent:
-                return list(payloads), None, False
+                return payloads, None, False  # (as the caller keeps them: their native buffers with them)
             ordered = _cut(xp, out, [t for payload in payloads for t in payload])
             return frames.split_payloads(ordered, [len(payload) for payload in payloads]), None, True
 

@@ -2,7 +2,8 @@
 that the exchange keeps and sends as it is, and the summed halves decoded and averaged in one.
 """
 from grace.compressors.fp16 import FP16
-from grace.core.compressor import Shape, native_or_none
+from grace.core.buffers import Pieces, column, shapes_of
+from grace.core.compressor import native_or_none
 from grace.core.plans.kernels import MethodKernels, kernels_for
 
 
@@ -16,11 +17,14 @@ class FP16Kernels(MethodKernels):
         n = infos[0].world_size
         if native_or_none(xp, "fp16_compress_many_into", gs[0], gs, n, views) is None:
             return None
-        return [((view,), (Shape(xp.shape(g), xp.dtype(g)), n)) for view, g in zip(views, gs)]
+        # the payloads kept with the views (their column 0, the views again, keeps its native buffers)
+        payloads = views.derived.get("payloads")
+        if payloads is None:
+            payloads = views.derived["payloads"] = Pieces([(view,) for view in views])
+        return payloads, [(shape, n) for shape in shapes_of(xp, gs)]
 
     def averaged_many(self, xp, summed, ctxs, n, outs):
         factors = {factor for _, factor in ctxs}
         if len(factors) != 1:
             return None
-        return native_or_none(xp, "fp16_decompress_many_into", outs[0], [payload[0] for payload in summed],
-                              factors.pop(), n, outs)
+        return native_or_none(xp, "fp16_decompress_many_into", outs[0], column(summed, 0), factors.pop(), n, outs)

@@ -12,6 +12,7 @@ from grace.compressors.onebit import OneBit
 from grace.compressors.sign_bits import SignBits
 from grace.compressors.signsgd import SignSGD
 from grace.core import segment_packing
+from grace.core.buffers import shapes_of
 from grace.core.compressor import Shape, native_or_none
 from grace.core.memory import Deferred, buffer_of, stored
 from grace.core.plans.kernels import MethodKernels, kernels_for
@@ -50,8 +51,8 @@ class SignBitsKernels(MethodKernels):
         payloads, news, *kept = done
         if defer:
             news = [SignResidual(out, kept[0], i, self.compressor) for i, out in enumerate(news)]
-        return [(payload, Shape(xp.shape(g), xp.dtype(g)), e if defer else xp.reshape(e, xp.shape(g)))
-                for payload, e, g in zip(payloads, news, gs)]
+        return [(payload, shape, e if defer else xp.reshape(e, shape.shape))
+                for payload, e, shape in zip(payloads, news, shapes_of(xp, gs))]
 
     def compress_segments_with_residual(self, xp, g, residual, beta, gamma, table, infos, nonfinite=None,
                                         into=None):

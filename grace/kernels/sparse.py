@@ -13,7 +13,7 @@ from grace.compressors.sparse import Sparsifier
 from grace.compressors.threshold import Threshold
 from grace.compressors.topk import TopK
 from grace.core import draws, segments
-from grace.core.buffers import column
+from grace.core.buffers import column, laid_out_as, shapes_of
 from grace.core.compressor import Shape, index_dtype, native_or_none
 from grace.core.journal import poisoned
 from grace.core.plans.kernels import MethodKernels, kernels_for
@@ -45,8 +45,8 @@ class SparseKernels(MethodKernels):
         if done is None:
             return None
         values, indices, news = done
-        shapes = _shapes(xp, gs, residuals)
-        news = list(outs) if _laid_out_as(xp, outs, shapes) else [xp.reshape(r, c.shape) for r, c in zip(news, shapes)]
+        shapes = shapes_of(xp, gs)
+        news = list(outs) if laid_out_as(xp, outs, shapes) else [xp.reshape(r, c.shape) for r, c in zip(news, shapes)]
         return list(zip(zip(values, indices), shapes, news))
 
     def aggregate_many(self, xp, payloads, ctxs, outs):
@@ -243,29 +243,5 @@ class DGCKernels(SparseKernels):
         if done is None:
             return None
         values, indices = done
-        return list(zip(zip(values, indices), _shapes(xp, gs, column(states, 0)), outs))
+        return list(zip(zip(values, indices), shapes_of(xp, gs), outs))
 
-
-def _shapes(xp, gs, kept):
-    """Each gradient's ctx (``Shape``): made once per ``kept`` (a bucket's memories as a kept
-    ``Pieces``, laid out as its gradients, step after step) and taken from there; else made now.
-    (A Shape per gradient and step, just after the bucket call's pass, costs more than a small
-    gradient's kernel.)"""
-    derived = getattr(kept, "derived", None)
-    shapes = None if derived is None else derived.get("laid out as")
-    if shapes is None:
-        shapes = [Shape(xp.shape(g), xp.dtype(g)) for g in gs]
-        _laid_out_as(xp, kept, shapes)
-    return shapes
-
-
-def _laid_out_as(xp, kept, shapes) -> bool:
-    """Whether ``kept`` (a kept ``Pieces``) holds tensors of ``shapes``: checked once per Pieces."""
-    derived = getattr(kept, "derived", None)
-    if derived is None:
-        return False
-    if derived.get("laid out as") is not shapes:
-        if len(kept) != len(shapes) or any(xp.shape(k) != c.shape for k, c in zip(kept, shapes)):
-            return False
-        derived["laid out as"] = shapes
-    return True

@@ -116,6 +116,26 @@ def test_off_an_accelerator_every_backend_draws_the_same_indices(monkeypatch, na
         assert len(idx) == k and np.all(np.diff(idx) > 0) and (k == 0 or (idx[0] >= 0 and idx[-1] < d))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_buckets_random_indices_are_each_segments_on_any_number_of_threads(threads):
+    """The CPU kernel draws a bucket's segments side by side on its threads, the largest first:
+    each segment's indices are still NumPy's, in the bucket's order."""
+    from grace import native as grace_native
+    from grace.core import draws
+
+    if not grace_native.available("cpu"):
+        pytest.skip("no native CPU library")
+    numels = [3_000, 400_000, 70, 250_000, 9, 120_000, 64]
+    ks = [30, 8_000, 7, 5_000, 9, 2_400, 0]
+    seeds = [(i + 1, 2 * i + 3) for i in range(len(numels))]
+    want = np.concatenate([draws.random_indices_numpy(d, k, s) for d, k, s in zip(numels, ks, seeds)])
+    grace_native.set_num_threads(threads)
+    try:
+        np.testing.assert_array_equal(want, draws.random_indices_host(numels, ks, seeds))
+    finally:
+        grace_native.set_num_threads(0)
+
+
 def test_cpu_random_indices_pick_every_index_alike():
     from grace.core import draws
 
@@ -159,15 +179,22 @@ def test_seed_words_are_alike_from_ints_arrays_and_tensors_and_apart():
 def test_a_buckets_seed_words_are_each_gradients_own(step, rank):
     """``bucket_seed_words``: a bucket's words made at once (its keys kept between steps) are
     each gradient's ``seed_words`` of its seed, or of its rank's seed, as host ints; a step
-    later, that step's."""
+    later, that step's. From a list of infos, or from the plans' ``UnitInfos`` (each its unit's
+    TensorInfo, made when asked for; their keys read as one tuple)."""
     from grace.core import draws
-    from grace.core.compressor import TensorInfo
+    from grace.core.compressor import TensorInfo, UnitInfos, name_key_of
     from grace.native._common import _seed_word_arrays
 
+    names = tuple(f"layer{i}.weight" for i in range(40))
     for base in (0, 5, 2**25 + 3):
         for own in (False, True):
-            for at in (step, step + 1):  # (the second: from the kept keys)
-                infos = [TensorInfo(f"layer{i}.weight", at, 8, rank) for i in range(40)]
+            for at in (step, step + 1, step + 2):  # (the second: from the kept keys; the third: of UnitInfos)
+                infos = [TensorInfo(name, at, 8, rank) for name in names]
+                if at == step + 2:
+                    infos = UnitInfos(names, tuple(map(name_key_of, names)), at, 8, rank)
+                    assert list(infos) == [TensorInfo(name, at, 8, rank) for name in names]
+                    assert [i.name_key for i in infos] == [name_key_of(name) for name in names]
+                    assert infos[-1].name == names[-1] and [i.name for i in infos[38:]] == list(names[38:])
                 want = [draws.seed_words(i.rank_seed(base) if own else i.seed(base)) for i in infos]
                 words = draws.bucket_seed_words(infos, base, own)
                 assert list(words) == want and all(type(w) is int for pair in words for w in pair)

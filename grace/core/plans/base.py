@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from grace.core.bucket import Bucket, Segment
-from grace.core.compressor import Collective, Compressor, TensorInfo, divided, name_key_of, written
+from grace.core.compressor import Collective, Compressor, TensorInfo, UnitInfos, divided, name_key_of, written
 from grace.core.journal import no_overflow, poisoned
 from grace.core.memory import Memory
 
@@ -44,6 +44,10 @@ class Services:
 
     def info(self, name: str, step) -> TensorInfo:
         return TensorInfo(name, step, self.communicator.size, self.communicator.rank, name_key_of(name))
+
+    def infos(self, names, name_keys, step) -> UnitInfos:
+        """The infos of a bucket's units (``names``, their ``name_keys``) at ``step``."""
+        return UnitInfos(names, name_keys, step, self.communicator.size, self.communicator.rank)
 
     @functools.cached_property
     def keeps_state(self) -> bool:
@@ -141,6 +145,7 @@ class BucketPlan:
         self.services = services
         self.bucket = bucket
         self.why = why
+        self._keys = None  # (the units' names, their name keys)
 
     def leave(self) -> None:
         """Before the bucket is planned another way (the world changed size): hand back what
@@ -166,12 +171,21 @@ class BucketPlan:
         units, g_units, g = self._units(xp, grads, flat)
         step = s.journal.next_step(self.bucket.key, g)
         s.transport.stats.add(0, 4 * self.bucket.numel)
-        infos, states, old = [], [], []
-        for u, g_u in zip(units, g_units):
-            infos.append(s.info(u.name, step))
-            states.append(s.compressor_state(xp, u.name, g_u))
-            old.append(s.memory_state(xp, u.name, g_u))
+        names, keys = self._unit_keys(units)
+        infos = s.infos(names, keys, step)
+        # (a method with no state or no memory: no lookup per unit and step)
+        states = [s.compressor_state(xp, n, g_u) for n, g_u in zip(names, g_units)] if s.keeps_state \
+            else [None] * len(units)
+        old = [s.memory_state(xp, n, g_u) for n, g_u in zip(names, g_units)] if s.keeps_memory \
+            else [None] * len(units)
         return BucketPending(self.bucket, xp, units, g, old, defer=self._defers(xp, g)), g_units, infos, states
+
+    def _unit_keys(self, units):
+        """The units' names and their keys (``TensorInfo.name_key``), made once per plan."""
+        if self._keys is None:  # (a plan's units are its bucket's, every step)
+            names = tuple(u.name for u in units)
+            self._keys = names, tuple(map(name_key_of, names))
+        return self._keys
 
     def start(self, xp, grads, flat) -> BucketPending:
         """Compensate, compress and launch the bucket's collective. ``grads``: its gradients in

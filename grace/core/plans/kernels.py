@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from grace import native
 from grace.core import draws
+from grace.core.buffers import shapes_of
 from grace.core.compressor import Compressor, Payload, Shape, TensorInfo, finished, native_or_none
 from grace.core.journal import left_on_device, poisoned
 from grace.core.plans.by_class import ByClass
@@ -122,12 +123,12 @@ class MethodKernels:
         words = draws.bucket_seed_words(infos, compressor.seed, own=True) if drawn else None
         done = native_or_none(xp, "compress_many", gs[0], self.many_kernel, gs, words, *self.arguments(),
                               nonfinite=flag, into=into)
-        return None if done is None else [(payload, Shape(xp.shape(g), xp.dtype(g))) for payload, g in zip(done, gs)]
+        return None if done is None else list(zip(done, shapes_of(xp, gs)))
 
     def compress_many_into(self, xp, gs, infos: Sequence[TensorInfo], pieces) -> Any:
         """Allreduce methods with no memory: every gradient compressed in one call into one flat
         buffer kept by the exchange (``pieces(dtype, numels)``: its views of those sizes, in order),
-        which then travels as it is: the list of (payload, ctx), each payload of those views."""
+        which then travels as it is: (the payloads, each of those views; their ctxs)."""
         return None
 
     def averaged_many(self, xp, summed: Sequence[Payload], ctxs, n: int, outs) -> Any:

@@ -58,9 +58,8 @@ class PerGradient(BucketPlan):
         many = s.kernels.compress_many_into(xp, g_units, infos, pieces)
         if many is None:
             return False
-        pending.ctxs = [ctx for _, ctx in many]
-        pending.wait, nbytes = s.transport.allreduce_units(xp, key, [payload for payload, _ in many],
-                                                           written_in=made[0])
+        payloads, pending.ctxs = many
+        pending.wait, nbytes = s.transport.allreduce_units(xp, key, payloads, written_in=made[0])
         s.transport.stats.add(nbytes, 0)
         return True
 

@@ -57,7 +57,7 @@ class Segmented(BucketPlan):
                                 defer=defers_on_device(xp, g))
         if self.tensor_ops is not None:
             return self._start_fused(pending, g, e, step)
-        infos = [s.info(name, step) for name in bucket.names]
+        infos = s.infos(bucket.names, bucket.name_keys, step)
         if self.variable:
             return self._select(pending, e, infos)
         # the overflow flag from one pass over g; or from the fused step's kernels, which read g anyway
@@ -108,7 +108,7 @@ class Segmented(BucketPlan):
         infos = ()
         if self.tensor_ops.seeded:
             step = xp.asarray(np.int64(step), like=g)
-            infos = tuple(s.info(name, step) for name in self.bucket.names)
+            infos = tuple(s.infos(self.bucket.names, self.bucket.name_keys, step))  # (plain TensorInfos: traced)
         if self.variable:  # (the new memory kept until the frame is made: unless it goes dense)
             p, take, counts, header, pending.flag, e_new = self.tensor_ops.select(g, e, infos)
             return self._send_header(pending, (p, take, counts, False, e_new), header)
