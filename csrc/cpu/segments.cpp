@@ -444,18 +444,27 @@ API int grace_cpu_randomk_ef_segments(const float* g, const float* r, int64_t se
 
 // Segment s: the first ks[s] distinct of the index draws floor(hash_j * n / 2^32), j = 0, 1, ...,
 // ascending, into out (the segments one after another): a bitmap of the n indices marks those
-// drawn, and a scan of it writes them in order. Returns -1 where k > n or n > 2^32.
+// drawn, and a scan of it writes them in order. The segments side by side on the threads, the
+// largest first (each a serial draw: on one thread, ResNet-50's 161 took 3 ms). Returns -1 where
+// k > n or n > 2^32.
 API int grace_cpu_random_indices_segments(int64_t segments, const int64_t* numels, const int64_t* ks,
                                           const uint32_t* s0, const uint32_t* s1, int64_t* out) {
-  for (int64_t s = 0; s < segments; ++s)
-    if (ks[s] < 0 || ks[s] > numels[s] || numels[s] > ((int64_t)1 << 32)) return -1;
-  std::vector<uint64_t> taken;
+  int64_t draws = 0;
+  std::vector<int64_t> at(segments), order(segments);
   for (int64_t s = 0; s < segments; ++s) {
+    if (ks[s] < 0 || ks[s] > numels[s] || numels[s] > ((int64_t)1 << 32)) return -1;
+    at[s] = draws;
+    draws += ks[s];
+    order[s] = s;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return numels[a] > numels[b]; });
+  auto draw = [&](int64_t s) {
     const int64_t n = numels[s], k = ks[s];
+    int64_t* const o = out + at[s];
     if (k == n) {
-      for (int64_t i = 0; i < n; ++i) out[i] = i;
+      for (int64_t i = 0; i < n; ++i) o[i] = i;
     } else if (k > 0) {
-      taken.assign((n + 63) / 64, 0);
+      std::vector<uint64_t> taken((n + 63) / 64, 0);
       for (int64_t j = 0, got = 0; got < k; ++j) {
         const uint64_t i = ((uint64_t)hash32(hash32((uint64_t)j ^ s0[s]) ^ s1[s]) * (uint64_t)n) >> 32;
         const uint64_t bit = (uint64_t)1 << (i & 63);
@@ -464,9 +473,15 @@ API int grace_cpu_random_indices_segments(int64_t segments, const int64_t* numel
       }
       int64_t q = 0;
       for (int64_t w = 0; w < (int64_t)taken.size(); ++w)
-        for (uint64_t word = taken[w]; word; word &= word - 1) out[q++] = 64 * w + __builtin_ctzll(word);
+        for (uint64_t word = taken[w]; word; word &= word - 1) o[q++] = 64 * w + __builtin_ctzll(word);
     }
-    out += k;
+  };
+  const int threads = (int)std::min<int64_t>(threads_for(draws, kScatteredGrain), std::max<int64_t>(1, segments));
+  if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t j = 0; j < segments; ++j) draw(order[j]);
+  } else {
+    for (int64_t s = 0; s < segments; ++s) draw(s);
   }
   return 0;
 }
