@@ -73,19 +73,25 @@ class PerGradient(BucketPlan):
             if memory.needs_feedback else [None] * len(pending.units)
         spares = list(kept_spares)
         steps = self._bucket_call(pending, g_units, infos, kept_spares, in_call)
-        payloads, new_memory = [], []
-        for i, (u, g_u, info, state, e) in enumerate(zip(pending.units, g_units, infos, states, pending.old)):
-            if steps is None:
+        if steps is not None:  # every unit's step from the bucket call (no step per unit in Python)
+            payloads = [payload for payload, _, _ in steps]
+            pending.ctxs = [ctx for _, ctx, _ in steps]
+            # each new memory in its spare, where given (a Deferred one lies there too)
+            new_memory = [e if spare is None or isinstance(e, Deferred) else spare
+                          for (_, _, e), spare in zip(steps, spares)]
+        else:
+            payloads, new_memory = [], []
+            for u, g_u, info, state, e, spare in zip(pending.units, g_units, infos, states, pending.old, spares):
                 e = stored(e)  # (a memory whose last operation the bucket call left to its next call, made)
-            fused = steps[i] if steps is not None else s.feedback.fused_step(xp, s.kernels, g_u, e, info,
-                                                                         out=spares[i])
-            payload, ctx, e_new = self._unit_step(xp, u.name, g_u, info, state, e, spares[i], fused)
-            # a memory made elsewhere keeps its own buffer (a copy into the spare costs a pass)
-            if spares[i] is not None and buffer_of(e_new) is not spares[i] and not self.flat_memory:
-                s.buffers.spares[u.name], spares[i] = spares[i], None
-            payloads.append(payload)
-            pending.ctxs.append(ctx)
-            new_memory.append(e_new)
+                fused = s.feedback.fused_step(xp, s.kernels, g_u, e, info, out=spare)
+                payload, ctx, e_new = self._unit_step(xp, u.name, g_u, info, state, e, spare, fused)
+                payloads.append(payload)
+                pending.ctxs.append(ctx)
+                new_memory.append(e_new)
+        if not self.flat_memory:  # a memory made elsewhere keeps its own buffer (a copy into the spare costs a pass)
+            for i, (u, e_new, spare) in enumerate(zip(pending.units, new_memory, spares)):
+                if spare is not None and buffer_of(e_new) is not spare:
+                    s.buffers.spares[u.name], spares[i] = spare, None
         if s.flags_from_payload and pending.flag is None:
             pending.flag = payload_flag(xp, s.compression, payloads)
         new_memory, nbytes = self._launch(pending, g_units, payloads, new_memory)
