@@ -112,4 +112,4 @@ class RandomKKernels(MethodKernels):
 def _sizes(ratio: float, scale: bool, numels: tuple):
     """A bucket's k per gradient, and its scales d / k (None: unscaled): made once per layout."""
     ks = tuple(sent_count(ratio, d) for d in numels)
-    return ks, [d / k if k else 1.0 for d, k in zip(numels, ks)] if scale else None
+    return ks, tuple(d / k if k else 1.0 for d, k in zip(numels, ks)) if scale else None
