@@ -91,6 +91,12 @@ def laid_out_as(xp, kept, shapes) -> bool:
     return True
 
 
+def shaped_as(xp, news, outs, shapes) -> list:
+    """A bucket call's new memories (``news``, written into ``outs``) as tensors of ``shapes``:
+    the kept ``outs`` as they are where ``laid_out_as`` them, else each reshaped."""
+    return list(outs) if laid_out_as(xp, outs, shapes) else [xp.reshape(e, c.shape) for e, c in zip(news, shapes)]
+
+
 class Buffers:
     def __init__(self):
         self.flat: Dict[str, Any] = {}  # per name: flat gradients, joined payloads, frames

@@ -10,7 +10,7 @@ import numpy as np
 
 from grace.compressors.randomk import RandomK
 from grace.core import draws
-from grace.core.buffers import laid_out_as, shapes_of
+from grace.core.buffers import shaped_as, shapes_of
 from grace.core.compressor import native_or_none, sent_count
 from grace.core.journal import left_on_device
 from grace.core.plans.kernels import MethodKernels, kernels_for
@@ -44,7 +44,7 @@ class RandomKKernels(MethodKernels):
             return None
         values, news = done
         shapes = shapes_of(xp, gs)
-        news = list(outs) if laid_out_as(xp, outs, shapes) else [xp.reshape(e, c.shape) for e, c in zip(news, shapes)]
+        news = shaped_as(xp, news, outs, shapes)
         return [((v,), (shape, i), e) for v, e, i, shape in zip(values, news, indices, shapes)]
 
     def residual_into(self, xp, p, payload, ctx, out):

@@ -13,7 +13,7 @@ from grace.compressors.sparse import Sparsifier
 from grace.compressors.threshold import Threshold
 from grace.compressors.topk import TopK
 from grace.core import draws, segments
-from grace.core.buffers import column, laid_out_as, shapes_of
+from grace.core.buffers import column, shaped_as, shapes_of
 from grace.core.compressor import Shape, index_dtype, native_or_none
 from grace.core.journal import poisoned
 from grace.core.plans.kernels import MethodKernels, kernels_for
@@ -46,8 +46,7 @@ class SparseKernels(MethodKernels):
             return None
         values, indices, news = done
         shapes = shapes_of(xp, gs)
-        news = list(outs) if laid_out_as(xp, outs, shapes) else [xp.reshape(r, c.shape) for r, c in zip(news, shapes)]
-        return list(zip(zip(values, indices), shapes, news))
+        return list(zip(zip(values, indices), shapes, shaped_as(xp, news, outs, shapes)))
 
     def aggregate_many(self, xp, payloads, ctxs, outs):
         # each rank's values divided by n, added payload after payload: as aggregate

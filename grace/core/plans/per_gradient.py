@@ -76,9 +76,7 @@ class PerGradient(BucketPlan):
         if steps is not None:  # every unit's step from the bucket call (no step per unit in Python)
             payloads = [payload for payload, _, _ in steps]
             pending.ctxs = [ctx for _, ctx, _ in steps]
-            # each new memory in its spare, where given (a Deferred one lies there too)
-            new_memory = [e if spare is None or isinstance(e, Deferred) else spare
-                          for (_, _, e), spare in zip(steps, spares)]
+            new_memory = [_in_spare(e, spare) for (_, _, e), spare in zip(steps, spares)]
         else:
             payloads, new_memory = [], []
             for u, g_u, info, state, e, spare in zip(pending.units, g_units, infos, states, pending.old, spares):
@@ -137,7 +135,7 @@ class PerGradient(BucketPlan):
         compressor, memory = s.compression.compressor, s.compression.memory
         if fused is not None:
             payload, ctx, e_new = fused
-            return payload, ctx, e_new if spare is None or isinstance(e_new, Deferred) else spare
+            return payload, ctx, _in_spare(e_new, spare)
         one_buffer = spare is not None and not isinstance(spare, tuple)
         # p goes into the spare buffer (the new memory is then written over it) where the payload
         # cannot be a view of p
@@ -280,3 +278,9 @@ class PerGradient(BucketPlan):
         if done is None:
             return None
         return done, s.journal.counted(flags_set) if flagged else None
+
+
+def _in_spare(e_new, spare):
+    """A fused step's new memory: the spare it was written into, where given (a Deferred one lies
+    there already, as it is)."""
+    return e_new if spare is None or isinstance(e_new, Deferred) else spare
