@@ -94,6 +94,11 @@ class NumpyBackend:
         """Write ``src`` into the tensor (or view) ``dst``."""
         dst[...] = src
 
+    def flat_view(self, x):
+        """``x``'s elements as a 1-d view of its own memory (writes to it are writes to x), or
+        None where they are not one contiguous run."""
+        return x.reshape(-1) if x.flags.c_contiguous else None
+
     def assign_many(self, dsts, srcs) -> None:
         """``assign`` of each pair (a toolkit may do them all in one multi-tensor operation)."""
         for dst, src in zip(dsts, srcs):

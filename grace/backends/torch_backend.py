@@ -200,6 +200,9 @@ class TorchBackend:
     def assign(self, dst, src) -> None:
         dst.copy_(src)
 
+    def flat_view(self, x):
+        return x.view(-1) if x.is_contiguous() else None
+
     def assign_many(self, dsts, srcs) -> None:
         if len(dsts) > 1:  # one dispatch (one multi-tensor kernel on a GPU), not one per tensor
             torch._foreach_copy_(list(dsts), list(srcs))

@@ -212,6 +212,27 @@ def flat_concat(xp, tensors):
     return flat[0] if len(flat) == 1 else xp.concat(flat)
 
 
+def assign_ranges(xp, outs, parts) -> bool:
+    """Flat ``parts``, end to end, written over ``outs`` end to end (the parts' elements past
+    the outs' end dropped: a shard's padding), in one ``assign_many``; False, writing nothing,
+    where an out's memory is not one flat run (``xp.flat_view``)."""
+    views = [xp.flat_view(out) for out in outs]
+    if any(v is None for v in views):
+        return False
+    dsts, srcs, i, at = [], [], 0, 0  # (part i, from its element at)
+    for view in views:
+        lo, numel = 0, xp.numel(view)
+        while lo < numel:
+            take = min(numel - lo, xp.numel(parts[i]) - at)
+            dsts.append(view[lo:lo + take])
+            srcs.append(parts[i][at:at + take])
+            lo, at = lo + take, at + take
+            if at == xp.numel(parts[i]):
+                i, at = i + 1, 0
+    xp.assign_many(dsts, srcs)
+    return True
+
+
 def assign(xp, dst, src) -> None:
     """``src`` written into ``dst`` (tensors, or tuples of them)."""
     if isinstance(dst, tuple):

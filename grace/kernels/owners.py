@@ -4,7 +4,8 @@ QSGD: shards end at whole buckets of its norms.
 
 signSGD and Signum: the owner of a shard counts the ranks' votes, and its second payload is the
 count's outcome itself, exact, as signSGD with majority vote sends it back: the sign of the sum
-of the ranks' signs in 2 bits (-1, 0 or +1; a tie is 0, as the allgather exchange gives it), or
+of the ranks' signs in 2 bits (-1, 0 or +1; a tie is 0, as the allgather exchange gives it: coded
+as TernGrad's levels, 0, +1 and -1 at a scale of 1, by its kernels: one pass each way), or
 with ``aggregate='mean'`` the sum in the bits it needs. The result is the allgather exchange's,
 bit for bit; the owner keeps no memory.
 
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
+
 from grace.compressors.adaq import AdaQ
 from grace.compressors.dgc import DGC
 from grace.compressors.efsignsgd import EFSignSGD
@@ -34,11 +37,16 @@ from grace.compressors.onebit import OneBit
 from grace.compressors.qsgd import QSGD
 from grace.compressors.signsgd import SignSGD
 from grace.compressors.sketchml import SketchML
+from grace.compressors.terngrad import TernGrad
 from grace.compressors.signum import Signum
 from grace.compressors.topk import TopK
 from grace.core import bits
 from grace.core.compressor import finished
 from grace.core.plans.owner import Owner, owner_for
+from grace.core.tensors import constant
+
+
+_TERNARY = TernGrad()  # (its decoding: codes 0, 1, 2 to 0, +s, -s)
 
 
 @owner_for(SignSGD)
@@ -54,7 +62,11 @@ class Vote(Owner):
 
     def compress_again(self, xp, aggregate, info):
         ranks = info.world_size
-        counted = aggregate if self.compressor.aggregate_by == "majority" else aggregate * ranks
+        if self.compressor.aggregate_by == "majority":
+            # TernGrad's codes of the vote, exactly: each |x| / max|x| is 0 or 1, which no draw in [0, 1) changes
+            (packed, _), _ = _TERNARY.compress(xp, aggregate, info)
+            return (packed,), None
+        counted = aggregate * ranks
         codes = xp.floor(counted + (self._offset(ranks) + 0.5))  # (a mean times ranks is a sum, to rounding)
         width = self._width(ranks)
         if width <= 8:
@@ -62,11 +74,12 @@ class Vote(Owner):
         return (xp.cast(codes, "int16"),), None
 
     def decompress_again(self, xp, payload, ctx, ranks: int):
+        if self.compressor.aggregate_by == "majority":  # (TernGrad's levels 0, +s, -s at s = 1)
+            one = constant(xp, "vote scale", lambda: xp.asarray(np.float32([1]), like=payload[0]), payload[0])
+            return _TERNARY.decompress(xp, (payload[0], one), ctx)
         width, numel = self._width(ranks), ctx.numel
         codes = bits.unpack(xp, payload[0], width, numel) if width <= 8 else payload[0]
         total = xp.reshape(xp.cast(codes, "float32") - self._offset(ranks), ctx.shape)
-        if self.compressor.aggregate_by == "majority":
-            return total
         return finished(self.compressor, xp, total, ranks, True)
 
 

@@ -640,7 +640,7 @@ def test_dgc_selection_in_one_call_equals_the_tensor_ops_on_numpy(ratio, sample_
     """DGC.select of a CPU torch tensor (one native call, dgc_select) against DGC.select on
     NumPy (the tensor ops), bit for bit: thresholds that select more than k (cut to the k largest,
     ties to the lowest index: few distinct magnitudes; a mostly zero tensor, whose threshold is
-    0) or fewer; the whole tensor as the sample; signed zeros, infs and NaNs; an empty tensor; a
+    0: more nonzeros than k, or fewer, then the first zeros) or fewer; the whole tensor as the sample; signed zeros, infs and NaNs; an empty tensor; a
     step of the sparsity warm-up."""
     import grace.native.dgc as native_dgc
     from grace.backends.torch_backend import TorchBackend
@@ -654,6 +654,7 @@ def test_dgc_selection_in_one_call_equals_the_tensor_ops_on_numpy(ratio, sample_
     xs[4][:6] = [-0.0, np.inf, np.nan, -np.inf, 3e38, -3e38]
     xs[5] = np.round(xs[5] * 2).astype(np.float32) / 2  # few distinct magnitudes: ties at the cut
     xs[7][np.random.default_rng(7).random(50000) < 0.97] = 0.0  # mostly zeros: a threshold of 0
+    xs[7][[3, 40, 41, 9000]] = [np.nan, -0.0, np.nan, -0.0]  # (NaNs never selected; -0.0 a zero)
     compressor, cut = DGC(ratio, sample_ratio, warmup, seed=3), 0
     for x in xs:
         info = TensorInfo(f"layer{x.size}.weight", 2, 4, rank=1)

@@ -8,12 +8,13 @@ import pytest
 
 import grace
 from grace.core import traffic
+from grace.core.buffers import assign_ranges
 from grace.core.communicator import LocalCommunicator, ReplicaCommunicator
 from grace.core.compressor import TensorInfo
 from grace.core.plans.alltoall import shard_size
 from grace.core.plans.owner import owner_of
 from grace.core.tensors import get_backend
-from tests.unit.conftest import METHODS
+from tests.unit.conftest import METHODS, to_backend
 from tests.unit.test_buckets import assert_same, gradients
 from tests.unit.test_overflow import assert_same_state, overflowing
 
@@ -67,6 +68,63 @@ def test_every_allgather_method_runs_two_phase_and_counts_its_bytes(xp, label):
     costs = traffic.received(exchange.compression, exchange.bucket_plans()[next(iter(exchange.bucket_plans()))]
                              .bucket.numel, 4)
     assert "alltoall" in costs and exchange.stats.last_step_bytes > 0
+
+
+@pytest.mark.parametrize("average", [True, False], ids=["average", "sum"])
+@pytest.mark.parametrize("bucket_mb", [25, 0.002], ids=["one-bucket", "several-buckets"])
+@pytest.mark.parametrize("label", TWO_PHASE)
+def test_two_phase_results_written_over_the_gradients_are_the_new_results_bit_for_bit(xp, label, bucket_mb,
+                                                                                       average):
+    """``in_place`` on a CPU: the owners' shards written over the gradients they span (3 ranks:
+    shards that cut gradients and a padded last one), or, where a gradient is not one flat run
+    of memory (a transposed view), through the flat result: the new results' very values."""
+    fresh = grace.Exchange(two_phase(label, bucket_mb=bucket_mb), ReplicaCommunicator(3), average=average)
+    overwriting = grace.Exchange(two_phase(label, bucket_mb=bucket_mb), ReplicaCommunicator(3), average=average,
+                                 in_place=True)
+    for step in range(3):
+        want = fresh.exchange(gradients(xp, step))
+        grads = gradients(xp, step)
+        if step == 2:  # (a view of its transpose's memory: not contiguous)
+            grads["fc.weight"] = xp.transpose(to_backend(xp, xp.to_numpy(grads["fc.weight"]).T.copy()))
+        got = overwriting.exchange(grads)
+        assert fresh.plan_of("fc.weight").plan == overwriting.plan_of("fc.weight").plan == "alltoall"
+        for name in want:
+            assert_same(xp, want[name], got[name], f"{label} step {step} {name}")
+            if xp.numel(grads[name]):
+                assert got[name] is grads[name], name
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+@pytest.mark.parametrize("label", [label for label in TWO_PHASE if label.startswith(("signsgd", "signum"))])
+def test_the_owners_vote_is_the_allgathers_bit_for_bit(label, ranks):
+    """signSGD's and Signum's two phases, ranks with gradients of their own (4: ties, a vote of
+    0): the owners' counts (TernGrad's codes of the vote, or the sum) decode to the allgather
+    exchange's very results on every rank."""
+    from tests.fixtures.thread_world import ThreadWorld
+
+    def steps(communicator):
+        def work(comm):
+            exchange = grace.Exchange(two_phase(label, communicator), comm)
+            numpy = get_backend("numpy")
+            outs = [exchange.exchange(gradients(numpy, 10 * step + comm.rank)) for step in range(2)]
+            return exchange.plan_of("fc.weight").plan, outs
+        return ThreadWorld(ranks).run(work)
+
+    for (way, want), (plan, got) in zip(steps("allgather"), steps("alltoall")):
+        assert plan == "alltoall" != way
+        for step, (w, g) in enumerate(zip(want, got)):
+            for name in w:
+                np.testing.assert_array_equal(w[name], g[name], err_msg=f"{label} step {step} {name}")
+
+
+def test_flat_parts_are_written_over_outs_across_their_boundaries(xp):
+    outs = [to_backend(xp, np.zeros(shape)) for shape in [(2, 3), (0,), (4,), (1,)]]
+    parts = [to_backend(xp, np.arange(start, start + 5)) for start in (1, 6, 11)]  # 15 elements for 11
+    assert assign_ranges(xp, outs, parts)
+    np.testing.assert_array_equal(np.concatenate([xp.to_numpy(o).ravel() for o in outs]), np.arange(1, 12))
+    flat, strided = to_backend(xp, np.zeros(6)), xp.transpose(to_backend(xp, np.zeros((3, 2))))
+    assert not assign_ranges(xp, [flat, strided], parts)
+    assert not xp.to_numpy(flat).any() and not xp.to_numpy(strided).any()  # (nothing written)
 
 
 @pytest.mark.parametrize("bad", [np.inf, np.nan], ids=["inf", "nan"])

@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import Any, List
 
 from grace.core import bucket as frames
-from grace.core.buffers import assign
+from grace.core.buffers import assign, assign_ranges
 from grace.core.compressor import TensorInfo
+from grace.core.journal import no_overflow
 from grace.core.plans.base import BucketPending, WholeBucket, with_dense
 from grace.core.plans.owner import Owner, owner_of
 from grace.core.tensors import backend_for
@@ -68,25 +69,23 @@ class AllToAll(WholeBucket):
                 self._take_owned_memory(xp, g, size)
         with s.phase("compress"):
             sent = self._fused_shards(xp, g, pending, size, ranks) if self.fuses else None
-            x = None  # (what the formula compressed: the frames' dense values, the feedback's p)
+            x = None  # (the shards the formula compressed: the frames' dense values, the feedback's p)
             if sent is None:
                 p = memory.compensate(xp, g, pending.old[0])
                 x, state = owner.prepare(xp, p, pending.info, states[0])
                 if state is not None:
                     s.journal.set("state", unit.name, state)
-                x = padded(xp, x, size * ranks)
-                sent = [owner.compress(xp, x[j * size:(j + 1) * size], shard_info(pending.info, "shard", j))
-                        for j in range(ranks)]
+                x = shards_of(xp, x, size, ranks)
+                sent = [owner.compress(xp, x[j], shard_info(pending.info, "shard", j)) for j in range(ranks)]
         pending.ctxs = [sent[0][1]]  # (equal shards: one ctx serves them all)
         payloads = [payload for payload, _ in sent]
         own = payloads[s.communicator.rank]
         pending.dtypes, pending.counts = [xp.dtype(t) for t in own], [xp.numel(t) for t in own]
         # (no flag here: each rank's own rides on its owner frame, which every rank receives)
-        parts = [self._frame(xp, payload, None if x is None else x[j * size:(j + 1) * size], g)
-                 for j, payload in enumerate(payloads)]
+        parts = [self._frame(xp, payload, None if x is None else x[j], g) for j, payload in enumerate(payloads)]
         if memory.needs_feedback and x is not None:
             with s.phase("feedback"):
-                p_hat = xp.concat([x[j * size:(j + 1) * size] if dense else
+                p_hat = xp.concat([x[j] if dense else
                                    xp.flatten(owner.decompress(xp, payload, pending.ctxs[0]))
                                    for j, (payload, (_, dense)) in enumerate(zip(payloads, parts))])
                 s.journal.set("memory", unit.name, memory.update(xp, p, p_hat[:n], pending.old[0]))
@@ -119,8 +118,11 @@ class AllToAll(WholeBucket):
         with s.phase("decompress"):
             parts = [p.values if isinstance(p, frames.Dense) else
                      xp.flatten(self.owner.decompress_again(xp, p, pending.ctxs[0], comm.size)) for p, _ in shards]
-        g_hat = xp.concat(parts)[:self.bucket.numel]
         overflow = s.journal.overflow(xp, [f for _, f in shards]) if flagged else None
+        if into is None and pending.outs is not None and s.average and no_overflow(overflow) \
+                and assign_ranges(xp, pending.outs, parts):
+            return list(pending.outs)  # (the shards written over the gradients: no flat result in between)
+        g_hat = xp.concat(parts)[:self.bucket.numel]
         return self.deliver(pending, [g_hat], overflow, pending.outs or [None] * len(self.bucket.segments), into)
 
     def _fused_shards(self, xp, g, pending, size: int, ranks: int):
@@ -243,6 +245,14 @@ class AllToAll(WholeBucket):
                                                     self.bucket.dtype, flagged)
             out.append((pieces if isinstance(pieces, frames.Dense) else tuple(pieces), flag))
         return out
+
+
+def shards_of(xp, x, size: int, ranks: int) -> list:
+    """Flat ``x`` as ``ranks`` shards of ``size`` elements: views where they lie whole in it, the
+    rest zero-padded (no copy of the whole bucket to pad its end)."""
+    n = xp.numel(x)
+    return [x[j * size:(j + 1) * size] if (j + 1) * size <= n else padded(xp, x[min(j * size, n):n], size)
+            for j in range(ranks)]
 
 
 def padded(xp, x, length: int):
