@@ -135,9 +135,10 @@ def test_an_overflow_costs_one_step_owner_memory_included(xp, label, bad):
     faulty.exchange(gradients(xp, 0))
     clean.exchange(gradients(xp, 0))
     before = faulty.state_dict()
-    out = faulty.exchange(overflowing(xp, 1, bad))
-    assert not np.isfinite(xp.to_numpy(out["fc.weight"])).all(), "the overflow did not reach the result"
-    assert_same_state(xp, before, faulty.state_dict(), ("memory", "owner", "state", "steps"), label)
+    for _ in range(2):  # (two in a row: the second finds the memory the first put back)
+        out = faulty.exchange(overflowing(xp, 1, bad))
+        assert not np.isfinite(xp.to_numpy(out["fc.weight"])).all(), "the overflow did not reach the result"
+        assert_same_state(xp, before, faulty.state_dict(), ("memory", "owner", "state", "steps"), label)
     for s in (2, 3):
         want, got = clean.exchange(gradients(xp, s)), faulty.exchange(gradients(xp, s))
         for name in want:

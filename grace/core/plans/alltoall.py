@@ -50,6 +50,7 @@ class AllToAll(WholeBucket):
         self.keeps_memory = services.compression.memory.needs_feedback and not self.owner.exact_again
         self.variable = services.compression.compressor.traits.variable_length
         self._owned_in = None  # the world size this rank's owner memory was cut for
+        self._owner_made = (None, None)  # (the owner memory made last, the one it was made from)
         #: full shards go through the memory's fused kernels, where it has them and treats elements
         #: alone (DGC's clipping scales by the bucket's norm); a variable-length method's step in
         #: which a shard's encoding outgrows the shard takes the formula instead
@@ -227,8 +228,22 @@ class AllToAll(WholeBucket):
         frame, dense = self._frame(xp, payload, q, pending.g, pending.flag)
         ranks = s.communicator.size
         error = xp.zeros_like(q) if dense else q - owner.decompress_again(xp, payload, pending.ctxs[0], ranks)
-        s.journal.set("owner", key, xp.concat([memory[:lo], error[:hi - lo], memory[hi:]]))
+        s.journal.set("owner", key, self._owner_memory(xp, memory, error[:hi - lo], lo, hi))
         return frame, payload
+
+    def _owner_memory(self, xp, memory, error, lo: int, hi: int):
+        """The owner memory with ``error`` as its shard [lo, hi): a new tensor (the old one stays
+        for a step that an overflow skips). Where the old one is the tensor this plan made last,
+        the one that was made from (the same values outside the shard, and no longer anyone's
+        state) is written over, the shard alone: not a pass over the whole bucket a step."""
+        made, source = self._owner_made
+        if xp.mutable_tensors and memory is made and source is not None:
+            xp.assign(source[lo:hi], error)
+            new = source
+        else:
+            new = xp.concat([memory[:lo], error, memory[hi:]])
+        self._owner_made = (new, memory)
+        return new
 
     def _owned(self, size: int):
         """(start, end) of this rank's shard within the bucket (before the padding)."""
