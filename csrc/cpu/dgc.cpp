@@ -291,10 +291,8 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
     const float scale = scales ? scales[s] : 1.0f;
     if (d == 0) return;
     const int64_t need = at_most(ratio * (double)S, S);
-    if (S == d) {  // every element: compensate, then select
-      dgc_compensate(u[s], v[s], g[s], d, m, scale, un, p, flag.wanted());
-      const int64_t* chosen;
-      const int64_t c = select_sampled(p, d, S, need, k, 0, 0, scratch, chosen);
+    // the c chosen elements of p sent: values, indices, momentum factor masking
+    auto send = [&](const int64_t* chosen, int64_t c) {
       for_chunks(c, 64, threads_for(c, kScatteredGrain), [&](int, int64_t lo, int64_t hi) {
         for (int64_t j = lo; j < hi; ++j) {
           const int64_t i = chosen[j];
@@ -304,7 +302,12 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
         }
       });
       counts[s] = c;
-      return;
+    };
+    if (S == d) {  // every element: compensate, then select
+      dgc_compensate(u[s], v[s], g[s], d, m, scale, un, p, flag.wanted());
+      const int64_t* chosen;
+      const int64_t c = select_sampled(p, d, S, need, k, 0, 0, scratch, chosen);
+      return send(chosen, c);
     }
     // the sample's p first (the same sums as the pass makes), then compensate and select in one pass
     keys.resize(S);
@@ -324,8 +327,15 @@ API int grace_cpu_dgc_step_many(int64_t count, const float* const* g, const floa
         keys[j] = KeyOf<float>::key(v[s][i] + (m * u[s][i] + (scale != 1.0f ? g[s][i] * scale : g[s][i])), true);
       }
     });
-    const int64_t c = dgc_compensate_select(u[s], v[s], g[s], d, m, scale, key_threshold(keys, need), un, p, sel,
-                                            sel_p, sel_u, flag.wanted());
+    const float thr = key_threshold(keys, need);
+    if (thr == 0.0f) {  // (a mostly zero gradient, an embedding's: every element would pass; select_above_zero)
+      dgc_compensate(u[s], v[s], g[s], d, m, scale, un, p, flag.wanted());
+      const int64_t* chosen;
+      const int64_t c = select_above_zero(p, d, k, scratch, chosen);
+      return send(chosen, c);
+    }
+    const int64_t c = dgc_compensate_select(u[s], v[s], g[s], d, m, scale, thr, un, p, sel, sel_p, sel_u,
+                                            flag.wanted());
     // (outputs masked by the pass: the cut ones put back, values and indices in order)
     if (c > k) pick_largest(scratch, c, k, [&](int64_t j) { return std::fabs(sel_p[j]); });
     // (pointers in locals: through the thread's scratch, each store made the loop find its

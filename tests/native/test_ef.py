@@ -634,6 +634,45 @@ def test_dgc_steps_of_a_bucket_equal_the_memory_and_selection_on_numpy(ratio, sa
                          [torch.ones(3)], [torch.ones(3)])
 
 
+def test_dgc_selection_past_a_sample_of_zeros_equals_the_tensor_ops_on_numpy():
+    """A mostly zero tensor (an owner's sum of the ranks' selections, an embedding's gradient)
+    whose sample holds fewer nonzeros than it needs, so its threshold is 0, though the tensor
+    has more than k of them: dgc_select and a bucket's DGC step (dgc_step_many) pick the k
+    largest as the tensor ops do, bit for bit (ties at the cut: few distinct magnitudes)."""
+    from grace.compressors.dgc import DGC
+    from grace.core import draws
+    from grace.kernels.dgc import DGCFeedback
+    from grace.memories import DGCMemory
+
+    n, compressor = 50_000, DGC(0.04, 0.01, seed=3)  # k = 2000 of 2500 nonzeros; a sample of 500 needs 20
+    x = np.zeros(n, np.float32)
+    rng = np.random.default_rng(11)
+    x[rng.choice(n, 2500, replace=False)] = np.round(rng.standard_normal(2500) * 4).astype(np.float32) / 4 + 0.5
+    x[[5, 6]] = [np.nan, -0.0]
+    found = 0
+    for j in range(60):  # rank seeds whose sample underestimates: its threshold 0
+        info = TensorInfo(f"layer{j}.weight", 2, 4, rank=1)
+        drawn = np.floor(NX.uniform(500, info.rank_seed(3), like=x) * n).astype(np.int64)
+        if np.count_nonzero(np.abs(x[drawn]) > 0) >= 20:
+            continue
+        found += 1
+        with np.errstate(invalid="ignore"):
+            want = compressor.select(NX, x, info)
+        same_bytes(want, compressor.select(get_backend("torch"), torch.from_numpy(x.copy()), info), f"seed {j}")
+        assert len(want) == 2000
+        zeros = np.zeros(n, np.float32)
+        with np.errstate(invalid="ignore"):
+            (want_v, want_i), _, (want_u, want_p) = DGCFeedback(DGCMemory(0.0)).fused_step(
+                NX, kernels_of(compressor), x, (zeros, zeros), info, out=(np.empty_like(x), np.empty_like(x)))
+        u, v = torch.zeros(n), torch.zeros(n)
+        values, indices = gn.dgc_step_many([torch.from_numpy(x.copy())], [u], [v], 0.0, 0.04, 0.01,
+                                           [draws.seed_words(info.rank_seed(3))], [u], [v])
+        for a, b, what in ((want_v, values[0], "values"), (want_i, indices[0], "indices"), (want_u, u, "u"),
+                           (want_p, v, "v")):
+            same_bytes(a, b, f"seed {j} {what}")
+    assert found >= 2, "no sample of the mostly zero tensor had a threshold of 0"
+
+
 @pytest.mark.parametrize("ratio, sample_ratio, warmup", [(0.01, 0.01, 0), (0.04, 0.01, 0), (0.3, 0.05, 0),
                                                          (0.1, 1.0, 0), (1.0, 0.5, 0), (0.01, 0.1, 5)])
 def test_dgc_selection_in_one_call_equals_the_tensor_ops_on_numpy(ratio, sample_ratio, warmup, monkeypatch):
