@@ -679,8 +679,8 @@ def test_dgc_selection_in_one_call_equals_the_tensor_ops_on_numpy(ratio, sample_
     """DGC.select of a CPU torch tensor (one native call, dgc_select) against DGC.select on
     NumPy (the tensor ops), bit for bit: thresholds that select more than k (cut to the k largest,
     ties to the lowest index: few distinct magnitudes; a mostly zero tensor, whose threshold is
-    0: more nonzeros than k, or fewer, then the first zeros) or fewer; the whole tensor as the sample; signed zeros, infs and NaNs; an empty tensor; a
-    step of the sparsity warm-up."""
+    0: its nonzeros and the first zeros) or fewer; the whole tensor as the sample; signed zeros,
+    infs and NaNs; an empty tensor; a step of the sparsity warm-up."""
     import grace.native.dgc as native_dgc
     from grace.backends.torch_backend import TorchBackend
     from grace.compressors.dgc import DGC
