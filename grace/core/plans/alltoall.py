@@ -57,13 +57,18 @@ class AllToAll(WholeBucket):
         memory = services.compression.memory
         self.fuses = memory.needs_feedback and memory.elementwise and \
             type(self.owner).prepare is Owner.prepare and type(self.owner).compress is Owner.compress
+        #: a method with no memory compresses the shards in one bucket call where it has one (a
+        #: CPU's), which checks them for an inf or a NaN as it reads them: no pass of its own
+        self.compresses_many = not memory.needs_feedback and type(self.owner).prepare is Owner.prepare and \
+            type(self.owner).compress is Owner.compress
 
     def start(self, xp, grads, flat) -> BucketPending:
         s, owner, ranks = self.services, self.owner, self.services.communicator.size
         memory, n = s.compression.memory, self.bucket.numel
         pending, g_units, infos, states = self.begin(xp, grads, flat)
         g, unit, pending.info = g_units[0], pending.units[0], infos[0]
-        pending.flag = xp.nonfinite([g], self.flag_dtype()) if s.journal.guarded else None
+        in_call = s.journal.guarded and self.compresses_many and xp.mutable_tensors and not xp.on_accelerator(g)
+        pending.flag = xp.nonfinite([g], self.flag_dtype()) if s.journal.guarded and not in_call else None
         size = shard_size(n, ranks, owner.align)
         if self.keeps_memory and self._owned_in != ranks and not s.communicator.replicas:
             with s.store.eager():  # (a TensorFlow trace: once, when the step is traced for this world)
@@ -77,7 +82,8 @@ class AllToAll(WholeBucket):
                 if state is not None:
                     s.journal.set("state", unit.name, state)
                 x = shards_of(xp, x, size, ranks)
-                sent = [owner.compress(xp, x[j], shard_info(pending.info, "shard", j)) for j in range(ranks)]
+                sent = self._compressed_shards(xp, x, [shard_info(pending.info, "shard", j) for j in range(ranks)],
+                                               pending, in_call)
         pending.ctxs = [sent[0][1]]  # (equal shards: one ctx serves them all)
         payloads = [payload for payload, _ in sent]
         own = payloads[s.communicator.rank]
@@ -125,6 +131,20 @@ class AllToAll(WholeBucket):
             return list(pending.outs)  # (the shards written over the gradients: no flat result in between)
         g_hat = xp.concat(parts)[:self.bucket.numel]
         return self.deliver(pending, [g_hat], overflow, pending.outs or [None] * len(self.bucket.segments), into)
+
+    def _compressed_shards(self, xp, shards, infos, pending, in_call: bool) -> list:
+        """[(payload, ctx)] of every shard: by one bucket call where the method has one (and, where
+        ``in_call``, the overflow flag set as it reads them), else shard by shard."""
+        s = self.services
+        if self.compresses_many:
+            flag = xp.zeros(1, "float32", like=shards[0]) if in_call else None
+            many = s.kernels.compress_many(xp, shards, infos, flag)
+            if many is not None:
+                pending.flag = flag if in_call else pending.flag
+                return many
+        if in_call:  # (no bucket call: the flag from a pass of its own)
+            pending.flag = xp.nonfinite([pending.g], self.flag_dtype())
+        return [self.owner.compress(xp, x, info) for x, info in zip(shards, infos)]
 
     def _fused_shards(self, xp, g, pending, size: int, ranks: int):
         """[(payload, ctx)] of every shard: those that lie whole in the bucket by the memory's
