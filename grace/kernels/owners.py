@@ -53,12 +53,10 @@ _TERNARY = TernGrad()  # (its decoding: codes 0, 1, 2 to 0, +s, -s)
 class Vote(Owner):
     exact_again = True
 
-    def _width(self, ranks: int) -> int:
-        """Bits per element of the second payload: -1/0/+1, or a sum in [-ranks, ranks]."""
-        return 2 if self.compressor.aggregate_by == "majority" else (2 * ranks).bit_length()
-
-    def _offset(self, ranks: int) -> int:
-        return 1 if self.compressor.aggregate_by == "majority" else ranks
+    @staticmethod
+    def _width(ranks: int) -> int:
+        """Bits per element of the mean's second payload: the sum in [-ranks, ranks], plus ranks."""
+        return (2 * ranks).bit_length()
 
     def compress_again(self, xp, aggregate, info):
         ranks = info.world_size
@@ -66,8 +64,7 @@ class Vote(Owner):
             # TernGrad's codes of the vote, exactly: each |x| / max|x| is 0 or 1, which no draw in [0, 1) changes
             (packed, _), _ = _TERNARY.compress(xp, aggregate, info)
             return (packed,), None
-        counted = aggregate * ranks
-        codes = xp.floor(counted + (self._offset(ranks) + 0.5))  # (a mean times ranks is a sum, to rounding)
+        codes = xp.floor(aggregate * ranks + (ranks + 0.5))  # (a mean times ranks is a sum, to rounding)
         width = self._width(ranks)
         if width <= 8:
             return (bits.pack(xp, xp.cast(codes, "uint8"), width),), None
@@ -79,7 +76,7 @@ class Vote(Owner):
             return _TERNARY.decompress(xp, (payload[0], one), ctx)
         width, numel = self._width(ranks), ctx.numel
         codes = bits.unpack(xp, payload[0], width, numel) if width <= 8 else payload[0]
-        total = xp.reshape(xp.cast(codes, "float32") - self._offset(ranks), ctx.shape)
+        total = xp.reshape(xp.cast(codes, "float32") - ranks, ctx.shape)
         return finished(self.compressor, xp, total, ranks, True)
 
 
