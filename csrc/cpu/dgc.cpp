@@ -181,6 +181,17 @@ void pick_largest(DgcScratch& scratch, int64_t c, int64_t k, Magnitude abs_of) {
   largest_in_order(keys, k, [&](int64_t j) { pick.push_back(j); });
 }
 
+// The k largest |p| of the c > k elements selected at sel (ascending; ties to the lowest index),
+// ascending, into the scratch's pick; `chosen` then points at them. Returns k.
+int64_t largest_selected(const float* p, const int64_t* sel, int64_t c, int64_t k, DgcScratch& scratch,
+                         const int64_t*& chosen) {
+  pick_largest(scratch, c, k, [&](int64_t j) { return std::fabs(p[sel[j]]); });
+  std::vector<int64_t>& pick = scratch.pick;
+  for (int64_t j = 0; j < k; ++j) pick[j] = sel[pick[j]];
+  chosen = pick.data();
+  return k;
+}
+
 // The k largest |p| of every element but NaNs (ties to the lowest index), ascending, into the
 // scratch's pick, for a threshold of 0: a sample with fewer nonzeros than it needs (a sparse p,
 // such as a shard's owner sums of the ranks' selections). Zeros rank below every other element
@@ -201,12 +212,7 @@ int64_t select_above_zero(const float* p, int64_t d, int64_t k, DgcScratch& scra
       sel[c++] = i;
     }
   }
-  if (c > k) {
-    pick_largest(scratch, c, k, [&](int64_t j) { return std::fabs(p[sel[j]]); });
-    for (int64_t j = 0; j < k; ++j) pick[j] = sel[pick[j]];
-    chosen = pick.data();
-    return k;
-  }
+  if (c > k) return largest_selected(p, sel, c, k, scratch, chosen);
   const int64_t zeros = std::min<int64_t>(k - c, (int64_t)pick.size());
   std::vector<int64_t> merged(c + zeros);
   std::merge(sel, sel + c, pick.begin(), pick.begin() + zeros, merged.begin());
@@ -242,12 +248,7 @@ int64_t select_sampled(const float* p, int64_t d, int64_t S, int64_t need, int64
   int64_t* const sel = scratch.sel.at_least(d);
   const int64_t c = threshold_f32(p, d, thr, true, sel, GRACE_I64, nullptr);
   chosen = sel;
-  if (c <= k) return c;
-  pick_largest(scratch, c, k, [&](int64_t j) { return std::fabs(p[sel[j]]); });
-  std::vector<int64_t>& pick = scratch.pick;
-  for (int64_t j = 0; j < k; ++j) pick[j] = sel[pick[j]];
-  chosen = pick.data();
-  return k;
+  return c <= k ? c : largest_selected(p, sel, c, k, scratch, chosen);
 }
 }  // namespace
 

@@ -67,8 +67,8 @@ class AllToAll(WholeBucket):
         memory, n = s.compression.memory, self.bucket.numel
         pending, g_units, infos, states = self.begin(xp, grads, flat)
         g, unit, pending.info = g_units[0], pending.units[0], infos[0]
+        # (the overflow flag from the shards' bucket call, which checks them as it reads them; else a pass below)
         in_call = s.journal.guarded and self.compresses_many and xp.mutable_tensors and not xp.on_accelerator(g)
-        pending.flag = xp.nonfinite([g], self.flag_dtype()) if s.journal.guarded and not in_call else None
         size = shard_size(n, ranks, owner.align)
         if self.keeps_memory and self._owned_in != ranks and not s.communicator.replicas:
             with s.store.eager():  # (a TensorFlow trace: once, when the step is traced for this world)
@@ -84,6 +84,8 @@ class AllToAll(WholeBucket):
                 x = shards_of(xp, x, size, ranks)
                 sent = self._compressed_shards(xp, x, [shard_info(pending.info, "shard", j) for j in range(ranks)],
                                                pending, in_call)
+        if s.journal.guarded and pending.flag is None:
+            pending.flag = xp.nonfinite([g], self.flag_dtype())
         pending.ctxs = [sent[0][1]]  # (equal shards: one ctx serves them all)
         payloads = [payload for payload, _ in sent]
         own = payloads[s.communicator.rank]
@@ -140,10 +142,8 @@ class AllToAll(WholeBucket):
             flag = xp.zeros(1, "float32", like=shards[0]) if in_call else None
             many = s.kernels.compress_many(xp, shards, infos, flag)
             if many is not None:
-                pending.flag = flag if in_call else pending.flag
+                pending.flag = flag
                 return many
-        if in_call:  # (no bucket call: the flag from a pass of its own)
-            pending.flag = xp.nonfinite([pending.g], self.flag_dtype())
         return [self.owner.compress(xp, x, info) for x, info in zip(shards, infos)]
 
     def _fused_shards(self, xp, g, pending, size: int, ranks: int):
