@@ -85,6 +85,16 @@ struct Finish {
   }
 };
 
+// Each rank's row of codes is read beside the output as a sparse stream (a 64-byte line of bits
+// is 512 outputs), which the hardware prefetcher left cold on an AMD EPYC VM where the rows lie in
+// an allgather's frames: each row's line kRowsAhead bytes on is asked for once per line of
+// progress (ResNet-50's signSGD sums of 4 ranks, one thread: 4.9 -> 3.7 ms).
+constexpr int64_t kRowsAhead = 1024;
+inline void rows_ahead(const uint8_t* const* rows, int64_t count, int64_t at) {
+  if (at % 64 == 0)
+    for (int64_t j = 0; j < count; ++j) __builtin_prefetch(rows[j] + at + kRowsAhead);
+}
+
 #if defined(GRACE_SIMD) && defined(__AVX2__)
 // 32 elements' bits of a row, the four bytes at `at`, one per byte lane: 0xFF where set, else 0
 // (each byte spread over 8 lanes by one shuffle, each lane then tests its own bit)
@@ -155,6 +165,7 @@ GRACE_AVX512 int64_t table_sum_rows64(const uint8_t* const* rows, int64_t count,
                                       int64_t g1, float* out, bool stream) {
   const __m512 table = _mm512_loadu_ps(sums);
   for (; g + 8 <= g1; g += 8) {
+    rows_ahead(rows, count, g);
     __m512i pattern = _mm512_setzero_si512();
     for (int64_t j = 0; j < count; ++j) {
       uint64_t w;
@@ -176,6 +187,7 @@ GRACE_AVX512 int64_t table_sum_rows64(const uint8_t* const* rows, int64_t count,
 GRACE_AVX512 int64_t bits_sum_rows32(const uint8_t* const* rows, const float* lo, const float* hi, int64_t count,
                                      int64_t g, int64_t g1, float* out, const Finish& finish, bool stream) {
   for (; g + 4 <= g1; g += 4) {
+    rows_ahead(rows, count, g);
     __m512 acc[2];
     for (int64_t j = 0; j < count; ++j) {
       uint32_t w;
@@ -224,6 +236,7 @@ void bits_sum_range(const uint8_t* const* rows, const float* lo, const float* hi
   if (kAvx512 && head == 0) g = bits_sum_rows32(rows, lo, hi, count, g, g1, out, finish, stream);
   if (kAvx512 && head == count) g = table_sum_rows64(rows, count, table.sums(), g, g1, out, stream);
   for (; g + 4 <= g1; g += 4) {
+    rows_ahead(rows, count, g);
     F8 acc[4];
     if (head) table.lookup(rows, g, acc);
     for (int64_t j = head; j < count; ++j) {
@@ -280,6 +293,7 @@ void sign_sum_range(const uint8_t* const* rows, int64_t count, int64_t n, int64_
   const __m256i below = _mm256_set1_epi8((char)(count / 2)), above = _mm256_set1_epi8((char)(count - count / 2));
   const __m256i vcount = _mm256_set1_epi32((int)count);
   for (int64_t g = g0; g < g1; ++g) {
+    rows_ahead(rows, count, 4 * g);
     __m256i c = _mm256_setzero_si256();
     for (int64_t j = 0; j < count; ++j) c = _mm256_sub_epi8(c, bits_in_byte_lanes(rows[j] + 4 * g));
     const __m256i r = vote_only ? _mm256_sub_epi8(_mm256_cmpgt_epi8(above, c), _mm256_cmpgt_epi8(c, below)) : c;
@@ -318,6 +332,7 @@ GRACE_AVX512 int64_t terngrad_sum_rows16(const uint8_t* const* rows, const float
   const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i three = _mm512_set1_epi32(3);
   for (; g + 4 <= g1; g += 4) {
+    rows_ahead(rows, count, g);
     __m512 acc;
     for (int64_t j = 0; j < count; ++j) {
       uint32_t w;
@@ -377,6 +392,7 @@ void terngrad_sum_range(const uint8_t* const* rows, const float* scale, int64_t 
   const bool plain = finish.none();
   if (kAvx512) g = terngrad_sum_rows16(rows, val.data(), count, g, g1, out, finish, stream);
   for (; g + 2 <= g1; g += 2) {
+    rows_ahead(rows, count, g);
     F8 acc = row8(0, g);
     for (int64_t j = 1; j < count; ++j) acc = acc + row8(j, g);
     put8(out + 4 * g, plain ? acc : finish.apply8(acc), stream);
