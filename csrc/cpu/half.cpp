@@ -88,9 +88,10 @@ Kernel pick(Kernel plain, Kernel reciprocal, Kernel stream, Kernel both, float d
 }  // namespace
 
 API void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,
-                                    uint16_t* const* outs) {
+                                    uint16_t* const* outs, int64_t held) {
+  const int64_t halves = bucket_bytes(count, numels) / 2;
   const auto encode = pick(half_encode<false, false>, half_encode<true, false>, half_encode<false, true>,
-                           half_encode<true, true>, divisor, streams_payload(bucket_bytes(count, numels) / 2));
+                           half_encode<true, true>, divisor, streams_payload(std::max(halves, held)));
   for_segment_chunks(count, numels, 64, [&](int64_t s, int64_t lo, int64_t hi) {
     encode(xs[s] + lo, hi - lo, divisor, outs[s] + lo);
   });

@@ -6,6 +6,9 @@
 #include <strings.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <string>
+
 namespace grace_cpu {
 // libgomp is not fork-safe: a child of a process that ran a parallel region would hang in its
 // first one. After fork every kernel runs on the calling thread only.
@@ -39,11 +42,32 @@ bool amd_cpu() {
 #endif
 }
 
-// the largest cache level the C library tells of (glibc: from CPUID; a VM's may be its host's)
-int64_t told_cache_bytes() {
+// The highest cache level's size as Linux tells it (sysfs, cpu0: one instance, the part a core can
+// hold data in), or 0. An AMD EPYC VM's: 32 MB, where its C library tells 384 MB (every CCD's L3).
+int64_t sysfs_cache_bytes() {
   int64_t bytes = 0;
+  int top = 0;
+  for (int index = 0; index < 16; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int level = 0;
+    int64_t size = 0;
+    char unit = 0;
+    if (!(level_file >> level) || !(size_file >> size)) break;
+    size_file >> unit;
+    size *= unit == 'K' ? 1024 : unit == 'M' ? 1 << 20 : unit == 'G' ? 1 << 30 : 1;
+    if (level >= top) top = level, bytes = size;
+  }
+  return bytes;
+}
+
+// the last-level cache a core shares: sysfs's, else the largest level the C library tells of
+// (glibc: from CPUID; a VM's may be its host's)
+int64_t told_cache_bytes() {
+  int64_t bytes = sysfs_cache_bytes();
 #if defined(_SC_LEVEL3_CACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
-  for (int name : {_SC_LEVEL2_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE}) bytes = std::max<int64_t>(bytes, sysconf(name));
+  if (bytes <= 0)
+    for (int name : {_SC_LEVEL2_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE}) bytes = std::max<int64_t>(bytes, sysconf(name));
 #endif
   return bytes;
 }

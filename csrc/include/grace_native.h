@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 29
+#define GRACE_NATIVE_ABI 30
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -45,8 +45,9 @@ int grace_cpu_uses_avx512(void);
 int grace_cpu_uses_prefetch(void);
 void grace_cpu_set_num_threads(int n); /* <= 0: OpenMP's default */
 int grace_cpu_get_num_threads(void);
-/* the last-level cache's bytes the kernels plan by (fp16's payloads stay in it where a quarter of
- * it holds them, else are streamed past it); < 0: the C library's figure (0 where it has none) */
+/* the last-level cache's bytes the kernels plan by (fp16's payloads stay in it where it holds what a
+ * step writes before reading them back, else are streamed past it); < 0: what the system tells (one
+ * cache instance's size, as Linux's sysfs gives it, else the C library's figure; 0 where neither has one) */
 void grace_cpu_set_cache_bytes(int64_t n);
 int64_t grace_cpu_get_cache_bytes(void);
 
@@ -298,9 +299,11 @@ int grace_cpu_compress_many(int method, int64_t count, const float* const* x, co
                             const uint32_t* s1, void* const* out0, void* const* out1, int levels, int64_t bucket,
                             int bits, float* nonfinite);
 /* fp16's payload, a bucket at a time (segment s at its own pointers): outs[s][i] = xs[s][i] / divisor
- * rounded to IEEE half (nearest even), and its decode outs[s][i] = (float(halves[s][i]) * factor) / divisor */
+ * rounded to IEEE half (nearest even), and its decode outs[s][i] = (float(halves[s][i]) * factor) / divisor.
+ * held: the bytes of payload written before these are read back (a step's, every bucket's; 0: these
+ * alone): the halves stay in the caches where those fit in the last-level cache, else are streamed */
 void grace_cpu_half_encode_many(int64_t count, const float* const* xs, const int64_t* numels, float divisor,
-                                uint16_t* const* outs);
+                                uint16_t* const* outs, int64_t held);
 void grace_cpu_half_decode_many(int64_t count, const uint16_t* const* halves, const int64_t* numels, float factor,
                                 float divisor, float* const* outs);
 /* a bucket's sums divided, segment s at its own pointers: outs[s][i] = xs[s][i] / divisor (IEEE

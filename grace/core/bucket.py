@@ -48,6 +48,9 @@ class Bucket:
     key: str  # names the bucket's collectives: the same on every rank
     dtype: str
     segments: Tuple[Segment, ...]
+    # the bytes of every bucket of its layout (a step's gradients), which are compressed before
+    # the first one's results are read; 0 where buckets come one at a time (DDP's)
+    step_bytes: int = 0
 
     # (asked for per bucket and step: made once)
     @functools.cached_property
@@ -102,13 +105,15 @@ def plan(tensors: Sequence[Tuple[str, Tuple[int, ...], str, Any]], cap_bytes: fl
         open_[(dtype, group)] = (members, size + nbytes)
     closed.extend(members for members, _ in open_.values())
     closed.sort(key=lambda members: position[members[0][0]])  # launch order
+    step_bytes = sum(math.prod(shape) * ITEMSIZE[dtype] for members in closed for _, shape, dtype, _ in members)
     buckets = []
     for index, members in enumerate(closed):
         segments, offset = [], 0
         for name, shape, _, _ in members:
             segments.append(Segment(name, shape, offset, math.prod(shape)))
             offset += math.prod(shape)
-        buckets.append(Bucket(bucket_key(index, [s.name for s in segments]), members[0][2], tuple(segments)))
+        buckets.append(Bucket(bucket_key(index, [s.name for s in segments]), members[0][2], tuple(segments),
+                              step_bytes))
     return buckets
 
 

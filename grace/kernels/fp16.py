@@ -9,13 +9,14 @@ from grace.core.plans.kernels import MethodKernels, kernels_for
 
 @kernels_for(FP16)
 class FP16Kernels(MethodKernels):
-    def compress_many_into(self, xp, gs, infos, pieces):
+    def compress_many_into(self, xp, gs, infos, pieces, step_bytes=0):
         dtype = self.compressor.dtype
         if dtype != "float16" or not xp.native("fp16_compress_many_into", gs[0], xp.dtype(gs[0])):
             return None
         views = pieces(dtype, [xp.numel(g) for g in gs])
         n = infos[0].world_size
-        if native_or_none(xp, "fp16_compress_many_into", gs[0], gs, n, views) is None:
+        # (the step's halves: float32 gradients, two bytes of payload for four)
+        if native_or_none(xp, "fp16_compress_many_into", gs[0], gs, n, views, step_bytes // 2) is None:
             return None
         # the payloads kept with the views (their column 0, the views again, keeps its native buffers)
         payloads = views.derived.get("payloads")

@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 29  # GRACE_NATIVE_ABI
+ABI = 30  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -79,7 +79,7 @@ CPU = {
     "terngrad_compress_drawn": (None, [_P, _L, _U, _U, _P, _P]),
     "qsgd_compress_drawn": (_I, [_P, _L, _U, _U, _I, _L, _I, _P, _P]),
     "compress_many": (_I, [_I, _L, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P]),
-    "half_encode_many": (None, [_L, _P, _P, _F, _P]),
+    "half_encode_many": (None, [_L, _P, _P, _F, _P, _L]),
     "half_decode_many": (None, [_L, _P, _P, _F, _F, _P]),
     "divide_many": (None, [_L, _P, _P, _F, _P]),
     "flag_nonfinite_many": (None, [_L, _P, _P, _P]),

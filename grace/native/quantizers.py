@@ -64,24 +64,27 @@ def _no_words(n: int):
 
 
 # --- fp16: a bucket's casts -----------------------------------------------------------------------
-def _elementwise_many(symbol: str, ins, in_dtype: str, outs, out_dtype: str, *scalars):
+def _elementwise_many(symbol: str, ins, in_dtype: str, outs, out_dtype: str, *scalars, tail=()):
     """``grace_cpu_<symbol>`` over a bucket: each of ``ins`` (of ``in_dtype``) into the output
-    of the same size in ``outs`` (written in place, ``out_dtype``), then ``scalars``."""
+    of the same size in ``outs`` (written in place, ``out_dtype``), then ``scalars``; ``tail``: the
+    arguments after the outputs."""
     kind = _cpu_kind(outs[0])
     ib, ob = _same_kind_all(kind, ins), _in_place_all(kind, outs, out_dtype)
     if any(b.dtype != in_dtype for b in ib):
         raise NativeUnavailable(f"{symbol} takes {in_dtype} inputs")
     if len(ib) != len(ob) or any(i.n != o.n for i, o in zip(ib, ob)):
         raise ValueError("one output of the same size per input")
-    call(kind, symbol, len(ib), _pointers(ib), _int64s([b.n for b in ib]), *map(float, scalars), _pointers(ob))
+    call(kind, symbol, len(ib), _pointers(ib), _int64s([b.n for b in ib]), *map(float, scalars), _pointers(ob), *tail)
     return outs
 
 
-def fp16_compress_many_into(xs, divisor: float, outs):
+def fp16_compress_many_into(xs, divisor: float, outs, held: int = 0):
     """fp16's payload of every gradient of a bucket in one call (CPU): ``outs[s]`` (float16, as
     many elements as ``xs[s]``) = ``xs[s] / divisor`` rounded to half precision, nearest even, as
-    torch's and NumPy's casts round (a NaN's payload bits aside). Returns ``outs``."""
-    return _elementwise_many("half_encode_many", xs, "float32", outs, "float16", divisor)
+    torch's and NumPy's casts round (a NaN's payload bits aside). ``held``: the bytes of payload
+    written before these are read back (a step's, every bucket's; 0: these alone), which decide
+    whether the halves stay in the caches. Returns ``outs``."""
+    return _elementwise_many("half_encode_many", xs, "float32", outs, "float16", divisor, tail=(int(held),))
 
 
 def divide_many_into(xs, divisor: float, outs):

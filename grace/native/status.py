@@ -40,9 +40,10 @@ def set_num_threads(n: int) -> None:
 
 
 def set_cache_bytes(n: int) -> int:
-    """The last-level cache's size the CPU kernels plan by (fp16's payloads stay in it where a
-    quarter of it holds them, else are streamed past it); n < 0: what the C library tells. Returns
-    the size before (that the C library tells, where none was set), or -1 where the library is not loaded."""
+    """The last-level cache's size the CPU kernels plan by (fp16's payloads stay in it where it
+    holds what a step writes before reading them back, else are streamed past it); n < 0: what the
+    system tells (one cache instance's size by Linux's sysfs, else the C library's figure). Returns
+    the size before (that the system tells, where none was set), or -1 where the library is not loaded."""
     lib = library("cpu")
     if lib is None:
         return -1

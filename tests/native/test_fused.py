@@ -246,22 +246,24 @@ def cache_bytes(request):
     gn.set_cache_bytes(before)
 
 
+@pytest.mark.parametrize("held", [0, 2**41], ids=["these halves", "a step's 2 TB"])
 @pytest.mark.parametrize("sizes", [BUCKETS["small"], [9, 2**22 + 5, 1001, 77]], ids=["small", "streamed"])
 @pytest.mark.parametrize("world", [1, 3, 4, 6])
-def test_a_buckets_half_precision_payloads_equal_the_oracles(world, sizes, cache_bytes):
+def test_a_buckets_half_precision_payloads_equal_the_oracles(world, sizes, cache_bytes, held):
     """fp16's bucket-at-once kernels (CPU): each gradient's payload x / n rounded to half as
     NumPy's cast rounds it (to nearest even; overflow to inf, subnormals, signed zeros, inf and
     NaN), and its averaged decompression (float(h) * n) / world, byte for byte; a power-of-two
     divisor is taken as a product, which must not change a bit. A bucket of more than 8 MB of
     output streams it (its outputs' heads up to a 32-byte boundary the scalar way: one payload
-    and one result start 2 and 4 bytes past one); its payloads only where a quarter of the
-    last-level cache does not hold them (``cache_bytes``)."""
+    and one result start 2 and 4 bytes past one); its payloads only where the last-level cache
+    (``cache_bytes``) does not hold what the step writes before reading them back (``held``, or
+    the bucket's own: small buckets' payloads streamed too)."""
     compressor = grace.fp16().compressor
     xs = [gradient(n, seed=n) * np.float32(scale) for n, scale in zip(sizes, [1, 1e-6, 1e4, 3e4])] + [HALF_SPECIALS]
     info = TensorInfo("w", 0, world)
     halves = [torch.full((x.size,), 7.0, dtype=torch.float16) for x in xs]
     halves[1] = torch.full((xs[1].size + 1,), 7.0, dtype=torch.float16)[1:]
-    assert gn.fp16_compress_many_into([torch.from_numpy(x) for x in xs], world, halves) is halves
+    assert gn.fp16_compress_many_into([torch.from_numpy(x) for x in xs], world, halves, held) is halves
     outs = [torch.full((x.size,), 7.0) for x in xs]
     outs[1] = torch.full((xs[1].size + 1,), 7.0)[1:]
     assert gn.fp16_decompress_many_into(halves, world, world, outs) is outs

@@ -227,6 +227,8 @@ def test_plan_fills_buckets_in_backward_order_per_dtype_and_device():
     assert buckets[0].segments[1].offset == 100 and buckets[0].numel == 200
     assert len({b.key for b in buckets}) == len(buckets)
     assert frames.plan(tensors, cap_bytes=1000) == buckets  # every rank plans the same
+    # each bucket knows the step's bytes, every bucket's (what is compressed before any is read back)
+    assert {b.step_bytes for b in buckets} == {4 * 100 + 2 * 100 + 4 * 100 + 4 * 1000 + 4 * 100 + 4 * 50}
 
 
 def test_plan_refuses_non_float_gradients_by_name():

@@ -125,10 +125,12 @@ class MethodKernels:
                               nonfinite=flag, into=into)
         return None if done is None else list(zip(done, shapes_of(xp, gs)))
 
-    def compress_many_into(self, xp, gs, infos: Sequence[TensorInfo], pieces) -> Any:
+    def compress_many_into(self, xp, gs, infos: Sequence[TensorInfo], pieces, step_bytes: int = 0) -> Any:
         """Allreduce methods with no memory: every gradient compressed in one call into one flat
         buffer kept by the exchange (``pieces(dtype, numels)``: its views of those sizes, in order),
-        which then travels as it is: (the payloads, each of those views; their ctxs)."""
+        which then travels as it is: (the payloads, each of those views; their ctxs). ``step_bytes``:
+        the bytes of the step's gradients, every bucket's (0: this bucket's alone), which are
+        compressed before this bucket's payloads are read back."""
         return None
 
     def averaged_many(self, xp, summed: Sequence[Payload], ctxs, n: int, outs) -> Any:

@@ -55,7 +55,7 @@ class PerGradient(BucketPlan):
             made.append(buffer)
             return views
 
-        many = s.kernels.compress_many_into(xp, g_units, infos, pieces)
+        many = s.kernels.compress_many_into(xp, g_units, infos, pieces, self.bucket.step_bytes)
         if many is None:
             return False
         payloads, pending.ctxs = many
