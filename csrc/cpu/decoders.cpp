@@ -491,25 +491,54 @@ API void grace_cpu_bits_residual(const float* p, const uint8_t* packed, int64_t 
   for (int64_t i = 8 * full; i < n; ++i) out[i] = p[i] - (((packed[full] >> (i - 8 * full)) & 1) ? hi : lo);
 }
 
-API void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
-  const float s = scale[0];
-  const float val[4] = {0.0f * s, 1.0f * s, -1.0f * s, -1.0f * s};
-  float lut[256][4];  // a byte's four values
-  for (int b = 0; b < 256; ++b)
-    for (int j = 0; j < 4; ++j) lut[b][j] = val[(b >> (2 * j)) & 3];
-  const int64_t full = n / 4;
+namespace {
+// TernGrad's values at scale s, 0, +s and -s (code 3: -s), and a byte's four of them
+struct TernValues {
+  explicit TernValues(float s) : val{0.0f * s, 1.0f * s, -1.0f * s, -1.0f * s} {
+    for (int b = 0; b < 256; ++b)
+      for (int j = 0; j < 4; ++j) lut[b][j] = val[(b >> (2 * j)) & 3];
+  }
+  float at(const uint8_t* packed, int64_t i) const { return val[(packed[i / 4] >> (2 * (i % 4))) & 3]; }
+  float val[4];
+  alignas(16) float lut[256][4];
+};
+
+// elements [i0, i1) of TernGrad's codes decoded into out[0, i1 - i0): whole bytes by the table
+// (streamed where `stream` and their place in out is 16-byte aligned), those before and after
+// them one by one
+void terngrad_decode_range(const uint8_t* packed, const TernValues& t, int64_t i0, int64_t i1, float* out,
+                           bool stream) {
+  int64_t i = i0;
+  for (; i < i1 && i % 4; ++i) out[i - i0] = t.at(packed, i);
+  const int64_t g1 = i1 / 4;
 #if defined(__SSE2__)
-  const bool stream = streams(out, 4 * n);
-  for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) store4(out + 4 * g, _mm_loadu_ps(lut[packed[g]]), stream);
-  });
-  fence_streams(stream);
+  const bool nt = stream && (uintptr_t)(out + (i - i0)) % 16 == 0;
+  for (int64_t g = i / 4; g < g1; ++g) store4(out + (4 * g - i0), _mm_load_ps(t.lut[packed[g]]), nt);
+  fence_streams(nt);
 #else
-  for_chunks(full, 16, threads_for(n), [&](int, int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) std::memcpy(out + 4 * g, lut[packed[g]], 16);
-  });
+  for (int64_t g = i / 4; g < g1; ++g) std::memcpy(out + (4 * g - i0), t.lut[packed[g]], 16);
 #endif
-  for (int64_t i = 4 * full; i < n; ++i) out[i] = val[(packed[full] >> (2 * (i - 4 * full))) & 3];
+  for (i = std::max(i, 4 * g1); i < i1; ++i) out[i - i0] = t.at(packed, i);
+}
+}  // namespace
+
+API void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out) {
+  const TernValues t(scale[0]);
+  const bool stream = streams(out, 4 * n);
+  for_chunks(n, 64, threads_for(n), [&](int, int64_t lo, int64_t hi) {
+    terngrad_decode_range(packed, t, lo, hi, out + lo, stream);
+  });
+}
+
+// Elements [starts[s], starts[s] + lengths[s]) of one payload's codes into outs[s], as
+// grace_cpu_terngrad_decode decodes them: a shard's decoding written over the gradients it spans
+API void grace_cpu_terngrad_decode_pieces(const uint8_t* packed, const float* scale, int64_t count,
+                                          const int64_t* starts, const int64_t* lengths, float* const* outs) {
+  const TernValues t(scale[0]);
+  const bool stream = bucket_bytes(count, lengths) >= kStreamBytes;  // (the pieces' outputs together)
+  for_segment_chunks(count, lengths, 64, [&](int64_t s, int64_t lo, int64_t hi) {
+    terngrad_decode_range(packed, t, starts[s] + lo, starts[s] + hi, outs[s] + lo, stream);
+  });
 }
 
 namespace {

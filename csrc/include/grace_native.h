@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define GRACE_NATIVE_ABI 30
+#define GRACE_NATIVE_ABI 31
 
 enum { GRACE_U8 = 0, GRACE_I16 = 1, GRACE_I32 = 2, GRACE_I64 = 3 };
 enum { GRACE_F32 = 0, GRACE_F64 = 1 };
@@ -72,6 +72,10 @@ void grace_cpu_natural_compress(const float* x, const float* u, int64_t n, uint8
 void grace_cpu_sign_decode(const uint8_t* packed, int64_t n, const float* scale, float* out);
 void grace_cpu_onebit_decode(const uint8_t* packed, int64_t n, const float* means, float* out);
 void grace_cpu_terngrad_decode(const uint8_t* packed, int64_t n, const float* scale, float* out);
+/* elements [starts[s], starts[s] + lengths[s]) of one payload's codes decoded into outs[s] (s < count),
+ * as grace_cpu_terngrad_decode decodes them: a shard's decoding written over the gradients it spans */
+void grace_cpu_terngrad_decode_pieces(const uint8_t* packed, const float* scale, int64_t count,
+                                      const int64_t* starts, const int64_t* lengths, float* const* outs);
 int grace_cpu_qsgd_decode(const uint8_t* packed, int64_t n, int levels, int64_t bucket, int bits,
                           const float* norms, float* out);
 void grace_cpu_natural_decode(const uint8_t* signs, const uint8_t* codes, int64_t n, float* out);

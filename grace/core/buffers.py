@@ -216,21 +216,30 @@ def assign_ranges(xp, outs, parts) -> bool:
     """Flat ``parts``, end to end, written over ``outs`` end to end (the parts' elements past
     the outs' end dropped: a shard's padding), in one ``assign_many``; False, writing nothing,
     where an out's memory is not one flat run (``xp.flat_view``)."""
+    pieces = ranges_over(xp, outs, [xp.numel(part) for part in parts])
+    if pieces is None:
+        return False
+    xp.assign_many([dst for _, _, _, dst in pieces], [parts[i][at:at + n] for i, at, n, _ in pieces])
+    return True
+
+
+def ranges_over(xp, outs, sizes):
+    """Where parts of ``sizes`` elements, end to end, fall over ``outs`` end to end (the parts'
+    elements past the outs' end dropped): [(part, its first element there, count, the view of an
+    out they fill)], in order; None where an out's memory is not one flat run (``xp.flat_view``)."""
     views = [xp.flat_view(out) for out in outs]
     if any(v is None for v in views):
-        return False
-    dsts, srcs, i, at = [], [], 0, 0  # (part i, from its element at)
+        return None
+    pieces, i, at = [], 0, 0  # (part i, from its element at)
     for view in views:
         lo, numel = 0, xp.numel(view)
         while lo < numel:
-            take = min(numel - lo, xp.numel(parts[i]) - at)
-            dsts.append(view[lo:lo + take])
-            srcs.append(parts[i][at:at + take])
+            take = min(numel - lo, sizes[i] - at)
+            pieces.append((i, at, take, view[lo:lo + take]))
             lo, at = lo + take, at + take
-            if at == xp.numel(parts[i]):
+            if at == sizes[i]:
                 i, at = i + 1, 0
-    xp.assign_many(dsts, srcs)
-    return True
+    return pieces
 
 
 def assign(xp, dst, src) -> None:

@@ -2,6 +2,9 @@
 
 QSGD: shards end at whole buckets of its norms.
 
+TernGrad, and signSGD's vote (TernGrad's codes): each owner's second payload decoded straight over
+the gradients its shard spans, a kernel call a shard (no decoded shard in between, on a CPU).
+
 signSGD and Signum: the owner of a shard counts the ranks' votes, and its second payload is the
 count's outcome itself, exact, as signSGD with majority vote sends it back: the sign of the sum
 of the ranks' signs in 2 bits (-1, 0 or +1; a tie is 0, as the allgather exchange gives it: coded
@@ -41,7 +44,7 @@ from grace.compressors.terngrad import TernGrad
 from grace.compressors.signum import Signum
 from grace.compressors.topk import TopK
 from grace.core import bits
-from grace.core.compressor import finished
+from grace.core.compressor import finished, native_or_none
 from grace.core.plans.owner import Owner, owner_for
 from grace.core.tensors import constant
 
@@ -72,12 +75,32 @@ class Vote(Owner):
 
     def decompress_again(self, xp, payload, ctx, ranks: int):
         if self.compressor.aggregate_by == "majority":  # (TernGrad's levels 0, +s, -s at s = 1)
-            one = constant(xp, "vote scale", lambda: xp.asarray(np.float32([1]), like=payload[0]), payload[0])
-            return _TERNARY.decompress(xp, (payload[0], one), ctx)
+            return _TERNARY.decompress(xp, (payload[0], self._one(xp, payload)), ctx)
         width, numel = self._width(ranks), ctx.numel
         codes = bits.unpack(xp, payload[0], width, numel) if width <= 8 else payload[0]
         total = xp.reshape(xp.cast(codes, "float32") - ranks, ctx.shape)
         return finished(self.compressor, xp, total, ranks, True)
+
+    def decompress_again_into(self, xp, payload, ctx, ranks: int, starts, lengths, outs) -> bool:
+        if self.compressor.aggregate_by != "majority":
+            return False
+        return native_or_none(xp, "terngrad_decompress_pieces", outs[0], payload[0], self._one(xp, payload), starts,
+                              lengths, outs) is not None
+
+    @staticmethod
+    def _one(xp, payload):
+        """The vote's TernGrad scale, 1."""
+        return constant(xp, "vote scale", lambda: xp.asarray(np.float32([1]), like=payload[0]), payload[0])
+
+
+@owner_for(TernGrad)
+class TernaryOwner(Owner):
+    """TernGrad: the owner's codes decoded straight over the gradients its shard spans."""
+
+    def decompress_again_into(self, xp, payload, ctx, ranks: int, starts, lengths, outs) -> bool:
+        packed, scale = payload
+        return native_or_none(xp, "terngrad_decompress_pieces", outs[0], packed, scale, starts, lengths,
+                              outs) is not None
 
 
 @owner_for(Signum)

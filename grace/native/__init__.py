@@ -85,8 +85,8 @@ from grace.native.sparse import (nonzero, randomk_ef_step_many, randomk_ef_step_
                                  topk_indices)
 from grace.native.status import available, set_cache_bytes, set_num_threads, supports
 from grace.native.terngrad import (terngrad_compress, terngrad_compress_drawn, terngrad_compress_segments,
-                                   terngrad_decompress, terngrad_decompress_segments, terngrad_decompress_sum,
-                                   terngrad_decompress_sum_into)
+                                   terngrad_decompress, terngrad_decompress_pieces, terngrad_decompress_segments,
+                                   terngrad_decompress_sum, terngrad_decompress_sum_into)
 
 # besides __all__, the names other code reads from here: library (benchmarks, tests), _same_kind (tests),
 # _placed (grace.core.memory)
@@ -114,7 +114,8 @@ __all__ = [
     "signsgd_compress", "signsgd_decompress", "signsgd_decompress_sum", "signsgd_decompress_sum_into",
     "signsgd_mean_segments", "sparse_frames_mean", "sparse_sum_mean", "sparse_variable_mean", "supports",
     "terngrad_compress", "terngrad_compress_drawn", "terngrad_compress_segments", "terngrad_decompress",
-    "terngrad_decompress_segments", "terngrad_decompress_sum", "terngrad_decompress_sum_into", "terngrad_mean_segments",
+    "terngrad_decompress_pieces", "terngrad_decompress_segments", "terngrad_decompress_sum",
+    "terngrad_decompress_sum_into", "terngrad_mean_segments",
     "threshold_compress", "threshold_ef_step", "threshold_ef_step_many", "threshold_indices",
     "threshold_select_segments", "threshold_write_segments", "topk_compress", "topk_compress_segments",
     "topk_ef_step", "topk_ef_step_many", "topk_ef_step_segments", "topk_indices", "uniform_segments", "unpack",

@@ -14,7 +14,7 @@ _U = c_uint32  # uint32_t
 _F = c_float  # float
 _D = c_double  # double
 
-ABI = 30  # GRACE_NATIVE_ABI
+ABI = 31  # GRACE_NATIVE_ABI
 
 # CPU (grace_cpu_*)
 CPU = {
@@ -40,6 +40,7 @@ CPU = {
     "sign_decode": (None, [_P, _L, _P, _P]),
     "onebit_decode": (None, [_P, _L, _P, _P]),
     "terngrad_decode": (None, [_P, _L, _P, _P]),
+    "terngrad_decode_pieces": (None, [_P, _P, _L, _P, _P, _P]),
     "qsgd_decode": (_I, [_P, _L, _I, _L, _I, _P, _P]),
     "natural_decode": (None, [_P, _P, _L, _P]),
     "bits_sum": (None, [_P, _L, _L, _P, _I, _P]),

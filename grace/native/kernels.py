@@ -39,8 +39,8 @@ from grace.native.sparse import (nonzero, randomk_ef_step_many, randomk_ef_step_
                                  threshold_ef_step_many, threshold_indices, topk_compress_segments, topk_ef_step,
                                  topk_ef_step_many, topk_ef_step_segments, topk_indices)
 from grace.native.terngrad import (terngrad_compress, terngrad_compress_drawn, terngrad_compress_segments,
-                                   terngrad_decompress, terngrad_decompress_segments, terngrad_decompress_sum,
-                                   terngrad_decompress_sum_into)
+                                   terngrad_decompress, terngrad_decompress_pieces, terngrad_decompress_segments,
+                                   terngrad_decompress_sum, terngrad_decompress_sum_into)
 
 Symbols = Union[str, Tuple[str, ...]]
 Launches = Callable[[Mapping], int]
@@ -158,6 +158,7 @@ KERNELS: Dict[str, Kernel] = {
     "terngrad_compress": both(terngrad_compress, ("maxabs", "terngrad_compress"), ("uint8", "float32"),
                                launches=fixed(3)),
     "terngrad_decompress": both(terngrad_decompress, "terngrad_decode", "float32"),
+    "terngrad_decompress_pieces": cpu(terngrad_decompress_pieces, "terngrad_decode_pieces", "float32"),
     "qsgd_compress": both(qsgd_compress, ("qsgd_norms", "qsgd_compress"), ("uint8", "float32"), launches=fixed(3)),
     "qsgd_decompress": both(qsgd_decompress, "qsgd_decode", "float32"),
     "natural_compress": both(natural_compress, "natural_compress", ("uint8", "uint8")),

@@ -1,6 +1,7 @@
 """TernGrad: codes 0 / +s / -s at 2 bits, one scale (max |x|) per tensor.
 
     terngrad_compress(x, u, scale=None) -> (packed, scale), terngrad_decompress(packed, scale, numel)
+    terngrad_decompress_pieces(packed, scale, starts, lengths, outs): ranges of the decoding into outs (CPU)
     terngrad_compress_drawn(x, words): the same with the draws made inside (CPU)
     terngrad_compress_segments(x, starts, numels, words), terngrad_decompress_segments(packed, scale,
     numels); terngrad_decompress_sum(packed_rows, scales, numel), terngrad_decompress_sum_into(payloads, outs)
@@ -10,7 +11,8 @@ from __future__ import annotations
 from grace.formats import packed_size
 from grace.native._arrays import call, kind_of
 from grace.native._common import (_check_payload, _cpu_kind, _decode_out, _decode_segments, _draws, _float32,
-                                  _int64s, _on_gpu, _packed_total, _same_kind, _drawn_segments, _wrap)
+                                  _in_place_all, _int64s, _on_gpu, _packed_total, _pointers, _same_kind,
+                                  _drawn_segments, _wrap)
 from grace.native.signs import _TERNGRAD, _bits_sum, _bits_sum_into
 
 
@@ -38,6 +40,20 @@ def terngrad_decompress(packed, scale, numel: int):
     out = _decode_out(kind, numel)
     call(kind, "terngrad_decode", p.ptr, out.n, s.ptr, out.ptr)
     return _wrap(kind, out)
+
+
+def terngrad_decompress_pieces(packed, scale, starts, lengths, outs):
+    """Elements [starts[s], starts[s] + lengths[s]) of one TernGrad payload decoded into
+    ``outs[s]`` (float32, contiguous, written in place), the values terngrad_decompress gives
+    them (CPU): a shard's decoding written straight over the gradients it spans. Returns ``outs``."""
+    kind = _cpu_kind(outs[0])
+    p, s = _same_kind(kind, packed, "uint8"), _same_kind(kind, scale, "float32")
+    ob = _in_place_all(kind, outs, "float32")
+    if len(starts) != len(ob) or len(lengths) != len(ob) or any(
+            n < 0 or start < 0 or o.n != n or start + n > 4 * p.n for start, n, o in zip(starts, lengths, ob)):
+        raise ValueError("one output of each piece's length, every piece inside the codes")
+    call(kind, "terngrad_decode_pieces", p.ptr, s.ptr, len(ob), _int64s(starts), _int64s(lengths), _pointers(ob))
+    return outs
 
 
 def terngrad_compress_drawn(x, words):

@@ -500,6 +500,36 @@ def test_terngrad_close_calls_are_decided_as_the_division(monkeypatch, scale):
     assert 0 < kept.sum() < x.size  # both outcomes occur among the close calls
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [37, 2**22 + 13], ids=["small", "streamed"])
+def test_terngrad_pieces_decoded_into_their_outputs_are_the_decoding(n, threads):
+    """terngrad_decompress_pieces (a shard's decoding written over the gradients it spans, CPU):
+    each piece's elements of the decoding, byte for byte, whatever byte or 16-byte boundary a
+    piece starts and ends on (empty pieces, pieces of a few elements, a piece past 8 MB of
+    outputs that streams, an output 4 bytes past an alignment), and nothing outside them written;
+    a piece past the codes' bytes refused."""
+    if not gn.available("cpu"):
+        pytest.skip("libgrace_cpu not built")
+    x = gradient(n, seed=3)
+    codes, scale = gn.terngrad_compress(torch.from_numpy(x), torch.from_numpy(draws(n)))
+    want = gn.terngrad_decompress(codes, scale, n).numpy()
+    cuts = sorted({0, 1, 2, 3, 5, 6, 9, 10, 17, 18, n // 3, n // 3 + 1, n - 3, n})
+    starts, lengths = cuts[:-1], [b - a for a, b in zip(cuts, cuts[1:])]
+    starts, lengths = [0, 7] + starts, [0, 0] + lengths  # (empty pieces too)
+    backing = [torch.full((m + 2,), 7.0) for m in lengths]  # (each out a view one element in: 4 bytes past)
+    outs = [b[1:m + 1] for b, m in zip(backing, lengths)]
+    gn.set_num_threads(threads)
+    try:
+        assert gn.terngrad_decompress_pieces(codes, scale, starts, lengths, outs) is outs
+    finally:
+        gn.set_num_threads(0)
+    for start, m, out, b in zip(starts, lengths, outs, backing):
+        same_bytes(want[start:start + m], out, f"elements {start}..{start + m}")
+        assert b[0] == 7.0 and b[-1] == 7.0, "written outside the piece"
+    with pytest.raises(ValueError, match="inside the codes"):
+        gn.terngrad_decompress_pieces(codes, scale, [4 * codes.numel() - 2], [3], [torch.empty(3)])
+
+
 def test_precomputed_scalars_are_used():
     x = gradient(1000, 4)
     u = draws(1000)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from grace.core import bucket as frames
-from grace.core.buffers import assign, assign_ranges
+from grace.core.buffers import assign, assign_ranges, ranges_over
 from grace.core.compressor import TensorInfo
 from grace.core.journal import no_overflow
 from grace.core.plans.base import BucketPending, WholeBucket, with_dense
@@ -124,15 +124,33 @@ class AllToAll(WholeBucket):
         s.transport.stats.add(xp.numel(frame), 0)
         dtypes, counts = [xp.dtype(t) for t in payload], [xp.numel(t) for t in payload]
         shards = self._read(xp, gathered, comm.size, dtypes, counts, flagged)
+        overflow = s.journal.overflow(xp, [f for _, f in shards]) if flagged else None
+        over = into is None and pending.outs is not None and s.average and no_overflow(overflow)
         with s.phase("decompress"):
+            if over and self._decoded_over(xp, [p for p, _ in shards], pending, comm.size):
+                return list(pending.outs)  # (each shard decoded straight over the gradients it spans)
             parts = [p.values if isinstance(p, frames.Dense) else
                      xp.flatten(self.owner.decompress_again(xp, p, pending.ctxs[0], comm.size)) for p, _ in shards]
-        overflow = s.journal.overflow(xp, [f for _, f in shards]) if flagged else None
-        if into is None and pending.outs is not None and s.average and no_overflow(overflow) \
-                and assign_ranges(xp, pending.outs, parts):
+        if over and assign_ranges(xp, pending.outs, parts):
             return list(pending.outs)  # (the shards written over the gradients: no flat result in between)
         g_hat = xp.concat(parts)[:self.bucket.numel]
         return self.deliver(pending, [g_hat], overflow, pending.outs or [None] * len(self.bucket.segments), into)
+
+    def _decoded_over(self, xp, payloads, pending, ranks: int) -> bool:
+        """Every owner's payload decoded straight over the gradients its shard spans, a kernel
+        call a shard (``Owner.decompress_again_into``), where none came dense and every gradient
+        is one flat run: whether it ran (the method's kernel runs for every shard or none)."""
+        if any(isinstance(p, frames.Dense) for p in payloads):
+            return False
+        ctx = pending.ctxs[0]
+        pieces = ranges_over(xp, pending.outs, [ctx.numel] * len(payloads))
+        if pieces is None:
+            return False
+        for j, payload in enumerate(payloads):
+            mine = [(at, n, dst) for shard, at, n, dst in pieces if shard == j]
+            if mine and not self.owner.decompress_again_into(xp, payload, ctx, ranks, *zip(*mine)):
+                return False
+        return True
 
     def _compressed_shards(self, xp, shards, infos, pending, in_call: bool) -> list:
         """[(payload, ctx)] of every shard: by one bucket call where the method has one (and, where

@@ -51,6 +51,11 @@ class Owner:
     def decompress_again(self, xp, payload: Payload, ctx, ranks: int) -> Any:
         return self.decompress(xp, payload, ctx)
 
+    def decompress_again_into(self, xp, payload: Payload, ctx, ranks: int, starts, lengths, outs) -> bool:
+        """``decompress_again``'s elements [starts[i], starts[i] + lengths[i]) written into ``outs[i]``
+        (flat, contiguous) by one kernel call, where the method has one: whether it wrote them."""
+        return False
+
 
 _REGISTRY = ByClass(Owner)
 #: register the decorated ``Owner`` subclass for the given compressor classes (and their subclasses)
