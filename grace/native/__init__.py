@@ -29,7 +29,7 @@ from here (the last imports below). Which module holds which:
     signs.py        signsgd_, efsignsgd_, onebit_: compress, decompress, decompress_sum(_into);
                     efsignsgd_, onebit_: compress_segments, decompress_segments, ef_step_many, ef_step_segments,
                     residual_into
-    terngrad.py     terngrad_: compress, compress_drawn, decompress, (de)compress_segments, decompress_sum(_into)
+    terngrad.py     terngrad_: compress(_drawn), decompress(_pieces), (de)compress_segments, decompress_sum(_into)
     qsgd.py         qsgd_: the same; norm
     natural.py      natural_: the same
     quantizers.py   compress_many (a bucket's payloads), fp16_compress_many_into, fp16_decompress_many_into,
