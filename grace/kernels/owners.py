@@ -52,6 +52,12 @@ from grace.core.tensors import constant
 _TERNARY = TernGrad()  # (its decoding: codes 0, 1, 2 to 0, +s, -s)
 
 
+def _ternary_into(xp, packed, scale, starts, lengths, outs) -> bool:
+    """TernGrad's codes at ``scale``, elements [starts[i], starts[i] + lengths[i]) decoded into
+    ``outs[i]`` by the native kernel: whether it ran."""
+    return native_or_none(xp, "terngrad_decompress_pieces", outs[0], packed, scale, starts, lengths, outs) is not None
+
+
 @owner_for(SignSGD)
 class Vote(Owner):
     exact_again = True
@@ -82,10 +88,8 @@ class Vote(Owner):
         return finished(self.compressor, xp, total, ranks, True)
 
     def decompress_again_into(self, xp, payload, ctx, ranks: int, starts, lengths, outs) -> bool:
-        if self.compressor.aggregate_by != "majority":
-            return False
-        return native_or_none(xp, "terngrad_decompress_pieces", outs[0], payload[0], self._one(xp, payload), starts,
-                              lengths, outs) is not None
+        return self.compressor.aggregate_by == "majority" and \
+            _ternary_into(xp, payload[0], self._one(xp, payload), starts, lengths, outs)
 
     @staticmethod
     def _one(xp, payload):
@@ -99,8 +103,7 @@ class TernaryOwner(Owner):
 
     def decompress_again_into(self, xp, payload, ctx, ranks: int, starts, lengths, outs) -> bool:
         packed, scale = payload
-        return native_or_none(xp, "terngrad_decompress_pieces", outs[0], packed, scale, starts, lengths,
-                              outs) is not None
+        return _ternary_into(xp, packed, scale, starts, lengths, outs)
 
 
 @owner_for(Signum)

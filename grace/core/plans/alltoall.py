@@ -18,6 +18,8 @@ What a method does in each role (its second compression, the shard alignment) is
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any, List
 
 from grace.core import bucket as frames
@@ -146,9 +148,10 @@ class AllToAll(WholeBucket):
         pieces = ranges_over(xp, pending.outs, [ctx.numel] * len(payloads))
         if pieces is None:
             return False
-        for j, payload in enumerate(payloads):
-            mine = [(at, n, dst) for shard, at, n, dst in pieces if shard == j]
-            if mine and not self.owner.decompress_again_into(xp, payload, ctx, ranks, *zip(*mine)):
+        # (the pieces come shard after shard: grouped in one sweep, not one sweep a shard)
+        for j, mine in itertools.groupby(pieces, key=operator.itemgetter(0)):
+            _, starts, lengths, outs = zip(*mine)
+            if not self.owner.decompress_again_into(xp, payloads[j], ctx, ranks, starts, lengths, outs):
                 return False
         return True
 
