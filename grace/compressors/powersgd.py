@@ -46,7 +46,7 @@ class PowerSGD(Compressor):
         if len(shape) < 2:
             return None
         rows, cols = shape[0], xp.numel(x) // shape[0]
-        r = min(self.rank, rows, cols)
+        r = factor_rank(self.rank, rows, cols)
         return xp.reshape(xp.uniform(cols * r, info.seed(self.seed), like=x), (cols, r)) - 0.5
 
     def rounds(self, xp, x, info, q, out=None):
@@ -121,6 +121,11 @@ class LowRankResidual(Deferred):
         if made is None:
             e = m - xp.matmul(self.p, xp.transpose(self.q))
         return xp.reshape(e, xp.shape(self.buffer))
+
+
+def factor_rank(rank: int, rows: int, cols: int) -> int:
+    """r of a rows x cols matrix's factors (rows x r, cols x r) at rank ``rank``."""
+    return min(rank, rows, cols)
 
 
 def matrix_shape(xp, x):

@@ -256,6 +256,6 @@ def split_payloads(pieces: Sequence, structure: Sequence[int]) -> List[Payload]:
     """Pieces back into per-unit payload tuples (``structure``: tensors per payload)."""
     payloads, i = [], 0
     for n in structure:
-        payloads.append(tuple(pieces[i:i + n]))
+        payloads.append((pieces[i],) if n == 1 else tuple(pieces[i:i + n]))  # (one: no slice made)
         i += n
     return payloads

@@ -27,6 +27,13 @@ class Pieces(tuple):
         pieces.derived = {}
         return pieces
 
+    def derive(self, key, make):
+        """``make()``, made once and kept in ``derived`` under ``key``."""
+        made = self.derived.get(key)
+        if made is None:
+            made = self.derived[key] = make()
+        return made
+
 
 def same_layout(xp, a, b) -> bool:
     """Whether state values ``a`` and ``b`` (tensors, or tuples of them) have the same shapes,
@@ -40,26 +47,39 @@ def same_layout(xp, a, b) -> bool:
 def column(xs, i: int):
     """The ``i``-th of each of ``xs`` (tuples: DGC's (u, v) memories); of a kept ``Pieces``, a
     kept ``Pieces`` too, made once (so is what kernels derive from it)."""
-    derived = getattr(xs, "derived", None)
-    if derived is None:
+    if getattr(xs, "derived", None) is None:
         return [x[i] for x in xs]
-    got = derived.get(("column", i))
-    if got is None:
-        got = derived[("column", i)] = Pieces([x[i] for x in xs])
-    return got
+    return xs.derive(("column", i), lambda: Pieces([x[i] for x in xs]))
 
 
 def subset(xs, indices):
     """``xs[i]`` for each of ``indices``; of a kept ``Pieces``, a ``Pieces`` made once per indices
     (so is what kernels derive from it)."""
-    derived = getattr(xs, "derived", None)
-    if derived is None:
+    if getattr(xs, "derived", None) is None:
         return [xs[i] for i in indices]
-    key = ("subset", tuple(indices))
-    got = derived.get(key)
-    if got is None:
-        got = derived[key] = Pieces([xs[i] for i in key[1]])
-    return got
+    indices = tuple(indices)
+    return xs.derive(("subset", indices), lambda: Pieces([xs[i] for i in indices]))
+
+
+def zipped(xs, ys):
+    """``(xs[i], ys[i])`` for each i; of two kept ``Pieces``, a ``Pieces`` kept with ``xs`` while it
+    goes with ``ys`` (PowerSGD's factors, P and Q, each set with the same other set step after
+    step), so is what kernels derive from it."""
+    if getattr(xs, "derived", None) is None or getattr(ys, "derived", None) is None:
+        return list(zip(xs, ys))
+    made = xs.derived.get("zipped")
+    if made is None or made[0] is not ys:
+        made = xs.derived["zipped"] = (ys, Pieces(zip(xs, ys)))
+    return made[1]
+
+
+def buffers_of(memories):
+    """Each memory's buffer (``buffer_of``): the kept ``Pieces`` of them that ``Buffers.take_spares``
+    marks a step's ``memories`` (a ``Pieces``) with, whose native buffers are derived once; else a
+    list."""
+    derived = getattr(memories, "derived", None)
+    kept = None if derived is None else derived.get("buffers")
+    return kept if kept is not None else [buffer_of(m) for m in memories]
 
 
 def laid_out(pieces: "Pieces", shapes) -> "Pieces":
@@ -132,8 +152,9 @@ class Buffers:
         kernel writes outputs kept from step to step (PowerSGD's factors)."""
         shapes = tuple(shapes)
         kept = self.views.get(name, {})
-        if ("shaped", dtype, shapes) in kept and kept["pieces of"] is self.flat.get(name):
-            return kept["shaped", dtype, shapes]  # (pieces_of clears it with the views it replaces)
+        shaped = kept.get(("shaped", dtype, shapes))
+        if shaped is not None and kept["pieces of"] is self.flat.get(name):
+            return shaped  # (pieces_of clears it with the views it replaces)
         self.flat.pop(name, None)  # (a new buffer: views of the one replaced may still be held)
         _, pieces = self.pieces_of(xp, name, dtype, [math.prod(shape) for shape in shapes], like)
         shaped = self.views[name]["shaped", dtype, shapes] = Pieces(
@@ -170,19 +191,26 @@ class Buffers:
         latest[:] = [pieces, *latest[:1]]
         return pieces
 
-    def take_spares(self, key: str, xp, names: Sequence[str], currents) -> Pieces:
+    def take_spares(self, key: str, xp, names: Sequence[str], currents, leave: bool = False) -> Pieces:
         """``take_spare`` of each of bucket ``key``'s units (``names``, memories ``currents``),
         kept (``kept``). Where these memories were handed these spares before (two steps ago),
-        they are taken again with no layout check unit by unit."""
+        they are taken again with no layout check unit by unit. ``leave``: the spares left in
+        ``spares`` too (a caller that tells by them where it wrote). ``currents``, a ``Pieces``,
+        is marked with the kept ``Pieces`` of its buffers (``buffers_of``)."""
         memories = self.kept(f"{key}.memories", [buffer_of(c) for c in currents])
+        if isinstance(currents, Pieces):
+            currents.derived["buffers"] = memories
         spares = memories.derived.get("spares")
         if spares is not None and all(map(operator.is_, map(self.spares.get, names), spares)):
-            for name in names:
-                del self.spares[name]
+            if not leave:
+                for name in names:
+                    self.spares.pop(name, None)  # (a unit without memory has no spare)
             return spares
         spares = self.kept(f"{key}.spares", [self.take_spare(n, xp, c) for n, c in zip(names, currents)])
-        if xp.mutable_tensors and all(spare is not None for spare in spares):
+        if xp.mutable_tensors:  # (each memory has its spare; a unit without one, None)
             memories.derived["spares"] = spares
+        if leave:
+            self.spares.update((name, spare) for name, spare in zip(names, spares) if spare is not None)
         return spares
 
     def take_spare(self, key: str, xp, current):

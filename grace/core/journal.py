@@ -69,6 +69,21 @@ class Journal:
             self._before[table, key] = self.store.value(table, key)
         self.store.set(table, key, value)
 
+    def set_many(self, table: str, keys, values, olds) -> None:
+        """``set`` of each of ``keys`` to its value (a bucket's units), ``olds`` being their values
+        as the caller read them this step (not read again); a key with no value, given none, is
+        left as it is: nothing to store or put back (PowerSGD's vectors)."""
+        if not self.guarded:
+            self.store.set_many(table, keys, values)
+            return
+        before, store = self._before, self.store
+        for key, value, old in zip(keys, values, olds):
+            if (table, key) not in before:  # (else set this step already: its value before kept)
+                if old is None and value is None:
+                    continue
+                before[table, key] = old
+            store.set(table, key, value)
+
     def next_step(self, key: str, like):
         """This exchange's step for ``key`` (it seeds random draws), counted on. Unguarded
         methods read no step and count nothing, so an overflow changes nothing of theirs."""

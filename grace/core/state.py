@@ -43,6 +43,10 @@ class StateStore:
         else:
             self.tables[table][name] = value
 
+    def set_many(self, table: str, names, values) -> None:
+        for name, value in zip(names, values):
+            self.set(table, name, value)
+
     def eager(self):
         """A context in which values are read and stored at once (not traced into a graph)."""
         return contextlib.nullcontext()

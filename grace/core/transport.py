@@ -5,6 +5,7 @@ counted (``WireStats``) and the time marked as the collective's phase.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field
 from typing import Dict
 
@@ -93,10 +94,14 @@ class Transport:
         if flag is not None:
             tensors.append(xp.flatten(xp.cast(flag, xp.dtype(tensors[0]))))
         dtypes = [xp.dtype(t) for t in tensors]
+        kinds = list(dict.fromkeys(dtypes))
         waits, sent, groups = {}, {}, {}
-        for dtype in dict.fromkeys(dtypes):
-            group = groups[dtype] = [t for t, d in zip(tensors, dtypes) if d == dtype]
-            name = key if len(waits) == 0 and len(set(dtypes)) == 1 else f"{key}.{dtype}"
+        for dtype in kinds:
+            if len(kinds) == 1:  # (the usual case: no choosing per tensor)
+                group, name = tensors, key
+            else:
+                group, name = [t for t, d in zip(tensors, dtypes) if d == dtype], f"{key}.{dtype}"
+            groups[dtype] = group
             waits[dtype], sent[dtype] = self._allreduce_group(xp, name, group, owned)
 
         def wait():
@@ -105,15 +110,15 @@ class Transport:
                 out = self.wait(w)
                 if isinstance(out, (list, tuple)):  # a grouped allreduce's sums, shaped as the tensors sent
                     summed[d] = iter(out)
-                    fresh = fresh and all(o is not s for o, s in zip(out, sent[d]))
+                    fresh = fresh and not any(map(operator.is_, out, sent[d]))
                 else:  # one sum of them all, joined
                     summed[d] = iter(_cut(xp, out, groups[d]))
                     fresh = fresh and out is not sent[d]
-            ordered = [next(summed[d]) for d in dtypes]
+            ordered = list(summed[kinds[0]]) if len(kinds) == 1 else [next(summed[d]) for d in dtypes]
             overflow = self.journal.overflow(xp, [ordered.pop()], defer) if flag is not None else None
             return frames.split_payloads(ordered, structure), overflow, fresh
 
-        return wait, sum(xp.nbytes(t) for t in tensors)
+        return wait, sum(map(xp.nbytes, tensors))
 
     def _allreduce_written(self, xp, key: str, payloads, buffer):
         """``allreduce_units`` of payloads a kernel wrote into ``buffer``, in order, one dtype:

@@ -8,63 +8,59 @@ kept sets that no memory or state still refers to (a skipped step's are put back
 into one set of its own.
 """
 import operator
+from dataclasses import dataclass
 
-from grace.compressors.powersgd import Factors, LowRankResidual, PowerSGD, matrix_shape, native_products
-from grace.core.buffers import subset
+from grace.compressors.powersgd import Factors, LowRankResidual, PowerSGD, factor_rank, matrix_shape, native_products
+from grace.core.buffers import Pieces, buffers_of, subset, zipped
 from grace.core.compressor import native_or_none
-from grace.core.memory import buffer_of
 from grace.core.plans.kernels import MethodKernels, kernels_for
 
 
 @kernels_for(PowerSGD)
 class PowerSGDKernels(MethodKernels):
     def rounds_many(self, xp, xs, infos, states, outs=None, firsts=None, deferred=None, places=None):
-        matrices = [i for i, first in enumerate(firsts or []) if first is not None]
-        ps = _kept(places, ("p0", "p1"), [firsts[i] for i in matrices], xp) if places is not None and matrices else None
-        if ps is None or any(len(xp.shape(xs[i])) >= 2 for i, first in enumerate(firsts) if first is None):
+        layout = _layout(xp, xs, self.compressor.rank)
+        made = [firsts[i] for i in layout.matrices] if firsts and layout.matrices else []
+        ps = _kept(_sets(places, ("p0", "p1"), layout.p_shapes), made) \
+            if places is not None and made and all(p is not None for p in made) else None
+        if ps is None:
             return self.compressor.rounds_many(xp, xs, infos, states, outs, firsts, deferred)
-        return self._kept_rounds(xp, xs, infos, states, outs, firsts, deferred, places, matrices, ps)
+        return self._kept_rounds(xp, xs, infos, states, outs, firsts, deferred, places, layout, ps)
 
-    def _kept_rounds(self, xp, xs, infos, qs, outs, firsts, deferred, places, matrices, ps):
+    def _kept_rounds(self, xp, xs, infos, qs, outs, firsts, deferred, places, layout, ps):
         """``rounds_many`` where every matrix's first payload was made (``firsts_with_residual``)
         into kept places (``ps``): the rounds' factors kept there too."""
-        n, count = infos[0].world_size, len(xs)
-        shapes = [matrix_shape(xp, xs[i]) for i in matrices]
+        n, count, matrices, shapes = infos[0].world_size, len(xs), layout.matrices, layout.shapes
         summed = yield [(x,) if first is None else (first,) for x, first in zip(xs, firsts)]
         vectors = [i for i, first in enumerate(firsts) if first is None]  # (sent whole: their mean is the result)
         results = [None] * count
         sums = [summed[i][0] for i in vectors]
         # the means straight into their outs (one call, not an op per vector), where given
-        means = native_or_none(xp, "divide_many_into", sums[0], sums, n, [outs[i] for i in vectors]) \
+        means = native_or_none(xp, "divide_many_into", sums[0], sums, n, subset(outs, vectors)) \
             if vectors and outs is not None else None
         for i, mean in zip(vectors, means or xp.divide_many(sums, n)):
             results[i] = (mean, xs[i], qs[i])
         sums = [summed[i][0] for i in matrices]
         if any(map(operator.is_not, sums, ps)):  # (new tensors: the collective did not sum in place)
             xp.assign_many(list(ps), sums)
-        ranks = [xp.shape(p)[1] for p in ps]
-        for p, r in zip(ps, ranks):
+        for p, r in zip(ps, layout.ranks):
             if r > 1:  # (one column: made a unit vector by the native call)
                 xp.assign(p, xp.orthonormalize(p))
-        q_shapes = [(cols, r) for (_, cols), r in zip(shapes, ranks)]
-        sent = places("q", q_shapes)
+        sent = places("q", layout.q_shapes)
         _native(xp, "lowrank_back_many", subset(xs, matrices), ps, shapes, unit=True, q_into=sent)
         payloads = [()] * count
         for i, q in zip(matrices, sent):
             payloads[i] = (q,)
         summed = yield payloads
-        new_qs = _free(places, ("q0", "q1"), q_shapes, [qs[i] for i in matrices])
-        # P Q^T straight into out where it has the matrix's dtype: no copy
-        into = [outs[i] if outs is not None and xp.dtype(xs[i]) == xp.dtype(outs[i]) == "float32" else None
-                for i in matrices]
+        new_qs = _free(_sets(places, ("q0", "q1"), layout.q_shapes), [qs[i] for i in matrices])
+        # P Q^T straight into the outs, where given: float32, as the gradients the first product took
+        into = subset(outs, matrices) if outs is not None else [None] * len(matrices)
         sums = [summed[i][0] for i in matrices]
         sums = sent if all(map(operator.is_, sums, sent)) else sums  # (summed in place)
-        approx, made = _native(xp, "lowrank_expand_many", ps, sums, shapes,
-                               subset(outs, matrices) if all(o is not None for o in into) else into, n,
-                               q_into=new_qs)
+        approx, made = _native(xp, "lowrank_expand_many", ps, sums, shapes, into, n, q_into=new_qs)
         new_qs = made if new_qs is None else new_qs
         for j, i in enumerate(matrices):
-            a = approx[j] if into[j] is not None else xp.reshape(xp.cast(approx[j], xp.dtype(xs[i])), xp.shape(xs[i]))
+            a = approx[j] if outs is not None else xp.reshape(xp.cast(approx[j], xp.dtype(xs[i])), xp.shape(xs[i]))
             results[i] = (a, Factors(ps[j], new_qs[j]) if deferred and deferred[i] else a, new_qs[j])
         return results
 
@@ -74,19 +70,23 @@ class PowerSGDKernels(MethodKernels):
         left its subtraction: a ``LowRankResidual``); vectors (and gradients without a p_out) get None."""
         if beta != 1.0 or gamma != 1.0 or not xp.mutable_tensors:
             return None
-        chosen = [i for i, (g, e, o) in enumerate(zip(gs, residuals, p_outs))
-                  if len(xp.shape(g)) >= 2 and o is not None and not isinstance(e, tuple)]
+        layout = _layout(xp, p_outs, self.compressor.rank)  # (a p_out is laid out like its memory, and its g)
+        chosen, shapes = layout.matrices, layout.shapes
         if not chosen:
             return None
-        shapes = [matrix_shape(xp, gs[i]) for i in chosen]
         deferred = [(e.p, e.q) if isinstance(e, LowRankResidual) else None for e in (residuals[i] for i in chosen)]
         qs, p_into = [qs[i] for i in chosen], None
         if places is not None:  # (Q: last step's, kept; P into the kept set no memory still refers to)
-            qs = _kept(places, ("q0", "q1"), qs, xp) or qs
-            p_shapes = [(rows, xp.shape(q)[1]) for q, (rows, _) in zip(qs, shapes)]
-            p_into = _free(places, ("p0", "p1"), p_shapes, [pair and pair[0] for pair in deferred])
+            kept = _kept(_sets(places, ("q0", "q1"), layout.q_shapes), qs)
+            # (Qs not kept, the first step's: their own rank, as Q's init drew them)
+            p_sets = _sets(places, ("p0", "p1"), layout.p_shapes if kept is not None else
+                           [(rows, xp.shape(q)[1]) for q, (rows, _) in zip(qs, shapes)])
+            qs = kept or qs
+            held = [pair and pair[0] for pair in deferred]
+            p_into = _free(p_sets, held)
+            deferred = _kept_pairs(p_sets, held, qs, deferred)
         ps = native_products(xp, "lowrank_project_many", subset(gs, chosen), qs, shapes,
-                             [buffer_of(residuals[i]) for i in chosen], subset(p_outs, chosen), nonfinite,
+                             subset(buffers_of(residuals), chosen), subset(p_outs, chosen), nonfinite,
                              deferred if any(deferred) else None, p_into=p_into)
         if ps is None:
             return None
@@ -96,24 +96,57 @@ class PowerSGDKernels(MethodKernels):
         return firsts
 
 
-def _free(places, names, shapes, held):
-    """The first of the kept sets ``places(name, shapes)`` none of whose tensors is one of ``held``
-    (what a memory or a state still refers to, in the same order), or None: new tensors then."""
-    for name in names:
-        pieces = places(name, shapes)
-        if not any(map(operator.is_, pieces, held)):
-            return pieces
-    return None
+@dataclass(frozen=True)
+class _Layout:
+    """A bucket's matrices (``matrices``: their indices among its units), each (rows, cols), the
+    rank r of its factors (as Q's init makes them) and its factors' shapes: P's, Q's."""
+
+    matrices: tuple
+    shapes: tuple
+    ranks: tuple
+    p_shapes: tuple
+    q_shapes: tuple
 
 
-def _kept(places, names, tensors, xp):
-    """The kept set of ``names`` whose tensors ``tensors`` are, or None."""
-    shapes = [xp.shape(t) for t in tensors]
-    for name in names:
-        pieces = places(name, shapes)
-        if all(map(operator.is_, pieces, tensors)):
-            return pieces
-    return None
+def _layout(xp, xs, rank: int) -> _Layout:
+    """The layout of ``xs``' matrices (2-d or more; None, or a tuple of tensors, is none) at
+    ``rank``: made once for a kept ``Pieces`` (a bucket's spares: the same tensors step after step)."""
+    def made():
+        matrices = tuple(i for i, x in enumerate(xs)
+                         if x is not None and not isinstance(x, tuple) and len(xp.shape(x)) >= 2)
+        shapes = tuple(matrix_shape(xp, xs[i]) for i in matrices)
+        ranks = tuple(factor_rank(rank, rows, cols) for rows, cols in shapes)
+        return _Layout(matrices, shapes, ranks, tuple((rows, r) for (rows, _), r in zip(shapes, ranks)),
+                       tuple((cols, r) for (_, cols), r in zip(shapes, ranks)))
+
+    return xs.derive(("layout", rank), made) if isinstance(xs, Pieces) else made()
+
+
+def _sets(places, names, shapes):
+    """The kept sets of tensors of ``shapes`` per name (``places``)."""
+    shapes = tuple(shapes)
+    return [places(name, shapes) for name in names]
+
+
+def _free(sets, held):
+    """The first of ``sets`` none of whose tensors is one of ``held`` (what a memory or a state
+    still refers to, in the same order), or None: new tensors then."""
+    return next((pieces for pieces in sets if not any(map(operator.is_, pieces, held))), None)
+
+
+def _kept(sets, tensors):
+    """The one of ``sets`` whose tensors ``tensors`` are, or None."""
+    return next((pieces for pieces in sets if all(map(operator.is_, pieces, tensors))), None)
+
+
+def _kept_pairs(p_sets, ps, qs, deferred):
+    """``deferred`` (each matrix's deferred factors (P, Q), or None; ``ps``: their Ps) as pairs of
+    one of the kept ``p_sets`` and the Qs ``qs``, where they are those (their native buffers then
+    derived once), else as it is."""
+    kept = _kept(p_sets, ps)
+    if kept is None or not all(pair[1] is q for pair, q in zip(deferred, qs)):
+        return deferred
+    return zipped(kept, qs)
 
 
 def _native(xp, name, matrices, *args, **kwargs):

@@ -40,12 +40,8 @@ def _same_kind_all(kind, xs, dtype=None) -> list:
     of the dtype wanted (the pieces of a received frame, a bucket's gradients) take a short
     path: the per-tensor checks cost more than the kernels on small tensors. Views an exchange
     keeps (``grace.core.buffers.Pieces``) are checked once: their buffers are kept with them."""
-    derived = getattr(xs, "derived", None)
-    if derived is not None:
-        bufs = derived.get(("bufs", dtype))
-        if bufs is None:
-            bufs = derived[("bufs", dtype)] = _same_kind_all(kind, list(xs), dtype)
-        return list(bufs)
+    if getattr(xs, "derive", None) is not None:
+        return list(xs.derive(("bufs", dtype), lambda: _same_kind_all(kind, list(xs), dtype)))
     if kind.name == "torch" and kind.lib.kind == "cpu":
         tensor, names, bufs = kind.torch.Tensor, _arrays._TORCH_NAMES, []
         for x in xs:
@@ -84,9 +80,20 @@ def _in_place(kind, x, dtype: str, b: Buf = None) -> Buf:
 
 
 def _in_place_all(kind, xs, dtype: str) -> list:
+    """``_in_place`` of each of ``xs``: checked once for a kept list (its buffers are
+    ``_same_kind_all``'s)."""
     # a TensorBuf is a contiguous tensor's own memory: in place as it is, where of ``dtype``
-    return [b if type(b) is TensorBuf and b.dtype == dtype else _in_place(kind, x, dtype, b)
-            for x, b in zip(xs, _same_kind_all(kind, xs))]
+    return list(_derived_once(xs, ("in place", dtype), lambda: [
+        b if type(b) is TensorBuf and b.dtype == dtype else _in_place(kind, x, dtype, b)
+        for x, b in zip(xs, _same_kind_all(kind, xs))]))
+
+
+def _derived_once(xs, key, make):
+    """``make()``, made once for a kept list ``xs`` (``grace.core.buffers.Pieces``: the same
+    tensors step after step, ``derive`` keeps it with them under ``key``); made each time for
+    another list."""
+    derive = getattr(xs, "derive", None)
+    return make() if derive is None else derive(key, make)
 
 
 def _cpu_kind(x):
@@ -118,6 +125,12 @@ def _decode_out(kind, numel: int) -> Buf:
 def _pointers(bufs):
     """A C array of the buffers' pointers."""
     return c_array(ctypes.c_void_p, len(bufs))(*[b.ptr for b in bufs])
+
+
+def _pointers_of(xs, bufs):
+    """``_pointers(bufs)``, ``bufs`` being ``_same_kind_all(kind, xs)`` (or ``_in_place_all``'s: the
+    same buffers): made once for a kept list ``xs``."""
+    return _derived_once(xs, "pointers", lambda: _pointers(bufs))
 
 
 def _addresses(buf: Buf, byte_offsets):

@@ -11,17 +11,19 @@ The factors they make go into one new buffer, or into ``*_into``: tensors an exc
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 
 from grace.native._arrays import NativeUnavailable, c_array, call
-from grace.native._common import _addresses, _cpu_kind, _in_place_all, _int64s, _pointers, _same_kind_all
+from grace.native._common import (_addresses, _cpu_kind, _derived_once, _in_place_all, _int64s, _pointers,
+                                  _pointers_of, _same_kind_all)
 
 
 def _lowrank_buffers(kind, inputs, outputs=()):
     """PowerSGD's float32 matrices as buffers (the short path for contiguous CPU tensors: these
     calls come per gradient), then the outputs written in place."""
     ins = _same_kind_all(kind, inputs)
-    if any(b.dtype != "float32" for b in ins):
+    if not _derived_once(inputs, "float32", lambda: all(b.dtype == "float32" for b in ins)):
         raise NativeUnavailable("PowerSGD's products take float32 matrices")
     return ins + (_in_place_all(kind, outputs, "float32") if outputs else [])
 
@@ -48,7 +50,8 @@ def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=
     (or ``p_into``, written)."""
     kind = _cpu_kind(ms[0])
     mb, qb = _lowrank_buffers(kind, ms), _lowrank_buffers(kind, qs)
-    ranks = [_rank(m.n, rows, cols, q.n, cols) for m, q, (rows, cols) in zip(mb, qb, shapes)]
+    shapes = _as_key(shapes)
+    ranks = _ranks(shapes, tuple([q.n for q in qb]), True, tuple([m.n for m in mb]))
     sums = outs = dps = dqs = None
     if residuals is None and deferred is not None:
         raise ValueError("deferred factors need the residual they are subtracted from")
@@ -64,10 +67,10 @@ def lowrank_project_many(ms, qs, shapes, residuals=None, m_outs=None, nonfinite=
         if flag.n != 1:
             raise ValueError("the overflow flag is one float32 element")
     ps, places = _factors(kind, [rows for rows, _ in shapes], ranks, p_into)
-    call(kind, "lowrank_project_many", len(mb), _pointers(mb), _maybe_pointers(sums), _maybe_pointers(dps),
-         _maybe_pointers(dqs), *_shapes(shapes), _pointers(qb), _int64s(ranks), _maybe_pointers(outs), places,
-         flag and flag.ptr)
-    return _wrap_list(kind, ps)
+    call(kind, "lowrank_project_many", len(mb), _pointers_of(ms, mb), _maybe_pointers(sums, residuals),
+         *_deferred_pointers(deferred, dps, dqs), *_shapes(shapes), _pointers_of(qs, qb), _int64s(ranks),
+         _maybe_pointers(outs, m_outs), places, flag and flag.ptr)
+    return _wrap_list(kind, ps, p_into)
 
 
 def lowrank_back_many(ms, ps, shapes, unit: bool = False, q_into=None):
@@ -80,11 +83,12 @@ def lowrank_back_many(ms, ps, shapes, unit: bool = False, q_into=None):
     kind = _cpu_kind(ms[0])
     mb = _lowrank_buffers(kind, ms)
     pb = _in_place_all(kind, ps, "float32")
-    ranks = [_rank(m.n, rows, cols, p.n, rows) for m, p, (rows, cols) in zip(mb, pb, shapes)]
+    shapes = _as_key(shapes)
+    ranks = _ranks(shapes, tuple([p.n for p in pb]), False, tuple([m.n for m in mb]))
     qs, places = _factors(kind, [cols for _, cols in shapes], ranks, q_into)
-    call(kind, "lowrank_back_many", len(mb), _pointers(mb), *_shapes(shapes), _pointers(pb), _int64s(ranks), int(unit),
-         places)
-    return _wrap_list(kind, qs)
+    call(kind, "lowrank_back_many", len(mb), _pointers_of(ms, mb), *_shapes(shapes), _pointers_of(ps, pb),
+         _int64s(ranks), int(unit), places)
+    return _wrap_list(kind, qs, q_into)
 
 
 def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, residual_outs=None, q_into=None):
@@ -94,12 +98,18 @@ def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, res
     q'_s^T into it in the same pass (it may be ms[s]). Returns (the approximations, the q'_s)."""
     kind = _cpu_kind(ps[0])
     pb, qb = _lowrank_buffers(kind, ps), _lowrank_buffers(kind, qs)
-    ranks = [_rank(rows * cols, rows, cols, p.n, rows) for p, (rows, cols) in zip(pb, shapes)]
+    shapes = _as_key(shapes)
+    ranks = _ranks(shapes, tuple([p.n for p in pb]), False)
     if any(q.n != cols * r for q, (_, cols), r in zip(qb, shapes, ranks)):
         raise ValueError("each q must be cols x r")
     made = [kind.empty(rows * cols, "float32") if o is None else None for o, (rows, cols) in zip(outs, shapes)]
-    given = iter(_lowrank_buffers(kind, [], [o for o in outs if o is not None]))  # (one call for them all)
-    ob = [b if o is None else next(given) for b, o in zip(made, outs)]
+    if any(o is None for o in outs):
+        given = iter(_lowrank_buffers(kind, [], [o for o in outs if o is not None]))  # (one call for them all)
+        ob = [b if o is None else next(given) for b, o in zip(made, outs)]
+        out_pointers = _pointers(ob)
+    else:  # (as they are: a kept list's buffers are derived once)
+        ob = _lowrank_buffers(kind, [], outs)
+        out_pointers = _pointers_of(outs, ob)
     mb = eb = None
     if residual_outs is not None:
         mb, eb = _where_given(kind, [None if e is None else m for m, e in zip(ms, residual_outs)], residual_outs)
@@ -107,10 +117,10 @@ def lowrank_expand_many(ps, qs, shapes, outs, divisor: float = 1.0, ms=None, res
            for o, m, e, (rows, cols) in zip(ob, mb or ob, eb or [None] * len(ob), shapes)):
         raise ValueError("out, m and residual_out must have rows x cols elements")
     divided, places = _factors(kind, [cols for _, cols in shapes], ranks, q_into)
-    call(kind, "lowrank_expand_many", len(pb), _pointers(pb), _pointers(qb), *_shapes(shapes), _int64s(ranks),
-         float(divisor), places, _pointers(ob), _maybe_pointers(mb), _maybe_pointers(eb))
-    kind.sync()
-    return [o if b is None else kind.wrap(b.obj) for o, b in zip(outs, made)], [kind.wrap(q) for q in divided]
+    call(kind, "lowrank_expand_many", len(pb), _pointers_of(ps, pb), _pointers_of(qs, qb), *_shapes(shapes),
+         _int64s(ranks), float(divisor), places, out_pointers, _maybe_pointers(mb), _maybe_pointers(eb))
+    divided = _wrap_list(kind, divided, q_into)  # (synced)
+    return [o if b is None else kind.wrap(b.obj) for o, b in zip(outs, made)], divided
 
 
 def lowrank_project(m, q, rows: int, cols: int, residual=None, m_out=None, nonfinite=None, deferred=None):
@@ -131,9 +141,25 @@ def lowrank_expand(p, q, rows: int, cols: int, out=None, m=None, residual_out=No
                                None if residual_out is None else [residual_out])[0][0]
 
 
-def _shapes(shapes):
-    """The C arrays of a list of (rows, cols)."""
+def _as_key(shapes) -> tuple:
+    """A list of (rows, cols) as a tuple of tuples: what the checks and C arrays made once per
+    bucket layout are kept by."""
+    return shapes if type(shapes) is tuple else tuple(map(tuple, shapes))
+
+
+@functools.lru_cache(maxsize=1024)
+def _shapes(shapes: tuple):
+    """The C arrays of the rows and the cols of (rows, cols) tuples (read only: kept per layout)."""
     return _int64s([rows for rows, _ in shapes]), _int64s([cols for _, cols in shapes])
+
+
+@functools.lru_cache(maxsize=1024)
+def _ranks(shapes: tuple, factors: tuple, of_cols: bool, ns: tuple = None) -> tuple:
+    """``_rank`` of each rows x cols matrix (of ``ns[s]`` elements; rows x cols where not given)
+    beside its factor of ``factors[s]`` elements, cols x r where ``of_cols``, else rows x r:
+    checked once per bucket layout."""
+    ns = ns or [rows * cols for rows, cols in shapes]
+    return tuple(_rank(n, rows, cols, f, cols if of_cols else rows) for n, (rows, cols), f in zip(ns, shapes, factors))
 
 
 def _factors(kind, rows, ranks, into=None):
@@ -147,12 +173,7 @@ def _factors(kind, rows, ranks, into=None):
         bufs = _in_place_all(kind, into, "float32")
         if [b.n for b in bufs] != sizes:
             raise ValueError("each factor given must have rows x r elements")
-        derived = getattr(into, "derived", None)
-        if derived is None:
-            return list(into), _pointers(bufs)
-        if "pointers" not in derived:
-            derived["pointers"] = _pointers(bufs)
-        return list(into), derived["pointers"]
+        return list(into), _pointers_of(into, bufs)
     buf, starts = kind.empty(sum(sizes), "float32"), [0, *itertools.accumulate(sizes[:-1])]
     if kind.name == "torch" and len(set(ranks)) == 1:
         views = buf.obj.view(-1, ranks[0]).split(list(rows)) if rows else []
@@ -163,9 +184,11 @@ def _factors(kind, rows, ranks, into=None):
     return list(views), _addresses(buf, [4 * o for o in starts])
 
 
-def _wrap_list(kind, objs):
+def _wrap_list(kind, objs, into=None):
+    """The factors made (``objs``), as arrays of the inputs' kind; ``into`` as it is where given
+    (written in place: the caller's own)."""
     kind.sync()
-    return [kind.wrap(o) for o in objs]
+    return list(into) if into is not None else [kind.wrap(o) for o in objs]
 
 
 def _where_given(kind, inputs, outputs):
@@ -181,11 +204,17 @@ def _where_given(kind, inputs, outputs):
 
 
 def _deferred_factors(kind, deferred, sums, shapes, ranks):
-    """The buffers of each given pair of deferred factors (rows x r and cols x r), None elsewhere."""
-    dps, dqs = [None] * len(sums), [None] * len(sums)
-    given = [s for s, pair in enumerate(deferred) if pair is not None]
-    if any(sums[s] is None for s in given):
+    """The buffers of each given pair of deferred factors (rows x r and cols x r), None elsewhere:
+    (Ps, Qs); made and checked once for a kept list of pairs."""
+    if any(sums[s] is None for s, pair in enumerate(deferred) if pair is not None):
         raise ValueError("deferred factors need the residual they are subtracted from")
+    return _derived_once(deferred, ("factors", shapes, ranks), lambda: _factor_buffers(kind, deferred, shapes, ranks))
+
+
+def _factor_buffers(kind, deferred, shapes, ranks):
+    """``_deferred_factors``' buffers, made and checked."""
+    dps, dqs = [None] * len(deferred), [None] * len(deferred)
+    given = [s for s, pair in enumerate(deferred) if pair is not None]
     bufs = _lowrank_buffers(kind, [t for s in given for t in deferred[s]])  # (one call for them all)
     for k, s in enumerate(given):
         dps[s], dqs[s] = bufs[2 * k], bufs[2 * k + 1]
@@ -195,6 +224,16 @@ def _deferred_factors(kind, deferred, sums, shapes, ranks):
     return dps, dqs
 
 
-def _maybe_pointers(bufs):
-    """A C array of the buffers' pointers (NULL for None), or NULL for no list."""
+def _maybe_pointers(bufs, xs=None):
+    """A C array of the buffers' pointers (NULL for None), or NULL for no list; ``xs``: the list
+    they are the buffers of, where each is given (``_pointers_of``: made once for a kept one)."""
+    if bufs is not None and xs is not None and None not in bufs:
+        return _pointers_of(xs, bufs)
     return None if bufs is None else c_array(ctypes.c_void_p, len(bufs))(*[b and b.ptr for b in bufs])
+
+
+def _deferred_pointers(deferred, dps, dqs):
+    """``_maybe_pointers`` of the deferred factors' buffers: made once for a kept list of pairs."""
+    if dps is None:
+        return None, None
+    return _derived_once(deferred, "pointers", lambda: (_maybe_pointers(dps), _maybe_pointers(dqs)))

@@ -12,7 +12,7 @@ import functools
 from grace.formats import code_width, packed_size
 from grace.native._arrays import NativeUnavailable, c_array, call
 from grace.native._common import (_cpu_kind, _every, _flag, _in_place_all, _int64s, _int64s_of, _placed, _pointers,
-                                  _same_kind_all, _seed_word_arrays)
+                                  _pointers_of, _same_kind_all, _seed_word_arrays)
 from grace.native.qsgd import _qsgd_rows
 
 
@@ -74,7 +74,8 @@ def _elementwise_many(symbol: str, ins, in_dtype: str, outs, out_dtype: str, *sc
         raise NativeUnavailable(f"{symbol} takes {in_dtype} inputs")
     if len(ib) != len(ob) or any(i.n != o.n for i, o in zip(ib, ob)):
         raise ValueError("one output of the same size per input")
-    call(kind, symbol, len(ib), _pointers(ib), _int64s([b.n for b in ib]), *map(float, scalars), _pointers(ob), *tail)
+    call(kind, symbol, len(ib), _pointers_of(ins, ib), _int64s(tuple([b.n for b in ib])), *map(float, scalars),
+         _pointers_of(outs, ob), *tail)
     return outs
 
 
@@ -100,7 +101,8 @@ def flag_nonfinite_many(xs, flag):
     xb = _same_kind_all(kind, xs)
     if any(b.dtype != "float32" for b in xb):
         raise NativeUnavailable("flag_nonfinite_many takes float32 tensors")
-    call(kind, "flag_nonfinite_many", len(xb), _pointers(xb), _int64s([b.n for b in xb]), _flag(kind, flag))
+    call(kind, "flag_nonfinite_many", len(xb), _pointers_of(xs, xb), _int64s(tuple([b.n for b in xb])),
+         _flag(kind, flag))
     return flag
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import grace.native as gn
+from grace.core.buffers import Pieces
 from grace.native import NativeUnavailable
 from tests.native.conftest import torch
 
@@ -312,6 +313,41 @@ def test_a_buckets_matrices_in_one_call_each_as_alone(threads):
     made[3][0][1, 2] = np.nan
     gn.lowrank_project_many([t(g) for g, _, _, _ in made], [t(q) for _, _, q, _ in made], shapes, nonfinite=flag)
     assert flag.item() == 1
+
+
+def test_kept_lists_give_each_call_their_own_buffers():
+    """Lists an exchange keeps (``Pieces``: their buffers, checks and C arrays derived once, kept
+    with them) give what plain lists give, call after call with new values written into the same
+    tensors, and a new kept list of other tensors its own, not the first one's."""
+    shapes = [(4, 8), (5, 3), (6, 33)]
+
+    def products(gs, es, qs, ps, pairs, outs, as_given):
+        m_outs, p_into, q_into, approx_outs = (as_given(x) for x in outs)
+        first = gn.lowrank_project_many(as_given(gs), as_given(qs), shapes, as_given(es), m_outs,
+                                        deferred=as_given(pairs), p_into=p_into)
+        back = gn.lowrank_back_many(m_outs, as_given(ps), shapes, q_into=q_into)
+        approx, _ = gn.lowrank_expand_many(as_given(ps), q_into, shapes, approx_outs, 2.0)
+        return [x.numpy().copy() for x in (*m_outs, *first, *back, *approx)]
+
+    def outputs():
+        return ([torch.empty(rows, cols) for rows, cols in shapes], [torch.empty(rows, 1) for rows, _ in shapes],
+                [torch.empty(cols, 1) for _, cols in shapes], [torch.empty(rows, cols) for rows, cols in shapes])
+
+    for seed in (0, 10):  # (a new kept list: its own buffers)
+        made = [data(rows, cols, 1, seed=seed + i) for i, (rows, cols) in enumerate(shapes)]
+        gs, es, qs, ps = ([t(d[k]) for d in made] for k in range(4))
+        pairs, kept = list(zip(ps, qs)), {}
+
+        def keep(xs):  # (the same Pieces for the same list, step after step)
+            return kept.setdefault(tuple(map(id, xs)), Pieces(xs))
+
+        kept_outs, plain_outs = outputs(), outputs()
+        for step in range(3):  # (the same kept tensors, new values)
+            for x in gs + es:
+                x.mul_(1.5)
+            want = products(gs, es, qs, ps, pairs, plain_outs, list)
+            for got, w in zip(products(gs, es, qs, ps, pairs, kept_outs, keep), want):
+                np.testing.assert_array_equal(got, w)
 
 
 def test_an_expand_past_the_caches_writes_the_same_rows(threads):

@@ -10,6 +10,8 @@ import pytest
 import grace
 from grace.backends import get_backend
 from grace.core.communicator import ReplicaCommunicator
+from grace.core.journal import Journal
+from grace.core.state import StateStore
 from tests.unit.conftest import METHODS
 from tests.unit.test_buckets import assert_same, gradients
 
@@ -62,6 +64,21 @@ def test_an_overflow_costs_one_step(xp, variant, bad, in_place):
             assert np.isfinite(xp.to_numpy(got[name])).all(), f"{variant} step {s} {name}"
             assert_same(xp, want[name], got[name], f"{variant} step {s} {name}")
     assert_same_state(xp, clean.state_dict(), faulty.state_dict(), ("memory", "state"), variant)
+
+
+def test_the_journal_puts_back_what_a_bucket_changed():
+    """``Journal.set_many``: each key's value before the step kept (given by the caller; the
+    first one, where it was set earlier in the step), a key with no value, given none, left
+    without one; all put back where a rank flagged an overflow."""
+    store = StateStore()
+    store.set("memory", "w", 1)
+    journal = Journal(store, guarded=True)
+    journal.set("memory", "w", 2)  # (earlier in the step)
+    journal.set_many("memory", ["w", "b", "v"], [3, None, 4], [2, None, None])
+    assert store.tables["memory"] == {"w": 3, "v": 4}
+    journal.counted(1)
+    journal.end_step({})
+    assert store.tables["memory"] == {"w": 1}
 
 
 class JoinedSums(ReplicaCommunicator):

@@ -111,6 +111,7 @@ class BucketPending:
     units: List[Segment]  # what the compressor sees as one tensor: each gradient, or the whole bucket
     g: Any  # the flat gradient of a whole bucket; else its first gradient
     old: List[Any]  # each unit's memory before this step
+    states: List[Any] = field(default_factory=list)  # ... and its compressor state (the plans over units)
     ctxs: List[Any] = field(default_factory=list)
     wait: Any = None
     header_wait: Any = None  # variable-length frames sent with a header apart: the ranks' headers
@@ -146,6 +147,7 @@ class BucketPlan:
         self.bucket = bucket
         self.why = why
         self._keys = None  # (the units' names, their name keys)
+        self._without_init = {}  # per table: the units whose init made no value (``_looked_up``)
 
     def leave(self) -> None:
         """Before the bucket is planned another way (the world changed size): hand back what
@@ -174,11 +176,26 @@ class BucketPlan:
         names, keys = self._unit_keys(units)
         infos = s.infos(names, keys, step)
         # (a method with no state or no memory: no lookup per unit and step)
-        states = [s.compressor_state(xp, n, g_u) for n, g_u in zip(names, g_units)] if s.keeps_state \
+        states = self._looked_up("state", s.compressor_state, xp, names, g_units) if s.keeps_state \
             else [None] * len(units)
-        old = [s.memory_state(xp, n, g_u) for n, g_u in zip(names, g_units)] if s.keeps_memory \
+        old = self._looked_up("memory", s.memory_state, xp, names, g_units) if s.keeps_memory \
             else [None] * len(units)
-        return BucketPending(self.bucket, xp, units, g, old, defer=self._defers(xp, g)), g_units, infos, states
+        pending = BucketPending(self.bucket, xp, units, g, old, states, defer=self._defers(xp, g))
+        return pending, g_units, infos, states
+
+    def _looked_up(self, table: str, get, xp, names, likes) -> list:
+        """``get(xp, name, like)``: each unit's value in ``table``, made by its init on first use;
+        of a unit whose init made none at the first step (PowerSGD's vectors), the store's value
+        alone after (None unless a value was stored since): the plan's layout makes none again,
+        and an init per unit and step costs more than a small gradient's kernel."""
+        without = self._without_init.get(table)
+        if not without:
+            values = [get(xp, n, like) for n, like in zip(names, likes)]
+            if without is None:
+                self._without_init[table] = frozenset(i for i, value in enumerate(values) if value is None)
+            return values
+        value = self.services.store.value
+        return [value(table, n) if i in without else get(xp, n, like) for i, (n, like) in enumerate(zip(names, likes))]
 
     def _unit_keys(self, units):
         """The units' names and their keys (``TensorInfo.name_key``), made once per plan."""

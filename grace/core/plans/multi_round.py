@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from typing import Any, List
 
+from grace.core.buffers import Pieces, subset
 from grace.core.compressor import native_or_none
 from grace.core.journal import any_flag, no_overflow, poisoned_many
 from grace.core.memory import buffer_of, stored
@@ -43,11 +44,12 @@ class MultiRound(BucketPlan):
         pending.updates = [first is not None for first in firsts]  # their new memory: p less p_hat, deferred
         rest = [i for i, first in enumerate(firsts) if first is None]
         if in_passes:  # (0 where no fused round ran; the others checked into it in one call, where it can)
-            others = [g_units[i] for i in rest]
+            others = subset(g_units, rest)  # (their buffers derived once: the rounds write their means over them)
             checked = not others or xp.mutable_tensors and \
                 native_or_none(xp, "flag_nonfinite_many", g, others, shared) is not None
             pending.flag = shared if checked else any_flag(xp, [shared, xp.nonfinite(others)])
-        pending.p = [s.buffers.spares[u.name] if first is not None else None for u, first in zip(units, firsts)]
+        # (a unit's spare, where its first pass wrote p)
+        pending.p = [None if first is None else spares[i] for i, first in enumerate(firsts)]
         compensated = self._compensate(xp, [units[i].name for i in rest], [g_units[i] for i in rest],
                                         [pending.old[i] for i in rest])
         for i, p in zip(rest, compensated):
@@ -84,11 +86,10 @@ class MultiRound(BucketPlan):
         memory, none = s.compression.memory, [None] * len(units)
         if not memory.needs_feedback or not xp.mutable_tensors or any(isinstance(e, tuple) for e in old):
             return none, None
-        spares = s.buffers.take_spares(self.bucket.key, xp, [u.name for u in units], old)
+        old = Pieces(old)  # (marked with its buffers, kept: derived once)
+        # (left in the spares either way: finish tells by them where p is)
+        spares = s.buffers.take_spares(self.bucket.key, xp, self._unit_keys(units)[0], old, leave=True)
         firsts = s.feedback.fused_firsts(xp, s.kernels, gs, old, infos, states, spares, nonfinite, places)
-        for u, spare in zip(units, spares):
-            if spare is not None:  # (kept either way: finish tells by it where p is)
-                s.buffers.spares[u.name] = spare
         return firsts or none, spares
 
     def _compensate(self, xp, keys, gs, es):
@@ -127,10 +128,10 @@ class MultiRound(BucketPlan):
         g_hats = [g_u for g_u, _, _ in results]
         if pending.defer and not no_overflow(overflow):  # a count left on the device: all poisoned at once
             g_hats, overflow = poisoned_many(xp, g_hats, overflow), None
-        for i, (u, (_, _, state)) in enumerate(zip(pending.units, results)):
-            s.journal.set("state", u.name, state)
-            if s.compression.memory.needs_feedback:
-                s.journal.set("memory", u.name, new_memory[i])
+        names, _ = self._unit_keys(pending.units)
+        s.journal.set_many("state", names, [state for _, _, state in results], pending.states)
+        if s.compression.memory.needs_feedback:
+            s.journal.set_many("memory", names, new_memory, pending.old)
         return s.delivered_many(xp, g_hats, overflow, outs)
 
     def _new_memories(self, pending: BucketPending, results):
@@ -142,16 +143,17 @@ class MultiRound(BucketPlan):
         if not memory.needs_feedback:
             return [None] * len(results)
         with s.phase("feedback"):
-            in_spare = [p_u is s.buffers.spares.get(u.name) for u, p_u in zip(pending.units, pending.p)]
-            over = [i for i, spare in enumerate(in_spare) if spare and not pending.updates[i]]
+            names, spares, updates = self._unit_keys(pending.units)[0], s.buffers.spares, pending.updates
+            in_spare = [p_u is spares.get(name) for name, p_u in zip(names, pending.p)]
+            over = [i for i, spare in enumerate(in_spare) if spare and not updates[i]]
             updated = dict(zip(over, s.feedback.update_many_into(
                 xp, [pending.p[i] for i in over], [results[i][1] for i in over],
-                [pending.old[i] for i in over], [pending.p[i] for i in over])))
+                [pending.old[i] for i in over], [pending.p[i] for i in over]))) if over else {}
             new_memory = []
-            for i, (u, p_u, e) in enumerate(zip(pending.units, pending.p, pending.old)):
+            for i, (name, p_u, e) in enumerate(zip(names, pending.p, pending.old)):
                 if in_spare[i]:
-                    new_memory.append(results[i][1].residual_of(p_u) if pending.updates[i] else updated[i])
-                    s.buffers.spares[u.name] = buffer_of(e)  # and the old memory is the next step's spare
+                    new_memory.append(results[i][1].residual_of(p_u) if updates[i] else updated[i])
+                    spares[name] = buffer_of(e)  # and the old memory is the next step's spare
                 else:
                     new_memory.append(memory.update(xp, p_u, results[i][1], e))
             return new_memory
