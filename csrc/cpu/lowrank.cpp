@@ -206,8 +206,9 @@ inline F8 sum8(const float* a, const float* b, const Less& d, int64_t j, FiniteC
 // a row's sum (sum1) of cols floats into m (m may be a or b; streamed where `stream`, m then
 // 16-byte aligned)
 template <class Less>
-void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& check,
+void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& checked,
              bool stream = false) {
+  FiniteCheck check;  // (in registers: a store to m might alias `checked`, as far as the compiler knows)
   int64_t j = 0;
 #ifdef GRACE_SIMD
   for (; j + 8 <= cols; j += 8) {
@@ -221,14 +222,16 @@ void row_sum(const float* a, const float* b, const Less& d, int64_t cols, float*
   (void)stream;
 #endif
   for (; j < cols; ++j) m[j] = sum1(a, b, d, j, check);
+  checked.merge(check);
 }
 
 // row_sum's m and, in the same pass, its product with q (r = 1) summed as row_products sums it,
 // into *p: whether every m was zero or at least `least` (else *p is to be made again, flushed)
 template <class Less>
-bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& check,
+bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols, float* m, FiniteCheck& checked,
                      const float* q, float least, float* p, bool stream) {
 #ifdef GRACE_SIMD
+  FiniteCheck check;  // (in registers, as in row_sum)
   const int64_t c32 = cols - cols % 32;
   const F8 zero = set8(0.0f), low = set8(least);
   F8 acc[4] = {zero, zero, zero, zero}, small = zero;
@@ -246,7 +249,8 @@ bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols
       acc[c] = acc[c] + x * ld8(q + at);
     }
   }
-  if (c32 < cols) row_sum(a + c32, b + c32, Shifted<Less>{d, c32}, cols - c32, m + c32, check, stream);
+  checked.merge(check);
+  if (c32 < cols) row_sum(a + c32, b + c32, Shifted<Less>{d, c32}, cols - c32, m + c32, checked, stream);
   float sum = combine8((acc[0] + acc[1]) + (acc[2] + acc[3]));
   bool fine = !mask8(small);
   for (int64_t j = c32; j < cols; ++j) {
@@ -258,7 +262,7 @@ bool row_sum_product(const float* a, const float* b, const Less& d, int64_t cols
   return fine;
 #else
   (void)q, (void)least, (void)p, (void)stream;
-  row_sum(a, b, d, cols, m, check);
+  row_sum(a, b, d, cols, m, checked);
   return false;
 #endif
 }
@@ -273,36 +277,44 @@ void lowrank_project(const float* a, const float* b, const float* dp, const floa
   std::atomic<bool> bad{false};
   // M streamed (no read of each line before it is written) where the bucket's are beyond the
   // caches, M has a buffer of its own (an input's lines are in the cache as M is written over
-  // them) and each row's product is made in the same pass (M is not read back)
+  // them) and each row's product is made in the same pass or from the row made again (M is not
+  // read back)
   stream = stream && least > 0.0f && m != a && m != b && (uintptr_t)m % 16 == 0 && cols % 4 == 0;
   for_chunks(rows, 1, threads_for(rows * cols), [&](int, int64_t lo, int64_t hi) {
     FiniteCheck check;
-    LineAligned<float> deferred(dp ? cols : 0);
+    LineAligned<float> deferred(dp ? cols : 0), again(stream ? cols : 0);
     for (int64_t i = lo; i < hi; ++i) {
       const float* x = a + i * cols;
       if (b) {  // the row's sum (b less its deferred approximation) stored, and its product made
-                // from the same registers where row_sum_product can (else read back from the
+                // from the same registers where row_sum_product can (else from the row in the
                 // cache, flushed); the approximation made in the same pass where Unflushed allows,
                 // else first, flushed. ResNet-50's 54 matrices, one thread: 11.3 ms, against 14.6
                 // with the products read back and 18.2 with the approximation made first too
         float* mi = m + i * cols;
         const float* pi = dp ? dp + i * r : nullptr;
-        auto sum = [&](const auto& less) {  // whether the product was made in the same pass
-          if (least > 0.0f) return row_sum_product(x, b + i * cols, less, cols, mi, check, q, least, p + i, stream);
-          row_sum(x, b + i * cols, less, cols, mi, check, stream);
-          return false;
+        // the row the product is still to be made from, or nullptr where made in the pass. A
+        // streamed row is not in the cache: its sums are made again into `again`, from the
+        // inputs' lines, which are (a deep net's vanishing gradients: a fifth of a 48-layer MLP's rows)
+        auto sum = [&](const auto& less) -> const float* {
+          if (least == 0.0f) {
+            row_sum(x, b + i * cols, less, cols, mi, check);
+            return mi;
+          }
+          if (row_sum_product(x, b + i * cols, less, cols, mi, check, q, least, p + i, stream)) return nullptr;
+          if (!stream) return mi;
+          FiniteCheck checked;  // (in the pass)
+          row_sum(x, b + i * cols, less, cols, again.data(), checked);
+          return again.data();
         };
-        bool made;
         if (!pi) {
-          made = sum(NoRow{});
+          x = sum(NoRow{});
         } else if (unflushed.row(pi, r)) {
-          made = sum(ApproxRow(pi, dqt, r, cols));
+          x = sum(ApproxRow(pi, dqt, r, cols));
         } else {
           approx_row(pi, dqt, cols, r, deferred.data());
-          made = sum(MadeRow{deferred.data()});
+          x = sum(MadeRow{deferred.data()});
         }
-        if (made) continue;
-        x = mi;
+        if (!x) continue;
       } else if (nonfinite) {
         check.range(x, 0, cols);
       }
@@ -432,18 +444,13 @@ API void grace_cpu_lowrank_project_many(int64_t count, const float* const* a, co
                                         const float* const* dp, const float* const* dq, const int64_t* rows,
                                         const int64_t* cols, const float* const* q, const int64_t* r,
                                         float* const* m, float* const* p, float* nonfinite) {
-  // M streamed only for matrices of at least 2 MB: a 48-layer MLP's 24 matrices of 1 MB a bucket
-  // (one thread, in the exchange) took 8.5-9.1 ms streamed against 7.1-7.5 stored, where
-  // ResNet-50's, most of whose bytes are in larger matrices, took 10.6-11.3 against 11.9-13.9
-  constexpr int64_t kStreamMatrixBytes = 2 << 20;
   std::vector<float> flags(nonfinite ? count : 0, 0.0f);  // (each matrix's own: written by one thread)
   const std::vector<int64_t> sizes = matrix_sizes(count, rows, cols);
   const bool stream = bucket_bytes(count, sizes.data()) >= kStreamBytes;  // (the bucket's Ms together)
   for_segments(count, sizes.data(), [&](int64_t s) {
     const bool deferred = b && b[s] && dp && dp[s];
     lowrank_project(a[s], b ? b[s] : nullptr, deferred ? dp[s] : nullptr, deferred ? dq[s] : nullptr, rows[s],
-                    cols[s], q[s], r[s], m ? m[s] : nullptr, p[s], nonfinite ? &flags[s] : nullptr,
-                    stream && 4 * sizes[s] >= kStreamMatrixBytes);
+                    cols[s], q[s], r[s], m ? m[s] : nullptr, p[s], nonfinite ? &flags[s] : nullptr, stream);
   });
   for (float f : flags)
     if (f != 0.0f) *nonfinite = 1.0f;

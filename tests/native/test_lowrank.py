@@ -371,16 +371,21 @@ def test_an_expand_past_the_caches_writes_the_same_rows(threads):
 
 def test_a_first_product_past_the_caches_streams_the_same_m(threads):
     """A bucket whose Ms pass the streaming size (8 MB) writes them with streaming stores where
-    the product is made in the same pass (rank 1, rows 16-byte aligned): M and P bit for bit those
-    of each matrix alone (below that size, stored), with a deferred residual, rows whose columns
-    are not a multiple of 4, a row of subnormal sums (its product made again, from M read back)
-    and an M written over its residual."""
-    shapes = [(1024, 1028), (1030, 1027), (1000, 1100)]
+    the product is made in the same pass (rank 1, rows 16-byte aligned), small matrices too: M and
+    P bit for bit those of each matrix alone (below that size, stored), with deferred residuals
+    (made in the pass, and first where a factor is subnormal), rows whose columns are not a
+    multiple of 4, rows of subnormal sums (their products made again, from their sums made again:
+    a streamed M is not read back) and an M written over its residual."""
+    shapes = [(1024, 1028), (1030, 1027), (1000, 1100), (64, 512)]
     assert 4 * sum(rows * cols for rows, cols in shapes) >= 8 << 20 > 4 * max(rows * cols for rows, cols in shapes)
     made = [data(rows, cols, 1, seed=10 + i) for i, (rows, cols) in enumerate(shapes)]
     made[0][0][5], made[0][1][5] = F(1e-39), F(0.0)  # (M's row 5 subnormal)
-    deferred = [None, None, (t(made[2][3]), t(made[2][2] * F(0.5)))]
-    in_place = [False, False, True]
+    small, small_dq = made[3], made[3][2] * F(0.5)
+    small[0][[5, 7]], small[1][[5, 7]], small[3][5] = F(1e-39), F(0.0), F(0.0)  # (M's rows 5 and 7 subnormal,
+    small[3][7] = F(3e-39)  # row 7's deferred factor too: its approximation made first, flushed)
+    small[0][9, 0], small[1][9, 0], small_dq[0] = F(1e-39), F(0.0), F(0.0)  # (row 9: one subnormal, the rest
+    deferred = [None, None, (t(made[2][3]), t(made[2][2] * F(0.5))), (t(small[3]), t(small_dq))]  # less p' q'^T)
+    in_place = [False, False, True, False]
 
     def run(indices):
         ms = [t(made[i][1].copy()) if in_place[i] else torch.full(shapes[i], np.nan) for i in indices]
@@ -396,7 +401,7 @@ def test_a_first_product_past_the_caches_streams_the_same_m(threads):
         assert torch.equal(together[0][i], alone[i][0][0]) and torch.equal(together[1][i], alone[i][1][0])
         if deferred[i] is None:
             np.testing.assert_array_equal(together[0][i].numpy(), g + e)
-        normal = np.arange(shapes[i][0]) != (5 if i == 0 else -1)  # (row 5's product flushed: as alone, above)
+        normal = ~np.isin(np.arange(shapes[i][0]), {0: [5], 3: [5, 7, 9]}.get(i, []))  # (flushed: as alone, above)
         np.testing.assert_array_equal(together[1][i].numpy()[normal], project_order(together[0][i].numpy(), q)[normal])
 
 
