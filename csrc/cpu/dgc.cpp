@@ -26,8 +26,9 @@ inline void sent_at(float& p, float& pu) {
 // written (1.5 of 11 ms for 48 steps of 1 MB).
 template <bool kSelect, bool kScaled>
 int64_t dgc_range(const float* u, const float* v, const float* g, float m, float scale, float* u_out, float* v_out,
-                  int64_t lo, int64_t hi, FiniteCheck& check, float thr = 0.0f, int64_t* sel = nullptr,
+                  int64_t lo, int64_t hi, FiniteCheck& checked, float thr = 0.0f, int64_t* sel = nullptr,
                   float* sel_p = nullptr, float* sel_u = nullptr, int64_t q = 0) {
+  FiniteCheck check;  // (in registers: a store to an output might alias `checked`, as far as the compiler knows)
   int64_t i = lo;
 #if defined(GRACE_SIMD) && defined(__AVX2__)
   const bool nt = kSelect && (uintptr_t)(u_out + lo) % 32 == 0 && (uintptr_t)(v_out + lo) % 32 == 0;
@@ -82,6 +83,7 @@ int64_t dgc_range(const float* u, const float* v, const float* g, float m, float
     u_out[i] = pu;
     v_out[i] = p;
   }
+  checked.merge(check);
   return q;
 }
 
