@@ -197,7 +197,7 @@ class Buffers:
         they are taken again with no layout check unit by unit. ``leave``: the spares left in
         ``spares`` too (a caller that tells by them where it wrote). ``currents``, a ``Pieces``,
         is marked with the kept ``Pieces`` of its buffers (``buffers_of``)."""
-        memories = self.kept(f"{key}.memories", [buffer_of(c) for c in currents])
+        memories = self.kept(f"{key}.memories", buffers_of(currents))  # (a kept one's, as marked before)
         if isinstance(currents, Pieces):
             currents.derived["buffers"] = memories
         spares = memories.derived.get("spares")

@@ -37,6 +37,10 @@ class StateStore:
         """The current value of ``name`` (None where it has none), unchanged by later calls of ``set``."""
         return self.tables[table].get(name)
 
+    def values(self, table: str, names) -> list:
+        """``value`` of each of ``names``."""
+        return list(map(self.tables[table].get, names))
+
     def set(self, table: str, name: str, value) -> None:
         if value is None:
             self.tables[table].pop(name, None)

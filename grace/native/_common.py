@@ -133,6 +133,23 @@ def _pointers_of(xs, bufs):
     return _derived_once(xs, "pointers", lambda: _pointers(bufs))
 
 
+def _float32_all(kind, xs, what: str, in_place: bool = False):
+    """A bucket's list of float32 tensors as (their buffers, ``_in_place_all``'s where ``in_place``;
+    their sizes, a tuple; a C array of their pointers): checked and made once for a kept list."""
+    def make():
+        bufs = _in_place_all(kind, xs, "float32") if in_place else _same_kind_all(kind, xs)
+        return bufs, _derived_once(xs, "float32 sizes", lambda: _float32_sizes(bufs, what)), _pointers_of(xs, bufs)
+
+    return _derived_once(xs, ("float32", in_place), make)
+
+
+def _float32_sizes(bufs, what: str) -> tuple:
+    """The buffers' sizes, each checked float32 (``what`` takes no other)."""
+    if any(b.dtype != "float32" for b in bufs):
+        raise NativeUnavailable(f"{what} takes float32 tensors")
+    return tuple(b.n for b in bufs)
+
+
 def _addresses(buf: Buf, byte_offsets):
     """A C array of the addresses at ``byte_offsets`` in ``buf``: each gradient's place in an
     output shared by a bucket."""

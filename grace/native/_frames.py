@@ -58,19 +58,38 @@ class _Rooms:
     (Where they lie is worked out once per bucket layout, ``_room_layout``.)"""
 
     def __init__(self, kind, sizes, dtypes):
-        self.dtypes = dtypes = tuple(dtypes)
+        self.layout = sizes, dtypes = tuple(sizes), tuple(dtypes)
+        self.dtypes = dtypes
         (self.starts, self.index_starts, totals, value_bytes, index_bytes, self.codes, self.piece_dtypes,
-         self.widths) = _room_layout(tuple(sizes), dtypes)
+         self.widths) = _room_layout(sizes, dtypes)
         self.values = kind.empty(sum(sizes), "float32")
         self.indices = {d: kind.empty(n, d) for d, n in totals.items()}
         self.counts = c_array(ctypes.c_int64, len(sizes))()
         self.value_at = [self.values.ptr + b for b in value_bytes]
         self.index_at = [self.indices[d].ptr + b for d, b in zip(dtypes, index_bytes)]
 
-    def arguments(self):
-        """The C arguments: value and index addresses, index type codes, counts."""
+    @classmethod
+    def kept_with(cls, outs, kind, sizes, dtypes) -> "_Rooms":
+        """Rooms kept with a bucket call's outputs ``outs`` where a kept list (``Pieces``: one
+        bucket's, step after step), made again only for another layout; new rooms for another
+        list. Only for a call whose pairs are copied out of them (an ``into``): the rooms are
+        written over at its next call."""
+        derived = getattr(outs, "derived", None)
+        rooms = None if derived is None else derived.get("rooms")
+        if rooms is None or rooms.layout != (sizes, dtypes):
+            rooms = cls(kind, sizes, dtypes)
+            if derived is not None:
+                derived["rooms"] = rooms  # (the latest layout's only: k changes every step of a warm-up)
+        return rooms
+
+    @functools.cached_property
+    def _arguments(self):
         return (c_array(ctypes.c_void_p, len(self.dtypes))(*self.value_at),
                 c_array(ctypes.c_void_p, len(self.dtypes))(*self.index_at), self.codes, self.counts)
+
+    def arguments(self):
+        """The C arguments: value and index addresses, index type codes, counts (made once)."""
+        return self._arguments
 
     def payloads(self, kind, into=None):
         """Each gradient's values and indices, as many as the kernel counted: views; or, where
@@ -89,7 +108,7 @@ class _Rooms:
         b = _in_place(kind, buffer, "uint8")
         _check_places(b, self.piece_dtypes, pieces, offsets)
         nbytes = [c * ITEMSIZE[d] for c, d in zip(pieces, self.piece_dtypes)]
-        call(kind, "copy_pieces", len(pieces), self._sources(), _int64s(nbytes), b.ptr, _int64s(offsets))
+        call(kind, "copy_pieces", len(pieces), self._sources, _int64s(nbytes), b.ptr, _int64s(offsets))
         return [None] * len(counts), [None] * len(counts)
 
     def _framed(self, kind, room: FrameRoom):
@@ -98,7 +117,7 @@ class _Rooms:
         just after the kernel's pass, whose caches are cold, Python costs several times its
         usual). Nones for the payloads, as for ``into``."""
         sizes = c_array(ctypes.c_int64, 2)()
-        arguments = (len(self.piece_dtypes), 2, self._sources(), self.counts, self.widths, int(room.flagged))
+        arguments = (len(self.piece_dtypes), 2, self._sources, self.counts, self.widths, int(room.flagged))
         if call(kind, "variable_frame", *arguments, None, 0, sizes) < 0:
             raise ValueError("a variable-length frame of pieces the kernel did not count")
         size, end = sizes
@@ -108,6 +127,7 @@ class _Rooms:
             raise ValueError(f"a variable-length frame of {size} bytes placed in {b.n}")
         return [None] * len(counts), [None] * len(counts)
 
+    @functools.cached_property
     def _sources(self):
         """The pieces' addresses, a C array: each gradient's values, then its indices."""
         return c_array(ctypes.c_void_p, 2 * len(self.dtypes))(

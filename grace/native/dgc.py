@@ -15,8 +15,8 @@ import math
 
 from grace.formats import index_dtype
 from grace.native._arrays import NativeUnavailable, c_array, call, kind_of
-from grace.native._common import (_check_segments, _cpu_kind, _flag, _head, _in_place, _in_place_all, _int64s,
-                                  _pointers, _same_kind, _same_kind_all, _seed_word_arrays, _wrap)
+from grace.native._common import (_check_segments, _cpu_kind, _flag, _float32_all, _head, _in_place, _int64s,
+                                  _same_kind, _seed_word_arrays, _wrap)
 from grace.native._flags import _flag_of
 from grace.native._frames import _Rooms, frame_pairs
 
@@ -106,20 +106,21 @@ def dgc_step_many(gs, us, vs, momentum: float, ratio: float, sample_ratio: float
     ``_Rooms.payloads``). ``scales`` (floats, optional): each g taken as g * scales[s] where it is
     read (DGC's clipping: one float32 product, as the tensor op makes it)."""
     kind = _cpu_kind(gs[0])
-    gb, ub, vb = (_same_kind_all(kind, ts) for ts in (gs, us, vs))
-    uo, vo = _in_place_all(kind, u_outs, "float32"), _in_place_all(kind, v_outs, "float32")
-    if {b.dtype for bufs in (gb, ub, vb) for b in bufs} != {"float32"}:
-        raise NativeUnavailable("dgc_step_many takes float32 tensors")
-    numels = tuple(b.n for b in gb)  # (sizes compared list by list: a bucket's are checked every step)
-    if any(tuple(b.n for b in bufs) != numels for bufs in (ub, vb, uo, vo)):
+    # (buffers, sizes and pointers: made once for the states and outputs, an exchange's kept lists)
+    checked = [_float32_all(kind, ts, "dgc_step_many", in_place=out)
+               for ts, out in ((gs, False), (us, False), (vs, False), (u_outs, True), (v_outs, True))]
+    numels = checked[0][1]
+    if any(sizes != numels for _, sizes, _ in checked):  # (tuples: a bucket's compared at once)
         raise ValueError("every gradient, state and output of a bucket must have one size")
     if not (0 < ratio <= 1 and 0 < sample_ratio <= 1):
         raise ValueError(f"ratio and sample_ratio must be in (0, 1], got {ratio!r}, {sample_ratio!r}")
-    rooms = _Rooms(kind, *_rooms_of(numels, ratio))
+    # (new rooms where the payloads are views of them)
+    rooms = _Rooms(kind, *_rooms_of(numels, ratio)) if into is None else \
+        _Rooms.kept_with(u_outs, kind, *_rooms_of(numels, ratio))
     s0, s1 = _seed_word_arrays(words)
-    if call(kind, "dgc_step_many", len(gb), _pointers(gb), _pointers(ub), _pointers(vb), _pointers(uo), _pointers(vo),
-            _int64s(numels), float(momentum), float(ratio), float(sample_ratio), s0, s1, *rooms.arguments(),
-            None if scales is None else c_array(ctypes.c_float, len(gb))(*scales), _flag(kind, nonfinite)) != 0:
+    if call(kind, "dgc_step_many", len(numels), *[pointers for _, _, pointers in checked], _int64s(numels),
+            float(momentum), float(ratio), float(sample_ratio), s0, s1, *rooms.arguments(),
+            None if scales is None else c_array(ctypes.c_float, len(numels))(*scales), _flag(kind, nonfinite)) != 0:
         raise RuntimeError("native DGC steps failed")
     return rooms.payloads(kind, into)
 

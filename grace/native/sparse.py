@@ -19,7 +19,7 @@ import itertools
 from grace.formats import index_dtype
 from grace.native._arrays import DTYPE_CODES, INDEX_CODES, Buf, NativeUnavailable, c_array, call, kind_of
 from grace.native._common import (_addresses, _check_segments, _cpu_kind, _ef_flags, _ef_inputs, _ef_many_inputs,
-                                  _every, _flag, _float32, _head, _in_place, _in_place_all, _index_buf, _index_codes,
+                                  _every, _flag, _float32, _float32_all, _head, _in_place, _index_buf, _index_codes,
                                   _int64s, _int64s_of, _on_gpu, _outputs, _placed, _pointers, _same_kind,
                                   _same_kind_all, _seed_word_arrays, _wrap)
 from grace.native._rows import _field
@@ -181,14 +181,14 @@ def scatter_add_segments_into(payloads, outs, divisor: float = 1.0):
     rank's (values, indices) in ``payloads[s]`` divided by ``divisor`` and added, rank after
     rank (as scatter_add_many of the divided values). Returns ``outs``."""
     kind = _cpu_kind(outs[0])
-    ob = _in_place_all(kind, outs, "float32")
+    ob, numels, out_pointers = _float32_all(kind, outs, "scatter_add_segments_into", in_place=True)
     vals, idxs = _field(kind, payloads, 0), _field(kind, payloads, 1)
     if any(d != "float32" for d in vals.dtypes) or any(d not in INDEX_CODES for d in idxs.dtypes):
         raise NativeUnavailable("scatter_add_segments_into takes float32 values and integer indices")
     if not vals.same_counts(idxs) or vals.pieces() != len(ob) * vals.ranks:
         raise ValueError("as many values as indices, per payload, and every rank's payload of each gradient")
     rc = call(kind, "scatter_add_segments", len(ob), vals.ranks, idxs.pointers, idxs.index_codes(), vals.pointers,
-              vals.lengths(), float(divisor), _int64s([o.n for o in ob]), _pointers(ob))
+              vals.lengths(), float(divisor), _int64s(numels), out_pointers)
     if rc != 0:
         raise IndexError("an index is out of range for its gradient")
     return outs

@@ -33,6 +33,9 @@ class VariableStore(StateStore):
         variables = self.tables[table].get(name)
         return None if variables is None else tf.nest.map_structure(lambda v: v.read_value(), variables)
 
+    def values(self, table, names):
+        return [self.value(table, name) for name in names]
+
     def set(self, table, name, value):
         variables = self.tables[table]
         if value is None:

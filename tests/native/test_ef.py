@@ -14,6 +14,7 @@ import grace
 import grace.native as gn
 from grace.backends import get_backend
 from grace.core import bucket as frames
+from grace.core.buffers import Pieces
 from grace.core.compressor import TensorInfo
 from grace.core.plans.kernels import kernels_of
 from tests.native.conftest import BIG, NX, SIZES, device, gradient, host, on, same_bytes, torch  # noqa: F401
@@ -245,6 +246,34 @@ def test_a_bucket_calls_pieces_copied_where_into_lays_them_are_its_views_bytes(m
         same_bytes(t.view(torch.uint8), frame[at:at + n])
         written[at:at + n] = True
     assert bool((frame[~written] == 0xAB).all())
+
+
+def test_dgc_rooms_kept_with_kept_outputs_are_made_again_for_another_k():
+    """The pair rooms a DGC bucket call keeps with a kept list of outputs (an exchange's spares,
+    where ``into`` copies the pairs out) serve the calls of one layout and are made again where k
+    changes, grown included (a warm-up's ratio; a checkpoint of an earlier step restored): the
+    pieces copied into ``into`` are byte for byte those of a call with plain lists (new rooms)."""
+    sizes = VARIABLE_SIZES
+    gs = [torch.from_numpy(gradient(n, seed=n)) for n in sizes]
+    e = [torch.from_numpy(gradient(n, seed=n + 1)) * 0.3 for n in sizes]
+    kept_u, kept_v = Pieces([t.clone() for t in e]), Pieces([t.clone() for t in e])
+
+    def framed(u, v, ratio):  # (the memories start from e at each call; the pairs end to end, 8-byte aligned)
+        for out, start in zip([*u, *v], e + e):
+            out.copy_(start)
+        frame = torch.zeros(8 * sum(sizes) + 8 * 2 * len(sizes), dtype=torch.uint8)
+
+        def into(dtypes, counts):
+            ends = np.cumsum([-(-c * frames.ITEMSIZE[d] // 8) * 8 for d, c in zip(dtypes, counts)])
+            return frame, [0, *map(int, ends[:-1])], {}
+        gn.dgc_step_many(gs, u, v, 0.9, ratio, 0.1, [(s, 3) for s in range(len(sizes))], u, v, into=into)
+        return frame
+
+    rooms = []
+    for ratio in (0.01, 0.01, 0.2, 0.05, 0.3):
+        same_bytes(framed(kept_u, kept_v, ratio), framed([t.clone() for t in e], [t.clone() for t in e], ratio))
+        rooms.append(kept_u.derived["rooms"])
+    assert rooms[0] is rooms[1] and len({id(r) for r in rooms[1:]}) == 4
 
 
 @pytest.mark.parametrize("flagged", [False, True], ids=["unflagged", "flagged"])

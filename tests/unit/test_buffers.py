@@ -139,6 +139,45 @@ def test_dgcs_bucket_trades_two_buffers_per_gradient_and_stays_the_reference(xp)
         assert held[2] is held[4] and held[1] is held[3] and held[2] is not held[3]
 
 
+def test_dgcs_bucket_call_keeps_nothing_stale_across_tensors_skips_and_restores(xp):
+    """A bucketed DGC exchange (its bucket call's buffers, sizes, pointers and pair rooms kept with
+    the memories and spares) gives the gradient-by-gradient reference results and memories bit for
+    bit: through the sparsity warm-up (k shrinking step by step), the same gradient tensors then
+    others, a skipped step (infs), and a checkpoint of an early step restored (k as large again,
+    into the same spares)."""
+    shapes = {"w": (40, 30), "b": (30,), "v": (7, 11), "c": (11,)}
+    rng = np.random.default_rng(4)
+    made = [grace.create("dgc", ratio=0.02, sample_ratio=0.5, sparsity_warmup_steps=5, bucket_mb=mb) for mb in (0, 1)]
+    exchanges = [Exchange(made[0], LocalCommunicator()), Exchange(made[1], LocalCommunicator(), in_place=True)]
+    handed = [{n: to_backend(xp, np.zeros(s, np.float32)) for n, s in shapes.items()} for _ in range(2)]
+    saved = {}  # (a late checkpoint restored first: spares new to its small k, which the early one's then outgrows)
+    events = [(0, "save early"), (0, None), (1, None), (1, "inf"), (0, None), (0, None), (0, None), (0, "save late"),
+              (1, "restore late"), (1, None), (0, "restore early"), (0, None), (1, None)]
+    for step, (which, event) in enumerate(events):
+        values = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        for value in values.values() if event == "inf" else ():  # (every gradient's: the reference skips all)
+            value.flat[3] = np.inf
+        if event and event.startswith("restore"):
+            for exchange, state in zip(exchanges, saved[event.split()[1]]):
+                exchange.load_state_dict(state)
+        results = []
+        for exchange in exchanges:
+            grads = {n: to_backend(xp, v) for n, v in values.items()}
+            if exchange is exchanges[1] and xp.mutable_tensors:  # (the same tensors, new values in them)
+                grads = handed[which]
+                for name, g in grads.items():
+                    xp.assign(g, to_backend(xp, values[name]))
+            results.append({n: xp.to_numpy(t) for n, t in exchange.exchange(grads).items()})
+        for name in shapes:
+            np.testing.assert_array_equal(results[1][name], results[0][name], err_msg=f"{name} at step {step}")
+        if event and event.startswith("save"):
+            saved[event.split()[1]] = [exchange.state_dict() for exchange in exchanges]
+    memories = [exchange.state_dict()["memory"] for exchange in exchanges]
+    for name in shapes:
+        for got, want in zip(memories[1][name], memories[0][name]):
+            np.testing.assert_array_equal(xp.to_numpy(got), xp.to_numpy(want), err_msg=f"memory {name}")
+
+
 def test_powersgds_bucket_keeps_its_factors_in_two_sets_in_turn_and_stays_the_reference(xp):
     """A bucketed PowerSGD exchange writes each step's factors into the one of two kept sets that
     no memory or state refers to (a skipped step's put back included) and gives the per-gradient

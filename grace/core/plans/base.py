@@ -184,18 +184,20 @@ class BucketPlan:
         return pending, g_units, infos, states
 
     def _looked_up(self, table: str, get, xp, names, likes) -> list:
-        """``get(xp, name, like)``: each unit's value in ``table``, made by its init on first use;
+        """``get(xp, name, like)``: each unit's value in ``table``, made by its init on first use
+        (after the first step, the store's values read at once, ``get`` only where one has none);
         of a unit whose init made none at the first step (PowerSGD's vectors), the store's value
         alone after (None unless a value was stored since): the plan's layout makes none again,
         and an init per unit and step costs more than a small gradient's kernel."""
         without = self._without_init.get(table)
-        if not without:
+        if without is None:
             values = [get(xp, n, like) for n, like in zip(names, likes)]
-            if without is None:
-                self._without_init[table] = frozenset(i for i, value in enumerate(values) if value is None)
+            self._without_init[table] = frozenset(i for i, value in enumerate(values) if value is None)
             return values
-        value = self.services.store.value
-        return [value(table, n) if i in without else get(xp, n, like) for i, (n, like) in enumerate(zip(names, likes))]
+        values = self.services.store.values(table, names)
+        for i in [i for i, value in enumerate(values) if value is None and i not in without]:
+            values[i] = get(xp, names[i], likes[i])
+        return values
 
     def _unit_keys(self, units):
         """The units' names and their keys (``TensorInfo.name_key``), made once per plan."""

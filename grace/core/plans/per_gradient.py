@@ -16,7 +16,7 @@ import numpy as np
 from grace import native
 from grace.core import bucket as frames
 from grace.core.bucket import Dense
-from grace.core.buffers import assign
+from grace.core.buffers import assign, buffers_of
 from grace.core.compressor import Collective, written
 from grace.core.memory import Deferred, buffer_of, stored
 from grace.core.plans.base import BucketPending, BucketPlan, with_dense
@@ -69,8 +69,11 @@ class PerGradient(BucketPlan):
         # New memories go into spare buffers where tensors are mutable: no step allocates (and
         # page-faults) gradient-sized buffers. Both kept as the same objects step after step, so a
         # bucket call derives its native buffers of them once.
-        kept_spares = s.buffers.take_spares(self.bucket.key, xp, self.bucket.names, pending.old) \
-            if memory.needs_feedback else [None] * len(pending.units)
+        if memory.needs_feedback:
+            pending.old = s.buffers.kept(f"{self.bucket.key}.old", pending.old)  # (take_spares marks its buffers)
+            kept_spares = s.buffers.take_spares(self.bucket.key, xp, self.bucket.names, pending.old)
+        else:
+            kept_spares = [None] * len(pending.units)
         spares = list(kept_spares)
         steps = self._bucket_call(pending, g_units, infos, kept_spares, in_call)
         if steps is not None:  # every unit's step from the bucket call (no step per unit in Python)
@@ -86,22 +89,27 @@ class PerGradient(BucketPlan):
                 payloads.append(payload)
                 pending.ctxs.append(ctx)
                 new_memory.append(e_new)
-        if not self.flat_memory:  # a memory made elsewhere keeps its own buffer (a copy into the spare costs a pass)
+        # every new memory written into its spare (a bucket call's): none moved or copied unit by unit
+        in_spares = memory.needs_feedback and all(map(_in_its_spare, new_memory, spares))
+        if not (self.flat_memory or in_spares):  # a memory made elsewhere keeps its own buffer (a copy costs a pass)
             for i, (u, e_new, spare) in enumerate(zip(pending.units, new_memory, spares)):
                 if spare is not None and buffer_of(e_new) is not spare:
                     s.buffers.spares[u.name], spares[i] = spare, None
         if s.flags_from_payload and pending.flag is None:
             pending.flag = payload_flag(xp, s.compression, payloads)
         new_memory, nbytes = self._launch(pending, g_units, payloads, new_memory)
-        for i, (u, spare) in enumerate(zip(pending.units, spares)):
-            if spare is not None:
-                if buffer_of(new_memory[i]) is not spare:
-                    assign(xp, spare, new_memory[i])
-                    new_memory[i] = spare
-                s.buffers.spares[u.name] = buffer_of(pending.old[i])  # the old memory is the next step's spare
+        names = self._unit_keys(pending.units)[0]
+        if in_spares and not pending.sent_dense:  # (sent dense: new memories made again, elsewhere)
+            s.buffers.spares.update(zip(names, buffers_of(pending.old)))  # the next step's spares
+        else:
+            for i, (u, spare) in enumerate(zip(pending.units, spares)):
+                if spare is not None:
+                    if buffer_of(new_memory[i]) is not spare:
+                        assign(xp, spare, new_memory[i])
+                        new_memory[i] = spare
+                    s.buffers.spares[u.name] = buffer_of(pending.old[i])  # the old memory is the next step's spare
         if memory.needs_feedback:
-            for u, e_new in zip(pending.units, new_memory):
-                s.journal.set("memory", u.name, e_new)
+            s.journal.set_many("memory", names, new_memory, pending.old)
         s.transport.stats.add(nbytes, 0)
 
     def _bucket_call(self, pending: BucketPending, g_units, infos, spares, in_call: bool):
@@ -115,8 +123,7 @@ class PerGradient(BucketPlan):
         into = s.transport.frame_into(pending)
         steps = None
         if many_units and all(spare is not None for spare in spares):  # (memories kept: buffers derived once)
-            old = s.buffers.kept(f"{self.bucket.key}.old", pending.old)
-            steps = s.feedback.fused_steps(xp, s.kernels, g_units, old, infos, spares, flag, into, defer=True)
+            steps = s.feedback.fused_steps(xp, s.kernels, g_units, pending.old, infos, spares, flag, into, defer=True)
         if steps is None and memory.passes_gradient and many_units:  # no memory: the payloads alone
             many = s.kernels.compress_many(xp, g_units, infos, flag, into)
             steps = None if many is None else [(payload, ctx, None) for payload, ctx in many]
@@ -278,6 +285,11 @@ class PerGradient(BucketPlan):
         if done is None:
             return None
         return done, s.journal.counted(flags_set) if flagged else None
+
+
+def _in_its_spare(e_new, spare) -> bool:
+    """Whether a new memory lies in its unit's spare."""
+    return spare is not None and buffer_of(e_new) is spare
 
 
 def _in_spare(e_new, spare):
