@@ -293,8 +293,9 @@ void lowrank_project(const float* a, const float* b, const float* dp, const floa
         float* mi = m + i * cols;
         const float* pi = dp ? dp + i * r : nullptr;
         // the row the product is still to be made from, or nullptr where made in the pass. A
-        // streamed row is not in the cache: its sums are made again into `again`, from the
-        // inputs' lines, which are (a deep net's vanishing gradients: a fifth of a 48-layer MLP's rows)
+        // streamed row is not in the cache, but its inputs' lines are: where its product is made
+        // again (subnormal sums: a deep net's vanishing gradients, a fifth to a third of a
+        // 48-layer MLP's rows), its sums are made again from them, into `again`
         auto sum = [&](const auto& less) -> const float* {
           if (least == 0.0f) {
             row_sum(x, b + i * cols, less, cols, mi, check);
