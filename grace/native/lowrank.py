@@ -14,17 +14,16 @@ import ctypes
 import functools
 import itertools
 
-from grace.native._arrays import NativeUnavailable, c_array, call
-from grace.native._common import (_addresses, _cpu_kind, _derived_once, _in_place_all, _int64s, _pointers,
-                                  _pointers_of, _same_kind_all)
+from grace.native._arrays import c_array, call
+from grace.native._common import (_addresses, _cpu_kind, _derived_once, _float32_sizes, _in_place_all, _int64s,
+                                  _pointers, _pointers_of, _same_kind_all)
 
 
 def _lowrank_buffers(kind, inputs, outputs=()):
     """PowerSGD's float32 matrices as buffers (the short path for contiguous CPU tensors: these
     calls come per gradient), then the outputs written in place."""
     ins = _same_kind_all(kind, inputs)
-    if not _derived_once(inputs, "float32", lambda: all(b.dtype == "float32" for b in ins)):
-        raise NativeUnavailable("PowerSGD's products take float32 matrices")
+    _derived_once(inputs, "float32 sizes", lambda: _float32_sizes(ins, "a PowerSGD product"))  # (as _float32_all)
     return ins + (_in_place_all(kind, outputs, "float32") if outputs else [])
 
 
@@ -236,4 +235,4 @@ def _deferred_pointers(deferred, dps, dqs):
     """``_maybe_pointers`` of the deferred factors' buffers: made once for a kept list of pairs."""
     if dps is None:
         return None, None
-    return _derived_once(deferred, "pointers", lambda: (_maybe_pointers(dps), _maybe_pointers(dqs)))
+    return _derived_once(deferred, "factor pointers", lambda: (_maybe_pointers(dps), _maybe_pointers(dqs)))
