@@ -89,12 +89,18 @@ def laid_out(pieces: "Pieces", shapes) -> "Pieces":
     return pieces
 
 
+def marked_shapes(gs):
+    """The shapes ``gs`` are marked as (``laid_out``: their bucket's ``ctx_shapes``, the same tuple
+    every step; or found alike by ``laid_out_as``), or None."""
+    derived = getattr(gs, "derived", None)
+    return None if derived is None else derived.get("laid out as")
+
+
 def shapes_of(xp, gs) -> Sequence:
     """Each of ``gs``' ctx (``Shape``): their bucket's (made once) where ``gs`` are a step's
     gradients marked by ``laid_out``, or kept tensors ``laid_out_as`` found alike; else made now
     (a Shape per gradient and step costs more than a small gradient's kernel)."""
-    derived = getattr(gs, "derived", None)
-    shapes = None if derived is None else derived.get("laid out as")
+    shapes = marked_shapes(gs)
     return shapes if shapes is not None else [Shape(xp.shape(g), xp.dtype(g)) for g in gs]
 
 

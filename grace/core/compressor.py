@@ -248,7 +248,11 @@ def native_or_none(xp, name: str, like, *args, **kwargs):
     with ``args``: its result, or None where it is not there or cannot take these tensors
     (another dtype or device, an output it cannot write in place), for the caller's tensor-op
     path."""
-    fused = xp.native(name, like, xp.dtype(like)) if name else None
+    return called_or_none(xp.native(name, like, xp.dtype(like)) if name else None, *args, **kwargs)
+
+
+def called_or_none(fused, *args, **kwargs):
+    """``native_or_none`` of a kernel ``xp.native`` gave already (or None)."""
     if not fused:
         return None
     try:

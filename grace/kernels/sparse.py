@@ -13,8 +13,8 @@ from grace.compressors.sparse import Sparsifier
 from grace.compressors.threshold import Threshold
 from grace.compressors.topk import TopK
 from grace.core import draws, segments
-from grace.core.buffers import column, shaped_as, shapes_of
-from grace.core.compressor import Shape, index_dtype, native_or_none
+from grace.core.buffers import column, marked_shapes, shaped_as, shapes_of
+from grace.core.compressor import Shape, called_or_none, index_dtype, native_or_none
 from grace.core.journal import poisoned
 from grace.core.plans.kernels import MethodKernels, kernels_for
 
@@ -39,14 +39,28 @@ class SparseKernels(MethodKernels):
         if self.residual_kernel_many is None:  # (DGC's selection with residual memory)
             return None
         placed = {} if into is None else {"into": into}
-        done = native_or_none(xp, self.residual_kernel_many, gs[0], gs, residuals,
-                              [self.compressor.kernel_argument(xp.numel(g)) for g in gs], beta, gamma, outs=outs,
-                              nonfinite=flag, **placed)
+        done = native_or_none(xp, self.residual_kernel_many, gs[0], gs, residuals, self._kernel_arguments(xp, gs),
+                              beta, gamma, outs=outs, nonfinite=flag, **placed)
         if done is None:
             return None
         values, indices, news = done
         shapes = shapes_of(xp, gs)
         return list(zip(zip(values, indices), shapes, shaped_as(xp, news, outs, shapes)))
+
+    def _kernel_arguments(self, xp, gs):
+        """Each gradient's ``kernel_argument``: of a step's gradients marked with their bucket's
+        shapes (``laid_out``), made once per layout (asked per gradient, it reads each cold
+        tensor's size after the previous bucket's pass)."""
+        shapes = marked_shapes(gs)
+        if shapes is None:
+            return [self.compressor.kernel_argument(xp.numel(g)) for g in gs]
+        kept = self.__dict__.setdefault("_arguments_per_layout", {})  # (id -> (shapes, arguments): shapes kept)
+        made = kept.get(id(shapes))
+        if made is None or made[0] is not shapes:
+            if len(kept) >= 64:
+                kept.clear()
+            made = kept[id(shapes)] = (shapes, tuple(self.compressor.kernel_argument(s.numel) for s in shapes))
+        return made[1]
 
     def aggregate_many(self, xp, payloads, ctxs, outs):
         # each rank's values divided by n, added payload after payload: as aggregate
@@ -232,13 +246,14 @@ class DGCKernels(SparseKernels):
         then (None, None)): [(payload, ctx, new state)], or None where it does not run (or the
         step is not a known int: a traced TensorFlow step)."""
         dgc, step = self.compressor, infos[0].step
-        if not isinstance(step, numbers.Integral) or not xp.native("dgc_step_many", gs[0], xp.dtype(gs[0])):
+        fused = isinstance(step, numbers.Integral) and xp.native("dgc_step_many", gs[0], xp.dtype(gs[0]))
+        if not fused:  # (asked once: not again to call it)
             return None
         scales = None if factor is None else [float(factor(g)) for g in gs]
         words = draws.bucket_seed_words(infos, dgc.seed, own=True)
-        done = native_or_none(xp, "dgc_step_many", gs[0], gs, column(states, 0), column(states, 1), momentum,
-                              dgc.ratio_at(xp, step), dgc.sample_ratio, words, column(outs, 0), column(outs, 1),
-                              nonfinite=flag, scales=scales, into=into)
+        done = called_or_none(fused, gs, column(states, 0), column(states, 1), momentum, dgc.ratio_at(xp, step),
+                              dgc.sample_ratio, words, column(outs, 0), column(outs, 1), nonfinite=flag,
+                              scales=scales, into=into)
         if done is None:
             return None
         values, indices = done

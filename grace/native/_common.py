@@ -338,15 +338,20 @@ def _ef_inputs(g, residual, out):
 
 def _ef_many_inputs(gs, residuals, outs):
     """A bucket's gradients, residuals and outputs (new ones where ``outs`` is None) as the
-    buffers of a bucket-at-once residual step (CPU): (kind, gradients, residuals, outputs)."""
+    buffers of a bucket-at-once residual step (CPU): (kind, gradients, residuals, outputs, their
+    sizes (a tuple), a C array of each list's pointers). Sizes and pointers are ``_float32_all``'s:
+    made once for the kept lists (an exchange's residuals and outputs)."""
     kind = _cpu_kind(gs[0])
-    gb, rb = _same_kind_all(kind, gs), _same_kind_all(kind, residuals)
-    ob = [kind.empty(b.n, "float32") for b in gb] if outs is None else _in_place_all(kind, outs, "float32")
-    if any(b.dtype != "float32" for b in gb + rb):
-        raise NativeUnavailable("the fused error-feedback step takes float32 gradients and residuals")
-    if any(not (g.n == r.n == o.n) for g, r, o in zip(gb, rb, ob)):
+    what = "the fused error-feedback step"
+    (gb, numels, g_ptrs), (rb, r_numels, r_ptrs) = (_float32_all(kind, xs, what) for xs in (gs, residuals))
+    if outs is None:
+        ob = [kind.empty(n, "float32") for n in numels]
+        o_numels, o_ptrs = numels, _pointers(ob)
+    else:
+        ob, o_numels, o_ptrs = _float32_all(kind, outs, what, in_place=True)
+    if not numels == r_numels == o_numels:  # (tuples: a bucket's compared at once)
         raise ValueError("every gradient, residual and output of a bucket must have the same size")
-    return kind, gb, rb, ob
+    return kind, gb, rb, ob, numels, (g_ptrs, r_ptrs, o_ptrs)
 
 
 def _outputs(ob, outs) -> list:

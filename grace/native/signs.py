@@ -298,9 +298,8 @@ def _codes_layout(numels: tuple, per_row: int):
 
 
 def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, nonfinite, into, deferred, keep):
-    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
-    sizes, per_row = [packed_size(b.n, 1) for b in gb], _SCALARS[mode]
-    numels = tuple(b.n for b in gb)
+    kind, gb, rb, ob, numels, (g_ptrs, r_ptrs, o_ptrs) = _ef_many_inputs(gs, residuals, outs)
+    sizes, per_row = [packed_size(n, 1) for n in numels], _SCALARS[mode]
     if deferred is not None and (deferred.numels != numels or deferred.mode != mode):
         raise ValueError(f"deferred codes of {len(deferred.numels)} gradients (mode {deferred.mode}) do not match "
                          f"these {len(numels)} (mode {mode})")
@@ -309,7 +308,7 @@ def _bits_ef_many(mode: int, gs, residuals, beta: float, gamma: float, outs, non
     bit_ptrs, scalar_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
     payloads = list(zip(views[::2], views[1::2]))
     read, write = _code_addresses(deferred), _code_addresses(kept)
-    call(kind, "bits_ef_many", len(gb), _pointers(gb), _pointers(rb), *read, _pointers(ob), _int64s(numels),
+    call(kind, "bits_ef_many", len(gb), g_ptrs, r_ptrs, *read, o_ptrs, _int64s(numels),
          float(beta), float(gamma), _ef_flags(beta, gamma), mode, bit_ptrs, scalar_ptrs, *write,
          _flag(kind, nonfinite))
     return (payloads, _outputs(ob, outs)) + ((kept,) if keep else ())

@@ -310,12 +310,12 @@ def topk_ef_step_many(gs, residuals, ks, beta: float = 1.0, gamma: float = 1.0, 
     and new residuals, per gradient (the new residuals written into ``outs`` where given; the
     overflow flag into ``nonfinite``, see ``_flag``; the values and indices where ``into``
     places them, see ``_placed``)."""
-    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
-    numels, ks, codes, pieces, counts = _topk_layout(tuple(b.n for b in gb), tuple(ks))
+    kind, gb, rb, ob, numels, pointers = _ef_many_inputs(gs, residuals, outs)
+    numels, ks, codes, pieces, counts = _topk_layout(numels, tuple(ks))
     addresses, views = _placed(kind, into, pieces, counts)
     value_ptrs, idx_ptrs = _every(addresses, 0, 2), _every(addresses, 1, 2)
     value_views, idx_views = views[::2], views[1::2]
-    rc = call(kind, "topk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), numels, ks, float(beta),
+    rc = call(kind, "topk_ef_many", len(gb), *pointers, numels, ks, float(beta),
               float(gamma), _ef_flags(beta, gamma), value_ptrs, idx_ptrs, codes, _flag(kind, nonfinite))
     if rc != 0:
         raise RuntimeError("native top-k steps failed")
@@ -343,10 +343,9 @@ def threshold_ef_step_many(gs, residuals, thresholds, beta: float = 1.0, gamma: 
     are touched (the frame copies them at once)."""
     if len(set(map(float, thresholds))) > 1:
         raise ValueError("one threshold for every gradient of a bucket")
-    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
-    numels = [b.n for b in gb]
+    kind, gb, rb, ob, numels, pointers = _ef_many_inputs(gs, residuals, outs)
     rooms = _Rooms(kind, numels, [index_dtype(n) for n in numels])
-    rc = call(kind, "threshold_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob), _int64s(numels),
+    rc = call(kind, "threshold_ef_many", len(gb), *pointers, _int64s(numels),
               float(thresholds[0]), float(beta), float(gamma), _ef_flags(beta, gamma), *rooms.arguments(),
               _flag(kind, nonfinite))
     if rc != 0:
@@ -361,15 +360,15 @@ def randomk_ef_step_many(gs, residuals, indices, beta: float = 1.0, gamma: float
     values of p at each gradient's distinct ``indices`` (int64, drawn by the caller; times
     ``scales[s]``, where given), and the new residual, p with p - (0 + value) there: lists of
     values and new residuals (the overflow flag into ``nonfinite``, see ``_flag``)."""
-    kind, gb, rb, ob = _ef_many_inputs(gs, residuals, outs)
+    kind, gb, rb, ob, numels, pointers = _ef_many_inputs(gs, residuals, outs)
     ib = _same_kind_all(kind, indices, "int64")
     ks = [b.n for b in ib]
     starts = [0, *itertools.accumulate(ks[:-1])]
     values = kind.empty(sum(ks), "float32")
     scale = None if scales is None else c_array(ctypes.c_float, len(ks))(*scales)
-    rc = call(kind, "randomk_ef_many", len(gb), _pointers(gb), _pointers(rb), _pointers(ob),
-              _int64s([b.n for b in gb]), _int64s(ks), _pointers(ib), float(beta), float(gamma),
-              _ef_flags(beta, gamma), scale, _addresses(values, [4 * s for s in starts]), _flag(kind, nonfinite))
+    rc = call(kind, "randomk_ef_many", len(gb), *pointers, _int64s(numels), _int64s(ks), _pointers(ib), float(beta),
+              float(gamma), _ef_flags(beta, gamma), scale, _addresses(values, [4 * s for s in starts]),
+              _flag(kind, nonfinite))
     if rc != 0:
         raise IndexError("an index is out of range for its gradient")
     return [values.obj[s:s + k] for s, k in zip(starts, ks)], _outputs(ob, outs)

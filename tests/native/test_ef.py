@@ -735,3 +735,27 @@ def test_dgc_selection_in_one_call_equals_the_tensor_ops_on_numpy(ratio, sample_
     assert cut or ratio == 1, "no selection was cut to k"
     with pytest.raises(ValueError, match="need"):
         gn.dgc_select(torch.ones(4), 2, 3, 1, (1, 2))
+
+
+@pytest.mark.parametrize("method", ["topk", "threshold", "randomk"])
+def test_residual_bucket_steps_on_kept_lists_equal_those_on_plain_lists(method):
+    """Kept lists (``Pieces``: an exchange's residuals and outputs, whose sizes and C arrays of
+    pointers a bucket call derives once) give the bytes plain lists give: at a later call with
+    new values in the same tensors, and with other kept lists (their own pointers, made again);
+    a kept list of another size is refused, as a plain one is."""
+    sizes = [3, 1000, 9000, 40_000, 1]
+    step = BUCKET_STEPS[method]
+    kept_es, kept_outs = Pieces([torch.zeros(n) for n in sizes]), Pieces([torch.zeros(n) for n in sizes])
+    other_es, other_outs = Pieces([torch.zeros(n) for n in sizes]), Pieces([torch.zeros(n) for n in sizes])
+    for seed, es, outs in ((0, kept_es, kept_outs), (1, kept_es, kept_outs), (2, other_es, other_outs)):
+        gs = [torch.from_numpy(gradient(n, seed=n + seed)) for n in sizes]
+        for e, n in zip(es, sizes):
+            e.copy_(torch.from_numpy(gradient(n, seed=n + seed + 1) * np.float32(0.3)))
+        want = step(gs, [e.clone() for e in es], [torch.empty(n) for n in sizes])
+        got = step(gs, es, outs)
+        for field_want, field_got in zip(want, got):
+            for a, b in zip(field_want, field_got):
+                same_bytes(a, b)
+        assert all(o is b for o, b in zip(outs, got[-1]))  # (the new residuals written into the kept outputs)
+    with pytest.raises(ValueError):
+        step([torch.zeros(n + 1) for n in sizes], kept_es, kept_outs)

@@ -250,3 +250,22 @@ def test_a_memory_stored_after_its_init_made_none_is_read(xp):
         for name in shapes:
             np.testing.assert_array_equal(results[1][name], results[0][name], err_msg=f"{name} at step {step}")
     assert sorted(exchanges[1].store.tables["memory"]) == ["v", "w"]
+
+
+def test_a_sparsifiers_ks_are_made_once_per_bucket_layout_and_again_for_another(xp):
+    from grace.compressors.topk import TopK
+    from grace.core.buffers import laid_out
+    from grace.core.compressor import Shape
+    from grace.kernels.sparse import SparseKernels
+
+    kernels = SparseKernels(TopK(0.3))
+    gs = [to_backend(xp, np.zeros(n, np.float32)) for n in (5, 9, 1)]
+    plain = [TopK(0.3).kernel_argument(xp.numel(g)) for g in gs]  # (unmarked: asked of each gradient)
+    assert list(kernels._kernel_arguments(xp, gs)) == plain == [2, 3, 1]
+    shapes = tuple(Shape((n,), "float32") for n in (5, 9, 1))
+    first = kernels._kernel_arguments(xp, laid_out(Pieces(gs), shapes))
+    assert list(first) == plain
+    assert kernels._kernel_arguments(xp, laid_out(Pieces(list(gs)), shapes)) is first  # (a later step's gradients)
+    other = tuple(Shape((n,), "float32") for n in (10, 9, 4))  # another layout: made again, from its shapes
+    gs = [to_backend(xp, np.zeros(n, np.float32)) for n in (10, 9, 4)]
+    assert list(kernels._kernel_arguments(xp, laid_out(Pieces(gs), other))) == [3, 3, 2]
