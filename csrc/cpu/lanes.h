@@ -131,13 +131,10 @@ inline F8 f8(__m128 lo, __m128 hi) {  // lanes 0-3, then 4-7
   return {lo, hi};
 #endif
 }
-// 8 floats at p (16-byte aligned when stream), streamed or stored: in one 32-byte store where p
-// is 32-byte aligned (a bucket's scatter-add streaming 25 MB, one thread, an AMD EPYC VM: 8-12%
-// faster than in two 16-byte halves)
+// 8 floats at p (16-byte aligned when stream), streamed or stored
 inline void put8(float* p, F8 x, bool stream) {
   if (!stream) return st8(p, x);
 #if defined(__AVX2__)
-  if ((uintptr_t)p % 32 == 0) return _mm256_stream_ps(p, x.a);
   _mm_stream_ps(p, _mm256_castps256_ps128(x.a));
   _mm_stream_ps(p + 4, _mm256_extractf128_ps(x.a, 1));
 #else
