@@ -11,8 +11,8 @@ import functools
 
 from grace.formats import code_width, packed_size
 from grace.native._arrays import NativeUnavailable, c_array, call
-from grace.native._common import (_cpu_kind, _every, _flag, _in_place_all, _int64s, _int64s_of, _placed, _pointers,
-                                  _pointers_of, _same_kind_all, _seed_word_arrays)
+from grace.native._common import (_cpu_kind, _every, _flag, _float32_all, _in_place_all, _int64s, _int64s_of,
+                                  _placed, _pointers, _pointers_of, _same_kind_all, _seed_word_arrays)
 from grace.native.qsgd import _qsgd_rows
 
 
@@ -98,11 +98,8 @@ def flag_nonfinite_many(xs, flag):
     """``flag`` (a one-element float32 tensor) set to 1 where any of ``xs`` (float32, a bucket's)
     holds an inf or a NaN, left as it is otherwise, in one call (CPU). Returns ``flag``."""
     kind = _cpu_kind(flag)
-    xb = _same_kind_all(kind, xs)
-    if any(b.dtype != "float32" for b in xb):
-        raise NativeUnavailable("flag_nonfinite_many takes float32 tensors")
-    call(kind, "flag_nonfinite_many", len(xb), _pointers_of(xs, xb), _int64s(tuple([b.n for b in xb])),
-         _flag(kind, flag))
+    _, numels, pointers = _float32_all(kind, xs, "flag_nonfinite_many")
+    call(kind, "flag_nonfinite_many", len(numels), pointers, _int64s(numels), _flag(kind, flag))
     return flag
 
 
