@@ -26,6 +26,10 @@ class SparseKernels(MethodKernels):
     #: grace.native's residual step for a whole bucket in one call (CPU), if it has one
     residual_kernel_many = None
 
+    def __init__(self, compressor):
+        super().__init__(compressor)
+        self._arguments_per_layout = {}  # (id of a layout's shapes -> (those shapes, kept), its arguments)
+
     def compress_with_residual(self, xp, g, residual, beta, gamma, info, out=None):
         fused = xp.native(self.residual_kernel, g, xp.dtype(g)) if self.residual_kernel else None
         if not fused:
@@ -54,7 +58,7 @@ class SparseKernels(MethodKernels):
         shapes = marked_shapes(gs)
         if shapes is None:
             return [self.compressor.kernel_argument(xp.numel(g)) for g in gs]
-        kept = self.__dict__.setdefault("_arguments_per_layout", {})  # (id -> (shapes, arguments): shapes kept)
+        kept = self._arguments_per_layout
         made = kept.get(id(shapes))
         if made is None or made[0] is not shapes:
             if len(kept) >= 64:
