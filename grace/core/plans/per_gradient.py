@@ -66,12 +66,13 @@ class PerGradient(BucketPlan):
     def _compress(self, pending: BucketPending, g_units, infos, states, in_call: bool) -> None:
         s, xp = self.services, pending.xp
         memory = s.compression.memory
+        names = self._unit_keys(pending.units)[0]
         # New memories go into spare buffers where tensors are mutable: no step allocates (and
         # page-faults) gradient-sized buffers. Both kept as the same objects step after step, so a
         # bucket call derives its native buffers of them once.
         if memory.needs_feedback:
             pending.old = s.buffers.kept(f"{self.bucket.key}.old", pending.old)  # (take_spares marks its buffers)
-            kept_spares = s.buffers.take_spares(self.bucket.key, xp, self.bucket.names, pending.old)
+            kept_spares = s.buffers.take_spares(self.bucket.key, xp, names, pending.old)
         else:
             kept_spares = [None] * len(pending.units)
         spares = list(kept_spares)
@@ -98,7 +99,6 @@ class PerGradient(BucketPlan):
         if s.flags_from_payload and pending.flag is None:
             pending.flag = payload_flag(xp, s.compression, payloads)
         new_memory, nbytes = self._launch(pending, g_units, payloads, new_memory)
-        names = self._unit_keys(pending.units)[0]
         if in_spares and not pending.sent_dense:  # (sent dense: new memories made again, elsewhere)
             s.buffers.spares.update(zip(names, buffers_of(pending.old)))  # the next step's spares
         else:
