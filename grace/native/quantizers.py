@@ -12,7 +12,7 @@ import functools
 from grace.formats import code_width, packed_size
 from grace.native._arrays import NativeUnavailable, c_array, call
 from grace.native._common import (_cpu_kind, _every, _flag, _float32_all, _in_place_all, _int64s, _int64s_of,
-                                  _placed, _pointers, _pointers_of, _same_kind_all, _seed_word_arrays)
+                                  _placed, _pointers_of, _same_kind_all, _seed_word_arrays)
 from grace.native.qsgd import _qsgd_rows
 
 
@@ -26,15 +26,13 @@ def compress_many(method: str, xs, words=None, levels: int = 0, bucket_size: int
     payload tensor (the same tensors as the per-gradient functions return), or of the buffer
     ``into`` gives (see ``_placed``). The overflow flag into ``nonfinite`` (see ``_flag``)."""
     kind = _cpu_kind(xs[0])
-    xb = _same_kind_all(kind, xs)
-    if any(b.dtype != "float32" for b in xb):
-        raise NativeUnavailable("compress_many takes float32 gradients")
-    numels, bits, dtypes, counts, k = _many_layout(method, tuple(b.n for b in xb), int(levels), int(bucket_size))
+    _, sizes, pointers = _float32_all(kind, xs, "compress_many")
+    numels, bits, dtypes, counts, k = _many_layout(method, sizes, int(levels), int(bucket_size))
     addresses, views = _placed(kind, into, dtypes, counts)
     places = [_every(addresses, f, k) for f in range(k)]
-    payloads = [tuple(views[k * s:k * s + k]) for s in range(len(xb))]
-    s0, s1 = _seed_word_arrays(words) if words is not None else _no_words(len(xb))
-    if call(kind, "compress_many", _COMPRESS_MANY[method], len(xb), _pointers(xb), numels, s0, s1, places[0],
+    payloads = [tuple(views[k * s:k * s + k]) for s in range(len(sizes))]
+    s0, s1 = _seed_word_arrays(words) if words is not None else _no_words(len(sizes))
+    if call(kind, "compress_many", _COMPRESS_MANY[method], len(sizes), pointers, numels, s0, s1, places[0],
             places[-1] if len(places) > 1 else None, int(levels), int(bucket_size), bits, _flag(kind, nonfinite)) != 0:
         raise ValueError(f"bad {method} parameters: levels={levels}, bits={bits}")
     return payloads
